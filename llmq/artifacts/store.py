@@ -1,0 +1,241 @@
+"""A directory of immutable, versioned artifacts: `<store>/<name>/v<N>/` with payload files and `llmq.json`.
+
+Writers fill a hidden staging directory beside the versions and rename it into place, so readers never see a
+half-written artifact, and two concurrent writers of one name end up with distinct versions: rename onto an
+existing non-empty directory fails, and the loser simply takes the next number.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import stat
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import manifest as mf
+from .hashing import MANIFEST_NAME, content_id, hash_payload, sha256_file
+
+ENV_STORE = "LLMQ_STORE"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+_REF_VERSION = re.compile(r"^(?P<name>[^/@]+)[/@]v(?P<version>\d+)$")
+_HEX = re.compile(r"^(sha256:)?[0-9a-f]{6,64}$")
+
+
+class ArtifactError(Exception):
+    """An artifact is missing, damaged or ambiguous. Carries one line fit for the user."""
+
+
+class ArtifactNotFound(ArtifactError):
+    """No artifact answers to a reference (as opposed to one that exists but is damaged)."""
+
+
+def default_store_path() -> Path:
+    env = os.environ.get(ENV_STORE)
+    if env:
+        return Path(env).expanduser()
+    data_home = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(data_home) / "llmq" / "store"
+
+
+def validate_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ArtifactError(f"invalid artifact name {name!r}: use letters, digits, '.', '_' and '-' (max 128)")
+    return name
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A committed artifact directory and its manifest."""
+
+    path: Path
+    manifest: dict
+
+    id = property(lambda self: self.manifest["id"])
+    kind = property(lambda self: self.manifest["kind"])
+    name = property(lambda self: self.manifest["name"])
+    version = property(lambda self: self.manifest["version"])
+    parents = property(lambda self: list(self.manifest["parents"]))
+    config = property(lambda self: self.manifest.get("config", {}))
+    metrics = property(lambda self: self.manifest.get("metrics", {}))
+    ref = property(lambda self: f"{self.name}/v{self.version}")
+
+    @classmethod
+    def load(cls, path: Path | str, verify: bool = True) -> "Artifact":
+        path = Path(path)
+        try:
+            data = mf.read(path / MANIFEST_NAME)
+        except mf.ManifestError as e:
+            raise ArtifactError(str(e)) from None
+        art = cls(path, data)
+        if verify:
+            art.verify()
+        return art
+
+    def verify(self) -> None:
+        """Check every payload file against the manifest: presence, size, sha256; and no stray files."""
+        files = self.manifest["files"]
+        for rel, meta in files.items():
+            p = self.path / rel
+            if not p.is_file():
+                raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} is missing ({self.path})")
+            if p.stat().st_size != meta["size"]:
+                raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} has size {p.stat().st_size}, "
+                                    f"manifest says {meta['size']}")
+            if sha256_file(p) != meta["sha256"]:
+                raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} does not match its sha256")
+        extra = [p.relative_to(self.path).as_posix() for p in self.path.rglob("*")
+                 if p.is_file() and p.name != MANIFEST_NAME and p.relative_to(self.path).as_posix() not in files]
+        if extra:
+            raise ArtifactError(f"artifact {self.ref} is damaged: unexpected file {sorted(extra)[0]}")
+        if content_id(files) != self.id:
+            raise ArtifactError(f"artifact {self.ref} is damaged: its id does not match its files")
+
+    def file(self, rel: str) -> Path:
+        return self.path / rel
+
+
+@dataclass
+class ArtifactWriter:
+    """Context manager that stages payload files and commits them as the next version of `name`."""
+
+    store: "Store"
+    kind: str
+    name: str
+    parents: list[str]
+    config: dict
+    command: str | None
+    metrics: dict = field(default_factory=dict)
+    artifact: Artifact | None = None
+
+    def __post_init__(self):
+        self.dir = self.store.root / self.name / f".staging-{uuid.uuid4().hex}"
+
+    def __enter__(self) -> "ArtifactWriter":
+        self.dir.mkdir(parents=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        try:
+            self.artifact = self._commit()
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+
+    def _commit(self) -> Artifact:
+        files = hash_payload(self.dir)
+        if not files:
+            raise ArtifactError(f"refusing to write artifact {self.name}: it has no payload files")
+        cid = content_id(files)
+        for p in self.dir.rglob("*"):
+            if p.is_file():
+                p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+        while True:
+            version = self.store.latest_version(self.name) + 1
+            manifest = mf.build(kind=self.kind, name=self.name, version=version, id=cid, parents=self.parents,
+                                command=self.command, config=self.config, files=files, metrics=self.metrics)
+            mf.write(self.dir / MANIFEST_NAME, manifest)
+            target = self.store.root / self.name / f"v{version}"
+            try:
+                os.rename(self.dir, target)
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    continue  # another writer took this version first
+                raise
+            return Artifact(target, manifest)
+
+
+class Store:
+    """The artifact store rooted at a directory."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root).expanduser()
+
+    @classmethod
+    def open(cls, path: Path | str | None = None) -> "Store":
+        return cls(path if path is not None else default_store_path())
+
+    def create(self, kind: str, name: str, parents: list[str] | None = None, config: dict | None = None,
+               command: str | None = None) -> ArtifactWriter:
+        if kind not in mf.KINDS:
+            raise ArtifactError(f"unknown artifact kind {kind!r} (kinds: {', '.join(mf.KINDS)})")
+        return ArtifactWriter(self, kind, validate_name(name), list(parents or []), dict(config or {}), command)
+
+    def versions(self, name: str) -> list[int]:
+        d = self.root / name
+        if not d.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.match(p.name)))
+
+    def latest_version(self, name: str) -> int:
+        v = self.versions(name)
+        return v[-1] if v else 0
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name) and self.versions(p.name))
+
+    def list(self, kind: str | None = None) -> list[Artifact]:
+        """All artifacts, manifests read but payloads not hashed (use resolve() for a verified one)."""
+        out = []
+        for name in self.names():
+            for v in self.versions(name):
+                try:
+                    art = Artifact.load(self.root / name / f"v{v}", verify=False)
+                except ArtifactError:
+                    continue
+                if kind is None or art.kind == kind:
+                    out.append(art)
+        return out
+
+    def by_id(self, prefix: str, verify: bool = True) -> Artifact:
+        prefix = prefix.removeprefix("sha256:")
+        hits = [a for a in self.list() if a.id.startswith(prefix)]
+        if not hits:
+            raise ArtifactNotFound(f"no artifact with id {prefix} in store {self.root}")
+        if len({a.id for a in hits}) > 1:
+            raise ArtifactError(f"id prefix {prefix} is ambiguous: {', '.join(a.ref for a in hits)}")
+        if verify:
+            hits[0].verify()
+        return hits[0]
+
+    def resolve(self, ref: str, verify: bool = True) -> Artifact:
+        """Find an artifact by `name`, `name/vN`, directory path or id prefix; verify its files."""
+        ref = str(ref)
+        p = Path(ref).expanduser()
+        if (p / MANIFEST_NAME).is_file():
+            return Artifact.load(p, verify=verify)
+        if m := _REF_VERSION.match(ref):
+            d = self.root / m["name"] / f"v{int(m['version'])}"
+            if not d.is_dir():
+                have = ", ".join(f"v{v}" for v in self.versions(m["name"])) or "none"
+                raise ArtifactNotFound(f"no version v{m['version']} of {m['name']!r} in store {self.root} (have: {have})")
+            return Artifact.load(d, verify=verify)
+        if _NAME.match(ref) and self.versions(ref):
+            return Artifact.load(self.root / ref / f"v{self.latest_version(ref)}", verify=verify)
+        if _HEX.match(ref):
+            return self.by_id(ref, verify=verify)
+        raise ArtifactNotFound(f"no artifact {ref!r} in store {self.root} ('llmq ls' lists what is there)")
+
+    def lineage(self, art: Artifact) -> list[Artifact]:
+        """The chain from `art` back to its source, following first parents; missing parents end the chain."""
+        chain, seen = [art], {art.id}
+        while chain[-1].parents:
+            pid = chain[-1].parents[0]
+            if pid in seen:
+                break
+            try:
+                parent = self.by_id(pid, verify=False)
+            except ArtifactError:
+                break
+            chain.append(parent)
+            seen.add(pid)
+        return chain

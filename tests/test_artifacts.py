@@ -1,0 +1,134 @@
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+from llmq.artifacts import ArtifactError, ArtifactNotFound, Store
+
+
+def _write(store, name="thing", payload=b"hello", **kw):
+    with store.create("model", name, **kw) as w:
+        (w.dir / "a.bin").write_bytes(payload)
+        (w.dir / "sub").mkdir()
+        (w.dir / "sub" / "b.txt").write_text("nested")
+        w.metrics["score"] = 1.5
+    return w.artifact
+
+
+def test_roundtrip_versions_and_refs(store):
+    a1 = _write(store, config={"k": 1})
+    a2 = _write(store, payload=b"other")
+    assert (a1.version, a2.version) == (1, 2)
+    assert a1.path == store.root / "thing" / "v1"
+    m = json.loads((a1.path / "llmq.json").read_text())
+    assert m["kind"] == "model" and m["config"] == {"k": 1} and m["metrics"] == {"score": 1.5}
+    assert set(m["files"]) == {"a.bin", "sub/b.txt"} and m["environment"]["python"]
+    assert store.resolve("thing").version == 2
+    assert store.resolve("thing/v1").id == a1.id
+    assert store.resolve("thing@v1").id == a1.id
+    assert store.resolve(str(a2.path)).id == a2.id
+    assert store.resolve(a1.id[:10]).version == 1
+    with pytest.raises(ArtifactNotFound, match="no version v9"):
+        store.resolve("thing/v9")
+    with pytest.raises(ArtifactNotFound, match="no artifact 'nothing'"):
+        store.resolve("nothing")
+
+
+def test_content_id_depends_on_payload_only(tmp_path):
+    a = _write(Store(tmp_path / "s1"), name="x")
+    b = _write(Store(tmp_path / "s2"), name="y", config={"different": True})
+    c = _write(Store(tmp_path / "s3"), name="x", payload=b"hellO")
+    assert a.id == b.id != c.id
+
+
+def test_failed_write_leaves_nothing(store):
+    with pytest.raises(RuntimeError):
+        with store.create("model", "broken") as w:
+            (w.dir / "half.bin").write_bytes(b"x" * 100)
+            raise RuntimeError("crash mid-write")
+    assert store.versions("broken") == []
+    assert list((store.root / "broken").iterdir()) == []
+
+
+def test_empty_artifact_refused(store):
+    with pytest.raises(ArtifactError, match="no payload"):
+        with store.create("model", "empty"):
+            pass
+    assert store.versions("empty") == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "extra", "manifest"])
+def test_damage_is_detected_naming_the_file(store, damage):
+    art = _write(store)
+    target = art.path / "a.bin"
+    os.chmod(target, 0o644)
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[2] ^= 0x01
+        target.write_bytes(bytes(data))
+        msg = "a.bin does not match its sha256"
+    elif damage == "truncate":
+        target.write_bytes(b"hell")
+        msg = "a.bin has size 4"
+    elif damage == "delete":
+        target.unlink()
+        msg = "a.bin is missing"
+    elif damage == "extra":
+        (art.path / "sub" / "intruder.txt").write_text("?")
+        msg = "unexpected file sub/intruder.txt"
+    else:
+        (art.path / "llmq.json").write_text("{not json")
+        msg = "not valid JSON"
+    with pytest.raises(ArtifactError, match=msg):
+        store.resolve("thing")
+
+
+def test_bad_names_and_kinds(store):
+    with pytest.raises(ArtifactError, match="invalid artifact name"):
+        store.create("model", "../escape")
+    with pytest.raises(ArtifactError, match="unknown artifact kind"):
+        store.create("weights", "ok")
+
+
+def test_payload_is_read_only(store):
+    art = _write(store)
+    assert (art.path / "a.bin").stat().st_mode & 0o222 == 0
+
+
+def _concurrent_writer(root: str, i: int, q) -> None:
+    store = Store(root)
+    arts = []
+    for j in range(5):
+        with store.create("model", "shared") as w:
+            (w.dir / "data.bin").write_bytes(f"writer {i} item {j}".encode() * 1000)
+        arts.append((w.artifact.version, w.artifact.id))
+    q.put(arts)
+
+
+def test_concurrent_writers_get_distinct_versions(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_writer, args=(str(tmp_path), i, q)) for i in range(4)]
+    for p in procs:
+        p.start()
+    results = [item for _ in procs for item in q.get(timeout=120)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    versions = [v for v, _ in results]
+    assert sorted(versions) == list(range(1, 21))
+    store = Store(tmp_path)
+    for v, cid in results:
+        art = store.resolve(f"shared/v{v}")  # verifies every file
+        assert art.id == cid
+    assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".staging")]
+
+
+def test_lineage_follows_parents(store):
+    src = _write(store, name="src")
+    mid = _write(store, name="mid", payload=b"m", parents=[src.id])
+    top = _write(store, name="top", payload=b"t", parents=[mid.id])
+    assert [a.name for a in store.lineage(top)] == ["top", "mid", "src"]
+    assert Path(store.lineage(top)[-1].path).name == "v1"
