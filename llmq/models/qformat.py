@@ -1,0 +1,244 @@
+"""The one reader and writer of quantized checkpoints: the compressed-tensors layout that vLLM, SGLang and
+transformers load.
+
+In memory a quantized linear is a `QuantizedWeight`: one integer (or FP8 value) per weight, unpacked, with its scales.
+On disk it is what compressed-tensors calls
+- "pack-quantized" (weight-only INT4 / INT8): `weight_packed` int32 (values + 2^(b-1), packed densely along the input
+  dimension), `weight_scale`, `weight_shape`, and for asymmetric weights `weight_zero_point` packed along the outputs;
+- "int-quantized" (W8A8): `weight` int8, `weight_scale` [out, 1], `input_scale` when activations are static;
+- "float-quantized" (FP8 E4M3): `weight` float8_e4m3fn, `weight_scale`, `input_scale` when activations are static;
+and `config.json` → `quantization_config` built from compressed-tensors' own pydantic models, so a config they reject
+is never written. KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` with `kv_cache_scheme` in the config.
+Every stage that reads or writes quantized weights goes through here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LlmqError
+
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """How one tensor kind (weights, input activations, KV cache) is quantized; mirrors compressed-tensors'
+    QuantizationArgs. strategy: tensor | channel | group | token | attn_head."""
+
+    num_bits: int
+    type: str = "int"              # int | float
+    symmetric: bool = True
+    strategy: str = "channel"
+    group_size: int | None = None
+    dynamic: bool = False
+
+    def to_ct(self):
+        from compressed_tensors.quantization import QuantizationArgs
+
+        kw = dict(num_bits=self.num_bits, type=self.type, symmetric=self.symmetric, strategy=self.strategy,
+                  dynamic=self.dynamic)
+        if self.group_size is not None:
+            kw["group_size"] = self.group_size
+        return QuantizationArgs(**kw)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "QuantArgs":
+        return cls(num_bits=int(d["num_bits"]), type=str(d.get("type", "int")), symmetric=bool(d.get("symmetric", True)),
+                   strategy=str(d.get("strategy") or "tensor"), group_size=d.get("group_size"),
+                   dynamic=bool(d.get("dynamic", False)))
+
+
+@dataclass(frozen=True)
+class QConfig:
+    """A parsed `quantization_config`: one scheme for every Linear except `ignore`, plus the KV-cache scheme."""
+
+    format: str
+    weights: QuantArgs
+    input_activations: QuantArgs | None
+    ignore: tuple[str, ...]
+    kv: QuantArgs | None
+
+    def ignores(self, name: str) -> bool:
+        """compressed-tensors' ignore entries: a module name (matched as a suffix of the full name) or `re:<regex>`."""
+        for pat in self.ignore:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], name):
+                    return True
+            elif name == pat or name.endswith("." + pat):
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One linear's weight as integers q (signed, [-2^(b-1), 2^(b-1)-1]; or float8_e4m3fn for FP8) of shape
+    [out, in] and scale / zero_point of shape [1] (tensor), [out, 1] (channel) or [out, in/g] (group).
+    Real weight = (q - zero_point) * scale. input_scale: static activation scale [1]; dynamic: per-token scales."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    input_scale: torch.Tensor | None = None
+    dynamic: bool = False
+
+    @property
+    def is_float(self) -> bool:
+        return self.q.dtype == torch.float8_e4m3fn
+
+    @property
+    def strategy(self) -> str:
+        if self.scale.numel() == 1:
+            return "tensor"
+        return "channel" if self.scale.shape[-1] == 1 else "group"
+
+    @property
+    def activation_bits(self) -> int | None:
+        return 8 if (self.input_scale is not None or self.dynamic) else None
+
+    @property
+    def scheme(self) -> str:
+        kind = "FP8" if self.is_float else f"W{self.bits}A{self.activation_bits or 16}"
+        detail = f"group{self.group_size}" if self.strategy == "group" else self.strategy
+        sym = "" if self.is_float else ("-sym" if self.symmetric else "-asym")
+        act = "" if self.activation_bits is None else ("-dynamic" if self.dynamic else "-static")
+        return f"{kind}-{detail}{sym}{act}"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.to(torch.float32)
+        g = 1 if self.scale.numel() == 1 else self.scale.shape[-1]
+        w = w.view(n, g, k // g) if self.scale.numel() > 1 else w.view(n, 1, k)
+        if self.zero_point is not None:
+            w = w - self.zero_point.to(torch.float32).reshape(-1, g, 1)
+        return (w * self.scale.to(torch.float32).reshape(-1, g, 1)).view(n, k).to(dtype)
+
+
+def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
+    if weights.type == "float":
+        return "float-quantized"
+    return "pack-quantized" if input_activations is None else "int-quantized"
+
+
+def quantization_config(weights: QuantArgs, input_activations: QuantArgs | None = None,
+                        ignore: list[str] | tuple[str, ...] = ("lm_head",), kv: QuantArgs | None = None) -> dict:
+    """The `quantization_config` dict for config.json, validated by compressed-tensors' own models."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights.to_ct(),
+                                input_activations=input_activations.to_ct() if input_activations else None)
+    cfg = QuantizationConfig(config_groups={"group_0": scheme}, format=format_for(weights, input_activations),
+                             ignore=list(ignore), kv_cache_scheme=kv.to_ct() if kv else None,
+                             quantization_status="compressed")
+    return cfg.model_dump(mode="json", exclude_none=True)
+
+
+def parse_quantization_config(config: Mapping) -> QConfig | None:
+    """The QConfig of a model config, None for an unquantized model; an LlmqError for anything we cannot read."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    if qc.get("quant_method") != "compressed-tensors":
+        raise LlmqError(f"quantization method {qc.get('quant_method')!r} is not supported; llmq reads "
+                        "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor)")
+    fmt = qc.get("format")
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping) and g.get("weights")]
+    if fmt not in FORMATS:
+        raise LlmqError(f"compressed-tensors format {fmt!r} is not supported; llmq reads {', '.join(FORMATS)}")
+    if len(groups) != 1 or list(groups[0].get("targets") or []) != ["Linear"]:
+        raise LlmqError("only compressed-tensors checkpoints with one scheme for every Linear layer are supported")
+    acts = groups[0].get("input_activations")
+    kv = qc.get("kv_cache_scheme")
+    return QConfig(format=fmt, weights=QuantArgs.from_dict(groups[0]["weights"]),
+                   input_activations=QuantArgs.from_dict(acts) if acts else None,
+                   ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None)
+
+
+def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return tensors[key]
+    except KeyError:
+        raise LlmqError(f"tensor {key} is missing from the quantized checkpoint") from None
+
+
+def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig) -> QuantizedWeight | None:
+    """The QuantizedWeight of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is stored dense."""
+    if qconfig.ignores(name) or (f"{name}.weight_packed" not in tensors and f"{name}.weight_scale" not in tensors):
+        return None
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    w, a = qconfig.weights, qconfig.input_activations
+    scale = _get(tensors, f"{name}.weight_scale")
+    zero = None
+    if qconfig.format == "pack-quantized":
+        shape = torch.Size(_get(tensors, f"{name}.weight_shape").tolist())
+        q = unpack_from_int32(_get(tensors, f"{name}.weight_packed"), w.num_bits, shape)
+        if not w.symmetric:
+            zero = unpack_from_int32(_get(tensors, f"{name}.weight_zero_point"), w.num_bits,
+                                     torch.Size([shape[0], scale.shape[-1]]), packed_dim=0)
+    else:
+        q = _get(tensors, f"{name}.weight")
+        if not w.symmetric:
+            zero = _get(tensors, f"{name}.weight_zero_point")
+    want = torch.float8_e4m3fn if w.type == "float" else torch.int8
+    if q.dtype != want or q.dim() != 2:
+        raise LlmqError(f"{name}: quantized weight has dtype {q.dtype} and {q.dim()} dims; expected 2-D {want}")
+    n, k = q.shape
+    g = 1 if scale.numel() == 1 else scale.shape[-1]
+    if scale.numel() > 1 and (scale.shape[0] != n or k % g):
+        raise LlmqError(f"{name}: weight_scale of shape {tuple(scale.shape)} does not fit a [{n}, {k}] weight")
+    input_scale = tensors[f"{name}.input_scale"] if (a and not a.dynamic) else None
+    if a and not a.dynamic and input_scale is None:
+        raise LlmqError(f"tensor {name}.input_scale is missing: the config says activations use static scales")
+    return QuantizedWeight(q=q, scale=scale, zero_point=zero, bits=w.num_bits,
+                           group_size=k // g if g > 1 else None, symmetric=w.symmetric, input_scale=input_scale,
+                           dynamic=bool(a and a.dynamic))
+
+
+def write_linear(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one quantized linear, in the format its scheme implies."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    out = {f"{name}.weight_scale": qw.scale.contiguous()}
+    weight_only = qw.input_scale is None and not qw.dynamic
+    if not qw.is_float and weight_only:
+        out[f"{name}.weight_packed"] = pack_to_int32(qw.q.to(torch.int8).contiguous(), qw.bits)
+        out[f"{name}.weight_shape"] = torch.tensor(list(qw.q.shape), dtype=torch.int64)
+        if qw.zero_point is not None:
+            out[f"{name}.weight_zero_point"] = pack_to_int32(qw.zero_point.to(torch.int8).contiguous(), qw.bits,
+                                                             packed_dim=0)
+    else:
+        out[f"{name}.weight"] = qw.q.contiguous()
+        if qw.zero_point is not None:
+            out[f"{name}.weight_zero_point"] = qw.zero_point.contiguous()
+    if qw.input_scale is not None:
+        out[f"{name}.input_scale"] = qw.input_scale.reshape(1).contiguous()
+    return out
+
+
+def read_kv_scales(tensors: Mapping[str, torch.Tensor], prefix: str,
+                   qconfig: QConfig | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(k_scale, v_scale) of one attention layer (`model.layers.N.self_attn`), each [1] or [kv_heads]; None when the
+    checkpoint has no KV-cache scheme."""
+    if qconfig is None or qconfig.kv is None:
+        return None
+    return (_get(tensors, f"{prefix}.k_scale").float().flatten(), _get(tensors, f"{prefix}.v_scale").float().flatten())
+
+
+def write_kv_scales(prefix: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.k_scale": k_scale.float().flatten().contiguous(),
+            f"{prefix}.v_scale": v_scale.float().flatten().contiguous()}
+
+
+def kv_cache_dtype(qconfig: QConfig | None) -> str | None:
+    """"int8" / "fp8" when the checkpoint carries calibrated KV-cache scales, else None."""
+    if qconfig is None or qconfig.kv is None:
+        return None
+    return "fp8" if qconfig.kv.type == "float" else "int8"
