@@ -1,0 +1,6 @@
+"""The bundled continuous-batching runtime that `serve`, `eval` and `bench --offline` share."""
+
+from .engine import EngineConfig, EngineStats, LLMEngine, RequestMetrics, RequestOutput
+from .sampling import SamplingParams
+
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]

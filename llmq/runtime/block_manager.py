@@ -1,0 +1,112 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks with reference counts and automatic prefix caching.
+
+A full block is identified by the hash chain of its tokens (the hash of its parent block plus its own tokens), so
+two requests with a common prefix share the blocks of that prefix. Freed blocks keep their contents and stay
+findable until they are reused; free blocks are reused least-recently-freed first (LRU), blocks that hold nothing
+findable before any cached block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_key: list[tuple | None] = [None] * num_blocks  # (parent hash, tokens) of a cached block
+        self.cached: dict[tuple, int] = {}  # (parent hash, tokens) -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front = reuse first
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # -- prefix cache -------------------------------------------------------------------------------------
+    def _key(self, parent: int | None, tokens: list[int]) -> tuple:
+        return (parent, tuple(tokens))
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the cached blocks of the longest cached prefix to a sequence with no blocks; returns its tokens.
+
+        At least one token is always left to compute, because the last prompt position's logits are needed.
+        """
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent = None
+        for i in range((seq.num_tokens - 1) // bs):
+            key = self._key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(key)
+            if block is None:
+                break
+            if self.ref_count[block] == 0:
+                del self.free[block]
+            self.ref_count[block] += 1
+            seq.block_table.append(block)
+            parent = hash(key)
+        n = len(seq.block_table)
+        seq.num_hashed_blocks = n
+        seq.last_block_hash = parent
+        seq.num_computed_tokens = n * bs
+        return n * bs
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the sequence's newly completed full blocks (KV computed for all their tokens) in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent = seq.last_block_hash
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+            key = self._key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block = seq.block_table[i]
+            if key not in self.cached and self.block_key[block] is None:
+                self.cached[key] = block
+                self.block_key[block] = key
+            parent = hash(key)
+            seq.num_hashed_blocks = i + 1
+        seq.last_block_hash = parent
+
+    # -- allocation -----------------------------------------------------------------------------------------
+    def _take(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        key = self.block_key[block]
+        if key is not None:  # evict: its contents are about to be overwritten
+            del self.cached[key]
+            self.block_key[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the sequence's block table to hold `num_tokens` tokens; all or nothing."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > len(self.free):
+            return False
+        seq.block_table.extend(self._take() for _ in range(need))
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks reaching zero become free (cached ones stay findable)."""
+        for block in reversed(seq.block_table):  # tail blocks are the least likely to be shared: reuse them first
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free[block] = None
+                if self.block_key[block] is None:
+                    self.free.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+        seq.last_block_hash = None

@@ -1,0 +1,407 @@
+"""The engine: requests in, tokens out, one scheduler iteration per step() (continuous batching).
+
+LLMEngine owns the tokenizer, the scheduler and block manager, rank 0's model runner and, for tensor parallelism,
+the worker processes of the other ranks. It is single-threaded: the server drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import LlmqError
+from ..models import ModelSpec
+from .block_manager import BlockManager
+from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
+from .kv_cache import KV_DTYPES, kv_element_bytes
+from .loader import Checkpoint, RankLayout
+from .model_runner import ModelRunner, compute_dtype_for, prepare_step
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_KV_CACHE_FRACTION = 0.25
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None: the model's (or engine's) max positions, capped at 4096
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache (per rank); None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    kv_cache_dtype: str = "auto"  # "auto" (compute dtype, or the checkpoint's calibrated scheme) | "int8" | "fp8"
+    enable_prefix_caching: bool = True
+    tp: int = 1
+    device: str | None = None
+    dtype: str | None = None  # compute dtype; None: float32 on CPU, the checkpoint's 16-bit dtype on GPU
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    output_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+@dataclass
+class _Source:
+    path: Path
+    engine: dict | None  # engine.json of a `build --target llmq` engine
+    weights_dir: Path  # the directory holding config.json (rank0/ for an engine)
+
+
+def _source(model: str | Path) -> _Source:
+    path = Path(model)
+    if not path.is_dir():
+        raise LlmqError(f"{path}: not a model directory (resolve references to an artifact path first)")
+    ej = path / "engine.json"
+    if ej.is_file():
+        engine = json.loads(ej.read_text())
+        if engine.get("target") != "llmq":
+            raise LlmqError(f"{path} is a {engine.get('target')!r} engine; the bundled runtime loads "
+                            "`llmq build --target llmq` engines (or the quantized / model artifact itself)")
+        return _Source(path, engine, path / "rank0")
+    return _Source(path, None, path)
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        self.config = cfg = config or EngineConfig()
+        src = _source(model)
+        self.path = src.path
+        ckpt = Checkpoint(src.weights_dir)
+        self.spec: ModelSpec = ckpt.spec
+        from ..models import load_tokenizer, pick_device
+
+        self.tokenizer = load_tokenizer(src.path)
+        self.device = torch.device(pick_device(cfg.device))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise LlmqError("device cuda was requested but torch sees no CUDA GPU (CPU-only build or no driver)")
+        engine = src.engine
+        if engine is not None:
+            if cfg.tp not in (1, engine["tp"]):
+                raise LlmqError(f"this engine was built for tp={engine['tp']}; rebuild it with --tp {cfg.tp}")
+            if engine.get("format_version", 1) != 1:
+                raise LlmqError(f"{src.path}: engine format version {engine.get('format_version')} is not supported")
+            self.tp = engine["tp"]
+            block_size = engine.get("block_size", cfg.block_size)
+            limit = engine.get("max_seq_len") or DEFAULT_MAX_MODEL_LEN
+        else:
+            self.tp = cfg.tp
+            block_size = cfg.block_size
+            limit = min(self.spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if cfg.max_model_len is not None and cfg.max_model_len > max(limit, 1) and engine is not None:
+            raise LlmqError(f"max_model_len {cfg.max_model_len} exceeds the engine's max_seq_len {limit}")
+        self.max_model_len = cfg.max_model_len or limit
+        if self.max_model_len > self.spec.max_position_embeddings:
+            raise LlmqError(f"max_model_len {self.max_model_len} exceeds the model's "
+                            f"{self.spec.max_position_embeddings} positions")
+        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1 or block_size < 1:
+            raise LlmqError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        self.block_size = block_size
+        # an engine's max_batch_size is a build-time cap, like TensorRT-LLM's
+        self.max_num_seqs = min(cfg.max_num_seqs, engine.get("max_batch_size") or cfg.max_num_seqs) if engine \
+            else cfg.max_num_seqs
+        self.kv_cache_dtype = self._kv_dtype(cfg.kv_cache_dtype, ckpt, engine)
+        dtype = compute_dtype_for(self.device, cfg.dtype, ckpt.config)
+        self.num_blocks = self._num_blocks(ckpt, dtype)
+        self.eos_token_ids = self._eos_ids(src.path)
+
+        load_args = dict(path=str(src.path), engine=engine, tp=self.tp, device=str(self.device), dtype=cfg.dtype,
+                         num_blocks=self.num_blocks, block_size=block_size, kv_cache_dtype=self.kv_cache_dtype,
+                         max_positions=self.max_model_len)
+        self.workers = None
+        self._workers_ready = False
+        self._saved_threads = None
+        if self.tp > 1:
+            if self.device.type == "cuda" and torch.cuda.device_count() < self.tp:
+                raise LlmqError(f"tp={self.tp} needs {self.tp} GPUs; {torch.cuda.device_count()} visible")
+            if self.device.type == "cpu":
+                self._saved_threads = torch.get_num_threads()
+                torch.set_num_threads(threads_per_rank(self.tp))
+            if engine is None:
+                RankLayout.make(self.spec, self.tp, 0)  # refuse a split that does not fit before spawning anything
+            self.workers = WorkerGroup(self.tp, load_args, self.device)
+            try:
+                init_group(0, self.tp, self.workers.port, rank_device(self.device, 0))
+                self.runner = ModelRunner(**load_args, rank=0, world=self.tp)
+                self.workers.wait_ready()
+                self._workers_ready = True
+            except BaseException:
+                self.shutdown()
+                raise
+        else:
+            self.runner = ModelRunner(**load_args, rank=0, world=1)
+        self.block_manager = BlockManager(self.num_blocks, block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, cfg.max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._closed = False
+
+    # -- setup helpers ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _kv_dtype(requested: str, ckpt: Checkpoint, engine: dict | None) -> str:
+        if requested not in KV_DTYPES:
+            raise LlmqError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}; got {requested!r}")
+        have = (engine or {}).get("kv_cache_dtype") or ckpt.kv_cache_dtype() or "auto"
+        if requested == "auto":
+            return have
+        if have == "auto" and requested == "int8":
+            raise LlmqError("an int8 KV cache needs calibrated k_scale/v_scale and this checkpoint has none; "
+                            "run `llmq quantize-kv REF --kv int8` first")
+        if have == "auto":  # fp8 without calibration: scale 1.0 (e4m3 covers +-448)
+            return requested
+        if have != requested:
+            raise LlmqError(f"this checkpoint's KV-cache scales are calibrated for {have}, not {requested}")
+        return requested
+
+    def _num_blocks(self, ckpt: Checkpoint, dtype: torch.dtype) -> int:
+        cfg = self.config
+        heads_per_rank = max(self.spec.num_kv_heads // self.tp, 1)
+        per_token = 2 * self.spec.num_layers * heads_per_rank * self.spec.head_dim * kv_element_bytes(
+            self.kv_cache_dtype, dtype)
+        block_bytes = per_token * self.block_size
+        if cfg.kv_cache_memory is not None:
+            budget = int(cfg.kv_cache_memory)
+        else:
+            if not 0 < cfg.kv_cache_fraction <= 1:
+                raise LlmqError(f"kv_cache_fraction must be in (0, 1], got {cfg.kv_cache_fraction}")
+            weights = sum(p.stat().st_size for p in ckpt.path.glob("*.safetensors"))
+            free = _available_memory(self.device) - (weights * 4 if self.device.type == "cpu" else weights)
+            # never more than every sequence slot filled to the context length
+            budget = min(int(max(free, 0) * cfg.kv_cache_fraction),
+                         self.max_num_seqs * self.max_model_len * per_token + block_bytes)
+        num_blocks = budget // block_bytes
+        min_blocks = -(-self.max_model_len // self.block_size)
+        if num_blocks < min_blocks:
+            raise LlmqError(f"KV-cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of "
+                            f"{self.block_size} tokens, fewer than one {self.max_model_len}-token sequence needs "
+                            f"({min_blocks}); raise the KV-cache memory or lower max_model_len")
+        return int(num_blocks)
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids = set()
+        gc = path / "generation_config.json"
+        if gc.is_file():
+            eos = json.loads(gc.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- requests -------------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise LlmqError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise LlmqError("the prompt is empty")
+        if any(not isinstance(t, int) or t < 0 or t >= self.spec.vocab_size for t in ids):
+            raise LlmqError(f"prompt token ids must be integers in [0, {self.spec.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise LlmqError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise LlmqError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                            f"{self.max_model_len} tokens")
+        gen = None if params.greedy else make_generator(params.seed, self.runner.device)
+        seq = Sequence(request_id, ids, params, gen)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            seq.finished_time = time.monotonic()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------------------------
+    def _forward(self, step) -> torch.Tensor:
+        if self.workers is not None:
+            self.runner.tp.broadcast(step)
+        return self.runner.execute(step)
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return []
+        step = prepare_step(batch.seqs, batch.num_new_tokens, self.block_size,
+                            fresh_prefill_direct=self.kv_cache_dtype == "auto")
+        logits = self._forward(step)
+        samplers = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                samplers.append(seq)
+        outputs = []
+        if samplers:
+            tokens, logprobs = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+            now = time.monotonic()
+            for seq, tok, lp in zip(samplers, tokens, logprobs):
+                self._append(seq, tok, lp, now)
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> None:
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        reason = None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+            text_ids = seq.output_token_ids[:-1]
+        else:
+            text_ids = seq.output_token_ids
+        seq.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        if p.stop:
+            cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text = seq.text[:cut]
+                reason = "stop"
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seq.finished_time = now
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.output_token_ids[seq.num_emitted:]
+        new_lp = seq.logprobs[seq.num_emitted:] if seq.params.logprobs is not None else None
+        seq.num_emitted = seq.num_output_tokens
+        if seq.is_finished:
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, new, new_lp, list(seq.output_token_ids), seq.text, seq.is_finished,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                             RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time))
+
+    # -- offline helpers --------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (alongside any requests already in flight); final outputs in input order,
+        their new_token_ids / new_logprobs covering the whole completion."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise LlmqError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
+        tag = f"gen-{time.monotonic_ns()}-"
+        ids = [f"{tag}{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {r: [] for r in ids}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.request_id not in wanted:
+                    continue
+                logprobs[out.request_id].extend(out.new_logprobs or [])
+                if out.finished:
+                    out.new_token_ids = list(out.output_token_ids)
+                    out.new_logprobs = logprobs[out.request_id] if out.new_logprobs is not None else None
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """[T, vocab] log-softmax of the next-token distribution after each position, through the paged path.
+
+        Runs in chunks of the step budget on blocks of its own, which are released afterwards and never cached.
+        """
+        ids = list(token_ids)
+        if not ids or len(ids) > self.max_model_len:
+            raise LlmqError(f"prompt_logprobs needs 1..{self.max_model_len} tokens, got {len(ids)}")
+        seq = Sequence("prompt-logprobs", ids, SamplingParams(max_tokens=1, temperature=0))
+        if not self.block_manager.allocate(seq, len(ids)):
+            raise LlmqError(f"not enough free KV blocks for a {len(ids)}-token sequence right now")
+        out = []
+        try:
+            budget = self.config.max_num_batched_tokens
+            while seq.num_computed_tokens < len(ids):
+                n = min(budget, len(ids) - seq.num_computed_tokens)
+                step = prepare_step([seq], [n], self.block_size, fresh_prefill_direct=self.kv_cache_dtype == "auto",
+                                    all_logits=True)
+                out.append(self._forward(step).log_softmax(-1))
+                seq.num_computed_tokens += n
+        finally:
+            self.block_manager.release(seq)
+        return torch.cat(out).cpu()
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_blocks, s.prefix_cache_queries,
+                           s.prefix_cache_hits, s.num_preemptions, self.prompt_tokens_total,
+                           self.generation_tokens_total)
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.workers is not None:
+            import torch.distributed as dist
+
+            try:
+                if self._workers_ready:
+                    self.runner.tp.broadcast(None)
+            except Exception:  # workers already gone: nothing left to stop politely
+                pass
+            self.workers.stop(timeout=30 if self._workers_ready else 2)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

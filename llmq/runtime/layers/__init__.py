@@ -1,0 +1,1 @@
+"""Building blocks of the runtime's models: linear layers (dense and quantized), paged attention, RoPE, RMSNorm."""

@@ -1,0 +1,68 @@
+"""Attention over the paged KV cache.
+
+The runner describes a step once (AttentionMetadata) and every layer reuses it: new K/V are written to their slots;
+single-token queries (decodes) are batched into one SDPA call over their gathered blocks with a length mask;
+each multi-token chunk (prefill) attends causally to its sequence's cached prefix plus itself. A prefill with no
+cached prefix and an unquantized cache attends to its own fresh K/V directly, which gives identical values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import LayerKV
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int  # first row of this chunk in the step's flat token batch
+    q_len: int
+    blocks: torch.Tensor | None  # [1, nblocks] when the chunk reads cached K/V, None when it only needs its own
+    mask: torch.Tensor | None  # [q_len, ctx] bool (True = attend), None = plain causal over the chunk
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
+    num_decode: int = 0  # the first num_decode tokens are single-token queries of distinct sequences
+    decode_blocks: torch.Tensor | None = None  # [Bd, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (rotated) -> [T, H, D]."""
+    cache.write(meta.slot_mapping, k, v)
+    bd = meta.num_decode
+    if bd and not meta.prefills:
+        return _decode(q, cache, meta, scale)
+    out = torch.empty_like(q)
+    if bd:
+        out[:bd] = _decode(q[:bd], cache, meta, scale)
+    for p in meta.prefills:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)
+        if p.blocks is None:
+            ks, vs = k[rows], v[rows]
+        else:
+            ctx = p.mask.shape[1]
+            ks, vs = cache.gather(p.blocks)
+            ks, vs = ks[0, :ctx], vs[0, :ctx]
+        o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                           attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One SDPA call for all decodes; each KV head's query group is laid out as that head's query rows."""
+    bd, h, d = meta.num_decode, q.shape[1], q.shape[2]
+    kc, vc = cache.gather(meta.decode_blocks)
+    hkv = kc.shape[2]
+    o = F.scaled_dot_product_attention(q[:bd].view(bd, hkv, h // hkv, d), kc.transpose(1, 2), vc.transpose(1, 2),
+                                       attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(bd, h, d)

@@ -1,0 +1,40 @@
+"""Rotary position embedding with a precomputed cos/sin table indexed by each token's absolute position.
+
+The inverse frequencies (and any rope_scaling such as llama3 / linear / yarn) come from transformers' own rotary
+module for the model's config, so every scaling variant the reference supports is reproduced exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) exactly as transformers computes them for this config."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rot = LlamaRotaryEmbedding(config=hf_config)
+    return rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0, device=None,
+                 dtype=torch.float32):
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        sin = emb.sin() * scaling
+        sin[:, :sin.shape[1] // 2] *= -1  # folds rotate_half's sign in: rotate_half(x) * sin == roll(x) * this
+        self.register_buffer("cos", (emb.cos() * scaling).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
+
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of the step's positions, looked up once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, D] (the half-split convention of Llama checkpoints)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

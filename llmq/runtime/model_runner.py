@@ -1,0 +1,226 @@
+"""Executes steps: loads this rank's model and KV cache, turns a scheduled batch into tensors, runs the forward.
+
+A step is a flat batch of tokens from many sequences (decode tokens first, then prefill chunks); the metadata that
+attention needs (slots to write, block tables to read, masks) is computed once per step here, not per layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import LlmqError
+from ..models import ModelSpec
+from .distributed import TPContext
+from .kv_cache import allocate_kv_cache
+from .layers.attention import AttentionMetadata, PrefillChunk
+from .layers.norm import RMSNorm
+from .layers.rotary import RotaryEmbedding, rope_inv_freq
+from .loader import ATTN, MLP, Checkpoint, Part, RankLayout, build_linear, split_cols, split_rows
+from .models.llama import DecoderLayer, LayerWeights, LlamaForCausalLM
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+    def to(self, device) -> "StepInput":
+        if self.input_ids.device == torch.device(device):
+            return self
+        mv = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        m = self.meta
+        meta = AttentionMetadata(mv(m.slot_mapping), m.num_decode, mv(m.decode_blocks), mv(m.decode_mask),
+                                 [PrefillChunk(p.q_start, p.q_len, mv(p.blocks), mv(p.mask)) for p in m.prefills])
+        return StepInput(mv(self.input_ids), mv(self.positions), meta, mv(self.logits_indices))
+
+
+def compute_dtype_for(device: torch.device, requested: str | torch.dtype | None, config: dict) -> torch.dtype:
+    """float32 on CPU (bf16 matmuls are ~20x slower there); the checkpoint's 16-bit dtype on GPUs."""
+    if requested is not None:
+        d = getattr(torch, requested) if isinstance(requested, str) else requested
+        if not isinstance(d, torch.dtype) or not d.is_floating_point:
+            raise LlmqError(f"dtype {requested!r} is not a floating-point torch dtype")
+        return d
+    if device.type == "cpu":
+        return torch.float32
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return torch.float16 if name == "float16" else torch.bfloat16
+
+
+def load_model(ckpt: Checkpoint, tp: int, rank: int, engine: dict | None, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> tuple[LlamaForCausalLM, int, int]:
+    """This rank's model, its number of local query heads and local KV heads.
+
+    engine is the engine.json of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
+    None means ckpt is a whole checkpoint, sliced here for tp > 1.
+    """
+    spec = ckpt.spec
+    if engine is not None:
+        plan = engine["plan"]
+        heads, kv_heads = plan["heads_per_rank"], plan["kv_heads_per_rank"]
+        vocab, vocab_parallel = plan["vocab_size"], tp > 1
+        embed_start = rank * (plan["padded_vocab_size"] // tp) if plan.get("parallel_embedding") and tp > 1 else None
+        layout = None
+    else:
+        layout = RankLayout.make(spec, tp, rank) if tp > 1 else None
+        heads = layout.heads if layout else spec.num_heads
+        kv_heads = layout.kv_heads if layout else spec.num_kv_heads
+        vocab, vocab_parallel, embed_start = spec.vocab_size, tp > 1, None
+    tpc = TPContext(rank, tp, vocab_parallel)
+
+    def linears(prefix: str, names: tuple[str, ...]) -> dict[str, Part]:
+        parts = {n: ckpt.linear(f"{prefix}.{n}") for n in names}
+        if layout is None:
+            return parts
+        lo, hi = layout.mlp_cols()
+        q_rows = layout.q_rows()
+        out = {}
+        for n, p in parts.items():
+            if n == "q_proj":
+                out[n] = split_rows(p, q_rows)
+            elif n in ("k_proj", "v_proj"):
+                out[n] = split_rows(p, layout.kv_rows())
+            elif n == "o_proj":
+                out[n] = split_cols(p, int(q_rows[0]), int(q_rows[-1]) + 1)
+            elif n in ("gate_proj", "up_proj"):
+                out[n] = split_rows(p, torch.arange(lo, hi))
+            else:
+                out[n] = split_cols(p, lo, hi)
+        return out
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(ckpt.tensor(name).to(device=device, dtype=dtype), spec.rms_norm_eps)
+
+    def row_bias(p: Part):
+        b = p.bias.to(device=device, dtype=dtype) if p.bias is not None else None
+        p.bias = None
+        return b
+
+    from transformers import AutoConfig
+
+    cfg = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "model_type")}
+    hf_config = AutoConfig.for_model(spec.model_type, **cfg)
+    inv_freq, attn_scaling = rope_inv_freq(hf_config)
+    rotary = RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        a = linears(f"{p}.self_attn", ATTN)
+        m = linears(f"{p}.mlp", MLP)
+        o_bias, down_bias = row_bias(a["o_proj"]), row_bias(m["down_proj"])
+        w = LayerWeights(
+            input_norm=norm(f"{p}.input_layernorm.weight"),
+            qkv=build_linear([a["q_proj"], a["k_proj"], a["v_proj"]], dtype, device),
+            o=build_linear([a["o_proj"]], dtype, device), o_bias=o_bias,
+            post_norm=norm(f"{p}.post_attention_layernorm.weight"),
+            gate_up=build_linear([m["gate_proj"], m["up_proj"]], dtype, device),
+            down=build_linear([m["down_proj"]], dtype, device), down_bias=down_bias)
+        layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
+    embed = ckpt.tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
+    if ckpt.has_lm_head():
+        head = ckpt.linear("lm_head")
+    elif spec.tie_word_embeddings:
+        head = Part(weight=embed)  # shares the embedding's memory
+    else:
+        raise LlmqError(f"{ckpt.path}: no lm_head weights and tie_word_embeddings is false")
+    if layout is not None:
+        head = split_rows(head, layout.vocab_rows())
+    model = LlamaForCausalLM(embed, layers, norm("model.norm.weight"), build_linear([head], dtype, device), rotary,
+                             vocab, tpc, embed_start)
+    return model.eval(), heads, kv_heads
+
+
+def load_kv_scales(ckpt: Checkpoint, layout: RankLayout | None, num_layers: int):
+    scales = []
+    for i in range(num_layers):
+        s = ckpt.kv_scales(i)
+        if s is None:
+            return None
+        k, v = (torch.as_tensor(x).float().flatten() for x in s)
+        if layout is not None:  # this rank's heads (per-head scales) or their channels (per-channel scales)
+            heads, rows = layout.kv_head_ids(), layout.kv_rows()
+            k, v = (x if x.numel() == 1 else x[heads] if x.numel() == layout.num_kv_heads else x[rows] for x in (k, v))
+        scales.append((k, v))
+    return scales
+
+
+class ModelRunner:
+    """One rank's model and KV cache."""
+
+    def __init__(self, path: str, engine: dict | None, tp: int, rank: int, world: int, device: str, dtype,
+                 num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int):
+        assert world == tp
+        self.device = torch.device(device)
+        self.rank_dir = Path(path) / f"rank{rank}" if engine is not None else Path(path)
+        ckpt = Checkpoint(self.rank_dir)
+        self.dtype = compute_dtype_for(self.device, dtype, ckpt.config)
+        self.model, self.num_heads, self.num_kv_heads = load_model(ckpt, tp, rank, engine, self.dtype, self.device,
+                                                                   max_positions)
+        self.tp = self.model.tp
+        self.spec: ModelSpec = ckpt.spec
+        self.block_size = block_size
+        layout = RankLayout.make(ckpt.spec, tp, rank) if (engine is None and tp > 1) else None
+        scales = load_kv_scales(ckpt, layout, ckpt.spec.num_layers) if kv_cache_dtype != "auto" else None
+        self.caches = allocate_kv_cache(ckpt.spec.num_layers, num_blocks, block_size, self.num_kv_heads,
+                                        ckpt.spec.head_dim, kv_cache_dtype, self.dtype, self.device, scales)
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        step = step.to(self.device)
+        return self.model(step.input_ids, step.positions, self.caches, step.meta, step.logits_indices)
+
+
+def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct: bool,
+                 all_logits: bool = False) -> StepInput:
+    """The flat token batch and attention metadata of one step, on CPU.
+
+    Single-token entries must come first. Logits are produced for the last token of every sequence whose
+    computed tokens reach its end (it samples), or for every token when all_logits is set.
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    tables = [s.block_table for s in seqs]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    starts = [s.num_computed_tokens for s in seqs]
+    for s, st, n in zip(seqs, starts, num_new):
+        ids.extend(s.token_ids[st:st + n])
+        pos.extend(range(st, st + n))
+    positions = torch.tensor(pos, dtype=torch.long)
+    counts = torch.tensor(num_new, dtype=torch.long)
+    seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), counts)
+    slots = bt[seq_idx, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(slot_mapping=slots)
+    bd = 0
+    while bd < len(seqs) and num_new[bd] == 1:
+        bd += 1
+    if bd:
+        ctx = torch.tensor([starts[i] + 1 for i in range(bd)], dtype=torch.long)
+        nblk = int((ctx.max() + block_size - 1) // block_size)
+        meta.num_decode = bd
+        meta.decode_blocks = bt[:bd, :nblk].contiguous()
+        meta.decode_mask = (torch.arange(nblk * block_size)[None, :] < ctx[:, None]).view(bd, 1, 1, -1)
+    ends = torch.cumsum(counts, 0).tolist()
+    q_start = bd
+    for i in range(bd, len(seqs)):
+        st, n = starts[i], num_new[i]
+        if st == 0 and fresh_prefill_direct:
+            meta.prefills.append(PrefillChunk(q_start, n, None, None))
+        else:
+            ctx = st + n
+            nblk = -(-ctx // block_size)
+            mask = torch.arange(ctx)[None, :] <= (st + torch.arange(n))[:, None]
+            meta.prefills.append(PrefillChunk(q_start, n, bt[i:i + 1, :nblk].contiguous(), mask))
+        q_start += n
+    if all_logits:
+        logits_idx = torch.arange(len(ids))
+    else:
+        logits_idx = torch.tensor([ends[i] - 1 for i, s in enumerate(seqs) if starts[i] + num_new[i] == s.num_tokens],
+                                  dtype=torch.long)
+    return StepInput(torch.tensor(ids, dtype=torch.long), positions, meta, logits_idx)

@@ -1,0 +1,103 @@
+"""The Llama-family decoder over a flat batch of tokens from many sequences (no padding), with paged attention.
+
+Every rank of a tensor-parallel group runs this module on its own slice of the weights: attention heads and MLP
+columns are split (column-parallel q/k/v, gate/up; row-parallel o_proj, down_proj followed by an all-reduce), the
+vocabulary of lm_head is split across ranks and rank 0 gathers the full logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import TPContext
+from ..kv_cache import LayerKV
+from ..layers.attention import AttentionMetadata, paged_attention
+from ..layers.linear import LinearBase
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's modules on this rank (qkv and gate_up are fused column-parallel linears)."""
+
+    input_norm: RMSNorm
+    qkv: LinearBase
+    o: LinearBase
+    o_bias: torch.Tensor | None  # row-parallel bias: added once, after the all-reduce
+    post_norm: RMSNorm
+    gate_up: LinearBase
+    down: LinearBase
+    down_bias: torch.Tensor | None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, w: LayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, tp: TPContext):
+        super().__init__()
+        self.input_norm, self.post_norm = w.input_norm, w.post_norm
+        self.qkv, self.o, self.gate_up, self.down = w.qkv, w.o, w.gate_up, w.down
+        self.o_bias, self.down_bias = w.o_bias, w.down_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim ** -0.5
+        self.tp = tp
+
+    def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.tp.all_reduce(y)
+        return y + bias if bias is not None else y
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(self.input_norm(x))
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)  # q and k at once
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        a = paged_attention(q, k, v, cache, meta, self.scale)
+        x = x + self._reduce(self.o(a.reshape(t, self.q_size)), self.o_bias)
+        gu = self.gate_up(self.post_norm(x))
+        g, u = gu.chunk(2, dim=-1)
+        h = F.silu(g, inplace=True).mul_(u)  # gu is this layer's own buffer: reuse it
+        return x.add_(self._reduce(self.down(h), self.down_bias))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: LinearBase,
+                 rotary: RotaryEmbedding, vocab_size: int, tp: TPContext, embed_vocab_start: int | None):
+        super().__init__()
+        self.register_buffer("embed", embed, persistent=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.lm_head, self.rotary = norm, lm_head, rotary
+        self.vocab_size = vocab_size
+        self.tp = tp
+        self.embed_vocab_start = embed_vocab_start  # None: whole embedding table on every rank
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_vocab_start is None:
+            return F.embedding(ids, self.embed)
+        local = ids - self.embed_vocab_start
+        inside = (local >= 0) & (local < self.embed.shape[0])
+        h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(h)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits [len(logits_indices), vocab] in float32 on rank 0 (None on the other ranks)."""
+        x = self._embed(input_ids)
+        rope = self.rotary.table(positions)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, rope, cache, meta)
+        h = self.norm(x.index_select(0, logits_indices))
+        logits = self.tp.gather_vocab(self.lm_head(h).float())
+        return logits[:, :self.vocab_size] if logits is not None else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads on this rank (the embedding table only by lookup)."""
+        total = sum(m.nbytes for m in self.modules() if isinstance(m, LinearBase))
+        norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
+        return total + norms

@@ -1,0 +1,100 @@
+"""Sampling parameters and the batched sampler: one call turns a step's logits into next tokens (and logprobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import LlmqError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token's
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise LlmqError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise LlmqError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise LlmqError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise LlmqError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise LlmqError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A per-request generator, so a seeded request samples the same tokens whatever else shares its batch."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed))
+    return g
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tail of descending-sorted logits beyond each row's top-k and top-p nucleus."""
+    rank = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
+    drop = rank[None, :] >= top_k[:, None]
+    probs = sorted_logits.softmax(-1)
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keeps at least the first token
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+           ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked.
+
+    Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as in vLLM.
+    """
+    tokens = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        sel = torch.tensor(rows, device=logits.device)
+        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
+        scaled = logits.index_select(0, sel) / temp[:, None]
+        if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
+            vocab = logits.shape[-1]
+            top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows], device=logits.device)
+            top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=logits.dtype)
+            scaled, order = scaled.sort(-1, descending=True)
+            probs = _filter_sorted(scaled, top_k, top_p).softmax(-1)
+        else:
+            order = None
+            probs = scaled.softmax(-1)
+        for j, i in enumerate(rows):
+            pick = torch.multinomial(probs[j], 1, generator=generators[i])
+            tokens[i] = order[j, pick[0]] if order is not None else pick[0]
+    token_list = tokens.tolist()
+    logprobs: list[dict[int, float] | None] = [None] * len(params)
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if lp_rows:
+        lsm = logits.index_select(0, torch.tensor(lp_rows, device=logits.device)).log_softmax(-1)
+        for j, i in enumerate(lp_rows):
+            entry = {token_list[i]: float(lsm[j, token_list[i]])}
+            n = params[i].logprobs
+            if n:
+                vals, ids = lsm[j].topk(n)
+                for t, v in zip(ids.tolist(), vals.tolist()):
+                    entry.setdefault(t, v)
+            logprobs[i] = entry
+    return token_list, logprobs

@@ -1,0 +1,62 @@
+"""One request's state inside the engine: its tokens, how many of them already have KV in the cache, its blocks."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Tokens = prompt + generated. KV exists for token_ids[:num_computed_tokens]; the rest is computed next.
+
+    After a preemption num_computed_tokens drops to 0 and the whole sequence (prompt and output so far) is
+    recomputed by chunked prefill; the generated tokens are kept, so greedy output does not change.
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator | None = None):
+        self.request_id = request_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0  # leading full blocks already registered in the prefix cache
+        self.last_block_hash: int | None = None
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.admitted = False
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.logprobs: list[dict[int, float]] = []
+        self.num_emitted = 0  # output tokens already returned by step()
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,105 @@
+"""The runtime's quantized linear layers and quantized KV cache against float64 references on fresh random data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmq.runtime.kv_cache import allocate_kv_cache
+from llmq.runtime.layers.linear import FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).abs().max() / ref.abs().max())
+
+
+def int_weights(n, k, bits, group, asym, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    groups = k // group
+    wg = w.view(n, groups, group)
+    qmax = 2 ** (bits - 1) - 1
+    if asym:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = (hi - lo) / (2 ** bits - 1)
+        zero = (-(2 ** (bits - 1)) - lo / scale).round()
+    else:
+        scale = wg.abs().amax(-1) / qmax
+        zero = None
+    zq = zero.unsqueeze(-1) if zero is not None else 0
+    q = (wg / scale.unsqueeze(-1) + zq).round().clamp(-qmax - 1, qmax).to(torch.int8).view(n, k)
+    ref = ((q.view(n, groups, group).double() - zq) * scale.unsqueeze(-1).double()).view(n, k)
+    return q, scale, zero, ref
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_int8_weight_only_matches_dequantized(rows):
+    q, scale, _, ref_w = int_weights(96, 64, 8, 64, False, seed=rows)
+    bias = torch.randn(96)
+    layer = Int8WeightOnlyLinear(q, scale.view(-1), None, bias, torch.float32)
+    assert layer.kernel  # the packed int8 kernel is used for small batches on this build
+    x = torch.randn(rows, 64)
+    ref = x.double() @ ref_w.t() + bias.double()
+    assert rel_err(layer(x), ref) < 1e-2  # bf16 activations in the CPU kernel; a wrong scale/layout is O(1)
+    grouped = Int8WeightOnlyLinear(*int_weights(96, 64, 8, 16, True, seed=5)[:3], None, torch.float32)
+    _, _, _, gref = int_weights(96, 64, 8, 16, True, seed=5)
+    assert not grouped.kernel and rel_err(grouped(x), x.double() @ gref.t()) < 1e-5
+
+
+@pytest.mark.parametrize("n,group,asym", [(64, 32, False), (48, 64, True), (40, 32, False)])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_int4_weight_only_matches_dequantized(n, group, asym, rows):
+    q, scale, zero, ref_w = int_weights(n, 128, 4, group, asym, seed=n + rows)
+    layer = Int4WeightOnlyLinear(q, scale, zero, None, torch.float32)
+    assert bool(layer.packed) == (n % 16 == 0)  # the CPU tinygemm kernel needs N % 16 == 0; else dequantize
+    if layer.packed:
+        assert layer.w_packed.numel() * layer.w_packed.element_size() == n * 128 // 2  # really 4 bits a weight
+    x = torch.randn(rows, 128)
+    assert rel_err(layer(x), x.double() @ ref_w.t()) < 1e-2
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [1, 24])
+def test_w8a8_quantizes_activations_per_token(static, rows):
+    q, scale, _, ref_w = int_weights(64, 96, 8, 96, False, seed=7)
+    x = torch.randn(rows, 96) * torch.linspace(0.1, 3, rows).unsqueeze(1)
+    input_scale = (x.abs().max() / 127).reshape(1) if static else None
+    layer = W8A8Linear(q, scale.view(-1), input_scale, None, torch.float32)
+    s = input_scale.double() if static else x.double().abs().amax(-1, keepdim=True) / 127
+    xq = (x.double() / s).round().clamp(-128, 127) * s
+    ref = xq @ ref_w.t()
+    assert rel_err(layer(x), ref) < 8e-3
+    # activation quantization really happens: the float-activation product differs by more than that
+    assert rel_err(x.double() @ ref_w.t(), ref) > 1e-3 or static
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_fp8_matches_dequantized(act_quant):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=g)
+    scale = w.abs().amax(-1) / 448
+    wq = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    layer = FP8Linear(wq, scale, None, act_quant, None, torch.float32)
+    x = torch.randn(5, 64)
+    ref_w = wq.double() * scale[:, None].double()
+    xs = x.double()
+    if act_quant:
+        s = x.abs().amax(-1, keepdim=True) / 448
+        xs = (x / s).to(torch.float8_e4m3fn).double() * s.double()
+    assert rel_err(layer(x), xs @ ref_w.t()) < 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [("int8", 0.01), ("fp8", 0.07)])
+def test_quantized_kv_cache_round_trips_within_its_precision(kv_dtype, tol):
+    qmax = 127 if kv_dtype == "int8" else 448
+    k = torch.randn(10, 2, 8) * 3
+    v = torch.randn(10, 2, 8) * torch.tensor([1.0, 20.0]).view(1, 2, 1)
+    scales = [(k.abs().amax() / qmax, v.abs().amax(dim=(0, 2)) / qmax)]  # per-tensor K, per-head V
+    (layer,) = allocate_kv_cache(1, 4, 4, 2, 8, kv_dtype, torch.float32, "cpu", scales)
+    assert layer.k.dtype in (torch.int8, torch.uint8) and layer.k.element_size() == 1
+    slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12, 13])  # blocks 0, 1 and the start of block 3
+    layer.write(slots, k, v)
+    kg, vg = layer.gather(torch.tensor([[0, 1, 3]]))
+    assert float((kg[0, :10] - k).abs().max() / k.abs().max()) < tol
+    for h in range(2):  # each head within its own scale's precision
+        assert float((vg[0, :10, h] - v[:, h]).abs().max() / v[:, h].abs().max()) < tol
