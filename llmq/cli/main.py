@@ -10,6 +10,7 @@ from .. import __version__
 from ..artifacts import ArtifactError
 from ..errors import LlmqError
 from .artifacts import import_, inspect, lineage, ls
+from .build import build
 
 
 class LlmqGroup(click.Group):
@@ -44,9 +45,9 @@ def cli(ctx, store):
     ctx.obj["store"] = store
 
 
-for _cmd in (import_, ls, inspect, lineage):
+for _cmd in (import_, ls, inspect, lineage, build):
     cli.add_command(_cmd)
-for _name, _issue in (("quantize", 3), ("quantize-kv", 3), ("build", 4), ("eval", 6), ("serve", 5), ("bench", 7),
+for _name, _issue in (("quantize", 3), ("quantize-kv", 3), ("eval", 6), ("serve", 5), ("bench", 7),
                       ("run", 8)):
     cli.add_command(_not_built(_name, _issue))
 

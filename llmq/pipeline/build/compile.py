@@ -1,0 +1,71 @@
+"""The TensorRT-LLM compile step after the checkpoint is written: one of three outcomes, recorded in the manifest.
+
+- "engine": tensorrt_llm with its TensorRT engine builder and a CUDA GPU: one engine per rank under trtllm/engine/.
+- "pytorch-options": tensorrt_llm with only its PyTorch backend (the builder was removed on its main branch in
+  2026): the options file trtllm-serve / the LLM API take, for the source Hugging Face checkpoint that backend loads.
+- "checkpoint-only": no tensorrt_llm (or no GPU for the builder): the checkpoint alone, and one line saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from ...errors import LlmqError
+
+OPTIONS_FILE = "llm_api_options.yaml"
+
+
+def _max_num_tokens(engine: dict) -> int:
+    return max(engine["max_seq_len"], min(engine["max_batch_size"] * engine["max_seq_len"], 8192))
+
+
+def write_llm_api_options(ckpt: Path, engine: dict, source_dir: Path) -> dict:
+    """Options for `trtllm-serve SOURCE --extra_llm_api_options FILE` / `LLM(SOURCE, **options)`."""
+    options = {"tensor_parallel_size": engine["tp"], "pipeline_parallel_size": engine["pp"],
+               "max_batch_size": engine["max_batch_size"], "max_seq_len": engine["max_seq_len"],
+               "max_num_tokens": _max_num_tokens(engine),
+               "kv_cache_config": {"dtype": engine["kv_cache_dtype"]}}
+    (ckpt / OPTIONS_FILE).write_text(yaml.safe_dump(options, sort_keys=True))
+    return {"status": "pytorch-options", "options": f"trtllm/{OPTIONS_FILE}",
+            "serve_command": f"trtllm-serve {source_dir} --extra_llm_api_options trtllm/{OPTIONS_FILE}"}
+
+
+def build_engines(ckpt: Path, engine: dict) -> dict:
+    """Compile one TensorRT engine per rank with tensorrt_llm's builder (needs the GPU the engine will run on)."""
+    from tensorrt_llm import BuildConfig, build
+    from tensorrt_llm.models import MODEL_MAP
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    model_cls = MODEL_MAP.get(cfg["architecture"])
+    if model_cls is None:
+        raise LlmqError(f"this tensorrt_llm has no model class for {cfg['architecture']}")
+    out = ckpt / "engine"
+    build_config = BuildConfig(max_batch_size=engine["max_batch_size"], max_seq_len=engine["max_seq_len"],
+                               max_num_tokens=_max_num_tokens(engine))
+    for rank in range(engine["tp"]):
+        model = model_cls.from_checkpoint(str(ckpt), rank=rank)
+        build(model, build_config).save(str(out))
+    return {"status": "engine", "engine_dir": "trtllm/engine"}
+
+
+def compile_trtllm(ckpt: Path, engine: dict, source_dir: Path) -> dict:
+    try:
+        import tensorrt_llm  # noqa: F401
+    except ImportError:
+        return {"status": "checkpoint-only",
+                "reason": "tensorrt_llm is not installed: install it (pip install 'llmq[trtllm]') on a machine "
+                          "with an NVIDIA GPU to compile engines from this checkpoint"}
+    try:
+        from tensorrt_llm import BuildConfig, build  # noqa: F401  (absent where only the PyTorch backend remains)
+    except ImportError:
+        return write_llm_api_options(ckpt, engine, source_dir)
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "checkpoint-only",
+                "reason": "tensorrt_llm is installed but no CUDA GPU is visible: engines are compiled for the GPU "
+                          "they run on; run `trtllm-build --checkpoint_dir trtllm` there"}
+    return build_engines(ckpt, engine)

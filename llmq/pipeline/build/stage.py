@@ -1,0 +1,109 @@
+"""The build stage: (model or quantized artifact, options) -> engine artifact, written atomically."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+
+from ...artifacts import Artifact, Store
+from ...errors import GateFailed, LlmqError
+from ...models.checkpoint import copy_tokenizer, write_json
+from .plan import make_plan
+from .source import SourceModel
+
+TARGETS = ("llmq", "trtllm")
+KV_CHOICES = ("auto", "int8", "fp8")
+ENGINE_FORMAT = "llmq-engine"
+ENGINE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    tp: int = 1
+    pp: int = 1
+    target: str = "llmq"
+    max_batch_size: int = 64
+    max_seq_len: int | None = None      # None: the model's max positions, capped at 4096
+    kv: str = "auto"
+    block_size: int = 16
+    pad_heads: bool = False
+    parallel_embedding: bool = False
+    verify: bool = False
+    name: str | None = None
+
+
+def _check(opts: BuildOptions, src: SourceModel) -> None:
+    if opts.target not in TARGETS:
+        raise LlmqError(f"--target {opts.target!r}: use one of {', '.join(TARGETS)}")
+    if opts.pp != 1:
+        raise LlmqError(f"--pp {opts.pp}: pipeline parallelism is not supported yet; use --pp 1")
+    if opts.kv not in KV_CHOICES:
+        raise LlmqError(f"--kv {opts.kv!r}: use one of {', '.join(KV_CHOICES)}")
+    for flag, v in (("--max-batch-size", opts.max_batch_size), ("--block-size", opts.block_size),
+                    ("--max-seq-len", opts.max_seq_len or 1)):
+        if v < 1:
+            raise LlmqError(f"{flag} must be a positive integer, got {v}")
+    if opts.max_seq_len and opts.max_seq_len > src.spec.max_position_embeddings:
+        raise LlmqError(f"--max-seq-len {opts.max_seq_len} exceeds the model's {src.spec.max_position_embeddings} "
+                        "positions")
+
+
+def kv_cache_dtype(requested: str, src: SourceModel) -> str:
+    """The engine's KV-cache dtype: what the source was calibrated for, checked against what the user asked."""
+    have = src.kv_cache_dtype()
+    if requested == "auto":
+        return have or "auto"
+    if have is None and requested == "int8":
+        raise LlmqError("--kv int8 needs calibrated KV-cache scales and this artifact has none; "
+                        "run `llmq quantize-kv REF --kv int8` first")
+    if have is not None and have != requested:
+        raise LlmqError(f"--kv {requested}: this artifact's KV-cache scales are calibrated for {have}; "
+                        f"use --kv {have} or re-run `llmq quantize-kv REF --kv {requested}`")
+    return requested
+
+
+def _dtype_of(src: SourceModel) -> str:
+    """The dense tensors' dtype, read from the embedding rather than trusted from config.json."""
+    return str(src.tensor("model.embed_tokens.weight").dtype).removeprefix("torch.")
+
+
+def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: str | None = None) -> Artifact:
+    """Shard `source` for opts.tp ranks into a new engine artifact; optionally run the reference check first."""
+    src = SourceModel(source.path)
+    _check(opts, src)
+    plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
+    kv = kv_cache_dtype(opts.kv, src)
+    max_seq_len = opts.max_seq_len or min(src.spec.max_position_embeddings, 4096)
+    name = opts.name or f"{source.name}-tp{opts.tp}" + ("-trtllm" if opts.target == "trtllm" else "")
+    engine = {"format": ENGINE_FORMAT, "format_version": ENGINE_FORMAT_VERSION, "target": opts.target,
+              "tp": opts.tp, "pp": opts.pp, "max_batch_size": opts.max_batch_size, "max_seq_len": max_seq_len,
+              "kv_cache_dtype": kv, "block_size": opts.block_size, "dtype": _dtype_of(src),
+              "source": {"id": source.id, "name": source.name, "version": source.version, "kind": source.kind},
+              "source_ids": [source.id, *source.parents], "plan": plan.to_dict()}
+    config = {"options": asdict(opts), "plan": plan.to_dict(), "kv_cache_dtype": kv, "max_seq_len": max_seq_len}
+    with store.create("engine", name, parents=[source.id], config=config, command=command) as w:
+        if opts.target == "llmq":
+            from .llmq_target import write_llmq
+
+            engine["ranks"] = write_llmq(src, plan, w.dir)
+            engine["quantization"] = src.config.get("quantization_config")  # as in every rank's config.json
+        else:
+            from .trtllm import write_trtllm
+
+            engine.update(write_trtllm(src, plan, w.dir / "trtllm", engine))
+        copy_tokenizer(source.path, w.dir)
+        if (source.path / "generation_config.json").is_file():
+            shutil.copyfile(source.path / "generation_config.json", w.dir / "generation_config.json")
+        write_json(w.dir / "engine.json", engine)
+        w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*.safetensors")),
+                         compile=engine.get("compile", {"status": "not-applicable"}))
+        if opts.verify:
+            from .verify import verify_engine
+
+            result = verify_engine(w.dir, source.path)
+            w.metrics["verify"] = result
+            if not result["passed"]:
+                raise GateFailed(f"reference check failed: max relative error {result['max_rel_error']:.3g} > "
+                                 f"{result['tolerance']:g} (tp={opts.tp}, target={opts.target}); nothing written")
+    return w.artifact
+

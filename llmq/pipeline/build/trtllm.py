@@ -1,0 +1,327 @@
+"""`--target trtllm`: a TensorRT-LLM checkpoint (config.json + rank<N>.safetensors), then the compile step.
+
+Names and layouts follow TensorRT-LLM's checkpoint documentation (docs/source/architecture/checkpoint.md) and its
+Llama converter (tensorrt_llm/models/llama/convert.py): per layer `attention.qkv` (q, k and v rows of this rank
+stacked), `attention.dense` (o_proj), `mlp.fc` (gate_proj, the activated branch), `mlp.gate` (up_proj),
+`mlp.proj` (down_proj), `input_layernorm`, `post_layernorm`; `transformer.vocab_embedding`, `transformer.ln_f`,
+`lm_head` (vocab padded to a multiple of tp, always written, also for tied embeddings);
+`attention.kv_cache_scaling_factor` (one float32 per layer, the larger of the K and V scales).
+
+Weight-only INT4 with groups is written as W4A16_AWQ without pre-quant scale, the layout TensorRT-LLM's loader
+preprocesses itself at engine-build time (modeling_utils.preprocess_perlayer_weights): `weight` int8 [out/2, in]
+holding two signed 4-bit values per byte along the output axis (row 2j in the low nibble, 2j+1 in the high one),
+`weights_scaling_factor` [out, in/group]; with zero points, `zero` = -zero_point * scale in the layer's own
+[in/group, out] layout (the loader does not transpose it). Weight-only INT8 and per-channel INT4 are written as
+W8A16 / W4A16 with the weights dequantized to the model dtype: TensorRT-LLM quantizes those per channel itself at
+load (convert_utils.weight_only_quantize_dict); its pre-quantized int8 layout is GPU-architecture specific.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ...errors import LlmqError
+from .plan import ShardPlan
+from .shard import LinearWeights, layer_slices, split_rows, vocab_slice
+from .source import SourceModel, layer_prefix, linear_names
+
+# The strings TensorRT-LLM accepts, read from tensorrt_llm/quantization/mode.py (class QuantAlgo(StrEnum), whose
+# auto() values are the member names; QUANT_ALGO_LIST is every member but INT8; KV_CACHE_QUANT_ALGO_LIST is
+# FP8, INT8, NVFP4). Listed here so that no import of tensorrt_llm is needed to validate a config.
+TRTLLM_QUANT_ALGOS = frozenset({
+    "W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_GPTQ", "W8A8_SQ_PER_CHANNEL",
+    "W8A8_SQ_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
+    "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", "W4A8_QSERVE_PER_GROUP", "W4A8_QSERVE_PER_CHANNEL", "FP8",
+    "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "MIXED_PRECISION", "NVFP4", "W4A8_NVFP4_FP8",
+    "W4A8_MXFP4_FP8", "W4A8_MXFP4_MXFP8", "W4A16_MXFP4", "NO_QUANT"})
+TRTLLM_KV_CACHE_QUANT_ALGOS = frozenset({"FP8", "INT8", "NVFP4"})
+# The checkpoint's config keys (checkpoint.md's config table) and the quantization section's keys (QuantConfig).
+TRTLLM_CONFIG_KEYS = frozenset({"architecture", "dtype", "logits_dtype", "vocab_size", "max_position_embeddings",
+                                "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                "hidden_act", "intermediate_size", "norm_epsilon", "position_embedding_type",
+                                "mapping", "quantization", "use_parallel_embedding", "embedding_sharding_dim",
+                                "head_size", "rotary_base", "rotary_scaling", "attn_bias", "mlp_bias",
+                                "tie_word_embeddings", "qwen_type"})
+TRTLLM_QUANT_KEYS = frozenset({"quant_algo", "kv_cache_quant_algo", "group_size", "smoothquant_val", "clamp_val",
+                               "use_meta_recipe", "has_zero_point", "pre_quant_scale", "exclude_modules"})
+
+TRT_MODULES = {"o_proj": "attention.dense", "gate_proj": "mlp.fc", "up_proj": "mlp.gate", "down_proj": "mlp.proj"}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _weight_only(qw) -> bool:
+    return getattr(qw, "input_scale", None) is None and not getattr(qw, "dynamic", False) and \
+        not qw.q.dtype.is_floating_point
+
+
+def quant_algo_for(qw) -> str:
+    """The TensorRT-LLM algorithm that serves one of our quantized weights, or an LlmqError saying why none does."""
+    if qw.q.dtype.is_floating_point:
+        raise LlmqError("FP8 artifacts cannot be written as a TensorRT-LLM checkpoint by llmq yet "
+                        "(TensorRT-LLM needs one scale for the fused qkv); use --target llmq")
+    if not _weight_only(qw):
+        raise LlmqError("W8A8 (SmoothQuant) artifacts cannot be written as a TensorRT-LLM checkpoint by llmq yet; "
+                        "use --target llmq")
+    grouped = qw.group_size is not None and qw.scale.dim() == 2 and qw.scale.shape[-1] > 1
+    if qw.bits == 4 and grouped:
+        return "W4A16_AWQ"
+    if not qw.symmetric and not grouped:
+        raise LlmqError("asymmetric per-channel weights have no TensorRT-LLM weight-only algorithm; use --target llmq")
+    return "W4A16" if qw.bits == 4 else "W8A16"
+
+
+def _int4_offset(qw) -> int:
+    """0 when our 4-bit integers are stored signed ([-8, 7]), 8 when stored unsigned ([0, 15])."""
+    return 0 if int(qw.q.min()) >= -8 and int(qw.q.max()) <= 7 else 8
+
+
+def _signed_int4(qw) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Our integer weights as signed 4-bit values, and the additive zero term TensorRT-LLM wants (or None)."""
+    offset = _int4_offset(qw)
+    q = qw.q.to(torch.int16) - offset
+    if int(q.min()) < -8 or int(q.max()) > 7:
+        raise LlmqError("INT4 weights out of the 4-bit range; the artifact is damaged")
+    zp = qw.zero_point
+    if zp is None and offset == 0:
+        return q.to(torch.int8), None
+    zp = torch.zeros_like(qw.scale, dtype=torch.float32) if zp is None else zp.float()
+    return q.to(torch.int8), ((offset - zp) * qw.scale.float())
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Signed int4 [out, in] -> int8 [out/2, in]: row 2j in the low nibble, row 2j+1 in the high nibble."""
+    if q.shape[0] % 2:
+        raise LlmqError(f"cannot pack {q.shape[0]} output rows two per byte for TensorRT-LLM (odd count)")
+    lo, hi = q[0::2].to(torch.int16) & 0xF, q[1::2].to(torch.int16) & 0xF
+    return (lo | (hi << 4)).to(torch.uint8).view(torch.int8)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, b >> 4
+    lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
+    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
+
+
+def _awq_tensors(qw, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    q, zero = _signed_int4(qw)
+    out = {"weight": pack_int4_rows(q), "weights_scaling_factor": qw.scale.contiguous()}
+    if zero is not None:
+        out["zero"] = zero.T.to(dtype).contiguous()   # a model-dtype parameter the loader takes as is
+    return out
+
+
+def reference_dense(lw: LinearWeights, dtype: torch.dtype) -> torch.Tensor:
+    """float32 value of a source linear as this checkpoint represents it, for the unsharded side of the check."""
+    if lw.qw is None:
+        return lw.weight.float()
+    algo = quant_algo_for(lw.qw)
+    if algo != "W4A16_AWQ":
+        return lw.dense(torch.float32).to(dtype).float()
+    q, zero = _signed_int4(lw.qw)
+    return _awq_dense(q, lw.qw.scale, None if zero is None else zero.to(dtype).T)
+
+
+def _awq_dense(q: torch.Tensor, scale: torch.Tensor, zero_t: torch.Tensor | None) -> torch.Tensor:
+    """q [out, in] signed, scale [out, G], zero_t [G, out] in the layer's layout -> float32 weight."""
+    group = q.shape[1] // scale.shape[1]
+    w = q.float() * scale.float().repeat_interleave(group, dim=1)
+    if zero_t is not None:
+        w = w + zero_t.float().T.repeat_interleave(group, dim=1)
+    return w
+
+
+def _linear_tensors(lw: LinearWeights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One rank's tensors of one linear, without the module prefix: packed INT4 + scales for grouped INT4,
+    else the (dequantized) weight in the model dtype."""
+    if lw.qw is None:
+        out = {"weight": lw.weight.to(dtype).contiguous()}
+    elif quant_algo_for(lw.qw) == "W4A16_AWQ":
+        out = _awq_tensors(lw.qw, dtype)
+    else:
+        out = {"weight": lw.dense(torch.float32).to(dtype).contiguous()}
+    if lw.bias is not None:
+        out["bias"] = lw.bias.to(dtype).contiguous()
+    return out
+
+
+def _stack_rows(parts: list[LinearWeights]) -> LinearWeights:
+    """q, k and v slices of one rank stacked into the fused qkv linear (rows, scales, zero points, bias)."""
+    import dataclasses
+
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.shape[0]) for p in parts])
+    if parts[0].qw is None:
+        return LinearWeights("qkv", weight=torch.cat([p.weight for p in parts]), bias=bias)
+    qws = [p.qw for p in parts]
+    cat = (lambda xs: None if xs[0] is None else torch.cat(xs))
+    fused = dataclasses.replace(qws[0], q=cat([q.q for q in qws]), scale=cat([q.scale for q in qws]),
+                                zero_point=cat([q.zero_point for q in qws]))
+    return LinearWeights("qkv", qw=fused, bias=bias)
+
+
+def _schemes(src: SourceModel) -> tuple[str | None, dict]:
+    """The model's TensorRT-LLM quant_algo and its quantization fields.
+
+    TensorRT-LLM takes one algorithm per checkpoint. Grouped INT4 layers decide it (W4A16_AWQ) when present; other
+    quantized layers are then stored dequantized and listed in exclude_modules. Without grouped INT4 every layer
+    is stored dequantized and TensorRT-LLM quantizes it per channel (W8A16 if any layer had 8 bits, else W4A16).
+    """
+    if not src.quantized:
+        return None, {}
+    algos, awq = set(), []
+    for i in range(src.spec.num_layers):
+        for name in linear_names(i):
+            qw = src.linear(name).qw
+            if qw is not None:
+                algos.add(algo := quant_algo_for(qw))
+                if algo == "W4A16_AWQ":
+                    awq.append(qw)
+    if not algos:
+        return None, {}
+    if awq:
+        groups = {q.group_size for q in awq}
+        if len(groups) > 1:
+            raise LlmqError(f"INT4 layers use different group sizes {sorted(groups)}; a TensorRT-LLM checkpoint has one")
+        has_zero = any(q.zero_point is not None or _int4_offset(q) for q in awq)
+        return "W4A16_AWQ", {"group_size": int(groups.pop()), "has_zero_point": bool(has_zero)}
+    return ("W8A16" if "W8A16" in algos else "W4A16"), {}
+
+
+def _kv_cache_scaling_factor(scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """TensorRT-LLM keeps one KV scale per layer for K and V and all heads: the largest of ours (1.0 if none)."""
+    if scales is None:
+        return torch.ones(1)
+    return torch.maximum(scales[0].float().max(), scales[1].float().max()).reshape(1)
+
+
+def trtllm_config(src: SourceModel, plan: ShardPlan, algo: str | None, qfields: dict, kv_algo: str | None,
+                  exclude: list[str], dtype: str) -> dict:
+    s = src.spec
+    cfg = {
+        "architecture": s.architecture, "dtype": dtype, "logits_dtype": "float32", "vocab_size": s.vocab_size,
+        "max_position_embeddings": s.max_position_embeddings, "hidden_size": s.hidden_size,
+        "num_hidden_layers": s.num_layers, "num_attention_heads": plan.padded_heads,
+        "num_key_value_heads": plan.padded_kv_heads, "head_size": s.head_dim, "hidden_act": "silu",
+        "intermediate_size": s.intermediate_size, "norm_epsilon": s.rms_norm_eps,
+        "position_embedding_type": "rope_gpt_neox", "rotary_base": s.rope_theta, "rotary_scaling": s.rope_scaling,
+        "mapping": {"world_size": plan.tp, "tp_size": plan.tp, "pp_size": 1},
+        "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
+                         "group_size": qfields.get("group_size", 128),
+                         "has_zero_point": qfields.get("has_zero_point", False), "pre_quant_scale": False,
+                         "exclude_modules": exclude or None},
+        "use_parallel_embedding": plan.parallel_embedding, "embedding_sharding_dim": 0,
+        "attn_bias": s.attention_bias, "mlp_bias": False, "tie_word_embeddings": False,
+    }
+    if s.model_type == "qwen2":
+        cfg["qwen_type"] = "qwen2"
+    return cfg
+
+
+def validate_config(cfg: dict) -> None:
+    """Refuse a config TensorRT-LLM would reject: unknown keys or algorithm strings outside its QuantAlgo enum."""
+    if unknown := set(cfg) - TRTLLM_CONFIG_KEYS:
+        raise LlmqError(f"TensorRT-LLM config has unknown keys: {sorted(unknown)}")
+    q = cfg["quantization"]
+    if unknown := set(q) - TRTLLM_QUANT_KEYS:
+        raise LlmqError(f"TensorRT-LLM quantization section has unknown keys: {sorted(unknown)}")
+    if q["quant_algo"] is not None and (q["quant_algo"] not in TRTLLM_QUANT_ALGOS or q["quant_algo"] == "INT8"):
+        raise LlmqError(f"quant_algo {q['quant_algo']!r} is not one TensorRT-LLM accepts")
+    if q["kv_cache_quant_algo"] is not None and q["kv_cache_quant_algo"] not in TRTLLM_KV_CACHE_QUANT_ALGOS:
+        raise LlmqError(f"kv_cache_quant_algo {q['kv_cache_quant_algo']!r} is not one TensorRT-LLM accepts")
+    m = cfg["mapping"]
+    if m["world_size"] != m["tp_size"] * m["pp_size"]:
+        raise LlmqError("TensorRT-LLM mapping: world_size must equal tp_size * pp_size")
+
+
+def write_trtllm(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> dict:
+    """Write the checkpoint under `out`, run the compile step; returns the engine.json fields for this target."""
+    from .compile import compile_trtllm
+
+    dtype_name = engine["dtype"]
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None:
+        raise LlmqError(f"model dtype {dtype_name!r} has no TensorRT-LLM equivalent")
+    algo, qfields = _schemes(src)
+    kv = engine["kv_cache_dtype"]
+    kv_algo = {"int8": "INT8", "fp8": "FP8"}.get(kv)
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(plan.tp)]
+    exclude: set[str] = set()
+
+    def put(r: int, prefix: str, lw: LinearWeights) -> None:
+        if algo is not None and (lw.qw is None or (algo == "W4A16_AWQ" and quant_algo_for(lw.qw) != algo)):
+            exclude.add(prefix)
+        states[r].update({f"{prefix}.{k}": v for k, v in _linear_tensors(lw, dtype).items()})
+
+    for i in range(src.spec.num_layers):
+        p, tp_ = layer_prefix(i), f"transformer.layers.{i}"
+        kv_s = _kv_cache_scaling_factor(src.kv_scales(i)) if kv_algo is not None else None
+        for r, sl in enumerate(layer_slices(src, plan, i)):
+            put(r, f"{tp_}.attention.qkv", _stack_rows([sl["q_proj"], sl["k_proj"], sl["v_proj"]]))
+            for n, trt in TRT_MODULES.items():
+                put(r, f"{tp_}.{trt}", sl[n])
+            states[r][f"{tp_}.input_layernorm.weight"] = src.tensor(f"{p}.input_layernorm.weight").to(dtype)
+            states[r][f"{tp_}.post_layernorm.weight"] = src.tensor(f"{p}.post_attention_layernorm.weight").to(dtype)
+            if kv_s is not None:
+                states[r][f"{tp_}.attention.kv_cache_scaling_factor"] = kv_s
+    embed = src.tensor("model.embed_tokens.weight").to(dtype)
+    lm_head = src.lm_head()
+    for r in range(plan.tp):
+        states[r]["transformer.vocab_embedding.weight"] = vocab_slice(embed, plan, r) if plan.parallel_embedding \
+            else embed
+        states[r]["transformer.ln_f.weight"] = src.tensor("model.norm.weight").to(dtype)
+        put(r, "lm_head", split_rows(lm_head, plan.vocab_rows(r)))
+    cfg = trtllm_config(src, plan, algo, qfields, kv_algo, sorted(exclude), dtype_name)
+    validate_config(cfg)
+    out.mkdir(parents=True)
+    from safetensors.torch import save_file
+
+    for r, state in enumerate(states):
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / f"rank{r}.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return {"ranks": [f"trtllm/rank{r}.safetensors" for r in range(plan.tp)], "trtllm_checkpoint": "trtllm",
+            "quantization": cfg["quantization"], "compile": compile_trtllm(out, engine, src.path)}
+
+
+def trtllm_rank_weights(ckpt: Path, plan: ShardPlan):
+    """Read rank<N>.safetensors back into float32 per-rank weights for the reference check."""
+    from safetensors.torch import load_file
+
+    from .verify import Lin, RankWeights
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    validate_config(cfg)
+    algo = cfg["quantization"]["quant_algo"]
+    d, hq, hkv = plan.head_dim, plan.heads_per_rank, plan.kv_heads_per_rank
+
+    def lin(state: dict, prefix: str) -> Lin:
+        bias = state.get(f"{prefix}.bias")
+        bias = bias.float() if bias is not None else None
+        if state[f"{prefix}.weight"].dtype == torch.int8 and algo == "W4A16_AWQ":
+            q = unpack_int4_rows(state[f"{prefix}.weight"])
+            return Lin(_awq_dense(q, state[f"{prefix}.weights_scaling_factor"], state.get(f"{prefix}.zero")), bias)
+        return Lin(state[f"{prefix}.weight"].float(), bias)
+
+    ranks = []
+    for r in range(plan.tp):
+        st = load_file(str(ckpt / f"rank{r}.safetensors"))
+        layers, norms = [], []
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"transformer.layers.{i}"
+            qkv = lin(st, f"{p}.attention.qkv")
+            sizes = [hq * d, hkv * d, hkv * d]
+            ws = qkv.weight.split(sizes)
+            bs = qkv.bias.split(sizes) if qkv.bias is not None else (None,) * 3
+            layer = {n: Lin(w, b) for n, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs)}
+            layer |= {n: lin(st, f"{p}.{trt}") for n, trt in TRT_MODULES.items()}
+            layers.append(layer)
+            norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_layernorm.weight"].float()))
+        kv = [st.get(f"transformer.layers.{i}.attention.kv_cache_scaling_factor") for i in range(len(layers))]
+        ranks.append(RankWeights(embed=st["transformer.vocab_embedding.weight"].float(), layers=layers, norms=norms,
+                                 final_norm=st["transformer.ln_f.weight"].float(), lm_head=lin(st, "lm_head").weight,
+                                 kv_scales=[None if s is None else (s, s) for s in kv]))
+    return ranks, cfg
