@@ -11,6 +11,7 @@ from ..artifacts import ArtifactError
 from ..errors import LlmqError
 from .artifacts import import_, inspect, lineage, ls
 from .build import build
+from .run import run
 
 
 class LlmqGroup(click.Group):
@@ -45,10 +46,9 @@ def cli(ctx, store):
     ctx.obj["store"] = store
 
 
-for _cmd in (import_, ls, inspect, lineage, build):
+for _cmd in (import_, ls, inspect, lineage, build, run):
     cli.add_command(_cmd)
-for _name, _issue in (("quantize", 3), ("quantize-kv", 3), ("eval", 6), ("serve", 5), ("bench", 7),
-                      ("run", 8)):
+for _name, _issue in (("quantize", 3), ("quantize-kv", 3), ("eval", 6), ("serve", 5), ("bench", 7)):
     cli.add_command(_not_built(_name, _issue))
 
 

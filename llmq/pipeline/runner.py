@@ -1,0 +1,140 @@
+"""Running a validated recipe: each stage in order, reusing the artifact of any stage whose inputs are unchanged.
+
+A stage's inputs are its parent artifact's content id and its own settings; `recipe.stage_key` hashes both. Because
+every artifact's id is a hash of its payload and the stages are deterministic, an unchanged prefix of the pipeline
+keeps its ids and a changed stage changes the parent id of everything after it: those re-run, nothing before does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..artifacts import Artifact, Store
+from ..errors import LlmqError
+from ..models import resolve_model
+from .recipe import STAGE_ORDER, Recipe, StageCache, stage_key
+
+
+@dataclass
+class StageResult:
+    stage: str
+    status: str                     # ran | reused | would run | would reuse
+    artifact: Artifact | None
+    seconds: float = 0.0
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    recipe: Recipe
+    model: Artifact
+    stages: list[StageResult]
+    failed_gates: list[str]
+
+
+def _quantize(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
+    from .quantize import QuantizeOptions, quantize
+
+    opts = QuantizeOptions(bits=cfg.bits, method=cfg.method, group_size=cfg.group_size, symmetric=cfg.symmetric,
+                           calib=cfg.calib, num_samples=cfg.calib_samples, seed=recipe.seed,
+                           name=cfg.name or f"{recipe.name}-{cfg.method}-w{cfg.bits}")
+    return quantize(parent, opts, store)
+
+
+def _quantize_kv(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
+    from .kvcache import KVOptions, quantize_kv
+
+    return quantize_kv(parent, KVOptions(kv=cfg.kv, calib=cfg.calib, seed=recipe.seed,
+                                         name=cfg.name or f"{recipe.name}-kv{cfg.kv}"), store)
+
+
+def _build(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
+    from .build import BuildOptions, build_engine
+
+    opts = BuildOptions(tp=cfg.tp, target=cfg.target, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
+                        kv=cfg.kv, block_size=cfg.block_size, pad_heads=cfg.pad_heads,
+                        parallel_embedding=cfg.parallel_embedding, verify=cfg.verify,
+                        name=cfg.name or f"{recipe.name}-tp{cfg.tp}" + ("-trtllm" if cfg.target == "trtllm" else ""))
+    return build_engine(parent, store, opts)
+
+
+def _eval(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
+    from ..evals import EvalOptions, evaluate
+
+    return evaluate(parent, EvalOptions(tasks=list(cfg.tasks), limit=cfg.limit, seed=recipe.seed,
+                                        name=cfg.name or f"{recipe.name}-eval"), store)
+
+
+def _bench(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
+    from ..bench import OfflineOptions, run_offline
+
+    return run_offline(parent, OfflineOptions(batch_sizes=list(cfg.batch_sizes), input_len=cfg.input_len,
+                                              output_len=cfg.output_len, name=cfg.name or f"{recipe.name}-bench"),
+                       store)
+
+
+ADAPTERS: dict[str, Callable] = {"quantize": _quantize, "quantize_kv": _quantize_kv, "build": _build,
+                                 "eval": _eval, "bench": _bench}
+
+
+def _feeds_next(stage: str, cfg) -> bool:
+    """Whether a stage's artifact is the input of the stages after it. eval and bench only read theirs, and a
+    TensorRT-LLM checkpoint is for TensorRT-LLM: eval and bench after it read the build's source instead."""
+    return stage in ("quantize", "quantize_kv") or (stage == "build" and cfg.target == "llmq")
+
+
+def _key(stage: str, parent: Artifact, cfg, recipe: Recipe) -> str:
+    """A gate only judges the report, so changing it re-judges the cached report instead of re-running eval."""
+    return stage_key(stage, parent, cfg.model_copy(update={"gate": None}) if stage == "eval" else cfg,
+                     {"seed": recipe.seed})
+
+
+def _gates(report: Artifact, gate: str | None) -> list[str]:
+    if not gate:
+        return []
+    from ..evals import check_gates
+
+    return check_gates(report, gate)
+
+
+def run_recipe(recipe: Recipe, store: Store, from_stage: str | None = None, dry_run: bool = False,
+               on_stage: Callable[[str, str], None] | None = None) -> RunResult:
+    """Run (or with dry_run, plan) every stage of `recipe`; `from_stage` forces that stage and all later ones."""
+    present = [s for s in STAGE_ORDER if getattr(recipe.stages, s) is not None]
+    if from_stage is not None:
+        from_stage = from_stage.replace("-", "_")
+        if from_stage not in present:
+            raise LlmqError(f"--from {from_stage}: this recipe's stages are {', '.join(present)}")
+    cache = StageCache(store)
+    model = resolve_model(recipe.model, store)
+    parent: Artifact | None = model
+    results, failed = [], []
+    forced = False
+    for stage in present:
+        cfg = getattr(recipe.stages, stage)
+        forced = forced or stage == from_stage
+        key = _key(stage, parent, cfg, recipe) if parent is not None else None
+        cached = cache.get(key) if key else None
+        if dry_run:
+            results.append(StageResult(stage, "would reuse" if cached and not forced else "would run", cached))
+            if _feeds_next(stage, cfg):
+                parent = cached if cached and not forced else None
+            continue
+        if on_stage:
+            on_stage(stage, "reusing" if cached and not forced else "running")
+        t0 = time.perf_counter()
+        if cached is not None and not forced:
+            art, status = cached, "reused"
+        else:
+            art, status = ADAPTERS[stage](parent, cfg, store, recipe), "ran"
+            cache.put(key, art)
+        results.append(StageResult(stage, status, art, time.perf_counter() - t0))
+        if stage == "eval":
+            failed = _gates(art, cfg.gate)
+            if failed:
+                break
+        if _feeds_next(stage, cfg):
+            parent = art
+    return RunResult(recipe, model, results, failed)
