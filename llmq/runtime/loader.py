@@ -8,49 +8,16 @@ read only through llmq.models.qformat. q/k/v and gate/up are fused into one line
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import LlmqError
 from ..models import ModelSpec
-from ..models.checkpoint import read_config, safetensors_files
-from .distributed import TPContext
+from ..models.reader import CheckpointReader
 from .layers.linear import (DenseLinear, FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, LinearBase,
                             W8A8Linear)
-
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-class LazyTensors(Mapping):
-    """name -> tensor over a directory's *.safetensors files, each tensor read when first asked for."""
-
-    def __init__(self, files: list[Path]):
-        from safetensors import safe_open
-
-        self._where = {}
-        for f in files:
-            try:
-                h = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for damaged headers
-                raise LlmqError(f"{f}: not a readable safetensors file ({e})") from None
-            for k in h.keys():
-                self._where[k] = h
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise KeyError(name)
-        return self._where[name].get_tensor(name)
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
 
 
 @dataclass
@@ -66,53 +33,12 @@ class Part:
         return (self.weight if self.weight is not None else self.qw.q).shape[0]
 
 
-class Checkpoint:
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.config = read_config(self.path)
-        self.spec = ModelSpec.from_config(self.config)
-        files = safetensors_files(self.path)
-        if not files:
-            raise LlmqError(f"{self.path}: no *.safetensors weights found")
-        self.tensors = LazyTensors(files)
-        self.qconfig = None
-        if "quantization_config" in self.config:
-            from ..models import qformat
-
-            self.qconfig = qformat.parse_quantization_config(self.config)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise LlmqError(f"{self.path}: tensor {name} is missing from the checkpoint") from None
+class Checkpoint(CheckpointReader):
+    """The checkpoint this rank loads; linears come as Parts, which the loader slices and fuses."""
 
     def linear(self, name: str) -> Part:
-        bias = self.tensors[f"{name}.bias"] if f"{name}.bias" in self.tensors else None
-        if self.qconfig is not None:
-            from ..models import qformat
-
-            qw = qformat.read_linear(self.tensors, name, self.qconfig)
-            if qw is not None:
-                return Part(qw=qw, bias=bias)
-        return Part(weight=self.tensor(f"{name}.weight"), bias=bias)
-
-    def has_lm_head(self) -> bool:
-        return any(k.startswith("lm_head.") for k in self.tensors)
-
-    def kv_scales(self, i: int):
-        if self.qconfig is None:
-            return None
-        from ..models import qformat
-
-        return qformat.read_kv_scales(self.tensors, f"model.layers.{i}.self_attn", self.qconfig)
-
-    def kv_cache_dtype(self) -> str | None:
-        if self.qconfig is None:
-            return None
-        from ..models import qformat
-
-        return qformat.kv_cache_dtype(self.qconfig)
+        weight, qw, bias = self.linear_tensors(name)
+        return Part(weight=weight, qw=qw, bias=bias)
 
 
 # -- slicing an unsharded checkpoint for one rank ------------------------------------------------------------------

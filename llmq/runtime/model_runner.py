@@ -6,7 +6,6 @@ attention needs (slots to write, block tables to read, masks) is computed once p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +13,13 @@ import torch
 
 from ..errors import LlmqError
 from ..models import ModelSpec
+from ..models.reader import ATTN, MLP
 from .distributed import TPContext
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_inv_freq
-from .loader import ATTN, MLP, Checkpoint, Part, RankLayout, build_linear, split_cols, split_rows
+from .loader import Checkpoint, Part, RankLayout, build_linear, split_cols, split_rows
 from .models.llama import DecoderLayer, LayerWeights, LlamaForCausalLM
 
 
