@@ -26,3 +26,27 @@ def default_model(tmp_path_factory):
     from llmq.models import resolve_model
 
     return resolve_model(None, Store(tmp_path_factory.mktemp("default-store")))
+
+
+@pytest.fixture(scope="session")
+def default_store(default_model):
+    """The session store holding the default model and the quantized artifacts made from it."""
+    return Store(default_model.path.parent.parent)
+
+
+def _default_rtn(default_model, default_store, **kw):
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    return quantize(default_model, QuantizeOptions(method="rtn", **kw), default_store, progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_int4(default_model, default_store):
+    """INT4 RTN (groups of 64) of the default model, made once per session and shared by every integration test."""
+    return _default_rtn(default_model, default_store, bits=4, group_size=64)
+
+
+@pytest.fixture(scope="session")
+def default_int8(default_model, default_store):
+    """INT8 RTN (per channel) of the default model, made once per session."""
+    return _default_rtn(default_model, default_store, bits=8)

@@ -1,0 +1,55 @@
+"""`llmq quantize`: weights to INT8 / INT4 / FP8, one decoder layer at a time, written in compressed-tensors format.
+
+Methods are plug-ins. Adding one is adding one module `llmq/pipeline/quantize/<name>.py` and its name to `METHODS`;
+the stage (stage.py) and the layer-by-layer engine (layerwise.py) do everything else: validation, calibration data,
+loading the model, walking the decoder layers, the quality probe, the checkpoint, the manifest.
+
+A method module defines:
+
+    BITS: tuple[int, ...]          weight bit widths it supports, e.g. (4, 8); others are refused before any work
+    CALIBRATED: bool | (opts) -> bool   whether it needs calibration data (False: no calibration pass at all)
+    def quantize_layer(ctx: LayerContext) -> dict[str, QuantizedWeight]
+
+and optionally `def validate(opts: QuantizeOptions, spec: ModelSpec) -> None` (raise LlmqError for options the method
+cannot honour; called before anything is loaded).
+
+`quantize_layer` is called once per decoder layer with a `layerwise.LayerContext`: `ctx.layer` (the float32 decoder
+layer on the work device; the method may rewrite its parameters in place, e.g. fold scales into an RMSNorm, and the
+engine stores the rewritten norms / biases in the model dtype), `ctx.linears` ({"self_attn.q_proj": nn.Linear, ...}),
+`ctx.opts` (QuantizeOptions), `ctx.spec` (ModelSpec), `ctx.scale_dtype` (store scales in it: `rtn.round_scale`), and
+calibration passes over the layer as it is at the time of the call: `ctx.collect(names, fn)` (fn(name, x) with x the
+[tokens, in_features] float32 input of each named linear, sample by sample), `ctx.hessians(names)`,
+`ctx.input_absmax(names)`, `ctx.input_absmean(names)`, `ctx.inputs(names, max_tokens)`.
+It returns a `qformat.QuantizedWeight` for every linear in `ctx.linears`. Activation quantization is expressed in the
+weight (`input_scale` for static, `dynamic=True` for per-token): the engine simulates it in the quality probe and in
+the inputs it hands to the next layer, and derives the compressed-tensors scheme from the weights (one scheme for all).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ...errors import LlmqError
+
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
+
+
+def load_method(name: str) -> ModuleType:
+    """The plug-in module of a quantization method, checked for the interface above."""
+    if name not in METHODS:
+        raise LlmqError(f"unknown quantization method {name!r} (methods: {', '.join(METHODS)})")
+    try:
+        mod = importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise LlmqError(f"quantization method {name!r} is not available in this installation") from None
+    if not all(hasattr(mod, a) for a in ("BITS", "CALIBRATED", "quantize_layer")):
+        raise LlmqError(f"quantization method {name!r} does not implement BITS / CALIBRATED / quantize_layer")
+    return mod
+
+
+from .stage import QuantizeOptions, quantize  # noqa: E402  (the stage imports load_method from here)
+
+__all__ = ["METHODS", "QuantizeOptions", "load_method", "quantize"]

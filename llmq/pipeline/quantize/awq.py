@@ -1,0 +1,128 @@
+"""AWQ (Lin et al., 2023): activation-aware weight quantization by per-input-channel scaling.
+
+A few input channels carry much larger activations than the rest, and the weights that multiply them matter most.
+Scaling input channel j of a linear by s_j > 1 (W' = W diag(s)) and dividing its input by s_j leaves the float
+output unchanged but shrinks the relative rounding error of those weights. AWQ sets s = mean|x|^alpha (normalised
+so that max * min = 1) and grid-searches alpha in [0, 1) for the smallest output error ||X Q(W diag(s))^T / s -
+X W^T||^2 of the whole group of linears that share the input (alpha = 0 is plain round-to-nearest, so the search
+never does worse than it on the search tokens). The division by s is folded into whatever produces the input, so
+the checkpoint is a plain quantized model with no extra tensors:
+- input_layernorm -> q/k/v and post_attention_layernorm -> gate/up: the RMSNorm weight is divided by s;
+- v_proj -> o_proj: v_proj's output rows are divided by s (attention mixes V linearly). With grouped-query attention
+  each KV channel feeds `num_heads / num_kv_heads` o_proj input channels, so s is tied across those copies;
+- up_proj -> down_proj: up_proj's output rows are divided by s (silu(gate) * up is linear in up).
+Row scaling of a producer that is itself quantized per output row (channel or group) does not change its own
+rounding error, so the four groups are searched independently on the float layer and folded together. The paper's
+second step (clipping search of the weight range) is not done here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import LlmqError
+from ...models import qformat
+from . import rtn
+
+BITS = (4, 8)
+CALIBRATED = True
+GRID = 20
+SEARCH_TOKENS = 1024
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+# (producer that absorbs 1/s, consumers whose input columns absorb s)
+GROUPS = (("input_layernorm", QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
+          ("post_attention_layernorm", GATE_UP), ("mlp.up_proj", ("mlp.down_proj",)))
+
+
+def validate(opts, spec) -> None:
+    if opts.per_tensor:
+        raise LlmqError("AWQ quantizes per channel or per group, not per tensor")
+
+
+def tie_heads(v: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """v over o_proj's input channels (heads x head_dim) averaged over the query heads that share a KV head, so the
+    result can be folded into v_proj's rows (HF's repeat_kv: KV head i serves query heads i*rep .. i*rep+rep-1)."""
+    rep = num_heads // num_kv_heads
+    t = v.reshape(num_kv_heads, rep, -1)
+    return t.mean(1, keepdim=True).expand_as(t).reshape(-1)
+
+
+def candidate_scales(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    s = x_mean.clamp_min(1e-4).pow(alpha).clamp_min(1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def output_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor, bits: int, group_size: int,
+                 symmetric: bool, scale_dtype: torch.dtype, refs: list[torch.Tensor]) -> float:
+    """Sum of squared output errors of the linears when their scaled weights are rounded to the grid."""
+    err = 0.0
+    for w, ref in zip(weights, refs):
+        ws = rtn.group_view(w * s, group_size)
+        sc, z = rtn.grid_params(ws, bits, symmetric, scale_dtype)
+        wq = rtn.fake_quantize(ws, sc, z, bits).reshape(w.shape) / s
+        err += float(((x @ wq.T) - ref).pow(2).sum())
+    return err
+
+
+def search_scales(x: torch.Tensor, x_mean: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int,
+                  symmetric: bool, scale_dtype: torch.dtype, tie=None) -> tuple[torch.Tensor, float, float]:
+    """(best s, its alpha, its error) over alpha = 0, 1/GRID, ..., (GRID-1)/GRID."""
+    refs = [x @ w.T for w in weights]
+    best = (torch.ones_like(x_mean), 0.0, float("inf"))
+    for i in range(GRID):
+        alpha = i / GRID
+        s = candidate_scales(tie(x_mean) if tie else x_mean, alpha)
+        e = output_error(x, weights, s, bits, group_size, symmetric, scale_dtype, refs)
+        if e < best[2]:
+            best = (s, alpha, e)
+    return best
+
+
+@torch.no_grad()
+def fold_scales(layer: nn.Module, producer: str, consumers: tuple[str, ...], s: torch.Tensor,
+                num_heads: int, num_kv_heads: int) -> None:
+    """Multiply the consumers' input columns by s and divide the producer's output by s: the float function of the
+    layer is unchanged (exactly, in real arithmetic)."""
+    for c in consumers:
+        lin = layer.get_submodule(c)
+        lin.weight.mul_(s.to(lin.weight.dtype)[None, :])
+    prod = layer.get_submodule(producer)
+    if isinstance(prod, nn.Linear):
+        rows = s
+        if prod.out_features != s.numel():  # GQA: one factor per KV channel
+            rows = s.reshape(num_kv_heads, num_heads // num_kv_heads, -1)[:, 0].reshape(-1)
+        prod.weight.div_(rows.to(prod.weight.dtype)[:, None])
+        if prod.bias is not None:
+            prod.bias.div_(rows.to(prod.bias.dtype))
+    else:
+        prod.weight.div_(s.to(prod.weight.dtype))
+
+
+def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
+    o, spec = ctx.opts, ctx.spec
+    missing = [n for _, cons in GROUPS for n in cons if n not in ctx.linears]
+    if missing:
+        raise LlmqError(f"AWQ needs the Llama-family linears; layer {ctx.index} lacks {', '.join(missing)}")
+    heads = (spec.num_heads, spec.num_kv_heads)
+    firsts = [cons[0] for _, cons in GROUPS]
+    sums: dict[str, torch.Tensor] = {}
+    kept: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
+    per_sample = max(1, SEARCH_TOKENS // max(len(ctx.calib_inputs), 1))
+
+    def fn(name: str, x: torch.Tensor) -> None:
+        sums[name] = sums[name] + x.abs().sum(0) if name in sums else x.abs().sum(0)
+        idx = torch.linspace(0, x.shape[0] - 1, min(per_sample, x.shape[0]), device=x.device).round().long()
+        kept[name].append(x[idx].clone())
+
+    ctx.collect(firsts, fn)
+    tokens = max(ctx.num_tokens, 1)
+    for (producer, consumers), first in zip(GROUPS, firsts):
+        x, x_mean = torch.cat(kept[first]), sums[first] / tokens
+        tie = (lambda v: tie_heads(v, *heads)) if producer == "self_attn.v_proj" else None
+        weights = [ctx.linears[c].weight.data.float() for c in consumers]
+        s, _, _ = search_scales(x, x_mean, weights, o.bits, o.group_size, o.symmetric, ctx.scale_dtype, tie)
+        fold_scales(ctx.layer, producer, consumers, s, *heads)
+    return {name: rtn.quantize_weight(lin.weight.data, o.bits, o.group_size, o.symmetric, ctx.scale_dtype)
+            for name, lin in ctx.linears.items()}

@@ -1,0 +1,96 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight column by column, pushing each column's rounding error onto the
+columns not yet quantized so that the layer's output on the calibration inputs moves as little as possible.
+
+For a linear with inputs X the objective is ||X W^T - X Q^T||^2, whose curvature is H = 2 X^T X. With
+U = chol(H^-1) (upper), quantizing column j with error e = (w_j - q_j) / U_jj is compensated by
+W[:, j:] -= e U[j, j:]. Columns go in blocks (updates inside a block are immediate, the rest of the matrix gets one
+batched update per block). Damping adds `damp` x mean(diag H) to the diagonal so the inverse exists; columns that
+never saw a non-zero input are zeroed. Act-order processes columns by decreasing diag(H) (the inputs that matter
+most go first, while there is the most freedom left to compensate). Its group scales are computed in the original
+column order from the weight before any update ("static groups"), so the checkpoint needs no g_idx permutation
+tensor: column c always belongs to group c // group_size, as compressed-tensors and the runtime read it.
+Without act-order a group's scale is taken from the updated weights when its first column comes up, as in the paper.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import LlmqError
+from ...models import qformat
+from . import rtn
+
+BITS = (4, 8)
+CALIBRATED = True
+BLOCK = 128
+
+
+def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """chol(H^-1) (upper) of H + damp * mean(diag H) * I; the damping grows tenfold (three tries) if H is singular."""
+    mean_diag = float(torch.diag(h).mean())
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for attempt in range(4):
+        try:
+            lower = torch.linalg.cholesky(h + (damp * 10 ** attempt) * mean_diag * eye)
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+        except torch.linalg.LinAlgError:
+            continue
+    raise LlmqError("GPTQ: the Hessian is not positive definite even with 1000x damping; calibrate on more data")
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+                  scale_dtype: torch.dtype, damp: float = 0.01, act_order: bool = False) -> qformat.QuantizedWeight:
+    """GPTQ-quantized QuantizedWeight of w [out, in] given the input Hessian h [in, in]."""
+    W = w.detach().float().clone()
+    H = h.detach().float().clone()
+    n, k = W.shape
+    g = group_size if group_size > 0 else k
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    ngroups = k // g
+    scale = torch.empty(n, ngroups, device=W.device)
+    zero = None if symmetric else torch.empty(n, ngroups, device=W.device)
+    if act_order or g == k:  # static: every group's grid from the weight as it is now, in original column order
+        s, z = rtn.grid_params(rtn.group_view(W, g), bits, symmetric, scale_dtype)
+        scale[:] = s[..., 0]
+        if zero is not None:
+            zero[:] = z[..., 0]
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
+    W, H = W[:, perm], H[perm][:, perm]
+    U = _upper_cholesky_of_inverse(H, damp)
+    group_of = (perm // g).tolist()
+    lazy_groups = not act_order and g < k
+    block = g * max(1, BLOCK // g) if lazy_groups else BLOCK  # a group never straddles two blocks
+    Q = torch.empty_like(W)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.empty_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            col = i1 + j
+            gi = group_of[col]
+            if lazy_groups and col % g == 0:
+                s, z = rtn.grid_params(W1[:, j:j + g], bits, symmetric, scale_dtype)
+                scale[:, gi] = s[:, 0]
+                if zero is not None:
+                    zero[:, gi] = z[:, 0]
+            s, z = scale[:, gi], (zero[:, gi] if zero is not None else None)
+            wj = W1[:, j]
+            q = rtn.round_to_grid(wj, s, z, bits)
+            Q[:, col] = q
+            err = (wj - ((q - z) * s if z is not None else q * s)) / U1[j, j]
+            W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
+            E1[:, j] = err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    Q = Q[:, torch.argsort(perm)]
+    return rtn.pack(Q, scale, zero, bits, group_size if group_size > 0 else None, scale_dtype)
+
+
+def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
+    o = ctx.opts
+    hessians = ctx.hessians(list(ctx.linears))
+    return {name: gptq_quantize(lin.weight.data, hessians[name], o.bits, o.group_size, o.symmetric, ctx.scale_dtype,
+                                damp=o.damp, act_order=o.act_order)
+            for name, lin in ctx.linears.items()}

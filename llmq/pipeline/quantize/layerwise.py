@@ -1,0 +1,282 @@
+"""The layer-by-layer engine: calibrate and quantize one decoder layer at a time.
+
+The model is loaded in its stored dtype (bf16) and only the layer being worked on is turned into float32. The hidden
+states entering layer 0 are captured for every calibration sample; then, for each layer in turn, the method runs
+its calibration passes over that layer (hooks on its linears collect inputs, Hessians or channel statistics),
+returns quantized weights, the linears are swapped for modules that compute exactly with those weights (and with
+quantized activations where the scheme says so), and the quantized layer is re-run to give the next layer its
+inputs, so each layer is calibrated on what the quantized model before it really produces (GPTQ's sequential
+scheme). Only one layer's activations (and one float32 layer) are in memory at a time, and each finished layer is
+dropped. The quality probe rides along: held-out windows flow through the float layer and through the quantized
+layer side by side, and the two final hidden states meet at the (shared, unquantized) norm and lm_head.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import LlmqError
+from ...models import ModelSpec, qformat
+from ...models.load import pick_device
+from .calib import TokenWindows
+
+FP8_MAX = 448.0
+
+
+class QuantLinear(nn.Module):
+    """A linear that computes with a QuantizedWeight as the runtime does: the dequantized weight in float32, and
+    int8 / fp8 activations (per token, or with the static input scale) where the scheme quantizes them."""
+
+    def __init__(self, qw: qformat.QuantizedWeight, bias: torch.Tensor | None, device):
+        super().__init__()
+        self.qw = qw
+        self.register_buffer("weight", qw.dequantize(torch.float32).to(device), persistent=False)
+        self.bias = nn.Parameter(bias.detach().float().to(device), requires_grad=False) if bias is not None else None
+        self.in_features, self.out_features = qw.q.shape[1], qw.q.shape[0]
+        self.act_quant = qw.input_scale is not None or qw.dynamic
+        self.register_buffer("input_scale", qw.input_scale.float().reshape(1, 1).to(device)
+                             if qw.input_scale is not None else None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant:
+            x = quantize_activations(x, self.input_scale, fp8=self.qw.is_float)
+        return F.linear(x, self.weight, self.bias)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None, fp8: bool) -> torch.Tensor:
+    """x after int8 / fp8 e4m3 quantization and back: per token (max|x| / qmax) or with a static scale."""
+    qmax = FP8_MAX if fp8 else 127.0
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12 if fp8 else 1e-8) / qmax if input_scale is None else input_scale
+    if fp8:
+        return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+    return (x / s).round().clamp(-128, 127) * s
+
+
+@dataclass
+class LayerContext:
+    """What a method's quantize_layer sees of one decoder layer (see the package docstring)."""
+
+    index: int
+    prefix: str
+    layer: nn.Module
+    linears: dict[str, nn.Linear]
+    opts: object
+    spec: ModelSpec
+    scale_dtype: torch.dtype
+    device: torch.device
+    calib_inputs: list[torch.Tensor] = field(default_factory=list)
+    layer_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(x.shape[0] * x.shape[1] for x in self.calib_inputs)
+
+    @torch.no_grad()
+    def collect(self, names, fn: Callable[[str, torch.Tensor], None]) -> None:
+        """One pass of the layer (as it is now) over the calibration samples; fn(name, x [tokens, in]) per linear."""
+        if not self.calib_inputs:
+            raise LlmqError("this method needs calibration data but none was loaded")
+        hooks = [self.linears[n].register_forward_pre_hook(
+            lambda m, args, n=n: fn(n, args[0].reshape(-1, args[0].shape[-1]).float())) for n in names]
+        try:
+            for x in self.calib_inputs:
+                self.layer(x, **self.layer_kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def hessians(self, names) -> dict[str, torch.Tensor]:
+        """H = 2/n X^T X of each linear's inputs (float32, [in, in]); linears fed the same input share the work."""
+        acc: dict[str, torch.Tensor] = {}
+        last: list = [None, None]  # (input, its X^T X): holding the input keeps its address from being reused
+
+        def fn(name: str, x: torch.Tensor) -> None:
+            same = last[0] is not None and last[0].data_ptr() == x.data_ptr() and last[0].shape == x.shape
+            xtx = last[1] if same else x.T @ x
+            last[0], last[1] = x, xtx
+            acc[name] = acc[name] + xtx if name in acc else xtx.clone()
+
+        self.collect(names, fn)
+        n = max(self.num_tokens, 1)
+        return {k: v * (2.0 / n) for k, v in acc.items()}
+
+    def input_absmax(self, names) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        self.collect(names, lambda n, x: out.__setitem__(n, torch.maximum(out[n], x.abs().amax(0)) if n in out
+                                                        else x.abs().amax(0)))
+        return out
+
+    def input_absmean(self, names) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        self.collect(names, lambda n, x: out.__setitem__(n, out[n] + x.abs().sum(0) if n in out else x.abs().sum(0)))
+        return {k: v / max(self.num_tokens, 1) for k, v in out.items()}
+
+    def inputs(self, names, max_tokens: int | None = None) -> dict[str, torch.Tensor]:
+        """Each linear's inputs [tokens, in]; at most max_tokens rows, evenly spaced over the samples."""
+        parts: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        per_sample = None
+        if max_tokens:
+            per_sample = max(1, max_tokens // max(len(self.calib_inputs), 1))
+
+        def fn(name: str, x: torch.Tensor) -> None:
+            if per_sample and x.shape[0] > per_sample:
+                x = x[torch.linspace(0, x.shape[0] - 1, per_sample, device=x.device).round().long()]
+            parts[name].append(x.clone())
+
+        self.collect(names, fn)
+        return {n: torch.cat(v) for n, v in parts.items()}
+
+
+@dataclass
+class LayerwiseResult:
+    weights: dict[str, qformat.QuantizedWeight]    # full linear name -> quantized weight
+    dense: dict[str, torch.Tensor]                 # every other tensor of the checkpoint, in its stored dtype
+    probe: dict | None
+    layer_times: list[float]
+    device: str
+
+
+class _Captured(Exception):
+    pass
+
+
+@torch.no_grad()
+def capture_layer0(model, windows: list[torch.Tensor], device) -> tuple[list[torch.Tensor], dict]:
+    """The float32 hidden states entering decoder layer 0 for each window (all the same length), and the keyword
+    arguments the model passes every layer (position embeddings recomputed in float32)."""
+    got: list[tuple[torch.Tensor, dict]] = []
+
+    def hook(module, args, kwargs):
+        got.append((args[0] if args else kwargs["hidden_states"], kwargs))
+        raise _Captured
+
+    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for w in windows:
+            try:
+                model.model(input_ids=w[None].to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        h.remove()
+    hidden = [x.float() for x, _ in got]
+    kwargs = {k: v for k, v in got[0][1].items() if k not in ("hidden_states", "past_key_values", "use_cache")}
+    if "position_embeddings" in kwargs:
+        kwargs["position_embeddings"] = tuple(
+            t.float() for t in model.model.rotary_emb(hidden[0], kwargs["position_ids"]))
+    return hidden, kwargs
+
+
+def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
+               chunk: int = 256) -> dict:
+    from .probe import ProbeAccumulator
+
+    acc = ProbeAccumulator()
+    for a, b in zip(src, quant):
+        a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        for i in range(0, a.shape[0], chunk):
+            acc.add(norm(a[i:i + chunk]) @ head.T, norm(b[i:i + chunk]) @ head.T)
+    return acc.result()
+
+
+def _progress(enabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), disable=not enabled, transient=False)
+
+
+def _source_tensors(path: Path):
+    from ...models.reader import LazyTensors
+    from ...models.checkpoint import safetensors_files
+
+    return LazyTensors(safetensors_files(path))
+
+
+def _stored_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype the checkpoint stores its float tensors in (scales and dense tensors keep it)."""
+    from ...models.checkpoint import read_config
+
+    cfg = read_config(model_dir)
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+@torch.no_grad()
+def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWindows | None,
+                  probe: TokenWindows | None, progress: bool = True) -> LayerwiseResult:
+    """Quantize every decoder layer's linears of the model in `model_dir` with `method` (a plug-in module)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    device = torch.device(pick_device(opts.device))
+    hf_logging.disable_progress_bar()
+    source = _source_tensors(model_dir)
+    model_dtype = _stored_dtype(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=model_dtype, attn_implementation="sdpa").eval()
+    model.model.embed_tokens.to(device)
+    model.model.rotary_emb.to(device)
+    layers = model.model.layers
+    ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None,
+                             ignore=tuple(opts.ignore), kv=None)
+
+    calib_x, calib_kw = capture_layer0(model, calib.samples, device) if calib is not None else ([], {})
+    probe_src, probe_kw = capture_layer0(model, probe.samples, device) if probe is not None else ([], {})
+    probe_q = [x.clone() for x in probe_src]
+
+    weights: dict[str, qformat.QuantizedWeight] = {}
+    dense: dict[str, torch.Tensor] = {}
+    times: list[float] = []
+    with _progress(progress) as bar:
+        task = bar.add_task(f"{opts.method} w{opts.bits}", total=len(layers))
+        for i in range(len(layers)):
+            t0 = time.perf_counter()
+            prefix = f"model.layers.{i}"
+            bar.update(task, description=f"{opts.method} w{opts.bits} layer {i + 1}/{len(layers)}")
+            layer = layers[i].to(device=device, dtype=torch.float32)
+            probe_src = [layer(x, **probe_kw) for x in probe_src]
+            linears = {n: m for n, m in layer.named_modules()
+                       if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
+            ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x, calib_kw)
+            qws = method.quantize_layer(ctx)
+            if set(qws) != set(linears):
+                raise LlmqError(f"method {opts.method} returned weights for {sorted(qws)} in layer {i}, "
+                                f"expected {sorted(linears)}")
+            for name, qw in qws.items():
+                lin = linears[name]
+                if tuple(qw.q.shape) != tuple(lin.weight.shape):
+                    raise LlmqError(f"{prefix}.{name}: quantized shape {tuple(qw.q.shape)} != {tuple(lin.weight.shape)}")
+                parent, _, attr = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, attr, QuantLinear(qw, lin.bias, device))
+                weights[f"{prefix}.{name}"] = qw
+            for name, p in layer.named_parameters():  # norms, biases, ignored linears: as stored, computed as stored
+                stored_p = p.data.to(model_dtype)
+                p.data = stored_p.float()
+                dense[f"{prefix}.{name}"] = stored_p.cpu()
+            probe_q = [layer(x, **probe_kw) for x in probe_q]
+            if calib_x and i + 1 < len(layers):
+                calib_x = [layer(x, **calib_kw) for x in calib_x]
+            layers[i] = nn.Module()  # drop the finished layer
+            times.append(round(time.perf_counter() - t0, 3))
+            bar.advance(task)
+
+    for k in source:
+        if not k.startswith("model.layers."):
+            dense[k] = source[k]
+        elif k not in dense and k.removesuffix(".weight") not in weights:
+            dense[k] = source[k]
+    result_probe = None
+    if probe is not None:
+        norm = model.model.norm.to(device=device, dtype=torch.float32)
+        head = model.lm_head.weight.to(device=device, dtype=torch.float32)
+        result_probe = _kl_chunks(probe_src, probe_q, norm, head)
+        result_probe["source"] = probe.source
+    return LayerwiseResult(weights, dense, result_probe, times, str(device))

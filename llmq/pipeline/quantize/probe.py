@@ -1,0 +1,46 @@
+"""The quick quality probe: how far the quantized model's next-token distributions moved from the source's.
+
+Mean KL(P_source || P_quantized) per position and top-1 agreement (argmax equal) over a held-out text sample of a few
+thousand tokens: llama.cpp's `--kl-divergence` numbers, which move measurably even on models too small for task
+accuracy to. The layer-by-layer engine produces both models' final hidden states from the same held-out windows (the
+quantized side computing with exactly the stored weights), so no second model is ever loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _terms(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position KL(P || Q) and argmax agreement, in float64."""
+    if p_logits.shape != q_logits.shape:
+        raise ValueError(f"logits shapes differ: {tuple(p_logits.shape)} vs {tuple(q_logits.shape)}")
+    lp = torch.log_softmax(p_logits.double().reshape(-1, p_logits.shape[-1]), -1)
+    lq = torch.log_softmax(q_logits.double().reshape(-1, q_logits.shape[-1]), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0)
+    return kl, (lp.argmax(-1) == lq.argmax(-1))
+
+
+def kld_top1(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
+    """{"kld_mean", "top1", "tokens"} of next-token distributions: P (reference) vs Q (quantized), logits [..., V].
+    top1 is the fraction of positions whose most likely token agrees."""
+    kl, agree = _terms(p_logits, q_logits)
+    return {"kld_mean": float(kl.mean()), "top1": float(agree.double().mean()), "tokens": int(kl.numel())}
+
+
+class ProbeAccumulator:
+    """kld_top1 over many chunks of positions without holding all logits at once."""
+
+    def __init__(self):
+        self.kl_sum, self.agree, self.n, self.kl_max = 0.0, 0, 0, 0.0
+
+    def add(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> None:
+        kl, agree = _terms(p_logits, q_logits)
+        self.kl_sum += float(kl.sum())
+        self.kl_max = max(self.kl_max, float(kl.max()))
+        self.agree += int(agree.sum())
+        self.n += int(kl.numel())
+
+    def result(self) -> dict:
+        n = max(self.n, 1)
+        return {"kld_mean": self.kl_sum / n, "kld_max": self.kl_max, "top1": self.agree / n, "tokens": self.n}

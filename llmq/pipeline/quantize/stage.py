@@ -1,0 +1,198 @@
+"""The quantize stage: (model artifact, QuantizeOptions) -> quantized artifact.
+
+Everything the user can get wrong is checked before the model is loaded; the checkpoint is written through
+`llmq.models.qformat` only, inside the store's writer, so a failure leaves nothing behind. The payload is a pure
+function of the inputs (fixed seeds, sorted tensors, no timestamps), so the same inputs give the same content id;
+wall time and memory go into the manifest's metrics, which are not part of the id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+from ...artifacts import Artifact, Store
+from ...errors import LlmqError
+from ...models import ModelSpec, qformat
+from ...models.checkpoint import read_config, write_json
+from . import load_method
+
+ACTIVATION_SCHEMES = ("dynamic", "static")
+DEFAULT_GROUPS = (128, 64, 32)
+WEIGHT_ONLY = ("rtn", "gptq", "awq")
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What `llmq quantize` was asked for. group_size: None = the default for the bit width (at 4 bits the largest
+    of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576; per channel at 8 bits),
+    0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the user's spelling into the
+    canonical one (group_size >= 0, 0 = per channel) that methods read."""
+
+    bits: int = 8
+    method: str = "rtn"
+    group_size: int | None = None
+    symmetric: bool = True
+    per_tensor: bool = False
+    act_order: bool = False
+    damp: float = 0.01
+    alpha: float = 0.5                 # SmoothQuant migration strength
+    activations: str = "dynamic"       # W8A8 / FP8 activation scales: dynamic per token or static from calibration
+    calib: str | None = None
+    num_samples: int = 32
+    seq_len: int = 256
+    seed: int = 0
+    probe_tokens: int = 2048
+    ignore: tuple[str, ...] = ("lm_head",)
+    name: str | None = None
+    device: str | None = None
+
+    def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
+        g = self.group_size
+        if g is None:
+            fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
+            g = fits[0] if self.bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
+        return dataclasses.replace(self, group_size=0 if g in (0, -1) else int(g))
+
+    @property
+    def strategy(self) -> str:
+        return "tensor" if self.per_tensor else ("group" if self.group_size and self.group_size > 0 else "channel")
+
+
+def _in_features(spec: ModelSpec) -> dict[str, int]:
+    return {"q_proj/k_proj/v_proj/gate_proj/up_proj": spec.hidden_size, "o_proj": spec.num_heads * spec.head_dim,
+            "down_proj": spec.intermediate_size}
+
+
+def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, ModelSpec, object]:
+    """Every check that needs no model weights; returns the resolved options, the spec and the method module."""
+    if opts.bits not in (4, 8):
+        raise LlmqError(f"--bits must be 4 or 8, got {opts.bits}")
+    method = load_method(opts.method)
+    if opts.bits not in method.BITS:
+        raise LlmqError(f"method {opts.method} supports {' or '.join(map(str, method.BITS))} bits, not {opts.bits}")
+    if source.kind == "quantized" or "quantization_config" in read_config(source.path):
+        raise LlmqError(f"{source.ref} is already quantized (weights or KV cache); quantize the model it came from "
+                        f"({', '.join(p[:12] for p in source.parents) or 'its source'}) and run quantize-kv last")
+    if source.kind != "model":
+        raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
+    spec = ModelSpec.from_config(read_config(source.path))
+    o = opts.resolved(tuple(_in_features(spec).values()))
+    if o.group_size < 0:
+        raise LlmqError(f"--group-size must be a positive number of columns, or 0 / -1 for per channel; got {opts.group_size}")
+    if o.group_size:
+        if o.per_tensor:
+            raise LlmqError("--per-tensor and --group-size N exclude each other")
+        bad = {k: v for k, v in _in_features(spec).items() if v % o.group_size}
+        if bad:
+            raise LlmqError(f"--group-size {o.group_size} does not divide the input features of "
+                            + ", ".join(f"{k} ({v})" for k, v in bad.items()))
+    if o.act_order and o.method != "gptq":
+        raise LlmqError("--act-order is a GPTQ option; use it with --method gptq")
+    if not 0 < o.damp < 1:
+        raise LlmqError(f"--damp must be in (0, 1), got {o.damp}")
+    if o.activations not in ACTIVATION_SCHEMES:
+        raise LlmqError(f"activation scales must be one of {', '.join(ACTIVATION_SCHEMES)}, not {o.activations!r}")
+    if o.num_samples < 1 or o.seq_len < 2:
+        raise LlmqError("--num-samples must be >= 1 and --seq-len >= 2")
+    if o.probe_tokens < 0:
+        raise LlmqError("--probe-tokens must be >= 0")
+    if hasattr(method, "validate"):
+        method.validate(o, spec)
+    return o, spec, method
+
+
+def needs_calibration(method, opts: QuantizeOptions) -> bool:
+    """A method's CALIBRATED: a bool, or a function of the options (e.g. FP8 only for static activation scales)."""
+    c = method.CALIBRATED
+    return bool(c(opts) if callable(c) else c)
+
+
+def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qformat.QuantArgs | None]:
+    """The compressed-tensors (weights, input_activations) arguments that describe one quantized weight."""
+    kind = "float" if qw.is_float else "int"
+    strategy = "group" if qw.group_size else qw.strategy  # a group as wide as the row has a [out, 1] scale too
+    weights = qformat.QuantArgs(num_bits=qw.bits, type=kind, symmetric=qw.symmetric, strategy=strategy,
+                                group_size=qw.group_size if strategy == "group" else None)
+    if qw.input_scale is None and not qw.dynamic:
+        return weights, None
+    acts = qformat.QuantArgs(num_bits=8, type=kind, symmetric=True, strategy="token" if qw.dynamic else "tensor",
+                             dynamic=qw.dynamic)
+    return weights, acts
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bool = True,
+             command: str | None = None) -> Artifact:
+    """Quantize `source` (a model artifact) and commit the quantized artifact."""
+    from .calib import load_calibration, load_probe_text
+    from .layerwise import run_layerwise
+
+    t0 = time.perf_counter()
+    opts, spec, method = validate(source, opts)
+    from ...models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(source.path)
+    calib = None
+    calibrated = needs_calibration(method, opts)
+    if calibrated or opts.calib:
+        calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed)
+    probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
+
+    result = run_layerwise(source.path, method, opts, spec, calib=calib if calibrated else None,
+                           probe=probe, progress=progress)
+    schemes = {_scheme_args(qw) for qw in result.weights.values()}
+    if len(schemes) != 1:
+        raise LlmqError(f"method {opts.method} produced {len(schemes)} different schemes; a checkpoint holds one")
+    weight_args, act_args = schemes.pop()
+    example = next(iter(result.weights.values()))
+
+    config = dict(read_config(source.path))
+    config["quantization_config"] = qformat.quantization_config(weight_args, act_args, ignore=list(opts.ignore))
+    state = dict(result.dense)
+    for name, qw in sorted(result.weights.items()):
+        state.update(qformat.write_linear(name, qw))
+    linear_bytes = sum(t.numel() * t.element_size() for k, t in state.items() if k.rsplit(".", 1)[0] in result.weights
+                       and not k.endswith(".bias"))
+    linear_params = sum(qw.q.numel() for qw in result.weights.values())
+    name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
+        f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
+        "-act" if opts.act_order else "")
+    run_config = {
+        "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None, "symmetric": opts.symmetric,
+        "strategy": opts.strategy, "scheme": example.scheme, "scheme_per_module": {"Linear": example.scheme},
+        "excluded_modules": list(opts.ignore), "dense_modules": sorted({k.rsplit(".", 1)[0] for k in result.dense}),
+        "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},
+        "calibration": calib.manifest() if calib is not None else None,
+        "probe": probe.manifest() if probe is not None else None,
+        "source": {"id": source.id, "ref": source.ref},
+    }
+    from ...models.checkpoint import copy_tokenizer, save_state_dict
+
+    with store.create("quantized", name, parents=[source.id], config=run_config, command=command) as w:
+        save_state_dict(state, w.dir)
+        write_json(w.dir / "config.json", config)
+        if (source.path / "generation_config.json").is_file():
+            shutil.copyfile(source.path / "generation_config.json", w.dir / "generation_config.json")
+        copy_tokenizer(source.path, w.dir)
+        size = sum(p.stat().st_size for p in w.dir.glob("*.safetensors"))
+        source_size = sum(p.stat().st_size for p in source.path.glob("*.safetensors"))
+        bf16_size = 2 * sum(t.numel() for t in result.dense.values()) + 2 * linear_params + sum(
+            t.numel() * 2 for k, t in state.items() if k.endswith(".bias") and k.rsplit(".", 1)[0] in result.weights)
+        w.metrics.update(
+            wall_time_s=round(time.perf_counter() - t0, 2), peak_rss_bytes=peak_rss_bytes(),
+            layer_times_s=result.layer_times, size_bytes=size, source_bytes=source_size, bf16_bytes=bf16_size,
+            ratio_vs_source=round(source_size / size, 3), ratio_vs_bf16=round(bf16_size / size, 3),
+            linear_bytes=linear_bytes, linear_bf16_bytes=2 * linear_params,
+            linear_ratio_vs_bf16=round(2 * linear_params / linear_bytes, 3), device=result.device,
+            **({"probe": result.probe} if result.probe else {}))
+    return w.artifact
