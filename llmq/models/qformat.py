@@ -8,7 +8,9 @@ On disk it is what compressed-tensors calls
 - "int-quantized" (W8A8): `weight` int8, `weight_scale` [out, 1], `input_scale` when activations are static;
 - "float-quantized" (FP8 E4M3): `weight` float8_e4m3fn, `weight_scale`, `input_scale` when activations are static;
 and `config.json` → `quantization_config` built from compressed-tensors' own pydantic models, so a config they reject
-is never written. KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` with `kv_cache_scheme` in the config.
+is never written. KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` with `kv_cache_scheme` in the config;
+a model whose weights stay dense but whose KV cache is calibrated has format "dense", no config groups and only a
+`kv_cache_scheme` (what compressed-tensors itself writes for KV-cache-only quantization).
 Every stage that reads or writes quantized weights goes through here.
 """
 
@@ -55,10 +57,11 @@ class QuantArgs:
 
 @dataclass(frozen=True)
 class QConfig:
-    """A parsed `quantization_config`: one scheme for every Linear except `ignore`, plus the KV-cache scheme."""
+    """A parsed `quantization_config`: one scheme for every Linear except `ignore`, plus the KV-cache scheme.
+    weights is None (format "dense") when only the KV cache is quantized."""
 
     format: str
-    weights: QuantArgs
+    weights: QuantArgs | None
     input_activations: QuantArgs | None
     ignore: tuple[str, ...]
     kv: QuantArgs | None
@@ -127,16 +130,23 @@ def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
     return "pack-quantized" if input_activations is None else "int-quantized"
 
 
-def quantization_config(weights: QuantArgs, input_activations: QuantArgs | None = None,
+def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs | None = None,
                         ignore: list[str] | tuple[str, ...] = ("lm_head",), kv: QuantArgs | None = None) -> dict:
-    """The `quantization_config` dict for config.json, validated by compressed-tensors' own models."""
+    """The `quantization_config` dict for config.json, validated by compressed-tensors' own models.
+    weights=None: dense weights with a calibrated KV cache only (format "dense", no config groups)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights.to_ct(),
-                                input_activations=input_activations.to_ct() if input_activations else None)
-    cfg = QuantizationConfig(config_groups={"group_0": scheme}, format=format_for(weights, input_activations),
-                             ignore=list(ignore), kv_cache_scheme=kv.to_ct() if kv else None,
-                             quantization_status="compressed")
+    if weights is None:
+        if kv is None or input_activations is not None:
+            raise LlmqError("a quantization_config without a weights scheme carries a KV-cache scheme and nothing else")
+        groups, fmt = {}, "dense"
+    else:
+        groups = {"group_0": QuantizationScheme(
+            targets=["Linear"], weights=weights.to_ct(),
+            input_activations=input_activations.to_ct() if input_activations else None)}
+        fmt = format_for(weights, input_activations)
+    cfg = QuantizationConfig(config_groups=groups, format=fmt, ignore=list(ignore) if groups else [],
+                             kv_cache_scheme=kv.to_ct() if kv else None, quantization_status="compressed")
     return cfg.model_dump(mode="json", exclude_none=True)
 
 
@@ -150,12 +160,15 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
                         "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor)")
     fmt = qc.get("format")
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping) and g.get("weights")]
+    kv = qc.get("kv_cache_scheme")
+    if fmt == "dense" and not groups and kv:  # KV-cache-only quantization
+        return QConfig(format=fmt, weights=None, input_activations=None, ignore=tuple(qc.get("ignore") or ()),
+                       kv=QuantArgs.from_dict(kv))
     if fmt not in FORMATS:
         raise LlmqError(f"compressed-tensors format {fmt!r} is not supported; llmq reads {', '.join(FORMATS)}")
     if len(groups) != 1 or list(groups[0].get("targets") or []) != ["Linear"]:
         raise LlmqError("only compressed-tensors checkpoints with one scheme for every Linear layer are supported")
     acts = groups[0].get("input_activations")
-    kv = qc.get("kv_cache_scheme")
     return QConfig(format=fmt, weights=QuantArgs.from_dict(groups[0]["weights"]),
                    input_activations=QuantArgs.from_dict(acts) if acts else None,
                    ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None)
@@ -170,7 +183,7 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
 
 def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig) -> QuantizedWeight | None:
     """The QuantizedWeight of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is stored dense."""
-    if qconfig.ignores(name) or (f"{name}.weight_packed" not in tensors and f"{name}.weight_scale" not in tensors):
+    if qconfig.weights is None or qconfig.ignores(name) or (f"{name}.weight_packed" not in tensors and f"{name}.weight_scale" not in tensors):
         return None
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 

@@ -1,0 +1,281 @@
+"""`llmq quantize-kv`: calibrate INT8 / FP8 KV-cache scales on data and store them in a new artifact.
+
+The calibration runs the model through the bundled runtime (dense or any quantized weights, exactly as it will be
+served) and watches what every layer writes into its paged cache: K after RoPE and V, which is what the cache holds.
+The absolute maximum per layer and KV head gives scale = amax / 127 (int8) or amax / 448 (fp8 e4m3), per tensor or
+per head. Per-head scales pay only where heads differ in range, so `auto` measures the reconstruction error of both
+on held-out text and keeps per-head scales only when they cut it by a meaningful margin. The artifact is the input
+checkpoint (weights untouched) plus `model.layers.N.self_attn.k_scale` / `v_scale` and a `kv_cache_scheme` in
+`quantization_config`; its quality (KLD / top-1 agreement of the model with the quantized cache against the same
+model with a full-precision cache, both through the runtime's paged path) is measured on the written artifact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..artifacts import Artifact, Store
+from ..errors import LlmqError
+from ..models import qformat
+from ..models.checkpoint import INDEX_NAME, read_config, safetensors_files, write_json
+from ..models.reader import CheckpointReader, layer_prefix
+
+QMAX = {"int8": 127.0, "fp8": 448.0}
+GRANULARITIES = ("auto", "tensor", "head")
+SCALES_FILE = "kv-scales.safetensors"
+MANIFEST = "llmq.json"
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    kv: str                          # int8 | fp8
+    granularity: str = "auto"        # auto | tensor | head
+    calib: str | None = None         # --calib: file, directory or dataset name; None = the bundled default
+    num_samples: int = 16            # calibration sequences
+    seq_len: int = 512               # tokens per calibration sequence
+    heldout_tokens: int = 2048       # tokens for the error / KLD measurement
+    margin: float = 0.1              # auto: per-head scales must cut the held-out error by this fraction
+    name: str | None = None
+    device: str | None = None
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, kv: str) -> torch.Tensor:
+    """x [T, Hkv, D] through the cache's quantizer and back with a [1] or [Hkv] scale (the runtime's arithmetic)."""
+    s = scale.float().reshape(1, -1, 1)
+    y = x.float() / s
+    y = y.round().clamp(-127, 127) if kv == "int8" else y.clamp(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn)
+    return y.float() * s
+
+
+def scales_from_amax(amax: torch.Tensor, kv: str, per_head: bool) -> torch.Tensor:
+    """[Hkv] per-head absmax -> scale [Hkv] (per head) or [1] (per tensor)."""
+    a = amax.float() if per_head else amax.float().max().reshape(1)
+    return a.clamp_min(1e-8) / QMAX[kv]
+
+
+class KVRecorder:
+    """Wraps each layer cache's write() to see K and V exactly as the cache receives them ([T, Hkv, D]).
+
+    Records the per-head absmax (calibration) or, once `measure(candidates)` was called, the squared reconstruction
+    error of each candidate set of scales (held-out measurement)."""
+
+    def __init__(self, caches: list, kv: str):
+        self.kv = kv
+        n, h = len(caches), caches[0].k.shape[2]
+        self.amax = torch.zeros(n, 2, h)
+        self.candidates: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.sq_err: dict[str, torch.Tensor] = {}
+        self.sq_sum = torch.zeros(n, 2, dtype=torch.float64)
+        for i, cache in enumerate(caches):
+            cache.write = self._wrap(i, cache.write)
+
+    def measure(self, candidates: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        self.candidates = candidates
+        self.sq_err = {g: torch.zeros_like(self.sq_sum) for g in candidates}
+        self.sq_sum.zero_()
+
+    def _wrap(self, layer: int, write: Callable) -> Callable:
+        def recorded(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            for j, x in enumerate((k, v)):
+                xf = x.detach().float().cpu()
+                if not self.candidates:
+                    self.amax[layer, j] = torch.maximum(self.amax[layer, j], xf.abs().amax(dim=(0, 2)))
+                    continue
+                self.sq_sum[layer, j] += float(xf.double().square().sum())
+                for g, scales in self.candidates.items():
+                    err = fake_quantize(xf, scales[layer][j], self.kv) - xf
+                    self.sq_err[g][layer, j] += float(err.double().square().sum())
+            write(slots, k, v)
+
+        return recorded
+
+    def relative_errors(self) -> dict[str, dict[str, float]]:
+        """Per candidate: sum ||x - q(x)||^2 / sum ||x||^2 over every layer, for K, V and both."""
+        tot = self.sq_sum.clamp_min(1e-30)
+        return {g: {"k": float(e[:, 0].sum() / tot[:, 0].sum()), "v": float(e[:, 1].sum() / tot[:, 1].sum()),
+                    "kv": float(e.sum() / tot.sum())} for g, e in self.sq_err.items()}
+
+
+def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
+    if opts.kv not in QMAX:
+        raise LlmqError(f"--kv {opts.kv!r}: use one of {', '.join(QMAX)}")
+    if opts.granularity not in GRANULARITIES:
+        raise LlmqError(f"KV scale granularity {opts.granularity!r}: use one of {', '.join(GRANULARITIES)}")
+    if opts.num_samples < 1 or opts.seq_len < 2 or opts.heldout_tokens < 2:
+        raise LlmqError("--num-samples must be >= 1 and sequence lengths >= 2")
+    if not 0 <= opts.margin < 1:
+        raise LlmqError(f"margin must be in [0, 1), got {opts.margin}")
+    if source.kind not in ("model", "quantized"):
+        raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize-kv takes a model or quantized artifact")
+    ckpt = CheckpointReader(source.path)
+    have = ckpt.kv_cache_dtype()
+    if have is not None:
+        raise LlmqError(f"{source.ref} already carries calibrated {have} KV-cache scales; "
+                        "run quantize-kv on the artifact it was made from")
+    return ckpt
+
+
+def _engine(path: Path, max_len: int, opts: KVOptions):
+    from ..runtime import EngineConfig, LLMEngine
+
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=max(512, max_len), max_model_len=max_len,
+                       enable_prefix_caching=False, device=opts.device)
+    return LLMEngine(path, cfg)
+
+
+def _run(engine, samples: list[list[int]], progress: Callable[[int], None]) -> None:
+    """Prefill every sample (one token generated, never cached): the cache sees all of their K/V."""
+    from ..runtime import SamplingParams
+
+    for i in range(0, len(samples), 8):
+        batch = samples[i:i + 8]
+        engine.generate(batch, SamplingParams(max_tokens=1, temperature=0))
+        progress(len(batch))
+
+
+def _choose(opts: KVOptions, errors: dict[str, dict[str, float]]) -> str:
+    if opts.granularity != "auto":
+        return opts.granularity
+    return "head" if errors["head"]["kv"] <= (1 - opts.margin) * errors["tensor"]["kv"] else "tensor"
+
+
+def kv_quant_args(kv: str, granularity: str) -> qformat.QuantArgs:
+    return qformat.QuantArgs(8, type="int" if kv == "int8" else "float", symmetric=True,
+                             strategy="attn_head" if granularity == "head" else "tensor")
+
+
+def _write_checkpoint(src: Path, dst: Path, config: dict, scales: dict[str, torch.Tensor]) -> None:
+    """The source checkpoint plus a safetensors file of scales, with an index naming every tensor's file.
+
+    A single `model.safetensors` becomes shard 1 of 2 (the scales shard 2): loaders such as transformers read a lone
+    model.safetensors and ignore an index beside it. Weight files are hard-linked where the filesystem allows (both
+    copies are read-only), else copied."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    sharded = (src / INDEX_NAME).is_file()
+    scales_name = SCALES_FILE if sharded else "model-00002-of-00002.safetensors"
+    for f in src.iterdir():
+        if f.is_file() and f.name not in (MANIFEST, "config.json", INDEX_NAME):
+            target = dst / ("model-00001-of-00002.safetensors" if f.name == "model.safetensors" and not sharded
+                            else f.name)
+            try:
+                os.link(f, target)
+            except OSError:
+                shutil.copyfile(f, target)
+    save_file(scales, str(dst / scales_name), metadata={"format": "pt"})
+    weight_map, total = {}, 0
+    for f in safetensors_files(dst):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                weight_map[k] = f.name
+        total += f.stat().st_size
+    write_json(dst / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json(dst / "config.json", config)
+
+
+def _with_kv_scheme(config: dict, qargs: qformat.QuantArgs) -> dict:
+    """config.json with `kv_cache_scheme` added: into the existing quantization_config (everything else kept),
+    or a KV-only compressed-tensors config for a model whose weights are dense."""
+    out = dict(config)
+    qc = config.get("quantization_config")
+    if qc:
+        qc = dict(qc)
+        qc["kv_cache_scheme"] = qargs.to_ct().model_dump(mode="json", exclude_none=True)
+    else:
+        qc = qformat.quantization_config(None, kv=qargs)
+    out["quantization_config"] = qc
+    return out
+
+
+def _probe(ref, test, windows: list[list[int]], step: Callable[[], None]) -> dict:
+    """KLD / top-1 agreement of `test`'s next-token distributions against `ref`'s, both through the paged path."""
+    from .quantize.probe import ProbeAccumulator
+
+    acc = ProbeAccumulator()
+    for w in windows:
+        acc.add(ref.prompt_logprobs(w), test.prompt_logprobs(w))
+        step()
+    return acc.result()
+
+
+def _windows(tw, max_len: int) -> list[list[int]]:
+    return [s[:max_len - 1].tolist() for s in tw.samples]
+
+
+def calibrate(engine, kv: str, samples: list[list[int]], heldout: list[list[int]], bar) -> tuple[dict, dict]:
+    """Run the calibration samples, derive per-tensor and per-head scales, measure both on held-out windows.
+    Returns ({"tensor"|"head": [(k_scale, v_scale)] per layer}, {"tensor"|"head": relative errors})."""
+    caches = engine.runner.caches
+    rec = KVRecorder(caches, kv)
+    try:
+        task = bar.add_task("calibrating KV cache", total=len(samples))
+        _run(engine, samples, lambda n: bar.advance(task, n))
+        candidates = {g: [(scales_from_amax(a[0], kv, g == "head"), scales_from_amax(a[1], kv, g == "head"))
+                          for a in rec.amax] for g in ("tensor", "head")}
+        rec.measure(candidates)
+        task = bar.add_task("held-out K/V error", total=len(heldout))
+        _run(engine, heldout, lambda n: bar.advance(task, n))
+    finally:
+        for c in caches:  # back to the cache's own write()
+            c.__dict__.pop("write", None)
+    return candidates, rec.relative_errors()
+
+
+def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | None = None,
+                show_progress: bool = True) -> Artifact:
+    """Calibrate `source`'s KV cache, measure both granularities on held-out text, write the new artifact."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ..models.load import load_tokenizer
+    from .quantize.calib import load_calibration, load_probe_text
+    from .quantize.stage import peak_rss_bytes
+
+    ckpt = _check(source, opts)
+    t0 = time.perf_counter()
+    spec = ckpt.spec
+    tokenizer = load_tokenizer(source.path)
+    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, seed=0)
+    probe = load_probe_text(tokenizer, opts.heldout_tokens)
+    max_len = min(spec.max_position_embeddings, max(len(s) for s in calib.samples + probe.samples) + 1)
+    samples, heldout = _windows(calib, max_len), _windows(probe, max_len)
+    with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as bar:
+        engine = _engine(source.path, max_len, opts)
+        try:
+            candidates, errors = calibrate(engine, opts.kv, samples, heldout, bar)
+            chosen = _choose(opts, errors)
+            qargs = kv_quant_args(opts.kv, chosen)
+            scales = {}
+            for i, (k, v) in enumerate(candidates[chosen]):
+                scales.update(qformat.write_kv_scales(f"{layer_prefix(i)}.self_attn", k, v))
+            config = {"kv_cache_dtype": opts.kv, "granularity": chosen, "granularity_requested": opts.granularity,
+                      "margin": opts.margin, "kv_cache_scheme": asdict(qargs),
+                      "calibration": {**calib.manifest(), "heldout": probe.manifest()},
+                      "source_weights": ckpt.qconfig.format if ckpt.quantized else "dense",
+                      "source": {"id": source.id, "ref": source.ref}}
+            name = opts.name or f"{source.name}-kv{opts.kv}"
+            with store.create("quantized", name, parents=[source.id], config=config, command=command) as w:
+                _write_checkpoint(source.path, w.dir, _with_kv_scheme(read_config(source.path), qargs), scales)
+                quant = _engine(w.dir, max_len, opts)  # the artifact as written, read back by the runtime
+                try:
+                    task = bar.add_task("KLD vs full-precision cache", total=len(heldout))
+                    quality = _probe(engine, quant, heldout, lambda: bar.advance(task))
+                finally:
+                    quant.shutdown()
+                w.metrics.update(
+                    granularity=chosen, kv_error=errors, probe=quality,
+                    kv_bytes_per_token=spec.kv_bytes_per_token(1),
+                    kv_bytes_per_token_16bit=spec.kv_bytes_per_token(2),
+                    wall_time_s=round(time.perf_counter() - t0, 2), peak_rss_bytes=peak_rss_bytes(),
+                    size_bytes=sum(p.stat().st_size for p in w.dir.glob("*.safetensors")))
+        finally:
+            engine.shutdown()
+    return w.artifact

@@ -1,0 +1,57 @@
+"""FP8 E4M3 weights and activations ("float-quantized" in compressed-tensors).
+
+E4M3 keeps 3 mantissa bits over a wide exponent range, so a linear needs no calibration search: the weight scale
+maps its largest magnitude onto the format's largest finite value (448) per tensor or per output channel, and
+values are rounded to the nearest representable float8. Activations are quantized per token at run time
+(dynamic) or with one static per-tensor scale, max|X| / 448 from calibration, which is what FP8 GEMMs with a fixed
+input scale (vLLM, TensorRT-LLM) consume. The runtime's FP8Linear runs torch._scaled_mm on GPUs with FP8 tensor
+cores and reproduces the same rounding elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import LlmqError
+from ...models import qformat
+from . import rtn, smoothquant
+
+BITS = (8,)
+CALIBRATED = True  # only static activations need the calibration pass; see the helper's request note
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+WEIGHT_STRATEGIES = ("tensor", "channel")
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to float8_e4m3fn (saturating at +-448)."""
+    return (x.double() / scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_weight_fp8(w: torch.Tensor, strategy: str = "channel", input_absmax: torch.Tensor | None = None,
+                        scale_dtype: torch.dtype = torch.float32) -> qformat.QuantizedWeight:
+    """FP8 weight with scale max|W| / 448 per tensor ([1]) or per output channel ([N, 1]), rounded to its stored
+    dtype first; activations dynamic per token, or static per tensor (max|X| / 448) from `input_absmax`."""
+    if strategy not in WEIGHT_STRATEGIES:
+        raise LlmqError(f"FP8 weight scales are per {' or per '.join(WEIGHT_STRATEGIES)}, not {strategy!r}")
+    wf = w.float()
+    amax = wf.abs().amax().reshape(1) if strategy == "tensor" else wf.abs().amax(1, keepdim=True)
+    scale = rtn.round_scale(amax / FP8_MAX, scale_dtype)
+    input_scale = None
+    if input_absmax is not None:
+        input_scale = rtn.round_scale(input_absmax.float().max().reshape(1) / FP8_MAX, torch.float32)
+    return qformat.QuantizedWeight(q=to_fp8(wf, scale).cpu(), scale=scale.to(scale_dtype).cpu(), zero_point=None,
+                                   bits=8, group_size=None, symmetric=True,
+                                   input_scale=input_scale.cpu() if input_scale is not None else None,
+                                   dynamic=input_absmax is None)
+
+
+def validate(opts, spec) -> None:
+    smoothquant.check_per_channel(opts, "fp8")
+
+
+def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
+    absmax = ctx.input_absmax(list(ctx.linears)) if ctx.opts.activations == "static" else {}
+    strategy = "tensor" if ctx.opts.per_tensor else "channel"
+    return {n: quantize_weight_fp8(lin.weight.data, strategy, absmax.get(n), ctx.scale_dtype)
+            for n, lin in ctx.linears.items()}
+
