@@ -121,7 +121,7 @@ def start_server(model_path: Path, port: int):
 
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "llmq.cli.main", "serve", str(model_path), "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "llmq", "serve", str(model_path), "--host", "127.0.0.1",
                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -174,16 +174,11 @@ def batch1_decode(path: Path, prompt: list[int], steps: int, peak_bw: float) -> 
 
 
 def quantized_variants(source, store: Store) -> dict[str, Path]:
-    """INT8 / INT4 weight-only artifacts of the model, made with the quantize stage (skipped if it is missing)."""
-    try:
-        from llmq.pipeline.quantize import quantize_model  # the quantize stage's entry point
-    except ImportError as e:
-        print(f"  (quantize stage unavailable: {e}; INT8/INT4 rows skipped)")
-        return {}
-    out = {}
-    for scheme in ("int8", "int4"):
-        out[scheme] = quantize_model(source, store, scheme=scheme).path
-    return out
+    """INT8 (per channel) and INT4 (groups of 64) RTN weight-only artifacts of the model, made by the quantize stage."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    return {"int8": quantize(source, QuantizeOptions(bits=8, group_size=0), store).path,
+            "int4": quantize(source, QuantizeOptions(bits=4, group_size=64), store).path}
 
 
 def main() -> None:

@@ -83,10 +83,15 @@ def init_group(rank: int, world: int, port: int, device: torch.device) -> None:
 
 def worker_main(rank: int, world: int, port: int, load_args: dict, conn) -> None:
     """Entry point of a spawned rank: load, report readiness (or the error) to rank 0, then serve steps."""
+    import signal
+
     import torch.distributed as dist
 
     from .model_runner import ModelRunner
 
+    # Ctrl-C in a terminal reaches the whole process group; the ranks must outlive it while a server drains.
+    # Rank 0 ends them (a None broadcast, else terminate()), and a dead rank 0 breaks their collective anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     device = rank_device(torch.device(load_args["device"]), rank)
     if device.type == "cpu":
         torch.set_num_threads(threads_per_rank(world))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from .loader import Checkpoint, RankLayout
 from .model_runner import ModelRunner, compute_dtype_for, prepare_step
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
 
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_FRACTION = 0.25

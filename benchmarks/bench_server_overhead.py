@@ -1,0 +1,142 @@
+"""What the HTTP layer costs: output throughput of the same engine driven in-process vs through `llmq serve`'s app.
+
+One run, same engine configuration and prompts: (1) a closed loop of `concurrency` requests on LLMEngine.step()
+directly, (2) the same closed loop as OpenAI /v1/completions requests (non-streaming and streaming) to the server
+app (uvicorn in a thread of this process, engine loop thread inside), then (1) again. Prints output tokens/s and
+the ratio to the mean of the in-process runs.
+
+    python benchmarks/bench_server_overhead.py [--model REF] [--store DIR] [--concurrency 8] [--requests 16]
+        [--prompt-len 64] [--output-len 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmq.artifacts import Store  # noqa: E402
+from llmq.models import resolve_model  # noqa: E402
+from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from llmq.runtime.server import create_app  # noqa: E402
+
+
+def in_process(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_new: int) -> float:
+    sp = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
+    queue, in_flight, tokens = list(enumerate(prompts)), 0, 0
+    t = time.perf_counter()
+    while queue or engine.has_unfinished():
+        while queue and in_flight < concurrency:
+            i, p = queue.pop(0)
+            engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, sp)
+            in_flight += 1
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            in_flight -= out.finished
+    return tokens / (time.perf_counter() - t)
+
+
+def in_thread(fn, *args):
+    """Run fn in a fresh thread, as the server's engine loop runs the engine: on an oversubscribed CPU, torch ops from
+    the main thread with 2 intra-op threads were ~10x slower here than from a secondary thread, which would make the
+    comparison about threads instead of HTTP."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def over_http(url: str, prompts: list[list[int]], concurrency: int, max_new: int, stream: bool) -> float:
+    import httpx
+
+    queue, lock, tokens = list(prompts), threading.Lock(), [0]
+
+    def worker():
+        with httpx.Client(base_url=url, timeout=600) as client:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    p = queue.pop(0)
+                body = {"prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True, "stream": stream,
+                        "stream_options": {"include_usage": True}}
+                if stream:
+                    with client.stream("POST", "/v1/completions", json=body) as r:
+                        last = [line for line in r.iter_lines() if line.startswith("data: {")][-1]
+                    n = json.loads(last[6:])["usage"]["completion_tokens"]
+                else:
+                    n = client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"]
+                with lock:
+                    tokens[0] += n
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return tokens[0] / (time.perf_counter() - t)
+
+
+def main() -> None:
+    import uvicorn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--store", default=None)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    args = ap.parse_args()
+
+    model = resolve_model(args.model, Store.open(args.store))
+    engine = LLMEngine(model.path, EngineConfig(max_num_seqs=args.concurrency, kv_cache_memory=256 << 20))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, engine.spec.vocab_size) for _ in range(args.prompt_len)]
+               for _ in range(args.requests)]
+    # bracketed (engine, HTTP, HTTP-SSE, engine again): on a shared machine the spread of the two engine runs shows
+    # how much of any difference is noise. The engine is single-threaded: it is driven here only while no server
+    # (whose engine loop thread owns it) is up.
+    in_thread(in_process, engine, prompts, args.concurrency, args.output_len)  # warm-up; fills the prefix cache
+    before = in_thread(in_process, engine, prompts, args.concurrency, args.output_len)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        plain = over_http(url, prompts, args.concurrency, args.output_len, stream=False)
+        streamed = over_http(url, prompts, args.concurrency, args.output_len, stream=True)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    try:
+        after = in_thread(in_process, engine, prompts, args.concurrency, args.output_len)
+    finally:
+        engine.shutdown()
+    print(f"model {model.name}/v{model.version}  concurrency {args.concurrency}  requests {args.requests}  "
+          f"prompt {args.prompt_len}  output {args.output_len}")
+    print(f"{'path':<22} {'out tok/s':>10} {'vs engine':>9}")
+    base = (before + after) / 2
+    rows = (("engine in-process (1)", before), ("HTTP non-streaming", plain), ("HTTP streaming (SSE)", streamed),
+            ("engine in-process (2)", after))
+    for name, v in rows:
+        print(f"{name:<22} {v:>10.1f} {v / base:>8.2f}x")
+    print("ratios are to the mean of the two in-process runs")
+
+
+if __name__ == "__main__":
+    main()

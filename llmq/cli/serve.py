@@ -1,0 +1,108 @@
+"""`llmq serve`: the bundled continuous-batching runtime behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from ..errors import LlmqError
+from ..models import source_artifact
+from .common import get_store, human_bytes
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise LlmqError(f"cannot read {text!r} as a size; use e.g. 512MiB, 2GiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@click.command("serve")
+@click.argument("ref", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks (one process each).")
+@click.option("--kv-cache-memory", help="KV-cache budget per rank, e.g. 512MiB or 2GiB (overrides the fraction).")
+@click.option("--kv-cache-fraction", type=float, default=None,
+              help="Fraction of free memory for the KV cache when no size is given  [default: 0.25].")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto", show_default=True,
+              help="auto: the compute dtype, or the checkpoint's calibrated KV scheme.")
+@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences in the running batch.")
+@click.option("--max-num-batched-tokens", type=int, default=512, show_default=True,
+              help="Tokens per engine step (chunked prefill budget).")
+@click.option("--max-model-len", type=int, default=None, help="Context length (default: the model's, at most 4096).")
+@click.option("--block-size", type=int, default=16, show_default=True, help="Paged KV-cache block size (tokens).")
+@click.option("--no-prefix-caching", is_flag=True, help="Turn off automatic prefix caching.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on GPU).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--served-model-name", help="Model id in the API (default: the artifact's name).")
+@click.option("--api-key", envvar="LLMQ_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (env LLMQ_API_KEY).")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests allowed to wait beyond the running batch; more get 429.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds to let in-flight requests finish on SIGTERM / Ctrl-C.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+@click.pass_context
+def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv_cache_dtype, max_num_seqs,
+          max_num_batched_tokens, max_model_len, block_size, no_prefix_caching, dtype, device, served_model_name,
+          api_key, max_queue, drain_timeout, log_level):
+    """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
+    from ..runtime import EngineConfig, LLMEngine
+    from ..runtime.kv_cache import kv_element_bytes
+    from ..runtime.server import create_app, run_server
+
+    if kv_cache_memory is not None and kv_cache_fraction is not None:
+        raise LlmqError("give --kv-cache-memory or --kv-cache-fraction, not both")
+    if max_queue < 0:
+        raise LlmqError(f"--max-queue must be >= 0, got {max_queue}")
+    _check_bindable(host, port)  # before minutes of model loading, not after
+    art = source_artifact(ref, get_store(ctx))
+    if art.kind not in ("model", "quantized", "engine"):
+        raise LlmqError(f"{art.ref} is a {art.kind} artifact; serve takes a model, quantized or engine artifact")
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       max_model_len=max_model_len, block_size=block_size,
+                       kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
+                       kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=not no_prefix_caching, tp=tp,
+                       device=device, dtype=dtype)
+    if kv_cache_fraction is not None:
+        cfg.kv_cache_fraction = kv_cache_fraction
+    engine = LLMEngine(art.path, cfg)
+    try:
+        name = served_model_name or art.name
+        app = create_app(engine, served_model_name=name, api_key=api_key, max_queue=max_queue,
+                         drain_timeout=drain_timeout)
+        kv_heads = max(engine.spec.num_kv_heads // engine.tp, 1)
+        kv_bytes = (engine.num_blocks * engine.block_size * 2 * engine.spec.num_layers * kv_heads
+                    * engine.spec.head_dim * kv_element_bytes(engine.kv_cache_dtype, engine.runner.dtype))
+        click.echo(f"serving {name} ({art.ref}, {art.kind}) on http://{host}:{port}/v1  device={engine.device} "
+                   f"tp={engine.tp} context={engine.max_model_len}  KV cache: {engine.num_blocks} blocks of "
+                   f"{engine.block_size} tokens ({engine.kv_cache_dtype}, {human_bytes(kv_bytes)} "
+                   f"per rank)", err=True)
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            click.echo(f"warning: listening on {host} without --api-key", err=True)
+        run_server(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
+    finally:
+        engine.shutdown()
+
+
+def _check_bindable(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise LlmqError(f"cannot resolve --host {host}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise LlmqError(f"cannot listen on {host}:{port}: {e.strerror}") from None

@@ -1,0 +1,30 @@
+"""OpenAI-compatible HTTP server over the bundled engine (`llmq serve`)."""
+
+from __future__ import annotations
+
+from .app import create_app
+from .engine_loop import EngineLoop
+
+__all__ = ["EngineLoop", "create_app", "run_server"]
+
+
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
+               log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM; uvicorn then stops accepting, waits up to `drain_timeout` for open requests and
+    runs the app's shutdown (the engine loop's drain)."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=drain_timeout)
+    # uvicorn re-raises the signal that stopped it once it has drained; with the default handlers in place that
+    # would kill the process before the caller can shut the engine's TP workers down, so catch it quietly instead
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)

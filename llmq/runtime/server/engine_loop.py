@@ -1,0 +1,203 @@
+"""The one thread that owns the LLMEngine, and the thread-safe doorway the asyncio server talks to it through.
+
+LLMEngine is single-threaded by design, so every call into it (add, abort, step, stats) happens here. Handlers put
+commands on a queue; the loop applies them between steps, so an abort frees its KV blocks before the next step.
+Outputs go back to each request's asyncio.Queue through loop.call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ...errors import LlmqError
+from ..engine import LLMEngine, RequestOutput
+from ..sampling import SamplingParams
+from .metrics import ServerMetrics
+
+log = logging.getLogger("llmq.serve")
+
+
+class QueueFull(Exception):
+    """More requests in flight than running slots plus the waiting queue hold."""
+
+
+class NotAccepting(Exception):
+    """The server is draining for shutdown, or the engine failed."""
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Live:
+    sink: Callable[[object], None]
+    arrival: float
+    last_token: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int = 256):
+        if max_queue < 0:
+            raise LlmqError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        self.metrics = metrics
+        self.capacity = engine.max_num_seqs + max_queue
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0  # submitted and neither finished nor aborted; guarded by _lock
+        self._accepting = True
+        self.error: BaseException | None = None
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="llmq-engine-loop", daemon=True)
+
+    # -- called from the asyncio side -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.metrics.set_baseline(self.engine.stats())
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """Queue a request; its RequestOutputs (or one exception) arrive on the returned queue."""
+        with self._lock:
+            if not self._accepting or not self.healthy:
+                raise NotAccepting("the server is shutting down" if self.healthy else "the engine has failed")
+            if self._in_flight >= self.capacity:
+                raise QueueFull(f"{self._in_flight} requests in flight; the queue is full")
+            self._in_flight += 1
+            out: asyncio.Queue = asyncio.Queue()
+
+            def sink(item: object) -> None:
+                try:
+                    loop.call_soon_threadsafe(out.put_nowait, item)
+                except RuntimeError:  # the event loop is closed: nobody is listening any more
+                    pass
+
+            # under the lock, so a failing loop (which empties the inbox under it) cannot strand this request
+            self._inbox.put(("add", request_id, prompt_ids, params, sink, time.monotonic()))
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's KV blocks before the next step; a no-op when it already finished."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to `timeout` seconds, abort the rest, stop."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._in_flight and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join()
+
+    # -- the engine thread ----------------------------------------------------------------------------------------
+    def _done(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        with self._lock:
+            self._in_flight -= 1
+
+    def _command(self, cmd: tuple) -> bool:
+        """Apply one command; False means stop."""
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, sink, arrival = cmd
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception as e:  # LlmqError: a 400 for this request alone; anything else: a 500
+                with self._lock:
+                    self._in_flight -= 1
+                sink(e)
+                return True
+            self._live[rid] = _Live(sink, arrival)
+        elif kind == "abort":
+            rid = cmd[1]
+            if rid in self._live:
+                self.engine.abort_request(rid)
+                self.metrics.finished("abort")
+                self._done(rid)
+        elif kind == "stop":
+            for rid, live in list(self._live.items()):
+                self.engine.abort_request(rid)
+                self.metrics.finished("abort")
+                live.sink(NotAccepting("the server shut down before this request finished"))
+                self._done(rid)
+            return False
+        return True
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        m = self.metrics
+        n = len(out.new_token_ids)
+        if live.last_token is None:
+            if out.metrics.first_token_time is not None:
+                m.ttft.observe(out.metrics.first_token_time - live.arrival)
+            n -= 1
+        if n > 0 and live.last_token is not None:
+            gap = (now - live.last_token) / n
+            for _ in range(n):
+                m.itl.observe(gap)
+                m.tpot.observe(gap)
+        live.last_token = now
+        live.sink(out)
+        if out.finished:
+            end = out.metrics.finished_time or now
+            m.e2e.observe(end - live.arrival)
+            n_out = len(out.output_token_ids)
+            m.request_prompt_tokens.observe(out.num_prompt_tokens)
+            m.request_generation_tokens.observe(n_out)
+            if n_out > 1 and out.metrics.first_token_time is not None:
+                m.request_tpot.observe((end - out.metrics.first_token_time) / (n_out - 1))
+            m.finished(out.finish_reason or "stop")
+            self._done(out.request_id)
+
+    def _next_command(self, block: bool) -> tuple | None:
+        try:
+            return self._inbox.get(block=block)
+        except queue.Empty:
+            return None
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            running = True
+            while running:
+                cmd = self._next_command(block=not eng.has_unfinished())  # sleep only when there is nothing to run
+                while cmd is not None and running:
+                    running = self._command(cmd)
+                    cmd = self._next_command(block=False) if running else None
+                if running and eng.has_unfinished():
+                    outs = eng.step()
+                    now = time.monotonic()
+                    for out in outs:
+                        self._deliver(out, now)
+                self.metrics.update(eng.stats())
+        except BaseException as e:  # a bug or a dead TP worker: fail every request, never hang the clients
+            log.exception("engine loop failed")
+            failed = EngineFailed(f"the engine failed: {e}")
+            for rid, live in list(self._live.items()):
+                live.sink(failed)
+                self._done(rid)
+            with self._lock:
+                self.error = e
+                while (cmd := self._next_command(block=False)) is not None:
+                    if cmd[0] == "add":
+                        self._in_flight -= 1
+                        cmd[4](failed)

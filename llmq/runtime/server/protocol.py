@@ -1,0 +1,76 @@
+"""OpenAI-compatible request bodies and the error body.
+
+Field names follow the OpenAI API. Unknown fields are ignored (as OpenAI does), but known fields are validated
+strictly: a string where a number belongs is a 400, not a silent coercion. `top_k`, `ignore_eos`,
+`stop_token_ids` and `return_tokens_as_token_ids` are vLLM-style extensions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's extension)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """Extra keys (name, tool_call_id, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def template_dict(self) -> dict:
+        d = self.model_dump(exclude_none=True)
+        c = self.content
+        d["content"] = "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+        return d
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
