@@ -1,0 +1,168 @@
+"""Running an evaluation: tasks through lm-eval's simple_evaluate over our LM, scores with standard errors.
+
+Deterministic: task data comes from the seed, lm-eval's four seeds are set from it, generation is greedy, and
+scoring is exact arithmetic in the model's compute dtype, so the same settings give the same scores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import LlmqError
+from .compare import group_scores, mean_stderr, ratio_stderr
+from .tasks import GROUPS, TASKS, TaskSet, materialize
+
+DEFAULT_SEED = 1234
+# 100 items per task keeps `--tasks code,math` on the default model under 15 minutes on a 2-core CPU (see README)
+DEFAULT_LIMIT = 100
+KLD_MAX_DOCS = 40
+SPECIAL = ("math", "code", "ppl", "kld")
+
+
+@dataclass
+class EvalSettings:
+    tasks: list[str]  # as requested: groups (math, code, ppl, kld) and/or lm-eval task names
+    limit: int | None = DEFAULT_LIMIT
+    seed: int = DEFAULT_SEED
+    backend: str = "llmq"
+    allow_code_execution: bool = False
+    lm_tasks: list[str] = field(default_factory=list)  # expanded lm-eval task names (filled by plan())
+    kld: bool = False
+
+    def scores_key(self, artifact_id: str, info: dict) -> str:
+        """What a cached score set depends on: the model, the tasks and their data, limit, seed, lm-eval, backend."""
+        from lm_eval import __version__ as lm_eval_version
+
+        key = {"artifact": artifact_id, "tasks": sorted(self.lm_tasks), "limit": self.limit, "seed": self.seed,
+               "lm_eval": lm_eval_version, "backend": self.backend, "data": info.get("fingerprint")}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def task_cache_dir() -> Path:
+    root = os.environ.get("LLMQ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmq")
+    return Path(root) / "eval-tasks"
+
+
+def plan(settings: EvalSettings) -> TaskSet:
+    """Materialize the bundled tasks and expand the requested names into lm-eval task names."""
+    ts = materialize(task_cache_dir(), settings.seed, settings.allow_code_execution)
+    names: list[str] = []
+    for t in settings.tasks:
+        if t == "kld":
+            settings.kld = True
+        elif t in GROUPS:
+            names += [n for n in GROUPS[t] if n in ts.available]
+        elif t:
+            names.append(t)
+    settings.lm_tasks = list(dict.fromkeys(names))
+    if not settings.lm_tasks and not settings.kld:
+        raise LlmqError("no tasks to run; --tasks takes code, math, ppl, kld and lm-eval task names")
+    return ts
+
+
+def _quiet() -> None:
+    os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's per-task bars; the CLI shows one rich bar instead
+    for name in ("lm_eval", "lm-eval", "datasets", "transformers", "evaluate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _metric_value(results: dict, metric: str):
+    for k, v in results.items():
+        if k.split(",")[0] == metric and "_stderr" not in k:
+            return v, k.split(",", 1)[1] if "," in k else "none"
+    return None, None
+
+
+def _primary_metric(task: str, results: dict) -> str:
+    if task in TASKS:
+        return TASKS[task]
+    for m in ("acc_norm", "acc", "exact_match", "pass@1", "f1", "mc2", "bits_per_byte", "word_perplexity"):
+        if _metric_value(results, m)[0] is not None:
+            return m
+    keys = [k.split(",")[0] for k in results if "," in k and "_stderr" not in k]
+    if not keys:
+        raise LlmqError(f"lm-eval returned no metric for task {task}")
+    return keys[0]
+
+
+def summarize(task: str, results: dict, samples: list[dict]) -> dict:
+    """One task's primary score and its standard error from lm-eval's per-document samples."""
+    metric = _primary_metric(task, results)
+    value, filt = _metric_value(results, metric)
+    samples = [s for s in samples if s.get("filter", "none") == filt] or samples
+    out = {"task": task, "metric": metric, "n": len(samples)}
+    if metric in ("bits_per_byte", "word_perplexity", "byte_perplexity"):
+        ll = [float(s[metric][0]) for s in samples]
+        units = [float(s[metric][1]) for s in samples]
+        if metric == "bits_per_byte":
+            r, se = ratio_stderr([-x / math.log(2) for x in ll], units)
+            out.update(value=r, stderr=se, unit="bits/byte")
+        else:
+            r, se = ratio_stderr([-x for x in ll], units)
+            out.update(value=math.exp(r), stderr=math.exp(r) * se, unit="ppl")
+        out["higher_is_better"] = False
+        out["all"] = {k.split(",")[0]: v for k, v in results.items() if "," in k and "_stderr" not in k}
+        return out
+    vals = [float(s[metric]) for s in samples if isinstance(s.get(metric), (int, float, bool))]
+    if not vals:  # a metric aggregated across documents (e.g. f1 over a corpus): no per-document values
+        out.update(value=float(value), stderr=None, unit="", higher_is_better=True)
+        return out
+    m, se = mean_stderr(vals)
+    scale = 100.0 if all(0.0 <= v <= 1.0 for v in vals) else 1.0
+    out.update(value=m * scale, stderr=se * scale if not math.isnan(se) else None,
+               unit="points" if scale == 100.0 else "", higher_is_better=True)
+    return out
+
+
+def run_lm_tasks(lm, ts: TaskSet, settings: EvalSettings) -> dict:
+    """{"tasks": {name: score}, "groups": {...}, "lm_eval": version} for the lm-eval part of the settings."""
+    if not settings.lm_tasks:
+        return {"tasks": {}, "groups": {}}
+    _quiet()
+    from lm_eval import __version__ as lm_eval_version
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # indexing lm-eval's own ~15k task configs takes minutes on a small CPU: only when a task needs it
+    external = any(t not in ts.available for t in settings.lm_tasks)
+    tm = TaskManager(include_path=str(ts.include_path), include_defaults=external)
+    unknown = [t for t in settings.lm_tasks if t not in tm.all_tasks]
+    if unknown:
+        raise LlmqError(f"unknown task(s): {', '.join(unknown)} (bundled: math, code, ppl, kld; or an lm-eval task)")
+    s = settings.seed
+    res = simple_evaluate(model=lm, tasks=list(settings.lm_tasks), task_manager=tm, limit=settings.limit,
+                          log_samples=True, bootstrap_iters=0, random_seed=s, numpy_random_seed=s,
+                          torch_random_seed=s, fewshot_random_seed=s,
+                          confirm_run_unsafe_code=settings.allow_code_execution)
+    if res is None:
+        raise LlmqError("lm-eval returned no results")
+    tasks = {t: summarize(t, res["results"][t], res["samples"].get(t, [])) for t in settings.lm_tasks
+             if t in res["results"]}
+    return {"tasks": tasks, "groups": group_scores(tasks, GROUPS), "lm_eval": lm_eval_version,
+            "seconds": {k: round(v, 1) for k, v in lm.seconds.items() if v}}
+
+
+def kld_texts(ts: TaskSet, limit: int | None) -> list[str]:
+    """English paragraphs and Python chunks, alternating, at most min(limit, KLD_MAX_DOCS) documents."""
+    read = lambda name: [json.loads(x)["text"] for x in (ts.include_path / name).read_text().splitlines()]  # noqa
+    en, code = read("ppl.jsonl"), read("code_bpb.jsonl")
+    mixed = [d for pair in zip(en, code) for d in pair] + code[len(en):]
+    return mixed[:min(limit or KLD_MAX_DOCS, KLD_MAX_DOCS)]
+
+
+def settings_dict(settings: EvalSettings) -> dict:
+    return asdict(settings)
