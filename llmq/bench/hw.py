@@ -1,0 +1,97 @@
+"""This machine's roofline: memory read bandwidth and matmul peak, measured once and cached per machine.
+
+The cache (<llmq cache>/hw.json, usually ~/.cache/llmq/hw.json) is keyed by CPU model, core count and
+accelerator, so a copied home directory on other hardware is measured afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Callable
+
+import torch
+
+from ..models import cache_dir, pick_device
+
+
+def machine_key(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    key = f"{cpu} x{os.cpu_count()}"
+    if device.startswith("cuda"):
+        key += f" | {torch.cuda.get_device_name(torch.device(device))}"
+    return key
+
+
+def _best(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def read_bandwidth(device: str = "cpu", nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s of a sum over a buffer far larger than the caches (256 MiB on CPU, 2 GiB on a GPU)."""
+    dev = torch.device(device)
+    nbytes = nbytes or (2 << 30 if dev.type == "cuda" else 256 << 20)
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    t = _best(buf.sum, _sync(dev), repeats)
+    return buf.numel() * 4 / t
+
+
+def matmul_flops(dtype: torch.dtype, device: str = "cpu", n: int | None = None, repeats: int = 3) -> float:
+    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs); n defaults to what this device finishes in well under a second."""
+    dev = torch.device(device)
+    if n is None:
+        n = 8192 if dev.type == "cuda" else (1024 if dtype == torch.float32 else 384)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    t = _best(lambda: a @ b, _sync(dev), repeats)
+    return 2 * n**3 / t
+
+
+def measure(device: str) -> dict:
+    return {"device": device, "read_bandwidth": read_bandwidth(device),
+            "fp32_flops": matmul_flops(torch.float32, device), "bf16_flops": matmul_flops(torch.bfloat16, device),
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def hardware(device: str | None = None, refresh: bool = False) -> dict:
+    """The cached measurement for this machine and device, measuring (and caching) it when missing."""
+    device = pick_device(device)
+    path = cache_dir() / "hw.json"
+    key = machine_key(device)
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if refresh or key not in cache:
+        cache[key] = measure(device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=2))
+        tmp.replace(path)
+    return {"machine": key, **cache[key]}
+
+
+def peak_flops(hw: dict, dtype: torch.dtype) -> float:
+    """The matmul peak for the dtype the engine computes in (fp16 is taken as bf16's)."""
+    return hw["fp32_flops"] if dtype == torch.float32 else hw["bf16_flops"]

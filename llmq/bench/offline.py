@@ -1,0 +1,146 @@
+"""Offline sweep: the bundled runtime in-process, one batch size at a time, to trace the roofline curve.
+
+For each batch size B, B requests (distinct random prompts, so nothing is shared through the prefix cache) are
+prefilled, then every decode step (B tokens) is timed. Per step:
+  MBU = (weight bytes + KV bytes read) / step time / peak read bandwidth
+  MFU = 2 x parameters x B / step time / peak matmul FLOP/s (of the compute dtype)
+where the KV bytes are the cached context of all B sequences at that step. Small batches are bandwidth bound
+(MBU high, MFU low); MFU climbs with B until compute saturates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..artifacts import Artifact, Store
+from ..errors import LlmqError
+
+
+@dataclass
+class OfflineResult:
+    batch_size: int
+    decode_steps: int
+    step_ms: float  # mean decode step = per-token latency of every sequence in the batch
+    step_ms_p50: float
+    tokens_per_s: float  # output tokens/s across the batch
+    prefill_s: float  # all B prompts, until every sequence had its first token
+    weight_bytes: int
+    kv_bytes: float  # mean KV bytes read per decode step
+    mbu: float
+    mfu: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _compute_params(spec) -> int:
+    """Parameters a token multiplies through: an untied input embedding is a lookup, not a matmul."""
+    return spec.num_parameters() - (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size)
+
+
+@dataclass
+class OfflineOptions:
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    input_len: int = 128
+    output_len: int = 128
+    name: str | None = None  # of the bench-report artifact; default bench-<source name>
+    time_limit: float = 300.0  # per batch size
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    refresh_hw: bool = False  # measure the machine again instead of using the cached figures
+
+
+def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: str | None = None,
+                progress: Callable[[OfflineResult], None] | None = None) -> Artifact:
+    """Sweep `source` (a model, quantized or llmq engine artifact) and save a bench-report artifact."""
+    from . import report as R
+    from .hw import hardware
+
+    if source.kind not in ("model", "quantized", "engine"):
+        raise LlmqError(f"{source.ref} is a {source.kind} artifact; the offline bench takes a model, quantized or "
+                        "engine artifact")
+    hw = hardware(opts.device, refresh=opts.refresh_hw)
+    results, settings = sweep(source.path, opts.batch_sizes, opts.input_len, opts.output_len, hw, opts.time_limit,
+                              opts.device, opts.dtype, opts.seed, progress)
+    settings["engine"] = source.ref
+    report = {"schema": R.SCHEMA, "mode": "offline", "settings": settings, "offline": [r.to_dict() for r in results]}
+    return R.save(store, report, opts.name, [source.id], command)
+
+
+def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: int, hw: dict,
+          time_limit: float = 300.0, device: str | None = None, dtype: str | None = None, seed: int = 0,
+          progress: Callable[[OfflineResult], None] | None = None) -> tuple[list[OfflineResult], dict]:
+    """Results per batch size, plus the engine settings they were measured with."""
+    import torch
+
+    from ..runtime import EngineConfig, LLMEngine, SamplingParams
+    from ..runtime.kv_cache import kv_element_bytes
+    from .hw import peak_flops
+
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise LlmqError("--batch-sizes needs positive integers, e.g. 1,2,4,8")
+    if input_len < 1 or output_len < 2:
+        raise LlmqError("offline bench needs --input-len >= 1 and --output-len >= 2 (decode steps to time)")
+    max_b = max(batch_sizes)
+    cfg = EngineConfig(max_num_seqs=max_b, max_num_batched_tokens=max(512, input_len), enable_prefix_caching=False,
+                       max_model_len=input_len + output_len + 1, device=device, dtype=dtype)
+    engine = LLMEngine(path, cfg)
+    try:
+        spec = engine.spec
+        kv_per_token = spec.kv_bytes_per_token(kv_element_bytes(engine.kv_cache_dtype, engine.runner.dtype))
+        weight_bytes = engine.runner.model.weight_bytes() * engine.tp
+        flops_per_token = 2 * _compute_params(spec)
+        peak_bw, peak_fl = hw["read_bandwidth"], peak_flops(hw, engine.runner.dtype)
+        rng = np.random.default_rng(seed)
+        special = set(engine.tokenizer.all_special_ids)
+        vocab = [i for i in range(min(spec.vocab_size, len(engine.tokenizer))) if i not in special]
+        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+        engine.generate([list(map(int, rng.choice(vocab, min(input_len, 8))))],
+                        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm up
+        results = []
+        for b in batch_sizes:
+            ids = [f"b{b}-{i}" for i in range(b)]
+            for rid in ids:
+                engine.add_request(rid, [int(t) for t in rng.choice(vocab, input_len)], params)
+            seqs = [engine.requests[r] for r in ids]
+            t0 = time.perf_counter()
+            deadline = t0 + time_limit
+            while any(s.first_token_time is None for s in seqs):
+                engine.step()
+            prefill = time.perf_counter() - t0
+            times, kv = [], []
+            # only steps in which all B sequences decode (a sequence prefilled a step early finishes a step early)
+            while not any(s.is_finished for s in seqs) and time.perf_counter() < deadline:
+                context = sum(s.num_tokens for s in seqs)  # the KV each new token attends to
+                t = time.perf_counter()
+                engine.step()
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize(engine.device)
+                times.append(time.perf_counter() - t)
+                kv.append(context * kv_per_token)
+            for rid in ids:
+                engine.abort_request(rid)
+            if not times:
+                raise LlmqError(f"batch size {b}: no decode step with all {b} sequences was timed; raise --output-len "
+                                f"or --time-limit ({time_limit:g} s)")
+            step = float(np.mean(times))
+            kv_mean = float(np.mean(kv))
+            results.append(OfflineResult(b, len(times), step * 1e3, float(np.median(times)) * 1e3, b / step, prefill,
+                                         weight_bytes, kv_mean, (weight_bytes + kv_mean) / step / peak_bw,
+                                         flops_per_token * b / step / peak_fl))
+            if progress:
+                progress(results[-1])
+        settings = {"device": str(engine.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+                    "kv_cache_dtype": engine.kv_cache_dtype, "tp": engine.tp, "input_len": input_len,
+                    "output_len": output_len, "batch_sizes": list(batch_sizes), "time_limit_s": time_limit,
+                    "peak_read_bandwidth": peak_bw, "peak_flops": peak_fl, "machine": hw.get("machine"),
+                    "parameters": spec.num_parameters()}
+        return results, settings
+    finally:
+        engine.shutdown()
