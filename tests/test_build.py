@@ -149,6 +149,39 @@ def test_tp_shards_reproduce_the_unsharded_logits(tiny_sources, shape, tp, targe
     assert (art.path / "tokenizer.json").is_file()
 
 
+QUANTIZED = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=16), "int4-asym": dict(bits=4, group_size=16,
+                                                                                        symmetric=False)}
+
+
+@pytest.fixture(scope="module")
+def quantized_sources(tiny_sources):
+    """RTN artifacts of the GQA tiny model: INT8 per channel, INT4 in groups of 16 (symmetric and not)."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, sources = tiny_sources
+    return store, {k: quantize(sources["gqa"], QuantizeOptions(method="rtn", **kw), store, progress=False)
+                   for k, kw in QUANTIZED.items()}
+
+
+@pytest.mark.parametrize("target", ["llmq", "trtllm"])
+@pytest.mark.parametrize("quant", list(QUANTIZED))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_quantized_shards_reproduce_the_unsharded_logits(quantized_sources, quant, tp, target):
+    store, sources = quantized_sources
+    art = build_engine(sources[quant], store, BuildOptions(tp=tp, target=target, verify=True))
+    v = art.metrics["verify"]
+    assert v["passed"] and v["max_rel_error"] < TOLERANCE
+    if target == "trtllm":
+        q = json.loads((art.path / "trtllm/config.json").read_text())["quantization"]
+        assert q["quant_algo"] == {"int8": "W8A16", "int4": "W4A16_AWQ", "int4-asym": "W4A16_AWQ"}[quant]
+        assert q["has_zero_point"] == (quant == "int4-asym") and q["exclude_modules"] == ["lm_head"]
+        if quant != "int8":
+            assert q["group_size"] == 16
+    else:
+        rank = json.loads((art.path / "rank0/config.json").read_text())
+        assert rank["quantization_config"]["format"] == "pack-quantized"
+
+
 def test_tp8_with_a_single_kv_head(make_tiny_model, store, tmp_path):
     d = make_tiny_model(tmp_path / "mqa", num_attention_heads=8, num_key_value_heads=1)
     art = build_engine(resolve_model(str(d), store), store, BuildOptions(tp=8, target="trtllm", verify=True))

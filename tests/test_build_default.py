@@ -8,26 +8,25 @@ import pytest
 
 from llmq.errors import LlmqError
 from llmq.pipeline.build import BuildOptions, build_engine
+from llmq.pipeline.build.verify import TOLERANCE
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def store(default_model):
-    from llmq.artifacts import Store
-
-    return Store(default_model.path.parent.parent)
-
-
-def test_default_model_refuses_tp2_without_padding(default_model, store):
+def test_default_model_refuses_tp2_without_padding(default_model, default_store):
     with pytest.raises(LlmqError, match="9 attention heads / 3 KV heads.*--pad-heads"):
-        build_engine(default_model, store, BuildOptions(tp=2))
+        build_engine(default_model, default_store, BuildOptions(tp=2))
 
 
 @pytest.mark.parametrize("target", ["llmq", "trtllm"])
-def test_default_model_bf16_tp2(default_model, store, target):
-    art = build_engine(default_model, store, BuildOptions(tp=2, target=target, pad_heads=True, verify=True))
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_default_model_tp2(request, default_store, weights, target):
+    source = request.getfixturevalue({"bf16": "default_model", "int8": "default_int8", "int4": "default_int4"}[weights])
+    art = build_engine(source, default_store, BuildOptions(tp=2, target=target, pad_heads=True, verify=True))
     v = art.metrics["verify"]
-    assert v["passed"] and v["max_rel_error"] < 1e-4
+    assert v["passed"] and v["max_rel_error"] < TOLERANCE
     engine = json.loads((art.path / "engine.json").read_text())
     assert engine["plan"]["padded_heads"] == 12 and engine["plan"]["heads_per_rank"] == 6
+    if target == "trtllm":
+        algo = json.loads((art.path / "trtllm/config.json").read_text())["quantization"]["quant_algo"]
+        assert algo == {"bf16": None, "int8": "W8A16", "int4": "W4A16_AWQ"}[weights]

@@ -65,7 +65,7 @@ def quant_algo_for(qw) -> str:
     if not _weight_only(qw):
         raise LlmqError("W8A8 (SmoothQuant) artifacts cannot be written as a TensorRT-LLM checkpoint by llmq yet; "
                         "use --target llmq")
-    grouped = qw.group_size is not None and qw.scale.dim() == 2 and qw.scale.shape[-1] > 1
+    grouped = qw.group_size is not None  # kept through slicing, even where a rank holds a single group
     if qw.bits == 4 and grouped:
         return "W4A16_AWQ"
     if not qw.symmetric and not grouped:
