@@ -28,6 +28,7 @@ class EvalOutcome:
     artifact: Artifact
     gates: list[GateResult]
     baseline_cached: Artifact | None  # the eval-report the baseline's scores came from, if cached
+    wall_s: float
 
 
 def default_baseline(store: Store, art: Artifact) -> Artifact | None:
@@ -71,9 +72,9 @@ def run_eval(store: Store, evaluated: Artifact, baseline: Artifact | None, setti
                 if hit is None and settings.lm_tasks:
                     tb = time.monotonic()
                     base_scores = run_lm_tasks(base_lm, ts, settings)
-                    base_report = _report(baseline, None, base_scores, None, None, settings, ts.info, key,
-                                          time.monotonic() - tb)
-                    cached = write_report(store, base_report, baseline, None, command)
+                    base_report = _report(baseline, None, base_scores, None, None, settings, ts.info, key)
+                    cached = write_report(store, base_report, baseline, None, command,
+                                          run_metrics=_timing(base_scores, time.monotonic() - tb))
                 if settings.kld:
                     from .runner import kld_texts
 
@@ -84,25 +85,29 @@ def run_eval(store: Store, evaluated: Artifact, baseline: Artifact | None, setti
     finally:
         lm.close()
     report = _report(evaluated, baseline, scores, base_scores, kld, settings, ts.info,
-                     settings.scores_key(evaluated.id, ts.info), time.monotonic() - t0)
+                     settings.scores_key(evaluated.id, ts.info))
+    run_metrics = _timing(scores, time.monotonic() - t0)
     if cached is not None:
-        report["baseline_scores_from"] = cached.ref
-        report["baseline_scores_cached"] = hit is not None
+        run_metrics.update(baseline_scores_from=cached.ref, baseline_scores_cached=hit is not None)
     results = check_gates(gates, report)
     report["gates"] = [{"gate": str(r.gate), "value": r.value, "what": r.what, "passed": r.passed} for r in results]
-    art = write_report(store, report, evaluated, baseline, command, name)
-    return EvalOutcome(report, art, results, hit[0] if hit is not None else None)
+    art = write_report(store, report, evaluated, baseline, command, name, run_metrics)
+    return EvalOutcome(report, art, results, hit[0] if hit is not None else None, run_metrics["wall_s"])
+
+
+def _timing(scores: dict, wall_s: float) -> dict:
+    return {"wall_s": round(wall_s, 1), "seconds_by_request_type": scores.get("seconds", {})}
 
 
 def _report(evaluated: Artifact, baseline: Artifact | None, scores: dict, base_scores: dict | None,
-            kld: dict | None, settings: EvalSettings, info: dict, key: str, wall_s: float) -> dict:
+            kld: dict | None, settings: EvalSettings, info: dict, key: str) -> dict:
     from lm_eval import __version__ as lm_eval_version
 
-    ref = lambda a: {"ref": a.ref, "id": a.id, "kind": a.kind}  # noqa: E731
+    ref = lambda a: {"name": a.name, "id": a.id, "kind": a.kind}  # noqa: E731  (no version: it varies by store)
     return {"evaluated": ref(evaluated), "baseline": ref(baseline) if baseline is not None else None,
             "scores": {"tasks": scores.get("tasks", {}), "groups": scores.get("groups", {})},
-            "baseline_scores": base_scores, "deltas": compare(scores, base_scores) if base_scores else {},
+            "baseline_scores": {k: base_scores.get(k, {}) for k in ("tasks", "groups")} if base_scores else None,
+            "deltas": compare(scores, base_scores) if base_scores else {},
             "kld": kld, "settings": settings_dict(settings), "seeds": {k: settings.seed for k in (
                 "task_data", "python", "numpy", "torch", "fewshot", "sampling")},
-            "task_data": info, "lm_eval": lm_eval_version, "scores_key": key, "wall_s": round(wall_s, 1),
-            "seconds_by_request_type": scores.get("seconds", {})}
+            "task_data": info, "lm_eval": lm_eval_version, "scores_key": key}

@@ -21,7 +21,8 @@ def _fmt(v, unit: str | None = None) -> str:
 
 def markdown(report: dict) -> str:
     ev, base = report["evaluated"], report.get("baseline")
-    lines = [f"# llmq eval: {ev['ref']}" + (f" vs {base['ref']}" if base else ""), ""]
+    ref = lambda a: f"{a['name']} ({a['id'][:12]})"  # noqa: E731
+    lines = [f"# llmq eval: {ref(ev)}" + (f" vs {ref(base)}" if base else ""), ""]
     s = report["settings"]
     lines += [f"backend `{s['backend']}`, limit {s['limit']}, seed {s['seed']}, lm-eval {report.get('lm_eval')}, "
               f"task data {report['task_data'].get('fingerprint')} (python {report['task_data'].get('python')})", ""]
@@ -65,12 +66,13 @@ def summary_metrics(report: dict) -> dict:
         m.update(kld=report["kld"]["mean"], kld_p99=report["kld"]["p99"], top1=report["kld"]["top1"])
     if report.get("gates"):
         m["gates_passed"] = all(g["passed"] for g in report["gates"])
-    m["wall_s"] = report.get("wall_s")
     return m
 
 
 def write_report(store: Store, report: dict, evaluated: Artifact, baseline: Artifact | None,
-                 command: str | None, name: str | None = None) -> Artifact:
+                 command: str | None, name: str | None = None, run_metrics: dict | None = None) -> Artifact:
+    """Commit `report` (deterministic: same settings, same bytes, same id); `run_metrics` (wall time, where the
+    baseline's scores came from) go to the manifest's metrics only, which are not part of the content id."""
     parents = [evaluated.id] + ([baseline.id] if baseline is not None else [])
     config = {"scores_key": report["scores_key"], "settings": report["settings"],
               "baseline": baseline.id if baseline is not None else None}
@@ -78,7 +80,7 @@ def write_report(store: Store, report: dict, evaluated: Artifact, baseline: Arti
                       command=command) as w:
         (w.dir / REPORT_JSON).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
         (w.dir / REPORT_MD).write_text(markdown(report))
-        w.metrics.update(summary_metrics(report))
+        w.metrics.update(summary_metrics(report), **(run_metrics or {}))
     return w.artifact
 
 

@@ -78,7 +78,7 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     engine = {"format": ENGINE_FORMAT, "format_version": ENGINE_FORMAT_VERSION, "target": opts.target,
               "tp": opts.tp, "pp": opts.pp, "max_batch_size": opts.max_batch_size, "max_seq_len": max_seq_len,
               "kv_cache_dtype": kv, "block_size": opts.block_size, "dtype": _dtype_of(src),
-              "source": {"id": source.id, "name": source.name, "version": source.version, "kind": source.kind},
+              "source": {"id": source.id, "name": source.name, "kind": source.kind},
               "source_ids": [source.id, *source.parents], "plan": plan.to_dict()}
     config = {"options": asdict(opts), "plan": plan.to_dict(), "kv_cache_dtype": kv, "max_seq_len": max_seq_len}
     with store.create("engine", name, parents=[source.id], config=config, command=command) as w:
