@@ -82,3 +82,48 @@ def test_cli_run_prints_the_table_and_refuses_unknown_from(tmp_path, make_tiny_m
     assert r.exit_code == 2 and "--from quantize: this recipe's stages are build" in r.output
     r = CliRunner().invoke(cli, [*store, "run", str(tmp_path / "nope.yaml")])
     assert r.exit_code == 2 and "recipe not found" in r.output
+
+
+def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(tmp_path, store, make_tiny_model,
+                                                                                 monkeypatch):
+    """Every real stage on a tiny model: quantize -> quantize-kv -> build tp 2 (verified) -> eval with gates."""
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    model = make_tiny_model(tmp_path / "tiny")
+    recipe = {"name": "t", "model": str(model), "seed": 3, "stages": {
+        "quantize": {"bits": 4, "group_size": 32},
+        "quantize-kv": {"kv": "int8"},
+        "build": {"tp": 2, "kv": "int8", "verify": True},
+        "eval": {"tasks": ["math", "kld"], "limit": 3, "gate": "math>=-1000,kld<=1000"}}}
+    order = ["quantize", "quantize_kv", "build", "eval"]
+    first = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
+    assert [r.stage for r in first.stages] == order and {r.status for r in first.stages} == {"ran"}
+    assert not first.failed_gates
+    q, kv, engine, report = (r.artifact for r in first.stages)
+    assert q.parents == [first.model.id] and kv.parents == [q.id] and engine.parents == [kv.id]
+    assert report.parents == [engine.id, first.model.id]  # evaluated against the root model
+    assert q.config["group_size"] == 32 and engine.metrics["verify"]["passed"]
+
+    again = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
+    assert [r.status for r in again.stages] == ["reused"] * 4
+    forced = run_recipe(load_recipe(_write(tmp_path, recipe)), store, from_stage="quantize")
+    assert [r.status for r in forced.stages] == ["ran"] * 4
+    # reproducible: re-running every stage from scratch wrote the same bytes
+    assert [r.artifact.id for r in forced.stages] == [r.artifact.id for r in first.stages]
+
+    recipe["stages"]["quantize-kv"]["kv"] = "fp8"
+    recipe["stages"]["build"]["kv"] = "fp8"
+    changed = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
+    assert [r.status for r in changed.stages] == ["reused", "ran", "ran", "ran"]
+    assert changed.stages[0].artifact.id == q.id and changed.stages[1].artifact.id != kv.id
+
+    recipe["stages"]["quantize"]["group_size"] = 64
+    requant = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
+    assert [r.status for r in requant.stages] == ["ran"] * 4 and requant.stages[0].artifact.id != q.id
+
+    recipe["stages"]["eval"]["gate"] = "kld<=0"  # a gate only re-judges the cached report
+    gated = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
+    assert [r.status for r in gated.stages] == ["reused"] * 4
+    assert len(gated.failed_gates) == 1 and gated.failed_gates[0].startswith("kld<=0 (kld = ")
+    r = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(_write(tmp_path, recipe))])
+    assert r.exit_code == 1 and "quality gate failed: kld<=0" in r.output
+    assert "math" in r.output and "KLD" in r.output  # the final table shows the eval's numbers

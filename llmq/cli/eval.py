@@ -93,5 +93,5 @@ def eval_(ctx, ref, tasks, baseline, limit, gate_expr, backend, allow_code_execu
         click.echo(markdown(report), nl=False)
         if outcome.baseline_cached is not None:
             click.echo(f"baseline scores reused from {outcome.baseline_cached.ref}")
-        click.echo(f"eval report {outcome.artifact.ref} at {outcome.artifact.path} ({report['wall_s']:.0f} s)")
+        click.echo(f"eval report {outcome.artifact.ref} at {outcome.artifact.path} ({outcome.wall_s:.0f} s)")
     enforce(outcome.gates)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from .. import __version__
 from ..artifacts import ArtifactError
 from ..errors import LlmqError
 from .artifacts import import_, inspect, lineage, ls
+from .bench import bench
 from .build import build
+from .eval import eval_
+from .quantize import quantize
+from .quantize_kv import quantize_kv
 from .run import run
+from .serve import serve
 
 
 class LlmqGroup(click.Group):
@@ -25,16 +28,6 @@ class LlmqGroup(click.Group):
             ctx.exit(getattr(e, "exit_code", 2))
 
 
-def _not_built(name: str, issue: int) -> click.Command:
-    @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-                   help=f"(not built yet: issue #{issue})", add_help_option=False)
-    def cmd():
-        click.echo(f"error: `llmq {name}` is not built yet (issue #{issue}); see README.md for what works today", err=True)
-        sys.exit(2)
-
-    return cmd
-
-
 @click.group(cls=LlmqGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llmq")
 @click.option("--store", envvar="LLMQ_STORE", type=click.Path(file_okay=False),
@@ -46,10 +39,8 @@ def cli(ctx, store):
     ctx.obj["store"] = store
 
 
-for _cmd in (import_, ls, inspect, lineage, build, run):
+for _cmd in (import_, ls, inspect, lineage, quantize, quantize_kv, build, eval_, serve, bench, run):
     cli.add_command(_cmd)
-for _name, _issue in (("quantize", 3), ("quantize-kv", 3), ("eval", 6), ("serve", 5), ("bench", 7)):
-    cli.add_command(_not_built(_name, _issue))
 
 
 def main() -> None:

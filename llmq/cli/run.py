@@ -21,18 +21,31 @@ def _size(art) -> str:
 def _highlights(stage: str, art) -> str:
     """The few numbers a user reads per stage: quality next to what it bought."""
     m = art.metrics
-    if stage == "quantize" and "kld_mean" in m:
-        return f"KLD {m['kld_mean']:.4f}, top-1 {100 * m['top1_agreement']:.1f}%"
-    if stage == "quantize_kv" and "kld_mean" in m:
-        return f"KV {art.config.get('kv')}, KLD {m['kld_mean']:.4f}"
+    probe = m.get("probe") or {}
+    if stage == "quantize":
+        size = f"{m['ratio_vs_bf16']:.2f}x smaller than bf16 (linear layers {m['linear_ratio_vs_bf16']:.2f}x)" \
+            if "ratio_vs_bf16" in m else ""
+        quality = f"KLD {probe['kld_mean']:.4f}, top-1 {100 * probe['top1']:.1f}%" if probe else ""
+        return ", ".join(p for p in (size, quality) if p)
+    if stage == "quantize_kv":
+        kv = f"KV {art.config.get('kv_cache_dtype')} ({m.get('granularity', '?')} scales)"
+        return kv + (f", KLD {probe['kld_mean']:.4f}, top-1 {100 * probe['top1']:.1f}%" if probe else "")
     if stage == "build":
         return f"tp={art.config['options']['tp']} {art.config['options']['target']}, compile: " \
                f"{m.get('compile', {}).get('status', 'n/a')}"
     if stage == "eval":
-        parts = [f"{k} {v['delta']:+.2f}±{v['ci95']:.2f}" for k, v in m.get("deltas", {}).items()]
-        return ", ".join(parts) or ", ".join(f"{k} {v:.3g}" for k, v in m.get("scores", {}).items())
+        import json
+
+        from ..evals.report import REPORT_JSON
+
+        report = json.loads(art.file(REPORT_JSON).read_text())
+        groups = report["scores"]["groups"]
+        deltas = [f"{k} {d['delta']:+.1f} (CI {d['ci95'][0]:+.1f}..{d['ci95'][1]:+.1f})"
+                  for k, d in report.get("deltas", {}).items() if k in groups]
+        kld = [f"KLD {report['kld']['mean']:.4f}"] if report.get("kld") else []
+        return ", ".join(deltas + kld)
     if stage == "bench":
-        return ", ".join(f"bs{r['batch_size']}: {r['output_tokens_per_s']:.0f} tok/s" for r in m.get("rows", []))
+        return ", ".join(f"{k.split('/')[0]}: {v:.0f} tok/s" for k, v in m.items() if k.endswith("/tokens_per_s"))
     return ""
 
 
@@ -63,11 +76,17 @@ def run(ctx, recipe, from_stage, dry_run, as_json):
                         on_stage=lambda s, what: console.print(f"[bold]{s}[/bold]: {what}"))
     if as_json:
         echo_json({"recipe": parsed.name, "model": result.model.id, "failed_gates": result.failed_gates,
+                   "gates": [{"gate": g, "passed": p} for g, p in result.gates],
                    "stages": [{"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 2),
                                "artifact": r.artifact.ref if r.artifact else None,
                                "id": r.artifact.id if r.artifact else None,
                                "path": str(r.artifact.path) if r.artifact else None} for r in result.stages]})
     else:
-        Console().print(_table(result))
+        out = Console()
+        if not out.is_terminal:  # piped or logged: rich would wrap the table at 80 columns
+            out = Console(width=200)
+        out.print(_table(result))
+        for gate, passed in result.gates:
+            out.print(f"gate {gate}: " + ("[green]passed[/green]" if passed else "[red]FAILED[/red]"))
     if result.failed_gates:
         raise GateFailed("quality gate failed: " + "; ".join(result.failed_gates))

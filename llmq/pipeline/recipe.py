@@ -29,12 +29,12 @@ class _Strict(BaseModel):
 class QuantizeStage(_Strict):
     bits: Literal[4, 8]
     method: Literal["rtn", "gptq", "awq", "smoothquant", "fp8"] = "rtn"
-    group_size: int | None = Field(128, gt=0)
+    group_size: int | None = Field(None, ge=0)   # None: the default for the bits; 0: per channel
     symmetric: bool = True
     act_order: bool = False
     alpha: float | None = Field(None, gt=0, le=1)
     calib: str | None = None
-    calib_samples: int = Field(64, gt=0)
+    calib_samples: int = Field(32, gt=0)
     name: str | None = None
 
     @model_validator(mode="after")
@@ -72,6 +72,18 @@ class EvalStage(_Strict):
     limit: int | None = Field(None, gt=0)
     gate: str | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _gates_parse_and_have_their_scores(self):
+        from ..evals.gate import KLD_NAMES, parse_gates
+
+        try:
+            gates = parse_gates(self.gate)
+        except LlmqError as e:
+            raise ValueError(str(e)) from None
+        if any(g.name in KLD_NAMES for g in gates) and "kld" not in self.tasks:
+            raise ValueError("a kld / kld_p99 / top1 gate needs kld in tasks")
+        return self
 
 
 class BenchStage(_Strict):

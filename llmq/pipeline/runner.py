@@ -31,23 +31,27 @@ class RunResult:
     recipe: Recipe
     model: Artifact
     stages: list[StageResult]
-    failed_gates: list[str]
+    gates: list[tuple[str, bool]]   # (gate and what it measured, passed)
+
+    @property
+    def failed_gates(self) -> list[str]:
+        return [g for g, passed in self.gates if not passed]
 
 
 def _quantize(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
     from .quantize import QuantizeOptions, quantize
 
+    extra = {"alpha": cfg.alpha} if cfg.alpha is not None else {}
     opts = QuantizeOptions(bits=cfg.bits, method=cfg.method, group_size=cfg.group_size, symmetric=cfg.symmetric,
-                           calib=cfg.calib, num_samples=cfg.calib_samples, seed=recipe.seed,
-                           name=cfg.name or f"{recipe.name}-{cfg.method}-w{cfg.bits}")
+                           act_order=cfg.act_order, calib=cfg.calib, num_samples=cfg.calib_samples, seed=recipe.seed,
+                           name=cfg.name or f"{recipe.name}-{cfg.method}-w{cfg.bits}", **extra)
     return quantize(parent, opts, store)
 
 
 def _quantize_kv(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
     from .kvcache import KVOptions, quantize_kv
 
-    return quantize_kv(parent, KVOptions(kv=cfg.kv, calib=cfg.calib, seed=recipe.seed,
-                                         name=cfg.name or f"{recipe.name}-kv{cfg.kv}"), store)
+    return quantize_kv(parent, store, KVOptions(kv=cfg.kv, calib=cfg.calib, name=cfg.name or f"{recipe.name}-kv{cfg.kv}"))
 
 
 def _build(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
@@ -61,10 +65,13 @@ def _build(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
 
 
 def _eval(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
-    from ..evals import EvalOptions, evaluate
+    """Evaluate against the root model of the parent's lineage; gates are judged by the runner, not stored."""
+    from ..evals.evaluate import default_baseline, run_eval
+    from ..evals.runner import DEFAULT_LIMIT, EvalSettings
 
-    return evaluate(parent, EvalOptions(tasks=list(cfg.tasks), limit=cfg.limit, seed=recipe.seed,
-                                        name=cfg.name or f"{recipe.name}-eval"), store)
+    settings = EvalSettings(tasks=list(cfg.tasks), limit=cfg.limit or DEFAULT_LIMIT, seed=recipe.seed)
+    return run_eval(store, parent, default_baseline(store, parent), settings, gates=[],
+                    name=cfg.name).artifact
 
 
 def _bench(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
@@ -91,12 +98,17 @@ def _key(stage: str, parent: Artifact, cfg, recipe: Recipe) -> str:
                      {"seed": recipe.seed})
 
 
-def _gates(report: Artifact, gate: str | None) -> list[str]:
+def _gates(report: Artifact, gate: str | None) -> list[tuple[str, bool]]:
+    """Every gate of `gate` judged on `report`: (the gate with the value it saw, passed)."""
     if not gate:
         return []
-    from ..evals import check_gates
+    import json
 
-    return check_gates(report, gate)
+    from ..evals.gate import check_gates, parse_gates
+    from ..evals.report import REPORT_JSON
+
+    results = check_gates(parse_gates(gate), json.loads(report.file(REPORT_JSON).read_text()))
+    return [(f"{r.gate} ({r.what})", r.passed) for r in results]
 
 
 def run_recipe(recipe: Recipe, store: Store, from_stage: str | None = None, dry_run: bool = False,
@@ -110,7 +122,7 @@ def run_recipe(recipe: Recipe, store: Store, from_stage: str | None = None, dry_
     cache = StageCache(store)
     model = resolve_model(recipe.model, store)
     parent: Artifact | None = model
-    results, failed = [], []
+    results, gates = [], []
     forced = False
     for stage in present:
         cfg = getattr(recipe.stages, stage)
@@ -132,9 +144,9 @@ def run_recipe(recipe: Recipe, store: Store, from_stage: str | None = None, dry_
             cache.put(key, art)
         results.append(StageResult(stage, status, art, time.perf_counter() - t0))
         if stage == "eval":
-            failed = _gates(art, cfg.gate)
-            if failed:
+            gates = _gates(art, cfg.gate)
+            if not all(passed for _, passed in gates):
                 break
         if _feeds_next(stage, cfg):
             parent = art
-    return RunResult(recipe, model, results, failed)
+    return RunResult(recipe, model, results, gates)
