@@ -8,6 +8,7 @@ import random
 import shutil
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -164,7 +165,8 @@ def test_task_data_is_deterministic(tmp_path):
     for p in sorted(a.include_path.glob("*.jsonl")):
         assert p.read_bytes() == (b.include_path / p.name).read_bytes()
     assert (a.include_path / "arith_mc.jsonl").read_bytes() != (c.include_path / "arith_mc.jsonl").read_bytes()
-    assert {"llmq_arith_mc", "llmq_arith_gen", "llmq_code_nextline", "llmq_code_bpb", "llmq_ppl"} <= set(a.available)
+    assert {"llmq_arith_mc", "llmq_arith_gen", "llmq_code_nextline", "llmq_code_greedy", "llmq_code_bpb",
+            "llmq_ppl"} <= set(a.available)
     assert a.info["stdlib_files"]  # which source files the code data came from is recorded
     for line in (a.include_path / "arith_mc.jsonl").read_text().splitlines():
         d = json.loads(line)
@@ -174,6 +176,28 @@ def test_task_data_is_deterministic(tmp_path):
         d = json.loads(line)
         rel, i = d["source"].rsplit(":", 1)
         assert len(set(d["choices"])) == 4 and d["context"].endswith("\n")
+
+
+def test_code_greedy_asks_for_the_true_next_line_of_the_source(tmp_path):
+    import sysconfig
+
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from llmq.evals.tasks import materialize
+
+    ts = materialize(tmp_path, seed=5)
+    task = get_task_dict(["llmq_code_greedy"], TaskManager(include_path=str(ts.include_path),
+                                                           include_defaults=False))["llmq_code_greedy"]
+    assert task.OUTPUT_TYPE == "loglikelihood"
+    for doc in list(task.test_docs())[:20]:
+        rel, i = doc["source"].rsplit(":", 1)
+        src = (Path(sysconfig.get_paths()["stdlib"]) / rel).read_text(encoding="utf-8")
+        lines = [ln for ln in src.splitlines() if ln.strip()]
+        assert task.doc_to_text(doc) == "\n".join(lines[int(i) - 8:int(i)]) + "\n"
+        head = task.doc_to_target(doc)  # the real next line's indentation and first word, scored for a greedy match
+        assert lines[int(i)].startswith(head) and head.strip()
+    assert task.process_results(doc, [(-3.0, True)]) == {"acc": 1}
+    assert task.process_results(doc, [(-3.0, False)]) == {"acc": 0}
 
 
 # -- sandbox --------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import random
+import re
 import shutil
 import sys
 import sysconfig
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-TASKS_VERSION = 1  # bump when generated data changes, so cached baseline scores are not reused across versions
+TASKS_VERSION = 2  # bump when generated data changes, so cached baseline scores are not reused across versions
 
 # Modules present and little-changed across CPython 3.9-3.14; the data records each file's sha256.
 STDLIB_FILES = ("bisect.py", "calendar.py", "colorsys.py", "difflib.py", "fnmatch.py", "fractions.py",
@@ -35,10 +36,10 @@ CHUNK_BYTES = 512
 
 # the primary metric of each bundled task (the one that is reported, compared and gated)
 TASKS = {"llmq_arith_mc": "acc", "llmq_arith_gen": "exact_match", "llmq_gsm8k": "exact_match",
-         "llmq_code_nextline": "acc_norm", "llmq_humaneval": "pass@1", "llmq_code_bpb": "bits_per_byte",
+         "llmq_code_nextline": "acc_norm", "llmq_code_greedy": "acc", "llmq_humaneval": "pass@1", "llmq_code_bpb": "bits_per_byte",
          "llmq_ppl": "word_perplexity"}
 GROUPS = {"math": ("llmq_arith_mc", "llmq_arith_gen", "llmq_gsm8k"),
-          "code": ("llmq_code_nextline", "llmq_humaneval", "llmq_code_bpb"),
+          "code": ("llmq_code_nextline", "llmq_code_greedy", "llmq_humaneval", "llmq_code_bpb"),
           "ppl": ("llmq_ppl",)}
 
 
@@ -165,6 +166,11 @@ def chunk_text(text: str, size: int = CHUNK_BYTES) -> list[str]:
     return chunks
 
 
+def line_head(line: str) -> str:
+    """A line's indentation and first word (or first symbol run): what the greedy code task asks the model for."""
+    return re.match(r"\s*(\w+|[^\w\s]+)", line).group(0)
+
+
 def nextline_rows(sources: dict[str, str], rng: random.Random, n: int, context_lines: int = 8) -> list[dict]:
     """Which of four lines comes next? The true line plus three lines from elsewhere in the same file."""
     cands = []
@@ -186,7 +192,7 @@ def nextline_rows(sources: dict[str, str], rng: random.Random, n: int, context_l
         choices = rng.sample(others, 3) + [target]
         rng.shuffle(choices)
         rows.append({"context": "\n".join(lines[i - context_lines:i]) + "\n", "choices": choices,
-                     "label": choices.index(target), "source": f"{rel}:{i}"})
+                     "label": choices.index(target), "head": line_head(target), "source": f"{rel}:{i}"})
         if len(rows) == n:
             break
     return rows
@@ -204,9 +210,15 @@ def _code_tasks(d: Path, seed: int) -> tuple[list[dict], dict]:
                 "target_delimiter": "",
                 "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                                 {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]}
+    # the same contexts, scored without choices: are the next line's indentation and first word the model's greedy
+    # continuation? A flipped argmax shows here long before it changes a 4-way choice (whole lines are too hard
+    # for small models: 3% for SmolLM2-135M).
+    greedy = {"task": "llmq_code_greedy", **_data_files(d, "code_nextline"), "output_type": "loglikelihood",
+              "doc_to_text": "{{context}}", "doc_to_target": "{{head}}", "target_delimiter": "",
+              "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
     info = {"python": sys.version.split()[0],
             "stdlib_files": {rel: hashlib.sha256(t.encode()).hexdigest()[:16] for rel, t in sources.items()}}
-    return [nextline, _rolling_task("llmq_code_bpb", d, "code_bpb")], info
+    return [nextline, greedy, _rolling_task("llmq_code_bpb", d, "code_bpb")], info
 
 
 def _rolling_task(name: str, d: Path, data: str) -> dict:
