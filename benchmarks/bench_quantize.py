@@ -27,6 +27,7 @@ from llmq.models import resolve_model  # noqa: E402
 
 CONFIGS = {
     "rtn-w8": ["--method", "rtn", "--bits", "8"],
+    "rtn-w8-g32": ["--method", "rtn", "--bits", "8", "--group-size", "32"],
     "gptq-w8": ["--method", "gptq", "--bits", "8"],
     "rtn-w4": ["--method", "rtn", "--bits", "4"],
     "rtn-w4-asym": ["--method", "rtn", "--bits", "4", "--asym"],
@@ -89,10 +90,12 @@ def main() -> None:
         table.add_row(r["key"], r["scheme"], f"{r['wall_s']:.1f}", f"{r['peak_rss'] / 2**20:.0f}",
                       f"{r['size'] / 2**20:.1f}", f"{r['ratio_bf16']:.2f}", f"{r['linear_ratio_bf16']:.2f}",
                       f"{r['kld']:.5f}", f"{100 * r['top1']:.2f}")
-    Console().print(table)
+    console = Console()
+    (console if console.is_terminal else Console(width=160)).print(table)
     ok = {r["key"]: r for r in rows if "error" not in r}
-    if "rtn-w8" in ok:
-        print(f"INT8 RTN top-1 {100 * ok['rtn-w8']['top1']:.2f}% (bar: >= 98%)")
+    for key in ("rtn-w8", "rtn-w8-g32"):
+        if key in ok:
+            print(f"INT8 {key} top-1 {100 * ok[key]['top1']:.2f}% (bar: >= 98%)")
     if "rtn-w4" in ok and "gptq-w4" in ok:
         r, g = ok["rtn-w4"]["kld"], ok["gptq-w4"]["kld"]
         print(f"INT4 KLD: GPTQ {g:.5f} vs RTN {r:.5f} ({r / g:.2f}x lower with GPTQ; bar: GPTQ < RTN)")

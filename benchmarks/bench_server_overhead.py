@@ -24,23 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmq.artifacts import Store  # noqa: E402
 from llmq.models import resolve_model  # noqa: E402
-from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from llmq.runtime import EngineConfig, LLMEngine  # noqa: E402
 from llmq.runtime.server import create_app  # noqa: E402
+
+from bench_serve_throughput import runtime_concurrency  # noqa: E402  (this script's folder is on sys.path)
 
 
 def in_process(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_new: int) -> float:
-    sp = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
-    queue, in_flight, tokens = list(enumerate(prompts)), 0, 0
-    t = time.perf_counter()
-    while queue or engine.has_unfinished():
-        while queue and in_flight < concurrency:
-            i, p = queue.pop(0)
-            engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, sp)
-            in_flight += 1
-        for out in engine.step():
-            tokens += len(out.new_token_ids)
-            in_flight -= out.finished
-    return tokens / (time.perf_counter() - t)
+    """Output tokens/s of the engine driven directly, closed loop (the throughput benchmark's driver)."""
+    return runtime_concurrency(engine, prompts, concurrency, max_new)["tokens_per_s"]
 
 
 def in_thread(fn, *args):
