@@ -127,3 +127,18 @@ def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(
     r = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(_write(tmp_path, recipe))])
     assert r.exit_code == 1 and "quality gate failed: kld<=0" in r.output
     assert "math" in r.output and "KLD" in r.output  # the final table shows the eval's numbers
+
+
+@pytest.mark.integration
+def test_quickstart_runs_end_to_end_on_the_default_model(default_store):
+    """The README's main job: every stage on the default model, gates passed, then a second run reuses all."""
+    store = ["--store", str(default_store.root)]
+    first = CliRunner().invoke(cli, [*store, "run", str(RECIPES / "quickstart.yaml"), "--json"])
+    assert first.exit_code == 0, first.output
+    out = yaml.safe_load(first.output[first.output.index("{"):])
+    assert [s["status"] for s in out["stages"]] == ["ran"] * 4 and not out["failed_gates"]
+    assert {g["gate"].split(" ")[0] for g in out["gates"]} == {"math>=-20", "code>=-10", "kld<=0.5"}
+    engine = default_store.resolve(out["stages"][2]["id"])
+    assert engine.metrics["verify"]["passed"] and engine.config["options"]["tp"] == 2
+    again = CliRunner().invoke(cli, [*store, "run", str(RECIPES / "quickstart.yaml")])
+    assert again.exit_code == 0 and again.output.count("reused") == 4, again.output
