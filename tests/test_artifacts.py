@@ -1,5 +1,6 @@
 import json
 import multiprocessing as mp
+import time
 import os
 from pathlib import Path
 
@@ -124,6 +125,34 @@ def test_concurrent_writers_get_distinct_versions(tmp_path):
         art = store.resolve(f"shared/v{v}")  # verifies every file
         assert art.id == cid
     assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".staging")]
+
+
+def _killed_writer(root: str, ready) -> None:
+    with Store(root).create("model", "crashy") as w:
+        (w.dir / "half.bin").write_bytes(b"x" * 1000)
+        ready.set()
+        time.sleep(60)  # killed here, mid-write
+
+
+def test_a_killed_writers_staging_is_removed_by_the_next_writer_only(tmp_path):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_killed_writer, args=(str(tmp_path), ready))
+    proc.start()
+    assert ready.wait(60)
+    name_dir = tmp_path / "crashy"
+    live = [p.name for p in name_dir.iterdir() if p.name.startswith(".staging")]
+    assert len(live) == 1
+    with Store(tmp_path).create("model", "crashy") as w:  # a live writer's staging is left alone
+        (w.dir / "a.bin").write_bytes(b"1")
+        assert live[0] in {p.name for p in name_dir.iterdir()}
+    proc.kill()
+    proc.join()
+    other_host = name_dir / f".staging-elsewhere-{proc.pid}-{'0' * 32}"
+    other_host.mkdir()  # another machine's writer on a shared filesystem: not ours to judge
+    art = _write(Store(tmp_path), name="crashy")
+    left = {p.name for p in name_dir.iterdir()}
+    assert live[0] not in left and other_host.name in left and art.version == 2
 
 
 def test_lineage_follows_parents(store):

@@ -2,7 +2,9 @@
 
 Writers fill a hidden staging directory beside the versions and rename it into place, so readers never see a
 half-written artifact, and two concurrent writers of one name end up with distinct versions: rename onto an
-existing non-empty directory fails, and the loser simply takes the next number.
+existing non-empty directory fails, and the loser simply takes the next number. A staging directory is named after
+its writer's host and process, so one left behind by a killed writer is removed by the next writer of that name on
+the same host once that process is gone (never one of another host's, whose processes we cannot see).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import errno
 import os
 import re
 import shutil
+import socket
 import stat
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +27,34 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _REF_VERSION = re.compile(r"^(?P<name>[^/@]+)[/@]v(?P<version>\d+)$")
 _HEX = re.compile(r"^(sha256:)?[0-9a-f]{6,64}$")
+_STAGING = re.compile(r"^\.staging-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{32}$")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_abandoned_staging(name_dir: Path) -> list[Path]:
+    """Delete staging directories under `name_dir` whose writer (a process on this host) no longer exists."""
+    removed = []
+    if not name_dir.is_dir():
+        return removed
+    for p in name_dir.iterdir():
+        m = _STAGING.match(p.name)
+        if m and m["host"] == _host() and not _alive(int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 class ArtifactError(Exception):
@@ -113,9 +144,10 @@ class ArtifactWriter:
     artifact: Artifact | None = None
 
     def __post_init__(self):
-        self.dir = self.store.root / self.name / f".staging-{uuid.uuid4().hex}"
+        self.dir = self.store.root / self.name / f".staging-{_host()}-{os.getpid()}-{uuid.uuid4().hex}"
 
     def __enter__(self) -> "ArtifactWriter":
+        remove_abandoned_staging(self.dir.parent)
         self.dir.mkdir(parents=True)
         return self
 
