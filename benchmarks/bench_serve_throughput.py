@@ -78,15 +78,17 @@ def runtime_concurrency(engine: LLMEngine, prompts: list[list[int]], concurrency
             "preemptions": engine.stats().num_preemptions}
 
 
-def server_concurrency(url: str, model: str, prompts: list[list[int]], concurrency: int, max_new: int) -> dict:
-    """The same closed loop against an OpenAI-compatible /v1/completions endpoint (e.g. `llmq serve`)."""
+def server_concurrency(url: str, model: str | None, prompts: list[list[int]], concurrency: int, max_new: int,
+                       stream: bool = False) -> dict:
+    """The same closed loop against an OpenAI-compatible /v1/completions endpoint (e.g. `llmq serve`), one thread
+    per in-flight request; streamed (SSE) or not."""
     import threading
 
     import httpx
 
     queue = list(prompts)
     lock = threading.Lock()
-    tokens, ttft = [0], []
+    tokens, latency = [0], []
 
     def worker():
         with httpx.Client(base_url=url, timeout=600) as client:
@@ -95,14 +97,22 @@ def server_concurrency(url: str, model: str, prompts: list[list[int]], concurren
                     if not queue:
                         return
                     p = queue.pop(0)
-                body = {"model": model, "prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True,
-                        "min_tokens": max_new}
+                body = {"prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True, "stream": stream,
+                        **({"stream_options": {"include_usage": True}} if stream else {}),
+                        **({"model": model} if model else {})}
                 t = time.perf_counter()
-                r = client.post("/v1/completions", json=body)
-                r.raise_for_status()
+                if stream:
+                    with client.stream("POST", "/v1/completions", json=body) as r:
+                        r.raise_for_status()
+                        last = [line for line in r.iter_lines() if line.startswith("data: {")][-1]
+                    n = json.loads(last[6:])["usage"]["completion_tokens"]
+                else:
+                    r = client.post("/v1/completions", json=body)
+                    r.raise_for_status()
+                    n = r.json()["usage"]["completion_tokens"]
                 with lock:
-                    tokens[0] += r.json()["usage"]["completion_tokens"]
-                    ttft.append(time.perf_counter() - t)
+                    tokens[0] += n
+                    latency.append(time.perf_counter() - t)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     t = time.perf_counter()
@@ -112,7 +122,7 @@ def server_concurrency(url: str, model: str, prompts: list[list[int]], concurren
         th.join()
     dt = time.perf_counter() - t
     return {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens[0], "seconds": dt,
-            "tokens_per_s": tokens[0] / dt, "mean_latency_s": sum(ttft) / len(ttft)}
+            "tokens_per_s": tokens[0] / dt, "mean_latency_s": sum(latency) / len(latency)}
 
 
 def start_server(model_path: Path, port: int):

@@ -12,7 +12,6 @@ the ratio to the mean of the in-process runs.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import socket
 import sys
@@ -27,7 +26,7 @@ from llmq.models import resolve_model  # noqa: E402
 from llmq.runtime import EngineConfig, LLMEngine  # noqa: E402
 from llmq.runtime.server import create_app  # noqa: E402
 
-from bench_serve_throughput import runtime_concurrency  # noqa: E402  (this script's folder is on sys.path)
+from bench_serve_throughput import runtime_concurrency, server_concurrency  # noqa: E402  (this script's folder is on sys.path)
 
 
 def in_process(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_new: int) -> float:
@@ -47,35 +46,7 @@ def in_thread(fn, *args):
 
 
 def over_http(url: str, prompts: list[list[int]], concurrency: int, max_new: int, stream: bool) -> float:
-    import httpx
-
-    queue, lock, tokens = list(prompts), threading.Lock(), [0]
-
-    def worker():
-        with httpx.Client(base_url=url, timeout=600) as client:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    p = queue.pop(0)
-                body = {"prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True, "stream": stream,
-                        "stream_options": {"include_usage": True}}
-                if stream:
-                    with client.stream("POST", "/v1/completions", json=body) as r:
-                        last = [line for line in r.iter_lines() if line.startswith("data: {")][-1]
-                    n = json.loads(last[6:])["usage"]["completion_tokens"]
-                else:
-                    n = client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"]
-                with lock:
-                    tokens[0] += n
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return tokens[0] / (time.perf_counter() - t)
+    return server_concurrency(url, None, prompts, concurrency, max_new, stream)["tokens_per_s"]
 
 
 def main() -> None:

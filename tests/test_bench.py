@@ -188,7 +188,7 @@ def test_synthetic_prompts_have_exact_token_counts(tok, tmp_path):
 
 def test_latencies_and_token_counts_match_known_delays(server, tok_dir):
     s = OnlineSettings(endpoint=server, concurrency=[4], num_prompts=16, input_len=24, output_len=12,
-                       tokenizer=str(tok_dir), slo_ttft_ms=200, slo_tpot_ms=20, time_limit=60)
+                       tokenizer=str(tok_dir), slo_ttft_ms=200, slo_tpot_ms=40, time_limit=60)
     report, ep = run_online(s, warn=pytest.fail)
     assert ep.model == "stand-in"
     lv = report["levels"][0]
@@ -221,8 +221,9 @@ def test_goodput_counts_requests_meeting_both_slos(tok, tok_dir):
         report, _ = run_online(s, warn=pytest.fail)
     sm, reqs = report["levels"][0]["summary"], report["levels"][0]["requests"]
     expect = [0.02 + 0.006 * r["prompt_tokens"] for r in reqs]
-    sure = sum(e <= 0.200 - 0.04 for e in expect)
-    border = sum(abs(e - 0.200) < 0.04 for e in expect)
+    margin = 0.08  # scheduling jitter of a loaded 2-core machine; still far from the 0.05..0.35 s spread
+    sure = sum(e <= 0.200 - margin for e in expect)
+    border = sum(abs(e - 0.200) < margin for e in expect)
     assert 0 < sure < 24 and sure <= sm["good_requests"] <= sure + border
 
 

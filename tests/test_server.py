@@ -456,3 +456,33 @@ def test_default_model_chat_through_llmq_serve(default_model):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_engine_is_built_and_stepped_on_one_thread(tiny):
+    """`llmq serve` builds the engine on its EngineThread and the loop steps it there: a second OpenMP team on
+    another thread made every small CPU op pay a wake-up (engine_loop.py)."""
+    from llmq.runtime import SamplingParams
+    from llmq.runtime.server import EngineLoop, EngineThread
+    from llmq.runtime.server.metrics import ServerMetrics
+
+    thread = EngineThread()
+    built_on = thread.call(threading.get_ident)
+    engine = thread.call(LLMEngine, tiny, EngineConfig(kv_cache_memory=1 << 20))
+    stepped_on = set()
+    step = engine.step
+    engine.step = lambda: stepped_on.add(threading.get_ident()) or step()
+    loop = EngineLoop(engine, ServerMetrics("tiny"), thread=thread)
+    loop.start()
+
+    async def main():
+        q = loop.submit("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0), asyncio.get_running_loop())
+        while not (await q.get()).finished:
+            pass
+
+    asyncio.run(main())
+    loop.shutdown(1.0)
+    assert stepped_on == {built_on} and built_on != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):  # the caller sees the engine thread's exceptions
+        thread.call(lambda: 1 / 0)
+    thread.call(engine.shutdown)
+    thread.close()

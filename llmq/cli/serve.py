@@ -56,14 +56,15 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv_cache
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes
-    from ..runtime.server import create_app, run_server
+    from ..runtime.server import EngineThread, create_app, run_server
 
     if kv_cache_memory is not None and kv_cache_fraction is not None:
         raise LlmqError("give --kv-cache-memory or --kv-cache-fraction, not both")
     if max_queue < 0:
         raise LlmqError(f"--max-queue must be >= 0, got {max_queue}")
     _check_bindable(host, port)  # before minutes of model loading, not after
-    art = source_artifact(ref, get_store(ctx))
+    thread = EngineThread()  # builds and drives the engine: torch work stays on this one thread
+    art = thread.call(source_artifact, ref, get_store(ctx))
     if art.kind not in ("model", "quantized", "engine"):
         raise LlmqError(f"{art.ref} is a {art.kind} artifact; serve takes a model, quantized or engine artifact")
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -73,11 +74,11 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv_cache
                        device=device, dtype=dtype)
     if kv_cache_fraction is not None:
         cfg.kv_cache_fraction = kv_cache_fraction
-    engine = LLMEngine(art.path, cfg)
+    engine = thread.call(LLMEngine, art.path, cfg)
     try:
         name = served_model_name or art.name
         app = create_app(engine, served_model_name=name, api_key=api_key, max_queue=max_queue,
-                         drain_timeout=drain_timeout)
+                         drain_timeout=drain_timeout, thread=thread)
         kv_heads = max(engine.spec.num_kv_heads // engine.tp, 1)
         kv_bytes = (engine.num_blocks * engine.block_size * 2 * engine.spec.num_layers * kv_heads
                     * engine.spec.head_dim * kv_element_bytes(engine.kv_cache_dtype, engine.runner.dtype))
@@ -89,7 +90,8 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv_cache
             click.echo(f"warning: listening on {host} without --api-key", err=True)
         run_server(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
     finally:
-        engine.shutdown()
+        thread.call(engine.shutdown)
+        thread.close()
 
 
 def _check_bindable(host: str, port: int) -> None:

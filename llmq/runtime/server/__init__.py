@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from .app import create_app
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, EngineThread
 
-__all__ = ["EngineLoop", "create_app", "run_server"]
+__all__ = ["EngineLoop", "EngineThread", "create_app", "run_server"]
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,

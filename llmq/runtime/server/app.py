@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ...errors import LlmqError
 from ..engine import LLMEngine, RequestOutput
 from ..sampling import SamplingParams
-from .engine_loop import EngineLoop, NotAccepting, QueueFull
+from .engine_loop import EngineLoop, EngineThread, NotAccepting, QueueFull
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
@@ -43,14 +43,15 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
 class _Frontend:
     """Per-app state: the engine loop, the tokenizer the handlers use, limits."""
 
-    def __init__(self, engine: LLMEngine, name: str, api_key: str | None, max_queue: int):
+    def __init__(self, engine: LLMEngine, name: str, api_key: str | None, max_queue: int,
+                 thread: EngineThread | None):
         from ...models import load_tokenizer
 
         self.engine = engine
         self.name = name
         self.api_key = api_key
         self.metrics = ServerMetrics(name)
-        self.loop = EngineLoop(engine, self.metrics, max_queue=max_queue)
+        self.loop = EngineLoop(engine, self.metrics, max_queue=max_queue, thread=thread)
         # a tokenizer of our own: the engine thread decodes with its tokenizer while handlers encode
         self.tokenizer = load_tokenizer(engine.path)
         self.max_model_len = engine.max_model_len
@@ -226,11 +227,12 @@ def _sse(data: dict) -> str:
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 256, drain_timeout: float = 30.0) -> FastAPI:
+               max_queue: int = 256, drain_timeout: float = 30.0, thread: EngineThread | None = None) -> FastAPI:
     """An app serving `engine`. Its lifespan starts the engine loop and, at shutdown, drains it for up to
     `drain_timeout` seconds (uvicorn has already waited for open connections by then). The caller owns `engine`
-    (and shuts it down), but must not call it while the app runs: the engine loop's thread is then its only user."""
-    fe = _Frontend(engine, served_model_name or engine.path.name, api_key, max_queue)
+    (and shuts it down), but must not call it while the app runs: the engine loop's thread is then its only user.
+    Pass the EngineThread the engine was built on, so the loop runs there (engine_loop.py says why)."""
+    fe = _Frontend(engine, served_model_name or engine.path.name, api_key, max_queue, thread)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
