@@ -7,7 +7,6 @@ encode prompts that way), so the server's reported prompt_tokens equal the reque
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LlmqError
+from ..jsonl import read_jsonl
 
 _WORD = re.compile(r"^ ?[A-Za-z]{1,12}$")
 _FALLBACK_WORDS = ("the time of year when people go out and look at the sky above them for a while and then "
@@ -87,13 +87,7 @@ def from_jsonl(path: str | Path, num: int | None, default_output_len: int) -> li
     if not p.is_file():
         raise LlmqError(f"{p}: no such prompt file")
     prompts = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise LlmqError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+    for n, row in read_jsonl(p):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise LlmqError(f"{p}:{n}: each line needs a non-empty string field \"prompt\"")
         out = row.get("output_len", default_output_len)

@@ -12,7 +12,6 @@ a sha256 of the text, and the sample / token counts.
 from __future__ import annotations
 
 import hashlib
-import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
+from ...jsonl import read_jsonl
 
 DATA = Path(__file__).parent / "data"
 CALIB_STDLIB = ("textwrap.py", "heapq.py", "bisect.py", "fractions.py", "calendar.py", "statistics.py", "shlex.py",
@@ -51,15 +51,9 @@ def _stdlib(names: tuple[str, ...]) -> list[tuple[str, str]]:
     return [(f"stdlib:{n}", (root / n).read_text(encoding="utf-8")) for n in names if (root / n).is_file()]
 
 
-def _read_jsonl(p: Path) -> list[str]:
+def _read_texts(p: Path) -> list[str]:
     texts = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise LlmqError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+    for i, row in read_jsonl(p):
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise LlmqError(f"{p}:{i}: each JSONL line needs a string field \"text\"")
         texts.append(row["text"])
@@ -68,7 +62,7 @@ def _read_jsonl(p: Path) -> list[str]:
 
 def _read_file(p: Path) -> list[str]:
     if p.suffix.lower() in (".jsonl", ".json"):
-        return _read_jsonl(p)
+        return _read_texts(p)
     try:
         return [p.read_text(encoding="utf-8")]
     except UnicodeDecodeError:
