@@ -44,17 +44,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_abandoned_staging(name_dir: Path) -> list[Path]:
+def _remove_abandoned_staging(name_dir: Path) -> None:
     """Delete staging directories under `name_dir` whose writer (a process on this host) no longer exists."""
-    removed = []
     if not name_dir.is_dir():
-        return removed
+        return
     for p in name_dir.iterdir():
         m = _STAGING.match(p.name)
         if m and m["host"] == _host() and not _alive(int(m["pid"])):
             shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
 
 
 class ArtifactError(Exception):
@@ -147,7 +144,7 @@ class ArtifactWriter:
         self.dir = self.store.root / self.name / f".staging-{_host()}-{os.getpid()}-{uuid.uuid4().hex}"
 
     def __enter__(self) -> "ArtifactWriter":
-        remove_abandoned_staging(self.dir.parent)
+        _remove_abandoned_staging(self.dir.parent)
         self.dir.mkdir(parents=True)
         return self
 
