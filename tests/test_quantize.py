@@ -225,6 +225,10 @@ def test_empty_calibration_and_already_quantized_sources_are_refused(store, tiny
     empty.write_text("")
     with pytest.raises(LlmqError, match="empty"):
         quantize(tiny_source, QuantizeOptions(bits=4, method="gptq", calib=str(empty)), store, progress=False)
+    for uncalibrated in (QuantizeOptions(bits=4, method="rtn", calib=str(empty)),
+                         QuantizeOptions(bits=8, method="fp8", calib=str(empty))):  # dynamic FP8 calibrates nothing
+        with pytest.raises(LlmqError, match="uses no calibration data; drop --calib"):
+            quantize(tiny_source, uncalibrated, store, progress=False)
     assert _quantized(store) == []
     art = quantize(tiny_source, QuantizeOptions(bits=8, **FAST), store, progress=False)
     with pytest.raises(LlmqError, match="already quantized"):

@@ -35,7 +35,11 @@ def environment() -> dict:
 
 
 def current_command() -> str:
-    return shlex.join(["llmq", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("llmq") else shlex.join(sys.argv)
+    """The command line that is writing, as the user typed it (`llmq ...` also for `python -m llmq ...`)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0.endswith("llmq") or argv0.endswith("llmq/__main__.py"):
+        return shlex.join(["llmq", *sys.argv[1:]])
+    return shlex.join(sys.argv)
 
 
 def build(*, kind: str, name: str, version: int, id: str, parents: list[str], command: str | None,

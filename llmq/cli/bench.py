@@ -4,8 +4,6 @@ or compare two reports."""
 from __future__ import annotations
 
 import math
-import shlex
-import sys
 
 import click
 
@@ -55,10 +53,6 @@ def _console():
 
 def _warn(msg: str) -> None:
     click.echo(f"warning: {msg}", err=True)
-
-
-def _command_line() -> str:
-    return "llmq " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 @click.group("bench", invoke_without_command=True)
@@ -132,7 +126,7 @@ def bench(ctx, endpoint, model, api, concurrency, request_rate, num_prompts, inp
 
         opts = OfflineOptions(_ints(batch_sizes, "--batch-sizes"), input_len, output_len, name, time_limit, device,
                               dtype, seed, refresh)
-        art = run_offline(source_artifact(engine_ref, store), opts, store, _command_line(),
+        art = run_offline(source_artifact(engine_ref, store), opts, store,
                           progress=lambda r: click.echo(f"batch {r.batch_size}: {r.tokens_per_s:.1f} tok/s, "
                                                         f"step {r.step_ms:.1f} ms", err=True))
         report = R.load(store, str(art.path))
@@ -152,7 +146,7 @@ def bench(ctx, endpoint, model, api, concurrency, request_rate, num_prompts, inp
                        f"in {sm['duration_s']:.1f} s", err=True)
 
         report, ep = run_online(s, store, _warn, progress)
-        art = None if no_save else R.save(store, report, name, parent_ids(ep, store), _command_line())
+        art = None if no_save else R.save(store, report, name, parent_ids(ep, store))
     if as_json:
         if "levels" in report:  # every request's timings stay in the report file
             report = dict(report, levels=[{k: v for k, v in lv.items() if k != "requests"} for lv in report["levels"]])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 
 import click
 
@@ -82,9 +80,8 @@ def eval_(ctx, ref, tasks, baseline, limit, gate_expr, backend, allow_code_execu
                 prog.advance(t, done)
         return update
 
-    command = "llmq " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     with prog:
-        outcome = run_eval(store, art, base, settings, gates, progress, command)
+        outcome = run_eval(store, art, base, settings, gates, progress)
     report = outcome.report
     if as_json:
         echo_json({**report, "artifact": {"ref": outcome.artifact.ref, "id": outcome.artifact.id,

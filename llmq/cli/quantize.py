@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 
 import click
@@ -46,8 +45,7 @@ def quantize(ctx, model, bits, method, group_size, symmetric, per_tensor, act_or
                            per_tensor=per_tensor, act_order=act_order, damp=damp, alpha=alpha, activations=activations,
                            calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                            probe_tokens=probe_tokens, name=name, device=device)
-    art = run_quantize(source, opts, store, progress=not as_json and sys.stderr.isatty(),
-                       command="llmq " + shlex.join(sys.argv[1:]))
+    art = run_quantize(source, opts, store, progress=not as_json and sys.stderr.isatty())
     if as_json:
         echo_json(art.manifest)
         return

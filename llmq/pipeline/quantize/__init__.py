@@ -19,7 +19,7 @@ engine stores the rewritten norms / biases in the model dtype), `ctx.linears` ({
 `ctx.opts` (QuantizeOptions), `ctx.spec` (ModelSpec), `ctx.scale_dtype` (store scales in it: `rtn.round_scale`), and
 calibration passes over the layer as it is at the time of the call: `ctx.collect(names, fn)` (fn(name, x) with x the
 [tokens, in_features] float32 input of each named linear, sample by sample), `ctx.hessians(names)`,
-`ctx.input_absmax(names)`, `ctx.input_absmean(names)`, `ctx.inputs(names, max_tokens)`.
+`ctx.input_absmax(names)`.
 It returns a `qformat.QuantizedWeight` for every linear in `ctx.linears`. Activation quantization is expressed in the
 weight (`input_scale` for static, `dynamic=True` for per-token): the engine simulates it in the quality probe and in
 the inputs it hands to the next layer, and derives the compressed-tensors scheme from the weights (one scheme for all).

@@ -113,26 +113,6 @@ class LayerContext:
                                                         else x.abs().amax(0)))
         return out
 
-    def input_absmean(self, names) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        self.collect(names, lambda n, x: out.__setitem__(n, out[n] + x.abs().sum(0) if n in out else x.abs().sum(0)))
-        return {k: v / max(self.num_tokens, 1) for k, v in out.items()}
-
-    def inputs(self, names, max_tokens: int | None = None) -> dict[str, torch.Tensor]:
-        """Each linear's inputs [tokens, in]; at most max_tokens rows, evenly spaced over the samples."""
-        parts: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        per_sample = None
-        if max_tokens:
-            per_sample = max(1, max_tokens // max(len(self.calib_inputs), 1))
-
-        def fn(name: str, x: torch.Tensor) -> None:
-            if per_sample and x.shape[0] > per_sample:
-                x = x[torch.linspace(0, x.shape[0] - 1, per_sample, device=x.device).round().long()]
-            parts[name].append(x.clone())
-
-        self.collect(names, fn)
-        return {n: torch.cat(v) for n, v in parts.items()}
-
 
 @dataclass
 class LayerwiseResult:

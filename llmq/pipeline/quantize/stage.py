@@ -141,14 +141,14 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     opts, spec, method = validate(source, opts)
     from ...models.load import load_tokenizer
 
-    tokenizer = load_tokenizer(source.path)
-    calib = None
     calibrated = needs_calibration(method, opts)
-    if calibrated or opts.calib:
-        calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed)
+    if opts.calib and not calibrated:
+        raise LlmqError(f"--calib: method {opts.method} with these options uses no calibration data; drop --calib")
+    tokenizer = load_tokenizer(source.path)
+    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed) if calibrated else None
     probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
 
-    result = run_layerwise(source.path, method, opts, spec, calib=calib if calibrated else None,
+    result = run_layerwise(source.path, method, opts, spec, calib=calib,
                            probe=probe, progress=progress)
     schemes = {_scheme_args(qw) for qw in result.weights.values()}
     if len(schemes) != 1:
