@@ -3,7 +3,6 @@ or compare two reports."""
 
 from __future__ import annotations
 
-import math
 
 import click
 
@@ -30,7 +29,7 @@ def _rates(text: str | None) -> list[float]:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise LlmqError(f"--request-rate: expected comma-separated numbers (or inf), got {text!r}") from None
-    if not vals or any(not v > 0 or math.isnan(v) for v in vals):
+    if not vals or any(not v > 0 for v in vals):  # NaN is not > 0 either
         raise LlmqError(f"--request-rate: rates must be > 0, got {text!r}")
     return vals
 

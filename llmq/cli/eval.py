@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 from ..errors import LlmqError
@@ -37,18 +36,16 @@ def _progress_console():
 @click.pass_context
 def eval_(ctx, ref, tasks, baseline, limit, gate_expr, backend, allow_code_execution, seed, as_json):
     """Evaluate REF (default: the default model) on offline task groups, against a baseline, and gate on it."""
-    try:
-        from ..evals.evaluate import default_baseline, run_eval
-        from ..evals.gate import enforce, parse_gates
-        from ..evals.report import markdown
-        from ..evals.runner import DEFAULT_LIMIT, DEFAULT_SEED, EvalSettings
-    except ImportError as e:
-        raise LlmqError(f"llmq eval needs lm-eval: pip install 'llmq[eval]' ({e})") from e
+    from ..evals.evaluate import default_baseline, run_eval
+    from ..evals.gate import enforce, parse_gates
+    from ..evals.report import markdown
+    from ..evals.runner import DEFAULT_LIMIT, DEFAULT_SEED, EvalSettings
+
     gates = parse_gates(gate_expr)
-    store = get_store(ctx)
-    art = source_artifact(ref, store)
     if limit is not None and limit < 0:
         raise LlmqError("--limit must be >= 0")
+    store = get_store(ctx)
+    art = source_artifact(ref, store)
     settings = EvalSettings(tasks=[t.strip() for t in tasks.split(",") if t.strip()],
                             limit=DEFAULT_LIMIT if limit is None else (limit or None),
                             seed=DEFAULT_SEED if seed is None else seed, backend=backend,

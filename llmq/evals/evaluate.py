@@ -52,6 +52,10 @@ def _lm(settings: EvalSettings, art: Artifact, progress):
 def run_eval(store: Store, evaluated: Artifact, baseline: Artifact | None, settings: EvalSettings,
              gates: list[Gate], progress: ProgressFactory | None = None, command: str | None = None,
              name: str | None = None) -> EvalOutcome:
+    try:
+        import lm_eval  # noqa: F401  (what every path below runs through; the CLI and `llmq run` both land here)
+    except ImportError:
+        raise LlmqError("llmq eval needs lm-eval: pip install 'llmq[eval]'") from None
     progress = progress or (lambda phase: (lambda todo, done: None))
     t0 = time.monotonic()
     ts = plan(settings)

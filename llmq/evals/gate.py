@@ -58,11 +58,6 @@ def parse_gates(expr: str | None) -> list[Gate]:
     return gates
 
 
-def needs(gates: list[Gate]) -> tuple[bool, bool]:
-    """(needs a baseline at all, needs the kld computation)."""
-    return bool(gates), any(g.name in KLD_NAMES for g in gates)
-
-
 def evaluate_gate(g: Gate, report: dict) -> GateResult:
     if g.name in KLD_NAMES:
         kld = report.get("kld")

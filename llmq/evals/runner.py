@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import LlmqError
+from ..models import cache_dir
 from .compare import group_scores, mean_stderr, ratio_stderr
 from .tasks import GROUPS, TASKS, TaskSet, materialize
 
@@ -45,8 +46,7 @@ class EvalSettings:
 
 
 def task_cache_dir() -> Path:
-    root = os.environ.get("LLMQ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmq")
-    return Path(root) / "eval-tasks"
+    return cache_dir() / "eval-tasks"
 
 
 def plan(settings: EvalSettings) -> TaskSet:
