@@ -40,7 +40,7 @@ CONFIGS = {
 
 
 def run_one(store: Path, model: str, key: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-c", "from llmq.cli.main import main; main()", "--store", str(store), "quantize", model, *CONFIGS[key], *extra,
+    cmd = [sys.executable, "-m", "llmq", "--store", str(store), "quantize", model, *CONFIGS[key], *extra,
            "--name", f"bench-{key}", "--json"]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)

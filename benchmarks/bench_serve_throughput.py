@@ -5,7 +5,8 @@ One run on the default model (SmolLM2-135M-Instruct) by default:
    output tokens / wall time. Sequential throughput does not depend on how many prompts are run, so only
    --hf-prompts of them are timed.
 2. The runtime at concurrency 1, 8 and 32: that many requests in flight, closed loop, --waves x concurrency requests
-   in all (128-token prompts, 128 output tokens each, ignore_eos), driven in-process through LLMEngine.step() (the engine that `llmq serve` runs), or with --serve
+   in all (128-token prompts, 128 output tokens each, ignore_eos), driven in-process through LLMEngine.step()
+   (the engine that `llmq serve` runs), or with --serve
    through a `llmq serve` subprocess over HTTP (--url: an already running server); output tokens / wall time, and
    the ratio to (1). Target: >= 10x at concurrency 32.
 3. Batch-1 decode tokens/s and MBU for the bf16 model and its INT8 / INT4 weight-only quantizations (when the

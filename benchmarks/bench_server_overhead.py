@@ -24,29 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmq.artifacts import Store  # noqa: E402
 from llmq.models import resolve_model  # noqa: E402
 from llmq.runtime import EngineConfig, LLMEngine  # noqa: E402
-from llmq.runtime.server import create_app  # noqa: E402
+from llmq.runtime.server import EngineThread, create_app  # noqa: E402
 
-from bench_serve_throughput import runtime_concurrency, server_concurrency  # noqa: E402  (this script's folder is on sys.path)
-
-
-def in_process(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_new: int) -> float:
-    """Output tokens/s of the engine driven directly, closed loop (the throughput benchmark's driver)."""
-    return runtime_concurrency(engine, prompts, concurrency, max_new)["tokens_per_s"]
-
-
-def in_thread(fn, *args):
-    """Run fn in a fresh thread, as the server's engine loop runs the engine: on an oversubscribed CPU, torch ops from
-    the main thread with 2 intra-op threads were ~10x slower here than from a secondary thread, which would make the
-    comparison about threads instead of HTTP."""
-    out = []
-    t = threading.Thread(target=lambda: out.append(fn(*args)))
-    t.start()
-    t.join()
-    return out[0]
-
-
-def over_http(url: str, prompts: list[list[int]], concurrency: int, max_new: int, stream: bool) -> float:
-    return server_concurrency(url, None, prompts, concurrency, max_new, stream)["tokens_per_s"]
+# this script's folder is on sys.path
+from bench_serve_throughput import runtime_concurrency, server_concurrency  # noqa: E402
 
 
 def main() -> None:
@@ -62,34 +43,47 @@ def main() -> None:
     args = ap.parse_args()
 
     model = resolve_model(args.model, Store.open(args.store))
-    engine = LLMEngine(model.path, EngineConfig(max_num_seqs=args.concurrency, kv_cache_memory=256 << 20))
+    # the engine is built and driven on one EngineThread, as `llmq serve` does (engine_loop.py says why)
+    engine_thread = EngineThread()
+    engine = engine_thread.call(LLMEngine, model.path,
+                                EngineConfig(max_num_seqs=args.concurrency, kv_cache_memory=256 << 20))
     rng = random.Random(0)
     prompts = [[rng.randrange(100, engine.spec.vocab_size) for _ in range(args.prompt_len)]
                for _ in range(args.requests)]
+
+    def in_process() -> float:
+        return engine_thread.call(runtime_concurrency, engine, prompts, args.concurrency,
+                                  args.output_len)["tokens_per_s"]
+
+    def over_http(url: str, stream: bool) -> float:
+        return server_concurrency(url, None, prompts, args.concurrency, args.output_len, stream)["tokens_per_s"]
+
     # bracketed (engine, HTTP, HTTP-SSE, engine again): on a shared machine the spread of the two engine runs shows
-    # how much of any difference is noise. The engine is single-threaded: it is driven here only while no server
-    # (whose engine loop thread owns it) is up.
-    in_thread(in_process, engine, prompts, args.concurrency, args.output_len)  # warm-up; fills the prefix cache
-    before = in_thread(in_process, engine, prompts, args.concurrency, args.output_len)
+    # how much of any difference is noise. The engine is driven directly only while no server (whose engine loop
+    # then owns it) is up.
+    in_process()  # warm-up; fills the prefix cache
+    before = in_process()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, thread=engine_thread), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
     try:
-        plain = over_http(url, prompts, args.concurrency, args.output_len, stream=False)
-        streamed = over_http(url, prompts, args.concurrency, args.output_len, stream=True)
+        plain = over_http(url, stream=False)
+        streamed = over_http(url, stream=True)
     finally:
         server.should_exit = True
         thread.join(60)
     try:
-        after = in_thread(in_process, engine, prompts, args.concurrency, args.output_len)
+        after = in_process()
     finally:
-        engine.shutdown()
+        engine_thread.call(engine.shutdown)
+        engine_thread.close()
     print(f"model {model.name}/v{model.version}  concurrency {args.concurrency}  requests {args.requests}  "
           f"prompt {args.prompt_len}  output {args.output_len}")
     print(f"{'path':<22} {'out tok/s':>10} {'vs engine':>9}")

@@ -92,12 +92,11 @@ class _Frontend:
             raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                        f"completion).", "max_tokens", "context_length_exceeded")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             temperature = 1.0 if body.temperature is None else body.temperature
             return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                   top_k=-1 if body.top_k in (None, 0) else body.top_k,
-                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
+                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop or [],
                                   stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                                   logprobs=logprobs)
         except LlmqError as e:
@@ -168,7 +167,7 @@ class _TextDeltas:
         if not finished:
             while end > self.sent and text[end - 1] == "\ufffd":
                 end -= 1
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k], 0, end)), default=0)
             end -= hold
         if end <= self.sent:
             return ""

@@ -38,10 +38,6 @@ class NotAccepting(Exception):
     """The server is draining for shutdown, or the engine failed."""
 
 
-class EngineFailed(RuntimeError):
-    pass
-
-
 class EngineThread:
     """The one thread that builds and then drives an engine (see the module docstring for why it must be one).
     A daemon thread, like the engine loop always was: a loop nobody stopped must not hold the process open."""
@@ -194,8 +190,7 @@ class EngineLoop:
         if live.last_token is None:
             if out.metrics.first_token_time is not None:
                 m.ttft.observe(out.metrics.first_token_time - live.arrival)
-            n -= 1
-        if n > 0 and live.last_token is not None:
+        elif n:
             gap = (now - live.last_token) / n
             for _ in range(n):
                 m.itl.observe(gap)
@@ -236,7 +231,7 @@ class EngineLoop:
                 self.metrics.update(eng.stats())
         except BaseException as e:  # a bug or a dead TP worker: fail every request, never hang the clients
             log.exception("engine loop failed")
-            failed = EngineFailed(f"the engine failed: {e}")
+            failed = RuntimeError(f"the engine failed: {e}")
             for rid, live in list(self._live.items()):
                 live.sink(failed)
                 self._done(rid)
