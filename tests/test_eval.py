@@ -178,6 +178,13 @@ def test_task_data_is_deterministic(tmp_path):
         assert len(set(d["choices"])) == 4 and d["context"].endswith("\n")
 
 
+def test_code_tasks_never_score_the_quantizers_calibration_text():
+    from llmq.evals.tasks import STDLIB_FILES
+    from llmq.pipeline.quantize.calib import CALIB_STDLIB
+
+    assert not set(STDLIB_FILES) & set(CALIB_STDLIB)
+
+
 def test_code_greedy_asks_for_the_true_next_line_of_the_source(tmp_path):
     import sysconfig
 
