@@ -124,6 +124,9 @@ def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(
     gated = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
     assert [r.status for r in gated.stages] == ["reused"] * 4
     assert len(gated.failed_gates) == 1 and gated.failed_gates[0].startswith("kld<=0 (kld = ")
+    monkeypatch.setattr("llmq.evals.tasks.TASKS_VERSION", 99)  # new task data: eval re-runs, nothing else
+    redone = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
+    assert [r.status for r in redone.stages] == ["reused"] * 3 + ["ran"]
     r = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(_write(tmp_path, recipe))])
     assert r.exit_code == 1 and "quality gate failed: kld<=0" in r.output
     assert "math" in r.output and "KLD" in r.output  # the final table shows the eval's numbers

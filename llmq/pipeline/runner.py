@@ -93,9 +93,14 @@ def _feeds_next(stage: str, cfg) -> bool:
 
 
 def _key(stage: str, parent: Artifact, cfg, recipe: Recipe) -> str:
-    """A gate only judges the report, so changing it re-judges the cached report instead of re-running eval."""
-    return stage_key(stage, parent, cfg.model_copy(update={"gate": None}) if stage == "eval" else cfg,
-                     {"seed": recipe.seed})
+    """A gate only judges the report, so changing it re-judges the cached report instead of re-running eval; the
+    eval's task data is an input too, so a new version of it re-runs eval."""
+    if stage != "eval":
+        return stage_key(stage, parent, cfg, {"seed": recipe.seed})
+    from ..evals.tasks import TASKS_VERSION
+
+    return stage_key(stage, parent, cfg.model_copy(update={"gate": None}),
+                     {"seed": recipe.seed, "tasks_version": TASKS_VERSION})
 
 
 def _gates(report: Artifact, gate: str | None) -> list[tuple[str, bool]]:
