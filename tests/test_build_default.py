@@ -13,16 +13,16 @@ from llmq.pipeline.build.verify import TOLERANCE
 pytestmark = pytest.mark.integration
 
 
-def test_default_model_refuses_tp2_without_padding(default_model, default_store):
-    with pytest.raises(LlmqError, match="9 attention heads / 3 KV heads.*--pad-heads"):
-        build_engine(default_model, default_store, BuildOptions(tp=2))
+def test_default_model_refuses_tp2_only_when_padding_is_turned_off(default_model, default_store):
+    with pytest.raises(LlmqError, match="9 attention heads / 3 KV heads.*--no-pad-heads"):
+        build_engine(default_model, default_store, BuildOptions(tp=2, pad_heads=False))
 
 
 @pytest.mark.parametrize("target", ["llmq", "trtllm"])
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_default_model_tp2(request, default_store, weights, target):
     source = request.getfixturevalue({"bf16": "default_model", "int8": "default_int8", "int4": "default_int4"}[weights])
-    art = build_engine(source, default_store, BuildOptions(tp=2, target=target, pad_heads=True, verify=True))
+    art = build_engine(source, default_store, BuildOptions(tp=2, target=target, verify=True)  # pads by default)
     v = art.metrics["verify"]
     assert v["passed"] and v["max_rel_error"] < TOLERANCE
     engine = json.loads((art.path / "engine.json").read_text())

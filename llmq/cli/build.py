@@ -22,7 +22,8 @@ from .common import echo_json, get_store, human_bytes
 @click.option("--kv", type=click.Choice(KV_CHOICES), default="auto", show_default=True,
               help="KV-cache dtype; int8/fp8 use the scales from `llmq quantize-kv`.")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Paged KV-cache block size (tokens).")
-@click.option("--pad-heads", is_flag=True, help="Pad head counts tp does not divide with zero heads (exact).")
+@click.option("--pad-heads/--no-pad-heads", default=True, show_default=True,
+              help="Pad head counts tp does not divide with zero heads (exact); --no-pad-heads refuses instead.")
 @click.option("--parallel-embedding", is_flag=True, help="Split the embedding by vocabulary too.")
 @click.option("--verify", is_flag=True, help="Run the reference check (TP logits vs the unsharded model) first.")
 @click.option("--name", help="Engine artifact name (default: <source>-tp<N>[-trtllm]).")
@@ -46,7 +47,9 @@ def build(ctx, ref, tp, pp, target, max_batch_size, max_seq_len, kv, block_size,
     click.echo(f"built {art.ref} ({target}, tp={tp}) from {source.ref}: {human_bytes(m['size_bytes'])} at {art.path}")
     click.echo(f"  heads per rank {plan['heads_per_rank']}, KV heads per rank {plan['kv_heads_per_rank']}"
                + (f" (each KV head on {plan['kv_replicas']} ranks)" if plan["kv_replicas"] > 1 else "")
-               + (f", padded to {plan['padded_heads']} heads" if plan["padded_heads"] != plan["num_heads"] else ""))
+               + (f", padded from {plan['num_heads']} / {plan['num_kv_heads']} to {plan['padded_heads']} / "
+                  f"{plan['padded_kv_heads']} heads with zero heads (exact)"
+                  if plan["padded_heads"] != plan["num_heads"] else ""))
     if target == "trtllm":
         c = m["compile"]
         click.echo(f"  compile: {c['status']}" + (f" ({c['reason']})" if "reason" in c else "")

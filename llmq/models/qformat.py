@@ -210,8 +210,9 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     input_scale = tensors[f"{name}.input_scale"] if (a and not a.dynamic) else None
     if a and not a.dynamic and input_scale is None:
         raise LlmqError(f"tensor {name}.input_scale is missing: the config says activations use static scales")
+    group_size = int(w.group_size) if w.strategy == "group" and w.group_size else (k // g if g > 1 else None)
     return QuantizedWeight(q=q, scale=scale, zero_point=zero, bits=w.num_bits,
-                           group_size=k // g if g > 1 else None, symmetric=w.symmetric, input_scale=input_scale,
+                           group_size=group_size, symmetric=w.symmetric, input_scale=input_scale,
                            dynamic=bool(a and a.dynamic))
 
 

@@ -61,7 +61,7 @@ class BuildStage(_Strict):
     max_seq_len: int | None = Field(None, gt=0)
     kv: Literal["auto", "int8", "fp8"] = "auto"
     block_size: int = Field(16, gt=0)
-    pad_heads: bool = False
+    pad_heads: bool = True
     parallel_embedding: bool = False
     verify: bool = False
     name: str | None = None

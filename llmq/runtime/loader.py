@@ -103,7 +103,7 @@ class RankLayout:
         h, kv = spec.num_heads, spec.num_kv_heads
         if h % tp or not (kv % tp == 0 or tp % kv == 0) or spec.intermediate_size % tp:
             raise LlmqError(f"tp={tp} does not divide this model's {h} heads / {kv} KV heads / MLP width "
-                            f"{spec.intermediate_size}; build an engine with `llmq build --tp {tp} --pad-heads`")
+                            f"{spec.intermediate_size}; build an engine with `llmq build --tp {tp}` (it pads the heads)")
         return cls(tp, rank, h, kv, spec.head_dim, spec.intermediate_size, spec.vocab_size)
 
     @property

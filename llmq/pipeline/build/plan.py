@@ -117,7 +117,7 @@ class ShardPlan:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
-def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = False, parallel_embedding: bool = False) -> ShardPlan:
+def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embedding: bool = False) -> ShardPlan:
     """The plan for `spec` on `tp` ranks, or an LlmqError saying which tp values would work."""
     if tp not in SUPPORTED_TP:
         raise LlmqError(f"--tp {tp} is not supported: use one of {', '.join(map(str, SUPPORTED_TP))}")
@@ -132,7 +132,7 @@ def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = False, parallel_emb
         ok = [t for t in SUPPORTED_TP if _heads_fit(heads, kv, t)]
         padded, kv_padded = _padded_heads(heads, kv, tp)
         raise LlmqError(f"--tp {tp} does not divide this model's {heads} attention heads / {kv} KV heads "
-                        f"(tp values that do: {', '.join(map(str, ok))}); or pass --pad-heads to add zero heads "
+                        f"(tp values that do: {', '.join(map(str, ok))}); drop --no-pad-heads to add zero heads "
                         f"(exact, {padded} heads / {kv_padded} KV heads)")
     if spec.intermediate_size % tp:
         raise LlmqError(f"--tp {tp} does not divide the MLP width {spec.intermediate_size}")

@@ -48,7 +48,14 @@ def take(t: torch.Tensor, idx: torch.Tensor, dim: int, fill: float = 0) -> torch
 
 
 def group_index(cols: torch.Tensor, group: int, name: str) -> torch.Tensor:
-    """Map a column selection to the selection of its quantization groups (-1 for an all-padding group)."""
+    """Map a column selection to the selection of its quantization groups (-1 for an all-padding group).
+
+    Either the selection is whole groups, or (a rank holding less than a group, as with 64-column groups over
+    32-column head slices) it lies inside one group, whose scale the rank then keeps for its partial group."""
+    if 0 < cols.numel() < group and bool((cols >= 0).all()):
+        first = int(cols[0])
+        if torch.equal(cols, torch.arange(first, first + cols.numel())) and (first + cols.numel() - 1) // group == first // group:
+            return torch.tensor([first // group])
     if cols.numel() % group:
         raise LlmqError(f"{name}: a rank's {cols.numel()} input columns are not a whole number of "
                         f"{group}-column quantization groups; choose a tp (or group size) that splits on group edges")
@@ -71,8 +78,7 @@ def _scale_rows(s: torch.Tensor | None, rows: torch.Tensor, fill: float) -> torc
 def _scale_cols(s: torch.Tensor | None, cols: torch.Tensor, in_features: int, fill: float, name: str):
     if s is None or s.numel() == 1 or s.dim() == 1 or s.shape[-1] == 1:
         return s  # per-tensor or per-output-channel: every rank keeps it whole
-    group = in_features // s.shape[-1]
-    return take(s, group_index(cols, group, name), 1, fill)
+    return take(s, group_index(cols, in_features // s.shape[-1], name), 1, fill)
 
 
 def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:

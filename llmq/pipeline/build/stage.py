@@ -26,7 +26,7 @@ class BuildOptions:
     max_seq_len: int | None = None      # None: the model's max positions, capped at 4096
     kv: str = "auto"
     block_size: int = 16
-    pad_heads: bool = False
+    pad_heads: bool = True               # pad head counts tp does not divide with zero heads (exact)
     parallel_embedding: bool = False
     verify: bool = False
     name: str | None = None

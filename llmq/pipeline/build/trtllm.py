@@ -7,17 +7,28 @@ stacked), `attention.dense` (o_proj), `mlp.fc` (gate_proj, the activated branch)
 `lm_head` (vocab padded to a multiple of tp, always written, also for tied embeddings);
 `attention.kv_cache_scaling_factor` (one float32 per layer, the larger of the K and V scales).
 
-Weight-only INT4 with groups is written as W4A16_AWQ without pre-quant scale, the layout TensorRT-LLM's loader
-preprocesses itself at engine-build time (modeling_utils.preprocess_perlayer_weights): `weight` int8 [out/2, in]
-holding two signed 4-bit values per byte along the output axis (row 2j in the low nibble, 2j+1 in the high one),
-`weights_scaling_factor` [out, in/group]; with zero points, `zero` = -zero_point * scale in the layer's own
-[in/group, out] layout (the loader does not transpose it). Weight-only INT8 and per-channel INT4 are written as
-W8A16 / W4A16 with the weights dequantized to the model dtype: TensorRT-LLM quantizes those per channel itself at
-load (convert_utils.weight_only_quantize_dict); its pre-quantized int8 layout is GPU-architecture specific.
+What its loader does with them (`PretrainedModel.from_checkpoint` -> `preprocess_weights`, then each Parameter's
+value setter, which asserts the shape the layer constructor declared):
+- INT4 with groups of 64 or 128 is W4A16_AWQ without pre-quant scale, the one pre-quantized layout the loader
+  preprocesses itself (`preprocess_perlayer_weights`), so llmq's integers reach the GPU unchanged: `weight` int8
+  [out/2, in] holding two signed 4-bit values per byte along the output axis (row 2j in the low nibble),
+  `weights_scaling_factor` [out, in/group] (cast to the model dtype by the loader), and with zero points `zero`
+  = -zero_point * scale in the layer's own [in/group, out] layout (not transposed by the loader).
+- INT8 (per channel or grouped) and per-channel INT4 are W8A16 / W4A16: the loader quantizes float weights itself
+  (`weight_only_quantize_dict`: per output channel, scale = amax / 2^(b-1), round half away from zero, clamp to
+  [-2^(b-1), 2^(b-1)-1]); its pre-quantized int8 layout is GPU-architecture specific, so llmq writes the dequantized
+  weights in the model dtype and `--verify` computes what that re-rounding does (`trtllm_requantize`).
+- Quantized layer constructors pad in/out features to a multiple of max(64, group) x tp (64 x tp for W8A16/W4A16)
+  and `from_checkpoint` does not pad, so llmq writes every quantized linear at that padded shape: zero weights,
+  scale 1, zero 0, each rank's padding after its real rows/columns.
+- `exclude_modules` is fnmatched against module names (layer swap) and tensor names (W8A16/W4A16 quantization), and
+  a non-empty list replaces the defaults, so llmq writes the defaults plus `<module>` and `<module>.*` per layer
+  it keeps dense.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
@@ -47,8 +58,16 @@ TRTLLM_CONFIG_KEYS = frozenset({"architecture", "dtype", "logits_dtype", "vocab_
                                 "tie_word_embeddings", "qwen_type"})
 TRTLLM_QUANT_KEYS = frozenset({"quant_algo", "kv_cache_quant_algo", "group_size", "smoothquant_val", "clamp_val",
                                "use_meta_recipe", "has_zero_point", "pre_quant_scale", "exclude_modules"})
+# quantize_layers' own list, used when exclude_modules is empty; a non-empty list replaces it.
+TRTLLM_DEFAULT_EXCLUDES = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
+                           "*shared_expert_gate")
+AWQ_GROUP_SIZES = (64, 128)          # the groupwise (fpA_intB) kernels' group sizes
+REQUANTIZED = ("W8A16", "W4A16")     # algorithms whose weights the loader quantizes from floats
+# weight_only_quantize_dict's quant_weights: the tensor names (substrings) it quantizes, unless excluded.
+REQUANTIZED_TENSORS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
 
 TRT_MODULES = {"o_proj": "attention.dense", "gate_proj": "mlp.fc", "up_proj": "mlp.gate", "down_proj": "mlp.proj"}
+ROW_PARALLEL = ("attention.dense", "mlp.proj")   # split along inputs; every other linear along outputs
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -61,12 +80,15 @@ def quant_algo_for(qw) -> str:
     """The TensorRT-LLM algorithm that serves one of our quantized weights, or an LlmqError saying why none does."""
     if qw.q.dtype.is_floating_point:
         raise LlmqError("FP8 artifacts cannot be written as a TensorRT-LLM checkpoint by llmq yet "
-                        "(TensorRT-LLM needs one scale for the fused qkv); use --target llmq")
+                        "(TensorRT-LLM needs one scale for the fused qkv); use --target llmq or --target trtllm-hf")
     if not _weight_only(qw):
         raise LlmqError("W8A8 (SmoothQuant) artifacts cannot be written as a TensorRT-LLM checkpoint by llmq yet; "
                         "use --target llmq")
     grouped = qw.group_size is not None  # kept through slicing, even where a rank holds a single group
     if qw.bits == 4 and grouped:
+        if qw.group_size not in AWQ_GROUP_SIZES:
+            raise LlmqError(f"INT4 groups of {qw.group_size}: TensorRT-LLM's groupwise kernels take groups of "
+                            f"{' or '.join(map(str, AWQ_GROUP_SIZES))}; re-quantize with --group-size 64 or 128")
         return "W4A16_AWQ"
     if not qw.symmetric and not grouped:
         raise LlmqError("asymmetric per-channel weights have no TensorRT-LLM weight-only algorithm; use --target llmq")
@@ -106,23 +128,64 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
 
 
-def _awq_tensors(qw, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's round(), which TensorRT-LLM's quantizer uses (torch.round rounds halves to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def trtllm_requantize(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 value of a stored weight [out, in] after TensorRT-LLM's W8A16/W4A16 load-time quantization
+    (symmetric_quantize_last_axis_of_batched_matrix on the transposed weight): per output channel, scale =
+    amax / 2^(b-1) kept in the weight's dtype, q = round(w / scale) clamped to [-2^(b-1), 2^(b-1)-1]."""
+    half = float(1 << (bits - 1))
+    amax = w.float().abs().amax(dim=1, keepdim=True) / half
+    q = torch.where(amax > 0, round_half_away(w.float() / amax.clamp_min(1e-30)), torch.zeros(()))
+    q = q.clamp(-half, half - 1)
+    return q * amax.to(w.dtype).float()
+
+
+def padding_multiple(algo: str | None, group_size: int, tp: int) -> int:
+    """The multiple TensorRT-LLM's quantized linear constructors pad the full in/out features to (1: no padding)."""
+    if algo == "W4A16_AWQ":
+        return max(64, group_size) * tp
+    return 64 * tp if algo in REQUANTIZED else 1
+
+
+def local_shape(module: str, out_local: int, in_local: int, tp: int, multiple: int) -> tuple[int, int]:
+    """[out, in] of one rank's tensor as the layer constructor declares it: full features padded to `multiple`,
+    the split one divided by tp (outputs for column-parallel layers, inputs for row-parallel ones)."""
+    up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    if module.endswith(ROW_PARALLEL):
+        return up(out_local), up(in_local * tp) // tp
+    return up(out_local * tp) // tp, up(in_local)
+
+
+def _pad(t: torch.Tensor, shape: tuple[int, ...], fill: float = 0) -> torch.Tensor:
+    """t grown at the end of each dimension to `shape`, new entries `fill`."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    out = torch.full(shape, fill, dtype=t.dtype)
+    out[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
+def _awq_tensors(qw, dtype: torch.dtype, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     q, zero = _signed_int4(qw)
-    out = {"weight": pack_int4_rows(q), "weights_scaling_factor": qw.scale.contiguous()}
-    if zero is not None:
-        out["zero"] = zero.T.to(dtype).contiguous()   # a model-dtype parameter the loader takes as is
+    gshape = (shape[0], shape[1] // qw.group_size)   # a rank's partial group is padded to a whole one
+    out = {"weight": pack_int4_rows(_pad(q, shape)), "weights_scaling_factor": _pad(qw.scale, gshape, 1).contiguous()}
+    if zero is not None:   # a model-dtype parameter the loader takes as is, in the layer's [in/g, out] layout
+        out["zero"] = _pad(zero, gshape).T.to(dtype).contiguous()
     return out
 
 
 def reference_dense(lw: LinearWeights, dtype: torch.dtype) -> torch.Tensor:
-    """float32 value of a source linear as this checkpoint represents it, for the unsharded side of the check."""
+    """float32 value of a source linear as this checkpoint stores it, for the unsharded side of the split check."""
     if lw.qw is None:
-        return lw.weight.float()
-    algo = quant_algo_for(lw.qw)
-    if algo != "W4A16_AWQ":
+        return lw.weight.to(dtype).float()
+    if quant_algo_for(lw.qw) != "W4A16_AWQ":
         return lw.dense(torch.float32).to(dtype).float()
     q, zero = _signed_int4(lw.qw)
-    return _awq_dense(q, lw.qw.scale, None if zero is None else zero.to(dtype).T)
+    return _awq_dense(q, lw.qw.scale.to(dtype), None if zero is None else zero.to(dtype).T)
 
 
 def _awq_dense(q: torch.Tensor, scale: torch.Tensor, zero_t: torch.Tensor | None) -> torch.Tensor:
@@ -132,20 +195,6 @@ def _awq_dense(q: torch.Tensor, scale: torch.Tensor, zero_t: torch.Tensor | None
     if zero_t is not None:
         w = w + zero_t.float().T.repeat_interleave(group, dim=1)
     return w
-
-
-def _linear_tensors(lw: LinearWeights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One rank's tensors of one linear, without the module prefix: packed INT4 + scales for grouped INT4,
-    else the (dequantized) weight in the model dtype."""
-    if lw.qw is None:
-        out = {"weight": lw.weight.to(dtype).contiguous()}
-    elif quant_algo_for(lw.qw) == "W4A16_AWQ":
-        out = _awq_tensors(lw.qw, dtype)
-    else:
-        out = {"weight": lw.dense(torch.float32).to(dtype).contiguous()}
-    if lw.bias is not None:
-        out["bias"] = lw.bias.to(dtype).contiguous()
-    return out
 
 
 def _stack_rows(parts: list[LinearWeights]) -> LinearWeights:
@@ -168,8 +217,8 @@ def _schemes(src: SourceModel) -> tuple[str | None, dict]:
     """The model's TensorRT-LLM quant_algo and its quantization fields.
 
     TensorRT-LLM takes one algorithm per checkpoint. Grouped INT4 layers decide it (W4A16_AWQ) when present; other
-    quantized layers are then stored dequantized and listed in exclude_modules. Without grouped INT4 every layer
-    is stored dequantized and TensorRT-LLM quantizes it per channel (W8A16 if any layer had 8 bits, else W4A16).
+    quantized layers are then stored dequantized and excluded. Without grouped INT4 every quantized layer is stored
+    dequantized and TensorRT-LLM quantizes it per channel (W8A16 if any layer had 8 bits, else W4A16).
     """
     if not src.quantized:
         return None, {}
@@ -199,8 +248,24 @@ def _kv_cache_scaling_factor(scales: tuple[torch.Tensor, torch.Tensor] | None) -
     return torch.maximum(scales[0].float().max(), scales[1].float().max()).reshape(1)
 
 
+def exclude_patterns(dense_modules: list[str]) -> list[str]:
+    """exclude_modules for a quantized checkpoint: TensorRT-LLM's defaults (a non-empty list replaces them) plus
+    each dense decoder linear as a module name and as its tensors' prefix (both kinds of name are fnmatched)."""
+    return [*TRTLLM_DEFAULT_EXCLUDES, *(p for m in sorted(dense_modules) for p in (m, f"{m}.*"))]
+
+
+def excluded(name: str, patterns: list[str] | None) -> bool:
+    """Whether TensorRT-LLM leaves module or tensor `name` unquantized under exclude_modules `patterns`."""
+    return any(fnmatch.fnmatchcase(name, p) for p in (patterns or TRTLLM_DEFAULT_EXCLUDES))
+
+
+def requantized_at_load(tensor: str, patterns: list[str] | None) -> bool:
+    """Whether TensorRT-LLM's W8A16/W4A16 loader quantizes this float tensor (weight_only_quantize_dict's rule)."""
+    return any(n in tensor for n in REQUANTIZED_TENSORS) and not excluded(tensor, patterns)
+
+
 def trtllm_config(src: SourceModel, plan: ShardPlan, algo: str | None, qfields: dict, kv_algo: str | None,
-                  exclude: list[str], dtype: str) -> dict:
+                  exclude: list[str] | None, dtype: str) -> dict:
     s = src.spec
     cfg = {
         "architecture": s.architecture, "dtype": dtype, "logits_dtype": "float32", "vocab_size": s.vocab_size,
@@ -213,7 +278,7 @@ def trtllm_config(src: SourceModel, plan: ShardPlan, algo: str | None, qfields: 
         "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
                          "group_size": qfields.get("group_size", 128),
                          "has_zero_point": qfields.get("has_zero_point", False), "pre_quant_scale": False,
-                         "exclude_modules": exclude or None},
+                         "exclude_modules": exclude},
         "use_parallel_embedding": plan.parallel_embedding, "embedding_sharding_dim": 0,
         "attn_bias": s.attention_bias, "mlp_bias": False, "tie_word_embeddings": False,
     }
@@ -233,9 +298,43 @@ def validate_config(cfg: dict) -> None:
         raise LlmqError(f"quant_algo {q['quant_algo']!r} is not one TensorRT-LLM accepts")
     if q["kv_cache_quant_algo"] is not None and q["kv_cache_quant_algo"] not in TRTLLM_KV_CACHE_QUANT_ALGOS:
         raise LlmqError(f"kv_cache_quant_algo {q['kv_cache_quant_algo']!r} is not one TensorRT-LLM accepts")
+    if q["exclude_modules"] and (missing := set(TRTLLM_DEFAULT_EXCLUDES) - set(q["exclude_modules"])):
+        raise LlmqError(f"exclude_modules replaces TensorRT-LLM's default exclusions and lacks {sorted(missing)}: "
+                        "its loader would quantize those modules (a vocab embedding then needs scales nobody wrote)")
     m = cfg["mapping"]
     if m["world_size"] != m["tp_size"] * m["pp_size"]:
         raise LlmqError("TensorRT-LLM mapping: world_size must equal tp_size * pp_size")
+
+
+class _RankWriter:
+    """Accumulates each rank's tensors; knows which linears TensorRT-LLM will quantize and at what shape."""
+
+    def __init__(self, algo: str | None, qfields: dict, plan: ShardPlan, dtype: torch.dtype):
+        self.algo, self.plan, self.dtype = algo, plan, dtype
+        self.multiple = padding_multiple(algo, qfields.get("group_size", 64), plan.tp)
+        self.states: list[dict[str, torch.Tensor]] = [{} for _ in range(plan.tp)]
+        self.dense: set[str] = set()
+
+    def _quantized_here(self, lw: LinearWeights) -> bool:
+        """Whether TensorRT-LLM will run this linear quantized (else it is excluded and stays dense)."""
+        if self.algo is None or lw.qw is None:
+            return False
+        return self.algo in REQUANTIZED or quant_algo_for(lw.qw) == self.algo
+
+    def linear(self, r: int, module: str, lw: LinearWeights) -> None:
+        by_default = excluded(module, TRTLLM_DEFAULT_EXCLUDES)   # lm_head: always dense in TensorRT-LLM
+        quantized = self._quantized_here(lw) and not by_default
+        if self.algo is not None and not quantized and not by_default:
+            self.dense.add(module)
+        out_l, in_l = lw.shape
+        shape = local_shape(module, out_l, in_l, self.plan.tp, self.multiple) if quantized else (out_l, in_l)
+        if quantized and self.algo == "W4A16_AWQ":
+            t = _awq_tensors(lw.qw, self.dtype, shape)
+        else:
+            t = {"weight": _pad(lw.dense(torch.float32).to(self.dtype), shape).contiguous()}
+        if lw.bias is not None:
+            t["bias"] = _pad(lw.bias.to(self.dtype), (shape[0],)).contiguous()
+        self.states[r].update({f"{module}.{k}": v for k, v in t.items()})
 
 
 def write_trtllm(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> dict:
@@ -249,79 +348,101 @@ def write_trtllm(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> 
     algo, qfields = _schemes(src)
     kv = engine["kv_cache_dtype"]
     kv_algo = {"int8": "INT8", "fp8": "FP8"}.get(kv)
-    states: list[dict[str, torch.Tensor]] = [{} for _ in range(plan.tp)]
-    exclude: set[str] = set()
-
-    def put(r: int, prefix: str, lw: LinearWeights) -> None:
-        if algo is not None and (lw.qw is None or (algo == "W4A16_AWQ" and quant_algo_for(lw.qw) != algo)):
-            exclude.add(prefix)
-        states[r].update({f"{prefix}.{k}": v for k, v in _linear_tensors(lw, dtype).items()})
-
+    w = _RankWriter(algo, qfields, plan, dtype)
     for i in range(src.spec.num_layers):
         p, tp_ = layer_prefix(i), f"transformer.layers.{i}"
         kv_s = _kv_cache_scaling_factor(src.kv_scales(i)) if kv_algo is not None else None
         for r, sl in enumerate(layer_slices(src, plan, i)):
-            put(r, f"{tp_}.attention.qkv", _stack_rows([sl["q_proj"], sl["k_proj"], sl["v_proj"]]))
+            w.linear(r, f"{tp_}.attention.qkv", _stack_rows([sl["q_proj"], sl["k_proj"], sl["v_proj"]]))
             for n, trt in TRT_MODULES.items():
-                put(r, f"{tp_}.{trt}", sl[n])
-            states[r][f"{tp_}.input_layernorm.weight"] = src.tensor(f"{p}.input_layernorm.weight").to(dtype)
-            states[r][f"{tp_}.post_layernorm.weight"] = src.tensor(f"{p}.post_attention_layernorm.weight").to(dtype)
+                w.linear(r, f"{tp_}.{trt}", sl[n])
+            w.states[r][f"{tp_}.input_layernorm.weight"] = src.tensor(f"{p}.input_layernorm.weight").to(dtype)
+            w.states[r][f"{tp_}.post_layernorm.weight"] = src.tensor(f"{p}.post_attention_layernorm.weight").to(dtype)
             if kv_s is not None:
-                states[r][f"{tp_}.attention.kv_cache_scaling_factor"] = kv_s
+                w.states[r][f"{tp_}.attention.kv_cache_scaling_factor"] = kv_s
     embed = src.tensor("model.embed_tokens.weight").to(dtype)
     lm_head = src.lm_head()
     for r in range(plan.tp):
-        states[r]["transformer.vocab_embedding.weight"] = vocab_slice(embed, plan, r) if plan.parallel_embedding \
+        w.states[r]["transformer.vocab_embedding.weight"] = vocab_slice(embed, plan, r) if plan.parallel_embedding \
             else embed
-        states[r]["transformer.ln_f.weight"] = src.tensor("model.norm.weight").to(dtype)
-        put(r, "lm_head", split_rows(lm_head, plan.vocab_rows(r)))
-    cfg = trtllm_config(src, plan, algo, qfields, kv_algo, sorted(exclude), dtype_name)
+        w.states[r]["transformer.ln_f.weight"] = src.tensor("model.norm.weight").to(dtype)
+        w.linear(r, "lm_head", split_rows(lm_head, plan.vocab_rows(r)))
+    exclude = exclude_patterns(sorted(w.dense)) if algo is not None else None
+    cfg = trtllm_config(src, plan, algo, qfields, kv_algo, exclude, dtype_name)
     validate_config(cfg)
     out.mkdir(parents=True)
     from safetensors.torch import save_file
 
-    for r, state in enumerate(states):
+    for r, state in enumerate(w.states):
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / f"rank{r}.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return {"ranks": [f"trtllm/rank{r}.safetensors" for r in range(plan.tp)], "trtllm_checkpoint": "trtllm",
-            "quantization": cfg["quantization"], "compile": compile_trtllm(out, engine, src.path)}
+            "quantization": cfg["quantization"], "requantized_by_target": algo in REQUANTIZED,
+            "compile": compile_trtllm(out, engine, src.path)}
 
 
-def trtllm_rank_weights(ckpt: Path, plan: ShardPlan):
-    """Read rank<N>.safetensors back into float32 per-rank weights for the reference check."""
+def _unpad(t: torch.Tensor, shape: tuple[int, ...], fill: float, name: str) -> torch.Tensor:
+    """The real part of a padded tensor; the padding must be `fill` (a padded row or column that contributes)."""
+    real = t[tuple(slice(0, n) for n in shape)]
+    rest = t.clone()
+    rest[tuple(slice(0, n) for n in shape)] = fill
+    if not bool((rest == fill).all()):
+        raise LlmqError(f"{name}: the padding TensorRT-LLM's layer shape needs is not {fill:g} everywhere")
+    return real
+
+
+def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool = False):
+    """Read rank<N>.safetensors back into float32 per-rank weights for the reference check: as stored, or (with
+    as_target_computes) after the quantization TensorRT-LLM applies at load (W8A16 / W4A16 re-rounding)."""
     from safetensors.torch import load_file
 
     from .verify import Lin, RankWeights
 
     cfg = json.loads((ckpt / "config.json").read_text())
     validate_config(cfg)
-    algo = cfg["quantization"]["quant_algo"]
+    q = cfg["quantization"]
+    algo, patterns = q["quant_algo"], q["exclude_modules"]
     d, hq, hkv = plan.head_dim, plan.heads_per_rank, plan.kv_heads_per_rank
+    bits = {"W8A16": 8, "W4A16": 4}.get(algo)
 
-    def lin(state: dict, prefix: str) -> Lin:
+    def lin(state: dict, prefix: str, shape: tuple[int, int]) -> Lin:
+        w = state[f"{prefix}.weight"]
         bias = state.get(f"{prefix}.bias")
-        bias = bias.float() if bias is not None else None
-        if state[f"{prefix}.weight"].dtype == torch.int8 and algo == "W4A16_AWQ":
-            q = unpack_int4_rows(state[f"{prefix}.weight"])
-            return Lin(_awq_dense(q, state[f"{prefix}.weights_scaling_factor"], state.get(f"{prefix}.zero")), bias)
-        return Lin(state[f"{prefix}.weight"].float(), bias)
+        bias = _unpad(bias, shape[:1], 0, f"{prefix}.bias").float() if bias is not None else None
+        if w.dtype == torch.int8 and algo == "W4A16_AWQ":
+            g = cfg["quantization"]["group_size"]
+            qint = _unpad(unpack_int4_rows(w), shape, 0, f"{prefix}.weight")
+            gshape = (shape[0], -(-shape[1] // g))
+            scale = _unpad(state[f"{prefix}.weights_scaling_factor"], gshape, 1, f"{prefix}.weights_scaling_factor")
+            zero = state.get(f"{prefix}.zero")
+            zero = _unpad(zero.T, gshape, 0, f"{prefix}.zero").T if zero is not None else None
+            return Lin(_awq_dense(qint, scale.to(getattr(torch, cfg["dtype"])), zero), bias)
+        w = _unpad(w, shape, 0, f"{prefix}.weight")
+        if as_target_computes and bits and requantized_at_load(f"{prefix}.weight", patterns):
+            return Lin(trtllm_requantize(w, bits), bias)
+        return Lin(w.float(), bias)
 
+    h, inter = plan.hidden_size, plan.intermediate_size // plan.tp
+    shapes = {"attention.qkv": ((hq + 2 * hkv) * d, h), "attention.dense": (h, hq * d),
+              "mlp.fc": (inter, h), "mlp.gate": (inter, h), "mlp.proj": (h, inter)}
     ranks = []
     for r in range(plan.tp):
         st = load_file(str(ckpt / f"rank{r}.safetensors"))
         layers, norms = [], []
         for i in range(cfg["num_hidden_layers"]):
             p = f"transformer.layers.{i}"
-            qkv = lin(st, f"{p}.attention.qkv")
+            qkv = lin(st, f"{p}.attention.qkv", shapes["attention.qkv"])
             sizes = [hq * d, hkv * d, hkv * d]
             ws = qkv.weight.split(sizes)
             bs = qkv.bias.split(sizes) if qkv.bias is not None else (None,) * 3
             layer = {n: Lin(w, b) for n, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs)}
-            layer |= {n: lin(st, f"{p}.{trt}") for n, trt in TRT_MODULES.items()}
+            layer |= {n: lin(st, f"{p}.{trt}", shapes[trt]) for n, trt in TRT_MODULES.items()}
             layers.append(layer)
             norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_layernorm.weight"].float()))
         kv = [st.get(f"transformer.layers.{i}.attention.kv_cache_scaling_factor") for i in range(len(layers))]
+        head = st["lm_head.weight"]
         ranks.append(RankWeights(embed=st["transformer.vocab_embedding.weight"].float(), layers=layers, norms=norms,
-                                 final_norm=st["transformer.ln_f.weight"].float(), lm_head=lin(st, "lm_head").weight,
+                                 final_norm=st["transformer.ln_f.weight"].float(),
+                                 lm_head=lin(st, "lm_head", tuple(head.shape)).weight,
                                  kv_scales=[None if s is None else (s, s) for s in kv]))
     return ranks, cfg
