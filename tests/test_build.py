@@ -300,15 +300,18 @@ def test_compile_step_records_which_of_the_three_outcomes_happened(tmp_path, mon
 
     import yaml
 
-    from llmq.pipeline.build.compile import compile_trtllm
+    from llmq.pipeline.build.compile import compile_trtllm, write_llm_api_options
 
     engine = {"tp": 2, "pp": 1, "max_batch_size": 8, "max_seq_len": 1024, "kv_cache_dtype": "fp8"}
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)                 # not installed
-    out = compile_trtllm(tmp_path, engine, tmp_path / "src")
+    out = compile_trtllm(tmp_path, engine)
     assert out["status"] == "checkpoint-only" and "tensorrt_llm is not installed" in out["reason"]
 
     monkeypatch.setitem(sys.modules, "tensorrt_llm", types.ModuleType("tensorrt_llm"))  # PyTorch backend only
-    out = compile_trtllm(tmp_path, engine, tmp_path / "src")
+    out = compile_trtllm(tmp_path, engine)
+    assert out["status"] == "checkpoint-only" and "--target trtllm-hf" in out["reason"]
+
+    out = write_llm_api_options(tmp_path, engine)                            # what --target trtllm-hf writes
     assert out["status"] == "pytorch-options" and "--extra_llm_api_options" in out["serve_command"]
     opts = yaml.safe_load((tmp_path / "llm_api_options.yaml").read_text())
     assert opts["tensor_parallel_size"] == 2 and opts["kv_cache_config"] == {"dtype": "fp8"}
@@ -318,5 +321,5 @@ def test_compile_step_records_which_of_the_three_outcomes_happened(tmp_path, mon
     trt.BuildConfig, trt.build = object, object
     monkeypatch.setitem(sys.modules, "tensorrt_llm", trt)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = compile_trtllm(tmp_path, engine, tmp_path / "src")
+    out = compile_trtllm(tmp_path, engine)
     assert out["status"] == "checkpoint-only" and "no CUDA GPU" in out["reason"]

@@ -22,7 +22,7 @@ def test_default_model_refuses_tp2_only_when_padding_is_turned_off(default_model
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_default_model_tp2(request, default_store, weights, target):
     source = request.getfixturevalue({"bf16": "default_model", "int8": "default_int8", "int4": "default_int4"}[weights])
-    art = build_engine(source, default_store, BuildOptions(tp=2, target=target, verify=True)  # pads by default)
+    art = build_engine(source, default_store, BuildOptions(tp=2, target=target, verify=True))  # pads by default
     v = art.metrics["verify"]
     assert v["passed"] and v["max_rel_error"] < TOLERANCE
     engine = json.loads((art.path / "engine.json").read_text())

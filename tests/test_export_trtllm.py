@@ -191,7 +191,7 @@ def llmq_logits(source_dir: Path, ids: torch.Tensor) -> torch.Tensor:
     """What llmq evaluated: its runtime's logits over the source artifact."""
     from llmq.runtime import EngineConfig, LLMEngine
 
-    eng = LLMEngine(source_dir, EngineConfig(max_num_seqs=2, kv_cache_memory=64 << 20))
+    eng = LLMEngine(source_dir, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory=64 << 20))
     try:
         return torch.stack([eng.prompt_logprobs(row.tolist()) for row in ids])
     finally:
@@ -298,9 +298,9 @@ def test_the_reader_is_not_fooled_by_wrong_padding(tiny_artifacts, tmp_path):
 # ---- the default model (SmolLM2-135M: hidden 576, 9 / 3 heads) --------------------------------------------------------
 
 @pytest.mark.integration
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("scheme", ["bf16", "w8a16", "w4a16", "awq"])
+@pytest.mark.parametrize(("scheme", "tp"), [("bf16", 2), ("w8a16", 2), ("w4a16", 2), ("awq", 2), ("awq", 1)])
 def test_default_model_checkpoint_loads_and_computes_what_llmq_evaluated(request, default_store, scheme, tp):
+    """All four schemes at tp 1 and 2 were run by hand; CI runs tp 2 (heads 9/3 padded to 12/4) and AWQ at tp 1."""
     source = {"bf16": "default_model", "w8a16": "default_int8", "w4a16": "default_int4_per_channel",
               "awq": "default_int4"}[scheme]
     src = request.getfixturevalue(source)

@@ -16,7 +16,8 @@ from .common import echo_json, get_store, human_bytes
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks: 1, 2, 4 or 8.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel stages (only 1 today).")
 @click.option("--target", type=click.Choice(TARGETS), default="llmq", show_default=True,
-              help="llmq: rank shards for the bundled runtime; trtllm: a TensorRT-LLM checkpoint (+ engines).")
+              help="llmq: rank shards for the bundled runtime; trtllm: a TensorRT-LLM checkpoint (+ engines); "
+                   "trtllm-hf: a ModelOpt-style HF checkpoint for TensorRT-LLM's PyTorch backend (trtllm-serve).")
 @click.option("--max-batch-size", type=int, default=64, show_default=True)
 @click.option("--max-seq-len", type=int, default=None, help="Default: the model's positions, at most 4096.")
 @click.option("--kv", type=click.Choice(KV_CHOICES), default="auto", show_default=True,
@@ -50,10 +51,10 @@ def build(ctx, ref, tp, pp, target, max_batch_size, max_seq_len, kv, block_size,
                + (f", padded from {plan['num_heads']} / {plan['num_kv_heads']} to {plan['padded_heads']} / "
                   f"{plan['padded_kv_heads']} heads with zero heads (exact)"
                   if plan["padded_heads"] != plan["num_heads"] else ""))
-    if target == "trtllm":
+    if target in ("trtllm", "trtllm-hf"):
         c = m["compile"]
         click.echo(f"  compile: {c['status']}" + (f" ({c['reason']})" if "reason" in c else "")
-                   + (f"; serve with: {c['serve_command']}" if "serve_command" in c else ""))
+                   + (f"; serve with (in {art.path}): {c['serve_command']}" if "serve_command" in c else ""))
     if "verify" in m:
         click.echo(f"  reference check: max relative error {m['verify']['max_rel_error']:.2e} "
                    f"(tolerance {m['verify']['tolerance']:g}) passed")

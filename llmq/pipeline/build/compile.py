@@ -1,9 +1,10 @@
 """The TensorRT-LLM compile step after the checkpoint is written: one of three outcomes, recorded in the manifest.
 
 - "engine": tensorrt_llm with its TensorRT engine builder and a CUDA GPU: one engine per rank under trtllm/engine/.
-- "pytorch-options": tensorrt_llm with only its PyTorch backend (the builder was removed on its main branch in
-  2026): the options file trtllm-serve / the LLM API take, for the source Hugging Face checkpoint that backend loads.
-- "checkpoint-only": no tensorrt_llm (or no GPU for the builder): the checkpoint alone, and one line saying why.
+- "pytorch-options" (`--target trtllm-hf`): the options file trtllm-serve / the LLM API take, beside the Hugging
+  Face checkpoint TensorRT-LLM's PyTorch backend loads (its engine builder was removed on its main branch in 2026).
+- "checkpoint-only": no tensorrt_llm, no GPU for the builder, or a tensorrt_llm without the builder (then
+  --target trtllm-hf is the way): the checkpoint alone, and one line saying why.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ def _max_num_tokens(engine: dict) -> int:
     return max(engine["max_seq_len"], min(engine["max_batch_size"] * engine["max_seq_len"], 8192))
 
 
-def write_llm_api_options(ckpt: Path, engine: dict, source_dir: Path) -> dict:
-    """Options for `trtllm-serve SOURCE --extra_llm_api_options FILE` / `LLM(SOURCE, **options)`."""
+def write_llm_api_options(ckpt: Path, engine: dict) -> dict:
+    """Options for `trtllm-serve CKPT --extra_llm_api_options FILE` / `LLM(CKPT, **options)`, written beside the
+    Hugging Face checkpoint that TensorRT-LLM's PyTorch backend loads (`--target trtllm-hf`)."""
     options = {"tensor_parallel_size": engine["tp"], "pipeline_parallel_size": engine["pp"],
                "max_batch_size": engine["max_batch_size"], "max_seq_len": engine["max_seq_len"],
                "max_num_tokens": _max_num_tokens(engine),
                "kv_cache_config": {"dtype": engine["kv_cache_dtype"]}}
     (ckpt / OPTIONS_FILE).write_text(yaml.safe_dump(options, sort_keys=True))
-    return {"status": "pytorch-options", "options": f"trtllm/{OPTIONS_FILE}",
-            "serve_command": f"trtllm-serve {source_dir} --extra_llm_api_options trtllm/{OPTIONS_FILE}"}
+    rel = f"{ckpt.name}/{OPTIONS_FILE}"
+    return {"status": "pytorch-options", "options": rel,
+            "serve_command": f"trtllm-serve {ckpt.name} --extra_llm_api_options {rel}"}
 
 
 def build_engines(ckpt: Path, engine: dict) -> dict:
@@ -51,7 +54,7 @@ def build_engines(ckpt: Path, engine: dict) -> dict:
     return {"status": "engine", "engine_dir": "trtllm/engine"}
 
 
-def compile_trtllm(ckpt: Path, engine: dict, source_dir: Path) -> dict:
+def compile_trtllm(ckpt: Path, engine: dict) -> dict:
     try:
         import tensorrt_llm  # noqa: F401
     except ImportError:
@@ -61,7 +64,9 @@ def compile_trtllm(ckpt: Path, engine: dict, source_dir: Path) -> dict:
     try:
         from tensorrt_llm import BuildConfig, build  # noqa: F401  (absent where only the PyTorch backend remains)
     except ImportError:
-        return write_llm_api_options(ckpt, engine, source_dir)
+        return {"status": "checkpoint-only",
+                "reason": "this tensorrt_llm has only its PyTorch backend, which loads Hugging Face checkpoints, "
+                          "not this one: build with --target trtllm-hf"}
     import torch
 
     if not torch.cuda.is_available():

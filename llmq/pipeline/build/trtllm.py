@@ -378,7 +378,7 @@ def write_trtllm(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> 
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return {"ranks": [f"trtllm/rank{r}.safetensors" for r in range(plan.tp)], "trtllm_checkpoint": "trtllm",
             "quantization": cfg["quantization"], "requantized_by_target": algo in REQUANTIZED,
-            "compile": compile_trtllm(out, engine, src.path)}
+            "compile": compile_trtllm(out, engine)}
 
 
 def _unpad(t: torch.Tensor, shape: tuple[int, ...], fill: float, name: str) -> torch.Tensor:

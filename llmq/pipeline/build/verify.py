@@ -9,6 +9,7 @@ of order, a KV head given to the wrong rank, scales cut on the wrong axis) is of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,12 +208,19 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
         target_ranks, _ = trtllm_rank_weights(engine_dir / meta["trtllm_checkpoint"], plan, as_target_computes=True)
         dtype = getattr(torch, cfg["dtype"])
         dense = (lambda lw: reference_dense(lw, dtype))
+    elif meta["target"] == "trtllm-hf":   # one unsharded checkpoint the backend shards itself, heads padded for tp
+        from .trtllm_hf import read_modelopt_checkpoint
+
+        ranks, dense = [read_modelopt_checkpoint(engine_dir / meta["trtllm_hf_checkpoint"])], None
+        plan = dataclasses.replace(plan, tp=1, padded_vocab_size=plan.vocab_size, parallel_embedding=False)
     else:
         raise LlmqError(f"{engine_dir}: unknown engine target {meta['target']!r}")
     with torch.no_grad():
         ref = tp_forward([reference_weights(src, dense)], unsharded_plan(src), src.config, ids)
         out = tp_forward(ranks, plan, src.config, ids)
         target = {}
+        if meta["target"] == "trtllm-hf":   # what the backend computes is what was read: llmq's integers
+            target = {"target_kld": kld_top1(ref, out)["kld_mean"], "target_top1": kld_top1(ref, out)["top1"]}
         if target_ranks is not None:
             evaluated = tp_forward([reference_weights(src)], unsharded_plan(src), src.config, ids)
             deployed = tp_forward(target_ranks, plan, src.config, ids)

@@ -1,0 +1,175 @@
+"""`--target trtllm-hf`: a ModelOpt-style Hugging Face checkpoint for TensorRT-LLM's PyTorch backend (`trtllm-serve`,
+the LLM API), plus the LLM-API options file that points at it.
+
+That backend shards an unsharded Hugging Face checkpoint itself and reads quantization from `hf_quant_config.json`
+(`_torch/model_config.py`); its compressed-tensors support covers none of llmq's weight-only schemes, so llmq
+translates. What its linear methods load (`_torch/modules/linear.py`), per layer:
+- W8A16 (`WeightOnlyQuantLinearMethod`): `weight` int8 [out, in] = llmq's integers, `weight_scale` [out]; W4A16 the
+  same with two rows per byte ([out/2, in], row 2j in the low nibble). Dequantization is q * scale, so symmetric
+  per-channel integers arrive unchanged.
+- W4A16_AWQ (`W4A16_AWQ_LinearMethod`): `weight` int8 [out/2, in], `weight_scale` [out, in/group]; its un-fused
+  layers (o_proj, down_proj) read `pre_quant_scale` [in] unconditionally, written as ones (llmq folds nothing into
+  the activations). The kernel is called without zero points: asymmetric weights cannot be represented.
+- FP8 KV cache: scalar `k_scale` / `v_scale` per attention layer, `kv_cache_quant_algo` FP8. An INT8 KV cache is
+  not something this backend loads (`kv_cache_config.dtype: int8` is ignored), so it is refused.
+Heads are padded for the tensor-parallel size with zero heads (the backend asserts heads % tp == 0); the padded
+checkpoint is an ordinary Hugging Face model with more heads that computes exactly what the source computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from ...errors import LlmqError
+from ...models.checkpoint import copy_tokenizer, save_state_dict, write_json
+from .plan import ShardPlan, _rows
+from .shard import LinearWeights, split_cols, split_rows
+from .source import ATTN, MLP, SourceModel, layer_prefix
+from .trtllm import pack_int4_rows, unpack_int4_rows
+
+DIR = "trtllm-hf"
+MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field set this writer follows
+UNFUSED = ("o_proj", "down_proj")   # the AWQ layers whose loader reads pre_quant_scale unconditionally
+
+
+def modelopt_algo(qw) -> str:
+    """The hf_quant_config quant_algo of one llmq quantized weight, or an LlmqError with the way out."""
+    if qw.q.dtype.is_floating_point or qw.input_scale is not None or qw.dynamic:
+        raise LlmqError(f"{qw.scheme} weights are not written for TensorRT-LLM's PyTorch backend by llmq yet; "
+                        "use --target llmq (or quantize to INT4 / INT8 weight-only)")
+    if not qw.symmetric:
+        raise LlmqError("asymmetric weights: TensorRT-LLM's PyTorch backend runs INT4 groups without zero points; "
+                        "re-quantize with --symmetric, or use --target trtllm (its W4A16_AWQ takes zero points)")
+    if qw.group_size is None:
+        return "W8A16" if qw.bits == 8 else "W4A16"
+    if qw.bits == 4 and qw.group_size in (64, 128):
+        return "W4A16_AWQ"
+    raise LlmqError(f"INT{qw.bits} in groups of {qw.group_size} has no TensorRT-LLM PyTorch-backend layout "
+                    "(INT4 groups of 64 or 128, or INT8/INT4 per channel); re-quantize with one of those")
+
+
+def _full_rows(plan: ShardPlan, which: str) -> torch.Tensor:
+    """Rows of the padded, unsharded q (or k/v) projection: real heads first, then zero heads."""
+    if which == "q":
+        return torch.cat([plan.q_rows(r) for r in range(plan.tp)])
+    return _rows([k if k < plan.num_kv_heads else None for k in range(plan.padded_kv_heads)], plan.head_dim)
+
+
+def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype) -> tuple[dict, str | None]:
+    """The HF tensors of one linear and its algorithm (None: dense)."""
+    out = {f"{name}.bias": lw.bias.to(dtype)} if lw.bias is not None else {}
+    if lw.qw is None:
+        return out | {f"{name}.weight": lw.weight.to(dtype)}, None
+    qw, algo = lw.qw, modelopt_algo(lw.qw)
+    q = qw.q.to(torch.int8)
+    out[f"{name}.weight"] = q if algo == "W8A16" else pack_int4_rows(q)
+    out[f"{name}.weight_scale"] = (qw.scale.reshape(-1) if algo != "W4A16_AWQ" else qw.scale).to(dtype)
+    if algo == "W4A16_AWQ" and name.endswith(UNFUSED):
+        out[f"{name}.pre_quant_scale"] = torch.ones(q.shape[1], dtype=dtype)
+    return out, algo
+
+
+def hf_quant_config(algos: set[str], group_size: int | None, kv_algo: str | None, dense: list[str]) -> dict:
+    if len(algos) > 1:
+        raise LlmqError(f"layers use different schemes {sorted(algos)}; an hf_quant_config.json has one quant_algo")
+    q = {"quant_algo": next(iter(algos), None), "kv_cache_quant_algo": kv_algo, "exclude_modules": sorted(dense)}
+    if q["quant_algo"] == "W4A16_AWQ":
+        q |= {"group_size": group_size, "has_zero_point": False, "pre_quant_scale": True}
+    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": q}
+
+
+def write_trtllm_hf(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> dict:
+    """Write the padded Hugging Face checkpoint, hf_quant_config.json and the LLM-API options under `out`."""
+    from .compile import write_llm_api_options
+
+    dtype = getattr(torch, engine["dtype"])
+    kv = engine["kv_cache_dtype"]
+    if kv == "int8":
+        raise LlmqError("an INT8 KV cache is not loaded by TensorRT-LLM's PyTorch backend (it ignores "
+                        "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`, or use --target trtllm")
+    q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
+    state, algos, groups, dense = {}, set(), set(), []
+    for i in range(src.spec.num_layers):
+        p = layer_prefix(i)
+        lin = {n: src.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: src.linear(f"{p}.mlp.{n}") for n in MLP}
+        lin |= {"q_proj": split_rows(lin["q_proj"], q_rows), "k_proj": split_rows(lin["k_proj"], kv_rows),
+                "v_proj": split_rows(lin["v_proj"], kv_rows), "o_proj": split_cols(lin["o_proj"], q_rows)}
+        for n, lw in lin.items():
+            name = f"{p}.{'self_attn' if n in ATTN else 'mlp'}.{n}"
+            tensors, algo = _linear_tensors(name, lw, dtype)
+            state |= tensors
+            if algo is None:
+                dense.append(name)
+            else:
+                algos.add(algo)
+                groups.add(lw.qw.group_size)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"{p}.{norm}.weight"] = src.tensor(f"{p}.{norm}.weight").to(dtype)
+        scales = src.kv_scales(i)
+        if scales is not None and kv == "fp8":
+            if any(s.numel() != 1 for s in scales):
+                raise LlmqError("per-head FP8 KV scales: TensorRT-LLM's PyTorch backend takes one k_scale / v_scale "
+                                "per layer; re-run `llmq quantize-kv --kv fp8` with per-tensor scales")
+            state[f"{p}.self_attn.k_scale"], state[f"{p}.self_attn.v_scale"] = (s.float().reshape(()) for s in scales)
+    state["model.embed_tokens.weight"] = src.tensor("model.embed_tokens.weight").to(dtype)
+    state["model.norm.weight"] = src.tensor("model.norm.weight").to(dtype)
+    head = src.lm_head()
+    if head.qw is not None:
+        head = LinearWeights("lm_head", weight=head.dense(torch.float32))
+    state["lm_head.weight"] = head.weight.to(dtype)
+    if not algos and kv != "fp8":
+        dense = []
+    qcfg = hf_quant_config(algos, groups.pop() if len(groups) == 1 else None, "FP8" if kv == "fp8" else None,
+                           [*dense, "lm_head"]) if (algos or kv == "fp8") else None
+    cfg = copy.deepcopy(src.config)
+    cfg.pop("quantization_config", None)   # the backend would read it before noticing hf_quant_config.json is ours
+    cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
+               head_dim=plan.head_dim, tie_word_embeddings=False, torch_dtype=engine["dtype"])
+    out.mkdir(parents=True)
+    save_state_dict(state, out)
+    write_json(out / "config.json", cfg)
+    if qcfg is not None:
+        write_json(out / "hf_quant_config.json", qcfg)
+    copy_tokenizer(src.path, out)
+    return {"trtllm_hf_checkpoint": DIR, "hf_quant_config": qcfg, "compile": write_llm_api_options(out, engine)}
+
+
+def read_modelopt_checkpoint(path: Path):
+    """The checkpoint as TensorRT-LLM's PyTorch backend computes with it, one rank of float32 weights (q * scale
+    per channel or group, pre_quant_scale folded into the input columns), for the reference check."""
+    from ...models.checkpoint import safetensors_files
+    from ...models.reader import LazyTensors
+    from .verify import Lin, RankWeights
+
+    st = LazyTensors(safetensors_files(path))
+    qfile = path / "hf_quant_config.json"
+    q = json.loads(qfile.read_text())["quantization"] if qfile.is_file() else {}
+    algo, cfg = q.get("quant_algo"), json.loads((path / "config.json").read_text())
+
+    def lin(name: str) -> Lin:
+        w = st[f"{name}.weight"]
+        bias = st[f"{name}.bias"].float() if f"{name}.bias" in st else None
+        if w.dtype != torch.int8:
+            return Lin(w.float(), bias)
+        scale = st[f"{name}.weight_scale"].float()
+        ints = (w if algo == "W8A16" else unpack_int4_rows(w)).float()
+        if algo == "W4A16_AWQ":
+            w = ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], dim=1)
+            if f"{name}.pre_quant_scale" in st:
+                w = w * st[f"{name}.pre_quant_scale"].float()[None, :]
+            return Lin(w, bias)
+        return Lin(ints * scale[:, None], bias)
+
+    layers, norms, kv = [], [], []
+    for i in range(cfg["num_hidden_layers"]):
+        p = layer_prefix(i)
+        layers.append({n: lin(f"{p}.self_attn.{n}") for n in ATTN} | {n: lin(f"{p}.mlp.{n}") for n in MLP})
+        norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_attention_layernorm.weight"].float()))
+        kv.append((st[f"{p}.self_attn.k_scale"], st[f"{p}.self_attn.v_scale"]) if f"{p}.self_attn.k_scale" in st
+                  else None)
+    return RankWeights(embed=st["model.embed_tokens.weight"].float(), layers=layers, norms=norms,
+                       final_norm=st["model.norm.weight"].float(), lm_head=lin("lm_head").weight, kv_scales=kv)
