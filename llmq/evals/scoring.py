@@ -111,7 +111,7 @@ def score_paged(engine, items: Seq[ScoreItem], progress: Callable[[int], None] |
                 left -= n
             chunks.sort(key=lambda c: c[1] != 1)
             step = prepare_step([a.seq for a, _ in chunks], [n for _, n in chunks], bs, fresh_prefill_direct=direct,
-                                all_logits=True)
+                                all_logits=True, window=engine.spec.sliding_window)
             wanted, targets, owners, q0 = [], [], [], 0
             for a, n in chunks:
                 st, toks = a.seq.num_computed_tokens, a.item.tokens

@@ -1,4 +1,9 @@
-"""The architecture description every stage reads, derived from a Hugging Face config.json."""
+"""The architecture description every stage reads, derived from a Hugging Face config.json.
+
+A config field whose value would make llmq's runtime compute something other than transformers' forward is refused
+here with one clear error, never ignored: every field of the supported configs is listed below as implemented,
+inert at inference, or refused for the values the runtime does not implement.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,90 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+
+# Config fields (of transformers' LlamaConfig / MistralConfig / Qwen2Config) the runtime computes with, for every value.
+IMPLEMENTED = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "dtype",
+    "attention_bias", "mlp_bias",  # the runtime adds whatever biases the checkpoint holds
+    "use_sliding_window", "max_window_layers",  # Qwen2: transformers turns them into layer_types, checked below
+})
+
+# Fields that do not change the logits of an inference forward, with the reason.
+INERT = {
+    "transformers_version": "metadata", "_name_or_path": "metadata",
+    "output_hidden_states": "outputs", "output_attentions": "outputs", "return_dict": "outputs", "use_cache": "outputs",
+    "id2label": "classification", "label2id": "classification", "problem_type": "classification",
+    "initializer_range": "training", "attention_dropout": "training", "pad_token_id": "training",
+    "bos_token_id": "generation", "eos_token_id": "generation",
+    "is_encoder_decoder": "unused", "chunk_size_feed_forward": "unused",
+    "pretraining_tp": "numerics",  # slices the same matmuls in transformers 4; transformers 5 ignores it
+}
+
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # fixed frequencies, which the runtime tabulates once
+
+
+def _window(hf_config) -> int | None:
+    """The one attention window all layers use (None: full). Qwen2 slides only the layers its layer_types mark."""
+    if hf_config.model_type == "llama":
+        return None
+    if hf_config.model_type == "qwen2" and "sliding_attention" not in (hf_config.layer_types or ()):
+        return None
+    return hf_config.sliding_window
+
+
+def _layer_types_unsupported(c) -> bool:
+    types = set(getattr(c, "layer_types", None) or ())
+    return bool(types) and types != {"sliding_attention" if _window(c) is not None else "full_attention"}
+
+
+def _rope_unsupported(c) -> bool:
+    rope = c.rope_parameters or {}
+    return rope.get("rope_type", "default") not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0
+
+
+def _window_unsupported(c) -> bool:
+    w = _window(c)
+    return w is not None and (not isinstance(w, int) or w < 1)
+
+
+# Fields the runtime implements for some values only: field -> (refuse(config), why).
+REFUSED = {
+    "architectures": (lambda c: any(not a.endswith("ForCausalLM") for a in c.architectures or ()),
+                      "llmq runs causal language models only"),
+    "hidden_act": (lambda c: c.hidden_act not in ("silu", "swish"), "the runtime's MLP is SwiGLU (silu)"),
+    "rope_parameters": (_rope_unsupported, f"the runtime's rotary supports rope_type {', '.join(ROPE_TYPES)} over "
+                                           "the whole head"),
+    "layer_types": (_layer_types_unsupported, "the runtime applies one attention window to every layer"),
+    "sliding_window": (_window_unsupported, "a window must be a positive number of tokens"),
+}
+
+
+def attends(q_pos, kv_pos, window: int | None):
+    """Whether a query at q_pos sees the key at kv_pos (broadcasting tensors): causal and, with a window, only the
+    last `window` positions including its own, as transformers' masking_utils.sliding_window_overlay draws it."""
+    seen = kv_pos <= q_pos
+    return seen & (kv_pos > q_pos - window) if window is not None else seen
+
+
+def _checked_hf_config(config: dict):
+    """transformers' config object for `config`, after refusing any field whose value the runtime would not compute
+    as transformers does."""
+    from transformers import AutoConfig
+
+    model_type = config["model_type"]
+    try:
+        hf = AutoConfig.for_model(model_type, **{k: v for k, v in config.items()
+                                                 if k not in ("model_type", "quantization_config")})
+    except Exception as e:  # transformers' strict validation raises its own error types
+        reason = str(e).splitlines()[-1].strip()
+        raise LlmqError(f"config.json of this {model_type} model is invalid: {reason}") from None
+    for name, (unsupported, why) in REFUSED.items():
+        if unsupported(hf):
+            value = getattr(hf, name)
+            shown = sorted(set(value)) if isinstance(value, list) else value
+            raise LlmqError(f"{model_type} config field {name}={shown!r} is not supported: {why}")
+    return hf
 
 
 @dataclass(frozen=True)
@@ -51,6 +140,7 @@ class ModelSpec:
             arch = (config.get("architectures") or [model_type])[0]
             raise LlmqError(f"unsupported architecture {arch!r} (model_type {model_type!r}); llmq supports: "
                             + ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items()))
+        hf = _checked_hf_config(config)
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -72,7 +162,7 @@ class ModelSpec:
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+                sliding_window=_window(hf),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LlmqError(f"config.json of this {model_type} model is missing or has a bad field: {e}") from None

@@ -273,7 +273,7 @@ class LLMEngine:
         if not len(batch):
             return []
         step = prepare_step(batch.seqs, batch.num_new_tokens, self.block_size,
-                            fresh_prefill_direct=self.kv_cache_dtype == "auto")
+                            fresh_prefill_direct=self.kv_cache_dtype == "auto", window=self.spec.sliding_window)
         logits = self._forward(step)
         samplers = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -369,7 +369,7 @@ class LLMEngine:
             while seq.num_computed_tokens < len(ids):
                 n = min(budget, len(ids) - seq.num_computed_tokens)
                 step = prepare_step([seq], [n], self.block_size, fresh_prefill_direct=self.kv_cache_dtype == "auto",
-                                    all_logits=True)
+                                    all_logits=True, window=self.spec.sliding_window)
                 out.append(self._forward(step).log_softmax(-1))
                 seq.num_computed_tokens += n
         finally:

@@ -14,6 +14,7 @@ import torch
 from ..errors import LlmqError
 from ..models import ModelSpec
 from ..models.reader import ATTN, MLP
+from ..models.spec import attends
 from .distributed import TPContext
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
@@ -177,11 +178,12 @@ class ModelRunner:
 
 
 def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct: bool,
-                 all_logits: bool = False) -> StepInput:
+                 all_logits: bool = False, *, window: int | None) -> StepInput:
     """The flat token batch and attention metadata of one step, on CPU.
 
     Single-token entries must come first. Logits are produced for the last token of every sequence whose
-    computed tokens reach its end (it samples), or for every token when all_logits is set.
+    computed tokens reach its end (it samples), or for every token when all_logits is set. `window` is the model's
+    sliding attention window (ModelSpec.sliding_window), which every mask applies.
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -201,22 +203,23 @@ def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct
     while bd < len(seqs) and num_new[bd] == 1:
         bd += 1
     if bd:
-        ctx = torch.tensor([starts[i] + 1 for i in range(bd)], dtype=torch.long)
-        nblk = int((ctx.max() + block_size - 1) // block_size)
+        last = torch.tensor(starts[:bd], dtype=torch.long)  # each decode's query position
+        nblk = int(last.max()) // block_size + 1
         meta.num_decode = bd
         meta.decode_blocks = bt[:bd, :nblk].contiguous()
-        meta.decode_mask = (torch.arange(nblk * block_size)[None, :] < ctx[:, None]).view(bd, 1, 1, -1)
+        meta.decode_mask = attends(last[:, None], torch.arange(nblk * block_size)[None, :], window).view(bd, 1, 1, -1)
     ends = torch.cumsum(counts, 0).tolist()
     q_start = bd
     for i in range(bd, len(seqs)):
         st, n = starts[i], num_new[i]
-        if st == 0 and fresh_prefill_direct:
-            meta.prefills.append(PrefillChunk(q_start, n, None, None))
+        ctx = st + n
+        rows, cols = torch.arange(st, ctx)[:, None], torch.arange(ctx)[None, :]
+        if st == 0 and fresh_prefill_direct:  # its own fresh K/V: SDPA's is_causal, unless the window cuts in
+            mask = attends(rows, cols, window) if window is not None and n > window else None
+            meta.prefills.append(PrefillChunk(q_start, n, None, mask))
         else:
-            ctx = st + n
             nblk = -(-ctx // block_size)
-            mask = torch.arange(ctx)[None, :] <= (st + torch.arange(n))[:, None]
-            meta.prefills.append(PrefillChunk(q_start, n, bt[i:i + 1, :nblk].contiguous(), mask))
+            meta.prefills.append(PrefillChunk(q_start, n, bt[i:i + 1, :nblk].contiguous(), attends(rows, cols, window)))
         q_start += n
     if all_logits:
         logits_idx = torch.arange(len(ids))

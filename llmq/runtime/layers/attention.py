@@ -3,7 +3,8 @@
 The runner describes a step once (AttentionMetadata) and every layer reuses it: new K/V are written to their slots;
 single-token queries (decodes) are batched into one SDPA call over their gathered blocks with a length mask;
 each multi-token chunk (prefill) attends causally to its sequence's cached prefix plus itself. A prefill with no
-cached prefix and an unquantized cache attends to its own fresh K/V directly, which gives identical values.
+cached prefix and an unquantized cache attends to its own fresh K/V directly, which gives identical values. The
+runner draws every mask with models.spec.attends, which also applies a model's sliding window.
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""Every config field of the supported architectures is implemented by the runtime, inert at inference, or refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from llmq.errors import LlmqError
+from llmq.models import ModelSpec
+from llmq.models.spec import IMPLEMENTED, INERT, REFUSED
+
+CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def config(model_type: str, **overrides) -> dict:
+    return CLASSES[model_type](**TINY | overrides).to_dict()
+
+
+def test_lists_cover_exactly_the_fields_of_the_supported_configs():
+    fields = set().union(*(set(cls().to_dict()) for cls in CLASSES.values()))
+    unclassified = fields - IMPLEMENTED - set(INERT) - set(REFUSED)
+    assert not unclassified, f"classify these config fields in llmq/models/spec.py: {sorted(unclassified)}"
+    assert not (IMPLEMENTED | set(INERT) | set(REFUSED)) - fields, "stale entries"
+    assert not (IMPLEMENTED & set(INERT)) and not (IMPLEMENTED & set(REFUSED)) and not (set(INERT) & set(REFUSED))
+    assert all(reason.isalpha() for reason in INERT.values())
+
+
+@pytest.mark.parametrize("model_type,overrides,field", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("qwen2", {"hidden_act": "relu"}, "hidden_act"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters"),
+    ("mistral", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                     "long_factor": [2.0] * 8, "original_max_position_embeddings": 256}},
+     "rope_parameters"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "rope_parameters"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "layer_types"),
+    ("qwen2", {"layer_types": ["sliding_attention", "sliding_attention"]}, "layer_types"),  # no window to slide
+    ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("llama", {"layer_types": ["sliding_attention", "sliding_attention"]}, "layer_types"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+])
+def test_unimplemented_values_are_refused_naming_the_field(model_type, overrides, field):
+    with pytest.raises(LlmqError, match=rf"^{model_type} config field {field}=\S.* is not supported: [^\n]+$"):
+        ModelSpec.from_config(config(model_type, **overrides))
+
+
+@pytest.mark.parametrize("model_type,overrides,window", [
+    ("llama", {}, None),
+    ("llama", {"attention_dropout": 0.1, "pretraining_tp": 2, "hidden_act": "swish", "mlp_bias": True}, None),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, None),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, None),
+    ("mistral", {}, 4096),  # transformers' default window
+    ("mistral", {"sliding_window": 16}, 16),
+    ("mistral", {"sliding_window": None}, None),
+    ("qwen2", {}, None),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),  # no layer slides
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
+])
+def test_implemented_values_are_accepted_with_transformers_window(model_type, overrides, window):
+    assert ModelSpec.from_config(config(model_type, **overrides)).sliding_window == window
+
+
+@pytest.mark.parametrize("cls", CLASSES.values())
+def test_transformers_default_configs_are_accepted(cls):
+    ModelSpec.from_config(cls().to_dict())
+
+
+def test_attention_and_mlp_biases_are_computed(tmp_path, make_tiny_model):
+    """attention_bias and mlp_bias are in IMPLEMENTED because the runtime adds the checkpoint's biases."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    d = make_tiny_model(tmp_path / "m", attention_bias=True, mlp_bias=True)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(d)
+    ids = list(range(40, 80))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    got = LLMEngine(d, EngineConfig(max_num_batched_tokens=16, block_size=8)).prompt_logprobs(ids)
+    assert float((ref.exp() * (ref - got)).sum(-1).mean()) <= 1e-5

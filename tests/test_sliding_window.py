@@ -1,0 +1,110 @@
+"""Sliding-window attention (Mistral, Qwen2 with use_sliding_window) against transformers, past the window."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import llmq.runtime.engine as engine_mod
+from llmq.models.spec import attends
+from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
+
+WINDOW = 16
+
+
+def kld_top1(ref_logits: torch.Tensor, got_logprobs: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(ref || got) and top-1 agreement over rows of next-token distributions."""
+    ref = ref_logits.float().log_softmax(-1)
+    kl = (ref.exp() * (ref - got_logprobs)).sum(-1)
+    return float(kl.mean()), float((ref.argmax(-1) == got_logprobs.argmax(-1)).float().mean())
+
+
+def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def test_window_convention_is_transformers():
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    seen = sliding_window_causal_mask_function(WINDOW)
+    want = seen(0, 0, torch.arange(40)[:, None], torch.arange(40)[None, :])
+    assert torch.equal(attends(torch.arange(40)[:, None], torch.arange(40)[None, :], WINDOW), want)
+    assert want[20].sum() == WINDOW  # the query's own position and the WINDOW - 1 before it
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    from tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("swa") / "mistral", seed=5, model_type="mistral",
+                           sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("budget", [128, 24, 5])  # one fresh prefill; chunks over a cached prefix; chunks < window
+def test_prefill_past_the_window_matches_transformers(mistral, budget):
+    ids = rand_ids(70, seed=7)
+    eng = LLMEngine(mistral, EngineConfig(max_num_batched_tokens=budget, block_size=8))
+    kld, top1 = kld_top1(hf_logits(mistral, ids), eng.prompt_logprobs(ids))
+    assert kld <= 1e-5 and top1 == 1.0, (kld, top1)
+
+
+def test_qwen2_all_layers_sliding_matches_transformers(tmp_path, make_tiny_model):
+    d = make_tiny_model(tmp_path / "q", seed=6, model_type="qwen2", use_sliding_window=True, sliding_window=WINDOW,
+                        max_window_layers=0)
+    ids = rand_ids(50, seed=8)
+    eng = LLMEngine(d, EngineConfig(max_num_batched_tokens=20, block_size=8))
+    kld, top1 = kld_top1(hf_logits(d, ids), eng.prompt_logprobs(ids))
+    assert kld <= 1e-5 and top1 == 1.0, (kld, top1)
+
+
+def test_decode_and_mixed_batches_past_the_window_match_transformers(mistral, monkeypatch):
+    """Every logits row the engine samples from (decodes alone, decodes beside prefill chunks) vs transformers."""
+    rows: list[tuple[str, int, str]] = []  # (request, position of the last context token, kind of step)
+    got: list[torch.Tensor] = []
+    real_prepare = engine_mod.prepare_step
+
+    def recording_prepare(seqs, num_new, *args, **kw):
+        kind = "decode" if all(n == 1 for n in num_new) else "mixed" if 1 in num_new else "prefill"
+        rows.extend((s.request_id, s.num_tokens - 1, kind) for s, n in zip(seqs, num_new)
+                    if s.num_computed_tokens + n == s.num_tokens)
+        return real_prepare(seqs, num_new, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "prepare_step", recording_prepare)
+    eng = LLMEngine(mistral, EngineConfig(max_num_batched_tokens=24, max_num_seqs=4, block_size=8))
+    real_forward = eng._forward
+    eng._forward = lambda step: got.append(real_forward(step)) or got[-1]
+    prompts = {"a": rand_ids(5, 1), "b": rand_ids(40, 2), "c": rand_ids(3, 3), "d": rand_ids(70, 4)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    outputs = {}
+    while eng.has_unfinished():
+        outputs.update((o.request_id, o.output_token_ids) for o in eng.step())
+    full = {rid: prompts[rid] + outputs[rid] for rid in prompts}
+    ref = {rid: hf_logits(mistral, ids) for rid, ids in full.items()}
+    ref_rows = torch.stack([ref[rid][pos] for rid, pos, _ in rows])
+    got_rows = torch.cat(got).log_softmax(-1)
+    assert {k for _, p, k in rows if p >= WINDOW} == {"decode", "mixed"}
+    kld, top1 = kld_top1(ref_rows, got_rows)
+    assert kld <= 1e-5 and top1 == 1.0, (kld, top1)
+
+
+def test_eval_scoring_applies_the_window(mistral):
+    from llmq.evals.scoring import ScoreItem, score_paged
+
+    items = [ScoreItem(rand_ids(60, 9), 20), ScoreItem(rand_ids(45, 10), 5), ScoreItem(rand_ids(3, 11), 1)]
+    eng = LLMEngine(mistral, EngineConfig(max_num_batched_tokens=24, block_size=8))
+    for item, score in zip(items, score_paged(eng, items)):
+        lsm = hf_logits(mistral, item.tokens).log_softmax(-1)[item.start - 1:-1]
+        want = float(lsm.gather(1, torch.tensor(item.tokens[item.start:])[:, None]).sum())
+        assert score.logprob == pytest.approx(want, abs=1e-4)
