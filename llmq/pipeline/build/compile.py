@@ -23,13 +23,14 @@ def _max_num_tokens(engine: dict) -> int:
     return max(engine["max_seq_len"], min(engine["max_batch_size"] * engine["max_seq_len"], 8192))
 
 
-def write_llm_api_options(ckpt: Path, engine: dict) -> dict:
+def write_llm_api_options(ckpt: Path, engine: dict, attention_window: int | None = None) -> dict:
     """Options for `trtllm-serve CKPT --extra_llm_api_options FILE` / `LLM(CKPT, **options)`, written beside the
-    Hugging Face checkpoint that TensorRT-LLM's PyTorch backend loads (`--target trtllm-hf`)."""
+    Hugging Face checkpoint that TensorRT-LLM's PyTorch backend loads (`--target trtllm-hf`). A sliding-window model
+    gets its window as `kv_cache_config.max_attention_window` (TensorRT-LLM sets windows at run time)."""
+    kv = {"dtype": engine["kv_cache_dtype"]} | ({"max_attention_window": [attention_window]} if attention_window else {})
     options = {"tensor_parallel_size": engine["tp"], "pipeline_parallel_size": engine["pp"],
                "max_batch_size": engine["max_batch_size"], "max_seq_len": engine["max_seq_len"],
-               "max_num_tokens": _max_num_tokens(engine),
-               "kv_cache_config": {"dtype": engine["kv_cache_dtype"]}}
+               "max_num_tokens": _max_num_tokens(engine), "kv_cache_config": kv}
     (ckpt / OPTIONS_FILE).write_text(yaml.safe_dump(options, sort_keys=True))
     rel = f"{ckpt.name}/{OPTIONS_FILE}"
     return {"status": "pytorch-options", "options": rel,

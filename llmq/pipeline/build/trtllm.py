@@ -280,7 +280,8 @@ def trtllm_config(src: SourceModel, plan: ShardPlan, algo: str | None, qfields: 
                          "has_zero_point": qfields.get("has_zero_point", False), "pre_quant_scale": False,
                          "exclude_modules": exclude},
         "use_parallel_embedding": plan.parallel_embedding, "embedding_sharding_dim": 0,
-        "attn_bias": s.attention_bias, "mlp_bias": False, "tie_word_embeddings": False,
+        "attn_bias": s.attention_bias, "mlp_bias": bool(src.config.get("mlp_bias", False)),
+        "tie_word_embeddings": False,
     }
     if s.model_type == "qwen2":
         cfg["qwen_type"] = "qwen2"
@@ -341,6 +342,10 @@ def write_trtllm(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> 
     """Write the checkpoint under `out`, run the compile step; returns the engine.json fields for this target."""
     from .compile import compile_trtllm
 
+    if src.spec.sliding_window is not None and src.spec.sliding_window < engine["max_seq_len"]:
+        raise LlmqError(f"this model attends over a sliding window of {src.spec.sliding_window} tokens, which a "
+                        "TensorRT-LLM checkpoint cannot carry (it is a run-time setting there); use --target trtllm-hf, "
+                        "whose LLM-API options set max_attention_window")
     dtype_name = engine["dtype"]
     dtype = _DTYPES.get(dtype_name)
     if dtype is None:

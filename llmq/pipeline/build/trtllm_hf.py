@@ -135,7 +135,10 @@ def write_trtllm_hf(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) 
     if qcfg is not None:
         write_json(out / "hf_quant_config.json", qcfg)
     copy_tokenizer(src.path, out)
-    return {"trtllm_hf_checkpoint": DIR, "hf_quant_config": qcfg, "compile": write_llm_api_options(out, engine)}
+    window = src.spec.sliding_window if (src.spec.sliding_window or engine["max_seq_len"]) < engine["max_seq_len"] \
+        else None
+    return {"trtllm_hf_checkpoint": DIR, "hf_quant_config": qcfg,
+            "compile": write_llm_api_options(out, engine, attention_window=window)}
 
 
 def read_modelopt_checkpoint(path: Path):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import LlmqError
+from ...models.spec import ModelSpec, attends
 from .plan import ShardPlan
 from .source import ATTN, MLP, SourceModel, layer_prefix
 
@@ -114,6 +115,8 @@ def tp_forward(ranks: list[RankWeights], plan: ShardPlan, hf_config: dict, input
         x = ranks[0].embed[input_ids]
     positions = torch.arange(t)[None].expand(b, t)
     cos, sin = _rope(hf_config, d, positions)  # [b, t, d]
+    pos = torch.arange(t)
+    mask = attends(pos[:, None], pos[None, :], ModelSpec.from_config(hf_config).sliding_window)
     for i in range(len(ranks[0].layers)):
         attn_sum = 0.0
         for rk in ranks:
@@ -124,7 +127,7 @@ def tp_forward(ranks: list[RankWeights], plan: ShardPlan, hf_config: dict, input
             v = _linear(h, lay["v_proj"]).view(b, t, hkv, d)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)
+                                               attn_mask=mask, enable_gqa=True)
             attn_sum = attn_sum + o.transpose(1, 2).reshape(b, t, hq * d) @ lay["o_proj"].weight.T
         o_bias = ranks[0].layers[i]["o_proj"].bias
         x = x + attn_sum + (o_bias if o_bias is not None else 0.0)

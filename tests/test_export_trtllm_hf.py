@@ -1,0 +1,179 @@
+"""`llmq build --target trtllm-hf`: what TensorRT-LLM's PyTorch backend loads, as data, and an independent reader.
+
+tensorrt_llm cannot be installed here, so this is a contract written from that backend's loader code (not copied):
+`_torch/model_config.py` reads `hf_quant_config.json`'s "quantization" section; `_torch/modules/linear.py`'s
+WeightOnlyQuantLinearMethod takes `weight` int8 [out, in] (INT4: [out/2, in], two rows a byte) and
+`weight_scale` [out] and computes q * scale; W4A16_AWQ_LinearMethod takes `weight` int8 [out/2, in] and
+`weight_scale` [out, in/group], reads `pre_quant_scale` for its un-fused layers unconditionally, and runs without
+zero points; `load_weight_shard` splits row-parallel tensors along their last dimension, and heads must divide tp.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from llmq.errors import LlmqError
+from llmq.models import resolve_model
+from llmq.pipeline.build import BuildOptions, build_engine
+from llmq.pipeline.quantize import QuantizeOptions, quantize
+from llmq.pipeline.quantize.probe import kld_top1
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def check_loads(ckpt: Path, tp: int) -> dict:
+    """Every linear holds exactly the tensors its linear method declares, at shapes that shard over tp."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    assert cfg["num_attention_heads"] % tp == 0 and cfg["intermediate_size"] % tp == 0
+    assert cfg["num_key_value_heads"] % tp == 0 or tp % cfg["num_key_value_heads"] == 0
+    qfile = ckpt / "hf_quant_config.json"
+    q = json.loads(qfile.read_text())["quantization"] if qfile.is_file() else {"quant_algo": None}
+    algo = q["quant_algo"]
+    assert algo in (None, "W8A16", "W4A16", "W4A16_AWQ")
+    if algo == "W4A16_AWQ":
+        assert q["has_zero_point"] is False and q["pre_quant_scale"] is True and q["group_size"] in (64, 128)
+    st = {}
+    for f in ckpt.glob("*.safetensors"):
+        st |= load_file(str(f))
+    d = cfg["head_dim"]
+    dims = {"self_attn.q_proj": (cfg["num_attention_heads"] * d, cfg["hidden_size"]),
+            "self_attn.k_proj": (cfg["num_key_value_heads"] * d, cfg["hidden_size"]),
+            "self_attn.v_proj": (cfg["num_key_value_heads"] * d, cfg["hidden_size"]),
+            "self_attn.o_proj": (cfg["hidden_size"], cfg["num_attention_heads"] * d),
+            "mlp.gate_proj": (cfg["intermediate_size"], cfg["hidden_size"]),
+            "mlp.up_proj": (cfg["intermediate_size"], cfg["hidden_size"]),
+            "mlp.down_proj": (cfg["hidden_size"], cfg["intermediate_size"])}
+    for i in range(cfg["num_hidden_layers"]):
+        for lin, (out, inn) in dims.items():
+            name = f"model.layers.{i}.{lin}"
+            w = st[f"{name}.weight"]
+            if algo is None or name in q["exclude_modules"]:
+                assert w.dtype.is_floating_point and tuple(w.shape) == (out, inn), name
+                continue
+            assert w.dtype == torch.int8, name
+            s = st[f"{name}.weight_scale"]
+            if algo == "W8A16":
+                assert tuple(w.shape) == (out, inn) and tuple(s.shape) == (out,), name
+            elif algo == "W4A16":
+                assert tuple(w.shape) == (out // 2, inn) and tuple(s.shape) == (out,), name
+            else:
+                g = q["group_size"]
+                assert tuple(w.shape) == (out // 2, inn) and tuple(s.shape) == (out, inn // g), name
+                if lin.endswith(ROW_PARALLEL):
+                    assert torch.equal(st[f"{name}.pre_quant_scale"].float(), torch.ones(inn)), name
+                    assert (inn // g) % tp == 0, f"{name}: its scale columns do not split over {tp} ranks"
+        if q.get("kv_cache_quant_algo") == "FP8":
+            for n in ("k_scale", "v_scale"):
+                assert st[f"model.layers.{i}.self_attn.{n}"].numel() == 1
+    return cfg
+
+
+def _dequant(st: dict, name: str, q: dict) -> torch.Tensor:
+    w = st[f"{name}.weight"]
+    if w.dtype != torch.int8:
+        return w.float()
+    if q["quant_algo"] != "W8A16":
+        b = w.view(torch.uint8).to(torch.int16)
+        w = torch.stack([b & 0xF, b >> 4], 1).reshape(-1, w.shape[1])
+        w = torch.where(w > 7, w - 16, w)
+    s = st[f"{name}.weight_scale"].float()
+    if s.dim() == 1:
+        return w.float() * s[:, None]
+    w = w.float() * s.repeat_interleave(w.shape[1] // s.shape[1], 1)
+    pre = st.get(f"{name}.pre_quant_scale")
+    return w * pre.float()[None, :] if pre is not None else w
+
+
+def backend_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' forward over the checkpoint dequantized the way the backend's linear methods compute."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    qfile = ckpt / "hf_quant_config.json"
+    q = json.loads(qfile.read_text())["quantization"] if qfile.is_file() else {"quant_algo": None}
+    st = {}
+    for f in ckpt.glob("*.safetensors"):
+        st |= load_file(str(f))
+    sd = {k: v.float() for k, v in st.items() if not k.endswith(("_scale", "pre_quant_scale")) or "norm" in k}
+    for i in range(cfg["num_hidden_layers"]):
+        for lin in LINEARS:
+            name = f"model.layers.{i}.{lin}"
+            sd[f"{name}.weight"] = _dequant(st, name, q)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}),
+        dtype=torch.float32).eval()
+    model.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def llmq_logits(source_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    eng = LLMEngine(source_dir, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory=64 << 20))
+    try:
+        return torch.stack([eng.prompt_logprobs(row.tolist()) for row in ids])
+    finally:
+        eng.shutdown()
+
+
+SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size=0),
+           "awq": dict(bits=4, group_size=64), "awq-with-a-dense-layer": dict(bits=4, group_size=64,
+                                                                          ignore=("lm_head", "model.layers.0.mlp.up_proj"))}
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    from llmq.artifacts import Store
+    from tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("trthf")
+    store = Store(root / "store")
+    model = resolve_model(str(make_tiny_model(root / "m", num_attention_heads=6, num_key_value_heads=3,
+                                              hidden_size=384, intermediate_size=256)), store)
+    return store, {k: model if q is None else quantize(model, QuantizeOptions(method="rtn", **q), store, progress=False)
+                   for k, q in SCHEMES.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_checkpoint_loads_and_computes_what_llmq_evaluated(arts, scheme, tp):
+    store, a = arts
+    art = build_engine(a[scheme], store, BuildOptions(tp=tp, target="trtllm-hf", verify=True))
+    ckpt = art.path / "trtllm-hf"
+    cfg = check_loads(ckpt, tp)
+    assert cfg["num_attention_heads"] == {1: 6, 2: 8, 4: 8}[tp]      # 6 heads / 3 KV: padded to 8 / 4 at tp 2, 4
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(tp))
+    kld = kld_top1(llmq_logits(a[scheme].path, ids), backend_logits(ckpt, ids))["kld_mean"]
+    assert kld <= 1e-3 and art.metrics["verify"]["passed"] and art.metrics["verify"]["target_kld"] <= 1e-3
+    opts = yaml.safe_load((ckpt / "llm_api_options.yaml").read_text())
+    assert opts["tensor_parallel_size"] == tp and art.metrics["compile"]["status"] == "pytorch-options"
+
+
+def test_what_the_backend_cannot_load_is_refused_with_the_reason(arts):
+    store, a = arts
+    base = a["bf16"]
+    for q, match in ((dict(bits=4, group_size=64, symmetric=False), "without zero points.*--symmetric"),
+                     (dict(bits=4, group_size=32), "groups of 32")):
+        art = quantize(base, QuantizeOptions(method="rtn", **q), store, progress=False)
+        with pytest.raises(LlmqError, match=match):
+            build_engine(art, store, BuildOptions(target="trtllm-hf"))
+
+
+def test_sliding_window_goes_into_the_llm_api_options_and_the_checkpoint_target_refuses(make_tiny_model, store,
+                                                                                       tmp_path):
+    src = resolve_model(str(make_tiny_model(tmp_path / "mistral", model_type="mistral", sliding_window=16)), store)
+    with pytest.raises(LlmqError, match="sliding window of 16 tokens.*--target trtllm-hf"):
+        build_engine(src, store, BuildOptions(target="trtllm"))
+    art = build_engine(src, store, BuildOptions(tp=2, target="trtllm-hf", verify=True))   # verify: 32 tokens > 16
+    opts = yaml.safe_load((art.path / "trtllm-hf/llm_api_options.yaml").read_text())
+    assert opts["kv_cache_config"]["max_attention_window"] == [16] and art.metrics["verify"]["passed"]
