@@ -11,7 +11,7 @@ from ...models.checkpoint import copy_tokenizer, write_json
 from .plan import make_plan
 from .source import SourceModel
 
-TARGETS = ("llmq", "trtllm")
+TARGETS = ("llmq", "trtllm", "gguf")
 KV_CHOICES = ("auto", "int8", "fp8")
 ENGINE_FORMAT = "llmq-engine"
 ENGINE_FORMAT_VERSION = 1
@@ -74,7 +74,7 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
     kv = kv_cache_dtype(opts.kv, src)
     max_seq_len = opts.max_seq_len or min(src.spec.max_position_embeddings, 4096)
-    name = opts.name or f"{source.name}-tp{opts.tp}" + ("-trtllm" if opts.target == "trtllm" else "")
+    name = opts.name or f"{source.name}-tp{opts.tp}" + ("" if opts.target == "llmq" else f"-{opts.target}")
     engine = {"format": ENGINE_FORMAT, "format_version": ENGINE_FORMAT_VERSION, "target": opts.target,
               "tp": opts.tp, "pp": opts.pp, "max_batch_size": opts.max_batch_size, "max_seq_len": max_seq_len,
               "kv_cache_dtype": kv, "block_size": opts.block_size, "dtype": _dtype_of(src),
@@ -87,6 +87,10 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
 
             engine["ranks"] = write_llmq(src, plan, w.dir)
             engine["quantization"] = src.config.get("quantization_config")  # as in every rank's config.json
+        elif opts.target == "gguf":
+            from .gguf_target import write_gguf
+
+            engine.update(write_gguf(src, plan, w.dir, engine))
         else:
             from .trtllm import write_trtllm
 
@@ -95,7 +99,8 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         if (source.path / "generation_config.json").is_file():
             shutil.copyfile(source.path / "generation_config.json", w.dir / "generation_config.json")
         write_json(w.dir / "engine.json", engine)
-        w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*.safetensors")),
+        w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*")
+                                        if p.suffix in (".safetensors", ".gguf")),
                          compile=engine.get("compile", {"status": "not-applicable"}))
         if opts.verify:
             from .verify import verify_engine
