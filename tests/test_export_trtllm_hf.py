@@ -139,7 +139,8 @@ def arts(tmp_path_factory):
     root = tmp_path_factory.mktemp("trthf")
     store = Store(root / "store")
     model = resolve_model(str(make_tiny_model(root / "m", num_attention_heads=6, num_key_value_heads=3,
-                                              hidden_size=384, intermediate_size=256)), store)
+                                              hidden_size=384, intermediate_size=256, tie_word_embeddings=True)),
+                          store)
     return store, {k: model if q is None else quantize(model, QuantizeOptions(method="rtn", **q), store, progress=False)
                    for k, q in SCHEMES.items()}
 

@@ -17,7 +17,8 @@ from .common import echo_json, get_store, human_bytes
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel stages (only 1 today).")
 @click.option("--target", type=click.Choice(TARGETS), default="llmq", show_default=True,
               help="llmq: rank shards for the bundled runtime; trtllm: a TensorRT-LLM checkpoint (+ engines); "
-                   "trtllm-hf: a ModelOpt-style HF checkpoint for TensorRT-LLM's PyTorch backend (trtllm-serve).")
+                   "trtllm-hf: a ModelOpt-style HF checkpoint for TensorRT-LLM's PyTorch backend (trtllm-serve); "
+                   "gguf: one .gguf file for llama.cpp / Ollama.")
 @click.option("--max-batch-size", type=int, default=64, show_default=True)
 @click.option("--max-seq-len", type=int, default=None, help="Default: the model's positions, at most 4096.")
 @click.option("--kv", type=click.Choice(KV_CHOICES), default="auto", show_default=True,

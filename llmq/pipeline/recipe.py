@@ -56,7 +56,7 @@ class QuantizeKVStage(_Strict):
 
 class BuildStage(_Strict):
     tp: Literal[1, 2, 4, 8] = 1
-    target: Literal["llmq", "trtllm", "trtllm-hf"] = "llmq"
+    target: Literal["llmq", "trtllm", "trtllm-hf", "gguf"] = "llmq"
     max_batch_size: int = Field(64, gt=0)
     max_seq_len: int | None = Field(None, gt=0)
     kv: Literal["auto", "int8", "fp8"] = "auto"

@@ -11,7 +11,7 @@ from ...models.checkpoint import copy_tokenizer, write_json
 from .plan import make_plan
 from .source import SourceModel
 
-TARGETS = ("llmq", "trtllm", "trtllm-hf")
+TARGETS = ("llmq", "trtllm", "trtllm-hf", "gguf")
 KV_CHOICES = ("auto", "int8", "fp8")
 ENGINE_FORMAT = "llmq-engine"
 ENGINE_FORMAT_VERSION = 1
@@ -35,6 +35,9 @@ class BuildOptions:
 def _check(opts: BuildOptions, src: SourceModel) -> None:
     if opts.target not in TARGETS:
         raise LlmqError(f"--target {opts.target!r}: use one of {', '.join(TARGETS)}")
+    if opts.target == "gguf" and opts.verify:
+        raise LlmqError("--verify runs the tensor-parallel reference check, which a single GGUF file has no use for; "
+                        "drop --verify (the GGUF writer packs llmq's integers as they are and records what it re-rounds)")
     if opts.pp != 1:
         raise LlmqError(f"--pp {opts.pp}: pipeline parallelism is not supported yet; use --pp 1")
     if opts.kv not in KV_CHOICES:
@@ -87,6 +90,10 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
 
             engine["ranks"] = write_llmq(src, plan, w.dir)
             engine["quantization"] = src.config.get("quantization_config")  # as in every rank's config.json
+        elif opts.target == "gguf":
+            from .gguf_target import write_gguf
+
+            engine.update(write_gguf(src, plan, w.dir, engine))
         elif opts.target == "trtllm":
             from .trtllm import write_trtllm
 
@@ -99,7 +106,8 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         if (source.path / "generation_config.json").is_file():
             shutil.copyfile(source.path / "generation_config.json", w.dir / "generation_config.json")
         write_json(w.dir / "engine.json", engine)
-        w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*.safetensors")),
+        w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*")
+                                        if p.suffix in (".safetensors", ".gguf")),
                          compile=engine.get("compile", {"status": "not-applicable"}))
         if opts.verify:
             from .verify import verify_engine

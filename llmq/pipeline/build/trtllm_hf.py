@@ -120,7 +120,7 @@ def write_trtllm_hf(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) 
     head = src.lm_head()
     if head.qw is not None:
         head = LinearWeights("lm_head", weight=head.dense(torch.float32))
-    state["lm_head.weight"] = head.weight.to(dtype)
+    state["lm_head.weight"] = head.weight.to(dtype).clone()   # untied: the backend gets its own lm_head
     if not algos and kv != "fp8":
         dense = []
     qcfg = hf_quant_config(algos, groups.pop() if len(groups) == 1 else None, "FP8" if kv == "fp8" else None,

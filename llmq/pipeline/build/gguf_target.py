@@ -1,0 +1,347 @@
+"""`--target gguf`: one .gguf file that llama.cpp (and Ollama) load, carrying llmq's integers unchanged.
+
+GGUF's legacy block formats hold 32 consecutive weights of a row with one fp16 scale (and, for Q4_1, one fp16 min):
+Q8_0 is w = d * q with q int8; Q4_0 is w = d * (n - 8) with n a nibble in [0, 15]; Q4_1 is w = d * n + m. llmq's
+weights are w = (q - z) * s per group of g input columns, so a group of g = 32k columns is k blocks that share its
+scale, and the mapping is
+- INT8 symmetric -> Q8_0: the integers as they are, d = s;
+- INT4 symmetric -> Q4_0: n = q + 8, d = s;
+- INT4 asymmetric -> Q4_1: n = q + 8, d = s, m = -(8 + z) * s.
+The integers are always exact. d is exact whenever s is an fp16 number: every fp16 scale, and every bf16 scale from
+2^-17 to 65504 (float32 scales are re-rounded). m = -(8 + z) * s can need 12 significant bits where fp16 has 11, so
+some Q4_1 mins (2% of the blocks on the tiny test model) move by half an fp16 ulp, at most 1/128 of a quantization
+step. Every re-rounding is counted in the returned record.
+What no block format holds is refused with the way out: groups that are not a multiple of 32 columns, INT8 with zero
+points, FP8, W8A8 (llama.cpp quantizes activations its own way), calibrated KV-cache scales, sliding windows and
+RoPE scaling. Dense weights keep the source dtype; norms and biases are F32, as llama.cpp's converter writes them.
+
+llama.cpp's `llama` architecture (Llama, Mistral) applies RoPE to adjacent pairs (2i, 2i+1) of a head where Hugging
+Face rotates (i, i + d/2), so the q and k rows of every head are reordered, scales and zero points with their rows;
+`qwen2` uses the Hugging Face pairing and keeps the q/k/v biases. The tokenizer (byte-level BPE), its special token
+ids and the chat template come from the artifact's tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as GT
+from gguf import MODEL_TENSOR as MT
+
+from ...errors import LlmqError
+from .plan import ShardPlan
+from .shard import LinearWeights, split_rows
+from .source import SourceModel, layer_prefix
+
+BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 block
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+LAYER_TENSORS = {"self_attn.q_proj": MT.ATTN_Q, "self_attn.k_proj": MT.ATTN_K, "self_attn.v_proj": MT.ATTN_V,
+                 "self_attn.o_proj": MT.ATTN_OUT, "mlp.gate_proj": MT.FFN_GATE, "mlp.up_proj": MT.FFN_UP,
+                 "mlp.down_proj": MT.FFN_DOWN}
+LAYER_NORMS = {"input_layernorm": MT.ATTN_NORM, "post_attention_layernorm": MT.FFN_NORM}
+# tokenizer.json pre-tokenizers llama.cpp reproduces, by the name it knows them under (src/llama-vocab.cpp).
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_REGEX = _QWEN2_REGEX.replace(r"\p{N}|", r"\p{N}{1,3}|")
+
+
+def _refuse_unsupported(src: SourceModel, plan: ShardPlan) -> None:
+    """One-line errors for what a GGUF file cannot say, before anything is written."""
+    s = src.spec
+    if plan.tp != 1:
+        raise LlmqError(f"--target gguf writes one unsharded file; llama.cpp splits layers across devices itself "
+                        f"(--split-mode); use --tp 1, not --tp {plan.tp}")
+    if src.kv_cache_dtype() is not None:
+        raise LlmqError("--target gguf: llama.cpp has no calibrated KV-cache scales (its --cache-type-k quantizes "
+                        "on the fly); build from the artifact before `llmq quantize-kv`, or use --target llmq")
+    if s.sliding_window is not None and s.sliding_window < s.max_position_embeddings:
+        raise LlmqError(f"--target gguf: sliding-window attention ({s.sliding_window} of "
+                        f"{s.max_position_embeddings} positions) is not in llama.cpp's {GGUF_ARCH[s.model_type]} "
+                        "architecture; use --target llmq")
+    if s.rope_scaling:
+        raise LlmqError(f"--target gguf: RoPE scaling {s.rope_scaling.get('rope_type') or s.rope_scaling.get('type')!r}"
+                        " is not written to GGUF by llmq yet; use --target llmq")
+
+
+def block_type(qw, name: str):
+    """The GGML block format that holds this quantized weight exactly, or an LlmqError with the way out."""
+    if qw.is_float:
+        raise LlmqError(f"{name}: FP8 weights have no GGUF block format; quantize to INT8/INT4 or build the "
+                        "dense model and use llama-quantize")
+    if qw.input_scale is not None or qw.dynamic:
+        raise LlmqError(f"{name}: W8A8 (quantized activations) has no GGUF equivalent; llama.cpp quantizes "
+                        "activations itself; re-quantize weight-only (`llmq quantize --bits 8`)")
+    k = qw.q.shape[1]
+    group = qw.group_size or k  # per channel / per tensor: one scale for the whole row
+    if k % BLOCK or group % BLOCK:
+        raise LlmqError(f"{name}: groups of {group} of {k} input columns do not fill GGUF's {BLOCK}-weight blocks; "
+                        f"re-quantize with --group-size {BLOCK} (or a multiple of {BLOCK})")
+    if qw.bits == 8:
+        if not qw.symmetric:
+            raise LlmqError(f"{name}: INT8 with zero points has no GGUF block format (Q8_0 is symmetric); "
+                            "re-quantize without --asym")
+        return GT.Q8_0
+    if qw.bits == 4:
+        return GT.Q4_0 if qw.symmetric else GT.Q4_1
+    raise LlmqError(f"{name}: {qw.bits}-bit weights have no GGUF block format")
+
+
+def _per_block(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A scale or zero point ([1], [n, 1] or [n, groups]) as one float32 value per 32-column block: [n, k/32]."""
+    t = t.float().reshape(1, 1) if t.numel() == 1 else t.float().reshape(n, -1)
+    return t.expand(n, t.shape[1]).repeat_interleave(k // BLOCK // t.shape[1], dim=1)
+
+
+class Rounding:
+    """What writing fp16 block scales / mins changed, counted over every block of the file."""
+
+    def __init__(self):
+        self.blocks = 0
+        self.scales = 0
+        self.max_scale_rel = 0.0
+        self.mins = 0
+        self.max_min_steps = 0.0
+
+    def to_fp16(self, v: torch.Tensor, step: torch.Tensor, kind: str) -> torch.Tensor:
+        """v rounded to fp16 (refused where it overflows); counts the values that changed."""
+        h = v.to(torch.float16)
+        if not torch.isfinite(h).all():
+            raise LlmqError(f"a block {kind} of {float(v.abs().max()):.3g} overflows GGUF's fp16 block {kind}s")
+        changed = h.float() != v
+        if kind == "scale":
+            self.blocks += v.numel()
+            self.scales += int(changed.sum())
+            rel = ((h.float() - v).abs() / v.abs().clamp_min(torch.finfo(torch.float32).tiny)).max()
+            self.max_scale_rel = max(self.max_scale_rel, float(rel))
+        else:
+            self.mins += int(changed.sum())
+            err = ((h.float() - v).abs() / step.clamp_min(torch.finfo(torch.float32).tiny)).max()
+            self.max_min_steps = max(self.max_min_steps, float(err))
+        return h
+
+    def record(self) -> dict:
+        return {"integers": "exact", "blocks": self.blocks,
+                "scales_rerounded_to_fp16": self.scales, "max_scale_rel_error": self.max_scale_rel,
+                "q4_1_mins_rerounded_to_fp16": self.mins, "max_min_error_in_steps": self.max_min_steps}
+
+
+def _fp16_bytes(h: torch.Tensor) -> torch.Tensor:
+    """fp16 [n, nb] -> its little-endian bytes [n, nb, 2]."""
+    return h.contiguous().view(torch.uint8).reshape(*h.shape, 2)
+
+
+def _nibbles(n: torch.Tensor) -> torch.Tensor:
+    """[n, nb, 32] values in [0, 15] -> [n, nb, 16] bytes: weight j in the low nibble of byte j, j + 16 in the high."""
+    return (n[..., :16] | (n[..., 16:] << 4)).to(torch.uint8)
+
+
+def pack_blocks(qw, qtype, rounding: Rounding) -> np.ndarray:
+    """The GGUF bytes [out, in/32 * block bytes] of one quantized weight, its integers carried over unchanged."""
+    n, k = qw.q.shape
+    q = qw.q.to(torch.int16).reshape(n, k // BLOCK, BLOCK)
+    s = _per_block(qw.scale, n, k)
+    d = _fp16_bytes(rounding.to_fp16(s, s, "scale"))
+    if qtype == GT.Q8_0:
+        parts = [d, q.to(torch.int8).view(torch.uint8)]
+    else:
+        if int(q.min()) < -8 or int(q.max()) > 7:
+            raise LlmqError("INT4 weights outside [-8, 7]; the artifact is damaged")
+        packed = _nibbles(q + 8)
+        if qtype == GT.Q4_0:
+            parts = [d, packed]
+        else:
+            m = -(8 + _per_block(qw.zero_point, n, k)) * s
+            parts = [d, _fp16_bytes(rounding.to_fp16(m, s, "min")), packed]
+    return torch.cat(parts, dim=-1).reshape(n, -1).numpy()
+
+
+def _dense(t: torch.Tensor, force_f32: bool = False) -> tuple[np.ndarray, GT]:
+    """A dense tensor as (array, raw GGML type): F32 when asked (norms, biases), else its own dtype."""
+    if force_f32 or t.dtype == torch.float32:
+        return t.float().contiguous().numpy(), GT.F32
+    if t.dtype == torch.float16:
+        return t.contiguous().numpy(), GT.F16
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy(), GT.BF16
+    raise LlmqError(f"tensor of dtype {t.dtype} has no GGUF type")
+
+
+def rope_rows(heads: int, head_dim: int) -> torch.Tensor:
+    """Source row for each row of a llama.cpp q/k weight: per head, rows (i, i + d/2) become rows (2i, 2i + 1)."""
+    half = torch.arange(head_dim // 2)
+    per_head = torch.stack([half, half + head_dim // 2], dim=1).flatten()
+    return (torch.arange(heads)[:, None] * head_dim + per_head).flatten()
+
+
+class _Tensors:
+    """Adds named tensors to the writer, counting GGML types and block-scale rounding."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.types: Counter = Counter()
+        self.rounding = Rounding()
+
+    def dense(self, name: str, t: torch.Tensor, force_f32: bool = False) -> None:
+        arr, qtype = _dense(t, force_f32)
+        self.writer.add_tensor(name, arr, raw_dtype=qtype)
+        self.types[qtype.name] += 1
+
+    def linear(self, name: str, lw: LinearWeights) -> None:
+        if lw.qw is None:
+            self.dense(f"{name}.weight", lw.weight)
+        else:
+            qtype = block_type(lw.qw, lw.name)
+            self.writer.add_tensor(f"{name}.weight", pack_blocks(lw.qw, qtype, self.rounding), raw_dtype=qtype)
+            self.types[qtype.name] += 1
+        if lw.bias is not None:
+            self.dense(f"{name}.bias", lw.bias, force_f32=True)
+
+
+def _add_weights(tensors: _Tensors, src: SourceModel, arch: str) -> None:
+    names = gguf.TENSOR_NAMES
+    s = src.spec
+    tensors.dense(f"{names[MT.TOKEN_EMBD]}.weight", src.tensor("model.embed_tokens.weight"))
+    for i in range(s.num_layers):
+        p = layer_prefix(i)
+        for hf, key in LAYER_NORMS.items():
+            tensors.dense(f"{names[key].format(bid=i)}.weight", src.tensor(f"{p}.{hf}.weight"), True)
+        for hf, key in LAYER_TENSORS.items():
+            lw = src.linear(f"{p}.{hf}")
+            if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = s.num_heads if hf == "self_attn.q_proj" else s.num_kv_heads
+                lw = split_rows(lw, rope_rows(heads, s.head_dim))
+            tensors.linear(names[key].format(bid=i), lw)
+    tensors.dense(f"{names[MT.OUTPUT_NORM]}.weight", src.tensor("model.norm.weight"), True)
+    if src.has_lm_head() or not s.tie_word_embeddings:  # tied: llama.cpp reuses token_embd as the output
+        tensors.linear(names[MT.OUTPUT], src.lm_head())
+
+
+def _add_hparams(w, src: SourceModel, name: str) -> None:
+    s = src.spec
+    w.add_name(name)
+    w.add_context_length(s.max_position_embeddings)
+    w.add_embedding_length(s.hidden_size)
+    w.add_block_count(s.num_layers)
+    w.add_feed_forward_length(s.intermediate_size)
+    w.add_head_count(s.num_heads)
+    w.add_head_count_kv(s.num_kv_heads)
+    if s.head_dim * s.num_heads != s.hidden_size:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.rms_norm_eps)
+    w.add_vocab_size(s.vocab_size)
+
+
+def pre_tokenizer_name(tok: dict) -> str | None:
+    """llama.cpp's name for the tokenizer.json pre-tokenizer when it splits text the same way, else None."""
+    if tok.get("normalizer"):
+        return None
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    shape = [(p.get("type"), p.get("use_regex"), p.get("individual_digits"),
+              (p.get("pattern") or {}).get("Regex")) for p in steps]
+    if shape == [("ByteLevel", True, None, None)]:
+        return "gpt-2"
+    if shape == [("Digits", None, True, None), ("ByteLevel", True, None, None)]:
+        return "smollm"
+    if len(shape) == 2 and shape[0][0] == "Split" and shape[1][:2] == ("ByteLevel", False) and \
+            steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        return {_QWEN2_REGEX: "qwen2", _LLAMA3_REGEX: "llama-bpe"}.get(shape[0][3])
+    return None
+
+
+def _token_list(tok: dict, vocab_size: int) -> tuple[list[str], list[int]]:
+    """Every id's token text and llama.cpp token type; ids past the tokenizer (embedding padding) are UNUSED."""
+    TT = gguf.TokenType
+    text = {i: t for t, i in tok["model"]["vocab"].items()}
+    types = {i: TT.NORMAL for i in text}
+    for a in tok.get("added_tokens") or []:
+        text[a["id"]] = a["content"]
+        types[a["id"]] = TT.CONTROL if a.get("special") else TT.USER_DEFINED
+    if max(text) >= vocab_size:
+        raise LlmqError(f"tokenizer has token id {max(text)} but the model's vocabulary is {vocab_size}")
+    return ([text.get(i, f"[PAD{i}]") for i in range(vocab_size)],
+            [int(types.get(i, TT.UNUSED)) for i in range(vocab_size)])
+
+
+def _adds_special(tokenizer_json: Path, bos: int | None, eos: int | None) -> tuple[bool, bool]:
+    """Whether the source tokenizer puts BOS before / EOS after a text, found by encoding one."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tokenizer_json)).encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == bos, bool(ids) and ids[-1] == eos
+
+
+def _add_tokenizer(w, src: SourceModel) -> dict:
+    """Vocabulary, merges, special ids, BOS/EOS behaviour and chat template; returns what was written."""
+    path = src.path / "tokenizer.json"
+    if not path.is_file():
+        raise LlmqError(f"{src.path}: --target gguf needs tokenizer.json (a byte-level BPE tokenizer)")
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    model, decoder = tok.get("model") or {}, tok.get("decoder") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder.get("type") != "ByteLevel":
+        raise LlmqError("--target gguf writes byte-level BPE tokenizers (GPT-2 style) only; this one is "
+                        f"{model.get('type')} with a {decoder.get('type')} decoder")
+    tokens, types = _token_list(tok, src.spec.vocab_size)
+    special = gguf.SpecialVocab(src.path, load_merges=True, n_vocab=src.spec.vocab_size)
+    pre = pre_tokenizer_name(tok)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre or "default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    ids = special.special_token_ids
+    add_bos, add_eos = _adds_special(path, ids.get("bos"), ids.get("eos"))
+    special.add_special_token = {}   # decided by encoding above, not from config heuristics
+    special.add_to_gguf(w, quiet=True)
+    w.add_add_bos_token(add_bos)
+    w.add_add_eos_token(add_eos)
+    warnings = []
+    if pre is None:
+        warnings.append("pre-tokenizer not one llama.cpp knows: written as 'default', so llama.cpp may split "
+                        "text differently from the source tokenizer (token ids given directly are unaffected)")
+    if not special.merges:
+        warnings.append("the tokenizer has no BPE merges; llama.cpp refuses a BPE vocabulary without "
+                        "tokenizer.ggml.merges")
+    return {"model": "gpt2", "pre": pre or "default", "tokens": len(tokens), "merges": len(special.merges),
+            "special_token_ids": dict(ids), "add_bos": add_bos, "add_eos": add_eos,
+            "chat_template": special.chat_template is not None, "warnings": warnings}
+
+
+def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
+    """general.file_type: the block format of the quantized linears, else the dense dtype."""
+    F = gguf.LlamaFileType
+    for t in ("Q4_1", "Q4_0", "Q8_0"):
+        if types.get(t):
+            return t, int(getattr(F, f"MOSTLY_{t}"))
+    return {"bfloat16": ("BF16", int(F.MOSTLY_BF16)), "float16": ("F16", int(F.MOSTLY_F16))}.get(
+        dense_dtype, ("F32", int(F.ALL_F32)))
+
+
+def write_gguf(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> dict:
+    """Write `<source>.<type>.gguf` under `out`; returns the engine.json fields: file, types, re-rounding."""
+    _refuse_unsupported(src, plan)
+    arch = GGUF_ARCH[src.spec.model_type]
+    source_name = engine["source"]["name"]
+    w = gguf.GGUFWriter(None, arch, use_temp_file=True)
+    _add_hparams(w, src, source_name)
+    tokenizer = _add_tokenizer(w, src)   # before the weights: a tokenizer GGUF cannot hold is refused early
+    tensors = _Tensors(w)
+    _add_weights(tensors, src, arch)
+    ftype_name, ftype = _file_type(tensors.types, engine["dtype"])
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    fname = f"{source_name}.{ftype_name}.gguf"
+    w.write_header_to_file(out / fname)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"gguf": {"file": fname, "architecture": arch, "file_type": ftype_name,
+                     "tensor_types": dict(sorted(tensors.types.items())), "rounding": tensors.rounding.record(),
+                     "tokenizer": tokenizer}}

@@ -1,0 +1,526 @@
+"""`llmq build --target gguf` against llama.cpp's loader contract, and an independent reader of the file.
+
+The contract below is written from llama.cpp's GGUF documentation (docs/gguf.md in ggml), ggml's type enum and
+block layouts (ggml.h, ggml-common.h) and its model loader (src/llama-model.cpp: which tensors the `llama` and
+`qwen2` architectures create and with which shapes; src/llama-vocab.cpp: the tokenizer keys). The reader applies
+llama.cpp's semantics to the file (the block formats through the `gguf` package's dequantizer, `llama`'s adjacent-pair
+RoPE undone on q/k) and runs transformers on what it read; its logits must match llmq's runtime on the artifact.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmq.errors import LlmqError
+from llmq.models import resolve_model
+from llmq.pipeline.build import BuildOptions, build_engine
+from llmq.pipeline.build.source import SourceModel, linear_names
+from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+gguf = pytest.importorskip("gguf")
+
+# ---------------------------------------------------------------- the contract, as data
+# ggml_type ids (ggml.h) and the block layout of each: (weights per block, bytes per block).
+GGML_TYPE_ID = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
+BLOCK_BYTES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
+# GGUF value types (gguf.md): what llama.cpp's typed key reader accepts for each key.
+UINT32, FLOAT32, BOOL, STRING, ARRAY, INT32 = 4, 6, 7, 8, 9, 5
+REQUIRED_KEYS = {
+    "general.architecture": STRING, "general.file_type": UINT32, "general.quantization_version": UINT32,
+    "{arch}.context_length": UINT32, "{arch}.embedding_length": UINT32, "{arch}.block_count": UINT32,
+    "{arch}.feed_forward_length": UINT32, "{arch}.attention.head_count": UINT32,
+    "{arch}.attention.head_count_kv": UINT32, "{arch}.rope.dimension_count": UINT32,
+    "{arch}.rope.freq_base": FLOAT32, "{arch}.attention.layer_norm_rms_epsilon": FLOAT32,
+    "tokenizer.ggml.model": STRING, "tokenizer.ggml.pre": STRING, "tokenizer.ggml.tokens": ARRAY,
+    "tokenizer.ggml.token_type": ARRAY, "tokenizer.ggml.merges": ARRAY, "tokenizer.ggml.bos_token_id": UINT32,
+    "tokenizer.ggml.eos_token_id": UINT32, "tokenizer.ggml.add_bos_token": BOOL, "tokenizer.chat_template": STRING,
+}
+# The llama.cpp pre-tokenizer names of the regexes a tokenizer.json can carry (src/llama-vocab.cpp).
+KNOWN_PRE = {"gpt-2", "smollm", "qwen2", "llama-bpe", "default"}
+# general.file_type values (llama.h, enum llama_ftype).
+FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+# Which GGML type each kind of tensor has, per llmq scheme (1-D tensors are always F32 in llama.cpp files).
+SCHEMES = {  # name: (QuantizeOptions or None, linear type)
+    "bf16": (None, "BF16"),
+    "w8-g32": (dict(bits=8, group_size=32), "Q8_0"),
+    "w4-g32": (dict(bits=4, group_size=32), "Q4_0"),
+    "w4-g32-asym": (dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
+}
+
+
+def expected_tensors(arch: str, c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape in GGUF order, ne0 first; kind) that llama.cpp's loader creates for this config."""
+    e, v, f = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    d = c.get("head_dim") or e // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    out = {"token_embd.weight": ((e, v), "embed"), "output_norm.weight": ((e,), "norm")}
+    if not c.get("tie_word_embeddings"):
+        out["output.weight"] = ((e, v), "lm_head")
+    for i in range(c["num_hidden_layers"]):
+        b = f"blk.{i}."
+        out |= {b + "attn_norm.weight": ((e,), "norm"), b + "ffn_norm.weight": ((e,), "norm"),
+                b + "attn_q.weight": ((e, q), "linear"), b + "attn_k.weight": ((e, kv), "linear"),
+                b + "attn_v.weight": ((e, kv), "linear"), b + "attn_output.weight": ((q, e), "linear"),
+                b + "ffn_gate.weight": ((e, f), "linear"), b + "ffn_up.weight": ((e, f), "linear"),
+                b + "ffn_down.weight": ((f, e), "linear")}
+        if arch == "qwen2":
+            out |= {b + "attn_q.bias": ((q,), "norm"), b + "attn_k.bias": ((kv,), "norm"),
+                    b + "attn_v.bias": ((kv,), "norm")}
+    return out
+
+
+def expected_type(kind: str, linear_type: str) -> str:
+    return {"norm": "F32", "embed": "BF16", "lm_head": "BF16", "linear": linear_type}[kind]
+
+
+# ---------------------------------------------------------------- helpers
+def _field(r, key):
+    f = r.fields[key]
+    return f.types[0], f.contents()
+
+
+def gguf_file(engine_art) -> Path:
+    meta = json.loads((engine_art.path / "engine.json").read_text())
+    return engine_art.path / meta["gguf"]["file"]
+
+
+def _bf16_with_a_merge(d: Path) -> Path:
+    """Store the tiny model in bf16 (llmq's dtype) and give its byte tokenizer one BPE merge, as real ones have."""
+    from safetensors.torch import load_file, save_file
+
+    st = d / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(st).items()}, str(st),
+              metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    cfg.pop("torch_dtype", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["\u0120t"] = 259
+    tok["model"]["merges"] = [["\u0120", "t"]]
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    return d
+
+
+TINY = {"llama-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+        "qwen2-bias-tied": dict(model_type="qwen2", tie_word_embeddings=True)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(store, {(arch, scheme): (source artifact, gguf engine artifact)}) for both tiny models and every scheme."""
+    from llmq.artifacts import Store
+    from tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("gguf")
+    store = Store(root / "store")
+    built = {}
+    for i, (arch, kw) in enumerate(TINY.items()):
+        model = resolve_model(str(_bf16_with_a_merge(make_tiny_model(root / arch, seed=10 + i, **kw))), store)
+        for scheme, (qopts, _) in SCHEMES.items():
+            src = model if qopts is None else quantize(model, QuantizeOptions(method="rtn", **qopts), store,
+                                                       progress=False)
+            built[arch, scheme] = (src, build_engine(src, store, BuildOptions(target="gguf")))
+    return store, built
+
+
+# ---------------------------------------------------------------- (a) the loader contract
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("arch", list(TINY))
+def test_file_meets_llama_cpp_loader_contract(tiny, arch, scheme):
+    _, built = tiny
+    src, art = built[arch, scheme]
+    cfg = json.loads((src.path / "config.json").read_text())
+    r = gguf.GGUFReader(gguf_file(art))
+    a = cfg["model_type"] if cfg["model_type"] == "qwen2" else "llama"
+    assert _field(r, "GGUF.version")[1] == 3
+    for key, vtype in REQUIRED_KEYS.items():
+        assert r.fields[key.format(arch=a)].types[0] == vtype, key
+    linear_type = SCHEMES[scheme][1]
+    assert _field(r, "general.architecture")[1] == a
+    assert _field(r, "general.file_type")[1] == FTYPE[linear_type]
+    assert _field(r, "general.quantization_version")[1] == 2
+    heads = cfg["num_attention_heads"]
+    want = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+            "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+            "attention.head_count": heads, "attention.head_count_kv": cfg["num_key_value_heads"],
+            "rope.dimension_count": cfg["hidden_size"] // heads}
+    for k, v in want.items():
+        assert _field(r, f"{a}.{k}")[1] == v, k
+    assert _field(r, f"{a}.rope.freq_base")[1] == pytest.approx(
+        cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])  # transformers 5 nests it
+    assert _field(r, f"{a}.attention.layer_norm_rms_epsilon")[1] == pytest.approx(cfg["rms_norm_eps"], rel=1e-6)
+
+    tensors = {t.name: t for t in r.tensors}
+    expected = expected_tensors(a, cfg)
+    assert set(tensors) == set(expected)
+    for name, (shape, kind) in expected.items():
+        t, typ = tensors[name], expected_type(kind, linear_type)
+        assert t.tensor_type == GGML_TYPE_ID[typ], name
+        assert tuple(int(x) for x in t.shape) == shape, name
+        per_block, nbytes = BLOCK_BYTES[typ]
+        assert shape[0] % per_block == 0 and t.n_bytes == int(np.prod(shape)) // per_block * nbytes, name
+        assert t.data_offset % 32 == 0, name   # general.alignment defaults to 32
+
+    tok = json.loads((src.path / "tokenizer.json").read_text())
+    tokens = _field(r, "tokenizer.ggml.tokens")[1]
+    types = _field(r, "tokenizer.ggml.token_type")[1]
+    assert len(tokens) == len(types) == cfg["vocab_size"]
+    assert all(tokens[i] == t for t, i in tok["model"]["vocab"].items())
+    special = {a_["id"] for a_ in tok["added_tokens"] if a_["special"]}
+    assert {i for i, t in enumerate(types) if t == 3} == special          # CONTROL
+    assert all(t == 5 for t in types[len(tok["model"]["vocab"]):])        # UNUSED padding rows
+    assert _field(r, "tokenizer.ggml.model")[1] == "gpt2"
+    assert _field(r, "tokenizer.ggml.pre")[1] in KNOWN_PRE
+    assert _field(r, "tokenizer.ggml.merges")[1] == ["\u0120 t"]
+    assert _field(r, "tokenizer.ggml.bos_token_id")[1] == cfg["bos_token_id"]
+    assert _field(r, "tokenizer.ggml.eos_token_id")[1] == cfg["eos_token_id"]
+    assert not _field(r, "tokenizer.ggml.add_bos_token")[1]                # the byte tokenizer adds no BOS
+    chat = json.loads((src.path / "tokenizer_config.json").read_text()).get("chat_template") or \
+        (src.path / "chat_template.jinja").read_text()
+    assert _field(r, "tokenizer.chat_template")[1] == chat
+
+
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+          r"\s+(?!\S)|\s+")
+_SPLIT = {"type": "Split", "behavior": "Isolated", "invert": False}
+_BYTES = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+
+
+@pytest.mark.parametrize("pre,name", [
+    ({**_BYTES, "use_regex": True}, "gpt-2"),
+    ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                            {**_BYTES, "use_regex": True}]}, "smollm"),
+    ({"type": "Sequence", "pretokenizers": [{**_SPLIT, "pattern": {"Regex": _QWEN2}},
+                                            {**_BYTES, "use_regex": False}]}, "qwen2"),
+    ({"type": "Sequence", "pretokenizers": [{**_SPLIT, "pattern": {"Regex": _QWEN2.replace(r"\p{N}|", r"\p{N}{1,3}|")}},
+                                            {**_BYTES, "use_regex": False}]}, "llama-bpe"),
+    ({**_BYTES, "use_regex": False}, None),                       # no split at all: llama.cpp has no such mode
+])
+def test_pre_tokenizer_is_named_only_when_llama_cpp_splits_the_same_way(pre, name):
+    from llmq.pipeline.build.gguf_target import pre_tokenizer_name
+
+    assert pre_tokenizer_name({"normalizer": None, "pre_tokenizer": pre}) == name
+    assert pre_tokenizer_name({"normalizer": {"type": "NFC"}, "pre_tokenizer": pre}) is None
+
+
+# ---------------------------------------------------------------- (b) the independent reader
+def _unpair_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's `llama` q/k rows (per head, RoPE pairs adjacent: 2i, 2i+1) back to Hugging Face's (i, i + d/2)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, d // 2, 2, -1).transpose(0, 2, 1, 3).reshape(heads * d, -1)
+
+
+HF_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+            "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output.weight": "self_attn.o_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+            "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+
+
+def read_gguf(path: Path, unpair: bool = True):
+    """(transformers model, metadata) from a GGUF file alone, the way llama.cpp reads it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    r = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta["general.architecture"]
+    g = lambda k: meta[f"{arch}.{k}"]  # noqa: E731
+    heads, kv_heads = g("attention.head_count"), g("attention.head_count_kv")
+    names = {t.name for t in r.tensors}
+    cfg = dict(vocab_size=len(r.fields["tokenizer.ggml.tokens"].contents()), hidden_size=g("embedding_length"),
+               intermediate_size=g("feed_forward_length"), num_hidden_layers=g("block_count"),
+               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=g("rope.dimension_count"),
+               rms_norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base"),
+               max_position_embeddings=g("context_length"), tie_word_embeddings="output.weight" not in names)
+    model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    state = {}
+    for t in r.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape)])
+        if arch == "llama" and unpair and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _unpair_rope_rows(w, heads if "attn_q" in t.name else kv_heads)
+        state[_hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))
+    model = model_cls[1](model_cls[0](**cfg)).float().eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg["tie_word_embeddings"] else set())
+    return model, meta
+
+
+def _hf_name(name: str) -> str:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, i, rest = name.split(".", 2)
+    for g, hf in HF_NAMES.items():
+        if rest.startswith(g):
+            return f"model.layers.{i}.{hf}{rest[len(g):]}"
+    raise AssertionError(f"unexpected tensor {name}")
+
+
+def exact_artifact_model(src_path: Path):
+    """transformers over the artifact's own weights, each quantized linear dequantized as (q - z) * s in float32:
+    what the file must reproduce exactly, free of the runtime's kernel rounding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = SourceModel(src_path)
+    cfg = {k: v for k, v in s.config.items() if k != "quantization_config"}
+    config = AutoConfig.for_model(**cfg)
+    state = {k: s.tensor(k).float() for k in s.tensors if k.endswith("norm.weight") or k.endswith(".bias")
+             or k == "model.embed_tokens.weight"}
+    for i in range(s.spec.num_layers):
+        for name in linear_names(i):
+            state[f"{name}.weight"] = s.linear(name).dense(torch.float32)
+    state["lm_head.weight"] = s.lm_head().dense(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def runtime_logprobs(artifact_path: Path, ids: list[int]) -> torch.Tensor:
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    return LLMEngine(artifact_path, EngineConfig(max_num_batched_tokens=256)).prompt_logprobs(ids).double()
+
+
+def reader_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+
+
+def mean_kld(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
+    """Mean over positions of KL(P || Q), P being llmq's runtime."""
+    return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
+
+
+TOKENS = [int(x) for x in torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(0))]
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("arch", list(TINY))
+def test_reader_reproduces_llmq_runtime_logits(tiny, arch, scheme):
+    _, built = tiny
+    src, art = built[arch, scheme]
+    model, _ = read_gguf(gguf_file(art))
+    got = reader_logprobs(model, TOKENS)
+    assert mean_kld(runtime_logprobs(src.path, TOKENS), got) <= 1e-3   # runtime INT4 kernels take bf16 activations
+    # The file itself is exact: the artifact computed in float32 gives the same distribution (Q4_1: up to the
+    # fp16 rounding of its mins).
+    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), TOKENS), got) <= 1e-6
+
+
+def test_reader_would_catch_llama_rope_rows_left_in_hugging_face_order(tiny):
+    """The KLD bound has teeth: reading q/k without undoing llama.cpp's pairing is far off on the tiny model."""
+    _, built = tiny
+    src, art = built["llama-gqa", "w4-g32"]
+    model, _ = read_gguf(gguf_file(art), unpair=False)
+    assert mean_kld(runtime_logprobs(src.path, TOKENS), reader_logprobs(model, TOKENS)) > 1e-2
+
+
+def _rope_adjacent_pairs(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """llama.cpp's normal RoPE (the `llama` architecture): rotates (x[2i], x[2i+1]) by pos * theta^(-2i/d)."""
+    d = x.shape[-1]
+    ang = pos[:, None, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()
+    return out
+
+
+def _rope_half_pairs(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Hugging Face's Llama RoPE: rotates (x[i], x[i + d/2]) by pos * theta^(-2i/d)."""
+    d = x.shape[-1]
+    ang = pos[:, None, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()], dim=-1)
+
+
+def test_llama_q_k_rows_give_the_same_attention_under_llama_cpp_rope(tiny):
+    """The file's q/k under llama.cpp's adjacent-pair RoPE score exactly as the source's under Hugging Face's."""
+    _, built = tiny
+    src, art = built["llama-gqa", "bf16"]
+    s = SourceModel(src.path)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_file(art)).tensors}
+    x = torch.randn(7, s.spec.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(7, dtype=torch.float64) * 5
+    d, rep = s.spec.head_dim, s.spec.num_heads // s.spec.num_kv_heads
+
+    def scores(wq, wk, rope):
+        q = rope((x @ wq.T).view(7, -1, d), pos, s.spec.rope_theta)
+        k = rope((x @ wk.T).view(7, -1, d), pos, s.spec.rope_theta).repeat_interleave(rep, dim=1)
+        return torch.einsum("thd,uhd->htu", q, k)
+
+    def from_file(name):
+        t = tensors[name]
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64))
+
+    hf = scores(s.tensor("model.layers.0.self_attn.q_proj.weight").double(),
+                s.tensor("model.layers.0.self_attn.k_proj.weight").double(), _rope_half_pairs)
+    cpp = scores(from_file("blk.0.attn_q.weight"), from_file("blk.0.attn_k.weight"), _rope_adjacent_pairs)
+    assert torch.allclose(hf, cpp, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------- (c) bit-exact integers and scales
+def decode_blocks(t) -> dict[str, np.ndarray]:
+    """The raw fields of Q8_0 / Q4_0 / Q4_1 blocks per ggml-common.h: d (and m) fp16, then the quants; a 4-bit
+    block's 16 bytes hold weight j in the low nibble of byte j and weight j + 16 in the high nibble."""
+    typ = {v: k for k, v in GGML_TYPE_ID.items()}[int(t.tensor_type)]
+    rows = t.data.shape[0]
+    b = t.data.reshape(rows, -1, BLOCK_BYTES[typ][1])
+    out = {"d": b[..., 0:2].copy().view(np.float16)[..., 0]}
+    if typ == "Q8_0":
+        out["q"] = b[..., 2:].copy().view(np.int8).reshape(rows, -1).astype(np.int16)
+        return out
+    qs = b[..., 4:] if typ == "Q4_1" else b[..., 2:]
+    if typ == "Q4_1":
+        out["m"] = b[..., 2:4].copy().view(np.float16)[..., 0]
+    nib = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)
+    out["q"] = (nib - 8).reshape(rows, -1)
+    return out
+
+
+def _source_rows(qw, name: str, spec):
+    """The artifact's integers, scales and zeros in the file's row order (q/k rows paired for `llama`)."""
+    q, s, z = qw.q.numpy().astype(np.int16), qw.scale.float().numpy(), qw.zero_point
+    z = None if z is None else z.numpy().astype(np.int16)
+    if spec.model_type != "qwen2" and name.endswith(("q_proj", "k_proj")):
+        heads = spec.num_heads if name.endswith("q_proj") else spec.num_kv_heads
+        d = q.shape[0] // heads
+        order = np.arange(heads * d).reshape(heads, 2, d // 2).transpose(0, 2, 1).reshape(-1)
+        q, s = q[order], s[order]
+        z = None if z is None else z[order]
+    return q, s, z
+
+
+def assert_bit_exact(src_path: Path, gguf_path: Path) -> dict:
+    """Every quantized linear: integers equal, d == the artifact's scale, Q4_1's m == fp16(-(8 + z) * s)."""
+    s = SourceModel(src_path)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    to_file = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    stats = {"linears": 0, "weights": 0, "blocks": 0, "scales_not_exact": 0, "mins_rerounded": 0}
+    for i in range(s.spec.num_layers):
+        for name in linear_names(i):
+            qw = s.linear(name).qw
+            blocks = decode_blocks(tensors[f"blk.{i}.{to_file[name.rsplit('.', 1)[1]]}.weight"])
+            q, scale, zero = _source_rows(qw, name, s.spec)
+            np.testing.assert_array_equal(blocks["q"], q, err_msg=name)
+            per_block = np.repeat(scale, blocks["d"].shape[1] // scale.shape[1], axis=1)
+            stats["scales_not_exact"] += int((blocks["d"].astype(np.float32) != per_block).sum())
+            if zero is not None:
+                zb = np.repeat(zero, blocks["d"].shape[1] // zero.shape[1], axis=1).astype(np.float32)
+                m = -(8 + zb) * per_block
+                np.testing.assert_array_equal(blocks["m"], m.astype(np.float16), err_msg=name)
+                stats["mins_rerounded"] += int((blocks["m"].astype(np.float32) != m).sum())
+            stats["linears"] += 1
+            stats["weights"] += q.size
+            stats["blocks"] += blocks["d"].size
+    return stats
+
+
+@pytest.mark.parametrize("scheme", ["w8-g32", "w4-g32", "w4-g32-asym"])
+@pytest.mark.parametrize("arch", list(TINY))
+def test_integers_and_scales_read_back_bit_exact(tiny, arch, scheme):
+    _, built = tiny
+    src, art = built[arch, scheme]
+    stats = assert_bit_exact(src.path, gguf_file(art))
+    assert stats["linears"] == 14 and stats["scales_not_exact"] == 0   # bf16 scales are fp16 numbers here
+    rounding = json.loads((art.path / "engine.json").read_text())["gguf"]["rounding"]
+    assert rounding["scales_rerounded_to_fp16"] == 0 and rounding["blocks"] == stats["blocks"]
+    assert rounding["q4_1_mins_rerounded_to_fp16"] == stats["mins_rerounded"]
+    assert (stats["mins_rerounded"] > 0) == (scheme == "w4-g32-asym")
+
+
+def test_per_channel_and_wider_groups_map_exactly_by_repeating_the_scale(tiny):
+    """A group of 64 columns (or a whole row) is two (or k/32) blocks with the same d: still exact."""
+    store, built = tiny
+    model = built["llama-gqa", "bf16"][0]
+    for opts in (dict(bits=4, group_size=64), dict(bits=8)):   # INT8 default: per output channel
+        src = quantize(model, QuantizeOptions(method="rtn", **opts), store, progress=False)
+        art = build_engine(src, store, BuildOptions(target="gguf"))
+        assert assert_bit_exact(src.path, gguf_file(art))["scales_not_exact"] == 0
+
+
+# ---------------------------------------------------------------- (d) refusals
+def _one_line_refusal(store, src, opts, *words):
+    """build_engine raises one LlmqError line naming the way out, and leaves no engine behind."""
+    before = len(list(store.root.rglob("engine.json")))
+    with pytest.raises(LlmqError) as e:
+        build_engine(src, store, opts)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert len(list(store.root.rglob("engine.json"))) == before
+
+
+def test_what_gguf_cannot_hold_is_refused_in_one_line(tiny, make_tiny_model, tmp_path):
+    store, built = tiny
+    model = built["llama-gqa", "bf16"][0]
+    _one_line_refusal(store, model, BuildOptions(target="gguf", tp=2), "--tp 1", "llama.cpp")
+    g16 = quantize(model, QuantizeOptions(method="rtn", bits=4, group_size=16), store, progress=False)
+    _one_line_refusal(store, g16, BuildOptions(target="gguf"), "--group-size 32")
+    fp8 = quantize(model, QuantizeOptions(method="fp8"), store, progress=False)
+    _one_line_refusal(store, fp8, BuildOptions(target="gguf"), "FP8")
+    asym8 = quantize(model, QuantizeOptions(method="rtn", bits=8, group_size=32, symmetric=False), store,
+                     progress=False)
+    _one_line_refusal(store, asym8, BuildOptions(target="gguf"), "Q8_0", "--asym")
+    swa = resolve_model(str(make_tiny_model(tmp_path / "swa", model_type="mistral", sliding_window=64)), store)
+    _one_line_refusal(store, swa, BuildOptions(target="gguf"), "sliding-window")
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+
+    kv = quantize_kv(model, store, KVOptions(kv="int8", granularity="tensor", num_samples=2, seq_len=32,
+                                             heldout_tokens=64), show_progress=False)
+    _one_line_refusal(store, kv, BuildOptions(target="gguf"), "KV-cache", "--target llmq")
+
+
+# ---------------------------------------------------------------- (e) the default model, GPTQ INT4 g32
+@pytest.mark.integration
+def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(default_model, default_store):
+    src = quantize(default_model, QuantizeOptions(method="gptq", bits=4, group_size=32, act_order=True,
+                                                  num_samples=4, seq_len=64, probe_tokens=256),
+                   default_store, progress=False)   # the quickstart's GPTQ, with lighter calibration
+    art = build_engine(src, default_store, BuildOptions(target="gguf"))
+    info = json.loads((art.path / "engine.json").read_text())["gguf"]
+    assert info["tensor_types"] == {"BF16": 1, "F32": 61, "Q4_0": 210}   # tied: token_embd only, no output
+    stats = assert_bit_exact(src.path, gguf_file(art))
+    assert stats["linears"] == 210 and stats["scales_not_exact"] == info["rounding"]["scales_rerounded_to_fp16"] == 0
+
+    r = gguf.GGUFReader(gguf_file(art))
+    tok = json.loads((src.path / "tokenizer.json").read_text())
+    assert _field(r, "tokenizer.ggml.pre")[1] == "gpt-2"                 # the artifact's ByteLevel regex split
+    assert len(_field(r, "tokenizer.ggml.merges")[1]) == len(tok["model"]["merges"])
+    assert _field(r, "tokenizer.chat_template")[1] == (src.path / "chat_template.jinja").read_text()
+
+    from llmq.models import load_tokenizer
+
+    text = ("The capital of France is Paris. def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + "
+            "fibonacci(n - 2)\nOnce upon a time, in a small village, there lived an old baker.")
+    ids = load_tokenizer(src.path).encode(text)
+    got = reader_logprobs(read_gguf(gguf_file(art))[0], ids)
+    kld = mean_kld(runtime_logprobs(src.path, ids), got)
+    exact = mean_kld(reader_logprobs(exact_artifact_model(src.path), ids), got)
+    print(f"default GPTQ w4g32: {stats}; over {len(ids)} tokens the reader's KLD vs llmq's runtime is {kld:.3g}, "
+          f"vs the artifact in float32 {exact:.3g}")
+    assert kld <= 1e-3 and exact <= 1e-6
+
+
+def test_cli_target_gguf_writes_one_file_and_refuses_tp2_in_one_line(tiny):
+    from click.testing import CliRunner
+
+    from llmq.cli.main import cli
+
+    store, built = tiny
+    src = built["qwen2-bias-tied", "w4-g32"][0]
+    args = ["--store", str(store.root), "build", src.ref, "--target", "gguf"]
+    r = CliRunner().invoke(cli, [*args, "--tp", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and r.output.startswith("error: --target gguf"), r.output
+    r = CliRunner().invoke(cli, [*args, "--name", "cli-gguf", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["config"]["options"]["target"] == "gguf"
+    files = list((store.root / "cli-gguf").rglob("*.gguf"))
+    assert len(files) == 1 and files[0].name.endswith(".Q4_0.gguf")
