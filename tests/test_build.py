@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from llmq.errors import GateFailed, LlmqError
 from llmq.models import ModelSpec, resolve_model
 from llmq.pipeline.build import BuildOptions, build_engine, make_plan
-from llmq.pipeline.build.shard import LinearWeights, split_cols, split_rows
-from llmq.pipeline.build.source import SourceModel
+from llmq.models.sharding import LinearWeights, split_cols, split_rows
+from llmq.models.reader import CheckpointReader
 from llmq.pipeline.build.trtllm import (TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS, pack_int4_rows,
                                         unpack_int4_rows, validate_config)
 from llmq.pipeline.build.verify import (TOLERANCE, max_rel_error, reference_weights, tp_forward, unsharded_plan,
@@ -105,7 +105,7 @@ def test_reference_forward_matches_transformers(make_tiny_model, tmp_path):
 
     for i, kw in enumerate([{}, {"model_type": "qwen2", "tie_word_embeddings": True}]):
         d = make_tiny_model(tmp_path / f"m{i}", seed=i, **kw)
-        src = SourceModel(d)
+        src = CheckpointReader(d)
         ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(i))
         with torch.no_grad():
             ours = tp_forward([reference_weights(src)], unsharded_plan(src), src.config, ids)
@@ -232,7 +232,7 @@ def test_reference_check_catches_swapped_heads_and_wrong_kv_replication(tiny_sou
 
 def test_failed_reference_check_writes_nothing(tiny_sources, monkeypatch):
     store, sources = tiny_sources
-    import llmq.pipeline.build.shard as shard
+    import llmq.models.sharding as shard
 
     real = shard.split_cols
     monkeypatch.setattr(shard, "split_cols", lambda lw, cols: real(lw, cols.flip(0)))   # o_proj/down columns reversed

@@ -19,7 +19,7 @@ import torch
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
 from llmq.pipeline.build import BuildOptions, build_engine
-from llmq.pipeline.build.source import SourceModel, linear_names
+from llmq.models.reader import CheckpointReader, linear_names
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 
 gguf = pytest.importorskip("gguf")
@@ -269,7 +269,7 @@ def exact_artifact_model(src_path: Path):
     what the file must reproduce exactly, free of the runtime's kernel rounding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    s = SourceModel(src_path)
+    s = CheckpointReader(src_path)
     cfg = {k: v for k, v in s.config.items() if k != "quantization_config"}
     config = AutoConfig.for_model(**cfg)
     state = {k: s.tensor(k).float() for k in s.tensors if k.endswith("norm.weight") or k.endswith(".bias")
@@ -345,7 +345,7 @@ def test_llama_q_k_rows_give_the_same_attention_under_llama_cpp_rope(tiny):
     """The file's q/k under llama.cpp's adjacent-pair RoPE score exactly as the source's under Hugging Face's."""
     _, built = tiny
     src, art = built["llama-gqa", "bf16"]
-    s = SourceModel(src.path)
+    s = CheckpointReader(src.path)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_file(art)).tensors}
     x = torch.randn(7, s.spec.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     pos = torch.arange(7, dtype=torch.float64) * 5
@@ -400,7 +400,7 @@ def _source_rows(qw, name: str, spec):
 
 def assert_bit_exact(src_path: Path, gguf_path: Path) -> dict:
     """Every quantized linear: integers equal, d == the artifact's scale, Q4_1's m == fp16(-(8 + z) * s)."""
-    s = SourceModel(src_path)
+    s = CheckpointReader(src_path)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
     to_file = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

@@ -187,11 +187,23 @@ def test_bad_requests_raise_clear_errors(tiny):
         LLMEngine(tiny, EngineConfig(kv_cache_dtype="int8"))
     with pytest.raises(LlmqError, match="KV-cache budget"):
         LLMEngine(tiny, EngineConfig(kv_cache_memory=1024))
-    with pytest.raises(LlmqError, match="tp=3 does not divide"):
+    with pytest.raises(LlmqError, match="--tp 3 is not supported"):   # the build stage's plan, the same refusal
         LLMEngine(tiny, EngineConfig(tp=3))
     eng.add_request("d", [1, 2, 3], GREEDY)
     with pytest.raises(LlmqError, match="in use"):
         eng.add_request("d", [1, 2, 3], GREEDY)
+
+
+def test_in_memory_tensor_parallelism_pads_heads_like_build(tmp_path, make_tiny_model):
+    """6 query / 3 KV heads at tp 2: the runtime slices with the build stage's plan (padded to 8 / 4, exact)."""
+    d = make_tiny_model(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+    ids = rand_prompts([20], seed=3)[0]
+    one = LLMEngine(d, EngineConfig(max_model_len=64)).prompt_logprobs(ids)
+    eng = LLMEngine(d, EngineConfig(tp=2, max_model_len=64))
+    try:
+        assert torch.allclose(eng.prompt_logprobs(ids), one, atol=1e-4, rtol=0)
+    finally:
+        eng.shutdown()
 
 
 def test_tensor_parallel_two_ranks_equals_one(tiny, reference):

@@ -8,6 +8,7 @@ KV-cache scales are read through `qformat`, the one reader of that format.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,33 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 def layer_prefix(i: int) -> str:
     return f"model.layers.{i}"
+
+
+def linear_names(i: int) -> list[str]:
+    p = layer_prefix(i)
+    return [f"{p}.self_attn.{n}" for n in ATTN] + [f"{p}.mlp.{n}" for n in MLP]
+
+
+@dataclass
+class LinearWeights:
+    """One linear layer of a checkpoint: a dense weight [out, in] or a qformat QuantizedWeight, plus an optional bias."""
+
+    name: str
+    weight: torch.Tensor | None = None
+    qw: qformat.QuantizedWeight | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        t = self.weight if self.weight is not None else self.qw.q
+        return tuple(t.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def dense(self, dtype=torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype) if self.qw is None else self.qw.dequantize(dtype)
 
 
 class LazyTensors(Mapping):
@@ -82,6 +110,18 @@ class CheckpointReader:
         bias = self.tensors.get(f"{name}.bias")
         qw = qformat.read_linear(self.tensors, name, self.qconfig) if self.qconfig is not None else None
         return (None if qw is not None else self.tensor(f"{name}.weight")), qw, bias
+
+    def linear(self, name: str) -> LinearWeights:
+        weight, qw, bias = self.linear_tensors(name)
+        return LinearWeights(name, weight=weight, qw=qw, bias=bias)
+
+    def lm_head(self) -> LinearWeights:
+        """lm_head, or the embedding where the model ties them."""
+        if self.has_lm_head():
+            return self.linear("lm_head")
+        if self.spec.tie_word_embeddings:
+            return LinearWeights("lm_head", weight=self.tensor("model.embed_tokens.weight"))
+        raise LlmqError(f"{self.path}: no lm_head weights and tie_word_embeddings is false")
 
     def has_lm_head(self) -> bool:
         return any(k.startswith("lm_head.") for k in self.tensors)

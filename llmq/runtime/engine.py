@@ -18,7 +18,8 @@ from ..models import ModelSpec
 from .block_manager import BlockManager
 from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
 from .kv_cache import KV_DTYPES, kv_element_bytes
-from .loader import Checkpoint, RankLayout
+from ..models.reader import CheckpointReader
+from ..models.sharding import make_plan
 from .model_runner import ModelRunner, compute_dtype_for, prepare_step
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler
@@ -112,7 +113,7 @@ class LLMEngine:
         self.config = cfg = config or EngineConfig()
         src = _source(model)
         self.path = src.path
-        ckpt = Checkpoint(src.weights_dir)
+        ckpt = CheckpointReader(src.weights_dir)
         self.spec: ModelSpec = ckpt.spec
         from ..models import load_tokenizer, pick_device
 
@@ -163,7 +164,7 @@ class LLMEngine:
                 self._saved_threads = torch.get_num_threads()
                 torch.set_num_threads(threads_per_rank(self.tp))
             if engine is None:
-                RankLayout.make(self.spec, self.tp, 0)  # refuse a split that does not fit before spawning anything
+                make_plan(self.spec, self.tp)  # refuse a split that does not fit before spawning anything
             self.workers = WorkerGroup(self.tp, load_args, self.device)
             try:
                 init_group(0, self.tp, self.workers.port, rank_device(self.device, 0))
@@ -184,7 +185,7 @@ class LLMEngine:
 
     # -- setup helpers ---------------------------------------------------------------------------------------------
     @staticmethod
-    def _kv_dtype(requested: str, ckpt: Checkpoint, engine: dict | None) -> str:
+    def _kv_dtype(requested: str, ckpt: CheckpointReader, engine: dict | None) -> str:
         if requested not in KV_DTYPES:
             raise LlmqError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}; got {requested!r}")
         have = (engine or {}).get("kv_cache_dtype") or ckpt.kv_cache_dtype() or "auto"
@@ -199,7 +200,7 @@ class LLMEngine:
             raise LlmqError(f"this checkpoint's KV-cache scales are calibrated for {have}, not {requested}")
         return requested
 
-    def _num_blocks(self, ckpt: Checkpoint, dtype: torch.dtype) -> int:
+    def _num_blocks(self, ckpt: CheckpointReader, dtype: torch.dtype) -> int:
         cfg = self.config
         heads_per_rank = max(self.spec.num_kv_heads // self.tp, 1)
         per_token = 2 * self.spec.num_layers * heads_per_rank * self.spec.head_dim * kv_element_bytes(

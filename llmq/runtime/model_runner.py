@@ -13,14 +13,15 @@ import torch
 
 from ..errors import LlmqError
 from ..models import ModelSpec
-from ..models.reader import ATTN, MLP
+from ..models.reader import ATTN, MLP, CheckpointReader, LinearWeights
+from ..models.sharding import ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
 from ..models.spec import attends
 from .distributed import TPContext
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_inv_freq
-from .loader import Checkpoint, Part, RankLayout, build_linear, split_cols, split_rows
+from .loader import build_linear
 from .models.llama import DecoderLayer, LayerWeights, LlamaForCausalLM
 
 
@@ -54,12 +55,12 @@ def compute_dtype_for(device: torch.device, requested: str | torch.dtype | None,
     return torch.float16 if name == "float16" else torch.bfloat16
 
 
-def load_model(ckpt: Checkpoint, tp: int, rank: int, engine: dict | None, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> tuple[LlamaForCausalLM, int, int]:
+def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: dict | None, dtype: torch.dtype,
+               device: torch.device, max_positions: int) -> tuple[LlamaForCausalLM, int, int]:
     """This rank's model, its number of local query heads and local KV heads.
 
     engine is the engine.json of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
-    None means ckpt is a whole checkpoint, sliced here for tp > 1.
+    None means ckpt is a whole checkpoint, sliced here for tp > 1 by the same sharding plan the build stage uses.
     """
     spec = ckpt.spec
     if engine is not None:
@@ -67,38 +68,18 @@ def load_model(ckpt: Checkpoint, tp: int, rank: int, engine: dict | None, dtype:
         heads, kv_heads = plan["heads_per_rank"], plan["kv_heads_per_rank"]
         vocab, vocab_parallel = plan["vocab_size"], tp > 1
         embed_start = rank * (plan["padded_vocab_size"] // tp) if plan.get("parallel_embedding") and tp > 1 else None
-        layout = None
+        plan = None
     else:
-        layout = RankLayout.make(spec, tp, rank) if tp > 1 else None
-        heads = layout.heads if layout else spec.num_heads
-        kv_heads = layout.kv_heads if layout else spec.num_kv_heads
+        plan = make_plan(spec, tp) if tp > 1 else None
+        heads = plan.heads_per_rank if plan else spec.num_heads
+        kv_heads = plan.kv_heads_per_rank if plan else spec.num_kv_heads
         vocab, vocab_parallel, embed_start = spec.vocab_size, tp > 1, None
     tpc = TPContext(rank, tp, vocab_parallel)
-
-    def linears(prefix: str, names: tuple[str, ...]) -> dict[str, Part]:
-        parts = {n: ckpt.linear(f"{prefix}.{n}") for n in names}
-        if layout is None:
-            return parts
-        lo, hi = layout.mlp_cols()
-        q_rows = layout.q_rows()
-        out = {}
-        for n, p in parts.items():
-            if n == "q_proj":
-                out[n] = split_rows(p, q_rows)
-            elif n in ("k_proj", "v_proj"):
-                out[n] = split_rows(p, layout.kv_rows())
-            elif n == "o_proj":
-                out[n] = split_cols(p, int(q_rows[0]), int(q_rows[-1]) + 1)
-            elif n in ("gate_proj", "up_proj"):
-                out[n] = split_rows(p, torch.arange(lo, hi))
-            else:
-                out[n] = split_cols(p, lo, hi)
-        return out
 
     def norm(name: str) -> RMSNorm:
         return RMSNorm(ckpt.tensor(name).to(device=device, dtype=dtype), spec.rms_norm_eps)
 
-    def row_bias(p: Part):
+    def row_bias(p: LinearWeights):
         b = p.bias.to(device=device, dtype=dtype) if p.bias is not None else None
         p.bias = None
         return b
@@ -112,41 +93,43 @@ def load_model(ckpt: Checkpoint, tp: int, rank: int, engine: dict | None, dtype:
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
-        a = linears(f"{p}.self_attn", ATTN)
-        m = linears(f"{p}.mlp", MLP)
-        o_bias, down_bias = row_bias(a["o_proj"]), row_bias(m["down_proj"])
+        if plan is not None:
+            lin = layer_slices(ckpt, plan, i, ranks=[rank])[0]
+        else:
+            lin = {n: ckpt.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: ckpt.linear(f"{p}.mlp.{n}") for n in MLP}
+        o_bias, down_bias = row_bias(lin["o_proj"]), row_bias(lin["down_proj"])
         w = LayerWeights(
             input_norm=norm(f"{p}.input_layernorm.weight"),
-            qkv=build_linear([a["q_proj"], a["k_proj"], a["v_proj"]], dtype, device),
-            o=build_linear([a["o_proj"]], dtype, device), o_bias=o_bias,
+            qkv=build_linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]], dtype, device),
+            o=build_linear([lin["o_proj"]], dtype, device), o_bias=o_bias,
             post_norm=norm(f"{p}.post_attention_layernorm.weight"),
-            gate_up=build_linear([m["gate_proj"], m["up_proj"]], dtype, device),
-            down=build_linear([m["down_proj"]], dtype, device), down_bias=down_bias)
+            gate_up=build_linear([lin["gate_proj"], lin["up_proj"]], dtype, device),
+            down=build_linear([lin["down_proj"]], dtype, device), down_bias=down_bias)
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
     embed = ckpt.tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
     if ckpt.has_lm_head():
         head = ckpt.linear("lm_head")
     elif spec.tie_word_embeddings:
-        head = Part(weight=embed)  # shares the embedding's memory
+        head = LinearWeights("lm_head", weight=embed)  # shares the embedding's memory
     else:
         raise LlmqError(f"{ckpt.path}: no lm_head weights and tie_word_embeddings is false")
-    if layout is not None:
-        head = split_rows(head, layout.vocab_rows())
+    if plan is not None:
+        head = split_rows(head, plan.vocab_rows(rank))
     model = LlamaForCausalLM(embed, layers, norm("model.norm.weight"), build_linear([head], dtype, device), rotary,
                              vocab, tpc, embed_start)
     return model.eval(), heads, kv_heads
 
 
-def load_kv_scales(ckpt: Checkpoint, layout: RankLayout | None, num_layers: int):
+def load_kv_scales(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, num_layers: int):
+    """Every layer's (k_scale, v_scale) for this rank (its KV heads' share of per-head scales), or None."""
     scales = []
     for i in range(num_layers):
         s = ckpt.kv_scales(i)
         if s is None:
             return None
         k, v = (torch.as_tensor(x).float().flatten() for x in s)
-        if layout is not None:  # this rank's heads (per-head scales) or their channels (per-channel scales)
-            heads, rows = layout.kv_head_ids(), layout.kv_rows()
-            k, v = (x if x.numel() == 1 else x[heads] if x.numel() == layout.num_kv_heads else x[rows] for x in (k, v))
+        if plan is not None:
+            k, v = kv_scale_slice(k, plan, rank), kv_scale_slice(v, plan, rank)
         scales.append((k, v))
     return scales
 
@@ -159,15 +142,15 @@ class ModelRunner:
         assert world == tp
         self.device = torch.device(device)
         self.rank_dir = Path(path) / f"rank{rank}" if engine is not None else Path(path)
-        ckpt = Checkpoint(self.rank_dir)
+        ckpt = CheckpointReader(self.rank_dir)
         self.dtype = compute_dtype_for(self.device, dtype, ckpt.config)
         self.model, self.num_heads, self.num_kv_heads = load_model(ckpt, tp, rank, engine, self.dtype, self.device,
                                                                    max_positions)
         self.tp = self.model.tp
         self.spec: ModelSpec = ckpt.spec
         self.block_size = block_size
-        layout = RankLayout.make(ckpt.spec, tp, rank) if (engine is None and tp > 1) else None
-        scales = load_kv_scales(ckpt, layout, ckpt.spec.num_layers) if kv_cache_dtype != "auto" else None
+        plan = make_plan(ckpt.spec, tp) if (engine is None and tp > 1) else None
+        scales = load_kv_scales(ckpt, plan, rank, ckpt.spec.num_layers) if kv_cache_dtype != "auto" else None
         self.caches = allocate_kv_cache(ckpt.spec.num_layers, num_blocks, block_size, self.num_kv_heads,
                                         ckpt.spec.head_dim, kv_cache_dtype, self.dtype, self.device, scales)
         self.kv_cache_dtype = kv_cache_dtype

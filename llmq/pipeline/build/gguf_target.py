@@ -34,9 +34,8 @@ from gguf import GGMLQuantizationType as GT
 from gguf import MODEL_TENSOR as MT
 
 from ...errors import LlmqError
-from .plan import ShardPlan
-from .shard import LinearWeights, split_rows
-from .source import SourceModel, layer_prefix
+from ...models.sharding import LinearWeights, ShardPlan, split_rows
+from ...models.reader import CheckpointReader, layer_prefix
 
 BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 block
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
@@ -50,7 +49,7 @@ _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 _LLAMA3_REGEX = _QWEN2_REGEX.replace(r"\p{N}|", r"\p{N}{1,3}|")
 
 
-def _refuse_unsupported(src: SourceModel, plan: ShardPlan) -> None:
+def _refuse_unsupported(src: CheckpointReader, plan: ShardPlan) -> None:
     """One-line errors for what a GGUF file cannot say, before anything is written."""
     s = src.spec
     if plan.tp != 1:
@@ -202,7 +201,7 @@ class _Tensors:
             self.dense(f"{name}.bias", lw.bias, force_f32=True)
 
 
-def _add_weights(tensors: _Tensors, src: SourceModel, arch: str) -> None:
+def _add_weights(tensors: _Tensors, src: CheckpointReader, arch: str) -> None:
     names = gguf.TENSOR_NAMES
     s = src.spec
     tensors.dense(f"{names[MT.TOKEN_EMBD]}.weight", src.tensor("model.embed_tokens.weight"))
@@ -221,7 +220,7 @@ def _add_weights(tensors: _Tensors, src: SourceModel, arch: str) -> None:
         tensors.linear(names[MT.OUTPUT], src.lm_head())
 
 
-def _add_hparams(w, src: SourceModel, name: str) -> None:
+def _add_hparams(w, src: CheckpointReader, name: str) -> None:
     s = src.spec
     w.add_name(name)
     w.add_context_length(s.max_position_embeddings)
@@ -279,7 +278,7 @@ def _adds_special(tokenizer_json: Path, bos: int | None, eos: int | None) -> tup
     return bool(ids) and ids[0] == bos, bool(ids) and ids[-1] == eos
 
 
-def _add_tokenizer(w, src: SourceModel) -> dict:
+def _add_tokenizer(w, src: CheckpointReader) -> dict:
     """Vocabulary, merges, special ids, BOS/EOS behaviour and chat template; returns what was written."""
     path = src.path / "tokenizer.json"
     if not path.is_file():
@@ -324,7 +323,7 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
         dense_dtype, ("F32", int(F.ALL_F32)))
 
 
-def write_gguf(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> dict:
+def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine: dict) -> dict:
     """Write `<source>.<type>.gguf` under `out`; returns the engine.json fields: file, types, re-rounding."""
     _refuse_unsupported(src, plan)
     arch = GGUF_ARCH[src.spec.model_type]

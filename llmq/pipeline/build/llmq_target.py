@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from ...models.checkpoint import save_state_dict, write_json
-from .plan import ShardPlan
-from .shard import LinearWeights, kv_scale_slice, layer_slices, split_rows, vocab_slice
-from .source import SourceModel, layer_prefix
+from ...models.sharding import LinearWeights, ShardPlan, kv_scale_slice, layer_slices, split_rows, vocab_slice
+from ...models.reader import CheckpointReader, layer_prefix
 
 
 def _put(state: dict, lw: LinearWeights, name: str) -> None:
@@ -30,14 +29,14 @@ def _put(state: dict, lw: LinearWeights, name: str) -> None:
         state[f"{name}.bias"] = lw.bias.contiguous()
 
 
-def rank_config(src: SourceModel, plan: ShardPlan) -> dict:
+def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
     cfg = copy.deepcopy(src.config)
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
                head_dim=plan.head_dim, tie_word_embeddings=False)
     return cfg
 
 
-def write_llmq(src: SourceModel, plan: ShardPlan, out: Path) -> list[str]:
+def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path) -> list[str]:
     """Write rank0..rank{tp-1} under `out`; returns the rank directory names."""
     states: list[dict[str, torch.Tensor]] = [{} for _ in range(plan.tp)]
     for i in range(src.spec.num_layers):

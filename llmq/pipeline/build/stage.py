@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
 from ...models.checkpoint import copy_tokenizer, write_json
-from .plan import make_plan
-from .source import SourceModel
+from ...models.sharding import make_plan
+from ...models.reader import CheckpointReader
 
 TARGETS = ("llmq", "trtllm", "trtllm-hf", "gguf")
 KV_CHOICES = ("auto", "int8", "fp8")
@@ -32,7 +32,7 @@ class BuildOptions:
     name: str | None = None
 
 
-def _check(opts: BuildOptions, src: SourceModel) -> None:
+def _check(opts: BuildOptions, src: CheckpointReader) -> None:
     if opts.target not in TARGETS:
         raise LlmqError(f"--target {opts.target!r}: use one of {', '.join(TARGETS)}")
     if opts.target == "gguf" and opts.verify:
@@ -51,7 +51,7 @@ def _check(opts: BuildOptions, src: SourceModel) -> None:
                         "positions")
 
 
-def kv_cache_dtype(requested: str, src: SourceModel) -> str:
+def kv_cache_dtype(requested: str, src: CheckpointReader) -> str:
     """The engine's KV-cache dtype: what the source was calibrated for, checked against what the user asked."""
     have = src.kv_cache_dtype()
     if requested == "auto":
@@ -65,14 +65,14 @@ def kv_cache_dtype(requested: str, src: SourceModel) -> str:
     return requested
 
 
-def _dtype_of(src: SourceModel) -> str:
+def _dtype_of(src: CheckpointReader) -> str:
     """The dense tensors' dtype, read from the embedding rather than trusted from config.json."""
     return str(src.tensor("model.embed_tokens.weight").dtype).removeprefix("torch.")
 
 
 def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: str | None = None) -> Artifact:
     """Shard `source` for opts.tp ranks into a new engine artifact; optionally run the reference check first."""
-    src = SourceModel(source.path)
+    src = CheckpointReader(source.path)
     _check(opts, src)
     plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
     kv = kv_cache_dtype(opts.kv, src)

@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
-from .plan import ShardPlan
-from .shard import LinearWeights, layer_slices, split_rows, vocab_slice
-from .source import SourceModel, layer_prefix, linear_names
+from ...models.sharding import LinearWeights, ShardPlan, layer_slices, split_rows, vocab_slice
+from ...models.reader import CheckpointReader, layer_prefix, linear_names
 
 # The strings TensorRT-LLM accepts, read from tensorrt_llm/quantization/mode.py (class QuantAlgo(StrEnum), whose
 # auto() values are the member names; QUANT_ALGO_LIST is every member but INT8; KV_CACHE_QUANT_ALGO_LIST is
@@ -213,7 +212,7 @@ def _stack_rows(parts: list[LinearWeights]) -> LinearWeights:
     return LinearWeights("qkv", qw=fused, bias=bias)
 
 
-def _schemes(src: SourceModel) -> tuple[str | None, dict]:
+def _schemes(src: CheckpointReader) -> tuple[str | None, dict]:
     """The model's TensorRT-LLM quant_algo and its quantization fields.
 
     TensorRT-LLM takes one algorithm per checkpoint. Grouped INT4 layers decide it (W4A16_AWQ) when present; other
@@ -264,7 +263,7 @@ def requantized_at_load(tensor: str, patterns: list[str] | None) -> bool:
     return any(n in tensor for n in REQUANTIZED_TENSORS) and not excluded(tensor, patterns)
 
 
-def trtllm_config(src: SourceModel, plan: ShardPlan, algo: str | None, qfields: dict, kv_algo: str | None,
+def trtllm_config(src: CheckpointReader, plan: ShardPlan, algo: str | None, qfields: dict, kv_algo: str | None,
                   exclude: list[str] | None, dtype: str) -> dict:
     s = src.spec
     cfg = {
@@ -338,7 +337,7 @@ class _RankWriter:
         self.states[r].update({f"{module}.{k}": v for k, v in t.items()})
 
 
-def write_trtllm(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> dict:
+def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine: dict) -> dict:
     """Write the checkpoint under `out`, run the compile step; returns the engine.json fields for this target."""
     from .compile import compile_trtllm
 

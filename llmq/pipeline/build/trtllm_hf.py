@@ -26,9 +26,8 @@ import torch
 
 from ...errors import LlmqError
 from ...models.checkpoint import copy_tokenizer, save_state_dict, write_json
-from .plan import ShardPlan, _rows
-from .shard import LinearWeights, split_cols, split_rows
-from .source import ATTN, MLP, SourceModel, layer_prefix
+from ...models.sharding import LinearWeights, ShardPlan, head_rows, split_cols, split_rows
+from ...models.reader import ATTN, MLP, CheckpointReader, layer_prefix
 from .trtllm import pack_int4_rows, unpack_int4_rows
 
 DIR = "trtllm-hf"
@@ -56,7 +55,7 @@ def _full_rows(plan: ShardPlan, which: str) -> torch.Tensor:
     """Rows of the padded, unsharded q (or k/v) projection: real heads first, then zero heads."""
     if which == "q":
         return torch.cat([plan.q_rows(r) for r in range(plan.tp)])
-    return _rows([k if k < plan.num_kv_heads else None for k in range(plan.padded_kv_heads)], plan.head_dim)
+    return head_rows([k if k < plan.num_kv_heads else None for k in range(plan.padded_kv_heads)], plan.head_dim)
 
 
 def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype) -> tuple[dict, str | None]:
@@ -82,7 +81,7 @@ def hf_quant_config(algos: set[str], group_size: int | None, kv_algo: str | None
     return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": q}
 
 
-def write_trtllm_hf(src: SourceModel, plan: ShardPlan, out: Path, engine: dict) -> dict:
+def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine: dict) -> dict:
     """Write the padded Hugging Face checkpoint, hf_quant_config.json and the LLM-API options under `out`."""
     from .compile import write_llm_api_options
 

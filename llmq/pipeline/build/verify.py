@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from ...errors import LlmqError
 from ...models.spec import ModelSpec, attends
-from .plan import ShardPlan
-from .source import ATTN, MLP, SourceModel, layer_prefix
+from ...models.sharding import ShardPlan
+from ...models.reader import ATTN, MLP, CheckpointReader, layer_prefix
 
 TOLERANCE = 1e-4   # max |logits - reference| / max |reference|; float32 reduction-order noise is ~1e-6
 
@@ -48,7 +48,7 @@ def _lin(lw, dense) -> Lin:
                lw.bias.float() if lw.bias is not None else None)
 
 
-def reference_weights(src: SourceModel, dense=None) -> RankWeights:
+def reference_weights(src: CheckpointReader, dense=None) -> RankWeights:
     """The unsharded model as one rank: every layer whole, weights dequantized through qformat.
 
     `dense(linear) -> float32 weight` overrides the dequantization where a target stores values differently
@@ -69,7 +69,7 @@ def reference_weights(src: SourceModel, dense=None) -> RankWeights:
 
 def llmq_rank_weights(rank_dir: Path) -> RankWeights:
     """A `--target llmq` rank directory is itself a (sliced) HF checkpoint: read it the same way as the source."""
-    return reference_weights(SourceModel(rank_dir))
+    return reference_weights(CheckpointReader(rank_dir))
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,7 +142,7 @@ def tp_forward(ranks: list[RankWeights], plan: ShardPlan, hf_config: dict, input
     return logits[..., :plan.vocab_size]
 
 
-def unsharded_plan(src: SourceModel) -> ShardPlan:
+def unsharded_plan(src: CheckpointReader) -> ShardPlan:
     s = src.spec
     return ShardPlan(tp=1, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                      padded_heads=s.num_heads, padded_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
@@ -159,7 +159,7 @@ def expected_kv_scale(scale: torch.Tensor, plan: ShardPlan, rank: int) -> torch.
     return torch.stack([per_head[h] if h is not None else torch.ones_like(per_head[0]) for h in heads]).reshape(-1)
 
 
-def kv_scale_mismatches(ranks: list[RankWeights], src: SourceModel, plan: ShardPlan, target: str) -> int:
+def kv_scale_mismatches(ranks: list[RankWeights], src: CheckpointReader, plan: ShardPlan, target: str) -> int:
     """(layer, rank) pairs whose stored KV-cache scales are missing or differ from the source's, for KV-quantized
     engines. The llmq target keeps K and V scales (per-head ones sliced); TensorRT-LLM keeps one: their maximum."""
     bad = 0
@@ -197,7 +197,7 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
     engine_dir, source_dir = Path(engine_dir), Path(source_dir)
     meta = json.loads((engine_dir / "engine.json").read_text())
     plan = ShardPlan.from_dict(meta["plan"])
-    src = SourceModel(source_dir)
+    src = CheckpointReader(source_dir)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.spec.vocab_size, (batch, seq_len), generator=gen)
     target_ranks = None

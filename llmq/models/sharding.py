@@ -1,0 +1,260 @@
+"""The one tensor-parallel sharding plan: build's shard writers and the runtime's in-memory tensor parallelism both
+apply it, so an engine built for tp ranks and a checkpoint served with --tp split exactly alike.
+
+Column-parallel layers (q/k/v, gate, up, lm_head) keep a subset of output rows per rank; row-parallel layers
+(o_proj, down) keep the matching input columns and their partial outputs are summed (all-reduce). Everything here
+is index arithmetic: for each rank, which source rows/columns land in its slice, with -1 marking a zero pad.
+
+Heads: rank r owns query heads [r*H/tp, (r+1)*H/tp). KV heads are split the same way when there are at least tp
+of them, and replicated when there are fewer (tp % kv == 0): rank r then holds kv head r*kv//tp, the one its query
+heads attend with. With `pad_heads`, a head count tp does not divide is padded with whole zero GQA groups (zero
+q/k/v rows, zero o_proj columns): a padded head attends uniformly over zero values and adds exactly nothing.
+
+Slicing: quantized weights are sliced in their unpacked form (`QuantizedWeight.q`, one integer per weight) and
+packed again by whoever writes or loads them, so a packed axis is never cut mid-word. Scales and zero points travel
+with their weights: per-channel and per-group tensors follow the output rows of a column split; group scales follow
+the input columns of a row split group by group, so every rank's column range must start and end on a group
+boundary or lie inside one group (whose scale that rank then keeps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+import torch
+
+from ..errors import LlmqError
+from .reader import ATTN, MLP, LinearWeights
+from .spec import ModelSpec
+
+SUPPORTED_TP = (1, 2, 4, 8)
+
+
+def _kv_fits(kv: int, tp: int) -> bool:
+    return kv % tp == 0 or tp % kv == 0
+
+
+def _heads_fit(heads: int, kv: int, tp: int) -> bool:
+    return heads % tp == 0 and _kv_fits(kv, tp)
+
+
+def _padded_heads(heads: int, kv: int, tp: int) -> tuple[int, int]:
+    """Smallest (heads', kv') >= (heads, kv) with the same GQA group size that tp splits."""
+    group = heads // kv
+    kv_p = kv
+    while not _heads_fit(group * kv_p, kv_p, tp):
+        kv_p += 1
+    return group * kv_p, kv_p
+
+
+def head_rows(units: list[int | None], size: int) -> torch.Tensor:
+    """Row indices of consecutive blocks of `size` (a head, say); None gives a block of -1 (zero padding)."""
+    parts = [torch.arange(u * size, (u + 1) * size) if u is not None else torch.full((size,), -1) for u in units]
+    return torch.cat(parts).long()
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    tp: int
+    num_heads: int            # source model
+    num_kv_heads: int
+    head_dim: int
+    padded_heads: int         # what the engine runs (== num_heads unless pad_heads was needed)
+    padded_kv_heads: int
+    intermediate_size: int
+    hidden_size: int
+    vocab_size: int
+    padded_vocab_size: int    # multiple of tp; lm_head (and a parallel embedding) rows past vocab_size are zero
+    parallel_embedding: bool
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.padded_heads // self.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(self.padded_kv_heads // self.tp, 1)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold a copy of each KV head (1 unless there are fewer KV heads than ranks)."""
+        return max(self.tp // self.padded_kv_heads, 1)
+
+    @property
+    def head_padding(self) -> bool:
+        return self.padded_heads != self.num_heads
+
+    def q_heads(self, rank: int) -> list[int | None]:
+        """Source query head of each of this rank's heads, None for a padding head."""
+        start = rank * self.heads_per_rank
+        return [h if h < self.num_heads else None for h in range(start, start + self.heads_per_rank)]
+
+    def kv_heads(self, rank: int) -> list[int | None]:
+        if self.padded_kv_heads >= self.tp:
+            start = rank * self.kv_heads_per_rank
+            ids = range(start, start + self.kv_heads_per_rank)
+        else:
+            ids = [rank * self.padded_kv_heads // self.tp]
+        return [k if k < self.num_kv_heads else None for k in ids]
+
+    def q_rows(self, rank: int) -> torch.Tensor:
+        """q_proj output rows of this rank; also o_proj's input columns."""
+        return head_rows(self.q_heads(rank), self.head_dim)
+
+    def kv_rows(self, rank: int) -> torch.Tensor:
+        return head_rows(self.kv_heads(rank), self.head_dim)
+
+    def mlp_rows(self, rank: int) -> torch.Tensor:
+        """gate/up output rows of this rank; also down_proj's input columns."""
+        n = self.intermediate_size // self.tp
+        return torch.arange(rank * n, (rank + 1) * n)
+
+    def vocab_rows(self, rank: int) -> torch.Tensor:
+        n = self.padded_vocab_size // self.tp
+        idx = torch.arange(rank * n, (rank + 1) * n)
+        return torch.where(idx < self.vocab_size, idx, torch.full_like(idx, -1))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(heads_per_rank=self.heads_per_rank, kv_heads_per_rank=self.kv_heads_per_rank,
+                 kv_replicas=self.kv_replicas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardPlan":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embedding: bool = False) -> ShardPlan:
+    """The plan for `spec` on `tp` ranks, or an LlmqError saying which tp values would work."""
+    if tp not in SUPPORTED_TP:
+        raise LlmqError(f"--tp {tp} is not supported: use one of {', '.join(map(str, SUPPORTED_TP))}")
+    heads, kv = spec.num_heads, spec.num_kv_heads
+    if heads % kv:
+        raise LlmqError(f"model has {heads} attention heads and {kv} KV heads: not a whole GQA group size")
+    if _heads_fit(heads, kv, tp):
+        padded, kv_padded = heads, kv
+    elif pad_heads:
+        padded, kv_padded = _padded_heads(heads, kv, tp)
+    else:
+        ok = [t for t in SUPPORTED_TP if _heads_fit(heads, kv, t)]
+        padded, kv_padded = _padded_heads(heads, kv, tp)
+        raise LlmqError(f"--tp {tp} does not divide this model's {heads} attention heads / {kv} KV heads "
+                        f"(tp values that do: {', '.join(map(str, ok))}); drop --no-pad-heads to add zero heads "
+                        f"(exact, {padded} heads / {kv_padded} KV heads)")
+    if spec.intermediate_size % tp:
+        raise LlmqError(f"--tp {tp} does not divide the MLP width {spec.intermediate_size}")
+    padded_vocab = -(-spec.vocab_size // tp) * tp
+    return ShardPlan(tp=tp, num_heads=heads, num_kv_heads=kv, head_dim=spec.head_dim, padded_heads=padded,
+                     padded_kv_heads=kv_padded, intermediate_size=spec.intermediate_size,
+                     hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, padded_vocab_size=padded_vocab,
+                     parallel_embedding=parallel_embedding)
+
+
+def take(t: torch.Tensor, idx: torch.Tensor, dim: int, fill: float = 0) -> torch.Tensor:
+    """t.index_select(dim, idx) where idx == -1 yields `fill`. Works for float8 and integer tensors too."""
+    raw = t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+    out = raw.index_select(dim, idx.clamp(min=0).to(t.device))
+    pad = (idx < 0).to(t.device)
+    if pad.any():
+        shape = [1] * out.dim()
+        shape[dim] = -1
+        out = out.masked_fill(pad.view(shape), fill if raw is t else 0)
+    return out.view(t.dtype) if raw is not t else out
+
+
+def group_index(cols: torch.Tensor, group: int, name: str) -> torch.Tensor:
+    """Map a column selection to the selection of its quantization groups (-1 for an all-padding group).
+
+    Either the selection is whole groups, or (a rank holding less than a group, as with 64-column groups over
+    32-column head slices) it lies inside one group, whose scale the rank then keeps for its partial group."""
+    if 0 < cols.numel() < group and bool((cols >= 0).all()):
+        first = int(cols[0])
+        if torch.equal(cols, torch.arange(first, first + cols.numel())) and (first + cols.numel() - 1) // group == first // group:
+            return torch.tensor([first // group])
+    if cols.numel() % group:
+        raise LlmqError(f"{name}: a rank's {cols.numel()} input columns are not a whole number of "
+                        f"{group}-column quantization groups; choose a tp (or group size) that splits on group edges")
+    blocks = cols.view(-1, group)
+    first = blocks[:, 0]
+    expected = first[:, None] + torch.arange(group)
+    real = first >= 0
+    if not (torch.equal(blocks[real], expected[real]) and bool((first[real] % group == 0).all())
+            and bool((blocks[~real] < 0).all())):
+        raise LlmqError(f"{name}: the tensor-parallel split cuts through {group}-column quantization groups")
+    return torch.where(real, first // group, torch.full_like(first, -1))
+
+
+def _scale_rows(s: torch.Tensor | None, rows: torch.Tensor, fill: float) -> torch.Tensor | None:
+    if s is None or s.numel() == 1:
+        return s
+    return take(s, rows, 0, fill)
+
+
+def _scale_cols(s: torch.Tensor | None, cols: torch.Tensor, in_features: int, fill: float, name: str):
+    if s is None or s.numel() == 1 or s.dim() == 1 or s.shape[-1] == 1:
+        return s  # per-tensor or per-output-channel: every rank keeps it whole
+    return take(s, group_index(cols, in_features // s.shape[-1], name), 1, fill)
+
+
+def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:
+    """Column-parallel slice: keep output rows `rows` (with their bias, scales and zero points)."""
+    bias = take(lw.bias, rows, 0) if lw.bias is not None else None
+    if lw.qw is None:
+        return LinearWeights(lw.name, weight=take(lw.weight, rows, 0), bias=bias)
+    qw = lw.qw  # padded rows: q 0, zero point 0, scale 1 -> they dequantize to exactly 0
+    sliced = dataclasses.replace(qw, q=take(qw.q, rows, 0), scale=_scale_rows(qw.scale, rows, 1.0),
+                                 zero_point=_scale_rows(qw.zero_point, rows, 0))
+    return LinearWeights(lw.name, qw=sliced, bias=bias)
+
+
+def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
+    """Row-parallel slice: keep input columns `cols`. The bias stays whole: it is added once after the all-reduce."""
+    if lw.qw is None:
+        return LinearWeights(lw.name, weight=take(lw.weight, cols, 1), bias=lw.bias)
+    qw = lw.qw
+    in_features = qw.q.shape[1]
+    sliced = dataclasses.replace(
+        qw, q=take(qw.q, cols, 1),
+        scale=_scale_cols(qw.scale, cols, in_features, 1.0, lw.name),
+        zero_point=_scale_cols(qw.zero_point, cols, in_features, 0, lw.name))
+    return LinearWeights(lw.name, qw=sliced, bias=lw.bias)
+
+
+
+def layer_slices(reader, plan: ShardPlan, i: int, ranks=None) -> list[dict[str, LinearWeights]]:
+    """Rank slices of decoder layer i's seven linears under their Hugging Face module names, for `ranks` (all by
+    default). `reader` is any checkpoint reader whose .linear(name) returns LinearWeights."""
+    p = f"model.layers.{i}"
+    full = {n: reader.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: reader.linear(f"{p}.mlp.{n}") for n in MLP}
+    out = []
+    for r in (range(plan.tp) if ranks is None else ranks):
+        q_rows, kv_rows, mlp_rows = plan.q_rows(r), plan.kv_rows(r), plan.mlp_rows(r)
+        out.append({
+            "q_proj": split_rows(full["q_proj"], q_rows),
+            "k_proj": split_rows(full["k_proj"], kv_rows),
+            "v_proj": split_rows(full["v_proj"], kv_rows),
+            "o_proj": split_cols(full["o_proj"], q_rows),
+            "gate_proj": split_rows(full["gate_proj"], mlp_rows),
+            "up_proj": split_rows(full["up_proj"], mlp_rows),
+            "down_proj": split_cols(full["down_proj"], mlp_rows),
+        })
+    return out
+
+
+def kv_scale_slice(scale: torch.Tensor, plan, rank: int) -> torch.Tensor:
+    """A per-tensor KV scale goes to every rank whole; a per-KV-head one follows the rank's KV heads."""
+    if scale.numel() == 1:
+        return scale
+    if scale.shape[0] == plan.num_kv_heads:
+        heads = torch.tensor([h if h is not None else -1 for h in plan.kv_heads(rank)])
+        return take(scale, heads, 0, 1.0)
+    if scale.shape[0] == plan.num_kv_heads * plan.head_dim:
+        return take(scale, plan.kv_rows(rank), 0, 1.0)
+    raise LlmqError(f"KV-cache scale of shape {tuple(scale.shape)} is neither per-tensor, per-KV-head nor "
+                    f"per-channel ({plan.num_kv_heads} KV heads x {plan.head_dim})")
+
+
+def vocab_slice(t: torch.Tensor, plan, rank: int) -> torch.Tensor:
+    """Rows of an embedding-shaped tensor for this rank's vocab range, zero past the real vocab."""
+    return take(t, plan.vocab_rows(rank), 0)
