@@ -302,7 +302,7 @@ def test_compile_step_records_which_of_the_three_outcomes_happened(tmp_path, mon
 
     from llmq.pipeline.build.compile import compile_trtllm, write_llm_api_options
 
-    engine = {"tp": 2, "pp": 1, "max_batch_size": 8, "max_seq_len": 1024, "kv_cache_dtype": "fp8"}
+    engine = types.SimpleNamespace(tp=2, pp=1, max_batch_size=8, max_seq_len=1024, kv_cache_dtype="fp8")
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)                 # not installed
     out = compile_trtllm(tmp_path, engine)
     assert out["status"] == "checkpoint-only" and "tensorrt_llm is not installed" in out["reason"]

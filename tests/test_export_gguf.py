@@ -86,7 +86,7 @@ def _field(r, key):
 
 def gguf_file(engine_art) -> Path:
     meta = json.loads((engine_art.path / "engine.json").read_text())
-    return engine_art.path / meta["gguf"]["file"]
+    return engine_art.path / meta["outputs"]["gguf"]["file"]
 
 
 def _bf16_with_a_merge(d: Path) -> Path:
@@ -431,7 +431,7 @@ def test_integers_and_scales_read_back_bit_exact(tiny, arch, scheme):
     src, art = built[arch, scheme]
     stats = assert_bit_exact(src.path, gguf_file(art))
     assert stats["linears"] == 14 and stats["scales_not_exact"] == 0   # bf16 scales are fp16 numbers here
-    rounding = json.loads((art.path / "engine.json").read_text())["gguf"]["rounding"]
+    rounding = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]["rounding"]
     assert rounding["scales_rerounded_to_fp16"] == 0 and rounding["blocks"] == stats["blocks"]
     assert rounding["q4_1_mins_rerounded_to_fp16"] == stats["mins_rerounded"]
     assert (stats["mins_rerounded"] > 0) == (scheme == "w4-g32-asym")
@@ -485,7 +485,7 @@ def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(defa
                                                   num_samples=4, seq_len=64, probe_tokens=256),
                    default_store, progress=False)   # the quickstart's GPTQ, with lighter calibration
     art = build_engine(src, default_store, BuildOptions(target="gguf"))
-    info = json.loads((art.path / "engine.json").read_text())["gguf"]
+    info = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]
     assert info["tensor_types"] == {"BF16": 1, "F32": 61, "Q4_0": 210}   # tied: token_embd only, no output
     stats = assert_bit_exact(src.path, gguf_file(art))
     assert stats["linears"] == 210 and stats["scales_not_exact"] == info["rounding"]["scales_rerounded_to_fp16"] == 0

@@ -18,6 +18,7 @@ from ..models import ModelSpec
 from .block_manager import BlockManager
 from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
 from .kv_cache import KV_DTYPES, kv_element_bytes
+from ..models.engine_spec import EngineSpec
 from ..models.reader import CheckpointReader
 from ..models.sharding import make_plan
 from .model_runner import ModelRunner, compute_dtype_for, prepare_step
@@ -90,7 +91,7 @@ def _available_memory(device: torch.device) -> int:
 @dataclass
 class _Source:
     path: Path
-    engine: dict | None  # engine.json of a `build --target llmq` engine
+    engine: EngineSpec | None  # the record of a `build --target llmq` engine
     weights_dir: Path  # the directory holding config.json (rank0/ for an engine)
 
 
@@ -98,11 +99,10 @@ def _source(model: str | Path) -> _Source:
     path = Path(model)
     if not path.is_dir():
         raise LlmqError(f"{path}: not a model directory (resolve references to an artifact path first)")
-    ej = path / "engine.json"
-    if ej.is_file():
-        engine = json.loads(ej.read_text())
-        if engine.get("target") != "llmq":
-            raise LlmqError(f"{path} is a {engine.get('target')!r} engine; the bundled runtime loads "
+    if (path / "engine.json").is_file():
+        engine = EngineSpec.read(path)
+        if engine.target != "llmq":
+            raise LlmqError(f"{path} is a {engine.target!r} engine; the bundled runtime loads "
                             "`llmq build --target llmq` engines (or the quantized / model artifact itself)")
         return _Source(path, engine, path / "rank0")
     return _Source(path, None, path)
@@ -123,13 +123,11 @@ class LLMEngine:
             raise LlmqError("device cuda was requested but torch sees no CUDA GPU (CPU-only build or no driver)")
         engine = src.engine
         if engine is not None:
-            if cfg.tp not in (1, engine["tp"]):
-                raise LlmqError(f"this engine was built for tp={engine['tp']}; rebuild it with --tp {cfg.tp}")
-            if engine.get("format_version", 1) != 1:
-                raise LlmqError(f"{src.path}: engine format version {engine.get('format_version')} is not supported")
-            self.tp = engine["tp"]
-            block_size = engine.get("block_size", cfg.block_size)
-            limit = engine.get("max_seq_len") or DEFAULT_MAX_MODEL_LEN
+            if cfg.tp not in (1, engine.tp):
+                raise LlmqError(f"this engine was built for tp={engine.tp}; rebuild it with --tp {cfg.tp}")
+            self.tp = engine.tp
+            block_size = engine.block_size
+            limit = engine.max_seq_len
         else:
             self.tp = cfg.tp
             block_size = cfg.block_size
@@ -144,7 +142,7 @@ class LLMEngine:
             raise LlmqError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         self.block_size = block_size
         # an engine's max_batch_size is a build-time cap, like TensorRT-LLM's
-        self.max_num_seqs = min(cfg.max_num_seqs, engine.get("max_batch_size") or cfg.max_num_seqs) if engine \
+        self.max_num_seqs = min(cfg.max_num_seqs, engine.max_batch_size) if engine \
             else cfg.max_num_seqs
         self.kv_cache_dtype = self._kv_dtype(cfg.kv_cache_dtype, ckpt, engine)
         dtype = compute_dtype_for(self.device, cfg.dtype, ckpt.config)
@@ -185,10 +183,10 @@ class LLMEngine:
 
     # -- setup helpers ---------------------------------------------------------------------------------------------
     @staticmethod
-    def _kv_dtype(requested: str, ckpt: CheckpointReader, engine: dict | None) -> str:
+    def _kv_dtype(requested: str, ckpt: CheckpointReader, engine: EngineSpec | None) -> str:
         if requested not in KV_DTYPES:
             raise LlmqError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}; got {requested!r}")
-        have = (engine or {}).get("kv_cache_dtype") or ckpt.kv_cache_dtype() or "auto"
+        have = (engine.kv_cache_dtype if engine else None) or ckpt.kv_cache_dtype() or "auto"
         if requested == "auto":
             return have
         if have == "auto" and requested == "int8":

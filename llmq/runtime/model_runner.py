@@ -13,6 +13,7 @@ import torch
 
 from ..errors import LlmqError
 from ..models import ModelSpec
+from ..models.engine_spec import EngineSpec
 from ..models.reader import ATTN, MLP, CheckpointReader, LinearWeights
 from ..models.sharding import ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
 from ..models.spec import attends
@@ -55,19 +56,19 @@ def compute_dtype_for(device: torch.device, requested: str | torch.dtype | None,
     return torch.float16 if name == "float16" else torch.bfloat16
 
 
-def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: dict | None, dtype: torch.dtype,
+def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | None, dtype: torch.dtype,
                device: torch.device, max_positions: int) -> tuple[LlamaForCausalLM, int, int]:
     """This rank's model, its number of local query heads and local KV heads.
 
-    engine is the engine.json of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
+    engine is the record of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
     None means ckpt is a whole checkpoint, sliced here for tp > 1 by the same sharding plan the build stage uses.
     """
     spec = ckpt.spec
     if engine is not None:
-        plan = engine["plan"]
-        heads, kv_heads = plan["heads_per_rank"], plan["kv_heads_per_rank"]
-        vocab, vocab_parallel = plan["vocab_size"], tp > 1
-        embed_start = rank * (plan["padded_vocab_size"] // tp) if plan.get("parallel_embedding") and tp > 1 else None
+        built = engine.plan
+        heads, kv_heads = built.heads_per_rank, built.kv_heads_per_rank
+        vocab, vocab_parallel = built.vocab_size, tp > 1
+        embed_start = rank * (built.padded_vocab_size // tp) if built.parallel_embedding and tp > 1 else None
         plan = None
     else:
         plan = make_plan(spec, tp) if tp > 1 else None
@@ -137,7 +138,7 @@ def load_kv_scales(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, nu
 class ModelRunner:
     """One rank's model and KV cache."""
 
-    def __init__(self, path: str, engine: dict | None, tp: int, rank: int, world: int, device: str, dtype,
+    def __init__(self, path: str, engine: EngineSpec | None, tp: int, rank: int, world: int, device: str, dtype,
                  num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int):
         assert world == tp
         self.device = torch.device(device)

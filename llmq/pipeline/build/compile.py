@@ -19,17 +19,17 @@ from ...errors import LlmqError
 OPTIONS_FILE = "llm_api_options.yaml"
 
 
-def _max_num_tokens(engine: dict) -> int:
-    return max(engine["max_seq_len"], min(engine["max_batch_size"] * engine["max_seq_len"], 8192))
+def _max_num_tokens(engine) -> int:
+    return max(engine.max_seq_len, min(engine.max_batch_size * engine.max_seq_len, 8192))
 
 
-def write_llm_api_options(ckpt: Path, engine: dict, attention_window: int | None = None) -> dict:
+def write_llm_api_options(ckpt: Path, engine, attention_window: int | None = None) -> dict:
     """Options for `trtllm-serve CKPT --extra_llm_api_options FILE` / `LLM(CKPT, **options)`, written beside the
     Hugging Face checkpoint that TensorRT-LLM's PyTorch backend loads (`--target trtllm-hf`). A sliding-window model
     gets its window as `kv_cache_config.max_attention_window` (TensorRT-LLM sets windows at run time)."""
-    kv = {"dtype": engine["kv_cache_dtype"]} | ({"max_attention_window": [attention_window]} if attention_window else {})
-    options = {"tensor_parallel_size": engine["tp"], "pipeline_parallel_size": engine["pp"],
-               "max_batch_size": engine["max_batch_size"], "max_seq_len": engine["max_seq_len"],
+    kv = {"dtype": engine.kv_cache_dtype} | ({"max_attention_window": [attention_window]} if attention_window else {})
+    options = {"tensor_parallel_size": engine.tp, "pipeline_parallel_size": engine.pp,
+               "max_batch_size": engine.max_batch_size, "max_seq_len": engine.max_seq_len,
                "max_num_tokens": _max_num_tokens(engine), "kv_cache_config": kv}
     (ckpt / OPTIONS_FILE).write_text(yaml.safe_dump(options, sort_keys=True))
     rel = f"{ckpt.name}/{OPTIONS_FILE}"
@@ -37,7 +37,7 @@ def write_llm_api_options(ckpt: Path, engine: dict, attention_window: int | None
             "serve_command": f"trtllm-serve {ckpt.name} --extra_llm_api_options {rel}"}
 
 
-def build_engines(ckpt: Path, engine: dict) -> dict:
+def build_engines(ckpt: Path, engine) -> dict:
     """Compile one TensorRT engine per rank with tensorrt_llm's builder (needs the GPU the engine will run on)."""
     from tensorrt_llm import BuildConfig, build
     from tensorrt_llm.models import MODEL_MAP
@@ -47,15 +47,15 @@ def build_engines(ckpt: Path, engine: dict) -> dict:
     if model_cls is None:
         raise LlmqError(f"this tensorrt_llm has no model class for {cfg['architecture']}")
     out = ckpt / "engine"
-    build_config = BuildConfig(max_batch_size=engine["max_batch_size"], max_seq_len=engine["max_seq_len"],
+    build_config = BuildConfig(max_batch_size=engine.max_batch_size, max_seq_len=engine.max_seq_len,
                                max_num_tokens=_max_num_tokens(engine))
-    for rank in range(engine["tp"]):
+    for rank in range(engine.tp):
         model = model_cls.from_checkpoint(str(ckpt), rank=rank)
         build(model, build_config).save(str(out))
     return {"status": "engine", "engine_dir": "trtllm/engine"}
 
 
-def compile_trtllm(ckpt: Path, engine: dict) -> dict:
+def compile_trtllm(ckpt: Path, engine) -> dict:
     try:
         import tensorrt_llm  # noqa: F401
     except ImportError:

@@ -323,17 +323,17 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
         dense_dtype, ("F32", int(F.ALL_F32)))
 
 
-def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine: dict) -> dict:
+def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dict:
     """Write `<source>.<type>.gguf` under `out`; returns the engine.json fields: file, types, re-rounding."""
     _refuse_unsupported(src, plan)
     arch = GGUF_ARCH[src.spec.model_type]
-    source_name = engine["source"]["name"]
+    source_name = engine.source["name"]
     w = gguf.GGUFWriter(None, arch, use_temp_file=True)
     _add_hparams(w, src, source_name)
     tokenizer = _add_tokenizer(w, src)   # before the weights: a tokenizer GGUF cannot hold is refused early
     tensors = _Tensors(w)
     _add_weights(tensors, src, arch)
-    ftype_name, ftype = _file_type(tensors.types, engine["dtype"])
+    ftype_name, ftype = _file_type(tensors.types, engine.dtype)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     fname = f"{source_name}.{ftype_name}.gguf"

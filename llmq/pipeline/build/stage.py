@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
-from ...models.checkpoint import copy_tokenizer, write_json
+from ...models.checkpoint import copy_tokenizer
+from ...models.engine_spec import EngineSpec
 from ...models.sharding import make_plan
 from ...models.reader import CheckpointReader
 
 TARGETS = ("llmq", "trtllm", "trtllm-hf", "gguf")
 KV_CHOICES = ("auto", "int8", "fp8")
-ENGINE_FORMAT = "llmq-engine"
-ENGINE_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -78,37 +77,37 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     kv = kv_cache_dtype(opts.kv, src)
     max_seq_len = opts.max_seq_len or min(src.spec.max_position_embeddings, 4096)
     name = opts.name or f"{source.name}-tp{opts.tp}" + ("" if opts.target == "llmq" else f"-{opts.target}")
-    engine = {"format": ENGINE_FORMAT, "format_version": ENGINE_FORMAT_VERSION, "target": opts.target,
-              "tp": opts.tp, "pp": opts.pp, "max_batch_size": opts.max_batch_size, "max_seq_len": max_seq_len,
-              "kv_cache_dtype": kv, "block_size": opts.block_size, "dtype": _dtype_of(src),
-              "source": {"id": source.id, "name": source.name, "kind": source.kind},
-              "source_ids": [source.id, *source.parents], "plan": plan.to_dict()}
+    spec = EngineSpec(target=opts.target, tp=opts.tp, pp=opts.pp, max_batch_size=opts.max_batch_size,
+                      max_seq_len=max_seq_len, kv_cache_dtype=kv, block_size=opts.block_size, dtype=_dtype_of(src),
+                      source={"id": source.id, "name": source.name, "kind": source.kind},
+                      source_ids=[source.id, *source.parents], plan=plan)
     config = {"options": asdict(opts), "plan": plan.to_dict(), "kv_cache_dtype": kv, "max_seq_len": max_seq_len}
     with store.create("engine", name, parents=[source.id], config=config, command=command) as w:
         if opts.target == "llmq":
             from .llmq_target import write_llmq
 
-            engine["ranks"] = write_llmq(src, plan, w.dir)
-            engine["quantization"] = src.config.get("quantization_config")  # as in every rank's config.json
+            spec = replace(spec, ranks=write_llmq(src, plan, w.dir),
+                           quantization=src.config.get("quantization_config"))  # as in every rank's config.json
         elif opts.target == "gguf":
             from .gguf_target import write_gguf
 
-            engine.update(write_gguf(src, plan, w.dir, engine))
+            spec = replace(spec, outputs=write_gguf(src, plan, w.dir, spec))
         elif opts.target == "trtllm":
             from .trtllm import write_trtllm
 
-            engine.update(write_trtllm(src, plan, w.dir / "trtllm", engine))
+            out = write_trtllm(src, plan, w.dir / "trtllm", spec)
+            spec = replace(spec, ranks=out.pop("ranks"), quantization=out.pop("quantization"), outputs=out)
         else:
             from .trtllm_hf import DIR, write_trtllm_hf
 
-            engine.update(write_trtllm_hf(src, plan, w.dir / DIR, engine))
+            spec = replace(spec, outputs=write_trtllm_hf(src, plan, w.dir / DIR, spec))
         copy_tokenizer(source.path, w.dir)
         if (source.path / "generation_config.json").is_file():
             shutil.copyfile(source.path / "generation_config.json", w.dir / "generation_config.json")
-        write_json(w.dir / "engine.json", engine)
+        spec.write(w.dir)
         w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*")
                                         if p.suffix in (".safetensors", ".gguf")),
-                         compile=engine.get("compile", {"status": "not-applicable"}))
+                         compile=spec.outputs.get("compile", {"status": "not-applicable"}))
         if opts.verify:
             from .verify import verify_engine
 

@@ -337,20 +337,21 @@ class _RankWriter:
         self.states[r].update({f"{module}.{k}": v for k, v in t.items()})
 
 
-def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine: dict) -> dict:
-    """Write the checkpoint under `out`, run the compile step; returns the engine.json fields for this target."""
+def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dict:
+    """Write the checkpoint under `out`, run the compile step; returns the engine record's ranks, quantization and
+    outputs for this target (`engine` is the EngineSpec being written)."""
     from .compile import compile_trtllm
 
-    if src.spec.sliding_window is not None and src.spec.sliding_window < engine["max_seq_len"]:
+    if src.spec.sliding_window is not None and src.spec.sliding_window < engine.max_seq_len:
         raise LlmqError(f"this model attends over a sliding window of {src.spec.sliding_window} tokens, which a "
                         "TensorRT-LLM checkpoint cannot carry (it is a run-time setting there); use --target trtllm-hf, "
                         "whose LLM-API options set max_attention_window")
-    dtype_name = engine["dtype"]
+    dtype_name = engine.dtype
     dtype = _DTYPES.get(dtype_name)
     if dtype is None:
         raise LlmqError(f"model dtype {dtype_name!r} has no TensorRT-LLM equivalent")
     algo, qfields = _schemes(src)
-    kv = engine["kv_cache_dtype"]
+    kv = engine.kv_cache_dtype
     kv_algo = {"int8": "INT8", "fp8": "FP8"}.get(kv)
     w = _RankWriter(algo, qfields, plan, dtype)
     for i in range(src.spec.num_layers):

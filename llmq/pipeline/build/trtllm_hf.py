@@ -81,12 +81,12 @@ def hf_quant_config(algos: set[str], group_size: int | None, kv_algo: str | None
     return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": q}
 
 
-def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine: dict) -> dict:
+def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dict:
     """Write the padded Hugging Face checkpoint, hf_quant_config.json and the LLM-API options under `out`."""
     from .compile import write_llm_api_options
 
-    dtype = getattr(torch, engine["dtype"])
-    kv = engine["kv_cache_dtype"]
+    dtype = getattr(torch, engine.dtype)
+    kv = engine.kv_cache_dtype
     if kv == "int8":
         raise LlmqError("an INT8 KV cache is not loaded by TensorRT-LLM's PyTorch backend (it ignores "
                         "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`, or use --target trtllm")
@@ -127,15 +127,14 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine: d
     cfg = copy.deepcopy(src.config)
     cfg.pop("quantization_config", None)   # the backend would read it before noticing hf_quant_config.json is ours
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
-               head_dim=plan.head_dim, tie_word_embeddings=False, torch_dtype=engine["dtype"])
+               head_dim=plan.head_dim, tie_word_embeddings=False, torch_dtype=engine.dtype)
     out.mkdir(parents=True)
     save_state_dict(state, out)
     write_json(out / "config.json", cfg)
     if qcfg is not None:
         write_json(out / "hf_quant_config.json", qcfg)
     copy_tokenizer(src.path, out)
-    window = src.spec.sliding_window if (src.spec.sliding_window or engine["max_seq_len"]) < engine["max_seq_len"] \
-        else None
+    window = src.spec.sliding_window if (src.spec.sliding_window or engine.max_seq_len) < engine.max_seq_len else None
     return {"trtllm_hf_checkpoint": DIR, "hf_quant_config": qcfg,
             "compile": write_llm_api_options(out, engine, attention_window=window)}
 

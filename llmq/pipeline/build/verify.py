@@ -10,7 +10,6 @@ of order, a KV head given to the wrong rank, scales cut on the wrong axis) is of
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 from ...errors import LlmqError
 from ...models.spec import ModelSpec, attends
+from ...models.engine_spec import EngineSpec
 from ...models.sharding import ShardPlan
 from ...models.reader import ATTN, MLP, CheckpointReader, layer_prefix
 
@@ -195,34 +195,34 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
     from ..quantize.probe import kld_top1
 
     engine_dir, source_dir = Path(engine_dir), Path(source_dir)
-    meta = json.loads((engine_dir / "engine.json").read_text())
-    plan = ShardPlan.from_dict(meta["plan"])
+    meta = EngineSpec.read(engine_dir)
+    plan = meta.plan
     src = CheckpointReader(source_dir)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.spec.vocab_size, (batch, seq_len), generator=gen)
     target_ranks = None
-    if meta["target"] == "llmq":
-        ranks = [llmq_rank_weights(engine_dir / d) for d in meta["ranks"]]
+    if meta.target == "llmq":
+        ranks = [llmq_rank_weights(engine_dir / d) for d in meta.ranks]
         dense = None
-    elif meta["target"] == "trtllm":
+    elif meta.target == "trtllm":
         from .trtllm import reference_dense, trtllm_rank_weights
 
-        ranks, cfg = trtllm_rank_weights(engine_dir / meta["trtllm_checkpoint"], plan)
-        target_ranks, _ = trtllm_rank_weights(engine_dir / meta["trtllm_checkpoint"], plan, as_target_computes=True)
+        ranks, cfg = trtllm_rank_weights(engine_dir / meta.outputs["trtllm_checkpoint"], plan)
+        target_ranks, _ = trtllm_rank_weights(engine_dir / meta.outputs["trtllm_checkpoint"], plan, as_target_computes=True)
         dtype = getattr(torch, cfg["dtype"])
         dense = (lambda lw: reference_dense(lw, dtype))
-    elif meta["target"] == "trtllm-hf":   # one unsharded checkpoint the backend shards itself, heads padded for tp
+    elif meta.target == "trtllm-hf":   # one unsharded checkpoint the backend shards itself, heads padded for tp
         from .trtllm_hf import read_modelopt_checkpoint
 
-        ranks, dense = [read_modelopt_checkpoint(engine_dir / meta["trtllm_hf_checkpoint"])], None
+        ranks, dense = [read_modelopt_checkpoint(engine_dir / meta.outputs["trtllm_hf_checkpoint"])], None
         plan = dataclasses.replace(plan, tp=1, padded_vocab_size=plan.vocab_size, parallel_embedding=False)
     else:
-        raise LlmqError(f"{engine_dir}: unknown engine target {meta['target']!r}")
+        raise LlmqError(f"{engine_dir}: unknown engine target {meta.target!r}")
     with torch.no_grad():
         ref = tp_forward([reference_weights(src, dense)], unsharded_plan(src), src.config, ids)
         out = tp_forward(ranks, plan, src.config, ids)
         target = {}
-        if meta["target"] == "trtllm-hf":   # what the backend computes is what was read: llmq's integers
+        if meta.target == "trtllm-hf":   # what the backend computes is what was read: llmq's integers
             target = {"target_kld": kld_top1(ref, out)["kld_mean"], "target_top1": kld_top1(ref, out)["top1"]}
         if target_ranks is not None:
             evaluated = tp_forward([reference_weights(src)], unsharded_plan(src), src.config, ids)
@@ -230,7 +230,7 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
             k = kld_top1(evaluated, deployed)
             target = {"target_kld": k["kld_mean"], "target_top1": k["top1"]}
     err = max_rel_error(out, ref)
-    kv_bad = kv_scale_mismatches(ranks, src, plan, meta["target"]) if meta["kv_cache_dtype"] != "auto" else 0
-    return {"target": meta["target"], "tp": plan.tp, "max_rel_error": err, "tolerance": tolerance,
+    kv_bad = kv_scale_mismatches(ranks, src, plan, meta.target) if meta.kv_cache_dtype != "auto" else 0
+    return {"target": meta.target, "tp": plan.tp, "max_rel_error": err, "tolerance": tolerance,
             "kv_scale_mismatches": kv_bad, "passed": err <= tolerance and kv_bad == 0,
             "tokens": batch * seq_len, "seed": seed, **target}
