@@ -161,3 +161,128 @@ def test_lineage_follows_parents(store):
     top = _write(store, name="top", payload=b"t", parents=[mid.id])
     assert [a.name for a in store.lineage(top)] == ["top", "mid", "src"]
     assert Path(store.lineage(top)[-1].path).name == "v1"
+
+
+# Loads check sizes and stamps; only `verify(full=True)` (`llmq verify`) re-hashes everything.
+
+def _write_settled(store, name="thing", mtime_offset=-60):
+    """`_write`, with the payload's mtimes moved `mtime_offset` seconds (past: stampable at write; future: racy)."""
+    with store.create("model", name) as w:
+        (w.dir / "a.bin").write_bytes(b"hello")
+        (w.dir / "sub").mkdir()
+        (w.dir / "sub" / "b.txt").write_text("nested")
+        t = time.time_ns() + mtime_offset * 10**9
+        for p in (w.dir / "a.bin", w.dir / "sub" / "b.txt"):
+            os.utime(p, ns=(t, t))
+    return w.artifact
+
+
+@pytest.fixture
+def hashes(monkeypatch):
+    """Every file the artifacts package hashes, in order."""
+    import llmq.artifacts.hashing as hashing
+
+    seen, real = [], hashing.sha256_file
+    monkeypatch.setattr(hashing, "sha256_file", lambda p: seen.append(Path(p).name) or real(p))
+    return seen
+
+
+def _flip_in_place(path: Path, keep_mtime: bool) -> None:
+    st = path.stat()
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0x01]))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_write_hashes_once_and_loads_hash_nothing(store, hashes):
+    art = _write_settled(store)
+    assert sorted(hashes) == ["a.bin", "b.txt"]
+    hashes.clear()
+    for _ in range(2):
+        assert store.resolve("thing").id == art.id
+        assert store.resolve(art.id[:10]).id == art.id
+        assert store.resolve(str(art.path)).id == art.id
+    assert hashes == []
+    # the stamp lives beside the versions: the artifact directory and its id are what the writer committed
+    assert sorted(p.relative_to(art.path).as_posix() for p in art.path.rglob("*")) == ["a.bin", "llmq.json", "sub",
+                                                                                       "sub/b.txt"]
+    assert (store.root / ".stamps" / "thing" / "v1.json").is_file() and store.names() == ["thing"]
+    assert art.verify(full=True) == 2 and sorted(hashes) == ["a.bin", "b.txt"]
+
+
+def test_flip_keeping_size_and_mtime_passes_a_load_but_not_verify(store, hashes):
+    """The documented trade-off: bit rot that leaves size and mtime alone is only caught by a full verify."""
+    art = _write_settled(store)
+    _flip_in_place(art.path / "a.bin", keep_mtime=True)
+    hashes.clear()
+    assert store.resolve("thing").id == art.id and hashes == []
+    with pytest.raises(ArtifactError, match="file a.bin does not match its sha256"):
+        store.resolve("thing", verify=False).verify(full=True)
+    with pytest.raises(ArtifactError, match="file a.bin does not match its sha256"):
+        store.resolve("thing")  # the failed verify dropped the stamp: loads re-hash and refuse from now on
+
+
+def test_flip_that_moves_the_mtime_is_caught_on_load(store, hashes):
+    art = _write_settled(store)
+    _flip_in_place(art.path / "a.bin", keep_mtime=False)
+    hashes.clear()
+    with pytest.raises(ArtifactError, match="file a.bin does not match its sha256"):
+        store.resolve("thing")
+    assert hashes == ["a.bin"]  # b.txt still trusted from its stamp
+
+
+def test_racy_file_is_never_trusted_from_the_stamp(store, hashes):
+    """A file whose mtime is not older than its stamp could be rewritten within the same clock tick unnoticed."""
+    art = _write_settled(store, mtime_offset=3600)
+    _flip_in_place(art.path / "a.bin", keep_mtime=True)
+    with pytest.raises(ArtifactError, match="file a.bin does not match its sha256"):
+        store.resolve("thing")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "extra"])
+def test_size_missing_and_extra_are_caught_on_load_without_hashing(store, hashes, damage):
+    art = _write_settled(store)
+    target = art.path / "a.bin"
+    os.chmod(target, 0o644)
+    if damage == "truncate":
+        target.write_bytes(b"hell")
+        msg = "file a.bin has size 4, manifest says 5"
+    elif damage == "delete":
+        target.unlink()
+        msg = "file a.bin is missing"
+    else:
+        (art.path / "extra.bin").write_bytes(b"?")
+        msg = "unexpected file extra.bin"
+    hashes.clear()
+    with pytest.raises(ArtifactError, match=msg):
+        store.resolve("thing")
+    assert hashes == []
+
+
+def test_copied_store_rehashes_once_then_loads_from_the_stamp(tmp_path, store, hashes):
+    import shutil
+
+    art = _write_settled(store)
+    copy = Store(tmp_path / "elsewhere")
+    shutil.copytree(store.root, copy.root)  # stamps and mtimes travel, inodes do not (as on another machine)
+    hashes.clear()
+    assert copy.resolve("thing").id == art.id and sorted(hashes) == ["a.bin", "b.txt"]
+    hashes.clear()
+    assert copy.resolve("thing").id == art.id and hashes == []
+    assert store.resolve("thing").id == art.id and hashes == []  # the original's stamp is untouched
+
+
+def test_artifact_outside_a_store_layout_is_rehashed_on_every_load(tmp_path, store, hashes):
+    import shutil
+
+    art = _write_settled(store)
+    loose = tmp_path / "loose-copy"
+    shutil.copytree(art.path, loose)
+    hashes.clear()
+    for _ in range(2):
+        assert store.resolve(str(loose)).id == art.id
+    assert len(hashes) == 4 and sorted(p.name for p in loose.iterdir()) == ["a.bin", "llmq.json", "sub"]

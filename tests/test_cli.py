@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from llmq.cli.main import cli
 
-PIPELINE = ("quantize", "quantize-kv", "build", "eval", "serve", "bench", "run", "ls", "inspect", "lineage", "import")
+PIPELINE = ("quantize", "quantize-kv", "build", "eval", "serve", "bench", "run", "ls", "inspect", "lineage", "import", "verify")
 
 
 def run(store, *args):
@@ -43,3 +43,24 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, tiny_model_dir):
     f.write_text(f.read_text().replace("64", "65", 1))
     r = run(store, "inspect", "tiny")
     assert r.exit_code == 2 and "config.json" in r.output and "Traceback" not in r.output
+
+
+def test_verify_rehashes_everything_and_names_a_damaged_file(tmp_path):
+    from llmq.artifacts import Store
+
+    store = Store(tmp_path / "store")
+    with store.create("model", "thing") as w:
+        (w.dir / "a.bin").write_bytes(b"hello")
+        (w.dir / "b.txt").write_text("more")
+        for p in (w.dir / "a.bin", w.dir / "b.txt"):
+            os.utime(p, ns=(0, 10**18))  # long settled: the write stamps them, loads read nothing
+    r = run(store.root, "verify", "thing")
+    assert r.exit_code == 0 and r.output == f"OK thing/v1 {w.artifact.id[:12]}: 2 files, 9 B re-hashed\n", r.output
+    f = store.root / "thing" / "v1" / "a.bin"
+    os.chmod(f, 0o644)
+    f.write_bytes(b"jello")
+    os.utime(f, ns=(0, 10**18))  # size and mtime as stamped: a load does not see it, verify does
+    assert run(store.root, "inspect", "thing").exit_code == 0
+    r = run(store.root, "verify", "thing/v1")
+    assert r.exit_code == 2 and r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n"
+    assert run(store.root, "verify", "nope").exit_code == 2

@@ -5,6 +5,9 @@ half-written artifact, and two concurrent writers of one name end up with distin
 existing non-empty directory fails, and the loser simply takes the next number. A staging directory is named after
 its writer's host and process, so one left behind by a killed writer is removed by the next writer of that name on
 the same host once that process is gone (never one of another host's, whose processes we cannot see).
+
+Writers hash every file; loads check sizes and per-file stamps kept in `<store>/.stamps/` and re-hash only files
+whose stamp no longer matches (stamps.py); `Artifact.verify(full=True)` (`llmq verify`) re-hashes everything.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import manifest as mf
-from .hashing import MANIFEST_NAME, content_id, hash_payload, sha256_file
+from . import stamps
+from .hashing import MANIFEST_NAME, content_id, payload_files
 
 ENV_STORE = "LLMQ_STORE"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -78,10 +82,11 @@ def validate_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Artifact:
-    """A committed artifact directory and its manifest."""
+    """A committed artifact directory and its manifest; `stamp` is where its stamp lives (None: it has none)."""
 
     path: Path
     manifest: dict
+    stamp: Path | None = field(default=None, compare=False, repr=False)
 
     id = property(lambda self: self.manifest["id"])
     kind = property(lambda self: self.manifest["kind"])
@@ -93,35 +98,61 @@ class Artifact:
     ref = property(lambda self: f"{self.name}/v{self.version}")
 
     @classmethod
-    def load(cls, path: Path | str, verify: bool = True) -> "Artifact":
+    def load(cls, path: Path | str, verify: bool = True, stamp: Path | None = None) -> "Artifact":
         path = Path(path)
         try:
             data = mf.read(path / MANIFEST_NAME)
         except mf.ManifestError as e:
             raise ArtifactError(str(e)) from None
-        art = cls(path, data)
+        art = cls(path, data, stamp)
         if verify:
             art.verify()
         return art
 
-    def verify(self) -> None:
-        """Check every payload file against the manifest: presence, size, sha256; and no stray files."""
+    def verify(self, full: bool = False) -> int:
+        """Check the payload against the manifest; return how many files were re-hashed.
+
+        First, before reading any content: every file is present with its manifest size, there are no stray files,
+        and the id matches the file hashes; each defect is an error naming the file. Then the contents: with `full`
+        (`llmq verify REF`) every file is re-hashed. Otherwise (every load) a file whose stamp still matches (same
+        device, inode, size and mtime as when it was last hashed; see stamps.py) is trusted without being read, and
+        only the others are re-hashed, after which the stamp is refreshed: the first load of a copied artifact reads
+        everything once, later loads read nothing. Trade-off: a flipped byte that leaves size and mtime alone (bit
+        rot, or a tool that restores the mtime) is not caught by a load, only by `llmq verify`. A hash mismatch
+        also deletes the stamp, so later loads re-hash and refuse too.
+        """
         files = self.manifest["files"]
+        stats = {}
         for rel, meta in files.items():
             p = self.path / rel
             if not p.is_file():
                 raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} is missing ({self.path})")
-            if p.stat().st_size != meta["size"]:
-                raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} has size {p.stat().st_size}, "
+            stats[rel] = st = p.stat()
+            if st.st_size != meta["size"]:
+                raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} has size {st.st_size}, "
                                     f"manifest says {meta['size']}")
-            if sha256_file(p) != meta["sha256"]:
-                raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} does not match its sha256")
         extra = [p.relative_to(self.path).as_posix() for p in self.path.rglob("*")
                  if p.is_file() and p.name != MANIFEST_NAME and p.relative_to(self.path).as_posix() not in files]
         if extra:
             raise ArtifactError(f"artifact {self.ref} is damaged: unexpected file {sorted(extra)[0]}")
         if content_id(files) != self.id:
             raise ArtifactError(f"artifact {self.ref} is damaged: its id does not match its files")
+        old = {} if full else stamps.read(self.stamp, self.id)
+        new, hashed = {}, 0
+        for rel, meta in files.items():
+            if stamps.matches(old.get(rel), stats[rel], meta["sha256"]):
+                new[rel] = old[rel]
+                continue
+            digest, entry = stamps.hash_file(self.path / rel)
+            hashed += 1
+            if digest != meta["sha256"]:
+                stamps.remove(self.stamp)
+                raise ArtifactError(f"artifact {self.ref} is damaged: file {rel} does not match its sha256")
+            if entry is not None:
+                new[rel] = entry
+        if hashed:
+            stamps.write(self.stamp, self.id, new)
+        return hashed
 
     def file(self, rel: str) -> Path:
         return self.path / rel
@@ -159,7 +190,13 @@ class ArtifactWriter:
             raise
 
     def _commit(self) -> Artifact:
-        files = hash_payload(self.dir)
+        files, entries = {}, {}
+        for p in payload_files(self.dir):
+            rel = p.relative_to(self.dir).as_posix()
+            digest, entry = stamps.hash_file(p)
+            files[rel] = {"sha256": digest, "size": p.stat().st_size}
+            if entry is not None:
+                entries[rel] = entry
         if not files:
             raise ArtifactError(f"refusing to write artifact {self.name}: it has no payload files")
         cid = content_id(files)
@@ -178,7 +215,9 @@ class ArtifactWriter:
                 if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                     continue  # another writer took this version first
                 raise
-            return Artifact(target, manifest)
+            stamp = self.store.stamp_path(self.name, version)
+            stamps.write(stamp, cid, entries)  # after the rename, which keeps inodes and mtimes
+            return Artifact(target, manifest, stamp)
 
 
 class Store:
@@ -203,6 +242,21 @@ class Store:
             return []
         return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.match(p.name)))
 
+    def stamp_path(self, name: str, version: int) -> Path:
+        """Where the stamp of `<name>/v<version>` lives: beside the versions, never inside an artifact (stamps.py)."""
+        return self.root / stamps.STAMP_DIR / name / f"v{version}.json"
+
+    def _stamp_of(self, path: Path) -> Path | None:
+        """The stamp of an artifact directory given by path, if it is one of this store's `<name>/v<N>`."""
+        try:
+            real, root = path.resolve(), self.root.resolve()
+        except OSError:
+            return None
+        m = _VERSION_DIR.match(real.name)
+        if m and real.parent.parent == root and _NAME.match(real.parent.name):
+            return self.stamp_path(real.parent.name, int(m.group(1)))
+        return None
+
     def latest_version(self, name: str) -> int:
         v = self.versions(name)
         return v[-1] if v else 0
@@ -218,7 +272,7 @@ class Store:
         for name in self.names():
             for v in self.versions(name):
                 try:
-                    art = Artifact.load(self.root / name / f"v{v}", verify=False)
+                    art = Artifact.load(self.root / name / f"v{v}", verify=False, stamp=self.stamp_path(name, v))
                 except ArtifactError:
                     continue
                 if kind is None or art.kind == kind:
@@ -241,15 +295,16 @@ class Store:
         ref = str(ref)
         p = Path(ref).expanduser()
         if (p / MANIFEST_NAME).is_file():
-            return Artifact.load(p, verify=verify)
+            return Artifact.load(p, verify=verify, stamp=self._stamp_of(p))
         if m := _REF_VERSION.match(ref):
             d = self.root / m["name"] / f"v{int(m['version'])}"
             if not d.is_dir():
                 have = ", ".join(f"v{v}" for v in self.versions(m["name"])) or "none"
                 raise ArtifactNotFound(f"no version v{m['version']} of {m['name']!r} in store {self.root} (have: {have})")
-            return Artifact.load(d, verify=verify)
+            return Artifact.load(d, verify=verify, stamp=self._stamp_of(d))
         if _NAME.match(ref) and self.versions(ref):
-            return Artifact.load(self.root / ref / f"v{self.latest_version(ref)}", verify=verify)
+            v = self.latest_version(ref)
+            return Artifact.load(self.root / ref / f"v{v}", verify=verify, stamp=self.stamp_path(ref, v))
         if _HEX.match(ref):
             return self.by_id(ref, verify=verify)
         raise ArtifactNotFound(f"no artifact {ref!r} in store {self.root} ('llmq ls' lists what is there)")

@@ -15,6 +15,7 @@ from .quantize import quantize
 from .quantize_kv import quantize_kv
 from .run import run
 from .serve import serve
+from .verify import verify
 
 
 class LlmqGroup(click.Group):
@@ -41,6 +42,7 @@ def cli(ctx, store):
 
 for _cmd in (import_, ls, inspect, lineage, quantize, quantize_kv, build, eval_, serve, bench, run):
     cli.add_command(_cmd)
+cli.add_command(verify)
 
 
 def main() -> None:
