@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -81,43 +80,11 @@ def init_group(rank: int, world: int, port: int, device: torch.device) -> None:
                             world_size=world, timeout=timedelta(seconds=INIT_TIMEOUT_S))
 
 
-def worker_main(rank: int, world: int, port: int, load_args: dict, conn) -> None:
-    """Entry point of a spawned rank: load, report readiness (or the error) to rank 0, then serve steps."""
-    import signal
-
-    import torch.distributed as dist
-
-    from .model_runner import ModelRunner
-
-    # Ctrl-C in a terminal reaches the whole process group; the ranks must outlive it while a server drains.
-    # Rank 0 ends them (a None broadcast, else terminate()), and a dead rank 0 breaks their collective anyway.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    device = rank_device(torch.device(load_args["device"]), rank)
-    if device.type == "cpu":
-        torch.set_num_threads(threads_per_rank(world))
-    try:
-        init_group(rank, world, port, device)
-        runner = ModelRunner(**{**load_args, "device": str(device)}, rank=rank, world=world)
-        conn.send(("ok", None))
-    except BaseException as e:  # report anything to rank 0 instead of leaving it waiting on a collective
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
-        return
-    finally:
-        conn.close()
-    try:
-        while True:
-            step = runner.tp.broadcast(None)
-            if step is None:
-                break
-            runner.execute(step)
-    finally:
-        dist.destroy_process_group()
-
-
 class WorkerGroup:
     """The spawned ranks 1..N-1 of one engine."""
 
-    def __init__(self, world: int, load_args: dict, device: torch.device):
+    def __init__(self, world: int, load_args: dict, device: torch.device, entry):
+        """entry(rank, world, port, load_args, conn) is each spawned rank's main (model_runner.worker_main)."""
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -125,7 +92,7 @@ class WorkerGroup:
         self.procs, self.conns = [], []
         for rank in range(1, world):
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=worker_main, args=(rank, world, self.port, load_args, child), daemon=True,
+            p = ctx.Process(target=entry, args=(rank, world, self.port, load_args, child), daemon=True,
                             name=f"llmq-tp-rank{rank}")
             p.start()
             child.close()

@@ -21,7 +21,7 @@ from .kv_cache import KV_DTYPES, kv_element_bytes
 from ..models.engine_spec import EngineSpec
 from ..models.reader import CheckpointReader
 from ..models.sharding import make_plan
-from .model_runner import ModelRunner, compute_dtype_for, prepare_step
+from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -163,7 +163,7 @@ class LLMEngine:
                 torch.set_num_threads(threads_per_rank(self.tp))
             if engine is None:
                 make_plan(self.spec, self.tp)  # refuse a split that does not fit before spawning anything
-            self.workers = WorkerGroup(self.tp, load_args, self.device)
+            self.workers = WorkerGroup(self.tp, load_args, self.device, worker_main)
             try:
                 init_group(0, self.tp, self.workers.port, rank_device(self.device, 0))
                 self.runner = ModelRunner(**load_args, rank=0, world=self.tp)

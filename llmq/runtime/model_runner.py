@@ -6,6 +6,7 @@ attention needs (slots to write, block tables to read, masks) is computed once p
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ..models.engine_spec import EngineSpec
 from ..models.reader import ATTN, MLP, CheckpointReader, LinearWeights
 from ..models.sharding import ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
 from ..models.spec import attends
-from .distributed import TPContext
+from .distributed import TPContext, init_group, rank_device, threads_per_rank
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.norm import RMSNorm
@@ -211,3 +212,34 @@ def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct
         logits_idx = torch.tensor([ends[i] - 1 for i, s in enumerate(seqs) if starts[i] + num_new[i] == s.num_tokens],
                                   dtype=torch.long)
     return StepInput(torch.tensor(ids, dtype=torch.long), positions, meta, logits_idx)
+
+
+def worker_main(rank: int, world: int, port: int, load_args: dict, conn) -> None:
+    """Entry point of a spawned rank: load, report readiness (or the error) to rank 0, then serve steps."""
+    import signal
+
+    import torch.distributed as dist
+
+    # Ctrl-C in a terminal reaches the whole process group; the ranks must outlive it while a server drains.
+    # Rank 0 ends them (a None broadcast, else terminate()), and a dead rank 0 breaks their collective anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    device = rank_device(torch.device(load_args["device"]), rank)
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_rank(world))
+    try:
+        init_group(rank, world, port, device)
+        runner = ModelRunner(**{**load_args, "device": str(device)}, rank=rank, world=world)
+        conn.send(("ok", None))
+    except BaseException as e:  # report anything to rank 0 instead of leaving it waiting on a collective
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+        return
+    finally:
+        conn.close()
+    try:
+        while True:
+            step = runner.tp.broadcast(None)
+            if step is None:
+                break
+            runner.execute(step)
+    finally:
+        dist.destroy_process_group()

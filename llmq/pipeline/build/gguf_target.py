@@ -34,8 +34,8 @@ from gguf import GGMLQuantizationType as GT
 from gguf import MODEL_TENSOR as MT
 
 from ...errors import LlmqError
-from ...models.sharding import LinearWeights, ShardPlan, split_rows
-from ...models.reader import CheckpointReader, layer_prefix
+from ...models.reader import CheckpointReader, LinearWeights, layer_prefix
+from ...models.sharding import ShardPlan, split_rows
 
 BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 block
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ...models.checkpoint import save_state_dict, write_json
-from ...models.sharding import LinearWeights, ShardPlan, kv_scale_slice, layer_slices, split_rows, vocab_slice
-from ...models.reader import CheckpointReader, layer_prefix
+from ...models.reader import CheckpointReader, LinearWeights, layer_prefix
+from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows, vocab_slice
 
 
 def _put(state: dict, lw: LinearWeights, name: str) -> None:

@@ -9,8 +9,8 @@ from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
 from ...models.checkpoint import copy_tokenizer
 from ...models.engine_spec import EngineSpec
-from ...models.sharding import make_plan
 from ...models.reader import CheckpointReader
+from ...models.sharding import make_plan
 
 TARGETS = ("llmq", "trtllm", "trtllm-hf", "gguf")
 KV_CHOICES = ("auto", "int8", "fp8")

@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
-from ...models.sharding import LinearWeights, ShardPlan, layer_slices, split_rows, vocab_slice
-from ...models.reader import CheckpointReader, layer_prefix, linear_names
+from ...models.reader import CheckpointReader, LinearWeights, layer_prefix, linear_names
+from ...models.sharding import ShardPlan, layer_slices, split_rows, vocab_slice
+from .weights import Lin, RankWeights
 
 # The strings TensorRT-LLM accepts, read from tensorrt_llm/quantization/mode.py (class QuantAlgo(StrEnum), whose
 # auto() values are the member names; QUANT_ALGO_LIST is every member but INT8; KV_CACHE_QUANT_ALGO_LIST is
@@ -401,7 +402,6 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
     as_target_computes) after the quantization TensorRT-LLM applies at load (W8A16 / W4A16 re-rounding)."""
     from safetensors.torch import load_file
 
-    from .verify import Lin, RankWeights
 
     cfg = json.loads((ckpt / "config.json").read_text())
     validate_config(cfg)

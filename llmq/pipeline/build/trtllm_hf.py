@@ -26,9 +26,10 @@ import torch
 
 from ...errors import LlmqError
 from ...models.checkpoint import copy_tokenizer, save_state_dict, write_json
-from ...models.sharding import LinearWeights, ShardPlan, head_rows, split_cols, split_rows
-from ...models.reader import ATTN, MLP, CheckpointReader, layer_prefix
+from ...models.reader import ATTN, MLP, CheckpointReader, LinearWeights, layer_prefix
+from ...models.sharding import ShardPlan, head_rows, split_cols, split_rows
 from .trtllm import pack_int4_rows, unpack_int4_rows
+from .weights import Lin, RankWeights
 
 DIR = "trtllm-hf"
 MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field set this writer follows
@@ -144,7 +145,6 @@ def read_modelopt_checkpoint(path: Path):
     per channel or group, pre_quant_scale folded into the input columns), for the reference check."""
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors
-    from .verify import Lin, RankWeights
 
     st = LazyTensors(safetensors_files(path))
     qfile = path / "hf_quant_config.json"

@@ -10,37 +10,19 @@ of order, a KV head given to the wrong rank, scales cut on the wrong axis) is of
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ...errors import LlmqError
-from ...models.spec import ModelSpec, attends
 from ...models.engine_spec import EngineSpec
-from ...models.sharding import ShardPlan
 from ...models.reader import ATTN, MLP, CheckpointReader, layer_prefix
+from ...models.sharding import ShardPlan
+from ...models.spec import ModelSpec, attends
+from .weights import Lin, RankWeights
 
 TOLERANCE = 1e-4   # max |logits - reference| / max |reference|; float32 reduction-order noise is ~1e-6
-
-
-@dataclass
-class Lin:
-    weight: torch.Tensor            # float32 [out, in]
-    bias: torch.Tensor | None = None
-
-
-@dataclass
-class RankWeights:
-    """One rank's slice of the model, dequantized to float32, under the Hugging Face module names."""
-
-    embed: torch.Tensor                     # [vocab, hidden] or, with a parallel embedding, this rank's rows
-    layers: list[dict[str, Lin]]            # q_proj ... down_proj
-    norms: list[tuple[torch.Tensor, torch.Tensor]]
-    final_norm: torch.Tensor
-    lm_head: torch.Tensor                   # this rank's vocab rows
-    kv_scales: list = field(default_factory=list)   # per layer: (k_scale, v_scale) as stored, or None
 
 
 def _lin(lw, dense) -> Lin:

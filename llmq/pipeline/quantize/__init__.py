@@ -1,8 +1,9 @@
 """`llmq quantize`: weights to INT8 / INT4 / FP8, one decoder layer at a time, written in compressed-tensors format.
 
-Methods are plug-ins. Adding one is adding one module `llmq/pipeline/quantize/<name>.py` and its name to `METHODS`;
-the stage (stage.py) and the layer-by-layer engine (layerwise.py) do everything else: validation, calibration data,
-loading the model, walking the decoder layers, the quality probe, the checkpoint, the manifest.
+Methods are plug-ins. Adding one is adding one module `llmq/pipeline/quantize/<name>.py` and its name to
+`METHODS` (methods.py); the stage (stage.py) and the layer-by-layer engine (layerwise.py) do everything else:
+validation, calibration data, loading the model, walking the decoder layers, the quality probe, the checkpoint, the
+manifest.
 
 A method module defines:
 
@@ -25,31 +26,7 @@ weight (`input_scale` for static, `dynamic=True` for per-token): the engine simu
 the inputs it hands to the next layer, and derives the compressed-tensors scheme from the weights (one scheme for all).
 """
 
-from __future__ import annotations
-
-import importlib
-from types import ModuleType
-
-from ...errors import LlmqError
-
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
-
-
-def load_method(name: str) -> ModuleType:
-    """The plug-in module of a quantization method, checked for the interface above."""
-    if name not in METHODS:
-        raise LlmqError(f"unknown quantization method {name!r} (methods: {', '.join(METHODS)})")
-    try:
-        mod = importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-        raise LlmqError(f"quantization method {name!r} is not available in this installation") from None
-    if not all(hasattr(mod, a) for a in ("BITS", "CALIBRATED", "quantize_layer")):
-        raise LlmqError(f"quantization method {name!r} does not implement BITS / CALIBRATED / quantize_layer")
-    return mod
-
-
-from .stage import QuantizeOptions, quantize  # noqa: E402  (the stage imports load_method from here)
+from .methods import METHODS, load_method
+from .stage import QuantizeOptions, quantize
 
 __all__ = ["METHODS", "QuantizeOptions", "load_method", "quantize"]

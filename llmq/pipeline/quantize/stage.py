@@ -19,7 +19,7 @@ from ...artifacts import Artifact, Store
 from ...errors import LlmqError
 from ...models import ModelSpec, qformat
 from ...models.checkpoint import read_config, write_json
-from . import load_method
+from .methods import load_method
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
 DEFAULT_GROUPS = (128, 64, 32)
