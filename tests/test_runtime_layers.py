@@ -46,6 +46,20 @@ def test_int8_weight_only_matches_dequantized(rows):
     assert not grouped.kernel and rel_err(grouped(x), x.double() @ gref.t()) < 1e-5
 
 
+@pytest.mark.parametrize("cls", [Int8WeightOnlyLinear, W8A8Linear])
+def test_int8_kernels_take_weights_at_any_address(cls):
+    """A weight whose data is not 32-byte aligned (as safetensors can hand one out) used to crash the int8 kernel."""
+    q, scale, _, _ = int_weights(64, 64, 8, 64, False, seed=9)
+    buf = torch.empty(q.numel() + 64, dtype=torch.int8)
+    offset = (8 - buf.data_ptr()) % 64  # start 8 bytes past a 64-byte boundary
+    shifted = buf[offset:offset + q.numel()].view_as(q)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 64 == 8
+    x = torch.randn(5, 64)  # 4 to 8 rows: the kernel path, on its blocked loop that needs aligned weights
+    got = cls(shifted, scale.view(-1), None, None, torch.float32)(x)
+    assert torch.equal(got, cls(q.clone(), scale.view(-1), None, None, torch.float32)(x))
+
+
 @pytest.mark.parametrize("n,group,asym", [(64, 32, False), (48, 64, True), (40, 32, False)])
 @pytest.mark.parametrize("rows", [1, 40])
 def test_int4_weight_only_matches_dequantized(n, group, asym, rows):

@@ -7,13 +7,13 @@ import sys
 import click
 
 from ..models import source_artifact
-from ..pipeline.kvcache import QMAX, KVOptions, quantize_kv as run_quantize_kv
+from ..pipeline.kvcache import KV_TYPES, KVOptions, quantize_kv as run_quantize_kv
 from .common import echo_json, get_store
 
 
 @click.command("quantize-kv")
 @click.argument("ref")
-@click.option("--kv", "kv", type=click.Choice(tuple(QMAX)), required=True, help="KV-cache element type.")
+@click.option("--kv", "kv", type=click.Choice(KV_TYPES), required=True, help="KV-cache element type.")
 @click.option("--per-head", "granularity", flag_value="head", help="One scale per KV head and layer.")
 @click.option("--per-tensor", "granularity", flag_value="tensor", help="One scale per layer for K and for V.")
 @click.option("--auto", "granularity", flag_value="auto", default=True,

@@ -8,7 +8,11 @@ On disk it is what compressed-tensors calls
 - "int-quantized" (W8A8): `weight` int8, `weight_scale` [out, 1], `input_scale` when activations are static;
 - "float-quantized" (FP8 E4M3): `weight` float8_e4m3fn, `weight_scale`, `input_scale` when activations are static;
 and `config.json` → `quantization_config` built from compressed-tensors' own pydantic models, so a config they reject
-is never written. KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` with `kv_cache_scheme` in the config;
+is never written, stamped with the compressed-tensors `version` that wrote it (as compressed-tensors itself does).
+llmq writes and reads the format of the releases in [CT_MIN, CT_MAX) (pyproject.toml pins the same range): vLLM's
+current release pins 0.17; a checkpoint stamped with a newer release is refused with one clear error rather than
+misread. KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` ([1] per tensor, [kv_heads, 1, 1] per head, the
+shapes compressed-tensors gives them) with `kv_cache_scheme` in the config;
 a model whose weights stay dense but whose KV cache is calibrated has format "dense", no config groups and only a
 `kv_cache_scheme` (what compressed-tensors itself writes for KV-cache-only quantization).
 Every stage that reads or writes quantized weights goes through here.
@@ -22,9 +26,30 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import quant
 from ..errors import LlmqError
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
+CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
+
+
+def _release(version: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    if not m:
+        raise LlmqError(f"compressed-tensors version {version!r} is not a version number")
+    return int(m[1]), int(m[2])
+
+
+def compressed_tensors_version() -> str:
+    """The installed compressed-tensors version; an LlmqError when llmq does not write that release's format."""
+    import compressed_tensors
+
+    v = compressed_tensors.__version__
+    if not CT_MIN <= _release(v) < CT_MAX:
+        raise LlmqError(f"compressed-tensors {v} is installed but llmq writes the format of {CT_REQUIREMENT}; "
+                        f"pip install '{CT_REQUIREMENT}'")
+    return v
 
 
 @dataclass(frozen=True)
@@ -115,13 +140,7 @@ class QuantizedWeight:
         return f"{kind}-{detail}{sym}{act}"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.q.shape
-        w = self.q.to(torch.float32)
-        g = 1 if self.scale.numel() == 1 else self.scale.shape[-1]
-        w = w.view(n, g, k // g) if self.scale.numel() > 1 else w.view(n, 1, k)
-        if self.zero_point is not None:
-            w = w - self.zero_point.to(torch.float32).reshape(-1, g, 1)
-        return (w * self.scale.to(torch.float32).reshape(-1, g, 1)).view(n, k).to(dtype)
+        return quant.dequantize(self.q, self.scale, self.zero_point, dtype)
 
 
 def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
@@ -147,7 +166,7 @@ def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs 
         fmt = format_for(weights, input_activations)
     cfg = QuantizationConfig(config_groups=groups, format=fmt, ignore=list(ignore) if groups else [],
                              kv_cache_scheme=kv.to_ct() if kv else None, quantization_status="compressed")
-    return cfg.model_dump(mode="json", exclude_none=True)
+    return {**cfg.model_dump(mode="json", exclude_none=True), "version": compressed_tensors_version()}
 
 
 def parse_quantization_config(config: Mapping) -> QConfig | None:
@@ -158,6 +177,9 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
     if qc.get("quant_method") != "compressed-tensors":
         raise LlmqError(f"quantization method {qc.get('quant_method')!r} is not supported; llmq reads "
                         "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor)")
+    if qc.get("version") and _release(qc["version"]) >= CT_MAX:
+        raise LlmqError(f"this checkpoint was written by compressed-tensors {qc['version']}, a newer format than llmq "
+                        f"reads ({CT_REQUIREMENT})")
     fmt = qc.get("format")
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping) and g.get("weights")]
     kv = qc.get("kv_cache_scheme")
@@ -247,8 +269,12 @@ def read_kv_scales(tensors: Mapping[str, torch.Tensor], prefix: str,
 
 
 def write_kv_scales(prefix: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.k_scale": k_scale.float().flatten().contiguous(),
-            f"{prefix}.v_scale": v_scale.float().flatten().contiguous()}
+    """k_scale / v_scale as compressed-tensors shapes them: [1] per tensor, [kv_heads, 1, 1] per head."""
+    def shaped(s: torch.Tensor) -> torch.Tensor:
+        s = s.float().flatten()
+        return (s if s.numel() == 1 else s.reshape(-1, 1, 1)).contiguous()
+
+    return {f"{prefix}.k_scale": shaped(k_scale), f"{prefix}.v_scale": shaped(v_scale)}
 
 
 def kv_cache_dtype(qconfig: QConfig | None) -> str | None:

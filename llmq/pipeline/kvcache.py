@@ -3,8 +3,9 @@
 The calibration runs the model through the bundled runtime (dense or any quantized weights, exactly as it will be
 served) and watches what every layer writes into its paged cache: K after RoPE and V, which is what the cache holds.
 The absolute maximum per layer and KV head gives scale = amax / 127 (int8) or amax / 448 (fp8 e4m3), per tensor or
-per head. Per-head scales pay only where heads differ in range, so `auto` measures the reconstruction error of both
-on held-out text and keeps per-head scales only when they cut it by a meaningful margin. The artifact is the input
+per head, and the held-out error is measured with the runtime cache's own encode / decode (`llmq.quant`). Per-head
+scales pay only where heads differ in range, so `auto` measures the reconstruction error of both on held-out text
+and keeps per-head scales only when they cut it by a meaningful margin. The artifact is the input
 checkpoint (weights untouched) plus `model.layers.N.self_attn.k_scale` / `v_scale` and a `kv_cache_scheme` in
 `quantization_config`; its quality (KLD / top-1 agreement of the model with the quantized cache against the same
 model with a full-precision cache, both through the runtime's paged path) is measured on the written artifact.
@@ -21,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from .. import quant
 from ..artifacts import Artifact, Store
 from ..errors import LlmqError
 from ..models import qformat
 from ..models.checkpoint import INDEX_NAME, read_config, safetensors_files, write_json
 from ..models.reader import CheckpointReader, layer_prefix
 
-QMAX = {"int8": 127.0, "fp8": 448.0}
+KV_TYPES = ("int8", "fp8")
 GRANULARITIES = ("auto", "tensor", "head")
 SCALES_FILE = "kv-scales.safetensors"
 MANIFEST = "llmq.json"
@@ -47,17 +49,15 @@ class KVOptions:
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, kv: str) -> torch.Tensor:
-    """x [T, Hkv, D] through the cache's quantizer and back with a [1] or [Hkv] scale (the runtime's arithmetic)."""
+    """x [T, Hkv, D] through the cache's quantizer and back with a [1] or [Hkv] scale (the runtime cache's encode /
+    decode, in float32)."""
     s = scale.float().reshape(1, -1, 1)
-    y = x.float() / s
-    y = y.round().clamp(-127, 127) if kv == "int8" else y.clamp(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn)
-    return y.float() * s
+    return quant.decode_kv(quant.encode_kv(x, s, fp8=kv == "fp8"), s, torch.float32)
 
 
 def scales_from_amax(amax: torch.Tensor, kv: str, per_head: bool) -> torch.Tensor:
     """[Hkv] per-head absmax -> scale [Hkv] (per head) or [1] (per tensor)."""
-    a = amax.float() if per_head else amax.float().max().reshape(1)
-    return a.clamp_min(1e-8) / QMAX[kv]
+    return quant.absmax_scale(amax if per_head else amax.max().reshape(1), fp8=kv == "fp8")
 
 
 class KVRecorder:
@@ -104,8 +104,8 @@ class KVRecorder:
 
 
 def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
-    if opts.kv not in QMAX:
-        raise LlmqError(f"--kv {opts.kv!r}: use one of {', '.join(QMAX)}")
+    if opts.kv not in KV_TYPES:
+        raise LlmqError(f"--kv {opts.kv!r}: use one of {', '.join(KV_TYPES)}")
     if opts.granularity not in GRANULARITIES:
         raise LlmqError(f"KV scale granularity {opts.granularity!r}: use one of {', '.join(GRANULARITIES)}")
     if opts.num_samples < 1 or opts.seq_len < 2 or opts.heldout_tokens < 2:

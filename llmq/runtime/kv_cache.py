@@ -1,7 +1,8 @@
 """The paged KV cache: one [num_blocks, block_size, kv_heads, head_dim] tensor per layer for K and for V.
 
 Stored in the compute dtype ("auto"), or quantized per tensor (or per head) with the calibrated k_scale / v_scale
-of `llmq quantize-kv` (fp8 without calibration uses scale 1.0): int8 (round(x / scale), clamped to +-127) or fp8 e4m3 (x / scale, clamped to +-448). FP8 is
+of `llmq quantize-kv` (fp8 without calibration uses scale 1.0) by `llmq.quant.encode_kv`: int8 (round(x / scale) on
+[-128, 127]) or fp8 e4m3 (x / scale saturated to +-448), the arithmetic quantize-kv measures its error with. FP8 is
 kept as raw bytes because CPU indexing kernels do not handle float8 tensors.
 """
 
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import quant
 from ..errors import LlmqError
 
 KV_DTYPES = ("auto", "int8", "fp8")
-FP8_MAX = 448.0
 
 
 def kv_element_bytes(kv_dtype: str, compute_dtype: torch.dtype) -> int:
@@ -32,17 +33,13 @@ class LayerKV:
     def _encode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.kv_dtype == "auto":
             return x
-        y = x.float() / scale
-        if self.kv_dtype == "int8":
-            return y.round_().clamp_(-127, 127).to(torch.int8)
-        return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        q = quant.encode_kv(x, scale, fp8=self.kv_dtype == "fp8")
+        return q.view(torch.uint8) if q.dtype == quant.FP8 else q
 
     def _decode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.kv_dtype == "auto":
             return x
-        if self.kv_dtype == "fp8":
-            x = x.view(torch.float8_e4m3fn)
-        return (x.float() * scale).to(self.compute_dtype)
+        return quant.decode_kv(x.view(quant.FP8) if self.kv_dtype == "fp8" else x, scale, self.compute_dtype)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V ([T, Hkv, D]) at flat slot indices (block * block_size + offset)."""

@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
 from . import rtn, smoothquant
 
 BITS = (8,)
 CALIBRATED = lambda opts: opts.activations == "static"  # noqa: E731  (dynamic scales need no calibration pass)
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 WEIGHT_STRATEGIES = ("tensor", "channel")
-
-
-def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale rounded to float8_e4m3fn (saturating at +-448)."""
-    return (x.double() / scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def quantize_weight_fp8(w: torch.Tensor, strategy: str = "channel", input_absmax: torch.Tensor | None = None,
@@ -35,12 +30,13 @@ def quantize_weight_fp8(w: torch.Tensor, strategy: str = "channel", input_absmax
         raise LlmqError(f"FP8 weight scales are per {' or per '.join(WEIGHT_STRATEGIES)}, not {strategy!r}")
     wf = w.float()
     amax = wf.abs().amax().reshape(1) if strategy == "tensor" else wf.abs().amax(1, keepdim=True)
-    scale = rtn.round_scale(amax / FP8_MAX, scale_dtype)
+    scale = rtn.round_scale(quant.absmax_scale(amax, fp8=True), scale_dtype)
     input_scale = None
     if input_absmax is not None:
-        input_scale = rtn.round_scale(input_absmax.float().max().reshape(1) / FP8_MAX, torch.float32)
-    return qformat.QuantizedWeight(q=to_fp8(wf, scale).cpu(), scale=scale.to(scale_dtype).cpu(), zero_point=None,
-                                   bits=8, group_size=None, symmetric=True,
+        input_scale = quant.absmax_scale(input_absmax.max().reshape(1), fp8=True)
+    q = quant.to_fp8(wf.double(), scale.double())  # one rounding, from the exact quotient
+    return qformat.QuantizedWeight(q=q.cpu(), scale=scale.to(scale_dtype).cpu(), zero_point=None, bits=8,
+                                   group_size=None, symmetric=True,
                                    input_scale=input_scale.cpu() if input_scale is not None else None,
                                    dynamic=input_absmax is None)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
 from . import rtn
@@ -78,7 +79,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
                     zero[:, gi] = z[:, 0]
             s, z = scale[:, gi], (zero[:, gi] if zero is not None else None)
             wj = W1[:, j]
-            q = rtn.round_to_grid(wj, s, z, bits)
+            q = quant.round_int(wj, s, z, bits)
             Q[:, col] = q
             err = (wj - ((q - z) * s if z is not None else q * s)) / U1[j, j]
             W1[:, j:] -= err[:, None] * U1[j, j:][None, :]

@@ -3,8 +3,8 @@
 The model is loaded in its stored dtype (bf16) and only the layer being worked on is turned into float32. The hidden
 states entering layer 0 are captured for every calibration sample; then, for each layer in turn, the method runs
 its calibration passes over that layer (hooks on its linears collect inputs, Hessians or channel statistics),
-returns quantized weights, the linears are swapped for modules that compute exactly with those weights (and with
-quantized activations where the scheme says so), and the quantized layer is re-run to give the next layer its
+returns quantized weights, the linears are swapped for the runtime's layers for those weights (the kernels and
+activation quantization serve runs), and the quantized layer is re-run to give the next layer its
 inputs, so each layer is calibrated on what the quantized model before it really produces (GPTQ's sequential
 scheme). Only one layer's activations (and one float32 layer) are in memory at a time, and each finished layer is
 dropped. The quality probe rides along: held-out windows flow through the float layer and through the quantized
@@ -19,44 +19,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...errors import LlmqError
 from ...models import ModelSpec, qformat
 from ...models.load import pick_device
+from ...runtime.loader import quantized_linear
 from .calib import TokenWindows
-
-FP8_MAX = 448.0
 
 
 class QuantLinear(nn.Module):
-    """A linear that computes with a QuantizedWeight as the runtime does: the dequantized weight in float32, and
-    int8 / fp8 activations (per token, or with the static input scale) where the scheme quantizes them."""
+    """A linear that computes with a QuantizedWeight exactly as serve does: through the runtime's own layer for its
+    scheme (kernels, activation quantization and all), in float32; the bias stays a parameter so the engine stores
+    it with the other dense tensors."""
 
     def __init__(self, qw: qformat.QuantizedWeight, bias: torch.Tensor | None, device):
         super().__init__()
-        self.qw = qw
-        self.register_buffer("weight", qw.dequantize(torch.float32).to(device), persistent=False)
+        self.inner = quantized_linear(qw, None, torch.float32, device)
         self.bias = nn.Parameter(bias.detach().float().to(device), requires_grad=False) if bias is not None else None
-        self.in_features, self.out_features = qw.q.shape[1], qw.q.shape[0]
-        self.act_quant = qw.input_scale is not None or qw.dynamic
-        self.register_buffer("input_scale", qw.input_scale.float().reshape(1, 1).to(device)
-                             if qw.input_scale is not None else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant:
-            x = quantize_activations(x, self.input_scale, fp8=self.qw.is_float)
-        return F.linear(x, self.weight, self.bias)
-
-
-def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None, fp8: bool) -> torch.Tensor:
-    """x after int8 / fp8 e4m3 quantization and back: per token (max|x| / qmax) or with a static scale."""
-    qmax = FP8_MAX if fp8 else 127.0
-    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12 if fp8 else 1e-8) / qmax if input_scale is None else input_scale
-    if fp8:
-        return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
-    return (x / s).round().clamp(-128, 127) * s
+        y = self.inner(x)
+        return y + self.bias if self.bias is not None else y
 
 
 @dataclass

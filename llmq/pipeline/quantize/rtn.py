@@ -1,25 +1,23 @@
-"""Round-to-nearest: the baseline method and the integer grid every other weight-only method reuses.
+"""Round-to-nearest: the baseline method and the grid parameters every other weight-only method reuses.
 
 Symmetric: scale = max|w| / qmax, zero point 0, q = clamp(round(w / scale), qmin, qmax) with signed q in
 [-2^(b-1), 2^(b-1)-1]. Asymmetric: the grid spans [min(w, 0), max(w, 0)] with scale = (max - min) / (qmax - qmin)
 and an integer zero point z = clamp(round(qmin - min / scale)), q = clamp(round(w / scale) + z); real w = (q - z) * s.
 Scales are per output channel ([out, 1]), per group of `group_size` input columns ([out, in / g]) or per tensor ([1]).
 They are rounded (up) to the dtype they are stored in *before* the weights are rounded, so the stored integers are
-the nearest ones for the stored scale and what is stored is exactly what was optimised.
+the nearest ones for the stored scale and what is stored is exactly what was optimised. The rounding itself is
+`llmq.quant.round_int`, the grid the runtime dequantizes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ... import quant
 from ...models import qformat
 
 BITS = (4, 8)
 CALIBRATED = False
-
-
-def qrange(bits: int) -> tuple[int, int]:
-    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
 
 def round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -38,7 +36,7 @@ def round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def grid_params(w: torch.Tensor, bits: int, symmetric: bool, scale_dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scale, zero) over the last dimension of w (keepdim), scale rounded to scale_dtype; zero None if symmetric."""
-    qmin, qmax = qrange(bits)
+    qmin, qmax = quant.int_range(bits)
     w = w.float()
     if symmetric:
         return round_scale(w.abs().amax(-1, keepdim=True) / qmax, scale_dtype), None
@@ -49,18 +47,9 @@ def grid_params(w: torch.Tensor, bits: int, symmetric: bool, scale_dtype: torch.
     return scale, zero
 
 
-def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """Integer values (as float32) of w on the grid (scale, zero), broadcast over the last dimension."""
-    qmin, qmax = qrange(bits)
-    q = torch.round(w.float() / scale)
-    if zero is not None:
-        q = q + zero
-    return q.clamp_(qmin, qmax)
-
-
 def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """round_to_grid then back to real values: what the quantized weight computes with."""
-    q = round_to_grid(w, scale, zero, bits)
+    """w on the grid (scale, zero) and back to real values: what the quantized weight computes with."""
+    q = quant.round_int(w.float(), scale, zero, bits)
     return (q - zero) * scale if zero is not None else q * scale
 
 
@@ -78,12 +67,12 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, symmetric: bool
     n, k = w.shape
     if per_tensor:
         scale, zero = grid_params(w.reshape(1, -1), bits, symmetric, scale_dtype)
-        q = round_to_grid(w.reshape(1, -1), scale, zero, bits).reshape(n, k)
+        q = quant.round_int(w.reshape(1, -1), scale, zero, bits).reshape(n, k)
         scale, zero = scale.reshape(1), (zero.reshape(1) if zero is not None else None)
     else:
         wg = group_view(w, group_size)
         scale, zero = grid_params(wg, bits, symmetric, scale_dtype)
-        q = round_to_grid(wg, scale, zero, bits).reshape(n, k)
+        q = quant.round_int(wg, scale, zero, bits).reshape(n, k)
         scale, zero = scale[..., 0], (zero[..., 0] if zero is not None else None)
     return pack(q, scale, zero, bits, group_size if (group_size > 0 and not per_tensor) else None, scale_dtype)
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
 from . import rtn
@@ -88,7 +89,7 @@ def quantize_weight_int8(w: torch.Tensor, input_absmax: torch.Tensor | None = No
     qw = rtn.quantize_weight(w, 8, 0, True, scale_dtype, per_tensor=per_tensor)
     if input_absmax is None:
         return dataclasses.replace(qw, dynamic=True)
-    input_scale = rtn.round_scale(input_absmax.float().max().reshape(1) / 127.0, torch.float32)
+    input_scale = quant.absmax_scale(input_absmax.max().reshape(1), fp8=False)
     return dataclasses.replace(qw, input_scale=input_scale.cpu())
 
 

@@ -1,12 +1,18 @@
 """Linear layers: dense, and one class per quantization scheme that `llmq quantize` writes.
 
-Weights stay in their low-bit form in memory; each class picks the fastest real kernel the device has:
-- INT8 weight-only: aten._weight_int8pack_mm (per-channel scales). On x86 CPUs its vectorized path takes bfloat16
-  activations, so small batches run there; large batches dequantize into the compute dtype and use the BLAS matmul.
+Weights stay in their low-bit form in memory; each class picks the fastest real kernel the device has. Every scale,
+grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes its quality probe with.
+- INT8 weight-only: aten._weight_int8pack_mm (per-channel scales) for batches of up to 8 rows (decode). On CPU it
+  takes bfloat16 activations and scales and returns bfloat16, so decode steps compute with activations and outputs
+  rounded to bfloat16 (2^-8 relative); larger batches dequantize into the compute dtype and use the BLAS matmul.
 - INT4 weight-only: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm packing
-  (unsigned nibbles, per-group scale and zero); shapes the kernels refuse fall back to dequantize-on-the-fly.
+  (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
+  bfloat16, so activations are rounded to bfloat16. It is the fast path, so it is what serve computes and what the
+  quantize probe measures (KLD of the order of 1e-4 against exact arithmetic); shapes the kernels refuse fall back
+  to dequantize-on-the-fly, exactly.
 - W8A8: activations quantized to int8 per token (or with the static input scale); the int8 x int8 products run on
-  torch._int_mm on CUDA and, on CPU, through the int8-weight kernel with integer-valued activations.
+  torch._int_mm on CUDA and, on CPU, for up to 8 rows (decode) through the int8-weight kernel with integer-valued
+  activations (exact in bfloat16, but its bfloat16 output rounds the sums to 2^-8 relative); else in float32.
 - FP8: torch._scaled_mm where the GPU has FP8 tensor cores, otherwise the weight is dequantized on the fly and
   quantized activations are reproduced exactly (quantize to e4m3 and back) so numerics match the FP8 kernels.
 Row/column tensor-parallel splitting happens when weights are loaded; a layer only ever sees its own slice.
@@ -18,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FP8_MAX = 448.0
+from ... import quant
 
 
 class LinearBase(nn.Module):
@@ -36,6 +42,13 @@ class LinearBase(nn.Module):
 
 def _buffer(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
     module.register_buffer(name, t.contiguous() if t is not None else None, persistent=False)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, copied to the allocator's 64-byte alignment when it is not aligned: the int8 CPU kernel crashes the process
+    (a segfault, not an error) for 4+ rows on a weight that is not 32-byte aligned, as safetensors can hand one out."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
 class DenseLinear(LinearBase):
@@ -85,16 +98,6 @@ def _grouped(scale: torch.Tensor, n: int) -> torch.Tensor:
     return scale.reshape(n, -1)
 
 
-def dequantize_int(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """(q - zero) * scale with [N, G] scales over groups of K // G input columns."""
-    n, k = q.shape
-    g = scale.shape[1]
-    w = q.view(n, g, k // g).to(torch.float32)
-    if zero is not None:
-        w = w - zero.view(n, g, 1)
-    return (w * scale.view(n, g, 1)).view(n, k).to(dtype)
-
-
 class Int8WeightOnlyLinear(LinearBase):
     max_kernel_rows = 8  # above this the kernel (a GEMV per row) loses to dequantize + BLAS
 
@@ -103,7 +106,7 @@ class Int8WeightOnlyLinear(LinearBase):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
-        _buffer(self, "q", q.to(torch.int8))
+        _buffer(self, "q", _aligned(q.to(torch.int8)))
         _buffer(self, "scale", _grouped(scale, n))
         _buffer(self, "zero", _grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
@@ -124,7 +127,7 @@ class Int8WeightOnlyLinear(LinearBase):
         if self.kernel and x2.shape[0] <= self.max_kernel_rows:
             y = self._kernel(x2)
         else:
-            y = F.linear(x2, dequantize_int(self.q, self.scale, self.zero, x.dtype))
+            y = F.linear(x2, quant.dequantize(self.q, self.scale, self.zero, x.dtype))
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
 
 
@@ -172,7 +175,7 @@ class Int4WeightOnlyLinear(LinearBase):
         elif self.packed:
             y = torch.cat([self._kernel(c) for c in x2.split(self.max_kernel_rows)])
         else:
-            y = F.linear(x2, dequantize_int(self.q, self.scale, self.zero, x.dtype))
+            y = F.linear(x2, quant.dequantize(self.q, self.scale, self.zero, x.dtype))
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
 
 
@@ -216,16 +219,6 @@ def _probe(fn) -> bool:
         return False
 
 
-def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8-valued activations (as float) and their scale [M, 1]: dynamic per token, or the static scale."""
-    xf = x.float()
-    if input_scale is None:
-        s = xf.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
-    else:
-        s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    return (xf / s).round_().clamp_(-128, 127), s
-
-
 class W8A8Linear(LinearBase):
     max_kernel_rows = 8
 
@@ -234,7 +227,7 @@ class W8A8Linear(LinearBase):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
-        _buffer(self, "q", q.to(torch.int8))
+        _buffer(self, "q", _aligned(q.to(torch.int8)))
         _buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())  # per output channel (or per tensor)
         _buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
@@ -248,7 +241,7 @@ class W8A8Linear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        xq, xs = quantize_per_token(x2, self.input_scale)
+        xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=False)
         m = x2.shape[0]
         if self.cuda_int_mm and m > 16:
             acc = torch._int_mm(xq.to(torch.int8), self.q.t()).float()
@@ -266,7 +259,7 @@ class FP8Linear(LinearBase):
         super().__init__()
         n, k = w.shape
         self.out_features, self.in_features = n, k
-        _buffer(self, "w", w.to(torch.float8_e4m3fn))
+        _buffer(self, "w", w.to(quant.FP8))
         _buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())
         _buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
@@ -274,24 +267,16 @@ class FP8Linear(LinearBase):
         self.scaled_mm = (w.device.type == "cuda" and act_quant and torch.cuda.get_device_capability(w.device) >= (8, 9)
                           and n % 16 == 0 and k % 16 == 0)
 
-    def _quant_act(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        xf = x.float()
-        if self.input_scale is None:
-            s = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-        else:
-            s = self.input_scale.reshape(1, 1).expand(x.shape[0], 1)
-        return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.scaled_mm:
-            xq, xs = self._quant_act(x2)
+            xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=True)
             y = torch._scaled_mm(xq, self.w.t(), scale_a=xs.contiguous(), scale_b=self.scale.view(1, -1),
                                  out_dtype=torch.bfloat16)
         else:
             if self.act_quant:
-                xq, xs = self._quant_act(x2)
+                xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=True)
                 x2 = (xq.float() * xs).to(x.dtype)
             y = F.linear(x2, self.w.to(x.dtype)) * self.scale.to(x.dtype)
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
