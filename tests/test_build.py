@@ -20,7 +20,7 @@ from llmq.models.sharding import LinearWeights, split_cols, split_rows
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.build.trtllm import (TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS, pack_int4_rows,
                                         unpack_int4_rows, validate_config)
-from llmq.pipeline.build.verify import (TOLERANCE, max_rel_error, reference_weights, tp_forward, unsharded_plan,
+from llmq.pipeline.build.verify import (TOLERANCE, max_rel_error, reference_weights, run_plan, unsharded_plan,
                                         verify_engine)
 
 
@@ -108,7 +108,7 @@ def test_reference_forward_matches_transformers(make_tiny_model, tmp_path):
         src = CheckpointReader(d)
         ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(i))
         with torch.no_grad():
-            ours = tp_forward([reference_weights(src)], unsharded_plan(src), src.config, ids)
+            ours = run_plan([reference_weights(src)], unsharded_plan(src), src.config, ids)
             hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(ids).logits
         assert max_rel_error(ours, hf) < 1e-5
 

@@ -20,7 +20,7 @@ boundary or lie inside one group (whose scale that rank then keeps).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import LlmqError
@@ -258,3 +258,16 @@ def kv_scale_slice(scale: torch.Tensor, plan, rank: int) -> torch.Tensor:
 def vocab_slice(t: torch.Tensor, plan, rank: int) -> torch.Tensor:
     """Rows of an embedding-shaped tensor for this rank's vocab range, zero past the real vocab."""
     return take(t, plan.vocab_rows(rank), 0)
+
+
+@dataclass
+class RankWeights:
+    """One rank's share of a model under Hugging Face module names: what each target's reader produces (applying
+    that target's dequantization where it stores values differently) and what the runtime turns into modules."""
+
+    layers: list[dict[str, LinearWeights]]          # q_proj ... down_proj, dense or quantized
+    norms: list[tuple[torch.Tensor, torch.Tensor]]  # (input_layernorm, post_attention_layernorm)
+    embed: torch.Tensor                             # [vocab, hidden], or this rank's rows with a parallel embedding
+    final_norm: torch.Tensor
+    lm_head: LinearWeights                          # this rank's vocab rows (the embedding itself where tied)
+    kv_scales: list = field(default_factory=list)   # per layer: (k_scale, v_scale) as stored, or None

@@ -1,4 +1,5 @@
 """Tensor parallelism: one process per rank over torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 schedules.
+(LocalTPContext runs the same collectives between threads of one process, for checking shards without spawning.)
 
 Rank 0 lives in the engine's process. Ranks 1..N-1 are spawned workers that load their own weight slice, allocate
 their own KV cache and then loop: receive the step's inputs (broadcast by rank 0), run the same forward, take part
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,6 +50,45 @@ class TPContext:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+class LocalGroup:
+    """The meeting point of ranks that are threads of one process: each collective is an exchange at a barrier."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.slots: list = [None] * world
+
+    def exchange(self, rank: int, value) -> list:
+        self.slots[rank] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()   # nobody overwrites a slot before every rank has read them all
+        return out
+
+
+@dataclass
+class LocalTPContext(TPContext):
+    """TPContext over a LocalGroup: the same all-reduce (every rank sums the parts in rank order) and vocab gather."""
+
+    group: LocalGroup | None = None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self.group.exchange(self.rank, t.clone())
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return t.copy_(total)
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
+        parts = self.group.exchange(self.rank, logits)
+        if self.rank:
+            return None
+        return torch.cat(parts, dim=-1) if self.vocab_parallel else logits
+
+    def broadcast(self, obj):
+        return self.group.exchange(self.rank, obj)[0]
 
 
 def backend_for(device: torch.device) -> str:

@@ -6,6 +6,8 @@ attention needs (slots to write, block tables to read, masks) is computed once p
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,9 @@ from ..errors import LlmqError
 from ..models import ModelSpec
 from ..models.engine_spec import EngineSpec
 from ..models.reader import ATTN, MLP, CheckpointReader, LinearWeights
-from ..models.sharding import ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
+from ..models.sharding import RankWeights, ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
 from ..models.spec import attends
-from .distributed import TPContext, init_group, rank_device, threads_per_rank
+from .distributed import LocalGroup, LocalTPContext, TPContext, init_group, rank_device, threads_per_rank
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.norm import RMSNorm
@@ -68,58 +70,123 @@ def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | 
     if engine is not None:
         built = engine.plan
         heads, kv_heads = built.heads_per_rank, built.kv_heads_per_rank
-        vocab, vocab_parallel = built.vocab_size, tp > 1
         embed_start = rank * (built.padded_vocab_size // tp) if built.parallel_embedding and tp > 1 else None
         plan = None
     else:
         plan = make_plan(spec, tp) if tp > 1 else None
         heads = plan.heads_per_rank if plan else spec.num_heads
         kv_heads = plan.kv_heads_per_rank if plan else spec.num_kv_heads
-        vocab, vocab_parallel, embed_start = spec.vocab_size, tp > 1, None
-    tpc = TPContext(rank, tp, vocab_parallel)
+        embed_start = None
+    rw = rank_weights(ckpt, plan, rank)
+    model = assemble(rw, ckpt.config, heads, kv_heads, TPContext(rank, tp, tp > 1), dtype, device, max_positions,
+                     embed_start)
+    return model, heads, kv_heads
 
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(ckpt.tensor(name).to(device=device, dtype=dtype), spec.rms_norm_eps)
 
-    def row_bias(p: LinearWeights):
-        b = p.bias.to(device=device, dtype=dtype) if p.bias is not None else None
-        p.bias = None
-        return b
-
-    from transformers import AutoConfig
-
-    cfg = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "model_type")}
-    hf_config = AutoConfig.for_model(spec.model_type, **cfg)
-    inv_freq, attn_scaling = rope_inv_freq(hf_config)
-    rotary = RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
-    layers = []
-    for i in range(spec.num_layers):
+def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int) -> RankWeights:
+    """A checkpoint's weights for one rank (all of them without a plan), quantized ones left quantized."""
+    layers, norms = [], []
+    for i in range(ckpt.spec.num_layers):
         p = f"model.layers.{i}"
         if plan is not None:
-            lin = layer_slices(ckpt, plan, i, ranks=[rank])[0]
+            layers.append(layer_slices(ckpt, plan, i, ranks=[rank])[0])
         else:
-            lin = {n: ckpt.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: ckpt.linear(f"{p}.mlp.{n}") for n in MLP}
-        o_bias, down_bias = row_bias(lin["o_proj"]), row_bias(lin["down_proj"])
-        w = LayerWeights(
-            input_norm=norm(f"{p}.input_layernorm.weight"),
-            qkv=build_linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]], dtype, device),
-            o=build_linear([lin["o_proj"]], dtype, device), o_bias=o_bias,
-            post_norm=norm(f"{p}.post_attention_layernorm.weight"),
-            gate_up=build_linear([lin["gate_proj"], lin["up_proj"]], dtype, device),
-            down=build_linear([lin["down_proj"]], dtype, device), down_bias=down_bias)
-        layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
-    embed = ckpt.tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
+            layers.append({n: ckpt.linear(f"{p}.self_attn.{n}") for n in ATTN}
+                          | {n: ckpt.linear(f"{p}.mlp.{n}") for n in MLP})
+        norms.append((ckpt.tensor(f"{p}.input_layernorm.weight"), ckpt.tensor(f"{p}.post_attention_layernorm.weight")))
+    embed = ckpt.tensor("model.embed_tokens.weight")
     if ckpt.has_lm_head():
         head = ckpt.linear("lm_head")
-    elif spec.tie_word_embeddings:
-        head = LinearWeights("lm_head", weight=embed)  # shares the embedding's memory
+    elif ckpt.spec.tie_word_embeddings:
+        head = LinearWeights("lm_head", weight=embed)   # assemble() keeps it sharing the embedding's memory
     else:
         raise LlmqError(f"{ckpt.path}: no lm_head weights and tie_word_embeddings is false")
     if plan is not None:
         head = split_rows(head, plan.vocab_rows(rank))
-    model = LlamaForCausalLM(embed, layers, norm("model.norm.weight"), build_linear([head], dtype, device), rotary,
-                             vocab, tpc, embed_start)
-    return model.eval(), heads, kv_heads
+    return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.tensor("model.norm.weight"),
+                       lm_head=head)
+
+
+def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
+             device: torch.device, max_positions: int, embed_start: int | None = None) -> LlamaForCausalLM:
+    """The runtime model of one rank from its weights: quantized linears become the runtime's quantized layers,
+    q/k/v and gate/up are fused, row-parallel biases are added after the all-reduce."""
+    from transformers import AutoConfig
+
+    spec = ModelSpec.from_config(config)
+
+    def norm(w: torch.Tensor) -> RMSNorm:
+        return RMSNorm(w.to(device=device, dtype=dtype), spec.rms_norm_eps)
+
+    def row_bias(lw: LinearWeights):
+        b = lw.bias.to(device=device, dtype=dtype) if lw.bias is not None else None
+        return b, dataclasses.replace(lw, bias=None)
+
+    hf_config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in config.items()
+                                                         if k not in ("quantization_config", "model_type")})
+    inv_freq, attn_scaling = rope_inv_freq(hf_config)
+    rotary = RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
+    layers = []
+    for lin, (n_in, n_post) in zip(rw.layers, rw.norms):
+        o_bias, o = row_bias(lin["o_proj"])
+        down_bias, down = row_bias(lin["down_proj"])
+        w = LayerWeights(
+            input_norm=norm(n_in), qkv=build_linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]], dtype, device),
+            o=build_linear([o], dtype, device), o_bias=o_bias, post_norm=norm(n_post),
+            gate_up=build_linear([lin["gate_proj"], lin["up_proj"]], dtype, device),
+            down=build_linear([down], dtype, device), down_bias=down_bias)
+        layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
+    embed = rw.embed.to(device=device, dtype=dtype)
+    head = rw.lm_head
+    if head.weight is rw.embed:
+        head = LinearWeights("lm_head", weight=embed)  # tied: shares the embedding's memory
+    model = LlamaForCausalLM(embed, layers, norm(rw.final_norm), build_linear([head], dtype, device), rotary,
+                             spec.vocab_size, tpc, embed_start)
+    return model.eval()
+
+
+def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_heads: int, ids: torch.Tensor,
+                     embed_starts: list[int | None] | None = None, dtype: torch.dtype = torch.float32,
+                     block_size: int = 16) -> torch.Tensor:
+    """Logits [batch, seq, vocab] of a model split over `ranks`, every rank a thread of this process running the
+    runtime's own modules and collectives (LocalTPContext): for checking shards as serve computes them, without
+    spawning processes. Each row of `ids` is one sequence, all prefilled in one step."""
+    from .sequence import Sequence
+    from .sampling import SamplingParams
+
+    spec, world = ModelSpec.from_config(config), len(ranks)
+    b, t = ids.shape
+    nblk = -(-t // block_size)
+    group, device = LocalGroup(world), torch.device("cpu")
+    models = [assemble(rw, config, heads, kv_heads, LocalTPContext(r, world, world > 1, group), dtype, device, t,
+                       (embed_starts or [None] * world)[r]) for r, rw in enumerate(ranks)]
+    seqs = []
+    for i, row in enumerate(ids.tolist()):
+        seq = Sequence(f"check-{i}", row, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(i * nblk, (i + 1) * nblk))
+        seqs.append(seq)
+    step = prepare_step(seqs, [t] * b, block_size, fresh_prefill_direct=True, all_logits=True,
+                        window=spec.sliding_window)
+    results: list = [None] * world
+
+    def run(r: int) -> None:
+        try:
+            caches = allocate_kv_cache(spec.num_layers, b * nblk, block_size, kv_heads, spec.head_dim, "auto", dtype,
+                                       device, None)
+            results[r] = models[r](step.input_ids, step.positions, caches, step.meta, step.logits_indices)
+        except BaseException as e:   # free the others from the barrier they would wait at forever
+            results[r] = e
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"llmq-check-rank{r}") for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    failed = [x for x in results if isinstance(x, BaseException) and not isinstance(x, threading.BrokenBarrierError)]
+    if failed:
+        raise failed[0]
+    return results[0].view(b, t, -1)
 
 
 def load_kv_scales(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, num_layers: int):

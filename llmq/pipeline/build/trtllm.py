@@ -36,8 +36,7 @@ import torch
 
 from ...errors import LlmqError
 from ...models.reader import CheckpointReader, LinearWeights, layer_prefix, linear_names
-from ...models.sharding import ShardPlan, layer_slices, split_rows, vocab_slice
-from .weights import Lin, RankWeights
+from ...models.sharding import RankWeights, ShardPlan, layer_slices, split_rows, vocab_slice
 
 # The strings TensorRT-LLM accepts, read from tensorrt_llm/quantization/mode.py (class QuantAlgo(StrEnum), whose
 # auto() values are the member names; QUANT_ALGO_LIST is every member but INT8; KV_CACHE_QUANT_ALGO_LIST is
@@ -410,7 +409,7 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
     d, hq, hkv = plan.head_dim, plan.heads_per_rank, plan.kv_heads_per_rank
     bits = {"W8A16": 8, "W4A16": 4}.get(algo)
 
-    def lin(state: dict, prefix: str, shape: tuple[int, int]) -> Lin:
+    def lin(state: dict, prefix: str, shape: tuple[int, int]) -> LinearWeights:
         w = state[f"{prefix}.weight"]
         bias = state.get(f"{prefix}.bias")
         bias = _unpad(bias, shape[:1], 0, f"{prefix}.bias").float() if bias is not None else None
@@ -421,11 +420,11 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
             scale = _unpad(state[f"{prefix}.weights_scaling_factor"], gshape, 1, f"{prefix}.weights_scaling_factor")
             zero = state.get(f"{prefix}.zero")
             zero = _unpad(zero.T, gshape, 0, f"{prefix}.zero").T if zero is not None else None
-            return Lin(_awq_dense(qint, scale.to(getattr(torch, cfg["dtype"])), zero), bias)
+            return LinearWeights(prefix, weight=_awq_dense(qint, scale.to(getattr(torch, cfg["dtype"])), zero), bias=bias)
         w = _unpad(w, shape, 0, f"{prefix}.weight")
         if as_target_computes and bits and requantized_at_load(f"{prefix}.weight", patterns):
-            return Lin(trtllm_requantize(w, bits), bias)
-        return Lin(w.float(), bias)
+            return LinearWeights(prefix, weight=trtllm_requantize(w, bits), bias=bias)
+        return LinearWeights(prefix, weight=w.float(), bias=bias)
 
     h, inter = plan.hidden_size, plan.intermediate_size // plan.tp
     shapes = {"attention.qkv": ((hq + 2 * hkv) * d, h), "attention.dense": (h, hq * d),
@@ -440,7 +439,7 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
             sizes = [hq * d, hkv * d, hkv * d]
             ws = qkv.weight.split(sizes)
             bs = qkv.bias.split(sizes) if qkv.bias is not None else (None,) * 3
-            layer = {n: Lin(w, b) for n, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs)}
+            layer = {n: LinearWeights(n, weight=w, bias=b) for n, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs)}
             layer |= {n: lin(st, f"{p}.{trt}", shapes[trt]) for n, trt in TRT_MODULES.items()}
             layers.append(layer)
             norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_layernorm.weight"].float()))
@@ -448,6 +447,6 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
         head = st["lm_head.weight"]
         ranks.append(RankWeights(embed=st["transformer.vocab_embedding.weight"].float(), layers=layers, norms=norms,
                                  final_norm=st["transformer.ln_f.weight"].float(),
-                                 lm_head=lin(st, "lm_head", tuple(head.shape)).weight,
+                                 lm_head=lin(st, "lm_head", tuple(head.shape)),
                                  kv_scales=[None if s is None else (s, s) for s in kv]))
     return ranks, cfg

@@ -27,9 +27,8 @@ import torch
 from ...errors import LlmqError
 from ...models.checkpoint import copy_tokenizer, save_state_dict, write_json
 from ...models.reader import ATTN, MLP, CheckpointReader, LinearWeights, layer_prefix
-from ...models.sharding import ShardPlan, head_rows, split_cols, split_rows
+from ...models.sharding import RankWeights, ShardPlan, head_rows, split_cols, split_rows
 from .trtllm import pack_int4_rows, unpack_int4_rows
-from .weights import Lin, RankWeights
 
 DIR = "trtllm-hf"
 MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field set this writer follows
@@ -151,19 +150,19 @@ def read_modelopt_checkpoint(path: Path):
     q = json.loads(qfile.read_text())["quantization"] if qfile.is_file() else {}
     algo, cfg = q.get("quant_algo"), json.loads((path / "config.json").read_text())
 
-    def lin(name: str) -> Lin:
+    def lin(name: str) -> LinearWeights:
         w = st[f"{name}.weight"]
         bias = st[f"{name}.bias"].float() if f"{name}.bias" in st else None
         if w.dtype != torch.int8:
-            return Lin(w.float(), bias)
+            return LinearWeights(name, weight=w.float(), bias=bias)
         scale = st[f"{name}.weight_scale"].float()
         ints = (w if algo == "W8A16" else unpack_int4_rows(w)).float()
         if algo == "W4A16_AWQ":
             w = ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], dim=1)
             if f"{name}.pre_quant_scale" in st:
                 w = w * st[f"{name}.pre_quant_scale"].float()[None, :]
-            return Lin(w, bias)
-        return Lin(ints * scale[:, None], bias)
+            return LinearWeights(name, weight=w, bias=bias)
+        return LinearWeights(name, weight=ints * scale[:, None], bias=bias)
 
     layers, norms, kv = [], [], []
     for i in range(cfg["num_hidden_layers"]):
@@ -173,4 +172,4 @@ def read_modelopt_checkpoint(path: Path):
         kv.append((st[f"{p}.self_attn.k_scale"], st[f"{p}.self_attn.v_scale"]) if f"{p}.self_attn.k_scale" in st
                   else None)
     return RankWeights(embed=st["model.embed_tokens.weight"].float(), layers=layers, norms=norms,
-                       final_norm=st["model.norm.weight"].float(), lm_head=lin("lm_head").weight, kv_scales=kv)
+                       final_norm=st["model.norm.weight"].float(), lm_head=lin("lm_head"), kv_scales=kv)

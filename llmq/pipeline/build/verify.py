@@ -1,10 +1,11 @@
 """Reference check of an engine's rank shards, without a GPU.
 
-It reads the shards as written (either target), runs a plain-torch Llama forward the way tensor parallelism runs
-it — every rank computes its own heads and MLP columns, row-parallel partial outputs are summed (the all-reduce),
-lm_head slices are concatenated (the all-gather) — and compares the logits with the unsharded source model's.
-Both sides compute in float32 from the same stored values, so they agree to rounding; a wrong split (heads out
-of order, a KV head given to the wrong rank, scales cut on the wrong axis) is off by orders of magnitude more.
+Each target's reader turns what it wrote into per-rank weights as that target computes with them (llmq's ranks as
+the runtime loads them, TensorRT-LLM's dequantized by its rules); the runtime's own modules then run them the way
+tensor parallelism does — every rank a thread with its heads and MLP columns, the all-reduce and vocabulary gather
+between them (runtime.model_runner.score_in_process) — and the logits are compared with the unsharded source's,
+run by the same modules. A wrong split (heads out of order, a KV head on the wrong rank, scales cut on the wrong
+axis) is off by orders of magnitude more than the reduction-order noise the tolerance allows.
 """
 
 from __future__ import annotations
@@ -13,115 +14,39 @@ import dataclasses
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ...errors import LlmqError
 from ...models.engine_spec import EngineSpec
-from ...models.reader import ATTN, MLP, CheckpointReader, layer_prefix
-from ...models.sharding import ShardPlan
-from ...models.spec import ModelSpec, attends
-from .weights import Lin, RankWeights
+from ...models.reader import ATTN, MLP, CheckpointReader, LinearWeights, layer_prefix
+from ...models.sharding import RankWeights, ShardPlan
+from ...runtime.model_runner import rank_weights, score_in_process
 
 TOLERANCE = 1e-4   # max |logits - reference| / max |reference|; float32 reduction-order noise is ~1e-6
 
 
-def _lin(lw, dense) -> Lin:
-    return Lin(dense(lw) if dense is not None else lw.dense(torch.float32),
-               lw.bias.float() if lw.bias is not None else None)
-
-
 def reference_weights(src: CheckpointReader, dense=None) -> RankWeights:
-    """The unsharded model as one rank: every layer whole, weights dequantized through qformat.
+    """The unsharded model as one rank, as the runtime loads it (quantized linears stay quantized).
 
-    `dense(linear) -> float32 weight` overrides the dequantization where a target stores values differently
-    (TensorRT-LLM's W8A16 keeps the dequantized weight in the model dtype, say); it sees whole, unsplit layers.
-    """
-    layers, norms = [], []
-    for i in range(src.spec.num_layers):
-        p = layer_prefix(i)
-        layers.append({n: _lin(src.linear(f"{p}.self_attn.{n}"), dense) for n in ATTN}
-                      | {n: _lin(src.linear(f"{p}.mlp.{n}"), dense) for n in MLP})
-        norms.append((src.tensor(f"{p}.input_layernorm.weight").float(),
-                      src.tensor(f"{p}.post_attention_layernorm.weight").float()))
-    return RankWeights(embed=src.tensor("model.embed_tokens.weight").float(), layers=layers, norms=norms,
-                       final_norm=src.tensor("model.norm.weight").float(),
-                       lm_head=_lin(src.lm_head(), dense).weight,
-                       kv_scales=[src.kv_scales(i) for i in range(src.spec.num_layers)])
+    `dense(linear) -> float32 weight` replaces each linear by the value a target computes with where it stores
+    values differently (TensorRT-LLM's W8A16 keeps the dequantized weight in the model dtype, say)."""
+    rw = rank_weights(src, None, 0)
+    if dense is not None:
+        swap = lambda lw: LinearWeights(lw.name, weight=dense(lw), bias=lw.bias)  # noqa: E731
+        rw = dataclasses.replace(rw, layers=[{n: swap(lw) for n, lw in layer.items()} for layer in rw.layers],
+                                 lm_head=swap(rw.lm_head))
+    return dataclasses.replace(rw, kv_scales=[src.kv_scales(i) for i in range(src.spec.num_layers)])
 
 
-def llmq_rank_weights(rank_dir: Path) -> RankWeights:
-    """A `--target llmq` rank directory is itself a (sliced) HF checkpoint: read it the same way as the source."""
-    return reference_weights(CheckpointReader(rank_dir))
+def exact(lw: LinearWeights) -> torch.Tensor:
+    """A linear's stored value in float32: the split check compares values, not the fast kernels' bf16 rounding."""
+    return lw.dense(torch.float32)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _linear(x: torch.Tensor, lin: Lin) -> torch.Tensor:
-    y = x @ lin.weight.T
-    return y + lin.bias if lin.bias is not None else y
-
-
-def _rope(hf_config: dict, head_dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin from transformers' own rotary embedding, so every rope_scaling variant matches the source model."""
-    from transformers import AutoConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    cfg = dict(hf_config)
-    model_type = cfg.pop("model_type")
-    cfg.pop("quantization_config", None)
-    cfg["head_dim"] = head_dim
-    config = AutoConfig.for_model(model_type, **cfg)
-    rot = LlamaRotaryEmbedding(config=config)
-    cos, sin = rot(torch.zeros(1, dtype=torch.float32), positions)
-    return cos.float(), sin.float()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
-
-
-def tp_forward(ranks: list[RankWeights], plan: ShardPlan, hf_config: dict, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits [batch, seq, vocab] of the model split over `ranks` exactly as tensor parallelism runs it."""
-    eps = float(hf_config.get("rms_norm_eps", 1e-6))
-    b, t = input_ids.shape
-    d, hq, hkv = plan.head_dim, plan.heads_per_rank, plan.kv_heads_per_rank
-    if plan.parallel_embedding:     # each rank looks up the ids in its vocab range; the all-reduce sums them
-        rows = plan.padded_vocab_size // plan.tp
-        x = sum(torch.where(((input_ids >= r * rows) & (input_ids < (r + 1) * rows))[..., None],
-                            rk.embed[(input_ids - r * rows).clamp(0, rows - 1)], 0.0) for r, rk in enumerate(ranks))
-    else:
-        x = ranks[0].embed[input_ids]
-    positions = torch.arange(t)[None].expand(b, t)
-    cos, sin = _rope(hf_config, d, positions)  # [b, t, d]
-    pos = torch.arange(t)
-    mask = attends(pos[:, None], pos[None, :], ModelSpec.from_config(hf_config).sliding_window)
-    for i in range(len(ranks[0].layers)):
-        attn_sum = 0.0
-        for rk in ranks:
-            lay = rk.layers[i]
-            h = _rms(x, rk.norms[i][0], eps)
-            q = _linear(h, lay["q_proj"]).view(b, t, hq, d)
-            k = _linear(h, lay["k_proj"]).view(b, t, hkv, d)
-            v = _linear(h, lay["v_proj"]).view(b, t, hkv, d)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask, enable_gqa=True)
-            attn_sum = attn_sum + o.transpose(1, 2).reshape(b, t, hq * d) @ lay["o_proj"].weight.T
-        o_bias = ranks[0].layers[i]["o_proj"].bias
-        x = x + attn_sum + (o_bias if o_bias is not None else 0.0)
-        mlp_sum = 0.0
-        for rk in ranks:
-            lay = rk.layers[i]
-            h = _rms(x, rk.norms[i][1], eps)
-            mlp_sum = mlp_sum + (F.silu(_linear(h, lay["gate_proj"])) * _linear(h, lay["up_proj"])) @ lay["down_proj"].weight.T
-        d_bias = ranks[0].layers[i]["down_proj"].bias
-        x = x + mlp_sum + (d_bias if d_bias is not None else 0.0)
-    logits = torch.cat([_rms(x, rk.final_norm, eps) @ rk.lm_head.T for rk in ranks], dim=-1)
-    return logits[..., :plan.vocab_size]
+def run_plan(ranks: list[RankWeights], plan: ShardPlan, config: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [batch, seq, vocab] of `ranks` split as `plan` says, through the runtime's modules."""
+    starts = [r * (plan.padded_vocab_size // plan.tp) if plan.parallel_embedding and plan.tp > 1 else None
+              for r in range(plan.tp)]
+    return score_in_process(ranks, config, plan.heads_per_rank, plan.kv_heads_per_rank, ids, starts)
 
 
 def unsharded_plan(src: CheckpointReader) -> ShardPlan:
@@ -182,10 +107,9 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
     src = CheckpointReader(source_dir)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.spec.vocab_size, (batch, seq_len), generator=gen)
-    target_ranks = None
-    if meta.target == "llmq":
-        ranks = [llmq_rank_weights(engine_dir / d) for d in meta.ranks]
-        dense = None
+    target_ranks = None   # where the target re-rounds at load: what it computes, unlike what it stores
+    if meta.target == "llmq":   # a rank directory is itself a (sliced) checkpoint, read like the source
+        ranks, dense = [reference_weights(CheckpointReader(engine_dir / d), exact) for d in meta.ranks], exact
     elif meta.target == "trtllm":
         from .trtllm import reference_dense, trtllm_rank_weights
 
@@ -196,20 +120,17 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
     elif meta.target == "trtllm-hf":   # one unsharded checkpoint the backend shards itself, heads padded for tp
         from .trtllm_hf import read_modelopt_checkpoint
 
-        ranks, dense = [read_modelopt_checkpoint(engine_dir / meta.outputs["trtllm_hf_checkpoint"])], None
+        ranks, dense = [read_modelopt_checkpoint(engine_dir / meta.outputs["trtllm_hf_checkpoint"])], exact
         plan = dataclasses.replace(plan, tp=1, padded_vocab_size=plan.vocab_size, parallel_embedding=False)
     else:
         raise LlmqError(f"{engine_dir}: unknown engine target {meta.target!r}")
     with torch.no_grad():
-        ref = tp_forward([reference_weights(src, dense)], unsharded_plan(src), src.config, ids)
-        out = tp_forward(ranks, plan, src.config, ids)
+        ref = run_plan([reference_weights(src, dense)], unsharded_plan(src), src.config, ids)
+        out = run_plan(ranks, plan, src.config, ids)
         target = {}
-        if meta.target == "trtllm-hf":   # what the backend computes is what was read: llmq's integers
-            target = {"target_kld": kld_top1(ref, out)["kld_mean"], "target_top1": kld_top1(ref, out)["top1"]}
-        if target_ranks is not None:
-            evaluated = tp_forward([reference_weights(src)], unsharded_plan(src), src.config, ids)
-            deployed = tp_forward(target_ranks, plan, src.config, ids)
-            k = kld_top1(evaluated, deployed)
+        if meta.target != "llmq":   # what the target computes vs what llmq evaluated (its runtime, fast kernels)
+            evaluated = run_plan([reference_weights(src)], unsharded_plan(src), src.config, ids)
+            k = kld_top1(evaluated, run_plan(target_ranks or ranks, plan, src.config, ids))
             target = {"target_kld": k["kld_mean"], "target_top1": k["top1"]}
     err = max_rel_error(out, ref)
     kv_bad = kv_scale_mismatches(ranks, src, plan, meta.target) if meta.kv_cache_dtype != "auto" else 0
