@@ -50,6 +50,6 @@ def load_method(name: str) -> ModuleType:
     return mod
 
 
-from .stage import QuantizeOptions, quantize  # noqa: E402  (the stage imports load_method from here)
+from .stage import QuantizeOptions, quantize  # noqa: E402  (the stage imports METHODS and load_method from here)
 
 __all__ = ["METHODS", "QuantizeOptions", "load_method", "quantize"]
