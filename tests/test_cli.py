@@ -1,10 +1,17 @@
 import json
 import os
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
 
+import click
 from click.testing import CliRunner
 
 from llmq.cli.main import cli
 
+ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ("quantize", "quantize-kv", "build", "eval", "serve", "bench", "run", "ls", "inspect", "lineage", "import", "verify")
 
 
@@ -64,3 +71,61 @@ def test_verify_rehashes_everything_and_names_a_damaged_file(tmp_path):
     r = run(store.root, "verify", "thing/v1")
     assert r.exit_code == 2 and r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n"
     assert run(store.root, "verify", "nope").exit_code == 2
+
+
+def _commands(group: click.Group, path=()):
+    for name, cmd in group.commands.items():
+        yield (*path, name), cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+
+
+def test_help_imports_nothing_heavy():
+    """`llmq --help` and every `llmq CMD --help` load neither torch nor transformers (measured as imports, not time)."""
+    code = textwrap.dedent("""
+        import sys
+        import click
+        from click.testing import CliRunner
+        from llmq.cli.main import cli
+
+        def walk(group, path=()):
+            yield path
+            for name, cmd in group.commands.items():
+                yield from walk(cmd, (*path, name)) if isinstance(cmd, click.Group) else [(*path, name)]
+
+        for path in walk(cli):
+            r = CliRunner().invoke(cli, [*path, "--help"])
+            assert r.exit_code == 0 and "Usage: " in r.output, (path, r.output)
+        print(sorted(m for m in ("torch", "transformers", "lm_eval", "numpy") if m in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_an_option_has_one_name_across_commands():
+    flags = defaultdict(set)
+    for _, cmd in _commands(cli):
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not p.hidden:
+                flags[p.name].add(p.opts[0])
+    assert {name: f for name, f in flags.items() if len(f) > 1} == {}
+    serve = cli.commands["serve"]  # the spellings serve had before it took build's names still work
+    argv = ["--kv-cache-dtype", "fp8", "--max-num-seqs", "3", "--max-model-len", "9"]
+    params = serve.make_context("serve", argv).params
+    assert (params["kv"], params["max_batch_size"], params["max_seq_len"]) == ("fp8", 3, 9)
+
+
+def test_bench_subcommands_and_the_spellings_before_them():
+    from llmq.cli.bench import _subcommand_for
+
+    assert set(cli.commands["bench"].commands) == {"serve", "offline", "hw", "compare"}
+    assert _subcommand_for(["--engine", "m", "--batch-sizes", "1,2"]) == ["offline", "m", "--batch-sizes", "1,2"]
+    assert _subcommand_for(["--json", "--engine=m"]) == ["offline", "m", "--json"]
+    assert _subcommand_for(["--hw", "--refresh"]) == ["hw", "--refresh"]
+    assert _subcommand_for(["--endpoint", "u", "--no-save"]) == ["serve", "--endpoint", "u", "--no-save"]
+
+
+def test_ls_refuses_an_unknown_kind_listing_the_kinds(tmp_path):
+    r = run(tmp_path / "store", "ls", "--kind", "modle")
+    assert r.exit_code == 2 and all(k in r.output for k in ("model", "quantized", "engine", "eval-report"))

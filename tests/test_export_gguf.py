@@ -474,7 +474,7 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line(tiny, make_tiny_model, tmp
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
 
     kv = quantize_kv(model, store, KVOptions(kv="int8", granularity="tensor", num_samples=2, seq_len=32,
-                                             heldout_tokens=64), show_progress=False)
+                                             probe_tokens=64), show_progress=False)
     _one_line_refusal(store, kv, BuildOptions(target="gguf"), "KV-cache", "--target llmq")
 
 

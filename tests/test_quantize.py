@@ -210,7 +210,8 @@ def _quantized(store):
 @pytest.mark.parametrize("opts,match", [
     (dict(bits=3), "4 or 8"), (dict(bits=4, group_size=48), "does not divide"),
     (dict(bits=8, method="smoothquant", group_size=0), None), (dict(bits=4, method="rtn", act_order=True), "GPTQ"),
-    (dict(bits=4, method="gptq", damp=0), "damp"), (dict(bits=4, method="awq", per_tensor=True), "per tensor")])
+    (dict(bits=4, method="gptq", damp=0), "damp"), (dict(bits=4, method="awq", per_tensor=True), "per tensor"),
+    (dict(bits=4, method="gptq", per_tensor=True), "not per tensor")])
 def test_bad_options_are_refused_before_any_work(store, tiny_source, opts, match):
     if match is None:  # a method that exists but does not take these bits: refused by its BITS
         opts = dict(opts, bits=4)

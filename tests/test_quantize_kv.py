@@ -16,7 +16,7 @@ from llmq.pipeline.kvcache import KVOptions, fake_quantize, quantize_kv
 from llmq.pipeline.quantize.calib import load_calibration
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
-SMALL = dict(num_samples=6, seq_len=96, heldout_tokens=384)
+SMALL = dict(num_samples=6, seq_len=96, probe_tokens=384)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ def test_shipped_recipes_validate(recipe):
     ({"quantize-kv": {"kv": "fp8"}, "build": {"kv": "int8"}}, "build.kv: int8 contradicts stages.quantize-kv.kv: fp8"),
     ({"eval": {"tasks": []}}, "stages.eval.tasks: List should have at least 1 item"),
     ({}, "name at least one of"),
+    ({"build": {"tp": 1}, "serve": {"port": 8000}}, "stages: Value error, serve is not a recipe stage"),
 ])
 def test_bad_recipes_are_refused_naming_the_key(tmp_path, stages, message):
     p = _write(tmp_path, {"name": "x", "stages": stages})

@@ -11,14 +11,13 @@ where the KV bytes are the cached context of all B sequences at that step. Small
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from ..artifacts import Artifact, Store
 from ..errors import LlmqError
+from ..options import Options, option
 
 
 @dataclass
@@ -43,17 +42,20 @@ def _compute_params(spec) -> int:
     return spec.num_parameters() - (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size)
 
 
-@dataclass
-class OfflineOptions:
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
-    input_len: int = 128
-    output_len: int = 128
-    name: str | None = None  # of the bench-report artifact; default bench-<source name>
-    time_limit: float = 300.0  # per batch size
-    device: str | None = None
-    dtype: str | None = None
-    seed: int = 0
-    refresh_hw: bool = False  # measure the machine again instead of using the cached figures
+@dataclass(frozen=True)
+class OfflineOptions(Options):
+    """What `llmq bench offline` (or a recipe's bench stage) asks for."""
+
+    batch_sizes: list[int] = option([1, 2, 4, 8, 16], "Batch sizes to sweep.", ge=1, min_items=1)
+    input_len: int = option(128, "Prompt tokens.", ge=1)
+    output_len: int = option(128, "Output tokens per sequence (at least 2: decode steps to time).", ge=2)
+    name: str | None = option(None, "Name of the bench-report artifact (default: bench-<source name>).")
+    time_limit: float = option(300.0, "Seconds per batch size (hard stop).", gt=0)
+    device: str | None = option(None, "Device (default: cuda when available).")
+    dtype: str | None = option(None, "Compute dtype (default: the runtime's choice).",
+                               choices=("float32", "bfloat16", "float16"))
+    seed: int = option(0, "Seeds the random prompts.")
+    refresh: bool = option(False, "Measure the machine's peaks again instead of using the cached figures.")
 
 
 def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: str | None = None,
@@ -65,7 +67,8 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
     if source.kind not in ("model", "quantized", "engine"):
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; the offline bench takes a model, quantized or "
                         "engine artifact")
-    hw = hardware(opts.device, refresh=opts.refresh_hw)
+    opts.check()
+    hw = hardware(opts.device, refresh=opts.refresh)
     results, settings = sweep(source.path, opts.batch_sizes, opts.input_len, opts.output_len, hw, opts.time_limit,
                               opts.device, opts.dtype, opts.seed, progress)
     settings["engine"] = source.ref
@@ -77,6 +80,7 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
           time_limit: float = 300.0, device: str | None = None, dtype: str | None = None, seed: int = 0,
           progress: Callable[[OfflineResult], None] | None = None) -> tuple[list[OfflineResult], dict]:
     """Results per batch size, plus the engine settings they were measured with."""
+    import numpy as np
     import torch
 
     from ..runtime import EngineConfig, LLMEngine, SamplingParams

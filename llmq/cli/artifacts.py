@@ -6,6 +6,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..artifacts import KINDS
 from ..models import resolve_model
 from .common import echo_json, get_store, human_bytes
 
@@ -29,7 +30,7 @@ def import_(ctx, model, allow_pickle, as_json):
 
 
 @click.command("ls")
-@click.option("--kind", help="Only artifacts of this kind.")
+@click.option("--kind", type=click.Choice(KINDS), help="Only artifacts of this kind.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def ls(ctx, kind, as_json):

@@ -1,13 +1,15 @@
-"""`llmq bench`: load-test an OpenAI-compatible endpoint, sweep the bundled engine offline, probe the hardware,
-or compare two reports."""
+"""`llmq bench serve|offline|hw|compare`: load-test an OpenAI-compatible endpoint, sweep the bundled engine
+offline, probe the hardware, or compare two reports."""
 
 from __future__ import annotations
 
-
 import click
 
+from ..bench.offline import OfflineOptions
 from ..errors import LlmqError
+from ..models import source_artifact
 from .common import echo_json, get_store
+from .options import stage_options
 
 
 def _ints(text: str | None, what: str) -> list[int]:
@@ -54,8 +56,44 @@ def _warn(msg: str) -> None:
     click.echo(f"warning: {msg}", err=True)
 
 
-@click.group("bench", invoke_without_command=True)
-@click.option("--endpoint", metavar="URL", help="OpenAI-compatible server to load-test, e.g. http://127.0.0.1:8000.")
+class BenchGroup(click.Group):
+    """`llmq bench serve|offline|hw|compare`. The spellings from before the subcommands still work:
+    `bench --endpoint URL ...` is `bench serve --endpoint URL ...`, `bench --engine REF ...` is
+    `bench offline REF ...` and `bench --hw ...` is `bench hw ...`."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0].startswith("--") and args[0] != "--help":
+            args = _subcommand_for(args)
+        return super().parse_args(ctx, args)
+
+
+def _subcommand_for(args: list[str]) -> list[str]:
+    flags = [a.split("=", 1)[0] for a in args]
+    modes = [m for m in ("--endpoint", "--engine", "--hw") if m in flags]
+    if len(modes) != 1:
+        raise LlmqError("give exactly one of --endpoint URL, --engine REF or --hw" +
+                        (f" (got {', '.join(modes)})" if modes else "") + "; or use `llmq bench serve|offline|hw`")
+    if modes[0] == "--endpoint":
+        return ["serve", *args]
+    if modes[0] == "--hw":
+        return ["hw", *(a for a in args if a != "--hw")]
+    i = flags.index("--engine")
+    if "=" in args[i]:
+        ref, rest = [args[i].split("=", 1)[1]], args[i + 1:]
+    else:
+        ref, rest = args[i + 1:i + 2], args[i + 2:]
+    return ["offline", *ref, *args[:i], *rest]
+
+
+@click.group("bench", cls=BenchGroup)
+def bench():
+    """Benchmark an OpenAI-compatible endpoint (serve), the bundled engine in-process (offline) or this machine
+    (hw); compare two reports (compare)."""
+
+
+@bench.command("serve")
+@click.option("--endpoint", metavar="URL", required=True,
+              help="OpenAI-compatible server to load-test, e.g. http://127.0.0.1:8000.")
 @click.option("--model", help="Model id to request (default: the only model the endpoint serves).")
 @click.option("--api", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
 @click.option("--concurrency", metavar="N,...", help="Closed-loop levels: clients in flight, e.g. 1,8,32.")
@@ -80,78 +118,81 @@ def _warn(msg: str) -> None:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--no-ignore-eos", is_flag=True, help="Do not send ignore_eos (for servers that reject it).")
 @click.option("--api-key", envvar="LLMQ_API_KEY", help="Bearer key for the endpoint (env LLMQ_API_KEY).")
-@click.option("--engine", "engine_ref", metavar="REF", help="Offline: run this engine/model in-process instead.")
-@click.option("--batch-sizes", default="1,2,4,8,16", show_default=True, help="Offline batch sizes.")
-@click.option("--device", default=None, help="Offline / --hw device (default: cuda when available).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Offline compute dtype (default: the runtime's choice).")
-@click.option("--hw", is_flag=True, help="Measure (once, cached) memory bandwidth and matmul peak, and print them.")
-@click.option("--refresh", is_flag=True, help="With --hw (or offline): measure again instead of using the cache.")
 @click.option("--name", help="Name of the bench-report artifact (default: bench-<model>).")
-@click.option("--no-save", is_flag=True, help="Do not write a bench-report artifact (online runs).")
+@click.option("--no-save", is_flag=True, help="Do not write a bench-report artifact.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.pass_context
-def bench(ctx, endpoint, model, api, concurrency, request_rate, num_prompts, input_len, input_len_std,
+def serve(ctx, endpoint, model, api, concurrency, request_rate, num_prompts, input_len, input_len_std,
           input_len_range, output_len, dataset, tokenizer, slo_ttft_ms, slo_tpot_ms, cost_per_hour, time_limit, seed,
-          warmup, temperature, no_ignore_eos, api_key, engine_ref, batch_sizes, device, dtype, hw, refresh, name,
-          no_save, as_json):
-    """Benchmark an OpenAI-compatible endpoint (--endpoint), the bundled engine offline (--engine) or this
-    machine (--hw); `llmq bench compare A B` diffs two reports."""
-    if ctx.invoked_subcommand:
+          warmup, temperature, no_ignore_eos, api_key, name, no_save, as_json):
+    """Load-test an OpenAI-compatible endpoint (llmq, vLLM, TensorRT-LLM, llama.cpp) at each concurrency or
+    request rate."""
+    from ..bench import report as R
+    from ..bench.online import OnlineSettings, parent_ids, run_online
+
+    store = get_store(ctx)
+    s = OnlineSettings(endpoint=endpoint, model=model, api=api, concurrency=_ints(concurrency, "--concurrency"),
+                       request_rate=_rates(request_rate), num_prompts=num_prompts, input_len=input_len,
+                       input_len_std=input_len_std, input_len_range=_range(input_len_range),
+                       output_len=output_len, dataset=dataset, tokenizer=tokenizer, slo_ttft_ms=slo_ttft_ms,
+                       slo_tpot_ms=slo_tpot_ms, cost_per_hour=cost_per_hour, time_limit=time_limit, seed=seed,
+                       warmup=warmup, temperature=temperature, ignore_eos=not no_ignore_eos, api_key=api_key)
+
+    def progress(lv):
+        sm = lv["summary"]
+        click.echo(f"{lv['label']}: {sm['completed']} ok, {sm['failed']} failed, {sm['cancelled']} cancelled "
+                   f"in {sm['duration_s']:.1f} s", err=True)
+
+    report, ep = run_online(s, store, _warn, progress)
+    _print(report, None if no_save else R.save(store, report, name, parent_ids(ep, store)), as_json)
+
+
+@bench.command("offline")
+@click.argument("ref", required=False)
+@stage_options(OfflineOptions)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.pass_context
+def offline(ctx, ref, opts, as_json):
+    """Sweep REF (an engine, quantized or model artifact; default: the default model) in-process, one batch size
+    at a time: decode step time, tokens/s, MBU and MFU."""
+    from ..bench import report as R
+    from ..bench.offline import run_offline
+
+    store = get_store(ctx)
+    art = run_offline(source_artifact(ref, store), opts, store,
+                      progress=lambda r: click.echo(f"batch {r.batch_size}: {r.tokens_per_s:.1f} tok/s, "
+                                                    f"step {r.step_ms:.1f} ms", err=True))
+    _print(R.load(store, str(art.path)), art, as_json)
+
+
+@bench.command("hw")
+@click.option("--device", default=None, help="Device to measure (default: cuda when available).")
+@click.option("--refresh", is_flag=True, help="Measure again instead of using the cached figures.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def hw(device, refresh, as_json):
+    """Measure (once, cached per machine) memory read bandwidth and matmul peaks, and print them."""
+    from ..bench.hw import hardware
+
+    h = hardware(device, refresh=refresh)
+    if as_json:
+        echo_json(h)
         return
-    modes = [m for m, on in (("--endpoint", endpoint), ("--engine", engine_ref), ("--hw", hw)) if on]
-    if len(modes) != 1:
-        raise LlmqError("give exactly one of --endpoint URL, --engine REF or --hw" +
-                        (f" (got {', '.join(modes)})" if modes else ""))
+    click.echo(f"{h['machine']}  ({h['device']}, measured {h['measured']})\n"
+               f"  memory read bandwidth  {h['read_bandwidth'] / 1e9:8.2f} GB/s\n"
+               f"  fp32 matmul            {h['fp32_flops'] / 1e9:8.2f} GFLOP/s\n"
+               f"  bf16 matmul            {h['bf16_flops'] / 1e9:8.2f} GFLOP/s")
+
+
+def _print(report: dict, art, as_json: bool) -> None:
+    """A report as a table (or JSON without the per-request timings, which stay in the report file)."""
     from ..bench import report as R
 
-    if hw:
-        from ..bench.hw import hardware
-
-        h = hardware(device, refresh=refresh)
-        if as_json:
-            echo_json(h)
-        else:
-            click.echo(f"{h['machine']}  ({h['device']}, measured {h['measured']})\n"
-                       f"  memory read bandwidth  {h['read_bandwidth'] / 1e9:8.2f} GB/s\n"
-                       f"  fp32 matmul            {h['fp32_flops'] / 1e9:8.2f} GFLOP/s\n"
-                       f"  bf16 matmul            {h['bf16_flops'] / 1e9:8.2f} GFLOP/s")
-        return
-    store = get_store(ctx)
-    console = _console()
-    if engine_ref:
-        from ..bench.offline import OfflineOptions, run_offline
-        from ..models import source_artifact
-
-        opts = OfflineOptions(_ints(batch_sizes, "--batch-sizes"), input_len, output_len, name, time_limit, device,
-                              dtype, seed, refresh)
-        art = run_offline(source_artifact(engine_ref, store), opts, store,
-                          progress=lambda r: click.echo(f"batch {r.batch_size}: {r.tokens_per_s:.1f} tok/s, "
-                                                        f"step {r.step_ms:.1f} ms", err=True))
-        report = R.load(store, str(art.path))
-    else:
-        from ..bench.online import OnlineSettings, parent_ids, run_online
-
-        s = OnlineSettings(endpoint=endpoint, model=model, api=api, concurrency=_ints(concurrency, "--concurrency"),
-                           request_rate=_rates(request_rate), num_prompts=num_prompts, input_len=input_len,
-                           input_len_std=input_len_std, input_len_range=_range(input_len_range),
-                           output_len=output_len, dataset=dataset, tokenizer=tokenizer, slo_ttft_ms=slo_ttft_ms,
-                           slo_tpot_ms=slo_tpot_ms, cost_per_hour=cost_per_hour, time_limit=time_limit, seed=seed,
-                           warmup=warmup, temperature=temperature, ignore_eos=not no_ignore_eos, api_key=api_key)
-
-        def progress(lv):
-            sm = lv["summary"]
-            click.echo(f"{lv['label']}: {sm['completed']} ok, {sm['failed']} failed, {sm['cancelled']} cancelled "
-                       f"in {sm['duration_s']:.1f} s", err=True)
-
-        report, ep = run_online(s, store, _warn, progress)
-        art = None if no_save else R.save(store, report, name, parent_ids(ep, store))
     if as_json:
-        if "levels" in report:  # every request's timings stay in the report file
+        if "levels" in report:
             report = dict(report, levels=[{k: v for k, v in lv.items() if k != "requests"} for lv in report["levels"]])
         echo_json(dict(report, artifact=None if art is None else str(art.path)))
         return
-    console.print(R.table(report))
+    _console().print(R.table(report))
     if art is not None:
         click.echo(f"report: {art.ref}  ({art.path}; plot: {art.file('plot.png')})")
 

@@ -8,6 +8,7 @@ import click
 
 from ..errors import LlmqError
 from ..models import source_artifact
+from ..pipeline.build.stage import KV_CHOICES
 from .common import get_store, human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -30,12 +31,16 @@ def parse_size(text: str) -> int:
 @click.option("--kv-cache-memory", help="KV-cache budget per rank, e.g. 512MiB or 2GiB (overrides the fraction).")
 @click.option("--kv-cache-fraction", type=float, default=None,
               help="Fraction of free memory for the KV cache when no size is given  [default: 0.25].")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto", show_default=True,
-              help="auto: the compute dtype, or the checkpoint's calibrated KV scheme.")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences in the running batch.")
+@click.option("--kv", type=click.Choice(KV_CHOICES), default="auto", show_default=True,
+              help="KV-cache dtype. auto: the compute dtype, or the checkpoint's calibrated KV scheme.")
+@click.option("--kv-cache-dtype", "kv", type=click.Choice(KV_CHOICES), hidden=True)
+@click.option("--max-batch-size", type=int, default=64, show_default=True, help="Sequences in the running batch.")
+@click.option("--max-num-seqs", "max_batch_size", type=int, hidden=True)
 @click.option("--max-num-batched-tokens", type=int, default=512, show_default=True,
               help="Tokens per engine step (chunked prefill budget).")
-@click.option("--max-model-len", type=int, default=None, help="Context length (default: the model's, at most 4096).")
+@click.option("--max-seq-len", type=int, default=None,
+              help="Context length (default: the model's, at most 4096).")
+@click.option("--max-model-len", "max_seq_len", type=int, hidden=True)
 @click.option("--block-size", type=int, default=16, show_default=True, help="Paged KV-cache block size (tokens).")
 @click.option("--no-prefix-caching", is_flag=True, help="Turn off automatic prefix caching.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
@@ -50,8 +55,8 @@ def parse_size(text: str) -> int:
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @click.pass_context
-def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv_cache_dtype, max_num_seqs,
-          max_num_batched_tokens, max_model_len, block_size, no_prefix_caching, dtype, device, served_model_name,
+def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
+          max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, served_model_name,
           api_key, max_queue, drain_timeout, log_level):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
@@ -67,10 +72,10 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv_cache
     art = thread.call(source_artifact, ref, get_store(ctx))
     if art.kind not in ("model", "quantized", "engine"):
         raise LlmqError(f"{art.ref} is a {art.kind} artifact; serve takes a model, quantized or engine artifact")
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       max_model_len=max_model_len, block_size=block_size,
+    cfg = EngineConfig(max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
+                       max_model_len=max_seq_len, block_size=block_size,
                        kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
-                       kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=not no_prefix_caching, tp=tp,
+                       kv_cache_dtype=kv, enable_prefix_caching=not no_prefix_caching, tp=tp,
                        device=device, dtype=dtype)
     if kv_cache_fraction is not None:
         cfg.kv_cache_fraction = kv_cache_fraction

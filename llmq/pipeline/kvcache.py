@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,24 +28,10 @@ from ..errors import LlmqError
 from ..models import qformat
 from ..models.checkpoint import INDEX_NAME, read_config, safetensors_files, write_json
 from ..models.reader import CheckpointReader, layer_prefix
+from .kv_options import KVOptions
 
-KV_TYPES = ("int8", "fp8")
-GRANULARITIES = ("auto", "tensor", "head")
 SCALES_FILE = "kv-scales.safetensors"
 MANIFEST = "llmq.json"
-
-
-@dataclass(frozen=True)
-class KVOptions:
-    kv: str                          # int8 | fp8
-    granularity: str = "auto"        # auto | tensor | head
-    calib: str | None = None         # --calib: file, directory or dataset name; None = the bundled default
-    num_samples: int = 16            # calibration sequences
-    seq_len: int = 512               # tokens per calibration sequence
-    heldout_tokens: int = 2048       # tokens for the error / KLD measurement
-    margin: float = 0.1              # auto: per-head scales must cut the held-out error by this fraction
-    name: str | None = None
-    device: str | None = None
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, kv: str) -> torch.Tensor:
@@ -104,14 +90,7 @@ class KVRecorder:
 
 
 def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
-    if opts.kv not in KV_TYPES:
-        raise LlmqError(f"--kv {opts.kv!r}: use one of {', '.join(KV_TYPES)}")
-    if opts.granularity not in GRANULARITIES:
-        raise LlmqError(f"KV scale granularity {opts.granularity!r}: use one of {', '.join(GRANULARITIES)}")
-    if opts.num_samples < 1 or opts.seq_len < 2 or opts.heldout_tokens < 2:
-        raise LlmqError("--num-samples must be >= 1 and sequence lengths >= 2")
-    if not 0 <= opts.margin < 1:
-        raise LlmqError(f"margin must be in [0, 1), got {opts.margin}")
+    opts.check()
     if source.kind not in ("model", "quantized"):
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize-kv takes a model or quantized artifact")
     ckpt = CheckpointReader(source.path)
@@ -244,7 +223,7 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
     spec = ckpt.spec
     tokenizer = load_tokenizer(source.path)
     calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, seed=0)
-    probe = load_probe_text(tokenizer, opts.heldout_tokens)
+    probe = load_probe_text(tokenizer, opts.probe_tokens)
     max_len = min(spec.max_position_embeddings, max(len(s) for s in calib.samples + probe.samples) + 1)
     samples, heldout = _windows(calib, max_len), _windows(probe, max_len)
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as bar:

@@ -8,94 +8,80 @@ parent id of every later stage: those re-run, earlier ones do not.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, ClassVar, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from ..artifacts import Artifact, ArtifactError, Store
+from ..bench.offline import OfflineOptions
 from ..errors import LlmqError
+from ..evals.runner import EvalOptions
+from ..options import default_of, user_fields
+from .build import BuildOptions
+from .kv_options import KVOptions
+from .quantize import QuantizeOptions
 
-STAGE_ORDER = ("quantize", "quantize_kv", "build", "eval", "bench")
+STAGES = {"quantize": QuantizeOptions, "quantize_kv": KVOptions, "build": BuildOptions, "eval": EvalOptions,
+          "bench": OfflineOptions}
+STAGE_ORDER = tuple(STAGES)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class QuantizeStage(_Strict):
-    bits: Literal[4, 8]
-    method: Literal["rtn", "gptq", "awq", "smoothquant", "fp8"] = "rtn"
-    group_size: int | None = Field(None, ge=0)   # None: the default for the bits; 0: per channel
-    symmetric: bool = True
-    act_order: bool = False
-    alpha: float | None = Field(None, gt=0, le=1)
-    calib: str | None = None
-    calib_samples: int = Field(32, gt=0)
-    name: str | None = None
+class StageConfig(_Strict):
+    """A recipe stage: the keys are the fields of the stage's options dataclass (`options`), with the same names,
+    defaults, choices and bounds; the dataclass's own check() judges the combination."""
+
+    options: ClassVar[type]
 
     @model_validator(mode="after")
-    def _method_supports_bits(self):
-        if self.method in ("smoothquant", "fp8") and self.bits != 8:
-            raise ValueError(f"method {self.method} quantizes to 8 bits; set bits: 8")
-        if self.alpha is not None and self.method != "smoothquant":
-            raise ValueError("alpha is SmoothQuant's migration strength; it needs method: smoothquant")
-        if self.act_order and self.method != "gptq":
-            raise ValueError("act_order is a GPTQ option; it needs method: gptq")
-        return self
-
-
-class QuantizeKVStage(_Strict):
-    kv: Literal["int8", "fp8"]
-    calib: str | None = None
-    name: str | None = None
-
-
-class BuildStage(_Strict):
-    tp: Literal[1, 2, 4, 8] = 1
-    target: Literal["llmq", "trtllm", "trtllm-hf", "gguf"] = "llmq"
-    max_batch_size: int = Field(64, gt=0)
-    max_seq_len: int | None = Field(None, gt=0)
-    kv: Literal["auto", "int8", "fp8"] = "auto"
-    block_size: int = Field(16, gt=0)
-    pad_heads: bool = True
-    parallel_embedding: bool = False
-    verify: bool = False
-    name: str | None = None
-
-
-class EvalStage(_Strict):
-    tasks: list[str] = Field(default_factory=lambda: ["code", "math"], min_length=1)
-    limit: int | None = Field(None, gt=0)
-    gate: str | None = None
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _gates_parse_and_have_their_scores(self):
-        from ..evals.gate import KLD_NAMES, parse_gates
-
+    def _checked(self):
         try:
-            gates = parse_gates(self.gate)
+            self.to_options().check()
         except LlmqError as e:
             raise ValueError(str(e)) from None
-        if any(g.name in KLD_NAMES for g in gates) and "kld" not in self.tasks:
-            raise ValueError("a kld / kld_p99 / top1 gate needs kld in tasks")
         return self
 
-
-class BenchStage(_Strict):
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8, 32], min_length=1)
-    input_len: int = Field(128, gt=0)
-    output_len: int = Field(128, gt=0)
-    name: str | None = None
+    def to_options(self, **defaults):
+        """The stage's options: the keys the recipe sets, else `defaults` (the runner's seed and name), else the
+        dataclass's defaults."""
+        return self.options(**{**defaults, **self.model_dump(exclude_unset=True)})
 
 
-class ServeStage(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, gt=0, lt=65536)
+def _pydantic_field(f: dataclasses.Field, hint) -> tuple:
+    """(type, FieldInfo) of one option: choices become a Literal, bounds apply to every item of a list, former
+    names are accepted as aliases."""
+    meta = f.metadata
+    bounds = dict(meta["bounds"])
+    if meta["choices"]:
+        hint = Literal[meta["choices"]] | None if default_of(f) is None else Literal[meta["choices"]]
+    elif get_origin(hint) is list and bounds:
+        hint, bounds = list[Annotated[get_args(hint)[0], Field(**bounds)]], {}
+    if f.default_factory is not dataclasses.MISSING:
+        bounds["default_factory"] = f.default_factory
+    elif f.default is not dataclasses.MISSING:
+        bounds["default"] = f.default
+    alias = AliasChoices(f.name, *meta["aliases"]) if meta["aliases"] else None
+    return hint, Field(min_length=meta["min_items"], validation_alias=alias, **bounds)
+
+
+def stage_config(cls: type) -> type[StageConfig]:
+    """The recipe stage of an options dataclass."""
+    hints = get_type_hints(cls)
+    model = create_model(f"{cls.__name__.removesuffix('Options')}Stage", __base__=StageConfig,
+                         **{f.name: _pydantic_field(f, hints[f.name]) for f in user_fields(cls)})
+    model.options = cls
+    return model
+
+
+QuantizeStage, QuantizeKVStage, BuildStage, EvalStage, BenchStage = map(stage_config, STAGES.values())
 
 
 class Stages(_Strict):
@@ -104,9 +90,16 @@ class Stages(_Strict):
     build: BuildStage | None = None
     eval: EvalStage | None = None
     bench: BenchStage | None = None
-    serve: ServeStage | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_serve(cls, data):
+        if isinstance(data, dict) and "serve" in data:
+            raise ValueError("serve is not a recipe stage (a recipe produces artifacts); serve the engine it builds "
+                             "with `llmq serve REF`")
+        return data
 
 
 class Recipe(_Strict):

@@ -39,47 +39,38 @@ class RunResult:
 
 
 def _quantize(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
-    from .quantize import QuantizeOptions, quantize
+    from .quantize import quantize
 
-    extra = {"alpha": cfg.alpha} if cfg.alpha is not None else {}
-    opts = QuantizeOptions(bits=cfg.bits, method=cfg.method, group_size=cfg.group_size, symmetric=cfg.symmetric,
-                           act_order=cfg.act_order, calib=cfg.calib, num_samples=cfg.calib_samples, seed=recipe.seed,
-                           name=cfg.name or f"{recipe.name}-{cfg.method}-w{cfg.bits}", **extra)
-    return quantize(parent, opts, store)
+    return quantize(parent, cfg.to_options(seed=recipe.seed, name=f"{recipe.name}-{cfg.method}-w{cfg.bits}"), store)
 
 
 def _quantize_kv(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
-    from .kvcache import KVOptions, quantize_kv
+    from .kvcache import quantize_kv
 
-    return quantize_kv(parent, store, KVOptions(kv=cfg.kv, calib=cfg.calib, name=cfg.name or f"{recipe.name}-kv{cfg.kv}"))
+    return quantize_kv(parent, store, cfg.to_options(name=f"{recipe.name}-kv{cfg.kv}"))
 
 
 def _build(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
-    from .build import BuildOptions, build_engine
+    from .build import build_engine
 
-    opts = BuildOptions(tp=cfg.tp, target=cfg.target, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
-                        kv=cfg.kv, block_size=cfg.block_size, pad_heads=cfg.pad_heads,
-                        parallel_embedding=cfg.parallel_embedding, verify=cfg.verify,
-                        name=cfg.name or f"{recipe.name}-tp{cfg.tp}" + ("-trtllm" if cfg.target == "trtllm" else ""))
-    return build_engine(parent, store, opts)
+    suffix = "" if cfg.target == "llmq" else f"-{cfg.target}"
+    return build_engine(parent, store, cfg.to_options(name=f"{recipe.name}-tp{cfg.tp}{suffix}"))
 
 
 def _eval(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
-    """Evaluate against the root model of the parent's lineage; gates are judged by the runner, not stored."""
-    from ..evals.evaluate import default_baseline, run_eval
-    from ..evals.runner import DEFAULT_LIMIT, EvalSettings
+    """Evaluate against the root model of the parent's lineage unless the stage names a baseline; gates are judged
+    by the runner, not stored."""
+    from ..evals.evaluate import pick_baseline, run_eval
 
-    settings = EvalSettings(tasks=list(cfg.tasks), limit=cfg.limit or DEFAULT_LIMIT, seed=recipe.seed)
-    return run_eval(store, parent, default_baseline(store, parent), settings, gates=[],
-                    name=cfg.name).artifact
+    opts = cfg.to_options(seed=recipe.seed)
+    return run_eval(store, parent, pick_baseline(store, parent, opts.baseline), opts.settings(), gates=[],
+                    name=opts.name).artifact
 
 
 def _bench(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
-    from ..bench import OfflineOptions, run_offline
+    from ..bench import run_offline
 
-    return run_offline(parent, OfflineOptions(batch_sizes=list(cfg.batch_sizes), input_len=cfg.input_len,
-                                              output_len=cfg.output_len, name=cfg.name or f"{recipe.name}-bench"),
-                       store)
+    return run_offline(parent, cfg.to_options(seed=recipe.seed, name=f"{recipe.name}-bench"), store)
 
 
 ADAPTERS: dict[str, Callable] = {"quantize": _quantize, "quantize_kv": _quantize_kv, "build": _build,

@@ -1,6 +1,14 @@
 """`llmq build`: turn a model or quantized artifact into a tensor-parallel engine artifact (llmq or TensorRT-LLM)."""
 
-from ...models.sharding import SUPPORTED_TP, ShardPlan, make_plan
 from .stage import BuildOptions, build_engine
 
 __all__ = ["SUPPORTED_TP", "BuildOptions", "ShardPlan", "build_engine", "make_plan"]
+
+
+def __getattr__(name: str):
+    """The plan needs torch: it is imported on first use, so that the CLI can read BuildOptions without torch."""
+    if name in ("SUPPORTED_TP", "ShardPlan", "make_plan"):
+        from ...models import sharding
+
+        return getattr(sharding, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

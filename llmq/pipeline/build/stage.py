@@ -4,47 +4,51 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
 from ...models.checkpoint import copy_tokenizer
-from ...models.engine_spec import EngineSpec
-from ...models.reader import CheckpointReader
-from ...models.sharding import make_plan
+from ...options import Options, option
+
+if TYPE_CHECKING:
+    from ...models.reader import CheckpointReader
 
 TARGETS = ("llmq", "trtllm", "trtllm-hf", "gguf")
 KV_CHOICES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)
-class BuildOptions:
-    tp: int = 1
-    pp: int = 1
-    target: str = "llmq"
-    max_batch_size: int = 64
-    max_seq_len: int | None = None      # None: the model's max positions, capped at 4096
-    kv: str = "auto"
-    block_size: int = 16
-    pad_heads: bool = True               # pad head counts tp does not divide with zero heads (exact)
-    parallel_embedding: bool = False
-    verify: bool = False
-    name: str | None = None
+class BuildOptions(Options):
+    tp: int = option(1, "Tensor-parallel ranks: 1, 2, 4 or 8.", choices=(1, 2, 4, 8))
+    pp: int = option(1, "Pipeline-parallel stages (only 1 today).", ge=1)
+    target: str = option("llmq", "llmq: rank shards for the bundled runtime; trtllm: a TensorRT-LLM checkpoint (+ "
+                         "engines); trtllm-hf: a ModelOpt-style HF checkpoint for TensorRT-LLM's PyTorch backend "
+                         "(trtllm-serve); gguf: one .gguf file for llama.cpp / Ollama.", choices=TARGETS)
+    max_batch_size: int = option(64, "Sequences in a batch.", ge=1, aliases=("max_num_seqs",))
+    max_seq_len: int | None = option(None, "Context length (default: the model's positions, at most 4096).", ge=1,
+                                     aliases=("max_model_len",))
+    kv: str = option("auto", "KV-cache dtype; int8/fp8 use the scales from `llmq quantize-kv`.", choices=KV_CHOICES,
+                     aliases=("kv_cache_dtype",))
+    block_size: int = option(16, "Paged KV-cache block size (tokens).", ge=1)
+    pad_heads: bool = option(True, "Pad head counts tp does not divide with zero heads (exact); --no-pad-heads "
+                             "refuses instead.")
+    parallel_embedding: bool = option(False, "Split the embedding by vocabulary too.")
+    verify: bool = option(False, "Run the reference check (TP logits vs the unsharded model) first.")
+    name: str | None = option(None, "Engine artifact name (default: <source>-tp<N>[-<target>]).")
+
+    def check(self) -> None:
+        super().check()
+        if self.target == "gguf" and self.verify:
+            raise LlmqError("--verify runs the tensor-parallel reference check, which a single GGUF file has no use "
+                            "for; drop --verify (the GGUF writer packs llmq's integers as they are and records what "
+                            "it re-rounds)")
+        if self.pp != 1:
+            raise LlmqError(f"--pp {self.pp}: pipeline parallelism is not supported yet; use --pp 1")
 
 
 def _check(opts: BuildOptions, src: CheckpointReader) -> None:
-    if opts.target not in TARGETS:
-        raise LlmqError(f"--target {opts.target!r}: use one of {', '.join(TARGETS)}")
-    if opts.target == "gguf" and opts.verify:
-        raise LlmqError("--verify runs the tensor-parallel reference check, which a single GGUF file has no use for; "
-                        "drop --verify (the GGUF writer packs llmq's integers as they are and records what it re-rounds)")
-    if opts.pp != 1:
-        raise LlmqError(f"--pp {opts.pp}: pipeline parallelism is not supported yet; use --pp 1")
-    if opts.kv not in KV_CHOICES:
-        raise LlmqError(f"--kv {opts.kv!r}: use one of {', '.join(KV_CHOICES)}")
-    for flag, v in (("--max-batch-size", opts.max_batch_size), ("--block-size", opts.block_size),
-                    ("--max-seq-len", opts.max_seq_len or 1)):
-        if v < 1:
-            raise LlmqError(f"{flag} must be a positive integer, got {v}")
+    opts.check()
     if opts.max_seq_len and opts.max_seq_len > src.spec.max_position_embeddings:
         raise LlmqError(f"--max-seq-len {opts.max_seq_len} exceeds the model's {src.spec.max_position_embeddings} "
                         "positions")
@@ -71,6 +75,10 @@ def _dtype_of(src: CheckpointReader) -> str:
 
 def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: str | None = None) -> Artifact:
     """Shard `source` for opts.tp ranks into a new engine artifact; optionally run the reference check first."""
+    from ...models.engine_spec import EngineSpec   # torch: imported here, so the CLI reads BuildOptions without it
+    from ...models.reader import CheckpointReader
+    from ...models.sharding import make_plan
+
     src = CheckpointReader(source.path)
     _check(opts, src)
     plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)

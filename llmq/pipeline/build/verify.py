@@ -17,7 +17,7 @@ import torch
 
 from ...errors import LlmqError
 from ...models.engine_spec import EngineSpec
-from ...models.reader import ATTN, MLP, CheckpointReader, LinearWeights, layer_prefix
+from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import RankWeights, ShardPlan
 from ...runtime.model_runner import rank_weights, score_in_process
 

@@ -26,6 +26,11 @@ CALIBRATED = True
 BLOCK = 128
 
 
+def validate(opts, spec) -> None:
+    if opts.per_tensor:
+        raise LlmqError("GPTQ quantizes per channel or per group, not per tensor; drop --per-tensor")
+
+
 def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
     """chol(H^-1) (upper) of H + damp * mean(diag H) * I; the damping grows tenfold (three tries) if H is singular."""
     mean_diag = float(torch.diag(h).mean())

@@ -94,9 +94,7 @@ def quantize_weight_int8(w: torch.Tensor, input_absmax: torch.Tensor | None = No
 
 
 def validate(opts, spec) -> None:
-    if not 0 <= opts.alpha <= 1:
-        raise LlmqError(f"--alpha {opts.alpha}: SmoothQuant's migration strength is in [0, 1]")
-    check_per_channel(opts, "smoothquant")
+    check_per_channel(opts, "smoothquant")  # alpha's range is checked with the options (QuantizeOptions.check)
 
 
 def check_per_channel(opts, method: str) -> None:

@@ -14,12 +14,17 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...artifacts import Artifact, Store
 from ...errors import LlmqError
-from ...models import ModelSpec, qformat
+from ...models import ModelSpec
 from ...models.checkpoint import read_config, write_json
-from .methods import load_method
+from ...options import Options, option
+from .methods import METHODS, load_method
+
+if TYPE_CHECKING:
+    from ...models import qformat
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
 DEFAULT_GROUPS = (128, 64, 32)
@@ -27,36 +32,58 @@ WEIGHT_ONLY = ("rtn", "gptq", "awq")
 
 
 @dataclass(frozen=True)
-class QuantizeOptions:
-    """What `llmq quantize` was asked for. group_size: None = the default for the bit width (at 4 bits the largest
-    of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576; per channel at 8 bits),
-    0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the user's spelling into the
-    canonical one (group_size >= 0, 0 = per channel) that methods read."""
+class QuantizeOptions(Options):
+    """What `llmq quantize` (or a recipe's quantize stage) asks for. group_size: None = the default for the bit width
+    (at 4 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
+    per channel at 8 bits), 0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the
+    user's spelling into the canonical one (group_size >= 0, 0 = per channel; alpha set for SmoothQuant) that
+    methods read."""
 
-    bits: int = 8
-    method: str = "rtn"
-    group_size: int | None = None
-    symmetric: bool = True
-    per_tensor: bool = False
-    act_order: bool = False
-    damp: float = 0.01
-    alpha: float = 0.5                 # SmoothQuant migration strength
-    activations: str = "dynamic"       # W8A8 / FP8 activation scales: dynamic per token or static from calibration
-    calib: str | None = None
-    num_samples: int = 32
-    seq_len: int = 256
-    seed: int = 0
-    probe_tokens: int = 2048
-    ignore: tuple[str, ...] = ("lm_head",)
-    name: str | None = None
-    device: str | None = None
+    bits: int = option(8, "Weight bits: 4 or 8.", choices=(4, 8))
+    method: str = option("rtn", "rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; "
+                         "fp8: FP8 E4M3.", choices=METHODS)
+    group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 bits "
+                                    "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
+                                    "SmolLM2), per channel at 8 bits.")
+    symmetric: bool = option(True, "Symmetric or zero-point grid.", flag="--sym/--asym")
+    per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
+    act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
+    damp: float = option(0.01, "GPTQ: damping, fraction of mean diag(H).", gt=0, lt=1)
+    alpha: float | None = option(None, "SmoothQuant migration strength (default 0.5).", ge=0, le=1)
+    activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
+                              "calibration.", choices=ACTIVATION_SCHEMES)
+    calib: str | None = option(None, "Calibration text: .txt / .jsonl file, directory, or dataset name (network). "
+                               "Default: bundled offline text.", metavar="DATA")
+    num_samples: int = option(32, "Calibration windows.", ge=1, aliases=("calib_samples",))
+    seq_len: int = option(256, "Tokens per calibration window.", ge=2)
+    seed: int = option(0, "Seed for choosing calibration windows.")
+    probe_tokens: int = option(2048, "Held-out tokens for the KLD / top-1 quality probe (0: skip it).", ge=0)
+    ignore: tuple[str, ...] = option(("lm_head",), internal=True)
+    name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
+    device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
+
+    def check(self) -> None:
+        """Every rule that needs neither the model nor its weights."""
+        if self.bits not in (4, 8):
+            raise LlmqError(f"--bits must be 4 or 8, got {self.bits}")
+        super().check()
+        method = load_method(self.method)
+        if self.bits not in method.BITS:
+            widths = " or ".join(map(str, method.BITS))
+            raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
+                            "bits only)")
+        if self.alpha is not None and self.method != "smoothquant":
+            raise LlmqError("--alpha is SmoothQuant's migration strength; use it with --method smoothquant")
+        if self.act_order and self.method != "gptq":
+            raise LlmqError("--act-order is a GPTQ option; use it with --method gptq")
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
         g = self.group_size
         if g is None:
             fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
             g = fits[0] if self.bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
-        return dataclasses.replace(self, group_size=0 if g in (0, -1) else int(g))
+        alpha = 0.5 if self.alpha is None and self.method == "smoothquant" else self.alpha
+        return dataclasses.replace(self, group_size=0 if g in (0, -1) else int(g), alpha=alpha)
 
     @property
     def strategy(self) -> str:
@@ -70,11 +97,8 @@ def _in_features(spec: ModelSpec) -> dict[str, int]:
 
 def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, ModelSpec, object]:
     """Every check that needs no model weights; returns the resolved options, the spec and the method module."""
-    if opts.bits not in (4, 8):
-        raise LlmqError(f"--bits must be 4 or 8, got {opts.bits}")
+    opts.check()
     method = load_method(opts.method)
-    if opts.bits not in method.BITS:
-        raise LlmqError(f"method {opts.method} supports {' or '.join(map(str, method.BITS))} bits, not {opts.bits}")
     if source.kind == "quantized" or "quantization_config" in read_config(source.path):
         raise LlmqError(f"{source.ref} is already quantized (weights or KV cache); quantize the model it came from "
                         f"({', '.join(p[:12] for p in source.parents) or 'its source'}) and run quantize-kv last")
@@ -91,16 +115,6 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         if bad:
             raise LlmqError(f"--group-size {o.group_size} does not divide the input features of "
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
-    if o.act_order and o.method != "gptq":
-        raise LlmqError("--act-order is a GPTQ option; use it with --method gptq")
-    if not 0 < o.damp < 1:
-        raise LlmqError(f"--damp must be in (0, 1), got {o.damp}")
-    if o.activations not in ACTIVATION_SCHEMES:
-        raise LlmqError(f"activation scales must be one of {', '.join(ACTIVATION_SCHEMES)}, not {o.activations!r}")
-    if o.num_samples < 1 or o.seq_len < 2:
-        raise LlmqError("--num-samples must be >= 1 and --seq-len >= 2")
-    if o.probe_tokens < 0:
-        raise LlmqError("--probe-tokens must be >= 0")
     if hasattr(method, "validate"):
         method.validate(o, spec)
     return o, spec, method
@@ -114,6 +128,8 @@ def needs_calibration(method, opts: QuantizeOptions) -> bool:
 
 def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qformat.QuantArgs | None]:
     """The compressed-tensors (weights, input_activations) arguments that describe one quantized weight."""
+    from ...models import qformat
+
     kind = "float" if qw.is_float else "int"
     strategy = "group" if qw.group_size else qw.strategy  # a group as wide as the row has a [out, 1] scale too
     weights = qformat.QuantArgs(num_bits=qw.bits, type=kind, symmetric=qw.symmetric, strategy=strategy,
@@ -134,6 +150,7 @@ def peak_rss_bytes() -> int:
 def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bool = True,
              command: str | None = None) -> Artifact:
     """Quantize `source` (a model artifact) and commit the quantized artifact."""
+    from ...models import qformat
     from .calib import load_calibration, load_probe_text
     from .layerwise import run_layerwise
 

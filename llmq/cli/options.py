@@ -1,0 +1,82 @@
+"""Click options derived from a stage's options dataclass (`llmq.options`): same names, help, choices and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+
+import click
+
+from ..options import default_of, flag_of, user_fields
+
+
+class CommaList(click.ParamType):
+    """`1,2,4` -> [1, 2, 4]: how the command line spells a list option."""
+
+    def __init__(self, item: type):
+        self.item = item
+        self.name = f"{item.__name__},..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            return [self.item(x.strip()) for x in value.split(",") if x.strip()]
+        except ValueError:
+            self.fail(f"expected comma-separated {self.item.__name__} values, got {value!r}", param, ctx)
+
+
+def _base(hint):
+    """int | None -> int; list[int] stays list[int]."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _params(f, hint) -> list[tuple[tuple, dict]]:
+    """(declarations, attributes) of the click options of one field: its flag, then its hidden former spellings."""
+    meta, default, kind = f.metadata, default_of(f), _base(hint)
+    dash = f.name.replace("_", "-")
+    if kind is bool:
+        shown = meta["flag"] or (f"--{dash}/--no-{dash}" if default else flag_of(f))
+        params = [((shown, f.name), dict(is_flag=True, default=default, show_default=bool(default)))]
+        hidden = []  # no boolean option has a former name
+    else:
+        if meta["choices"] and all(isinstance(c, str) for c in meta["choices"]):
+            typ = click.Choice(meta["choices"])
+        elif typing.get_origin(kind) is list:
+            typ = CommaList(typing.get_args(kind)[0])
+        else:
+            typ = kind
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if isinstance(default, list):
+            default = ",".join(map(str, default))  # shown as typed; CommaList parses it
+        params = [((flag_of(f), f.name), dict(type=typ, default=default, required=required,
+                                              show_default=default is not None, metavar=meta["metavar"]))]
+        hidden = [(f"--{a.replace('_', '-')}", dict(type=typ)) for a in meta["aliases"]]
+    params[0][1]["help"] = meta["help"]
+    params += [((decl, f.name), dict(attrs, hidden=True)) for decl, attrs in hidden]
+    params += [((decl, f.name), dict(flag_value=value, hidden=True)) for decl, value in meta["switches"].items()]
+    return params
+
+
+def stage_options(cls):
+    """Give a click command every option of `cls`; the command receives them as one `opts=cls(...)` argument.
+
+    Former names stay as hidden flags that fill the same option (an explicit flag wins over a default)."""
+    hints = typing.get_type_hints(cls)
+    fields = user_fields(cls)
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            return fn(*args, opts=cls(**{f.name: kwargs.pop(f.name) for f in fields}), **kwargs)
+
+        for f in reversed(fields):
+            for decls, attrs in reversed(_params(f, hints[f.name])):
+                command = click.option(*decls, **attrs)(command)
+        return command
+
+    return decorate

@@ -1,0 +1,69 @@
+"""Stage options, declared once.
+
+Each stage's options are one frozen dataclass (QuantizeOptions, KVOptions, BuildOptions, EvalOptions, OfflineOptions)
+whose fields carry their help text, choices, bounds and former names. The command line (`llmq.cli.options`) and the
+recipe (`llmq.pipeline.recipe`) are both derived from it, so an option has one name everywhere: `--max-seq-len` on
+the command line is `max_seq_len:` in a recipe and `BuildOptions.max_seq_len` in code. Imports nothing heavy: the
+CLI reads these classes before any command runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+from .errors import LlmqError
+
+BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
+def option(default=dataclasses.MISSING, help: str = "", *, choices: tuple | None = None, aliases: tuple[str, ...] = (),
+           flag: str | None = None, switches: dict | None = None, metavar: str | None = None,
+           min_items: int | None = None, internal: bool = False, **bounds):
+    """A dataclass field that is a stage option.
+
+    choices / bounds (ge, gt, le, lt; on every item of a list): the recipe's constraints, and check()'s, which every
+    stage runs first (string choices are also the CLI's click.Choice); aliases: former names, still accepted as
+    hidden flags and recipe keys; flag: the CLI spelling when it is not --NAME (e.g.
+    "--sym/--asym"); switches: hidden flags that set a value ({"--per-head": "head"}); internal: a knob for code and
+    tests that is neither a flag nor a recipe key."""
+    assert set(bounds) <= set(BOUNDS), bounds
+    meta = {"help": help, "choices": choices, "aliases": aliases, "flag": flag, "switches": switches or {},
+            "metavar": metavar, "min_items": min_items, "internal": internal, "bounds": bounds}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def user_fields(cls) -> list[dataclasses.Field]:
+    """The fields a user sets: every flag of the stage's command and every key of its recipe stage."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def default_of(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+class Options:
+    """Base of the stage options dataclasses. check() refuses values outside the declared choices and bounds;
+    a stage adds its cross-field rules by extending it."""
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            items = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+            if meta.get("min_items") and len(items) < meta["min_items"]:
+                raise LlmqError(f"{flag_of(f)} needs at least {meta['min_items']} value(s)")
+            for x in items:
+                if meta.get("choices") and x not in meta["choices"]:
+                    raise LlmqError(f"{flag_of(f)} {x!r}: use one of {', '.join(map(str, meta['choices']))}")
+                for op, bound in meta.get("bounds", {}).items():
+                    holds, sign = BOUNDS[op]
+                    if not holds(x, bound):
+                        raise LlmqError(f"{flag_of(f)} must be {sign} {bound}, got {x!r}")

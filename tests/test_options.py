@@ -1,0 +1,101 @@
+"""Stage options are declared once: every stage's command-line flags and recipe keys are its options dataclass."""
+
+import dataclasses
+import typing
+
+import click
+import pytest
+from pydantic import ValidationError
+
+from llmq.cli.main import cli
+from llmq.errors import LlmqError
+from llmq.options import default_of, user_fields
+from llmq.pipeline.recipe import STAGE_ORDER, STAGES, Stages
+
+COMMANDS = {"quantize": ("quantize",), "quantize_kv": ("quantize-kv",), "build": ("build",), "eval": ("eval",),
+            "bench": ("bench", "offline")}
+COMMAND_ONLY = {"as_json"}  # output format, not a stage option
+
+
+def _command(path: tuple[str, ...]) -> click.Command:
+    cmd = cli
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
+
+
+def _recipe_stage(stage: str):
+    return typing.get_args(Stages.model_fields[stage].annotation)[0]  # QuantizeStage | None -> QuantizeStage
+
+
+def _values(f, hint) -> list:
+    """Values other than the default to set a field to; every choice, where there are choices."""
+    default = default_of(f)
+    hint = next(a for a in typing.get_args(hint) if a is not type(None)) if type(None) in typing.get_args(hint) else hint
+    if f.metadata["choices"]:
+        return [c for c in f.metadata["choices"] if c != default]
+    if hint is bool:
+        return [not default]
+    if typing.get_origin(hint) is list:
+        return [["ppl", "kld"]] if typing.get_args(hint)[0] is str else [[3, 5]]
+    return {int: [3], float: [0.25], str: ["x"]}[hint]
+
+
+def _argv(opt: click.Option, value) -> list[str]:
+    if opt.is_flag:
+        return [opt.opts[0]] if value else opt.secondary_opts[:1]
+    return [opt.opts[0], ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+
+
+def _from_cli(cmd: click.Command, cls, argv: list[str]):
+    """The options the command builds from argv (what `stage_options` hands the command)."""
+    params = cmd.make_context(cmd.name, list(argv)).params
+    return cls(**{f.name: params[f.name] for f in user_fields(cls)})
+
+
+@pytest.mark.parametrize("stage", STAGE_ORDER)
+def test_cli_recipe_and_stage_options_agree(stage):
+    """Walks every stage: the command's flags, the recipe stage's keys and the options dataclass's fields have the
+    same names, help, choices and defaults; every setting, under its name or a former one, gives the same options
+    from the command line as from a recipe, or the same refusal."""
+    cls, cmd, recipe = STAGES[stage], _command(COMMANDS[stage]), _recipe_stage(stage)
+    fields = {f.name: f for f in user_fields(cls)}
+    hints = typing.get_type_hints(cls)
+    options = [p for p in cmd.params if isinstance(p, click.Option)]
+    shown = {p.name: p for p in options if not p.hidden}
+    assert set(shown) - COMMAND_ONLY == set(fields) == set(recipe.model_fields)
+    assert all(not a.required for a in cmd.params if isinstance(a, click.Argument))  # REF: the default model
+
+    required = {n: f.metadata["choices"][0] for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    base = [a for n, v in required.items() for a in _argv(shown[n], v)]
+    assert _from_cli(cmd, cls, base) == recipe.model_validate(required).to_options() == cls(**required)
+
+    for name, f in fields.items():
+        opt = shown[name]
+        assert opt.opts[0] == ("--" + name.replace("_", "-") if f.metadata["flag"] is None
+                               else f.metadata["flag"].split("/")[0])
+        assert opt.help == f.metadata["help"]
+        if isinstance(opt.type, click.Choice):
+            assert tuple(opt.type.choices) == f.metadata["choices"]
+        spellings = [p for p in options if p.name == name and p.opts[0] not in f.metadata["switches"]]
+        assert len(spellings) == 1 + len(f.metadata["aliases"])
+        for flag, value in f.metadata["switches"].items():
+            assert getattr(_from_cli(cmd, cls, base + [flag]), name) == value
+        for value in _values(f, hints[name]):
+            from_cli = [_from_cli(cmd, cls, base + _argv(p, value)) for p in spellings]
+            assert all(o == from_cli[0] for o in from_cli) and getattr(from_cli[0], name) == value, (name, value)
+            for key in (name, *f.metadata["aliases"]):
+                try:
+                    keys = {k: v for k, v in required.items() if k != name} | {key: value}
+                    from_recipe = recipe.model_validate(keys).to_options()
+                except ValidationError as e:
+                    with pytest.raises(LlmqError) as refused:
+                        from_cli[0].check()
+                    assert str(refused.value) in str(e), (key, value)
+                else:
+                    assert from_recipe == from_cli[0], (key, value)
+
+
+def test_every_recipe_stage_has_its_command():
+    assert set(COMMANDS) == set(STAGE_ORDER) == set(Stages.model_fields)
