@@ -309,7 +309,7 @@ def test_kv_cache_schemes_match_transformers(source, ids, kv, granularity):
     scheme, shape = KV_EXPECT[kv, granularity]
     store, src = source
     art = quantize_kv(src, store, KVOptions(kv=kv, granularity=granularity, num_samples=4, seq_len=64,
-                                            heldout_tokens=128), show_progress=False)
+                                            probe_tokens=128), show_progress=False)
     ck = CheckpointReader(art.path)
     cfg = ck.config["quantization_config"]
     assert cfg["format"] == "dense" and cfg["config_groups"] == {} and cfg["kv_cache_scheme"] == scheme
