@@ -15,12 +15,12 @@ from safetensors.torch import load_file, save_file
 
 from llmq.errors import GateFailed, LlmqError
 from llmq.models import ModelSpec, resolve_model
-from llmq.pipeline.build import BuildOptions, build_engine, make_plan
+from llmq.pipeline.targets import BuildOptions, build_engine, make_plan
 from llmq.models.sharding import LinearWeights, split_cols, split_rows
 from llmq.models.reader import CheckpointReader
-from llmq.pipeline.build.trtllm import (TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS, pack_int4_rows,
+from llmq.pipeline.targets.trtllm import (TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS, pack_int4_rows,
                                         unpack_int4_rows, validate_config)
-from llmq.pipeline.build.verify import (TOLERANCE, max_rel_error, reference_weights, run_plan, unsharded_plan,
+from llmq.pipeline.targets.verify import (TOLERANCE, max_rel_error, reference_weights, run_plan, unsharded_plan,
                                         verify_engine)
 
 
@@ -300,7 +300,7 @@ def test_compile_step_records_which_of_the_three_outcomes_happened(tmp_path, mon
 
     import yaml
 
-    from llmq.pipeline.build.compile import compile_trtllm, write_llm_api_options
+    from llmq.pipeline.targets.compile import compile_trtllm, write_llm_api_options
 
     engine = types.SimpleNamespace(tp=2, pp=1, max_batch_size=8, max_seq_len=1024, kv_cache_dtype="fp8")
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)                 # not installed

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from llmq.errors import LlmqError
-from llmq.pipeline.build import BuildOptions, build_engine
-from llmq.pipeline.build.verify import TOLERANCE
+from llmq.pipeline.targets import BuildOptions, build_engine
+from llmq.pipeline.targets.verify import TOLERANCE
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ import torch
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
-from llmq.pipeline.build import BuildOptions, build_engine
+from llmq.pipeline.targets import BuildOptions, build_engine
 from llmq.models.reader import CheckpointReader, linear_names
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 
@@ -203,7 +203,7 @@ _BYTES = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
     ({**_BYTES, "use_regex": False}, None),                       # no split at all: llama.cpp has no such mode
 ])
 def test_pre_tokenizer_is_named_only_when_llama_cpp_splits_the_same_way(pre, name):
-    from llmq.pipeline.build.gguf_target import pre_tokenizer_name
+    from llmq.pipeline.targets.gguf_target import pre_tokenizer_name
 
     assert pre_tokenizer_name({"normalizer": None, "pre_tokenizer": pre}) == name
     assert pre_tokenizer_name({"normalizer": {"type": "NFC"}, "pre_tokenizer": pre}) is None

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
-from llmq.pipeline.build import BuildOptions, build_engine
+from llmq.pipeline.targets import BuildOptions, build_engine
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
 

@@ -231,7 +231,7 @@ def test_default_model_greedy_matches_transformers(default_model):
 
 def test_engine_artifact_tp2_with_padded_heads_equals_its_source(tmp_path, make_tiny_model, store):
     from llmq.models import resolve_model
-    from llmq.pipeline.build import BuildOptions, build_engine
+    from llmq.pipeline.targets import BuildOptions, build_engine
 
     src = resolve_model(str(make_tiny_model(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3,
                                             hidden_size=96)), store)
@@ -249,7 +249,7 @@ def test_engine_artifact_tp2_with_padded_heads_equals_its_source(tmp_path, make_
 
 @pytest.mark.integration
 def test_default_model_tp2_engine_equals_tp1(default_model, store):
-    from llmq.pipeline.build import BuildOptions, build_engine
+    from llmq.pipeline.targets import BuildOptions, build_engine
 
     built = build_engine(default_model, store, BuildOptions(tp=2, pad_heads=True))  # 9/3 heads -> 12/4
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -6,7 +6,7 @@ import click
 
 from ..errors import LlmqError
 from ..models import source_artifact
-from ..pipeline.build import BuildOptions, build_engine
+from ..pipeline.targets import BuildOptions, build_engine
 from .common import echo_json, get_store, human_bytes
 from .options import stage_options
 

@@ -8,7 +8,7 @@ import click
 
 from ..errors import LlmqError
 from ..models import source_artifact
-from ..pipeline.build.stage import KV_CHOICES
+from ..pipeline.targets.stage import KV_CHOICES
 from .common import get_store, human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -22,7 +22,7 @@ from ..bench.offline import OfflineOptions
 from ..errors import LlmqError
 from ..evals.runner import EvalOptions
 from ..options import default_of, user_fields
-from .build import BuildOptions
+from .targets import BuildOptions
 from .kv_options import KVOptions
 from .quantize import QuantizeOptions
 

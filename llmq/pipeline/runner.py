@@ -51,7 +51,7 @@ def _quantize_kv(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifac
 
 
 def _build(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
-    from .build import build_engine
+    from .targets import build_engine
 
     suffix = "" if cfg.target == "llmq" else f"-{cfg.target}"
     return build_engine(parent, store, cfg.to_options(name=f"{recipe.name}-tp{cfg.tp}{suffix}"))

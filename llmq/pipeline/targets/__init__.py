@@ -1,4 +1,6 @@
-"""`llmq build`: turn a model or quantized artifact into a tensor-parallel engine artifact (llmq or TensorRT-LLM)."""
+"""`llmq build`: turn a model or quantized artifact into an engine artifact for a deploy target: llmq's own runtime
+(rank shards), TensorRT-LLM (a checkpoint, or a Hugging Face checkpoint for its PyTorch backend), llama.cpp (GGUF).
+One module per target writer; the stage, the compile step and the reference check beside them."""
 
 from .stage import BuildOptions, build_engine
 
