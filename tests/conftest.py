@@ -51,8 +51,3 @@ def default_int8(default_model, default_store):
     """INT8 RTN (per channel) of the default model, made once per session."""
     return _default_rtn(default_model, default_store, bits=8)
 
-
-@pytest.fixture(scope="session")
-def default_int4_per_channel(default_model, default_store):
-    """INT4 RTN per output channel of the default model (TensorRT-LLM's W4A16), made once per session."""
-    return _default_rtn(default_model, default_store, bits=4, group_size=0)

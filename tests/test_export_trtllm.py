@@ -99,7 +99,7 @@ def check_loads(ckpt: Path) -> dict:
             assert (t.dtype.is_floating_point if kind == "float" else str(t.dtype) == f"torch.{kind}"), (name, t.dtype)
             if kind == "float" and name.endswith(".weight") and "embedding" not in name and "norm" not in name:
                 assert t.dtype == TORCH[cfg["dtype"]], name
-    if q["quant_algo"] in ("W8A16", "W4A16"):
+    if q["quant_algo"] == "W8A16":
         for name, *_ in linears(cfg):
             module_quantized = not any(fnmatch.fnmatchcase(name, p) for p in patterns)
             tensor = f"{name}.weight"
@@ -130,9 +130,9 @@ def _as_computed(st: dict, name: str, cfg: dict) -> tuple[torch.Tensor, torch.Te
         if f"{name}.zero" in st:
             w = w + st[f"{name}.zero"].float().T.repeat_interleave(g, 1)
         return w, bias
-    requant = q["quant_algo"] in ("W8A16", "W4A16") and any(n in f"{name}.weight" for n in LOADER_QUANTIZES) and \
+    requant = q["quant_algo"] == "W8A16" and any(n in f"{name}.weight" for n in LOADER_QUANTIZES) and \
         not any(fnmatch.fnmatchcase(f"{name}.weight", p) for p in patterns)
-    return (trtllm_requantize(w, 8 if q["quant_algo"] == "W8A16" else 4) if requant else w.float()), bias
+    return (trtllm_requantize(w, 8) if requant else w.float()), bias
 
 
 def read_as_trtllm(ckpt: Path, source_config: dict) -> dict[str, torch.Tensor]:
@@ -224,7 +224,7 @@ def test_trtllm_requantize_is_its_per_channel_grid_with_c_rounding():
 
 TINY = {"llama-gqa": {}, "qwen2-bias-odd-heads": {"model_type": "qwen2", "num_attention_heads": 6,
                                                   "num_key_value_heads": 3, "hidden_size": 384, "intermediate_size": 256}}
-SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size=0),
+SCHEMES = {"bf16": None, "w8a16": dict(bits=8),
            "awq": dict(bits=4, group_size=64), "awq-asym": dict(bits=4, group_size=64, symmetric=False),
            "awq-with-a-dense-layer": dict(bits=4, group_size=64, ignore=("lm_head", "model.layers.1.mlp.down_proj"))}
 
@@ -254,7 +254,7 @@ def test_checkpoint_loads_and_computes_what_llmq_evaluated(tiny_artifacts, shape
     art = build_engine(src, store, BuildOptions(tp=tp, target="trtllm", verify=True))
     cfg = check_loads(art.path / "trtllm")
     algo = cfg["quantization"]["quant_algo"]
-    assert algo == {"bf16": None, "w8a16": "W8A16", "w4a16": "W4A16"}.get(scheme, "W4A16_AWQ")
+    assert algo == {"bf16": None, "w8a16": "W8A16"}.get(scheme, "W4A16_AWQ")
     dense = [m for m in (cfg["quantization"]["exclude_modules"] or []) if not m.startswith("*")]
     assert dense == (["transformer.layers.1.mlp.proj", "transformer.layers.1.mlp.proj.*"]
                      if scheme == "awq-with-a-dense-layer" else [])
@@ -262,7 +262,7 @@ def test_checkpoint_loads_and_computes_what_llmq_evaluated(tiny_artifacts, shape
     kld = kld_top1(llmq_logits(src.path, ids), trtllm_logits(art.path, src.path, ids))["kld_mean"]
     v = art.metrics["verify"]
     assert v["passed"]
-    if algo in ("W8A16", "W4A16"):   # re-rounded by the loader: --verify's number is the one the reader measures
+    if algo == "W8A16":   # re-rounded by the loader: --verify's number is the one the reader measures
         assert kld > 1e-6 and v["target_kld"] == pytest.approx(kld, rel=0.05, abs=1e-6)
     else:                            # llmq's integers reach the engine: same logits
         assert kld <= 1e-3 and v["target_kld"] <= 1e-3
@@ -274,6 +274,10 @@ def test_refusals_name_the_way_out(tiny_artifacts, tmp_path):
                    progress=False)
     with pytest.raises(LlmqError, match="groups of 16.*--group-size 64 or 128"):
         build_engine(g16, store, BuildOptions(target="trtllm"))
+    per_channel = quantize(arts["llama-gqa", "bf16"], QuantizeOptions(method="rtn", bits=4, group_size=0), store,
+                           progress=False)
+    with pytest.raises(LlmqError, match="INT4 per channel.*16-level grid.*--target trtllm-hf.*--group-size 64 or 128"):
+        build_engine(per_channel, store, BuildOptions(target="trtllm"))
 
 
 def test_the_reader_is_not_fooled_by_wrong_padding(tiny_artifacts, tmp_path):
@@ -298,11 +302,10 @@ def test_the_reader_is_not_fooled_by_wrong_padding(tiny_artifacts, tmp_path):
 # ---- the default model (SmolLM2-135M: hidden 576, 9 / 3 heads) --------------------------------------------------------
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("scheme", "tp"), [("bf16", 2), ("w8a16", 2), ("w4a16", 2), ("awq", 2), ("awq", 1)])
+@pytest.mark.parametrize(("scheme", "tp"), [("bf16", 2), ("w8a16", 2), ("awq", 2), ("awq", 1)])
 def test_default_model_checkpoint_loads_and_computes_what_llmq_evaluated(request, default_store, scheme, tp):
     """All four schemes at tp 1 and 2 were run by hand; CI runs tp 2 (heads 9/3 padded to 12/4) and AWQ at tp 1."""
-    source = {"bf16": "default_model", "w8a16": "default_int8", "w4a16": "default_int4_per_channel",
-              "awq": "default_int4"}[scheme]
+    source = {"bf16": "default_model", "w8a16": "default_int8", "awq": "default_int4"}[scheme]
     src = request.getfixturevalue(source)
     art = build_engine(src, default_store, BuildOptions(tp=tp, target="trtllm", verify=True))
     cfg = check_loads(art.path / "trtllm")
@@ -310,7 +313,7 @@ def test_default_model_checkpoint_loads_and_computes_what_llmq_evaluated(request
     kld = kld_top1(llmq_logits(src.path, ids), trtllm_logits(art.path, src.path, ids))["kld_mean"]
     v = art.metrics["verify"]
     assert v["passed"]
-    if cfg["quantization"]["quant_algo"] in ("W8A16", "W4A16"):
+    if cfg["quantization"]["quant_algo"] == "W8A16":
         assert v["target_kld"] == pytest.approx(kld, rel=0.05, abs=1e-5)
     else:
         assert kld <= 1e-3 and v["target_kld"] <= 1e-3

@@ -14,10 +14,12 @@ value setter, which asserts the shape the layer constructor declared):
   [out/2, in] holding two signed 4-bit values per byte along the output axis (row 2j in the low nibble),
   `weights_scaling_factor` [out, in/group] (cast to the model dtype by the loader), and with zero points `zero`
   = -zero_point * scale in the layer's own [in/group, out] layout (not transposed by the loader).
-- INT8 (per channel or grouped) and per-channel INT4 are W8A16 / W4A16: the loader quantizes float weights itself
-  (`weight_only_quantize_dict`: per output channel, scale = amax / 2^(b-1), round half away from zero, clamp to
-  [-2^(b-1), 2^(b-1)-1]); its pre-quantized int8 layout is GPU-architecture specific, so llmq writes the dequantized
-  weights in the model dtype and `--verify` computes what that re-rounding does (`trtllm_requantize`).
+- INT8 (per channel or grouped) is W8A16: the loader quantizes float weights itself (`weight_only_quantize_dict`:
+  per output channel, scale = amax / 128, round half away from zero, clamp to [-128, 127]); its pre-quantized int8
+  layout is GPU-architecture specific, so llmq writes the dequantized weights in the model dtype and `--verify`
+  computes what that re-rounding does (`trtllm_requantize`) and records its KLD. Per-channel INT4 would be W4A16,
+  re-rounded from llmq's 15 levels onto TensorRT-LLM's 16 (amax / 8, [-8, 7]): that moves most weights (KLD 1.1
+  on SmolLM2), so it is refused with the ways out.
 - Quantized layer constructors pad in/out features to a multiple of max(64, group) x tp (64 x tp for W8A16/W4A16)
   and `from_checkpoint` does not pad, so llmq writes every quantized linear at that padded shape: zero weights,
   scale 1, zero 0, each rank's padding after its real rows/columns.
@@ -61,7 +63,7 @@ TRTLLM_QUANT_KEYS = frozenset({"quant_algo", "kv_cache_quant_algo", "group_size"
 TRTLLM_DEFAULT_EXCLUDES = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
                            "*shared_expert_gate")
 AWQ_GROUP_SIZES = (64, 128)          # the groupwise (fpA_intB) kernels' group sizes
-REQUANTIZED = ("W8A16", "W4A16")     # algorithms whose weights the loader quantizes from floats
+REQUANTIZED = ("W8A16",)             # algorithms whose weights the loader quantizes from floats
 # weight_only_quantize_dict's quant_weights: the tensor names (substrings) it quantizes, unless excluded.
 REQUANTIZED_TENSORS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
 
@@ -91,7 +93,11 @@ def quant_algo_for(qw) -> str:
         return "W4A16_AWQ"
     if not qw.symmetric and not grouped:
         raise LlmqError("asymmetric per-channel weights have no TensorRT-LLM weight-only algorithm; use --target llmq")
-    return "W4A16" if qw.bits == 4 else "W8A16"
+    if qw.bits == 4:
+        raise LlmqError("INT4 per channel: TensorRT-LLM's W4A16 loader re-quantizes it onto its own 16-level grid, "
+                        "moving most of llmq's integers (KLD 1.1 on SmolLM2); use --target trtllm-hf, which keeps "
+                        "them, or quantize with --group-size 64 or 128 (W4A16_AWQ keeps them too)")
+    return "W8A16"
 
 
 def _int4_offset(qw) -> int:
@@ -217,7 +223,7 @@ def _schemes(src: CheckpointReader) -> tuple[str | None, dict]:
 
     TensorRT-LLM takes one algorithm per checkpoint. Grouped INT4 layers decide it (W4A16_AWQ) when present; other
     quantized layers are then stored dequantized and excluded. Without grouped INT4 every quantized layer is stored
-    dequantized and TensorRT-LLM quantizes it per channel (W8A16 if any layer had 8 bits, else W4A16).
+    dequantized and TensorRT-LLM quantizes it per channel (W8A16).
     """
     if not src.quantized:
         return None, {}
@@ -237,7 +243,7 @@ def _schemes(src: CheckpointReader) -> tuple[str | None, dict]:
             raise LlmqError(f"INT4 layers use different group sizes {sorted(groups)}; a TensorRT-LLM checkpoint has one")
         has_zero = any(q.zero_point is not None or _int4_offset(q) for q in awq)
         return "W4A16_AWQ", {"group_size": int(groups.pop()), "has_zero_point": bool(has_zero)}
-    return ("W8A16" if "W8A16" in algos else "W4A16"), {}
+    return "W8A16", {}
 
 
 def _kv_cache_scaling_factor(scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -259,7 +265,7 @@ def excluded(name: str, patterns: list[str] | None) -> bool:
 
 
 def requantized_at_load(tensor: str, patterns: list[str] | None) -> bool:
-    """Whether TensorRT-LLM's W8A16/W4A16 loader quantizes this float tensor (weight_only_quantize_dict's rule)."""
+    """Whether TensorRT-LLM's W8A16 loader quantizes this float tensor (weight_only_quantize_dict's rule)."""
     return any(n in tensor for n in REQUANTIZED_TENSORS) and not excluded(tensor, patterns)
 
 
@@ -398,7 +404,7 @@ def _unpad(t: torch.Tensor, shape: tuple[int, ...], fill: float, name: str) -> t
 
 def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool = False):
     """Read rank<N>.safetensors back into float32 per-rank weights for the reference check: as stored, or (with
-    as_target_computes) after the quantization TensorRT-LLM applies at load (W8A16 / W4A16 re-rounding)."""
+    as_target_computes) after the quantization TensorRT-LLM applies at load (W8A16 re-rounding)."""
     from safetensors.torch import load_file
 
 
@@ -407,7 +413,7 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
     q = cfg["quantization"]
     algo, patterns = q["quant_algo"], q["exclude_modules"]
     d, hq, hkv = plan.head_dim, plan.heads_per_rank, plan.kv_heads_per_rank
-    bits = {"W8A16": 8, "W4A16": 4}.get(algo)
+    bits = 8 if algo == "W8A16" else None
 
     def lin(state: dict, prefix: str, shape: tuple[int, int]) -> LinearWeights:
         w = state[f"{prefix}.weight"]
