@@ -26,6 +26,7 @@ from llmq.pipeline.targets import BuildOptions, build_engine
 from llmq.pipeline.targets.trtllm import trtllm_requantize
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
+from tiny import llmq_logits
 
 DEFAULT_EXCLUDES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
                     "*shared_expert_gate"]
@@ -185,17 +186,6 @@ def trtllm_logits(engine_dir: Path, source_dir: Path, ids: torch.Tensor) -> torc
     model.load_state_dict(sd, strict=True)
     with torch.no_grad():
         return model(ids).logits
-
-
-def llmq_logits(source_dir: Path, ids: torch.Tensor) -> torch.Tensor:
-    """What llmq evaluated: its runtime's logits over the source artifact."""
-    from llmq.runtime import EngineConfig, LLMEngine
-
-    eng = LLMEngine(source_dir, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory=64 << 20))
-    try:
-        return torch.stack([eng.prompt_logprobs(row.tolist()) for row in ids])
-    finally:
-        eng.shutdown()
 
 
 def verify_ids(vocab: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from llmq.models import resolve_model
 from llmq.pipeline.targets import BuildOptions, build_engine
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
+from tiny import llmq_logits
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -114,16 +115,6 @@ def backend_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
     model.load_state_dict(sd, strict=True)
     with torch.no_grad():
         return model(ids).logits
-
-
-def llmq_logits(source_dir: Path, ids: torch.Tensor) -> torch.Tensor:
-    from llmq.runtime import EngineConfig, LLMEngine
-
-    eng = LLMEngine(source_dir, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory=64 << 20))
-    try:
-        return torch.stack([eng.prompt_logprobs(row.tolist()) for row in ids])
-    finally:
-        eng.shutdown()
 
 
 SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size=0),

@@ -49,3 +49,16 @@ def make_tiny_model(path: Path, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
+
+
+def llmq_logits(source_dir, ids):
+    """What llmq evaluated: its runtime's log-probs [batch, seq, vocab] over an artifact, one prompt per row of ids."""
+    import torch
+
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    eng = LLMEngine(source_dir, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory=64 << 20))
+    try:
+        return torch.stack([eng.prompt_logprobs(row.tolist()) for row in ids])
+    finally:
+        eng.shutdown()
