@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmq.errors import LlmqError
-from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
+from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, ScoreRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -173,6 +173,42 @@ def test_prompt_logprobs_match_transformers(tiny):
     assert eng.stats().kv_blocks_used == 0 and eng.stats().prefix_cache_queries == 0
 
 
+def test_score_reuses_shared_prefixes_and_matches_prompt_logprobs(tiny):
+    """engine.score: the log-prob of each scored token, a shared prefix computed once, every block given back."""
+    eng = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_num_batched_tokens=40, block_size=8))
+    shared = rand_prompts([37], seed=21)[0]
+    reqs = [ScoreRequest(shared + t, len(shared)) for t in rand_prompts([1, 5, 12, 30, 3, 9], seed=22)]
+    reqs.append(ScoreRequest(rand_prompts([25], seed=23)[0], 1))
+    finished = []
+    outs = eng.score(reqs, progress=finished.append)
+    assert sum(finished) == len(reqs) and eng.stats().kv_blocks_used == 0
+    for r, o in zip(reqs, outs):
+        lsm = eng.prompt_logprobs(r.token_ids)[r.start - 1:-1]
+        tgt = torch.tensor(r.token_ids[r.start:])
+        assert torch.allclose(torch.tensor(o.logprobs), lsm.gather(1, tgt[:, None])[:, 0], atol=1e-5, rtol=0)
+        assert o.greedy == (lsm.argmax(-1) == tgt).tolist()
+    # the shared prompt's 4 full blocks before its last token: computed by one request, found cached by the other 5
+    assert sorted(o.num_cached_tokens for o in outs) == [0, 0] + [32] * 5
+    with pytest.raises(LlmqError, match="cannot score 3 tokens from 0"):
+        eng.score([ScoreRequest([1, 2, 3], 0)])
+
+
+def test_observe_kv_sees_every_cache_write_while_open(tiny):
+    eng = LLMEngine(tiny, EngineConfig(max_num_batched_tokens=16, block_size=8))
+    seen = []
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with eng.observe_kv(lambda layer, k, v: seen.append((layer, k.shape, v.shape))):
+        eng.generate(rand_prompts([20, 7], seed=5), params)
+    # per layer: 27 prompt tokens, then the first 2 of each sequence's 3 generated tokens fed back
+    shape = (eng.spec.num_kv_heads, eng.spec.head_dim)
+    for layer in range(eng.spec.num_layers):
+        assert sum(k[0] for i, k, _ in seen if i == layer) == 27 + 2 * 2
+    assert all(k[1:] == v[1:] == shape for _, k, v in seen)
+    n = len(seen)
+    eng.generate(rand_prompts([9], seed=6), params)
+    assert len(seen) == n  # closed: nothing observed any more
+
+
 def test_bad_requests_raise_clear_errors(tiny):
     eng = LLMEngine(tiny, EngineConfig(max_model_len=64))
     with pytest.raises(LlmqError, match="context"):
@@ -212,11 +248,16 @@ def test_tensor_parallel_two_ranks_equals_one(tiny, reference):
     try:
         got = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
         lp = eng.prompt_logprobs(prompts[4])
+        scored = eng.score([ScoreRequest(prompts[4], 1)])[0].logprobs
+        with pytest.raises(LlmqError, match="observe_kv needs tp=1"), eng.observe_kv(print):
+            pass
     finally:
         eng.shutdown()
     assert got == ref
     one = LLMEngine(tiny, EngineConfig(max_num_batched_tokens=32)).prompt_logprobs(prompts[4])
     assert torch.allclose(lp, one, atol=1e-4)
+    want = one[:-1].gather(1, torch.tensor(prompts[4][1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(scored), want, atol=1e-4)
 
 
 @pytest.mark.integration

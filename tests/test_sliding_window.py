@@ -100,11 +100,11 @@ def test_decode_and_mixed_batches_past_the_window_match_transformers(mistral, mo
 
 
 def test_eval_scoring_applies_the_window(mistral):
-    from llmq.evals.scoring import ScoreItem, score_paged
+    from llmq.runtime import ScoreRequest
 
-    items = [ScoreItem(rand_ids(60, 9), 20), ScoreItem(rand_ids(45, 10), 5), ScoreItem(rand_ids(3, 11), 1)]
+    items = [ScoreRequest(rand_ids(60, 9), 20), ScoreRequest(rand_ids(45, 10), 5), ScoreRequest(rand_ids(3, 11), 1)]
     eng = LLMEngine(mistral, EngineConfig(max_num_batched_tokens=24, block_size=8))
-    for item, score in zip(items, score_paged(eng, items)):
-        lsm = hf_logits(mistral, item.tokens).log_softmax(-1)[item.start - 1:-1]
-        want = float(lsm.gather(1, torch.tensor(item.tokens[item.start:])[:, None]).sum())
-        assert score.logprob == pytest.approx(want, abs=1e-4)
+    for item, score in zip(items, eng.score(items)):
+        lsm = hf_logits(mistral, item.token_ids).log_softmax(-1)[item.start - 1:-1]
+        want = lsm.gather(1, torch.tensor(item.token_ids[item.start:])[:, None])[:, 0]
+        assert score.logprobs == pytest.approx(want.tolist(), abs=1e-5)

@@ -7,8 +7,9 @@ scoring items or prompts is computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,12 +17,18 @@ from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..errors import LlmqError
-from .scoring import Score, ScoreItem, score_paged
+from ..runtime import ScoreRequest
 
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_GEN_TOKENS = 256
 
 ProgressFn = Callable[[int, int], None]  # (new items to do, items done)
+
+
+@dataclass
+class Score:
+    logprob: float  # sum of log p(tokens[i] | tokens[:i]) over the scored tokens
+    greedy: bool  # every scored token was the argmax
 
 
 class EvalLM(LM):
@@ -41,7 +48,7 @@ class EvalLM(LM):
         self.seconds = {k: 0.0 for k in self.calls}  # wall time per request type, for the report
 
     # -- backend hooks -------------------------------------------------------------------------------------------
-    def score(self, items: list[ScoreItem]) -> list[Score]:
+    def score(self, items: list[ScoreRequest]) -> list[Score]:
         raise NotImplementedError
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], stops: list[list[str]],
@@ -56,7 +63,7 @@ class EvalLM(LM):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _pair_item(self, context: str, continuation: str) -> ScoreItem:
+    def _pair_item(self, context: str, continuation: str) -> ScoreRequest:
         n = len(context) - len(context.rstrip())
         if n:
             context, continuation = context[:-n], context[-n:] + continuation
@@ -71,7 +78,7 @@ class EvalLM(LM):
         if not cont:
             raise LlmqError(f"continuation {continuation!r} encodes to no tokens")
         tokens = (ctx + cont)[-self.max_length:]
-        return ScoreItem(tokens, max(1, len(tokens) - len(cont)))
+        return ScoreRequest(tokens, max(1, len(tokens) - len(cont)))
 
     # -- lm-eval's interface ---------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -90,7 +97,7 @@ class EvalLM(LM):
             # a window of max_length - 1 inputs plus its last target fits the context the scorer feeds
             windows = get_rolling_token_windows(self.encode(r.args[0]), self.prefix_token_id, self.max_length - 1, 1)
             for ctx, pred in map(make_disjoint_window, windows):
-                items.append(ScoreItem(ctx + pred, len(ctx)))
+                items.append(ScoreRequest(ctx + pred, len(ctx)))
                 owner.append(i)
         self.progress(len(items), 0)
         t = time.monotonic()
@@ -135,10 +142,14 @@ class LlmqLM(EvalLM):
         cfg = engine_config or EngineConfig(max_num_seqs=32, kv_cache_fraction=0.08)
         self.engine = LLMEngine(path, cfg)
         super().__init__(self.engine.tokenizer, min(max_length, self.engine.max_model_len), seed, progress)
-        self.score_stats: dict = {}
+        self.score_stats = {"computed_tokens": 0, "reused_tokens": 0}  # reused: served from the prefix cache
 
-    def score(self, items: list[ScoreItem]) -> list[Score]:
-        return score_paged(self.engine, items, progress=lambda n: self.progress(0, n), stats=self.score_stats)
+    def score(self, items: list[ScoreRequest]) -> list[Score]:
+        outs = self.engine.score(items, progress=lambda n: self.progress(0, n))
+        for it, o in zip(items, outs):
+            self.score_stats["reused_tokens"] += o.num_cached_tokens
+            self.score_stats["computed_tokens"] += len(it.token_ids) - o.num_cached_tokens
+        return [Score(sum(o.logprobs), all(o.greedy)) for o in outs]
 
     def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[str]:
         from ..runtime.sampling import SamplingParams
@@ -180,16 +191,16 @@ class HFLM(EvalLM):
         mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in batch], device=self.torch_device)
         return self.model(input_ids=ids, attention_mask=mask).logits.float()
 
-    def score(self, items: list[ScoreItem]) -> list[Score]:
-        order = sorted(range(len(items)), key=lambda i: -len(items[i].tokens))  # similar lengths share a batch
+    def score(self, items: list[ScoreRequest]) -> list[Score]:
+        order = sorted(range(len(items)), key=lambda i: -len(items[i].token_ids))  # similar lengths share a batch
         out: list[Score | None] = [None] * len(items)
         for b in range(0, len(order), self.batch_size):
             idx = order[b:b + self.batch_size]
-            logits = self._logits([items[i].tokens for i in idx])
+            logits = self._logits([items[i].token_ids for i in idx])
             for row, i in enumerate(idx):
                 it = items[i]
-                lsm = logits[row, it.start - 1:len(it.tokens) - 1].log_softmax(-1)
-                tgt = torch.tensor(it.tokens[it.start:], device=lsm.device)
+                lsm = logits[row, it.start - 1:len(it.token_ids) - 1].log_softmax(-1)
+                tgt = torch.tensor(it.token_ids[it.start:], device=lsm.device)
                 out[i] = Score(float(lsm.gather(1, tgt[:, None]).sum()), bool((lsm.argmax(-1) == tgt).all()))
             self.progress(0, len(idx))
         return out  # type: ignore[return-value]

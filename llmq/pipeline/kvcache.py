@@ -1,11 +1,11 @@
 """`llmq quantize-kv`: calibrate INT8 / FP8 KV-cache scales on data and store them in a new artifact.
 
 The calibration runs the model through the bundled runtime (dense or any quantized weights, exactly as it will be
-served) and watches what every layer writes into its paged cache: K after RoPE and V, which is what the cache holds.
-The absolute maximum per layer and KV head gives scale = amax / 127 (int8) or amax / 448 (fp8 e4m3), per tensor or
-per head, and the held-out error is measured with the runtime cache's own encode / decode (`llmq.quant`). Per-head
-scales pay only where heads differ in range, so `auto` measures the reconstruction error of both on held-out text
-and keeps per-head scales only when they cut it by a meaningful margin. The artifact is the input
+served) and observes what every layer writes into its paged cache (LLMEngine.observe_kv): K after RoPE and V, which
+is what the cache holds. The absolute maximum per layer and KV head gives scale = amax / 127 (int8) or amax / 448
+(fp8 e4m3), per tensor or per head, and the held-out error is measured with the runtime cache's own encode / decode
+(`llmq.quant`). Per-head scales pay only where heads differ in range, so `auto` measures the reconstruction error of
+both on held-out text and keeps per-head scales only when they cut it by a meaningful margin. The artifact is the input
 checkpoint (weights untouched) plus `model.layers.N.self_attn.k_scale` / `v_scale` and a `kv_cache_scheme` in
 `quantization_config`; its quality (KLD / top-1 agreement of the model with the quantized cache against the same
 model with a full-precision cache, both through the runtime's paged path) is measured on the written artifact.
@@ -47,40 +47,33 @@ def scales_from_amax(amax: torch.Tensor, kv: str, per_head: bool) -> torch.Tenso
 
 
 class KVRecorder:
-    """Wraps each layer cache's write() to see K and V exactly as the cache receives them ([T, Hkv, D]).
+    """An LLMEngine.observe_kv callback: sees K and V exactly as each layer's cache receives them ([T, Hkv, D]).
 
     Records the per-head absmax (calibration) or, once `measure(candidates)` was called, the squared reconstruction
     error of each candidate set of scales (held-out measurement)."""
 
-    def __init__(self, caches: list, kv: str):
+    def __init__(self, num_layers: int, num_kv_heads: int, kv: str):
         self.kv = kv
-        n, h = len(caches), caches[0].k.shape[2]
-        self.amax = torch.zeros(n, 2, h)
+        self.amax = torch.zeros(num_layers, 2, num_kv_heads)
         self.candidates: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.sq_err: dict[str, torch.Tensor] = {}
-        self.sq_sum = torch.zeros(n, 2, dtype=torch.float64)
-        for i, cache in enumerate(caches):
-            cache.write = self._wrap(i, cache.write)
+        self.sq_sum = torch.zeros(num_layers, 2, dtype=torch.float64)
 
     def measure(self, candidates: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         self.candidates = candidates
         self.sq_err = {g: torch.zeros_like(self.sq_sum) for g in candidates}
         self.sq_sum.zero_()
 
-    def _wrap(self, layer: int, write: Callable) -> Callable:
-        def recorded(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            for j, x in enumerate((k, v)):
-                xf = x.detach().float().cpu()
-                if not self.candidates:
-                    self.amax[layer, j] = torch.maximum(self.amax[layer, j], xf.abs().amax(dim=(0, 2)))
-                    continue
-                self.sq_sum[layer, j] += float(xf.double().square().sum())
-                for g, scales in self.candidates.items():
-                    err = fake_quantize(xf, scales[layer][j], self.kv) - xf
-                    self.sq_err[g][layer, j] += float(err.double().square().sum())
-            write(slots, k, v)
-
-        return recorded
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for j, x in enumerate((k, v)):
+            xf = x.detach().float().cpu()
+            if not self.candidates:
+                self.amax[layer, j] = torch.maximum(self.amax[layer, j], xf.abs().amax(dim=(0, 2)))
+                continue
+            self.sq_sum[layer, j] += float(xf.double().square().sum())
+            for g, scales in self.candidates.items():
+                err = fake_quantize(xf, scales[layer][j], self.kv) - xf
+                self.sq_err[g][layer, j] += float(err.double().square().sum())
 
     def relative_errors(self) -> dict[str, dict[str, float]]:
         """Per candidate: sum ||x - q(x)||^2 / sum ||x||^2 over every layer, for K, V and both."""
@@ -192,9 +185,8 @@ def _windows(tw, max_len: int) -> list[list[int]]:
 def calibrate(engine, kv: str, samples: list[list[int]], heldout: list[list[int]], bar) -> tuple[dict, dict]:
     """Run the calibration samples, derive per-tensor and per-head scales, measure both on held-out windows.
     Returns ({"tensor"|"head": [(k_scale, v_scale)] per layer}, {"tensor"|"head": relative errors})."""
-    caches = engine.runner.caches
-    rec = KVRecorder(caches, kv)
-    try:
+    rec = KVRecorder(engine.spec.num_layers, engine.spec.num_kv_heads, kv)
+    with engine.observe_kv(rec):
         task = bar.add_task("calibrating KV cache", total=len(samples))
         _run(engine, samples, lambda n: bar.advance(task, n))
         candidates = {g: [(scales_from_amax(a[0], kv, g == "head"), scales_from_amax(a[1], kv, g == "head"))
@@ -202,9 +194,6 @@ def calibrate(engine, kv: str, samples: list[list[int]], heldout: list[list[int]
         rec.measure(candidates)
         task = bar.add_task("held-out K/V error", total=len(heldout))
         _run(engine, heldout, lambda n: bar.advance(task, n))
-    finally:
-        for c in caches:  # back to the cache's own write()
-            c.__dict__.pop("write", None)
     return candidates, rec.relative_errors()
 
 

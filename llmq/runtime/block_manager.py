@@ -9,6 +9,7 @@ findable before any cached block.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from .sequence import Sequence
 
@@ -35,8 +36,18 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     # -- prefix cache -------------------------------------------------------------------------------------
-    def _key(self, parent: int | None, tokens: list[int]) -> tuple:
-        return (parent, tuple(tokens))
+    def block_keys(self, token_ids: list[int], end: int, start: int = 0, prev: tuple | None = None
+                   ) -> Iterator[tuple]:
+        """The prefix-cache keys of full blocks start..end-1 of token_ids (prev: block start-1's key).
+
+        A key is (hash of the previous block's key, this block's tokens): the hash chain that makes equal keys
+        mean equal whole prefixes. Computed here only: match_prefix, commit and LLMEngine.score use it.
+        """
+        bs = self.block_size
+        for i in range(start, end):
+            key = (None if prev is None else hash(prev), tuple(token_ids[i * bs:(i + 1) * bs]))
+            yield key
+            prev = key
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks of the longest cached prefix to a sequence with no blocks; returns its tokens.
@@ -47,9 +58,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        parent = None
-        for i in range((seq.num_tokens - 1) // bs):
-            key = self._key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+        for key in self.block_keys(seq.token_ids, (seq.num_tokens - 1) // bs):
             block = self.cached.get(key)
             if block is None:
                 break
@@ -57,10 +66,9 @@ class BlockManager:
                 del self.free[block]
             self.ref_count[block] += 1
             seq.block_table.append(block)
-            parent = hash(key)
+            seq.last_block_key = key
         n = len(seq.block_table)
         seq.num_hashed_blocks = n
-        seq.last_block_hash = parent
         seq.num_computed_tokens = n * bs
         return n * bs
 
@@ -68,17 +76,15 @@ class BlockManager:
         """Register the sequence's newly completed full blocks (KV computed for all their tokens) in the cache."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        parent = seq.last_block_hash
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
-            key = self._key(parent, seq.token_ids[i * bs:(i + 1) * bs])
+        first = seq.num_hashed_blocks
+        keys = self.block_keys(seq.token_ids, seq.num_computed_tokens // self.block_size, first, seq.last_block_key)
+        for i, key in enumerate(keys, first):
             block = seq.block_table[i]
             if key not in self.cached and self.block_key[block] is None:
                 self.cached[key] = block
                 self.block_key[block] = key
-            parent = hash(key)
             seq.num_hashed_blocks = i + 1
-        seq.last_block_hash = parent
+            seq.last_block_key = key
 
     # -- allocation -----------------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -109,4 +115,4 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
-        seq.last_block_hash = None
+        seq.last_block_key = None

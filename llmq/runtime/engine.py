@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,6 +66,32 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics
+
+
+@dataclass
+class ScoreRequest:
+    """Score token_ids[start:], each token given every token before it (1 <= start < len(token_ids))."""
+
+    token_ids: list[int]
+    start: int
+
+
+@dataclass
+class ScoreOutput:
+    logprobs: list[float] = field(default_factory=list)  # log p(token_ids[i] | token_ids[:i]) for i >= start
+    greedy: list[bool] = field(default_factory=list)  # whether token_ids[i] was the most likely next token
+    num_cached_tokens: int = 0  # leading tokens whose KV came from the prefix cache
+
+
+@dataclass
+class _Scoring:
+    """A score request in flight: its sequence and the prefix-cache keys of all its full blocks."""
+
+    index: int
+    request: ScoreRequest
+    seq: Sequence
+    keys: list[tuple]
+    out: ScoreOutput
 
 
 @dataclass
@@ -374,6 +402,114 @@ class LLMEngine:
         finally:
             self.block_manager.release(seq)
         return torch.cat(out).cpu()
+
+    def score(self, requests: list[ScoreRequest], progress: Callable[[int], None] | None = None
+              ) -> list[ScoreOutput]:
+        """Log-probabilities of every request's scored tokens, several sequences per step (chunked to the budget).
+
+        Requests that share a prefix (one few-shot prompt, one question with several answers) compute it once
+        through the prefix cache: a request is admitted only when no request in flight is still computing blocks
+        it could reuse. Sorting by tokens makes such requests neighbours. progress(n) counts finished requests.
+        For whole next-token distributions, see prompt_logprobs.
+        """
+        if self.has_unfinished():
+            raise LlmqError("the engine is serving requests; scoring needs it to itself")
+        for r in requests:
+            if not 1 <= r.start < len(r.token_ids) or len(r.token_ids) > self.max_model_len:
+                raise LlmqError(f"cannot score {len(r.token_ids)} tokens from {r.start} (context {self.max_model_len})")
+        pending = sorted(range(len(requests)), key=lambda i: requests[i].token_ids)
+        results: list[ScoreOutput | None] = [None] * len(requests)
+        active: list[_Scoring] = []
+        try:
+            while pending or active:
+                pending = self._admit_scoring(requests, pending, active)
+                if not active:
+                    raise LlmqError("the KV cache cannot hold one scoring request; give it more memory")
+                done = self._score_step(active)
+                for a in done:
+                    self.block_manager.release(a.seq)
+                    active.remove(a)
+                    results[a.index] = a.out
+                if done and progress is not None:
+                    progress(len(done))
+        finally:
+            for a in active:
+                self.block_manager.release(a.seq)
+        return results  # type: ignore[return-value]
+
+    def _admit_scoring(self, requests: list[ScoreRequest], pending: list[int], active: list[_Scoring]) -> list[int]:
+        """Move pending requests (from a lookahead window) into `active` while slots and blocks last, except those
+        whose shareable blocks another active request is still computing; returns the still pending."""
+        bm, bs = self.block_manager, self.block_size
+        computing = {k for a in active for k in a.keys[a.seq.num_computed_tokens // bs:]}
+        kept = []
+        for pos, i in enumerate(pending):
+            if pos >= 4 * self.max_num_seqs or len(active) >= self.max_num_seqs:
+                return kept + pending[pos:]
+            r = requests[i]
+            seq = Sequence(f"score-{i}", r.token_ids[:r.start], SamplingParams(max_tokens=1, temperature=0))
+            matched = bm.match_prefix(seq) // bs
+            shareable = bm.block_keys(r.token_ids, (r.start - 1) // bs, matched, seq.last_block_key)
+            if any(k in computing for k in shareable) or not bm.allocate(seq, len(r.token_ids)):
+                bm.release(seq)  # wait for the request computing these blocks (or for free blocks)
+                kept.append(i)
+                continue
+            seq.token_ids = list(r.token_ids)
+            a = _Scoring(i, r, seq, list(bm.block_keys(r.token_ids, len(r.token_ids) // bs)),
+                         ScoreOutput(num_cached_tokens=matched * bs))
+            active.append(a)
+            computing.update(a.keys[matched:])
+        return kept
+
+    def _score_step(self, active: list[_Scoring]) -> list[_Scoring]:
+        """One step over the requests in flight (within the token budget); returns those it finished."""
+        chunks, left = [], self.config.max_num_batched_tokens
+        for a in active:
+            if left == 0:
+                break
+            n = min(len(a.request.token_ids) - a.seq.num_computed_tokens, left)
+            chunks.append((a, n))
+            left -= n
+        chunks.sort(key=lambda c: c[1] != 1)  # single-token chunks first, as prepare_step requires
+        step = prepare_step([a.seq for a, _ in chunks], [n for _, n in chunks], self.block_size,
+                            fresh_prefill_direct=self.kv_cache_dtype == "auto", all_logits=True,
+                            window=self.spec.sliding_window)
+        rows, targets, owners, q0 = [], [], [], 0
+        for a, n in chunks:
+            st, toks = a.seq.num_computed_tokens, a.request.token_ids
+            for p in range(max(st, a.request.start - 1), min(st + n, len(toks) - 1)):
+                rows.append(q0 + p - st)
+                targets.append(toks[p + 1])
+                owners.append(a)
+            q0 += n
+        step.logits_indices = torch.tensor(rows or [0], dtype=torch.long)  # a step scoring nothing runs for its KV
+        logits = self._forward(step)
+        if rows:
+            lsm = logits.float().log_softmax(-1)
+            tgt = torch.tensor(targets, device=lsm.device)
+            for a, lp, hit in zip(owners, lsm.gather(1, tgt[:, None])[:, 0].tolist(),
+                                  (lsm.argmax(-1) == tgt).tolist()):
+                a.out.logprobs.append(lp)
+                a.out.greedy.append(hit)
+        done = []
+        for a, n in chunks:
+            a.seq.num_computed_tokens += n
+            self.block_manager.commit(a.seq)
+            if a.seq.num_computed_tokens == len(a.request.token_ids):
+                done.append(a)
+        return done
+
+    @contextmanager
+    def observe_kv(self, fn: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
+        """Within the block, fn(layer, k, v) sees every K/V the model writes to its cache, [tokens, kv_heads,
+        head_dim] in the compute dtype (K after RoPE, before any KV quantization): what calibration measures."""
+        if self.tp > 1:
+            raise LlmqError("observe_kv needs tp=1: the other ranks write their KV heads in their own processes")
+        self.runner.observe_kv(fn)
+        try:
+            yield
+        finally:
+            self.runner.observe_kv(None)
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager

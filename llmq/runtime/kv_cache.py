@@ -8,6 +8,8 @@ kept as raw bytes because CPU indexing kernels do not handle float8 tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import quant
@@ -29,6 +31,7 @@ class LayerKV:
         self.kv_dtype = kv_dtype
         self.k_scale, self.v_scale = k_scale, v_scale
         self.compute_dtype = compute_dtype
+        self.observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # ModelRunner.observe_kv
 
     def _encode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.kv_dtype == "auto":
@@ -43,6 +46,8 @@ class LayerKV:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V ([T, Hkv, D]) at flat slot indices (block * block_size + offset)."""
+        if self.observer is not None:
+            self.observer(k, v)
         nb, bs, h, d = self.k.shape
         self.k.view(nb * bs, h, d).index_copy_(0, slots, self._encode(k, self.k_scale))
         self.v.view(nb * bs, h, d).index_copy_(0, slots, self._encode(v, self.v_scale))

@@ -7,8 +7,10 @@ attention needs (slots to write, block tables to read, masks) is computed once p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,6 +225,11 @@ class ModelRunner:
         self.caches = allocate_kv_cache(ckpt.spec.num_layers, num_blocks, block_size, self.num_kv_heads,
                                         ckpt.spec.head_dim, kv_cache_dtype, self.dtype, self.device, scales)
         self.kv_cache_dtype = kv_cache_dtype
+
+    def observe_kv(self, fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> None:
+        """Have every layer's cache call fn(layer, k, v) with the K/V it is given to store (None: stop)."""
+        for i, cache in enumerate(self.caches):
+            cache.observer = None if fn is None else functools.partial(fn, i)
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         step = step.to(self.device)

@@ -34,7 +34,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading full blocks already registered in the prefix cache
-        self.last_block_hash: int | None = None
+        self.last_block_key: tuple | None = None  # prefix-cache key of the last of them
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.admitted = False
         self.finish_reason: str | None = None
