@@ -9,7 +9,7 @@ from ..bench.offline import OfflineOptions
 from ..errors import LlmqError
 from ..models import source_artifact
 from .common import echo_json, get_store
-from .options import stage_options
+from .options import stage_command
 
 
 def _ints(text: str | None, what: str) -> list[int]:
@@ -147,11 +147,7 @@ def serve(ctx, endpoint, model, api, concurrency, request_rate, num_prompts, inp
     _print(report, None if no_save else R.save(store, report, name, parent_ids(ep, store)), as_json)
 
 
-@bench.command("offline")
-@click.argument("ref", required=False)
-@stage_options(OfflineOptions)
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-@click.pass_context
+@stage_command("offline", OfflineOptions, "Print the results as JSON.", group=bench)
 def offline(ctx, ref, opts, as_json):
     """Sweep REF (an engine, quantized or model artifact; default: the default model) in-process, one batch size
     at a time: decode step time, tokens/s, MBU and MFU."""

@@ -8,14 +8,10 @@ from ..errors import LlmqError
 from ..models import source_artifact
 from ..pipeline.targets import BuildOptions, build_engine
 from .common import echo_json, get_store, human_bytes
-from .options import stage_options
+from .options import stage_command
 
 
-@click.command("build")
-@click.argument("ref", required=False)
-@stage_options(BuildOptions)
-@click.option("--json", "as_json", is_flag=True, help="Print the engine manifest as JSON.")
-@click.pass_context
+@stage_command("build", BuildOptions, "Print the engine manifest as JSON.")
 def build(ctx, ref, opts, as_json):
     """Shard REF (a model or quantized artifact; default: the default model) into an engine artifact."""
     store = get_store(ctx)

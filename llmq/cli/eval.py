@@ -8,7 +8,7 @@ from ..errors import LlmqError
 from ..evals.runner import EvalOptions
 from ..models import source_artifact
 from .common import echo_json, get_store
-from .options import stage_options
+from .options import stage_command
 
 
 def _progress_console():
@@ -21,11 +21,7 @@ def _progress_console():
     return console, prog
 
 
-@click.command("eval")
-@click.argument("ref", required=False)
-@stage_options(EvalOptions)
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.pass_context
+@stage_command("eval", EvalOptions, "Print the report as JSON.")
 def eval_(ctx, ref, opts, as_json):
     """Evaluate REF (default: the default model) on offline task groups, against a baseline, and gate on it."""
     from ..evals.evaluate import pick_baseline, run_eval

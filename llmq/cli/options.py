@@ -80,3 +80,12 @@ def stage_options(cls):
         return command
 
     return decorate
+
+
+def stage_command(name: str, cls, json_help: str, arg: str = "ref", group=click):
+    """A stage's command (on `group`, a click group or click itself): an optional REF argument, every option of `cls`
+    and --json; the function receives (ctx, ref, opts, as_json)."""
+    def wrap(fn):
+        fn = click.option("--json", "as_json", is_flag=True, help=json_help)(click.pass_context(fn))
+        return group.command(name)(click.argument(arg, required=False)(stage_options(cls)(fn)))
+    return wrap

@@ -9,14 +9,10 @@ import click
 from ..models import source_artifact
 from ..pipeline.quantize import QuantizeOptions, quantize as run_quantize
 from .common import echo_json, get_store, human_bytes
-from .options import stage_options
+from .options import stage_command
 
 
-@click.command("quantize")
-@click.argument("model", required=False)
-@stage_options(QuantizeOptions)
-@click.option("--json", "as_json", is_flag=True, help="Print the artifact manifest as JSON.")
-@click.pass_context
+@stage_command("quantize", QuantizeOptions, "Print the artifact manifest as JSON.", arg="model")
 def quantize(ctx, model, opts, as_json):
     """Quantize MODEL (a model artifact, HF directory, .gguf or hub id; default: the default model)."""
     store = get_store(ctx)

@@ -9,14 +9,10 @@ import click
 from ..models import source_artifact
 from ..pipeline.kv_options import KVOptions
 from .common import echo_json, get_store
-from .options import stage_options
+from .options import stage_command
 
 
-@click.command("quantize-kv")
-@click.argument("ref", required=False)
-@stage_options(KVOptions)
-@click.option("--json", "as_json", is_flag=True, help="Print the artifact manifest as JSON.")
-@click.pass_context
+@stage_command("quantize-kv", KVOptions, "Print the artifact manifest as JSON.")
 def quantize_kv(ctx, ref, opts, as_json):
     """Calibrate KV-cache scales for REF (a model or quantized artifact; default: the default model) into a new
     quantized artifact."""
