@@ -120,12 +120,10 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
     if head.qw is not None:
         head = LinearWeights("lm_head", weight=head.dense(torch.float32))
     state["lm_head.weight"] = head.weight.to(dtype).clone()   # untied: the backend gets its own lm_head
-    if not algos and kv != "fp8":
-        dense = []
     qcfg = hf_quant_config(algos, groups.pop() if len(groups) == 1 else None, "FP8" if kv == "fp8" else None,
                            [*dense, "lm_head"]) if (algos or kv == "fp8") else None
     cfg = copy.deepcopy(src.config)
-    cfg.pop("quantization_config", None)   # the backend would read it before noticing hf_quant_config.json is ours
+    cfg.pop("quantization_config", None)   # it describes llmq's compressed-tensors tensors, which this has not
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
                head_dim=plan.head_dim, tie_word_embeddings=False, torch_dtype=engine.dtype)
     out.mkdir(parents=True)
