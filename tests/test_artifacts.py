@@ -86,6 +86,81 @@ def test_damage_is_detected_naming_the_file(store, damage):
         store.resolve("thing")
 
 
+def _edit_manifest(art, edit):
+    """Change llmq.json by hand, as an attacker or a careless editor would, leaving the digest as written."""
+    f = art.path / "llmq.json"
+    m = json.loads(f.read_text())
+    edit(m)
+    os.chmod(f, 0o644)
+    f.write_text(json.dumps(m, indent=2))
+
+
+FORGERIES = {
+    "metrics": lambda m: m["metrics"].update(score=99.0),
+    "parents": lambda m: m["parents"].append("f" * 64),
+    "config": lambda m: m["config"].update(k=2),
+    "kind": lambda m: m.update(kind="engine"),
+    "command": lambda m: m.update(command="llmq quantize --bits 8 honest"),
+    "files": lambda m: m["files"]["a.bin"].update(sha256="0" * 64),
+    "digest removed": lambda m: m.pop("digest"),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_a_manifest_edit_is_an_error_naming_llmq_json(store, forgery):
+    art = _write(store, config={"k": 1})
+    _edit_manifest(art, FORGERIES[forgery])
+    for load in (lambda: store.resolve("thing"), lambda: store.resolve("thing", verify=False),
+                 lambda: store.by_id(art.id, verify=False)):
+        with pytest.raises(ArtifactError, match=r"v1/llmq\.json: manifest was edited after it was written"):
+            load()
+    damaged = []
+    assert store.list(damaged=damaged) == [] and [ref for ref, _ in damaged] == ["thing/v1"]
+
+
+def test_timings_are_left_out_of_the_digest_and_named(store):
+    from llmq.artifacts.manifest import RUN_MEASUREMENTS
+
+    assert {"wall_time_s", "wall_s", "peak_rss_bytes"} <= RUN_MEASUREMENTS
+    with store.create("model", "timed") as w:
+        (w.dir / "a.bin").write_bytes(b"x")
+        w.metrics.update(wall_time_s=1.25, peak_rss_bytes=10, score=1.0)
+    _edit_manifest(w.artifact, lambda m: (m["metrics"].update(wall_time_s=9.0), m.update(created="2000-01-01")))
+    assert store.resolve("timed").metrics["wall_time_s"] == 9.0
+    _edit_manifest(w.artifact, lambda m: m["metrics"].update(score=2.0))
+    with pytest.raises(ArtifactError, match="llmq.json: manifest was edited"):
+        store.resolve("timed")
+
+
+def test_lineage_through_a_forged_parent_is_an_error(store):
+    src = _write(store, name="src")
+    top = _write(store, name="top", payload=b"t", parents=[src.id])
+    _edit_manifest(src, lambda m: m["config"].update(source="elsewhere"))
+    with pytest.raises(ArtifactError, match=r"src/v1/llmq\.json: manifest was edited"):
+        store.lineage(top)
+
+
+def test_an_unsealed_schema_1_manifest_still_loads(store):
+    """Stores written before the digest keep working: their ids, parent references and recipe keys are unchanged."""
+    art = _write(store)
+    _edit_manifest(art, lambda m: (m.pop("digest"), m.update(schema=1)))
+    assert store.resolve("thing").id == art.id
+
+
+@pytest.mark.parametrize("field,value", [("files", ["a.bin"]), ("parents", "abc"), ("metrics", [1]),
+                                         ("version", "1"), ("id", 5)])
+def test_a_malformed_manifest_is_damaged_and_the_rest_still_lists(store, field, value):
+    bad = _write(store, name="bad")
+    good = _write(store, name="good", payload=b"g")
+    _edit_manifest(bad, lambda m: m.update({field: value}))
+    damaged = []
+    assert [a.ref for a in store.list(damaged=damaged)] == ["good/v1"]
+    assert [ref for ref, _ in damaged] == ["bad/v1"] and "bad/v1/llmq.json: manifest is malformed" in str(damaged[0][1])
+    with pytest.raises(ArtifactError, match="llmq.json: manifest is malformed"):
+        store.resolve("bad")
+    assert store.resolve(good.id).ref == "good/v1"
+
+
 def test_bad_names_and_kinds(store):
     with pytest.raises(ArtifactError, match="invalid artifact name"):
         store.create("model", "../escape")

@@ -73,6 +73,70 @@ def test_verify_rehashes_everything_and_names_a_damaged_file(tmp_path):
     assert run(store.root, "verify", "nope").exit_code == 2
 
 
+def _edit_manifest(path, edit):
+    m = json.loads(path.read_text())
+    edit(m)
+    os.chmod(path, 0o644)
+    path.write_text(json.dumps(m))
+
+
+def test_forged_manifests_fail_inspect_and_lineage_in_one_line(tmp_path):
+    from llmq.artifacts import Store
+
+    store = Store(tmp_path / "store")
+    arts = {}
+    for name, parents in (("src", []), ("real", None), ("fake", None)):
+        with store.create("model", name, parents=parents if parents is not None else [arts["src"].id],
+                          config={"bits": 4}) as w:
+            (w.dir / "a.bin").write_bytes(name.encode())
+            w.metrics["kld"] = 0.3
+        arts[name] = w.artifact
+    man = arts["real"].path / "llmq.json"
+    for forge in (lambda m: m["metrics"].update(kld=0.0), lambda m: m["config"].update(bits=8),
+                  lambda m: m.update(parents=[arts["fake"].id])):
+        _edit_manifest(man, forge)
+        for cmd in ("inspect", "lineage"):
+            r = run(store.root, cmd, "real")
+            assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+            assert r.output.startswith("error: ") and "real/v1/llmq.json: manifest was edited" in r.output
+        man.write_text(json.dumps(arts["real"].manifest))  # undo: the manifest as written, reformatted
+    assert run(store.root, "inspect", "real").exit_code == 0
+
+
+def test_ls_lists_a_malformed_manifest_as_damaged_and_goes_on(tmp_path, tiny_model_dir):
+    store = tmp_path / "store"
+    assert run(store, "import", str(tiny_model_dir)).exit_code == 0
+    from llmq.artifacts import Store
+
+    with Store(store).create("model", "other") as w:
+        (w.dir / "a.bin").write_bytes(b"x")
+    _edit_manifest(store / "tiny" / "v1" / "llmq.json", lambda m: m.update(files=list(m["files"])))
+    r = run(store, "ls")
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert "other/v1" in r.output and "DAMAGED" in r.output and "damaged: tiny/v1: " in r.output
+    listed = json.loads(run(store, "ls", "--json").stdout)
+    assert [(a["ref"], "damaged" in a) for a in listed] == [("other/v1", False), ("tiny/v1", True)]
+    r = run(store, "inspect", "tiny/v1")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "tiny/v1/llmq.json: manifest is malformed" in r.output
+
+
+def test_import_refuses_a_malicious_pickle_in_one_line(tmp_path, tiny_model_dir):
+    import torch
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tiny_model_dir / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": Payload()}, tiny_model_dir / "pytorch_model.bin")
+    r = run(tmp_path / "store", "import", str(tiny_model_dir), "--allow-pickle")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith("error: ") and "pytorch_model.bin: refused" in r.output and "posix.system" in r.output
+    assert not marker.exists()
+
+
 def _commands(group: click.Group, path=()):
     for name, cmd in group.commands.items():
         yield (*path, name), cmd

@@ -32,6 +32,11 @@ def test_shipped_recipes_validate(recipe):
     ({"quantize": {"bits": 4, "method": "fp8"}}, "method fp8 quantizes to 8 bits"),
     ({"quantize": {"bits": 4, "alpha": 0.5}}, "alpha is SmoothQuant's migration strength"),
     ({"build": {"tp": 3}}, "stages.build.tp: Input should be 1, 2, 4 or 8"),
+    ({"build": {"tp": True}}, "stages.build.tp: Value error, true is a yes/no, this option takes a value"),
+    ({"eval": {"limit": False}}, "stages.eval.limit: Value error, false is a yes/no"),
+    ({"eval": {"tasks": ["math"], "gate": "nosuchtask>=1"}},
+     "stages.eval: Value error, gate nosuchtask>=1: nosuchtask is not a score of --tasks math"),
+    ({"eval": {"tasks": ["math"], "gate": "code>=-2"}}, "gate code>=-2: code is not a score of --tasks math"),
     ({"build": {"tp": 2, "kv": "int8"}}, "int8 needs calibrated KV scales; add a quantize-kv stage"),
     ({"quantize-kv": {"kv": "fp8"}, "build": {"kv": "int8"}}, "build.kv: int8 contradicts stages.quantize-kv.kv: fp8"),
     ({"eval": {"tasks": []}}, "stages.eval.tasks: List should have at least 1 item"),
@@ -43,6 +48,20 @@ def test_bad_recipes_are_refused_naming_the_key(tmp_path, stages, message):
     with pytest.raises(LlmqError, match="r.yaml: ") as e:
         load_recipe(p)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("eval_stage", [
+    {"tasks": ["math", "ppl", "kld"], "gate": "math>=-2,llmq_arith_mc>=-5,ppl<=0.5,kld<=0.1,top1>=50"},
+    {"tasks": ["code"], "gate": "code_bpb<=0.1,code>=-3"},
+    {"tasks": ["llmq_arith_mc"], "gate": "llmq_arith_mc>=-1"},
+])
+def test_gates_on_scores_the_tasks_produce_are_accepted(tmp_path, eval_stage):
+    assert load_recipe(_write(tmp_path, {"name": "x", "stages": {"eval": eval_stage}})).stages.eval.gate
+
+
+def test_switches_still_take_yes_no(tmp_path):
+    r = load_recipe(_write(tmp_path, {"name": "x", "stages": {"build": {"tp": 2, "pad_heads": False}}}))
+    assert r.stages.build.pad_heads is False and r.stages.build.tp == 2
 
 
 def test_unreadable_recipes(tmp_path):

@@ -66,6 +66,14 @@ class ArtifactNotFound(ArtifactError):
     """No artifact answers to a reference (as opposed to one that exists but is damaged)."""
 
 
+class ManifestDamaged(ArtifactError):
+    """An artifact whose `llmq.json` is unreadable, malformed or edited; `claimed_id` is the id it states, if any."""
+
+    def __init__(self, message: str, claimed_id: str | None = None):
+        super().__init__(message)
+        self.claimed_id = claimed_id
+
+
 def default_store_path() -> Path:
     env = os.environ.get(ENV_STORE)
     if env:
@@ -103,7 +111,7 @@ class Artifact:
         try:
             data = mf.read(path / MANIFEST_NAME)
         except mf.ManifestError as e:
-            raise ArtifactError(str(e)) from None
+            raise ManifestDamaged(str(e), e.claimed_id) from None
         art = cls(path, data, stamp)
         if verify:
             art.verify()
@@ -266,23 +274,33 @@ class Store:
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name) and self.versions(p.name))
 
-    def list(self, kind: str | None = None) -> list[Artifact]:
-        """All artifacts, manifests read but payloads not hashed (use resolve() for a verified one)."""
+    def list(self, kind: str | None = None, damaged: list | None = None) -> list[Artifact]:
+        """All artifacts, manifests read and checked but payloads not hashed (use resolve() for a verified one).
+
+        One damaged manifest must not hide the rest of the store: it is skipped, and appended to `damaged` as
+        (ref, ManifestDamaged) when a list is given."""
         out = []
         for name in self.names():
             for v in self.versions(name):
                 try:
                     art = Artifact.load(self.root / name / f"v{v}", verify=False, stamp=self.stamp_path(name, v))
-                except ArtifactError:
+                except ManifestDamaged as e:
+                    if damaged is not None:
+                        damaged.append((f"{name}/v{v}", e))
                     continue
                 if kind is None or art.kind == kind:
                     out.append(art)
         return out
 
     def by_id(self, prefix: str, verify: bool = True) -> Artifact:
+        """The artifact whose id starts with `prefix`; a damaged one claiming that id is an error, not a miss."""
         prefix = prefix.removeprefix("sha256:")
-        hits = [a for a in self.list() if a.id.startswith(prefix)]
+        damaged = []
+        hits = [a for a in self.list(damaged=damaged) if a.id.startswith(prefix)]
         if not hits:
+            for _, e in damaged:
+                if e.claimed_id and e.claimed_id.startswith(prefix):
+                    raise e
             raise ArtifactNotFound(f"no artifact with id {prefix} in store {self.root}")
         if len({a.id for a in hits}) > 1:
             raise ArtifactError(f"id prefix {prefix} is ambiguous: {', '.join(a.ref for a in hits)}")
@@ -310,7 +328,8 @@ class Store:
         raise ArtifactNotFound(f"no artifact {ref!r} in store {self.root} ('llmq ls' lists what is there)")
 
     def lineage(self, art: Artifact) -> list[Artifact]:
-        """The chain from `art` back to its source, following first parents; missing parents end the chain."""
+        """The chain from `art` back to its source, following first parents; a missing parent ends the chain, a damaged
+        one is an error."""
         chain, seen = [art], {art.id}
         while chain[-1].parents:
             pid = chain[-1].parents[0]
@@ -318,7 +337,7 @@ class Store:
                 break
             try:
                 parent = self.by_id(pid, verify=False)
-            except ArtifactError:
+            except ArtifactNotFound:
                 break
             chain.append(parent)
             seen.add(pid)

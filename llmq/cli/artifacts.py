@@ -34,12 +34,14 @@ def import_(ctx, model, allow_pickle, as_json):
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def ls(ctx, kind, as_json):
-    """List the artifacts in the store."""
+    """List the artifacts in the store; those with a damaged manifest are listed as damaged, after the others."""
     store = get_store(ctx)
-    arts = store.list(kind=kind)
+    damaged = []
+    arts = store.list(kind=kind, damaged=damaged)
     if as_json:
         echo_json([{"ref": a.ref, "kind": a.kind, "id": a.id, "parents": a.parents, "created": a.manifest.get("created"),
-                    "size": _size(a), "path": str(a.path)} for a in arts])
+                    "size": _size(a), "path": str(a.path)} for a in arts]
+                  + [{"ref": ref, "damaged": str(e)} for ref, e in damaged])
         return
     table = Table(title=f"llmq store {store.root}")
     for col in ("artifact", "kind", "id", "parent", "size", "created"):
@@ -47,7 +49,11 @@ def ls(ctx, kind, as_json):
     for a in arts:
         table.add_row(a.ref, a.kind, a.id[:12], a.parents[0][:12] if a.parents else "-", human_bytes(_size(a)),
                       a.manifest.get("created", ""))
+    for ref, _ in damaged:
+        table.add_row(ref, "DAMAGED", "-", "-", "-", "-")
     Console().print(table)
+    for ref, e in damaged:
+        click.echo(f"damaged: {ref}: {e}", err=True)
 
 
 def _flatten(d: dict, prefix: str = "") -> list[tuple[str, str]]:

@@ -18,7 +18,7 @@ from ..errors import LlmqError
 from ..models import cache_dir
 from ..options import Options, option
 from .compare import group_scores, mean_stderr, ratio_stderr
-from .gate import KLD_NAMES, parse_gates
+from .gate import ALIASES, KLD_NAMES, parse_gates
 from .tasks import GROUPS, TASKS, TaskSet, materialize
 
 DEFAULT_SEED = 1234
@@ -65,9 +65,16 @@ class EvalOptions(Options):
     name: str | None = option(None, "Eval-report artifact name (default: <evaluated artifact>-eval).")
 
     def check(self) -> None:
+        """Besides bounds: every gate judges a score these tasks produce, so a typo fails before the run, not after."""
         super().check()
-        if any(g.name in KLD_NAMES for g in parse_gates(self.gate)) and "kld" not in self.tasks:
+        gates = parse_gates(self.gate)
+        if any(g.name in KLD_NAMES for g in gates) and "kld" not in self.tasks:
             raise LlmqError("a kld / kld_p99 / top1 gate needs kld in --tasks")
+        scored = set(self.tasks).union(*(GROUPS[t] for t in self.tasks if t in GROUPS))
+        for g in gates:
+            if g.name not in KLD_NAMES and ALIASES.get(g.name, g.name) not in scored:
+                raise LlmqError(f"gate {g}: {g.name} is not a score of --tasks {','.join(self.tasks)} (a gate names a "
+                                "task or group that runs, ppl, code_bpb, kld, kld_p99 or top1)")
 
     def settings(self) -> EvalSettings:
         return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),

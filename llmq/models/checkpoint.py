@@ -76,8 +76,19 @@ def load_state_dict(d: Path, allow_pickle: bool = False) -> dict:
 
     state = {}
     for f in pk:
-        state.update(torch.load(f, map_location="cpu", weights_only=True))
+        try:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as e:  # UnpicklingError for a forbidden global, RuntimeError/EOFError for a damaged file, ...
+            raise LlmqError(f"{f}: refused, not a plain tensor checkpoint ({_pickle_reason(e)}); nothing in it was "
+                            "run; convert it to safetensors only if you trust its source") from None
     return state
+
+
+def _pickle_reason(e: Exception) -> str:
+    """The one line of torch's many-line weights_only refusal that says what the pickle asked for."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    why = next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else type(e).__name__)
+    return why.rstrip(".")
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Annotated, ClassVar, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model,
+                      model_validator)
 
 from ..artifacts import Artifact, ArtifactError, Store
 from ..bench.offline import OfflineOptions
@@ -55,10 +56,23 @@ class StageConfig(_Strict):
         return self.options(**{**defaults, **self.model_dump(exclude_unset=True)})
 
 
+def _no_bool(value):
+    """YAML's true/false are ints to pydantic (and True == 1 passes a Literal[1, 2]): refuse them where an option
+    is not a switch, so `tp: true` is an error and not one rank."""
+    if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(x, bool) for x in value)):
+        raise ValueError(f"{str(value).lower()} is a yes/no, this option takes a value")
+    return value
+
+
+def _takes_bool(hint) -> bool:
+    return hint is bool or bool in get_args(hint)
+
+
 def _pydantic_field(f: dataclasses.Field, hint) -> tuple:
     """(type, FieldInfo) of one option: choices become a Literal, bounds apply to every item of a list, former
-    names are accepted as aliases."""
+    names are accepted as aliases, yes/no only where the option is a switch."""
     meta = f.metadata
+    switch = _takes_bool(hint)
     bounds = dict(meta["bounds"])
     if meta["choices"]:
         hint = Literal[meta["choices"]] | None if default_of(f) is None else Literal[meta["choices"]]
@@ -69,6 +83,8 @@ def _pydantic_field(f: dataclasses.Field, hint) -> tuple:
     elif f.default is not dataclasses.MISSING:
         bounds["default"] = f.default
     alias = AliasChoices(f.name, *meta["aliases"]) if meta["aliases"] else None
+    if not switch:
+        hint = Annotated[hint, BeforeValidator(_no_bool)]
     return hint, Field(min_length=meta["min_items"], validation_alias=alias, **bounds)
 
 
@@ -106,7 +122,7 @@ class Recipe(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     model: str | None = None
     description: str | None = None
-    seed: int = 0
+    seed: int = Field(0, strict=True)
     stages: Stages
 
     @model_validator(mode="after")
