@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ...errors import LlmqError
-from .app import create_app
+from .app import Limits, create_app
 from .engine_loop import EngineLoop, EngineThread
 
-__all__ = ["EngineLoop", "EngineThread", "create_app", "run_server"]
+__all__ = ["EngineLoop", "EngineThread", "Limits", "create_app", "run_server"]
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
