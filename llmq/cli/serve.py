@@ -50,6 +50,11 @@ def parse_size(text: str) -> int:
 @click.option("--api-key", envvar="LLMQ_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (env LLMQ_API_KEY).")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests allowed to wait beyond the running batch; more get 429.")
+@click.option("--max-stop-strings", type=int, default=16, show_default=True,
+              help="Most stop strings (and stop_token_ids) one request may give; more get 400.")
+@click.option("--max-stop-length", type=int, default=1024, show_default=True,
+              help="Longest stop string in characters; longer get 400.")
+@click.option("--max-body-size", default="8MiB", show_default=True, help="Largest request body; larger get 413.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish on SIGTERM / Ctrl-C.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
@@ -57,16 +62,19 @@ def parse_size(text: str) -> int:
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, served_model_name,
-          api_key, max_queue, drain_timeout, log_level):
+          api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout, log_level):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes
-    from ..runtime.server import EngineThread, create_app, run_server
+    from ..runtime.server import EngineThread, Limits, create_app, run_server
 
     if kv_cache_memory is not None and kv_cache_fraction is not None:
         raise LlmqError("give --kv-cache-memory or --kv-cache-fraction, not both")
     if max_queue < 0:
         raise LlmqError(f"--max-queue must be >= 0, got {max_queue}")
+    if min(max_stop_strings, max_stop_length) < 0:
+        raise LlmqError("--max-stop-strings and --max-stop-length must be >= 0")
+    limits = Limits(max_stop_strings, max_stop_length, parse_size(max_body_size))
     _check_bindable(host, port)  # before minutes of model loading, not after
     thread = EngineThread()  # builds and drives the engine: torch work stays on this one thread
     art = thread.call(source_artifact, ref, get_store(ctx))
@@ -83,7 +91,7 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
     try:
         name = served_model_name or art.name
         app = create_app(engine, served_model_name=name, api_key=api_key, max_queue=max_queue,
-                         drain_timeout=drain_timeout, thread=thread)
+                         drain_timeout=drain_timeout, thread=thread, limits=limits)
         kv_heads = max(engine.spec.num_kv_heads // engine.tp, 1)
         kv_bytes = (engine.num_blocks * engine.block_size * 2 * engine.spec.num_layers * kv_heads
                     * engine.spec.head_dim * kv_element_bytes(engine.kv_cache_dtype, engine.runner.dtype))

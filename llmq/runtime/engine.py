@@ -68,6 +68,15 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
+class StepFailed(RuntimeError):
+    """Requests that failed in a step, finished and their blocks freed; `outputs` are the other requests'.
+    `whole_batch`: the forward pass itself failed, so every request of the step is among the failed."""
+
+    def __init__(self, outputs: list[RequestOutput], failed: dict[str, BaseException], whole_batch: bool):
+        super().__init__(f"{len(failed)} request(s) failed: {next(iter(failed.values()))}")
+        self.outputs, self.failed, self.whole_batch = outputs, failed, whole_batch
+
+
 @dataclass
 class ScoreRequest:
     """Score token_ids[start:], each token given every token before it (1 <= start < len(token_ids))."""
@@ -296,26 +305,58 @@ class LLMEngine:
         return self.runner.execute(step)
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler iteration. Raises StepFailed when requests failed (they alone, where the fault is theirs)."""
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
-        step = prepare_step(batch.seqs, batch.num_new_tokens, self.block_size,
-                            fresh_prefill_direct=self.kv_cache_dtype == "auto", window=self.spec.sliding_window)
-        logits = self._forward(step)
+        try:
+            step = prepare_step(batch.seqs, batch.num_new_tokens, self.block_size,
+                                fresh_prefill_direct=self.kv_cache_dtype == "auto", window=self.spec.sliding_window)
+            logits = self._forward(step)
+        except Exception as e:
+            raise StepFailed([], {seq.request_id: self._fail(seq, e) for seq in batch.seqs}, True) from e
         samplers = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 samplers.append(seq)
-        outputs = []
+        outputs, failed = [], {}
         if samplers:
-            tokens, logprobs = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
             now = time.monotonic()
-            for seq, tok, lp in zip(samplers, tokens, logprobs):
-                self._append(seq, tok, lp, now)
-                outputs.append(self._output(seq))
+            for seq, picked in zip(samplers, self._sample(logits, samplers)):
+                try:
+                    if isinstance(picked, Exception):
+                        raise picked
+                    self._append(seq, *picked, now)
+                    outputs.append(self._output(seq))
+                except Exception as e:
+                    failed[seq.request_id] = self._fail(seq, e)
+        if failed:
+            raise StepFailed(outputs, failed, False)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None] | Exception]:
+        """(token, logprobs) per sequence; when the batched sampler fails, each row alone, to find the culprit."""
+        try:
+            return list(zip(*sample(logits, [s.params for s in seqs], [s.generator for s in seqs])))
+        except Exception:
+            picks = []
+            for i, seq in enumerate(seqs):
+                try:
+                    tokens, lps = sample(logits[i:i + 1], [seq.params], [seq.generator])
+                    picks.append((tokens[0], lps[0]))
+                except Exception as e:
+                    picks.append(e)
+            return picks
+
+    def _fail(self, seq: Sequence, error: Exception) -> Exception:
+        """Finish a request that failed, freeing its blocks."""
+        self.requests.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+            seq.finished_time = time.monotonic()
+        return error
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> None:
         seq.token_ids.append(token)

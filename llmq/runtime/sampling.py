@@ -8,6 +8,11 @@ import torch
 
 from ..errors import LlmqError
 
+# below this temperature, logits / temperature overflows float32 and the softmax turns to NaN: sample greedily
+MIN_TEMPERATURE = 1e-5
+TOP_K_MAX = 2**63 - 1  # an int64 tensor holds it (then clamped to the vocabulary)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
@@ -27,12 +32,16 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise LlmqError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise LlmqError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise LlmqError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if not (0 < self.top_p <= 1):
             raise LlmqError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise LlmqError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
+        if self.top_k == 0 or not -1 <= self.top_k <= TOP_K_MAX:
+            raise LlmqError(f"top_k must be -1 (off) or a positive integer up to {TOP_K_MAX}, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise LlmqError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise LlmqError(f"logprobs must be between 0 and 20, got {self.logprobs}")
 
@@ -56,7 +65,8 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     rank = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
     drop = rank[None, :] >= top_k[:, None]
     probs = sorted_logits.softmax(-1)
-    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keeps at least the first token
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token survives any top_p, even one that rounds to 0 in float32
     return sorted_logits.masked_fill(drop, float("-inf"))
 
 
@@ -74,7 +84,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         scaled = logits.index_select(0, sel) / temp[:, None]
         if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
             vocab = logits.shape[-1]
-            top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows], device=logits.device)
+            top_k = torch.tensor([min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in rows], device=logits.device)
             top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=logits.dtype)
             scaled, order = scaled.sort(-1, descending=True)
             probs = _filter_sorted(scaled, top_k, top_p).softmax(-1)

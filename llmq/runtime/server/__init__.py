@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from .app import create_app
+from ...errors import LlmqError
+from .app import Limits, create_app
 from .engine_loop import EngineLoop, EngineThread
 
-__all__ = ["EngineLoop", "EngineThread", "create_app", "run_server"]
+__all__ = ["EngineLoop", "EngineThread", "Limits", "create_app", "run_server"]
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
                log_level: str = "info") -> None:
     """Serve until SIGINT/SIGTERM; uvicorn then stops accepting, waits up to `drain_timeout` for open requests and
-    runs the app's shutdown (the engine loop's drain)."""
+    runs the app's shutdown (the engine loop's drain). When the engine fails for good, stop too and raise, so the
+    process exits non-zero and a supervisor restarts it."""
     import signal
     import threading
 
@@ -23,8 +25,13 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: fl
     # would kill the process before the caller can shut the engine's TP workers down, so catch it quietly instead
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    server = uvicorn.Server(config)
+    loop = app.state.frontend.loop
+    loop.on_fatal = lambda: setattr(server, "should_exit", True)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+    if loop.error is not None:
+        raise LlmqError(f"the engine failed: {loop.error}")

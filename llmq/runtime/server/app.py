@@ -13,14 +13,18 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from ... import __version__
 from ...errors import LlmqError
 from ..engine import LLMEngine, RequestOutput
 from ..sampling import SamplingParams
@@ -40,11 +44,20 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
     return APIError(400, message, param=param, code=code)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, so that no request can stall the event loop or the engine for the others."""
+
+    max_stop_strings: int = 16  # also the most stop_token_ids
+    max_stop_chars: int = 1024
+    max_body_bytes: int = 8 << 20
+
+
 class _Frontend:
     """Per-app state: the engine loop, the tokenizer the handlers use, limits."""
 
     def __init__(self, engine: LLMEngine, name: str, api_key: str | None, max_queue: int,
-                 thread: EngineThread | None):
+                 thread: EngineThread | None, limits: Limits):
         from ...models import load_tokenizer
 
         self.engine = engine
@@ -57,6 +70,7 @@ class _Frontend:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.spec.vocab_size
         self.created = int(time.time())
+        self.limits = limits
         self._token_text: dict[int, str] = {}
 
     def token_text(self, token: int) -> str:
@@ -85,6 +99,13 @@ class _Frontend:
                logprobs: int | None) -> SamplingParams:
         if body.n != 1:
             raise _bad("only n=1 is supported", "n")
+        lim = self.limits
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stop) > lim.max_stop_strings or any(len(x) > lim.max_stop_chars for x in stop):
+            raise _bad(f"at most {lim.max_stop_strings} stop strings of at most {lim.max_stop_chars} characters",
+                       "stop")
+        if len(body.stop_token_ids or []) > lim.max_stop_strings:
+            raise _bad(f"at most {lim.max_stop_strings} stop_token_ids", "stop_token_ids")
         room = self.max_model_len - prompt_len
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
@@ -96,15 +117,15 @@ class _Frontend:
             temperature = 1.0 if body.temperature is None else body.temperature
             return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                   top_k=-1 if body.top_k in (None, 0) else body.top_k,
-                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop or [],
+                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
                                   stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                                   logprobs=logprobs)
         except LlmqError as e:
             raise _bad(str(e)) from None
 
-    def submit(self, rid: str, ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, view=None) -> asyncio.Queue:
         try:
-            return self.loop.submit(rid, ids, params, asyncio.get_running_loop())
+            return self.loop.submit(rid, ids, params, asyncio.get_running_loop(), view)
         except QueueFull as e:
             self.metrics.rejected("queue_full")
             raise APIError(429, f"{e}; retry later", "rate_limit_exceeded", code="queue_full",
@@ -156,10 +177,17 @@ def _usage(out: RequestOutput) -> dict:
 
 class _TextDeltas:
     """Streams text that will not change: holds back an unfinished UTF-8 character and anything that could still
-    turn into a stop string (the engine cuts the text at a stop string once it is complete)."""
+    turn into a stop string (the engine cuts the text at a stop string once it is complete).
+
+    Each stop string has a Knuth-Morris-Pratt matcher fed only the new characters, so a stream costs time linear
+    in its text and stop strings, however long they are."""
 
     def __init__(self, stop: list[str]):
         self.stop = stop
+        self.borders: list[list[int]] | None = None  # built on first use, on the engine thread
+        self.matched = [0] * len(stop)  # per stop: the longest prefix of it that the text fed so far ends with
+        self.hold = 0  # trailing characters of the text fed so far that may begin a stop string
+        self.fed = 0
         self.sent = 0
 
     def __call__(self, text: str, finished: bool) -> str:
@@ -167,20 +195,72 @@ class _TextDeltas:
         if not finished:
             while end > self.sent and text[end - 1] == "\ufffd":
                 end -= 1
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k], 0, end)), default=0)
-            end -= hold
+            if end > self.fed:
+                self._feed(text[self.fed:end])
+                self.fed = end
+            end = min(end, self.fed) - self.hold
         if end <= self.sent:
             return ""
         piece, self.sent = text[self.sent:end], end
         return piece
 
+    def _feed(self, new: str) -> None:
+        """Advance every matcher over `new` and recompute the hold-back."""
+        if self.borders is None:
+            self.borders = [_borders(s) for s in self.stop]
+        hold = 0
+        for i, (s, border) in enumerate(zip(self.stop, self.borders)):
+            q, n = self.matched[i], len(s)
+            for c in new:
+                while q and (q == n or s[q] != c):
+                    q = border[q - 1]
+                if s[q] == c:
+                    q += 1
+            self.matched[i] = q
+            hold = max(hold, border[q - 1] if q == n else q)
+        self.hold = hold
 
-async def _parse(model: type[BaseModel], request: Request):
-    """The body as JSON whatever its Content-Type (`curl -d` sends a form type), validated by `model`."""
+
+def _borders(s: str) -> list[int]:
+    """KMP's failure function: for each i, the length of the longest proper prefix of s[:i+1] that ends it."""
+    out, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = out[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        out[i] = k
+    return out
+
+
+async def _parse(model: type[BaseModel], request: Request, limit: int):
+    """The body as JSON whatever its Content-Type (`curl -d` sends a form type), validated by `model`; 413 beyond
+    `limit` bytes, checked while reading so an oversized body is never held whole."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise _too_large(limit)
+    chunks, n = [], 0
     try:
-        return model.model_validate_json(await request.body())
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the connection", code="client_closed") from None
+    try:
+        return model.model_validate_json(b"".join(chunks))
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
+
+
+def _body_doc(model: type[BaseModel]) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
 async def _next_output(q: asyncio.Queue) -> RequestOutput | None:
@@ -226,12 +306,13 @@ def _sse(data: dict) -> str:
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 256, drain_timeout: float = 30.0, thread: EngineThread | None = None) -> FastAPI:
+               max_queue: int = 256, drain_timeout: float = 30.0, thread: EngineThread | None = None,
+               limits: Limits = Limits()) -> FastAPI:
     """An app serving `engine`. Its lifespan starts the engine loop and, at shutdown, drains it for up to
     `drain_timeout` seconds (uvicorn has already waited for open connections by then). The caller owns `engine`
     (and shuts it down), but must not call it while the app runs: the engine loop's thread is then its only user.
     Pass the EngineThread the engine was built on, so the loop runs there (engine_loop.py says why)."""
-    fe = _Frontend(engine, served_model_name or engine.path.name, api_key, max_queue, thread)
+    fe = _Frontend(engine, served_model_name or engine.path.name, api_key, max_queue, thread, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -241,8 +322,22 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         finally:
             await asyncio.to_thread(fe.loop.shutdown, drain_timeout)
 
-    app = FastAPI(title="llmq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="llmq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.frontend = fe
+
+    def openapi() -> dict:
+        """FastAPI's schema plus the request bodies, which the handlers parse themselves (see _parse)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(s.pop("$defs", {}), **{model.__name__: s})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -290,12 +385,12 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
         return {"object": "list", "data": [{"id": fe.name, "object": "model", "created": fe.created,
-                                            "owned_by": "llmq", "root": str(engine.path),
+                                            "owned_by": "llmq", "root": fe.name,
                                             "max_model_len": fe.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/completions", dependencies=[Depends(auth)], openapi_extra=_body_doc(CompletionRequest))
     async def completions(request: Request):
-        body = await _parse(CompletionRequest, request)
+        body = await _parse(CompletionRequest, request, fe.limits.max_body_bytes)
         fe.check_model(body.model)
         for field, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
                            ("best_of", body.best_of not in (None, 1))):
@@ -328,9 +423,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
         return await _respond(fe, request, rid, ids, params, body.stream, include_usage, chunk, None, full)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)], openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat(request: Request):
-        body = await _parse(ChatCompletionRequest, request)
+        body = await _parse(ChatCompletionRequest, request, fe.limits.max_body_bytes)
         fe.check_model(body.model)
         if not getattr(fe.tokenizer, "chat_template", None):
             raise _bad("this model's tokenizer has no chat template; use /v1/completions", "messages")
@@ -374,8 +469,13 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
 async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], params: SamplingParams, stream: bool,
                    include_usage: bool, chunk, first: dict | None, full):
-    """Run one request: a whole JSON body, or an SSE stream (`first`, then `chunk(...)`s, usage, [DONE])."""
-    q = fe.submit(rid, ids, params)
+    """Run one request: a whole JSON body, or an SSE stream (`first`, then `chunk(...)`s, usage, [DONE]). A stream's
+    outputs arrive as (output, text delta) pairs, the deltas worked out on the engine thread."""
+    view = None
+    if stream:
+        deltas = _TextDeltas(params.stop)
+        view = lambda o: (o, deltas(o.text, o.finished))  # noqa: E731
+    q = fe.submit(rid, ids, params, view)
     watcher = asyncio.create_task(_watch_disconnect(request, q))
     handed_over = False
     try:
@@ -393,23 +493,23 @@ async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], pa
             return JSONResponse(full(out, lps, toks))
 
         async def events() -> AsyncIterator[str]:
-            deltas, offset, o = _TextDeltas(params.stop), 0, out
+            offset, (o, text) = 0, out
             if first is not None:
                 yield _sse(first)
             while True:
-                text = deltas(o.text, o.finished)
                 if text or o.finished or (params.logprobs is not None and o.new_token_ids):
                     yield _sse(chunk(text, o, offset, o.finished))
                 offset += len(text)
                 if o.finished:
                     break
                 try:
-                    o = await _next_output(q)
+                    item = await _next_output(q)
                 except APIError as e:  # the status line is long gone: report in-band, as OpenAI does
                     yield _sse(e.body)
                     return
-                if o is None:  # the client left as the stream began
+                if item is None:  # the client left as the stream began
                     return
+                o, text = item
             if include_usage:
                 last = chunk("", o, offset, False)
                 last.update(choices=[], usage=_usage(o))

@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...errors import LlmqError
-from ..engine import LLMEngine, RequestOutput
+from ..engine import LLMEngine, RequestOutput, StepFailed
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 
 log = logging.getLogger("llmq.serve")
+
+# forward passes failing back to back: the engine itself can no longer run (a dead TP worker, a broken device)
+FATAL_STEP_FAILURES = 3
 
 
 class QueueFull(Exception):
@@ -88,6 +91,7 @@ class EngineLoop:
         self._in_flight = 0  # submitted and neither finished nor aborted; guarded by _lock
         self._accepting = True
         self.error: BaseException | None = None
+        self.on_fatal: Callable[[], None] | None = None  # called on the engine thread once the engine has failed
         self._live: dict[str, _Live] = {}  # engine thread only
         self._own_thread = thread is None
         self._thread = thread or EngineThread()
@@ -110,8 +114,10 @@ class EngineLoop:
         return self._in_flight
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
-        """Queue a request; its RequestOutputs (or one exception) arrive on the returned queue."""
+               loop: asyncio.AbstractEventLoop, view: Callable[[RequestOutput], object] | None = None
+               ) -> asyncio.Queue:
+        """Queue a request; its RequestOutputs (or one exception) arrive on the returned queue, each passed through
+        `view` first when given: on the engine thread, so that per-output work stays off the event loop."""
         with self._lock:
             if not self._accepting or not self.healthy:
                 raise NotAccepting("the server is shutting down" if self.healthy else "the engine has failed")
@@ -121,6 +127,11 @@ class EngineLoop:
             out: asyncio.Queue = asyncio.Queue()
 
             def sink(item: object) -> None:
+                if view is not None and isinstance(item, RequestOutput):
+                    try:
+                        item = view(item)
+                    except Exception as e:  # this request's failure alone (a 500 or an in-band error)
+                        item = e
                 try:
                     loop.call_soon_threadsafe(out.put_nowait, item)
                 except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -208,6 +219,16 @@ class EngineLoop:
             m.finished(out.finish_reason or "stop")
             self._done(out.request_id)
 
+    def _fail_requests(self, e: StepFailed) -> None:
+        """Answer the requests the engine failed (it has freed their blocks); the others carry on."""
+        log.error("engine step failed for %d request(s): %s", len(e.failed), e, exc_info=e.__cause__)
+        for rid, err in e.failed.items():
+            live = self._live.get(rid)
+            if live is not None:
+                live.sink(RuntimeError(f"this request failed in the engine: {err}"))
+                self.metrics.finished("error")
+                self._done(rid)
+
     def _next_command(self, block: bool) -> tuple | None:
         try:
             return self._inbox.get(block=block)
@@ -216,6 +237,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         eng = self.engine
+        failures = 0
         try:
             running = True
             while running:
@@ -224,7 +246,15 @@ class EngineLoop:
                     running = self._command(cmd)
                     cmd = self._next_command(block=False) if running else None
                 if running and eng.has_unfinished():
-                    outs = eng.step()
+                    try:
+                        outs = eng.step()
+                        failures = 0
+                    except StepFailed as e:
+                        outs = e.outputs
+                        failures = failures + 1 if e.whole_batch else 0
+                        self._fail_requests(e)
+                        if failures >= FATAL_STEP_FAILURES:
+                            raise RuntimeError(f"{failures} engine steps in a row failed: {e}") from e
                     now = time.monotonic()
                     for out in outs:
                         self._deliver(out, now)
@@ -233,11 +263,16 @@ class EngineLoop:
             log.exception("engine loop failed")
             failed = RuntimeError(f"the engine failed: {e}")
             for rid, live in list(self._live.items()):
-                live.sink(failed)
-                self._done(rid)
+                try:
+                    self.engine.abort_request(rid)  # bookkeeping only: frees the blocks even of a broken engine
+                finally:
+                    live.sink(failed)
+                    self._done(rid)
             with self._lock:
                 self.error = e
                 while (cmd := self._next_command(block=False)) is not None:
                     if cmd[0] == "add":
                         self._in_flight -= 1
                         cmd[4](failed)
+            if self.on_fatal is not None:
+                self.on_fatal()

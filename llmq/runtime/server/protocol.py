@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..sampling import SEED_RANGE, TOP_K_MAX
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -25,8 +27,8 @@ class SamplingFields(_Body):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=TOP_K_MAX)] | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -1,0 +1,293 @@
+"""Hostile clients against `llmq serve` (issue 13): one request must never kill, freeze or leak the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import socket
+import time
+
+import httpx
+import pytest
+
+from llmq.runtime import EngineConfig
+from test_server import live_server, wait_for
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("hostile") / "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def srv(tiny):
+    with live_server(tiny, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+                                        kv_cache_memory=2 << 20)) as live:
+        yield live
+
+
+def _post(live, body, route="completions", **kw) -> httpx.Response:
+    content = json.dumps(body) if isinstance(body, dict) else body
+    return httpx.post(f"{live.url}/v1/{route}", content=content, headers={"content-type": "application/json"},
+                      timeout=30, **kw)
+
+
+def _idle(live) -> None:
+    eng = live.fe.engine
+    wait_for(lambda: live.fe.loop.in_flight == 0 and not eng.has_unfinished())
+    assert eng.block_manager.num_used_blocks == 0 and not eng.requests
+
+
+def test_degenerate_sampling_parameters_are_exact_or_400(srv):
+    greedy = _post(srv, {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json()
+    for extra in ({"temperature": 1e-300}, {"temperature": 1e-30, "top_p": 1e-300}, {"top_p": 1e-300}):
+        r = _post(srv, {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True, **extra})
+        assert r.status_code == 200, (extra, r.text)
+        if "temperature" in extra:  # tiny temperatures are greedy
+            assert r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+    for extra in ({"top_k": 2**64}, {"seed": 2**64}, {"seed": -2**70}, {"top_k": -2}):
+        r = _post(srv, {"prompt": "Hi", "max_tokens": 2, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == next(iter(extra)), r.text
+    assert _post(srv, {"prompt": "Hi", "max_tokens": 2, "top_k": 10**6, "seed": 2**64 - 1}).status_code == 200
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    _idle(srv)
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(srv, monkeypatch):
+    """A sampler fault on one request (seed 666 here) is that request's 500; its batch-mates and later requests
+    are served, and its blocks are freed."""
+    import llmq.runtime.engine as engine_mod
+
+    real = engine_mod.sample
+
+    def poisoned(logits, params, generators):
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("simulated sampler fault")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(engine_mod, "sample", poisoned)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            bodies = [{"prompt": "x" * 20, "max_tokens": 12, "ignore_eos": True, "seed": 666 if i == 3 else i}
+                      for i in range(8)]
+            return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+    codes = [r.status_code for r in asyncio.run(main())]
+    assert codes == [200, 200, 200, 500, 200, 200, 200, 200]
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    _idle(srv)
+
+
+def test_an_engine_that_cannot_step_is_fatal(tiny):
+    """Every forward pass failing (a dead TP worker, say): after a few, run_server stops and raises, so that
+    `llmq serve` exits non-zero (and a supervisor restarts it) instead of living on as a 503 zombie."""
+    import threading
+
+    from llmq.errors import LlmqError
+    from llmq.runtime import LLMEngine
+    from llmq.runtime.server import create_app, run_server
+    from test_server import free_port
+
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20))
+    engine._forward = lambda step: 1 / 0
+    port, raised = free_port(), []
+
+    def serve():
+        try:
+            run_server(create_app(engine, served_model_name="tiny", drain_timeout=1), port=port, drain_timeout=1,
+                       log_level="critical")
+        except LlmqError as e:
+            raised.append(e)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _up(url))
+    codes = [httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code
+             for _ in range(3)]
+    assert codes == [500, 500, 500]
+    t.join(30)
+    assert not t.is_alive() and "the engine failed" in str(raised[0])
+    assert engine.block_manager.num_used_blocks == 0
+    engine.shutdown()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _consume(live, body, route="completions"):
+    with httpx.stream("POST", f"{live.url}/v1/{route}", json=body, timeout=60) as r:
+        return r.status_code, "".join(r.iter_text())
+
+
+def test_stop_string_limits_and_no_event_loop_stall(srv):
+    r = _post(srv, {"prompt": "Hi", "max_tokens": 2, "stop": "a" * 400_000, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    r = _post(srv, {"prompt": "Hi", "max_tokens": 2, "stop": [str(i) for i in range(100)]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    big = json.dumps({"prompt": "x", "junk": "y" * srv.fe.limits.max_body_bytes}).encode()
+    r = _post(srv, big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    r = _post(srv, iter([big[i:i + 65536] for i in range(0, len(big), 65536)]))  # chunked: no Content-Length
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    # the longest stop strings allowed, streamed with the hold-back busy all the time: /health stays quick
+    stop = ["\u00e9" * srv.fe.limits.max_stop_chars] * srv.fe.limits.max_stop_strings
+    t0 = time.monotonic()
+    code, _ = _consume(srv, {"prompt": "Hi", "max_tokens": 30, "stop": stop, "stream": True, "ignore_eos": True})
+    assert code == 200
+    assert time.monotonic() - t0 < 10
+
+
+def test_text_deltas_are_linear_in_the_stop_length():
+    from llmq.runtime.server.app import _TextDeltas
+
+    d = _TextDeltas(["a" * 200_000 + "b"])  # today's quadratic hold-back: 10 s
+    t0 = time.monotonic()
+    text = ""
+    for _ in range(20):
+        text += "a" * 10
+        assert d(text, False) == ""
+    assert time.monotonic() - t0 < 0.5
+    assert d(text + "c", False) == text + "c"
+
+
+def test_client_gone_while_body_is_read_leaves_no_traceback(srv):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+                time.sleep(0.1)
+        time.sleep(0.3)
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+
+
+def test_models_hide_the_store_path_and_openapi_is_served(srv, tiny):
+    r = httpx.get(f"{srv.url}/v1/models")
+    assert str(tiny) not in r.text and str(tiny.parent) not in r.text
+    spec = httpx.get(f"{srv.url}/openapi.json").json()
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    assert "ChatCompletionRequest" in spec["components"]["schemas"]
+
+
+def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool]:
+    """(route, body as dict or raw text, stream-and-drop) for request i of the soak."""
+    ok = {"prompt": [rng.randrange(256) for _ in range(rng.randrange(1, 24))], "max_tokens": rng.randrange(1, 5)}
+    kind = i % 20
+    cases = {
+        0: ok,
+        1: dict(ok, temperature=1e-300),
+        2: dict(ok, top_p=1e-300, temperature=0.7),
+        3: dict(ok, top_k=2**64),
+        4: dict(ok, seed=2**64),
+        5: dict(ok, stop="a" * 400_000),
+        6: dict(ok, stop=["x"] * 1000),
+        7: '{"prompt": "x", "max_tokens": 2',
+        8: '{"prompt": "x", "temperature": NaN}',
+        9: '{"prompt": "x", "max_tokens": 1e999}',
+        10: json.dumps(dict(ok, max_tokens=-(2**70))),
+        11: json.dumps(dict(ok, temperature="hot", top_k=[1])),
+        12: json.dumps(dict(ok, prompt=[2**80])),
+        13: dict(ok, stream=True, max_tokens=40, ignore_eos=True, logprobs=0),
+        14: dict(ok, stream=True, stop=["\u00e9" * 1024] * 16, max_tokens=8),
+        15: dict(ok, temperature=float(rng.choice([0.5, 1.0, 2.0])), top_k=rng.randrange(1, 400), seed=i),
+        16: "\x00\xff" * 50,
+        17: json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "top_p": 1e-300}),
+        18: json.dumps({"messages": [{"role": 7}], "n": 2**64}),
+        19: dict(ok, stop_token_ids=list(range(5000))),
+    }
+    body = cases[kind]
+    route = "chat/completions" if kind in (17, 18) else "completions"
+    return route, body, kind == 13
+
+
+def test_hostile_soak(srv):
+    """About 1,000 hostile requests at concurrency 32: never a 5xx, the engine survives, every block comes back."""
+    n, concurrency = 1000, 32
+    eng, loop = srv.fe.engine, srv.fe.loop
+    statuses: dict[int, int] = {}
+
+    async def one(client: httpx.AsyncClient, i: int, rng: random.Random):
+        route, body, drop = _hostile_bodies(i, rng)
+        content = json.dumps(body) if isinstance(body, dict) else body
+        headers = {"content-type": "application/json"}
+        if drop:  # a client that leaves mid-stream
+            async with client.stream("POST", f"/v1/{route}", content=content, headers=headers) as r:
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            return
+        if i % 100 == 50:  # a client that leaves while its body is being read
+            host, port = srv.url.removeprefix("http://").split(":")
+            _, w = await asyncio.open_connection(host, int(port))
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{\"pro")
+            await w.drain()
+            w.close()
+            return
+        r = await client.post(f"/v1/{route}", content=content, headers=headers)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+
+    async def soak():
+        rng = random.Random(13)
+        sem = asyncio.Semaphore(concurrency)
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60, limits=limits) as client:
+            async def guarded(i):
+                async with sem:
+                    await one(client, i, rng)
+
+            await asyncio.wait_for(asyncio.gather(*(guarded(i) for i in range(n))), 150)
+
+    t0 = time.monotonic()
+    asyncio.run(soak())
+    elapsed = time.monotonic() - t0
+    assert not [s for s in statuses if s >= 500], statuses
+    assert statuses.get(200, 0) > n // 4 and statuses.get(400, 0) > n // 4, statuses
+    assert loop.error is None and loop.healthy and httpx.get(f"{srv.url}/health").status_code == 200
+    _idle(srv)
+    print(f"hostile soak: {n} requests in {elapsed:.1f} s, statuses {dict(sorted(statuses.items()))}")
+
+
+def test_schema_driven_fuzzing(srv):
+    """Schemathesis generates requests from /openapi.json (a bounded number per operation): none may be a 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{srv.url}/openapi.json")
+    seen = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+
+        @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy())
+        def check(case):
+            r = case.call(base_url=srv.url, timeout=30)
+            assert r.status_code < 500, (case.body, r.status_code, r.text)
+            seen.append(r.status_code)
+
+        check()
+    assert 200 in seen and 400 in seen
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    _idle(srv)
