@@ -19,6 +19,7 @@ from ..models import cache_dir
 from ..options import Options, option
 from .compare import group_scores, mean_stderr, ratio_stderr
 from .gate import KLD_NAMES, parse_gates
+from .sandbox import require_sandbox
 from .tasks import GROUPS, TASKS, TaskSet, materialize
 
 DEFAULT_SEED = 1234
@@ -68,6 +69,8 @@ class EvalOptions(Options):
         super().check()
         if any(g.name in KLD_NAMES for g in parse_gates(self.gate)) and "kld" not in self.tasks:
             raise LlmqError("a kld / kld_p99 / top1 gate needs kld in --tasks")
+        if self.allow_code_execution:
+            require_sandbox()
 
     def settings(self) -> EvalSettings:
         return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),
