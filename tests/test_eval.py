@@ -322,7 +322,8 @@ def test_code_execution_refused_without_bubblewrap(monkeypatch, tmp_path):
 
     monkeypatch.setenv("PATH", str(tmp_path))
     for call in (lambda: run_sandboxed("print(1)"), lambda: EvalOptions(allow_code_execution=True).check()):
-        with pytest.raises(LlmqError, match=r"^--allow-code-execution needs bubblewrap.*apt-get install -y bubblewrap$"):
+        with pytest.raises(LlmqError, match=
+                           r"^--allow-code-execution needs bubblewrap.*apt-get install -y bubblewrap$"):
             call()
 
 

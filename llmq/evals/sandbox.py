@@ -3,8 +3,8 @@
 Nothing inside the program's process guards anything, so nothing the program rewrites can loosen its confinement:
 - fresh user, mount, pid, network, IPC, UTS and cgroup namespaces; no capabilities; no nested user namespaces;
 - a root holding only read-only binds of the interpreter, its shared library, its stdlib and the system's shared
-  libraries (/usr/lib, /lib, /lib64), a minimal /dev (null, zero, random, ...), and a private size-limited tmpfs at /tmp,
-  the working directory and the only writable place;
+  libraries (/usr/lib, /lib, /lib64), a minimal read-only /dev (null, zero, random, ...), and a private
+  size-limited tmpfs at /tmp, the working directory and the only writable place;
 - the program runs as uid/gid 65534 inside its user namespace, which maps to the uid that runs llmq (for root:
   root without any capability, which matters only for root-owned files it can see, all read-only system files);
 - rlimits: CPU seconds, address space, file size, no core dumps;
@@ -103,7 +103,8 @@ def run_sandboxed(code: str, timeout: float = 10.0, cpu_s: int = 10, memory_mb: 
                 cmd += ["--ro-bind", d, d]
         for path in _python_files():
             cmd += ["--ro-bind", path, path]
-        cmd += ["--remount-ro", "/dev", "--remount-ro", "/", "--", os.path.realpath(sys.executable), "-I", "-S", "-B", "program.py"]
+        cmd += ["--remount-ro", "/dev", "--remount-ro", "/",
+                "--", os.path.realpath(sys.executable), "-I", "-S", "-B", "program.py"]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, pass_fds=(program.fileno(),),
                                 preexec_fn=_limits(cpu_s, memory_mb << 20, file_mb << 20))
