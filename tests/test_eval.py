@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import statistics
@@ -232,6 +233,98 @@ def test_sandbox_limits(tmp_path):
     assert inside.passed and inside.stdout.strip() == "ok"
     net = run_sandboxed("import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)")
     assert not net.passed
+
+
+def _host_processes_with(token: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if token.encode() in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            pass
+    return found
+
+
+_OUTSIDE = ("/root/llmq-sandbox-escape", "/usr/lib/llmq-sandbox-escape", "/llmq-sandbox-escape")
+
+
+def test_sandbox_confines_files_and_mounts(tmp_path):
+    """Issue 13: writes outside the private /tmp, remounting / read-write (directly or in a nested user namespace),
+    reading /etc/shadow and rewriting the old in-process deny list all fail, run for real."""
+    from llmq.evals.sandbox import run_sandboxed
+
+    outside = [*_OUTSIDE, str(tmp_path / "escaped.txt")]
+    for path in outside:
+        assert not run_sandboxed(f"open({path!r}, 'w').write('x')").passed
+    shadow = run_sandboxed("print(open('/etc/shadow').read())")
+    assert not shadow.passed and "root:" not in shadow.stdout
+    mount = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "assert libc.mount(b'none', b'/', None, 32 | 4096, None) == 0, ctypes.get_errno()  # remount, bind\n"
+             f"open({_OUTSIDE[0]!r}, 'w').write('x')\n")
+    assert not run_sandboxed(mount).passed
+    nested = mount.replace("assert libc.mount", "assert libc.unshare(0x10000000 | 0x20000) == 0\nassert libc.mount")
+    assert not run_sandboxed(nested).passed
+    rewrite = ("import sys\nm = sys.modules['__main__']\n"
+               "for name in ('_DENY', '_PATHS'):\n    setattr(m, name, ())\nm._ROOT = '/'\nm._inside = lambda p: True\n"
+               f"open({_OUTSIDE[0]!r}, 'w').write('x')\n")
+    assert not run_sandboxed(rewrite).passed
+    children = ("import subprocess, sys\n"  # subprocess starts children through _posixsubprocess.fork_exec
+                f"subprocess.run([sys.executable, '-c', 'open({_OUTSIDE[0]!r}, \"w\")'], check=True)\n")
+    assert not run_sandboxed(children).passed
+    reader = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'open(\"/etc/shadow\")'], check=True)\n"
+    assert not run_sandboxed(reader).passed
+    assert not any(Path(p).exists() for p in outside)
+    legit = run_sandboxed("import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(6 * 7)'], "
+                          "capture_output=True, text=True).stdout.strip())")
+    assert legit.passed and legit.stdout.strip() == "42"
+
+
+def test_sandbox_has_no_network():
+    """A server listening on the host's 127.0.0.1 is unreachable from inside (own network namespace)."""
+    import socket
+
+    from llmq.evals.sandbox import run_sandboxed
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from the host
+        net = run_sandboxed(f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)")
+    assert not net.passed and "ConnectionRefused" in net.stderr
+
+
+def test_sandbox_kills_setsid_children():
+    """A child that calls setsid() dies with the program: at the timeout, and when the program exits first."""
+    from llmq.evals.sandbox import run_sandboxed
+
+    def program(token: str, parent: str) -> str:
+        return ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
+                f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {token!r}])\n"
+                f"{parent}\n")
+
+    token = f"llmq-setsid-{os.getpid()}-a"
+    t = time.monotonic()
+    r = run_sandboxed(program(token, "time.sleep(60)"), timeout=3)
+    assert r.status == "timeout" and time.monotonic() - t < 3 + 3
+    time.sleep(0.5)
+    assert _host_processes_with(token) == []
+    token = token[:-1] + "b"
+    t = time.monotonic()
+    r = run_sandboxed(program(token, "time.sleep(0.5)\nprint('done')"), timeout=20)
+    assert r.passed and r.stdout.strip() == "done" and time.monotonic() - t < 5
+    time.sleep(0.5)
+    assert _host_processes_with(token) == []
+
+
+def test_code_execution_refused_without_bubblewrap(monkeypatch, tmp_path):
+    from llmq.evals.runner import EvalOptions
+    from llmq.evals.sandbox import run_sandboxed
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for call in (lambda: run_sandboxed("print(1)"), lambda: EvalOptions(allow_code_execution=True).check()):
+        with pytest.raises(LlmqError, match=
+                           r"^--allow-code-execution needs bubblewrap.*apt-get install -y bubblewrap$"):
+            call()
 
 
 def test_humaneval_scoring_runs_in_the_sandbox(tmp_path, monkeypatch):

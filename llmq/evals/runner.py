@@ -19,6 +19,7 @@ from ..models import cache_dir
 from ..options import Options, option
 from .compare import group_scores, mean_stderr, ratio_stderr
 from .gate import ALIASES, KLD_NAMES, parse_gates
+from .sandbox import require_sandbox
 from .tasks import GROUPS, TASKS, TaskSet, materialize
 
 DEFAULT_SEED = 1234
@@ -65,7 +66,8 @@ class EvalOptions(Options):
     name: str | None = option(None, "Eval-report artifact name (default: <evaluated artifact>-eval).")
 
     def check(self) -> None:
-        """Besides bounds: every gate judges a score these tasks produce, so a typo fails before the run, not after."""
+        """Besides bounds: every gate judges a score these tasks produce (a typo fails before the run, not after), and
+        code execution has its sandbox."""
         super().check()
         gates = parse_gates(self.gate)
         if any(g.name in KLD_NAMES for g in gates) and "kld" not in self.tasks:
@@ -75,6 +77,8 @@ class EvalOptions(Options):
             if g.name not in KLD_NAMES and ALIASES.get(g.name, g.name) not in scored:
                 raise LlmqError(f"gate {g}: {g.name} is not a score of --tasks {','.join(self.tasks)} (a gate names a "
                                 "task or group that runs, ppl, code_bpb, kld, kld_p99 or top1)")
+        if self.allow_code_execution:
+            require_sandbox()
 
     def settings(self) -> EvalSettings:
         return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),

@@ -1,12 +1,15 @@
-"""Running model-written code: a separate process in a temporary directory, with limits, without network.
+"""Running model-written code under bubblewrap (`bwrap`, Debian package `bubblewrap`): the kernel confines it.
 
-Layers, each enforced outside the model's code:
-- rlimits: CPU seconds, address space, file size, no core dumps; a wall-clock timeout kills the process group.
-- Linux namespaces via `unshare` when the kernel allows it (unprivileged user namespaces): a network namespace
-  with no interfaces, and a mount namespace in which every file system is remounted read-only except the
-  temporary directory. Where `unshare` is missing or refused, `network_isolated` is False in the result.
-- A Python audit hook installed before the code runs: refuses writes outside the temporary directory, sockets,
-  subprocesses, signals and loading native libraries (ctypes), so the limits hold even without namespaces.
+Nothing inside the program's process guards anything, so nothing the program rewrites can loosen its confinement:
+- fresh user, mount, pid, network, IPC, UTS and cgroup namespaces; no capabilities; no nested user namespaces;
+- a root holding only read-only binds of the interpreter, its shared library, its stdlib and the system's shared
+  libraries (/usr/lib, /lib, /lib64), a minimal read-only /dev (null, zero, random, ...), and a private
+  size-limited tmpfs at /tmp, the working directory and the only writable place;
+- the program runs as uid/gid 65534 inside its user namespace, which maps to the uid that runs llmq (for root:
+  root without any capability, which matters only for root-owned files it can see, all read-only system files);
+- rlimits: CPU seconds, address space, file size, no core dumps;
+- the program is pid 1's only child in its pid namespace: when it exits, or when the timeout kills bwrap, the
+  kernel kills every process left in the namespace, including ones that called setsid().
 """
 
 from __future__ import annotations
@@ -18,52 +21,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-_PRELUDE = r'''
-import os as _os, sys as _sys
-_ROOT = _os.path.realpath({root!r}) + _os.sep
-_WRITE = _os.O_WRONLY | _os.O_RDWR | _os.O_CREAT | _os.O_APPEND | _os.O_TRUNC
-_PATHS = {{"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-          "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "os.replace"}}
-_DENY = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork", "os.forkpty", "os.kill",
-         "os.killpg", "ctypes.", "os.startfile", "pty.", "os.setuid", "signal.pthread_kill", "os.chroot")
-def _inside(p):
-    try:
-        return _os.path.realpath(_os.fsdecode(p)).startswith(_ROOT)
-    except Exception:
-        return False
-def _hook(event, args):
-    if event == "open":
-        path, mode, flags = args
-        if isinstance(path, int) or path is None:
-            return
-        writes = (mode is not None and any(c in str(mode) for c in "wax+")) or bool((flags or 0) & _WRITE)
-        if writes and not _inside(path):
-            raise PermissionError("sandbox: writing outside the sandbox directory is not allowed")
-    elif event in _PATHS:
-        for a in args:
-            if isinstance(a, (str, bytes, _os.PathLike)) and not _inside(a):
-                raise PermissionError(f"sandbox: {{event}} outside the sandbox directory is not allowed")
-    elif event.startswith(_DENY):
-        raise PermissionError(f"sandbox: {{event}} is not allowed")
-_sys.addaudithook(_hook)
-del _hook
-_code = open("program.py").read()
-exec(compile(_code, "program.py", "exec"), {{"__name__": "__main__"}})
-'''
+from ..errors import LlmqError
 
-_MOUNT_SCRIPT = r'''
-T="$1"; shift
-mount --make-rprivate / 2>/dev/null
-awk '{print $5}' /proc/self/mountinfo | while read -r mp; do
-  case "$mp" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/pts|/dev/pts/*) ;; *) mount -o remount,bind,ro "$mp" 2>/dev/null ;; esac
-done
-mount --bind "$T" "$T" && mount -o remount,bind,rw "$T" && cd "$T" || exit 97
-exec "$@"
-'''
+NOBODY = 65534
+_SYSTEM_LIBS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
+_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 
 
 @dataclass
@@ -72,26 +38,42 @@ class SandboxResult:
     returncode: int | None
     stdout: str
     stderr: str
-    network_isolated: bool
 
     @property
     def passed(self) -> bool:
         return self.status == "passed"
 
 
-@functools.lru_cache(maxsize=1)
-def namespaces_available() -> bool:
-    """Whether `unshare` can give us a user + mount + network namespace here (and remount inside it)."""
-    exe = shutil.which("unshare")
+def _bwrap() -> str:
+    exe = shutil.which("bwrap")
     if exe is None:
-        return False
-    try:
-        r = subprocess.run([exe, "-rmn", "sh", "-c", "mount --make-rprivate / && mount -o remount,bind,ro / || "
-                            "mount -o remount,bind,ro / 2>/dev/null; true"],
-                           capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
+        raise LlmqError("--allow-code-execution needs bubblewrap's bwrap on PATH: apt-get install -y bubblewrap")
+    return exe
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> str | None:
+    """The first line of bwrap's error when it cannot build the sandbox here (e.g. user namespaces refused)."""
+    r = run_sandboxed("print(6 * 7)", timeout=30)
+    return None if r.stdout.strip() == "42" else (r.stderr.strip().splitlines() or [r.status])[-1]
+
+
+def require_sandbox() -> None:
+    """Refuse --allow-code-execution, in one line, where the sandbox cannot be built."""
+    _bwrap()
+    error = _probe()
+    if error:
+        raise LlmqError(f"--allow-code-execution: bubblewrap cannot build the sandbox here: {error}")
+
+
+def _python_files() -> list[str]:
+    """What the interpreter needs from outside /usr/lib: itself, its libpython (if shared) and its stdlib."""
+    files = [os.path.realpath(sys.executable), sysconfig.get_path("stdlib")]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        lib = os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME"))
+        if os.path.exists(lib):
+            files.append(lib)
+    return files
 
 
 def _limits(cpu_s: int, memory_bytes: int, file_bytes: int):
@@ -105,25 +87,34 @@ def _limits(cpu_s: int, memory_bytes: int, file_bytes: int):
 
 def run_sandboxed(code: str, timeout: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024,
                   file_mb: int = 16) -> SandboxResult:
-    """Run `code` as a Python program in a fresh temporary directory, within the limits above."""
-    with tempfile.TemporaryDirectory(prefix="llmq-sandbox-") as tmp:
-        root = os.path.realpath(tmp)
-        Path(root, "program.py").write_text(code)
-        Path(root, "boot.py").write_text(_PRELUDE.format(root=root))
-        cmd = [sys.executable, "-I", "-B", "boot.py"]
-        isolated = namespaces_available()
-        if isolated:
-            cmd = [shutil.which("unshare"), "-rmn", "sh", "-c", _MOUNT_SCRIPT, "sandbox", root, *cmd]
-        env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
+    """Run `code` as a Python program in /tmp of a fresh bubblewrap sandbox, within the limits above."""
+    with tempfile.TemporaryFile() as program:
+        program.write(code.encode())
+        program.seek(0)
+        cmd = [_bwrap(), "--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid",
+               str(NOBODY), "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv",
+               *[a for k, v in _ENV.items() for a in ("--setenv", k, v)], "--dev", "/dev",
+               "--size", str(file_mb << 20), "--tmpfs", "/tmp", "--file", str(program.fileno()), "/tmp/program.py",
+               "--chdir", "/tmp"]
+        for d in _SYSTEM_LIBS:
+            if os.path.islink(d):
+                cmd += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                cmd += ["--ro-bind", d, d]
+        for path in _python_files():
+            cmd += ["--ro-bind", path, path]
+        cmd += ["--remount-ro", "/dev", "--remount-ro", "/",
+                "--", os.path.realpath(sys.executable), "-I", "-S", "-B", "program.py"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, pass_fds=(program.fileno(),),
                                 preexec_fn=_limits(cpu_s, memory_mb << 20, file_mb << 20))
         try:
             out, err = proc.communicate(timeout=timeout)
-            status = "passed" if proc.returncode == 0 else "killed" if proc.returncode < 0 else "failed"
+            # bwrap reports a program killed by signal N as exit status 128 + N.
+            rc = proc.returncode if proc.returncode <= 128 else 128 - proc.returncode
+            status = "passed" if rc == 0 else "killed" if rc < 0 else "failed"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap dies; --die-with-parent takes the pid namespace with it
             out, err = proc.communicate()
-            status = "timeout"
-        return SandboxResult(status, proc.returncode, out.decode(errors="replace")[-4000:],
-                             err.decode(errors="replace")[-4000:], isolated)
+            rc, status = proc.returncode, "timeout"
+        return SandboxResult(status, rc, out.decode(errors="replace")[-4000:], err.decode(errors="replace")[-4000:])
