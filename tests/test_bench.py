@@ -379,7 +379,8 @@ def test_bench_agrees_with_llmq_serve_metrics(default_model, tmp_path):
         with serving(create_app(engine, served_model_name="smol")) as url:
             s = OnlineSettings(endpoint=url, concurrency=[2], num_prompts=4, input_len=96, output_len=12,
                                time_limit=120, warmup=0)
-            report, ep = run_online(s, Store(tmp_path / "s"), warn=pytest.fail)  # tokenizer found via /v1/models root
+            store = Store(default_model.path.parent.parent)   # /v1/models root is the artifact's ref in this store
+            report, ep = run_online(s, store, warn=pytest.fail)  # so bench finds its tokenizer there
             metrics = _prom(httpx.get(url + "/metrics").text)
     finally:
         engine.shutdown()

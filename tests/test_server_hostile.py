@@ -291,3 +291,13 @@ def test_schema_driven_fuzzing(srv):
     assert 200 in seen and 400 in seen
     assert httpx.get(f"{srv.url}/health").status_code == 200
     _idle(srv)
+
+
+def test_models_root_is_the_artifact_ref_not_its_path(store, make_tiny_model, tmp_path):
+    """/v1/models' root names a store artifact as name/vN (a client with the same store finds its tokenizer)."""
+    from llmq.models import resolve_model
+    from llmq.runtime.server.app import artifact_ref
+
+    art = resolve_model(str(make_tiny_model(tmp_path / "m")), store)
+    assert artifact_ref(art.path) == art.ref and str(store.root) not in art.ref
+    assert artifact_ref(tmp_path / "m") is None

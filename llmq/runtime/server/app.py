@@ -14,6 +14,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -53,6 +54,14 @@ class Limits:
     max_body_bytes: int = 8 << 20
 
 
+def artifact_ref(path: Path) -> str | None:
+    """`name/vN` of an artifact directory (`<store>/<name>/v<N>/llmq.json`): what /v1/models reports as `root`, so a
+    client with the same store finds the model (and its tokenizer) without the server showing its filesystem."""
+    if (path / "llmq.json").is_file() and path.name[1:].isdigit() and path.name.startswith("v"):
+        return f"{path.parent.name}/{path.name}"
+    return None
+
+
 class _Frontend:
     """Per-app state: the engine loop, the tokenizer the handlers use, limits."""
 
@@ -68,6 +77,7 @@ class _Frontend:
         # a tokenizer of our own: the engine thread decodes with its tokenizer while handlers encode
         self.tokenizer = load_tokenizer(engine.path)
         self.max_model_len = engine.max_model_len
+        self.root = artifact_ref(engine.path) or name
         self.vocab_size = engine.spec.vocab_size
         self.created = int(time.time())
         self.limits = limits
@@ -385,7 +395,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
         return {"object": "list", "data": [{"id": fe.name, "object": "model", "created": fe.created,
-                                            "owned_by": "llmq", "root": fe.name,
+                                            "owned_by": "llmq", "root": fe.root,
                                             "max_model_len": fe.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=[Depends(auth)], openapi_extra=_body_doc(CompletionRequest))
