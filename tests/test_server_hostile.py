@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import random
 import socket
 import time
@@ -224,7 +223,7 @@ def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool]:
 def test_hostile_soak(srv):
     """About 1,000 hostile requests at concurrency 32: never a 5xx, the engine survives, every block comes back."""
     n, concurrency = 1000, 32
-    eng, loop = srv.fe.engine, srv.fe.loop
+    loop = srv.fe.loop
     statuses: dict[int, int] = {}
 
     async def one(client: httpx.AsyncClient, i: int, rng: random.Random):
