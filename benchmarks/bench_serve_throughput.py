@@ -41,18 +41,30 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def hf_sequential(model_dir: Path, prompts: list[list[int]], max_new: int) -> dict:
+def hf_sequential(model_dir: Path, prompts: list[list[int]], max_new: int, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32, cache_implementation: str | None = None) -> dict:
+    """transformers `generate`, greedy, one prompt after another. cache_implementation="static" makes generate
+    compile its decoding step (torch.compile), the fastest plain-transformers setup on a GPU; then the first two
+    prompts are run once untimed first (compilation, autotuning)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+              **({"cache_implementation": cache_implementation} if cache_implementation else {}))
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     with torch.no_grad():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up
+        for p in prompts[:2] if cache_implementation else []:  # warm-up: compile for the shapes timed below
+            model.generate(torch.tensor([p], device=device), **kw)
+        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=4, do_sample=False)
+        sync()
         t = time.perf_counter()
         tokens = 0
         for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
+            out = model.generate(torch.tensor([p], device=device), **kw)
             tokens += out.shape[1] - len(p)
+        sync()
         dt = time.perf_counter() - t
+    del model
     return {"requests": len(prompts), "output_tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
 
 
@@ -161,8 +173,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def batch1_decode(path: Path, prompt: list[int], steps: int, peak_bw: float) -> dict:
-    engine = LLMEngine(path, EngineConfig(max_num_seqs=1))
+def batch1_decode(path: Path, prompt: list[int], steps: int, peak_bw: float, config: EngineConfig | None = None
+                  ) -> dict:
+    engine = LLMEngine(path, config or EngineConfig(max_num_seqs=1))
     engine.add_request("d", prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
     while engine.requests["d"].num_computed_tokens < len(prompt):
         engine.step()

@@ -72,6 +72,29 @@ def test_int4_weight_only_matches_dequantized(n, group, asym, rows):
     assert rel_err(layer(x), x.double() @ ref_w.t()) < 1e-2
 
 
+@pytest.mark.parametrize("cls,op", [(Int4WeightOnlyLinear, "_weight_int4pack_mm_for_cpu"),
+                                    (Int8WeightOnlyLinear, "_weight_int8pack_mm")])
+def test_packed_kernels_get_contiguous_activations(cls, op, monkeypatch):
+    """The CUDA int4 kernel raises on strided activations, as the MLP hands down_proj (the gate half of gate_up,
+    found on the first GPU run); the CPU kernels accept them, so the contract is checked at the call."""
+    q, scale, zero, ref_w = int_weights(64, 128, 4 if cls is Int4WeightOnlyLinear else 8, 32 if cls is
+                                        Int4WeightOnlyLinear else 128, False, seed=11)
+    layer = cls(q, scale if cls is Int4WeightOnlyLinear else scale.view(-1), zero, None, torch.float32)
+    real, seen = getattr(torch.ops.aten, op), []
+    monkeypatch.setattr(torch.ops.aten, op, lambda x, *a: (seen.append(x.is_contiguous()), real(x, *a))[1])
+    x = torch.randn(3, 256)[:, ::2]  # every other column: a strided view
+    assert not x.is_contiguous()
+    assert rel_err(layer(x), x.double() @ ref_w.t()) < 1e-2 and seen == [True]
+
+
+def test_cuda_int4_packing_tiles_cover_every_k_multiple_of_32():
+    """The CUDA tinygemm layout takes 2, 4 or 8 k-tiles of 16 per load; requiring 8 (K % 128) had sent SmolLM2's
+    K = 576 to the slow dequantize path on GPUs."""
+    from llmq.runtime.layers.linear import cuda_inner_k_tiles
+
+    assert [cuda_inner_k_tiles(k) for k in (576, 1536, 4096, 14336, 96, 64, 48)] == [4, 8, 8, 8, 2, 4, None]
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [1, 24])
 def test_w8a8_quantizes_activations_per_token(static, rows):

@@ -31,4 +31,5 @@ def quantize(ctx, model, opts, as_json):
     if "probe" in m:
         p = m["probe"]
         click.echo(f"  probe vs source ({p['tokens']} tokens): mean KLD {p['kld_mean']:.5f}, top-1 {100 * p['top1']:.2f}%")
-    click.echo(f"  wall {m['wall_time_s']:.1f} s, peak RSS {human_bytes(m['peak_rss_bytes'])}")
+    gpu = f", peak GPU memory {human_bytes(m['peak_device_bytes'])}" if "peak_device_bytes" in m else ""
+    click.echo(f"  wall {m['wall_time_s']:.1f} s, peak RSS {human_bytes(m['peak_rss_bytes'])}{gpu}")

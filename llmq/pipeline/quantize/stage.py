@@ -147,6 +147,17 @@ def peak_rss_bytes() -> int:
     return int(r if sys.platform == "darwin" else r * 1024)
 
 
+def peak_memory(device: str) -> dict:
+    """The run's peak memory metrics: resident memory, and on a GPU the peak its tensors held there (the caching
+    allocator's high-water mark of allocated bytes)."""
+    out = {"peak_rss_bytes": peak_rss_bytes()}
+    if device.startswith("cuda"):
+        import torch
+
+        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
+
+
 def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bool = True,
              command: str | None = None) -> Artifact:
     """Quantize `source` (a model artifact) and commit the quantized artifact."""
@@ -206,7 +217,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         bf16_size = 2 * sum(t.numel() for t in result.dense.values()) + 2 * linear_params + sum(
             t.numel() * 2 for k, t in state.items() if k.endswith(".bias") and k.rsplit(".", 1)[0] in result.weights)
         w.metrics.update(
-            wall_time_s=round(time.perf_counter() - t0, 2), peak_rss_bytes=peak_rss_bytes(),
+            wall_time_s=round(time.perf_counter() - t0, 2), **peak_memory(result.device),
             layer_times_s=result.layer_times, size_bytes=size, source_bytes=source_size, bf16_bytes=bf16_size,
             ratio_vs_source=round(source_size / size, 3), ratio_vs_bf16=round(bf16_size / size, 3),
             linear_bytes=linear_bytes, linear_bf16_bytes=2 * linear_params,

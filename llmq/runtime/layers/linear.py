@@ -11,7 +11,7 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
   quantize probe measures (KLD of the order of 1e-4 against exact arithmetic); shapes the kernels refuse fall back
   to dequantize-on-the-fly, exactly.
 - W8A8: activations quantized to int8 per token (or with the static input scale); the int8 x int8 products run on
-  torch._int_mm on CUDA and, on CPU, for up to 8 rows (decode) through the int8-weight kernel with integer-valued
+  torch._int_mm on CUDA (decode batches padded to its 17-row minimum) and, on CPU, for up to 8 rows (decode) through the int8-weight kernel with integer-valued
   activations (exact in bfloat16, but its bfloat16 output rounds the sums to 2^-8 relative); else in float32.
 - FP8: torch._scaled_mm where the GPU has FP8 tensor cores, otherwise the weight is dequantized on the fly and
   quantized activations are reproduced exactly (quantize to e4m3 and back) so numerics match the FP8 kernels.
@@ -42,6 +42,12 @@ class LinearBase(nn.Module):
 
 def _buffer(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
     module.register_buffer(name, t.contiguous() if t is not None else None, persistent=False)
+
+
+def _kernel_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Activations as the packed kernels take them: in their dtype and contiguous. The CUDA int4 kernel refuses
+    strided rows (the CPU one accepts them), and the MLP's down projection gets the gate half of gate_up in place."""
+    return x.to(dtype).contiguous()
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +125,7 @@ class Int8WeightOnlyLinear(LinearBase):
             self.kernel = _probe(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(self._kdtype), self.q, self.kscale)
+        return torch.ops.aten._weight_int8pack_mm(_kernel_input(x, self._kdtype), self.q, self.kscale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -161,11 +167,10 @@ class Int4WeightOnlyLinear(LinearBase):
                 self._buffers.pop(name, None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        x = _kernel_input(x, self._kdtype)
         if x.device.type == "cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self._kdtype), self.w_packed, self.group_size,
-                                                              self.scales_zeros)
-        return torch.ops.aten._weight_int4pack_mm(x.to(self._kdtype), self.w_packed, self.group_size,
-                                                  self.scales_zeros)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_packed, self.group_size, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm(x, self.w_packed, self.group_size, self.scales_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -189,7 +194,8 @@ def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     cpu = q.device.type == "cpu"
     if cpu and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None
-    if k % group or group not in (32, 64, 128, 256) or (cpu and n % 16) or (not cpu and (n % 8 or k % 128)):
+    tiles = None if cpu else cuda_inner_k_tiles(k)
+    if k % group or group not in (32, 64, 128, 256) or (cpu and n % 16) or (not cpu and (n % 8 or tiles is None)):
         return None
     offset = 8 if int(q.min()) < 0 else 0
     u = (q.to(torch.int32) + offset)
@@ -204,10 +210,16 @@ def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
         else:
             nib = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack(nib.contiguous(), 8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(nib.contiguous(), tiles)
     except RuntimeError:
         return None
     return packed, sz
+
+
+def cuda_inner_k_tiles(k: int) -> int | None:
+    """The CUDA tinygemm packing's k-tiles per load (2, 4 or 8 tiles of 16 columns): the largest whose 16 x tiles
+    divides K, so the 8B-class K (4096, 14336) get 8 and SmolLM2's 576 gets 4; None when K % 32."""
+    return next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
 
 
 def _probe(fn) -> bool:
@@ -243,8 +255,9 @@ class W8A8Linear(LinearBase):
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=False)
         m = x2.shape[0]
-        if self.cuda_int_mm and m > 16:
-            acc = torch._int_mm(xq.to(torch.int8), self.q.t()).float()
+        if self.cuda_int_mm:  # it wants more than 16 rows: decode batches are padded with zero rows
+            xi = xq.to(torch.int8)
+            acc = torch._int_mm(F.pad(xi, (0, 0, 0, 17 - m)) if m <= 16 else xi, self.q.t())[:m].float()
         elif self.cpu_kernel and m <= self.max_kernel_rows:  # integer activations are exact in bfloat16
             acc = torch.ops.aten._weight_int8pack_mm(xq.to(torch.bfloat16), self.q, self.ones).float()
         else:  # |products sums| < 2^24 for K < 1040 stay exact in float32; beyond, float32 rounding (~1e-7)

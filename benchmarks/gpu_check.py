@@ -1,0 +1,633 @@
+"""The CUDA paths of llmq, checked and timed in one run on a GPU (issue 14); results as JSON.
+
+Models are made here from configs with random weights (no hub, no carried checkpoints): a SmolLM2-135M-shaped one
+for correctness and a Llama-3-8B-shaped one for speed, each saved as a bf16 Hugging Face directory with the
+tokenizer given by --tokenizer, then run through the real commands (`llmq import`, `llmq quantize --device cuda`,
+`llmq quantize-kv`, `llmq serve`).
+
+--part correctness (SmolLM2 shape): for each scheme, the llmq runtime on CUDA (bf16) against
+  (a) transformers in float32 on the same weights (a quantized artifact's weights dequantized; for W8A8 / FP8 this
+      leaves out activation rounding, so it is reported, not gated), and
+  (b) the llmq runtime on CPU in float32 over the same artifact (the same arithmetic, activation rounding included);
+  mean KLD and top-1 over --tokens positions, and greedy continuations of 4 prompts checked against the float32
+  reference token by token (a token other than the reference's argmax counts only where the reference prefers its
+  own token by more than --tie nats). Also: 32 concurrent requests vs one at a time, prefix-cache hits, chunked
+  prefill, KV cache INT8 / FP8, and `llmq serve --device cuda` answering HTTP requests.
+--part speed (Llama-3-8B shape): batch-1 decode tokens/s and MBU for bf16, INT8, INT4 (MBU = weight + KV bytes
+  read per step / step time / the device-to-device copy bandwidth measured in this run); output throughput at
+  concurrency 1/8/32/64 (128-token prompts, 128 new tokens) against transformers `generate` run one prompt at a
+  time (eager, and with its static cache, which compiles the decoding step), as ratios.
+--part gptq (Llama-3-8B shape): `llmq quantize --method gptq --bits 4 --device cuda`: wall time, peak GPU memory.
+
+    python benchmarks/gpu_check.py --tokenizer DIR --out DIR [--part correctness speed gptq] [--small]
+
+--small shrinks the models (2 layers, hidden 128) to try the script on a CPU-only machine with --device cpu.
+Each part appends to DIR/gpu_check.json as it goes, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serve_throughput import batch1_decode, hf_sequential, make_prompts, runtime_concurrency  # noqa: E402
+
+from llmq.artifacts import Store  # noqa: E402
+from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+SMOL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+            max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32)
+
+# name -> `llmq quantize` arguments (weights quantized on the GPU by the quantize stage itself)
+SCHEMES = {
+    "int8": ["--method", "rtn", "--bits", "8"],
+    "int4-rtn": ["--method", "rtn", "--bits", "4", "--group-size", "64"],
+    "int4-rtn-asym": ["--method", "rtn", "--bits", "4", "--group-size", "64", "--asym"],
+    "int4-gptq": ["--method", "gptq", "--bits", "4", "--group-size", "64"],
+    "w8a8": ["--method", "smoothquant", "--bits", "8"],
+    "fp8": ["--method", "fp8", "--bits", "8"],
+    "fp8-static": ["--method", "fp8", "--bits", "8", "--activations", "static"],
+}
+ACT_QUANT = ("w8a8", "fp8", "fp8-static")  # transformers on dequantized weights leaves their activation rounding out
+
+
+class Results:
+    """The JSON file every check appends to, written after each record."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+
+    def put(self, part: str, key: str, value) -> None:
+        self.data.setdefault(part, {})[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+        print(f"[{part}] {key}: {json.dumps(value, default=str)[:300]}", flush=True)
+
+
+def guarded(results: Results, part: str, key: str, fn):
+    """Run one check; a failure is recorded (with its traceback's end) and the run goes on."""
+    t = time.perf_counter()
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - every failure is a finding to record
+        value = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=6)[-1500:]}
+    if isinstance(value, dict):
+        value.setdefault("seconds", round(time.perf_counter() - t, 1))
+    results.put(part, key, value)
+    return value
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+def make_model(out: Path, shape: dict, tokenizer: Path, device: str, embed_std: float) -> Path:
+    """A random-weight Llama of `shape`, saved as bf16 safetensors with the tokenizer. The embedding is drawn wider
+    than the default init (and tied to lm_head for SmolLM2) so next-token distributions are peaked like a trained
+    model's instead of near uniform, which would make KLD and top-1 blind."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").is_file():
+        return out
+    cfg = LlamaConfig(**shape, dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, embed_std)
+    model.save_pretrained(str(out), max_shard_size="5GB")
+    for f in tokenizer.iterdir():
+        shutil.copy(f, out / f.name)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def llmq(store: Path, *args: str) -> dict:
+    """Run an llmq command that prints its manifest (--json); raise with its last error line when it fails."""
+    cmd = [sys.executable, "-m", "llmq", "--store", str(store), *args, "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:3])}: exit {p.returncode}: {p.stderr.strip()[-800:]}")
+    return json.loads(p.stdout)
+
+
+def artifact_path(store: Path, manifest: dict) -> Path:
+    return Store(store).resolve(f"{manifest['name']}/v{manifest['version']}").path
+
+
+# -- metrics --------------------------------------------------------------------------------------------------------
+def compare(ref: torch.Tensor, test: torch.Tensor) -> dict:
+    """Mean KLD(ref || test) and top-1 agreement of two [T, V] log-prob tensors."""
+    ref, test = ref.double(), test.double()
+    kld = (ref.exp() * (ref - test)).sum(-1)
+    return {"kld": float(kld.mean()), "kld_max": float(kld.max()),
+            "top1": float((ref.argmax(-1) == test.argmax(-1)).double().mean()), "tokens": ref.shape[0]}
+
+
+def greedy_check(tokens: list[int], prompt_len: int, ref: torch.Tensor, tie: float) -> dict:
+    """Greedy tokens against a reference's log-probs over prompt + tokens: exact agreement, and agreement where the
+    reference's margin for its own argmax over the chosen token exceeds `tie`."""
+    rows = ref[prompt_len - 1:prompt_len - 1 + len(tokens)]
+    best = rows.argmax(-1)
+    chosen = torch.tensor(tokens)
+    margin = rows.gather(1, best[:, None])[:, 0] - rows.gather(1, chosen[:, None])[:, 0]
+    mism = (best != chosen).nonzero().flatten().tolist()
+    return {"tokens": len(tokens), "exact": len(tokens) - len(mism), "first_mismatch": mism[0] if mism else None,
+            "beyond_tie": int((margin > tie).sum()), "max_margin": float(margin.max())}
+
+
+class HFReference:
+    """transformers in float32 on the GPU over the bf16 source, its linears replaceable by an artifact's dequantized
+    weights."""
+
+    def __init__(self, source: Path, device: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).to(device).eval()
+        self.device = device
+        self.source = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+    def load(self, artifact: Path | None) -> None:
+        from llmq.models.reader import CheckpointReader, linear_names
+
+        self.model.load_state_dict(self.source)
+        if artifact is None:
+            return
+        ckpt = CheckpointReader(artifact)  # every tensor: SmoothQuant, for one, folds its scales into the norms
+        linears = {f"{n}.weight" for i in range(ckpt.spec.num_layers) for n in linear_names(i)}
+        sd = {k: ckpt.linear(k[:-len(".weight")]).dense(torch.float32) if k in linears else
+              ckpt.tensor(k).float() for k in self.source if k != "lm_head.weight" or ckpt.has_lm_head()}
+        self.model.load_state_dict(sd, strict=False)
+
+    @torch.no_grad()
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        x = torch.tensor([ids], device=self.device)
+        return self.model(x).logits[0].float().log_softmax(-1).cpu()
+
+
+def engine(path: Path, device: str, **kw) -> LLMEngine:
+    cfg = dict(device=device, kv_cache_memory=256 << 20, max_model_len=1024, max_num_seqs=64,
+               max_num_batched_tokens=1024)
+    cfg.update(kw)
+    return LLMEngine(path, EngineConfig(**cfg))
+
+
+def runtime_logprobs(eng: LLMEngine, seqs: list[list[int]]) -> torch.Tensor:
+    return torch.cat([eng.prompt_logprobs(s) for s in seqs])
+
+
+# -- part 1: correctness --------------------------------------------------------------------------------------------
+def part_correctness(args, res: Results, work: Path) -> None:
+    dev = args.device
+    shape = {**SMOL, **(SMALL if args.small else {})}
+    src = make_model(work / "smol-random", shape, args.tokenizer, dev, embed_std=0.1)
+    store = work / "store"
+    model_art = artifact_path(store, llmq(store, "import", str(src)))
+    vocab = shape["vocab_size"]
+    n_seq = max(1, args.tokens // 128)
+    seqs = make_prompts(n_seq, 128, vocab, seed=1)
+    prompts = make_prompts(4, 32, vocab, seed=2)
+    hf = HFReference(model_art, dev)
+
+    def dense_floor():  # how far transformers' own bf16 is from its float32: the yardstick for bf16 noise
+        from transformers import AutoModelForCausalLM
+
+        m16 = AutoModelForCausalLM.from_pretrained(str(model_art), dtype=torch.bfloat16).to(dev).eval()
+        hf.load(None)
+        with torch.no_grad():
+            lp16 = torch.cat([m16(torch.tensor([s], device=dev)).logits[0].float().log_softmax(-1).cpu()
+                              for s in seqs])
+        return compare(torch.cat([hf.logprobs(s) for s in seqs]), lp16)
+
+    floor = guarded(res, "correctness", "hf_bf16_vs_hf_fp32", dense_floor).get("kld", 0.0)
+
+    artifacts: dict[str, Path | None] = {"bf16": None}
+    for name, qargs in SCHEMES.items():
+        if args.only and name not in args.only:
+            continue
+        v = guarded(res, "quantize", name, lambda qargs=qargs, name=name: _quantize(store, model_art, qargs, name, dev))
+        if "error" not in v:
+            artifacts[name] = Path(v["path"])
+    for kv in ("int8", "fp8"):
+        v = guarded(res, "quantize", f"kv-{kv}", lambda kv=kv: _quantize_kv(store, model_art, kv, dev))
+        if "error" not in v:
+            artifacts[f"kv-{kv}"] = Path(v["path"])
+
+    for name, path in artifacts.items():
+        guarded(res, "correctness", name, lambda name=name, path=path: _check_artifact(
+            name, path or model_art, hf, seqs, prompts, dev, args.tie, dequant=path is not None and
+            not name.startswith("kv-"), floor=floor))
+    guarded(res, "correctness", "batching_32", lambda: _check_batching(model_art, dev, vocab, "bfloat16"))
+    guarded(res, "correctness", "batching_32_fp32", lambda: _check_batching(model_art, dev, vocab, "float32"))
+    guarded(res, "correctness", "prefix_cache", lambda: _check_prefix_cache(model_art, dev, vocab))
+    guarded(res, "correctness", "chunked_prefill", lambda: _check_chunked(model_art, dev, vocab))
+    guarded(res, "correctness", "serve_http", lambda: _check_serve(model_art, dev))
+
+
+def _quantize(store: Path, model: Path, qargs: list[str], name: str, dev: str) -> dict:
+    man = llmq(store, "quantize", str(model), *qargs, "--device", dev, "--num-samples", "16", "--seq-len", "256",
+               "--probe-tokens", "512", "--name", f"smol-{name}")
+    m = man["metrics"]
+    return {"path": str(artifact_path(store, man)), "scheme": man["config"]["scheme"], "wall_s": m["wall_time_s"],
+            "device": m.get("device"), "probe": m.get("probe"), "peak_device_bytes": m.get("peak_device_bytes")}
+
+
+def _quantize_kv(store: Path, model: Path, kv: str, dev: str) -> dict:
+    man = llmq(store, "quantize-kv", str(model), "--kv", kv, "--device", dev, "--num-samples", "8",
+               "--probe-tokens", "512", "--name", f"smol-kv{kv}")
+    return {"path": str(artifact_path(store, man)), "metrics": {k: v for k, v in man["metrics"].items()
+                                                                if not isinstance(v, (list, dict))}}
+
+
+def _check_artifact(name: str, path: Path, hf: HFReference, seqs, prompts, dev: str, tie: float,
+                    dequant: bool, floor: float) -> dict:
+    """The kernels: llmq on the GPU computing in float32 against llmq float32 on the CPU (the same arithmetic: only
+    the matmul kernels differ). The serving setup: llmq on the GPU in bf16 against transformers float32 on the same
+    weights, gated at twice transformers' own bf16-vs-float32 KLD (`floor`) where the weights are all that differ
+    (not with activation or KV rounding, which bf16 activations shift: reported only)."""
+    out = {}
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    runs = {}
+    for dtype in ("bfloat16", "float32"):
+        gpu = engine(path, dev, dtype=dtype)
+        out.setdefault("kernels", _kernels(gpu))
+        runs[dtype] = (runtime_logprobs(gpu, seqs), [o.output_token_ids for o in gpu.generate(prompts, sp)])
+        gpu.shutdown()
+    cpu = engine(path, "cpu", max_num_seqs=4)
+    lp_cpu = runtime_logprobs(cpu, seqs)
+    out["gpu_fp32_vs_cpu_fp32"] = compare(lp_cpu, runs["float32"][0])
+    out["greedy_gpu_fp32_vs_cpu"] = _merge([greedy_check(g, len(p), cpu.prompt_logprobs(p + g), tie)
+                                            for p, g in zip(prompts, runs["float32"][1])])
+    hf.load(path if dequant else None)
+    out["gpu_bf16_vs_hf_fp32"] = compare(runtime_logprobs_hf(hf, seqs), runs["bfloat16"][0])
+    out["greedy_gpu_bf16_vs_hf_fp32"] = _merge([greedy_check(g, len(p), hf.logprobs(p + g), tie)
+                                                for p, g in zip(prompts, runs["bfloat16"][1])])
+    allowed = 1e-3
+    if name in ACT_QUANT:
+        out["amplification_floor"] = _amplification_floor(cpu, seqs, lp_cpu)
+        allowed = max(allowed, 2 * max(out["amplification_floor"].values()))
+    cpu.shutdown()
+    kernel_ok = out["gpu_fp32_vs_cpu_fp32"]["kld"] <= allowed and out["greedy_gpu_fp32_vs_cpu"]["beyond_tie"] == 0
+    gated = name not in ACT_QUANT and not name.startswith("kv-")
+    serving_ok = not gated or (out["gpu_bf16_vs_hf_fp32"]["kld"] <= 2 * floor
+                               and out["greedy_gpu_bf16_vs_hf_fp32"]["beyond_tie"] == 0)
+    out["pass"] = kernel_ok and serving_ok
+    return out
+
+
+def _amplification_floor(cpu: LLMEngine, seqs, ref: torch.Tensor) -> dict:
+    """How far float noise alone moves a model whose activations are rounded to 8 bits, on the CPU: the embedding
+    nudged by 1e-7 relative (what different reduction orders do), and every quantized linear's output rounded to
+    bf16 (what torch._scaled_mm's bf16 output does, even when the rest computes in float32). A flipped rounding
+    decision is a whole int8 / FP8 step, and a random 30-layer model amplifies it: on the first H200 run this
+    reproduced the GPU-vs-CPU KLD of W8A8 (9.6e-4 vs 9.2e-4) and FP8 (0.0149 vs 0.0142)."""
+    from llmq.runtime.layers import linear as L
+
+    model, out = cpu.runner.model, {}
+    saved = model.embed.clone()
+    model.embed.mul_(1 + 1e-7 * torch.randn(saved.shape, generator=torch.Generator().manual_seed(0)))
+    out["embedding_nudged_1e-7"] = compare(ref, runtime_logprobs(cpu, seqs))["kld"]
+    model.embed.copy_(saved)
+    finish = L.LinearBase._finish
+    L.LinearBase._finish = lambda self, y, dtype: finish(self, y if isinstance(self, L.DenseLinear)
+                                                         else y.to(torch.bfloat16), dtype)
+    try:
+        out["outputs_rounded_to_bf16"] = compare(ref, runtime_logprobs(cpu, seqs))["kld"]
+    finally:
+        L.LinearBase._finish = finish
+    return out
+
+
+def runtime_logprobs_hf(hf: HFReference, seqs) -> torch.Tensor:
+    return torch.cat([hf.logprobs(s) for s in seqs])
+
+
+def _merge(checks: list[dict]) -> dict:
+    return {"tokens": sum(c["tokens"] for c in checks), "exact": sum(c["exact"] for c in checks),
+            "beyond_tie": sum(c["beyond_tie"] for c in checks), "max_margin": max(c["max_margin"] for c in checks),
+            "first_mismatch": [c["first_mismatch"] for c in checks]}
+
+
+def _kernels(eng: LLMEngine) -> dict:
+    """Which execution path each linear class took on this device (the fast kernel or the exact fallback)."""
+    from llmq.runtime.layers import linear as L
+
+    seen: dict[str, dict] = {}
+    for m in eng.runner.model.modules():
+        if isinstance(m, L.LinearBase):
+            flag = {L.Int8WeightOnlyLinear: "kernel", L.Int4WeightOnlyLinear: "packed", L.W8A8Linear: "cuda_int_mm",
+                    L.FP8Linear: "scaled_mm"}.get(type(m))
+            d = seen.setdefault(type(m).__name__, {"n": 0, "fast": 0})
+            d["n"] += 1
+            d["fast"] += int(bool(getattr(m, flag, False))) if flag else 0
+    return seen
+
+
+def _check_batching(model: Path, dev: str, vocab: int, dtype: str) -> dict:
+    """32 requests of different lengths run together vs each alone: greedy tokens equal."""
+    import random
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randrange(8, 120))] for _ in range(32)]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    eng = engine(model, dev, dtype=dtype)
+    alone = [eng.generate([p], sp)[0] for p in prompts]
+    together = eng.generate(prompts, sp)
+    stats = eng.stats()
+    eng.shutdown()
+    same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(alone, together))
+    gaps = []  # at each first divergence: how close the alone-run's top two were
+    for a, b in zip(alone, together):
+        for i, (x, y) in enumerate(zip(a.output_token_ids, b.output_token_ids)):
+            if x != y:
+                top = sorted(a.new_logprobs[i].values(), reverse=True)
+                gaps.append(top[0] - top[1] if len(top) > 1 else None)
+                break
+    return {"dtype": dtype, "requests": 32, "identical": same, "divergence_top2_gaps": gaps,
+            "preemptions": stats.num_preemptions, "pass": same == 32 or all(g is not None and g < 0.05 for g in gaps)}
+
+
+def _check_prefix_cache(model: Path, dev: str, vocab: int) -> dict:
+    """A second request sharing a 256-token prefix reuses its cached blocks and continues exactly as without the
+    cache (float32 compute, so equality is not at the mercy of bf16 ties)."""
+    prefix = make_prompts(1, 256, vocab, seed=4)[0]
+    a, b = prefix + make_prompts(1, 20, vocab, seed=5)[0], prefix + make_prompts(1, 20, vocab, seed=6)[0]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    eng = engine(model, dev, dtype="float32")
+    eng.generate([a], sp)
+    hit = eng.generate([b], sp)[0]
+    stats = eng.stats()
+    eng.shutdown()
+    cold = engine(model, dev, dtype="float32", enable_prefix_caching=False)
+    ref = cold.generate([b], sp)[0]
+    cold.shutdown()
+    return {"cached_tokens": hit.num_cached_tokens, "hits": stats.prefix_cache_hits,
+            "identical": hit.output_token_ids == ref.output_token_ids,
+            "pass": hit.num_cached_tokens >= 240 and hit.output_token_ids == ref.output_token_ids}
+
+
+def _check_chunked(model: Path, dev: str, vocab: int) -> dict:
+    """A 600-token prompt prefilled in 64-token chunks (interleaved with 3 decoding requests) vs in one step."""
+    long = make_prompts(1, 600, vocab, seed=7)[0]
+    others = make_prompts(3, 16, vocab, seed=8)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    out = {}
+    runs = {}
+    for budget in (64, 1024):
+        eng = engine(model, dev, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+        res = eng.generate(others + [long], sp)
+        runs[budget] = ([r.output_token_ids for r in res], runtime_logprobs(eng, [long]))
+        eng.shutdown()
+    out["identical_greedy"] = runs[64][0] == runs[1024][0]
+    out["prompt_logprobs"] = compare(runs[1024][1], runs[64][1])
+    out["pass"] = out["identical_greedy"] and out["prompt_logprobs"]["kld"] < 1e-5
+    return out
+
+
+def _check_serve(model: Path, dev: str) -> dict:
+    """`llmq serve --device DEV` (the engine thread on the GPU): health, 16 concurrent completions, metrics."""
+    import concurrent.futures as cf
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "llmq", "serve", str(model), "--host", "127.0.0.1", "--port",
+                             str(port), "--device", dev, "--kv-cache-memory", "256MiB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve exited {proc.returncode}: {proc.stderr.read().decode()[-800:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("serve not healthy in 120 s")
+
+        def one(i):
+            r = httpx.post(url + "/v1/completions", json={"prompt": f"Request {i}: count to ten", "max_tokens": 24,
+                                                           "temperature": 0.7, "seed": i}, timeout=120)
+            return r.status_code, r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
+
+        with cf.ThreadPoolExecutor(16) as ex:
+            codes = list(ex.map(one, range(16)))
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                              "max_tokens": 8}, timeout=60)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        return {"statuses": sorted({c for c, _ in codes}), "tokens": sum(n for _, n in codes),
+                "chat_status": chat.status_code, "metrics_lines": len(metrics.splitlines()),
+                "pass": all(c == 200 for c, _ in codes) and chat.status_code == 200}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# -- part: layers -------------------------------------------------------------------------------------------------
+def part_layers(args, res: Results, work: Path) -> None:
+    """Each quantized linear class on the GPU against the same class on the CPU in float32 (itself checked against
+    float64 references by tests/test_runtime_layers.py), fresh random weights and inputs, decode- and prefill-sized
+    batches: max relative error. End to end, a random 30-layer model amplifies any rounding difference (activation
+    rounding in W8A8 / FP8 most of all), so this is where a kernel's own error is seen."""
+    from llmq import quant
+    from llmq.runtime.layers import linear as L
+
+    g = torch.Generator().manual_seed(12)
+    for n, k in ((1536, 576), (4096, 4096)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        gs = 64
+        s4 = w.view(n, k // gs, gs).abs().amax(-1) / 7
+        q4 = quant.round_int(w.view(n, k // gs, gs), s4[..., None], bits=4).view(n, k).to(torch.int8)
+        s8 = w.abs().amax(-1, keepdim=True) / 127
+        q8 = quant.round_int(w, s8).to(torch.int8)
+        s_fp8 = w.abs().amax(-1) / quant.FP8_MAX
+        w_fp8 = quant.to_fp8(w, s_fp8[:, None])
+        makers = {
+            "int8": lambda d, dt: L.Int8WeightOnlyLinear(q8.to(d), s8.view(-1).to(d), None, None, dt),
+            "int4": lambda d, dt: L.Int4WeightOnlyLinear(q4.to(d), s4.to(d), None, None, dt),
+            "w8a8": lambda d, dt: L.W8A8Linear(q8.to(d), s8.view(-1).to(d), None, None, dt),
+            "fp8": lambda d, dt: L.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, True, None, dt),
+            "fp8-weight-only": lambda d, dt: L.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, False, None, dt),
+        }
+        for name, make in makers.items():
+            def check(make=make):
+                cpu = make("cpu", torch.float32)
+                out = {}
+                for dt in (torch.bfloat16, torch.float32):
+                    gpu = make(args.device, dt)
+                    for rows in (1, 5, 17, 64, 300):
+                        x = torch.randn(rows, k, generator=g)
+                        ref = cpu(x).double()
+                        got = gpu(x.to(args.device, dt)).double().cpu()
+                        out[f"{str(dt)[6:]}_rows{rows}"] = float((got - ref).abs().max() / ref.abs().max())
+                out["max"] = max(out.values())
+                return out
+            guarded(res, "layers", f"{name}_{n}x{k}", check)
+
+
+# -- part 2: speed --------------------------------------------------------------------------------------------------
+def copy_bandwidth(dev: str) -> float:
+    """Bytes read + written per second by a device-to-device copy of 4 GiB (median of 10)."""
+    n = (4 << 30) if dev == "cuda" else (256 << 20)
+    a = torch.ones(n // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        b.copy_(a)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del a, b
+    return 2 * n / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def part_speed(args, res: Results, work: Path) -> None:
+    dev = args.device
+    shape = {**LLAMA3_8B, **(SMALL if args.small else {})}
+    bw = copy_bandwidth(dev)
+    res.put("speed", "copy_bandwidth_gbs", round(bw / 1e9, 1))
+    src = make_model(work / "llama3-8b-random", shape, args.tokenizer, dev, embed_std=0.02)
+    store = work / "store"
+    model_art = artifact_path(store, llmq(store, "import", str(src)))
+    paths = {"bf16": model_art}
+    for name, qargs in (("int8", SCHEMES["int8"]), ("int4", ["--method", "rtn", "--bits", "4", "--group-size", "128"])):
+        v = guarded(res, "speed_quantize", name, lambda qargs=qargs, name=name: _quantize_fast(store, model_art, qargs,
+                                                                                              name, dev))
+        if "error" not in v:
+            paths[name] = Path(v["path"])
+    prompt = make_prompts(1, 128, 32000, seed=9)[0]
+    for name, path in paths.items():
+        guarded(res, "speed", f"decode_b1_{name}", lambda path=path: _decode(path, prompt, dev, bw))
+    prompts = make_prompts(64 * 2, 128, 32000, seed=10)
+    levels = [1, 8, 32, 64]
+    for name in ("bf16", "int4"):
+        if name not in paths:
+            continue
+        eng = engine(paths[name], dev, max_num_seqs=64, max_num_batched_tokens=4096, kv_cache_memory=8 << 30,
+                     max_model_len=512) if not args.small else engine(paths[name], dev)
+        for c in levels:
+            n = max(4, 2 * c)
+            guarded(res, "speed", f"throughput_{name}_c{c}", lambda c=c, n=n, eng=eng: runtime_concurrency(
+                eng, prompts[:n], c, 128))
+        eng.shutdown()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    hf_prompts = prompts[:4]
+    guarded(res, "speed", "hf_eager_sequential", lambda: hf_sequential(src, hf_prompts, 128, dev, torch.bfloat16))
+    if dev == "cuda":
+        guarded(res, "speed", "hf_static_compiled_sequential",
+                lambda: hf_sequential(src, hf_prompts, 128, dev, torch.bfloat16, cache_implementation="static"))
+    summary(res)
+
+
+def _quantize_fast(store: Path, model: Path, qargs: list[str], name: str, dev: str) -> dict:
+    man = llmq(store, "quantize", str(model), *qargs, "--device", dev, "--probe-tokens", "0", "--name", f"big-{name}")
+    m = man["metrics"]
+    return {"path": str(artifact_path(store, man)), "wall_s": m["wall_time_s"], "size_bytes": m["size_bytes"],
+            "peak_device_bytes": m.get("peak_device_bytes"), "peak_rss_bytes": m["peak_rss_bytes"]}
+
+
+def _decode(path: Path, prompt: list[int], dev: str, bw: float) -> dict:
+    d = batch1_decode(path, prompt, 128, bw, EngineConfig(device=dev, max_num_seqs=1, max_model_len=512,
+                                                           kv_cache_memory=1 << 30))
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
+
+
+def summary(res: Results) -> None:
+    s = res.data.get("speed", {})
+    out = {}
+    b = s.get("decode_b1_bf16", {})
+    for name in ("bf16", "int8", "int4"):
+        d = s.get(f"decode_b1_{name}", {})
+        if "tokens_per_s" in d:
+            out[f"decode_b1_{name}"] = {"tok_s": round(d["tokens_per_s"], 1), "mbu": round(d["mbu"], 3),
+                                        "x_bf16": round(d["tokens_per_s"] / b["tokens_per_s"], 2)
+                                        if "tokens_per_s" in b else None}
+    base = {k: s[k]["tokens_per_s"] for k in ("hf_eager_sequential", "hf_static_compiled_sequential")
+            if "tokens_per_s" in s.get(k, {})}
+    for k, v in s.items():
+        if k.startswith("throughput_") and "tokens_per_s" in v:
+            out[k] = {"tok_s": round(v["tokens_per_s"], 1),
+                      **{f"x_{b_}": round(v["tokens_per_s"] / t, 2) for b_, t in base.items()}}
+    res.put("speed", "summary", out)
+
+
+# -- part 3: GPTQ on the GPU ----------------------------------------------------------------------------------------
+def part_gptq(args, res: Results, work: Path) -> None:
+    dev = args.device
+    shape = {**LLAMA3_8B, **(SMALL if args.small else {})}
+    src = make_model(work / "llama3-8b-random", shape, args.tokenizer, dev, embed_std=0.02)
+    store = work / "store"
+    model_art = artifact_path(store, llmq(store, "import", str(src)))
+
+    def run():
+        t = time.perf_counter()
+        man = llmq(store, "quantize", str(model_art), "--method", "gptq", "--bits", "4", "--group-size", "128",
+                   "--device", dev, "--num-samples", str(args.gptq_samples), "--seq-len", "512", "--probe-tokens", "0",
+                   "--name", "big-gptq")
+        m = man["metrics"]
+        return {"process_s": round(time.perf_counter() - t, 1), "wall_s": m["wall_time_s"],
+                "calibration_tokens": args.gptq_samples * 512, "peak_device_gib": round(
+                    (m.get("peak_device_bytes") or 0) / 2**30, 2), "peak_rss_gib": round(m["peak_rss_bytes"] / 2**30, 2),
+                "size_gib": round(m["size_bytes"] / 2**30, 2)}
+
+    guarded(res, "gptq", "gptq_w4g128", run)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, required=True, help="directory with tokenizer files to give the models")
+    ap.add_argument("--out", type=Path, required=True, help="results directory (gpu_check.json)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/llmq-gpu-check"), help="models and store")
+    ap.add_argument("--part", nargs="+", default=["correctness", "speed", "gptq"],
+                    choices=["layers", "correctness", "speed", "gptq"])
+    ap.add_argument("--only", nargs="*", default=None, help="correctness: only these schemes (default: all)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny models, to try the script without a GPU")
+    ap.add_argument("--tokens", type=int, default=512, help="positions compared per scheme")
+    ap.add_argument("--tie", type=float, default=0.05, help="nats under which a greedy choice is a tie")
+    ap.add_argument("--gptq-samples", type=int, default=64, help="GPTQ calibration windows of 512 tokens")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run this on a GPU machine (or try it with --small --device cpu)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    res = Results(args.out / "gpu_check.json")
+    res.put("env", "torch", {"torch": torch.__version__, "cuda": torch.version.cuda,
+                             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None})
+    parts = {"layers": part_layers, "correctness": part_correctness, "speed": part_speed, "gptq": part_gptq}
+    for p in args.part:
+        t = time.perf_counter()
+        parts[p](args, res, args.work)
+        res.put("timing", p, round(time.perf_counter() - t, 1))
+
+
+if __name__ == "__main__":
+    main()
