@@ -327,7 +327,8 @@ def test_offline_sweep_roofline_arithmetic(tiny_model_dir, tmp_path, cache):
     from llmq.bench.hw import machine_key
     from llmq.models import ModelSpec, pick_device
 
-    hw = {"read_bandwidth": 2e9, "fp32_flops": 3e10, "bf16_flops": 1e9, "device": pick_device(), "measured": "test"}
+    hw = {"read_bandwidth": 2e9, "fp32_flops": 3e10, "bf16_flops": 1e9, "device": pick_device(), "measured": "test",
+          "load_per_core": 0.0}
     cache.mkdir(parents=True)
     (cache / "hw.json").write_text(json.dumps({machine_key(pick_device()): hw}))
     store = tmp_path / "store"
@@ -393,3 +394,72 @@ def test_bench_agrees_with_llmq_serve_metrics(default_model, tmp_path):
     assert sm["ttft"]["mean"] == pytest.approx(server_ttft, rel=0.10)
     server_e2e = metrics["vllm:e2e_request_latency_seconds_sum"] / metrics["vllm:e2e_request_latency_seconds_count"]
     assert sm["e2e"]["mean"] == pytest.approx(server_e2e, rel=0.10)
+
+
+def _cache_hw(cache, **figures):
+    from llmq.bench.hw import machine_key
+    from llmq.models import pick_device
+
+    hw = {"read_bandwidth": 2e9, "fp32_flops": 3e10, "bf16_flops": 1e9, "device": pick_device(), "measured": "test",
+          "load_per_core": 0.0, **figures}
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "hw.json").write_text(json.dumps({machine_key(pick_device()): hw}))
+
+
+@pytest.mark.parametrize("remeasured_bw,expect_none", [(1e15, False), (1e3, True)])
+def test_offline_never_reports_an_impossible_mbu(tiny_model_dir, tmp_path, cache, monkeypatch, remeasured_bw,
+                                                 expect_none):
+    """Peaks cached while the machine was loaded (issue 19: 1.6 GB/s read, so MBU printed as 466%) are measured
+    again when a figure comes out above 100%; if it still does, no MBU is reported rather than an impossible one."""
+    from llmq.bench import hw as H
+
+    _cache_hw(cache, read_bandwidth=1e3, fp32_flops=1e3, bf16_flops=1e3)
+    calls = []
+    monkeypatch.setattr(H, "measure", lambda device: calls.append(device) or {
+        "device": device, "read_bandwidth": remeasured_bw, "fp32_flops": remeasured_bw, "bf16_flops": remeasured_bw,
+        "measured": "now", "load_per_core": 0.1})
+    r = CliRunner().invoke(cli, ["--store", str(tmp_path / "store"), "bench", "offline", str(tiny_model_dir),
+                                 "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output[r.output.index("{"):])
+    assert len(calls) == 1 and "measured them again" in r.output
+    assert rep["settings"]["peak_read_bandwidth"] == remeasured_bw and rep["settings"]["peaks_measured"] == "now"
+    for row in rep["offline"]:
+        if expect_none:
+            assert row["mbu"] is None and row["mfu"] is None and row["tokens_per_s"] > 0
+        else:
+            assert 0 < row["mbu"] <= 1 and 0 < row["mfu"] <= 1
+    assert ("MBU / MFU not reported" in r.output) == expect_none
+    if expect_none:  # the table shows a dash where there is no figure
+        from rich.console import Console
+
+        from llmq.bench import report as R
+
+        console = Console(record=True, width=200)
+        console.print(R.table(rep))
+        cells = [[c.strip() for c in line.split("│")[1:-1]] for line in console.export_text().splitlines()]
+        rows = [c for c in cells if c and c[0].isdigit()]
+        assert len(rows) == 2 and all(c[-2:] == ["-", "-"] for c in rows)
+
+
+@pytest.mark.parametrize("cached,now,remeasure", [
+    ({"load_per_core": 0.1}, 0.1, False),       # quiet then: reused
+    ({"load_per_core": 2.0}, 0.2, True),        # busy then, quiet now: the cached peaks understate the machine
+    ({"load_per_core": 2.0}, 2.5, False),       # as busy now as then: measuring again would not help
+    ({}, 0.1, True),                            # written before the load was recorded
+])
+def test_cached_peaks_measured_under_load_are_measured_again(cache, monkeypatch, cached, now, remeasure):
+    from llmq.bench import hw as H
+
+    _cache_hw(cache)
+    data = json.loads((cache / "hw.json").read_text())
+    key = next(iter(data))
+    data[key].pop("load_per_core")
+    data[key].update(cached)
+    (cache / "hw.json").write_text(json.dumps(data))
+    monkeypatch.setattr(H, "load_per_core", lambda: now)
+    monkeypatch.setattr(H, "measure", lambda device: {"device": device, "read_bandwidth": 9e9, "fp32_flops": 1e11,
+                                                      "bf16_flops": 1e11, "measured": "now", "load_per_core": now})
+    h = H.hardware()
+    assert (h["measured"] == "now") == remeasure
+    assert json.loads((cache / "hw.json").read_text())[key]["measured"] == ("now" if remeasure else "test")

@@ -1,7 +1,10 @@
 """This machine's roofline: memory read bandwidth and matmul peak, measured once and cached per machine.
 
 The cache (<llmq cache>/hw.json, usually ~/.cache/llmq/hw.json) is keyed by CPU model, core count and
-accelerator, so a copied home directory on other hardware is measured afresh.
+accelerator, so a copied home directory on other hardware is measured afresh. Each measurement records the load
+average it was taken under: one taken on a busy machine (peaks measured low, so every MBU against them too high) is
+measured again as soon as the machine is quieter, and so is one from before the load was recorded. The offline
+bench also re-measures when a figure it computes against the cache comes out impossible (see bench.offline).
 """
 
 from __future__ import annotations
@@ -68,14 +71,37 @@ def matmul_flops(dtype: torch.dtype, device: str = "cpu", n: int | None = None, 
     return 2 * n**3 / t
 
 
+BUSY_LOAD = 0.5  # 1-minute load average per core above which a machine counts as busy
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average per core, or None where the platform has none."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return None
+
+
 def measure(device: str) -> dict:
+    load = load_per_core()
     return {"device": device, "read_bandwidth": read_bandwidth(device),
             "fp32_flops": matmul_flops(torch.float32, device), "bf16_flops": matmul_flops(torch.bfloat16, device),
-            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_per_core": None if load is None else round(load, 2)}
+
+
+def reusable(entry: dict) -> bool:
+    """Whether a cached measurement still stands: it recorded its load, and either the machine was not busy then
+    or it is at least as busy now (a peak measured under load understates the machine)."""
+    if "load_per_core" not in entry:
+        return False
+    then, now = entry["load_per_core"], load_per_core()
+    return then is None or then < BUSY_LOAD or (now is not None and now >= then)
 
 
 def hardware(device: str | None = None, refresh: bool = False) -> dict:
-    """The cached measurement for this machine and device, measuring (and caching) it when missing."""
+    """The cached measurement for this machine and device, measuring (and caching) it when missing or no longer
+    reusable."""
     device = pick_device(device)
     path = cache_dir() / "hw.json"
     key = machine_key(device)
@@ -83,7 +109,7 @@ def hardware(device: str | None = None, refresh: bool = False) -> dict:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    if refresh or key not in cache:
+    if refresh or key not in cache or not reusable(cache[key]):
         cache[key] = measure(device)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -30,7 +30,8 @@ def headline_metrics(report: dict) -> dict:
     if report["mode"] == "offline":
         for r in report["offline"]:
             for k in ("tokens_per_s", "step_ms", "mbu", "mfu"):
-                out[f"batch={r['batch_size']}/{k}"] = r[k]
+                if r[k] is not None:
+                    out[f"batch={r['batch_size']}/{k}"] = r[k]
         return out
     for lv in report["levels"]:
         s = lv["summary"]
@@ -103,8 +104,8 @@ def table(report: dict):
             t.add_column(c, justify="right")
         for r in report["offline"]:
             t.add_row(str(r["batch_size"]), f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['prefill_s']:.2f}",
-                      f"{r['weight_bytes'] / 1e6:.1f}", f"{r['kv_bytes'] / 1e6:.2f}", f"{r['mbu']:.1%}",
-                      f"{r['mfu']:.2%}")
+                      f"{r['weight_bytes'] / 1e6:.1f}", f"{r['kv_bytes'] / 1e6:.2f}", _num(r["mbu"], "{:.1%}"),
+                      _num(r["mfu"], "{:.2%}"))
         return t
     st = report["settings"]
     t = Table(title=f"{st['endpoint']}  model {st['model']}  ({st['api']})")
@@ -149,8 +150,8 @@ def make_plot(report: dict):
         a1.set_ylabel("output throughput (tokens/s)")
         a1.set_title("throughput vs latency")
         b = [r["batch_size"] for r in rows]
-        a2.plot(b, [r["mbu"] * 100 for r in rows], "o-", label="MBU")
-        a2.plot(b, [r["mfu"] * 100 for r in rows], "s-", label="MFU")
+        a2.plot(b, [float("nan") if r["mbu"] is None else r["mbu"] * 100 for r in rows], "o-", label="MBU")
+        a2.plot(b, [float("nan") if r["mfu"] is None else r["mfu"] * 100 for r in rows], "s-", label="MFU")
         a2.set_xscale("log", base=2)
         a2.set_xticks(b, [str(x) for x in b])
         a2.set_xlabel("batch size")

@@ -158,7 +158,10 @@ def offline(ctx, ref, opts, as_json):
     art = run_offline(source_artifact(ref, store), opts, store,
                       progress=lambda r: click.echo(f"batch {r.batch_size}: {r.tokens_per_s:.1f} tok/s, "
                                                     f"step {r.step_ms:.1f} ms", err=True))
-    _print(R.load(store, str(art.path)), art, as_json)
+    report = R.load(store, str(art.path))
+    for note in report["settings"].get("notes", []):
+        click.echo(f"note: {note}", err=True)
+    _print(report, art, as_json)
 
 
 @bench.command("hw")
@@ -173,7 +176,9 @@ def hw(device, refresh, as_json):
     if as_json:
         echo_json(h)
         return
-    click.echo(f"{h['machine']}  ({h['device']}, measured {h['measured']})\n"
+    load = h.get("load_per_core")
+    click.echo(f"{h['machine']}  ({h['device']}, measured {h['measured']}"
+               f"{'' if load is None else f' at load {load:.2f} per core'})\n"
                f"  memory read bandwidth  {h['read_bandwidth'] / 1e9:8.2f} GB/s\n"
                f"  fp32 matmul            {h['fp32_flops'] / 1e9:8.2f} GFLOP/s\n"
                f"  bf16 matmul            {h['bf16_flops'] / 1e9:8.2f} GFLOP/s")
