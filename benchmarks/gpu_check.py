@@ -131,6 +131,13 @@ def artifact_path(store: Path, manifest: dict) -> Path:
     return Store(store).resolve(f"{manifest['name']}/v{manifest['version']}").path
 
 
+def imported(args, work: Path, shape: dict, name: str, embed_std: float) -> tuple[Path, Path, Path]:
+    """(HF directory, store, imported model artifact) of a random model of `shape` (SMALL-shrunk with --small)."""
+    src = make_model(work / name, {**shape, **(SMALL if args.small else {})}, args.tokenizer, args.device, embed_std)
+    store = work / "store"
+    return src, store, artifact_path(store, llmq(store, "import", str(src)))
+
+
 # -- metrics --------------------------------------------------------------------------------------------------------
 def compare(ref: torch.Tensor, test: torch.Tensor) -> dict:
     """Mean KLD(ref || test) and top-1 agreement of two [T, V] log-prob tensors."""
@@ -195,11 +202,8 @@ def runtime_logprobs(eng: LLMEngine, seqs: list[list[int]]) -> torch.Tensor:
 # -- part 1: correctness --------------------------------------------------------------------------------------------
 def part_correctness(args, res: Results, work: Path) -> None:
     dev = args.device
-    shape = {**SMOL, **(SMALL if args.small else {})}
-    src = make_model(work / "smol-random", shape, args.tokenizer, dev, embed_std=0.1)
-    store = work / "store"
-    model_art = artifact_path(store, llmq(store, "import", str(src)))
-    vocab = shape["vocab_size"]
+    _, store, model_art = imported(args, work, SMOL, "smol-random", embed_std=0.1)
+    vocab = SMOL["vocab_size"]
     n_seq = max(1, args.tokens // 128)
     seqs = make_prompts(n_seq, 128, vocab, seed=1)
     prompts = make_prompts(4, 32, vocab, seed=2)
@@ -510,12 +514,9 @@ def copy_bandwidth(dev: str) -> float:
 
 def part_speed(args, res: Results, work: Path) -> None:
     dev = args.device
-    shape = {**LLAMA3_8B, **(SMALL if args.small else {})}
     bw = copy_bandwidth(dev)
     res.put("speed", "copy_bandwidth_gbs", round(bw / 1e9, 1))
-    src = make_model(work / "llama3-8b-random", shape, args.tokenizer, dev, embed_std=0.02)
-    store = work / "store"
-    model_art = artifact_path(store, llmq(store, "import", str(src)))
+    src, store, model_art = imported(args, work, LLAMA3_8B, "llama3-8b-random", embed_std=0.02)
     paths = {"bf16": model_art}
     for name, qargs in (("int8", SCHEMES["int8"]), ("int4", ["--method", "rtn", "--bits", "4", "--group-size", "128"])):
         v = guarded(res, "speed_quantize", name, lambda qargs=qargs, name=name: _quantize_fast(store, model_art, qargs,
@@ -582,10 +583,7 @@ def summary(res: Results) -> None:
 # -- part 3: GPTQ on the GPU ----------------------------------------------------------------------------------------
 def part_gptq(args, res: Results, work: Path) -> None:
     dev = args.device
-    shape = {**LLAMA3_8B, **(SMALL if args.small else {})}
-    src = make_model(work / "llama3-8b-random", shape, args.tokenizer, dev, embed_std=0.02)
-    store = work / "store"
-    model_art = artifact_path(store, llmq(store, "import", str(src)))
+    _, store, model_art = imported(args, work, LLAMA3_8B, "llama3-8b-random", embed_std=0.02)
 
     def run():
         t = time.perf_counter()
@@ -593,10 +591,10 @@ def part_gptq(args, res: Results, work: Path) -> None:
                    "--device", dev, "--num-samples", str(args.gptq_samples), "--seq-len", "512", "--probe-tokens", "0",
                    "--name", "big-gptq")
         m = man["metrics"]
+        gib = lambda key: round((m.get(key) or 0) / 2**30, 2)  # noqa: E731
         return {"process_s": round(time.perf_counter() - t, 1), "wall_s": m["wall_time_s"],
-                "calibration_tokens": args.gptq_samples * 512, "peak_device_gib": round(
-                    (m.get("peak_device_bytes") or 0) / 2**30, 2), "peak_rss_gib": round(m["peak_rss_bytes"] / 2**30, 2),
-                "size_gib": round(m["size_bytes"] / 2**30, 2)}
+                "calibration_tokens": args.gptq_samples * 512, "peak_device_gib": gib("peak_device_bytes"),
+                "peak_rss_gib": gib("peak_rss_bytes"), "size_gib": gib("size_bytes")}
 
     guarded(res, "gptq", "gptq_w4g128", run)
 

@@ -11,8 +11,9 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
   quantize probe measures (KLD of the order of 1e-4 against exact arithmetic); shapes the kernels refuse fall back
   to dequantize-on-the-fly, exactly.
 - W8A8: activations quantized to int8 per token (or with the static input scale); the int8 x int8 products run on
-  torch._int_mm on CUDA (decode batches padded to its 17-row minimum) and, on CPU, for up to 8 rows (decode) through the int8-weight kernel with integer-valued
-  activations (exact in bfloat16, but its bfloat16 output rounds the sums to 2^-8 relative); else in float32.
+  torch._int_mm on CUDA (decode batches padded to its 17-row minimum) and, on CPU, for up to 8 rows (decode)
+  through the int8-weight kernel with integer-valued activations (exact in bfloat16, but its bfloat16 output rounds
+  the sums to 2^-8 relative); else in float32.
 - FP8: torch._scaled_mm where the GPU has FP8 tensor cores, otherwise the weight is dequantized on the fly and
   quantized activations are reproduced exactly (quantize to e4m3 and back) so numerics match the FP8 kernels.
 Row/column tensor-parallel splitting happens when weights are loaded; a layer only ever sees its own slice.
