@@ -183,7 +183,8 @@ class HFReference:
         self.model.load_state_dict(sd, strict=False)
 
     @torch.no_grad()
-    def logprobs(self, ids: list[int]) -> torch.Tensor:
+    def prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """[T, vocab] next-token log-probs, like LLMEngine.prompt_logprobs."""
         x = torch.tensor([ids], device=self.device)
         return self.model(x).logits[0].float().log_softmax(-1).cpu()
 
@@ -195,7 +196,7 @@ def engine(path: Path, device: str, **kw) -> LLMEngine:
     return LLMEngine(path, EngineConfig(**cfg))
 
 
-def runtime_logprobs(eng: LLMEngine, seqs: list[list[int]]) -> torch.Tensor:
+def runtime_logprobs(eng: LLMEngine | HFReference, seqs: list[list[int]]) -> torch.Tensor:
     return torch.cat([eng.prompt_logprobs(s) for s in seqs])
 
 
@@ -217,7 +218,7 @@ def part_correctness(args, res: Results, work: Path) -> None:
         with torch.no_grad():
             lp16 = torch.cat([m16(torch.tensor([s], device=dev)).logits[0].float().log_softmax(-1).cpu()
                               for s in seqs])
-        return compare(torch.cat([hf.logprobs(s) for s in seqs]), lp16)
+        return compare(runtime_logprobs(hf, seqs), lp16)
 
     floor = guarded(res, "correctness", "hf_bf16_vs_hf_fp32", dense_floor).get("kld", 0.0)
 
@@ -279,8 +280,8 @@ def _check_artifact(name: str, path: Path, hf: HFReference, seqs, prompts, dev: 
     out["greedy_gpu_fp32_vs_cpu"] = _merge([greedy_check(g, len(p), cpu.prompt_logprobs(p + g), tie)
                                             for p, g in zip(prompts, runs["float32"][1])])
     hf.load(path if dequant else None)
-    out["gpu_bf16_vs_hf_fp32"] = compare(runtime_logprobs_hf(hf, seqs), runs["bfloat16"][0])
-    out["greedy_gpu_bf16_vs_hf_fp32"] = _merge([greedy_check(g, len(p), hf.logprobs(p + g), tie)
+    out["gpu_bf16_vs_hf_fp32"] = compare(runtime_logprobs(hf, seqs), runs["bfloat16"][0])
+    out["greedy_gpu_bf16_vs_hf_fp32"] = _merge([greedy_check(g, len(p), hf.prompt_logprobs(p + g), tie)
                                                 for p, g in zip(prompts, runs["bfloat16"][1])])
     allowed = 1e-3
     if name in ACT_QUANT:
@@ -316,10 +317,6 @@ def _amplification_floor(cpu: LLMEngine, seqs, ref: torch.Tensor) -> dict:
     finally:
         L.LinearBase._finish = finish
     return out
-
-
-def runtime_logprobs_hf(hf: HFReference, seqs) -> torch.Tensor:
-    return torch.cat([hf.logprobs(s) for s in seqs])
 
 
 def _merge(checks: list[dict]) -> dict:

@@ -137,11 +137,11 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
             kv_mean = float(np.mean(kv))
             rates.append(((weight_bytes + kv_mean) / step, flops_per_token * b / step))
             results.append(OfflineResult(b, len(times), step * 1e3, float(np.median(times)) * 1e3, b / step, prefill,
-                                         weight_bytes, kv_mean, rates[-1][0] / peak_bw, rates[-1][1] / peak_fl))
+                                         weight_bytes, kv_mean, None, None))  # MBU / MFU: once all are measured
             if progress:
                 progress(results[-1])
         notes = []
-        if any(r.mbu > 1 or r.mfu > 1 for r in results):  # the cached peaks understate this machine: measure now
+        if any(bw > peak_bw or fl > peak_fl for bw, fl in rates):  # the cached peaks understate this machine
             hw = hardware(str(engine.device), refresh=True)
             peak_bw, peak_fl = hw["read_bandwidth"], peak_flops(hw, engine.runner.dtype)
             notes.append("the cached peaks were below what this run achieved; measured them again")

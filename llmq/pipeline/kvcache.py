@@ -205,7 +205,7 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
 
     from ..models.load import load_tokenizer
     from .quantize.calib import load_calibration, load_probe_text
-    from .quantize.stage import peak_rss_bytes
+    from .quantize.stage import peak_memory
 
     ckpt = _check(source, opts)
     t0 = time.perf_counter()
@@ -242,7 +242,7 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
                     granularity=chosen, kv_error=errors, probe=quality,
                     kv_bytes_per_token=spec.kv_bytes_per_token(1),
                     kv_bytes_per_token_16bit=spec.kv_bytes_per_token(2),
-                    wall_time_s=round(time.perf_counter() - t0, 2), peak_rss_bytes=peak_rss_bytes(),
+                    wall_time_s=round(time.perf_counter() - t0, 2), **peak_memory(str(engine.device)),
                     size_bytes=sum(p.stat().st_size for p in w.dir.glob("*.safetensors")))
         finally:
             engine.shutdown()
