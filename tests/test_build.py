@@ -151,7 +151,8 @@ def test_tp_shards_reproduce_the_unsharded_logits(tiny_sources, shape, tp, targe
 
 # Groups of 64 (TensorRT-LLM's smallest): at tp 2 and 4 each rank holds part of a group and TensorRT-LLM's padding.
 QUANTIZED = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=64), "int4-asym": dict(bits=4, group_size=64,
-                                                                                        symmetric=False)}
+                                                                                        symmetric=False),
+             "int4-head8": dict(bits=4, group_size=64, lm_head="int8")}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,8 @@ def test_quantized_shards_reproduce_the_unsharded_logits(quantized_sources, quan
     assert v["passed"] and v["max_rel_error"] < TOLERANCE
     if target == "trtllm":
         q = json.loads((art.path / "trtllm/config.json").read_text())["quantization"]
-        assert q["quant_algo"] == {"int8": "W8A16", "int4": "W4A16_AWQ", "int4-asym": "W4A16_AWQ"}[quant]
+        assert q["quant_algo"] == {"int8": "W8A16", "int4": "W4A16_AWQ", "int4-asym": "W4A16_AWQ",
+                                   "int4-head8": "W4A16_AWQ"}[quant]
         assert q["has_zero_point"] == (quant == "int4-asym") and "*vocab_embedding" in q["exclude_modules"]
         if quant != "int8":
             assert q["group_size"] == 64

@@ -352,3 +352,55 @@ def test_an_installed_compressed_tensors_outside_the_range_is_a_clear_error(monk
     monkeypatch.setattr(compressed_tensors, "__version__", "0.16.2")
     with pytest.raises(LlmqError, match=r"compressed-tensors 0\.16\.2 is installed but llmq writes the format of"):
         qformat.quantization_config(qformat.QuantArgs(8))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_int8_lm_head_is_a_second_group_that_transformers_loads_and_llmq_computes(tmp_path, ids, tied,
+                                                                                      monkeypatch):
+    """`--lm-head int8`: the output projection is a weight-only INT8 per-channel group of its own (a tied model is
+    untied, its embedding table kept 16-bit for the lookup); transformers computes what llmq computes, and the
+    probe counts the head's rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tiny", seed=7, tie_word_embeddings=tied)
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(path), store)
+    common = dict(method="rtn", bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=PROBE_TOKENS)
+    art = quantize(src, QuantizeOptions(lm_head="int8", **common), store, progress=False)
+    plain = quantize(src, QuantizeOptions(**common), store, progress=False)
+
+    ck = CheckpointReader(art.path)
+    cfg = ck.config["quantization_config"]
+    groups = {tuple(g["targets"]): g for g in cfg["config_groups"].values()}
+    assert set(groups) == {("Linear",), ("lm_head",)} and cfg["ignore"] == []
+    assert groups[("Linear",)]["weights"] == INT4_G32 and groups[("lm_head",)]["weights"] == INT8_CH
+    assert ck.config["tie_word_embeddings"] is False and art.config["scheme_per_module"]["lm_head"] == "W8A16-channel-sym"
+    vocab, hidden = ck.tensors["model.embed_tokens.weight"].shape
+    assert ck.tensors["model.embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in ck.tensors
+    for key, (dtype, shape) in PACKED_INT8.items():
+        t = ck.tensors[f"lm_head.{key}"]
+        assert t.dtype == dtype and tuple(t.shape) == shape(vocab, hidden), key
+    assert ck.linear("lm_head").qw.bits == 8
+
+    _int4_kernel_off(monkeypatch)
+    hf = _transformers(art.path)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    got = kld_top1(ref, _llmq_logprobs(art.path, ids))
+    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    # the head's rounding is in the probe: it differs from the same layers with a 16-bit head
+    assert art.metrics["probe"]["kld_mean"] != plain.metrics["probe"]["kld_mean"]
+
+
+def test_an_int8_lm_head_needs_a_weight_only_method():
+    from llmq.errors import LlmqError
+    from llmq.pipeline.quantize import QuantizeOptions
+
+    with pytest.raises(LlmqError, match="--lm-head int8 needs a weight-only method"):
+        QuantizeOptions(method="smoothquant", bits=8, lm_head="int8").check()

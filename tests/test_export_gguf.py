@@ -50,6 +50,7 @@ SCHEMES = {  # name: (QuantizeOptions or None, linear type)
     "w8-g32": (dict(bits=8, group_size=32), "Q8_0"),
     "w4-g32": (dict(bits=4, group_size=32), "Q4_0"),
     "w4-g32-asym": (dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
+    "w4-g32-head8": (dict(bits=4, group_size=32, lm_head="int8"), "Q4_0"),   # lm_head INT8 per channel: Q8_0
 }
 
 
@@ -74,8 +75,8 @@ def expected_tensors(arch: str, c: dict) -> dict[str, tuple[tuple[int, ...], str
     return out
 
 
-def expected_type(kind: str, linear_type: str) -> str:
-    return {"norm": "F32", "embed": "BF16", "lm_head": "BF16", "linear": linear_type}[kind]
+def expected_type(kind: str, linear_type: str, head_type: str = "BF16") -> str:
+    return {"norm": "F32", "embed": "BF16", "lm_head": head_type, "linear": linear_type}[kind]
 
 
 # ---------------------------------------------------------------- helpers
@@ -160,7 +161,7 @@ def test_file_meets_llama_cpp_loader_contract(tiny, arch, scheme):
     expected = expected_tensors(a, cfg)
     assert set(tensors) == set(expected)
     for name, (shape, kind) in expected.items():
-        t, typ = tensors[name], expected_type(kind, linear_type)
+        t, typ = tensors[name], expected_type(kind, linear_type, "Q8_0" if scheme.endswith("head8") else "BF16")
         assert t.tensor_type == GGML_TYPE_ID[typ], name
         assert tuple(int(x) for x in t.shape) == shape, name
         per_block, nbytes = BLOCK_BYTES[typ]

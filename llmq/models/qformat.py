@@ -11,7 +11,11 @@ and `config.json` → `quantization_config` built from compressed-tensors' own p
 is never written, stamped with the compressed-tensors `version` that wrote it (as compressed-tensors itself does).
 llmq writes and reads the format of the releases in [CT_MIN, CT_MAX) (pyproject.toml pins the same range): vLLM's
 current release pins 0.17; a checkpoint stamped with a newer release is refused with one clear error rather than
-misread. KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` ([1] per tensor, [kv_heads, 1, 1] per head, the
+misread. The output projection is dense (in `ignore`) unless `llmq quantize --lm-head int8` quantized it: then a second config
+group targets `lm_head` alone with INT8 per-channel weights in the same pack-quantized layout (transformers and
+compressed-tensors resolve a module by its name before its class). A tied model is untied for that: the
+embedding table stays 16-bit for the lookup, since transformers cannot load a quantized Embedding.
+KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` ([1] per tensor, [kv_heads, 1, 1] per head, the
 shapes compressed-tensors gives them) with `kv_cache_scheme` in the config;
 a model whose weights stay dense but whose KV cache is calibrated has format "dense", no config groups and only a
 `kv_cache_scheme` (what compressed-tensors itself writes for KV-cache-only quantization).
@@ -30,6 +34,7 @@ from .. import quant
 from ..errors import LlmqError
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+LM_HEAD = "lm_head"
 CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
 CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
 
@@ -83,13 +88,23 @@ class QuantArgs:
 @dataclass(frozen=True)
 class QConfig:
     """A parsed `quantization_config`: one scheme for every Linear except `ignore`, plus the KV-cache scheme.
-    weights is None (format "dense") when only the KV cache is quantized."""
+    weights is None (format "dense") when only the KV cache is quantized; lm_head is the output projection's own
+    weight-only scheme when it is quantized (a config group targeting `lm_head`)."""
 
     format: str
     weights: QuantArgs | None
     input_activations: QuantArgs | None
     ignore: tuple[str, ...]
     kv: QuantArgs | None
+    lm_head: QuantArgs | None = None
+
+    def scheme_of(self, name: str) -> tuple[QuantArgs, QuantArgs | None] | None:
+        """(weights, input activations) of the linear `name`, None where it is stored dense."""
+        if name == LM_HEAD and self.lm_head is not None:
+            return self.lm_head, None
+        if self.weights is None or self.ignores(name):
+            return None
+        return self.weights, self.input_activations
 
     def ignores(self, name: str) -> bool:
         """compressed-tensors' ignore entries: a module name (matched as a suffix of the full name) or `re:<regex>`."""
@@ -150,13 +165,15 @@ def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
 
 
 def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs | None = None,
-                        ignore: list[str] | tuple[str, ...] = ("lm_head",), kv: QuantArgs | None = None) -> dict:
+                        ignore: list[str] | tuple[str, ...] = (LM_HEAD,), kv: QuantArgs | None = None,
+                        lm_head: QuantArgs | None = None) -> dict:
     """The `quantization_config` dict for config.json, validated by compressed-tensors' own models.
-    weights=None: dense weights with a calibrated KV cache only (format "dense", no config groups)."""
+    weights=None: dense weights with a calibrated KV cache only (format "dense", no config groups).
+    lm_head: the output projection's weight-only scheme (a second group, same pack-quantized layout)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     if weights is None:
-        if kv is None or input_activations is not None:
+        if kv is None or input_activations is not None or lm_head is not None:
             raise LlmqError("a quantization_config without a weights scheme carries a KV-cache scheme and nothing else")
         groups, fmt = {}, "dense"
     else:
@@ -164,6 +181,11 @@ def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs 
             targets=["Linear"], weights=weights.to_ct(),
             input_activations=input_activations.to_ct() if input_activations else None)}
         fmt = format_for(weights, input_activations)
+        if lm_head is not None:
+            if fmt != "pack-quantized" or format_for(lm_head, None) != fmt or LM_HEAD in ignore:
+                raise LlmqError("a quantized lm_head shares the weight-only (pack-quantized) layout of the other "
+                                "linears and is not ignored")
+            groups["group_1"] = QuantizationScheme(targets=[LM_HEAD], weights=lm_head.to_ct())
     cfg = QuantizationConfig(config_groups=groups, format=fmt, ignore=list(ignore) if groups else [],
                              kv_cache_scheme=kv.to_ct() if kv else None, quantization_status="compressed")
     return {**cfg.model_dump(mode="json", exclude_none=True), "version": compressed_tensors_version()}
@@ -188,12 +210,16 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
                        kv=QuantArgs.from_dict(kv))
     if fmt not in FORMATS:
         raise LlmqError(f"compressed-tensors format {fmt!r} is not supported; llmq reads {', '.join(FORMATS)}")
-    if len(groups) != 1 or list(groups[0].get("targets") or []) != ["Linear"]:
-        raise LlmqError("only compressed-tensors checkpoints with one scheme for every Linear layer are supported")
-    acts = groups[0].get("input_activations")
-    return QConfig(format=fmt, weights=QuantArgs.from_dict(groups[0]["weights"]),
+    by_target = {tuple(g.get("targets") or ()): g for g in groups}
+    linear, head = by_target.get(("Linear",)), by_target.get((LM_HEAD,))
+    if linear is None or len(groups) != 1 + (head is not None) or (head and head.get("input_activations")):
+        raise LlmqError("only compressed-tensors checkpoints with one scheme for every Linear layer (and optionally a "
+                        "weight-only one for lm_head) are supported")
+    acts = linear.get("input_activations")
+    return QConfig(format=fmt, weights=QuantArgs.from_dict(linear["weights"]),
                    input_activations=QuantArgs.from_dict(acts) if acts else None,
-                   ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None)
+                   ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None,
+                   lm_head=QuantArgs.from_dict(head["weights"]) if head else None)
 
 
 def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
@@ -205,11 +231,12 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
 
 def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig) -> QuantizedWeight | None:
     """The QuantizedWeight of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is stored dense."""
-    if qconfig.weights is None or qconfig.ignores(name) or (f"{name}.weight_packed" not in tensors and f"{name}.weight_scale" not in tensors):
+    scheme = qconfig.scheme_of(name)
+    if scheme is None or (f"{name}.weight_packed" not in tensors and f"{name}.weight_scale" not in tensors):
         return None
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    w, a = qconfig.weights, qconfig.input_activations
+    w, a = scheme
     scale = _get(tensors, f"{name}.weight_scale")
     zero = None
     if qconfig.format == "pack-quantized":

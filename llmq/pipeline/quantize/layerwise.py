@@ -139,14 +139,14 @@ def capture_layer0(model, windows: list[torch.Tensor], device) -> tuple[list[tor
 
 
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
-               chunk: int = 256) -> dict:
+               quant_head: Callable[[torch.Tensor], torch.Tensor], chunk: int = 256) -> dict:
     from .probe import ProbeAccumulator
 
     acc = ProbeAccumulator()
     for a, b in zip(src, quant):
         a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         for i in range(0, a.shape[0], chunk):
-            acc.add(norm(a[i:i + chunk]) @ head.T, norm(b[i:i + chunk]) @ head.T)
+            acc.add(norm(a[i:i + chunk]) @ head.T, quant_head(norm(b[i:i + chunk])))
     return acc.result()
 
 
@@ -232,15 +232,21 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             times.append(round(time.perf_counter() - t0, 3))
             bar.advance(task)
 
+    head = model.lm_head.weight.to(device=device, dtype=torch.float32)
+    quant_head = lambda h: h @ head.T  # noqa: E731
+    if opts.lm_head == "int8":
+        from .rtn import quantize_weight
+
+        weights[qformat.LM_HEAD] = quantize_weight(head, 8, 0, True, model_dtype)
+        quant_head = QuantLinear(weights[qformat.LM_HEAD], None, device)
     for k in source:
-        if not k.startswith("model.layers."):
-            dense[k] = source[k]
-        elif k not in dense and k.removesuffix(".weight") not in weights:
+        if k.removesuffix(".weight") in weights:
+            continue
+        if not k.startswith("model.layers.") or k not in dense:
             dense[k] = source[k]
     result_probe = None
     if probe is not None:
         norm = model.model.norm.to(device=device, dtype=torch.float32)
-        head = model.lm_head.weight.to(device=device, dtype=torch.float32)
-        result_probe = _kl_chunks(probe_src, probe_q, norm, head)
+        result_probe = _kl_chunks(probe_src, probe_q, norm, head, quant_head)
         result_probe["source"] = probe.source
     return LayerwiseResult(weights, dense, result_probe, times, str(device))

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 ACTIVATION_SCHEMES = ("dynamic", "static")
 DEFAULT_GROUPS = (128, 64, 32)
 WEIGHT_ONLY = ("rtn", "gptq", "awq")
+LM_HEAD_CHOICES = ("keep", "int8")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class QuantizeOptions(Options):
     seq_len: int = option(256, "Tokens per calibration window.", ge=2)
     seed: int = option(0, "Seed for choosing calibration windows.")
     probe_tokens: int = option(2048, "Held-out tokens for the KLD / top-1 quality probe (0: skip it).", ge=0)
+    lm_head: str = option("keep", "Output projection: keep it as stored (16-bit), or int8 per output channel (RTN, "
+                          "probed with the rest; weight-only methods). It is the widest matrix a decode step reads; "
+                          "a tied model gets its own lm_head, the embedding table stays 16-bit.",
+                          choices=LM_HEAD_CHOICES)
     ignore: tuple[str, ...] = option(("lm_head",), internal=True)
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
@@ -76,6 +81,9 @@ class QuantizeOptions(Options):
             raise LlmqError("--alpha is SmoothQuant's migration strength; use it with --method smoothquant")
         if self.act_order and self.method != "gptq":
             raise LlmqError("--act-order is a GPTQ option; use it with --method gptq")
+        if self.lm_head != "keep" and self.method not in WEIGHT_ONLY:
+            raise LlmqError(f"--lm-head {self.lm_head} needs a weight-only method ({', '.join(WEIGHT_ONLY)}): a "
+                            f"{self.method} checkpoint has one layout for every quantized layer")
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
         g = self.group_size
@@ -84,6 +92,11 @@ class QuantizeOptions(Options):
             g = fits[0] if self.bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
         alpha = 0.5 if self.alpha is None and self.method == "smoothquant" else self.alpha
         return dataclasses.replace(self, group_size=0 if g in (0, -1) else int(g), alpha=alpha)
+
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        """The modules left dense: `ignore`, less lm_head when it is quantized."""
+        return tuple(m for m in self.ignore if not (m == "lm_head" and self.lm_head != "keep"))
 
     @property
     def strategy(self) -> str:
@@ -178,27 +191,33 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
 
     result = run_layerwise(source.path, method, opts, spec, calib=calib,
                            probe=probe, progress=progress)
-    schemes = {_scheme_args(qw) for qw in result.weights.values()}
+    layers = {k: qw for k, qw in result.weights.items() if k != qformat.LM_HEAD}
+    head = result.weights.get(qformat.LM_HEAD)
+    schemes = {_scheme_args(qw) for qw in layers.values()}
     if len(schemes) != 1:
         raise LlmqError(f"method {opts.method} produced {len(schemes)} different schemes; a checkpoint holds one")
     weight_args, act_args = schemes.pop()
-    example = next(iter(result.weights.values()))
+    example = next(iter(layers.values()))
 
     config = dict(read_config(source.path))
-    config["quantization_config"] = qformat.quantization_config(weight_args, act_args, ignore=list(opts.ignore))
+    config["quantization_config"] = qformat.quantization_config(
+        weight_args, act_args, ignore=list(opts.ignored), lm_head=_scheme_args(head)[0] if head else None)
+    if head is not None:
+        config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
     state = dict(result.dense)
     for name, qw in sorted(result.weights.items()):
         state.update(qformat.write_linear(name, qw))
-    linear_bytes = sum(t.numel() * t.element_size() for k, t in state.items() if k.rsplit(".", 1)[0] in result.weights
+    linear_bytes = sum(t.numel() * t.element_size() for k, t in state.items() if k.rsplit(".", 1)[0] in layers
                        and not k.endswith(".bias"))
-    linear_params = sum(qw.q.numel() for qw in result.weights.values())
+    linear_params = sum(qw.q.numel() for qw in layers.values())
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
-        "-act" if opts.act_order else "")
+        "-act" if opts.act_order else "") + ("-head8" if head is not None else "")
     run_config = {
         "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None, "symmetric": opts.symmetric,
-        "strategy": opts.strategy, "scheme": example.scheme, "scheme_per_module": {"Linear": example.scheme},
-        "excluded_modules": list(opts.ignore), "dense_modules": sorted({k.rsplit(".", 1)[0] for k in result.dense}),
+        "strategy": opts.strategy, "scheme": example.scheme,
+        "scheme_per_module": {"Linear": example.scheme, **({"lm_head": head.scheme} if head is not None else {})},
+        "excluded_modules": list(opts.ignored), "dense_modules": sorted({k.rsplit(".", 1)[0] for k in result.dense}),
         "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},
         "calibration": calib.manifest() if calib is not None else None,
         "probe": probe.manifest() if probe is not None else None,
@@ -214,8 +233,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         copy_tokenizer(source.path, w.dir)
         size = sum(p.stat().st_size for p in w.dir.glob("*.safetensors"))
         source_size = sum(p.stat().st_size for p in source.path.glob("*.safetensors"))
-        bf16_size = 2 * sum(t.numel() for t in result.dense.values()) + 2 * linear_params + sum(
-            t.numel() * 2 for k, t in state.items() if k.endswith(".bias") and k.rsplit(".", 1)[0] in result.weights)
+        head_bf16 = 2 * head.q.numel() if head is not None and not spec.tie_word_embeddings else 0
+        bf16_size = 2 * sum(t.numel() for t in result.dense.values()) + 2 * linear_params + head_bf16 + sum(
+            t.numel() * 2 for k, t in state.items() if k.endswith(".bias") and k.rsplit(".", 1)[0] in layers)
         w.metrics.update(
             wall_time_s=round(time.perf_counter() - t0, 2), **peak_memory(result.device),
             layer_times_s=result.layer_times, size_bytes=size, source_bytes=source_size, bf16_bytes=bf16_size,
