@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmq.runtime.kv_cache import allocate_kv_cache
-from llmq.runtime.layers.linear import FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
+from llmq.runtime.layers.linear import DenseLinear, FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -30,6 +30,21 @@ def int_weights(n, k, bits, group, asym, seed):
     q = (wg / scale.unsqueeze(-1) + zq).round().clamp(-qmax - 1, qmax).to(torch.int8).view(n, k)
     ref = ((q.view(n, groups, group).double() - zq) * scale.unsqueeze(-1).double()).view(n, k)
     return q, scale, zero, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 20])
+def test_dense_linear_is_prepacked_where_the_cpu_computes_its_dtype(dtype, rows):
+    """float32 weights are always prepacked for oneDNN; bfloat16 ones where the CPU has native bfloat16 (then
+    `--dtype bfloat16` reads half the bytes). Either way the layer computes the linear of its dtype."""
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(rows, 64, generator=g)
+    layer = DenseLinear(w.to(dtype), b.to(dtype))
+    native = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (layer.packed is not None) == native and layer.nbytes == 96 * 64 * dtype.itemsize + 96 * dtype.itemsize
+    got = layer(x.to(dtype))
+    ref = x.to(dtype).double() @ w.to(dtype).double().t() + b.to(dtype).double()
+    assert got.dtype == dtype and rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])

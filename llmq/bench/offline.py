@@ -56,6 +56,7 @@ class OfflineOptions(Options):
                                choices=("float32", "bfloat16", "float16"))
     seed: int = option(0, "Seeds the random prompts.")
     refresh: bool = option(False, "Measure the machine's peaks again instead of using the cached figures.")
+    compile: bool = option(False, "torch.compile the decode step (compiled before timing; tp 1).")
 
 
 def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: str | None = None,
@@ -70,7 +71,7 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
     opts.check()
     hw = hardware(opts.device, refresh=opts.refresh)
     results, settings = sweep(source.path, opts.batch_sizes, opts.input_len, opts.output_len, hw, opts.time_limit,
-                              opts.device, opts.dtype, opts.seed, progress)
+                              opts.device, opts.dtype, opts.seed, progress, compile=opts.compile)
     settings["engine"] = source.ref
     report = {"schema": R.SCHEMA, "mode": "offline", "settings": settings, "offline": [r.to_dict() for r in results]}
     return R.save(store, report, opts.name, [source.id], command)
@@ -78,7 +79,8 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
 
 def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: int, hw: dict,
           time_limit: float = 300.0, device: str | None = None, dtype: str | None = None, seed: int = 0,
-          progress: Callable[[OfflineResult], None] | None = None) -> tuple[list[OfflineResult], dict]:
+          progress: Callable[[OfflineResult], None] | None = None, compile: bool = False
+          ) -> tuple[list[OfflineResult], dict]:
     """Results per batch size, plus the engine settings they were measured with."""
     import numpy as np
     import torch
@@ -93,7 +95,7 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
         raise LlmqError("offline bench needs --input-len >= 1 and --output-len >= 2 (decode steps to time)")
     max_b = max(batch_sizes)
     cfg = EngineConfig(max_num_seqs=max_b, max_num_batched_tokens=max(512, input_len), enable_prefix_caching=False,
-                       max_model_len=input_len + output_len + 1, device=device, dtype=dtype)
+                       max_model_len=input_len + output_len + 1, device=device, dtype=dtype, compile=compile)
     engine = LLMEngine(path, cfg)
     try:
         spec = engine.spec
@@ -105,8 +107,11 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
         special = set(engine.tokenizer.all_special_ids)
         vocab = [i for i in range(min(spec.vocab_size, len(engine.tokenizer))) if i not in special]
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-        engine.generate([list(map(int, rng.choice(vocab, min(input_len, 8))))],
-                        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm up
+        warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        engine.generate([list(map(int, rng.choice(vocab, min(input_len, 8))))], warm)  # warm up
+        if compile:  # compile the graphs the sweep will hit (batch 1 and more, its context) before timing
+            for n in sorted({1, min(2, max_b)}):
+                engine.generate([list(map(int, rng.choice(vocab, input_len))) for _ in range(n)], warm)
         results, rates = [], []  # rates: (bytes read / s, FLOP / s) achieved at each batch size
         for b in batch_sizes:
             ids = [f"b{b}-{i}" for i in range(b)]
@@ -152,6 +157,7 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
                              "just measured (the working set fits in cache); MBU / MFU not reported")
                 r.mbu = r.mfu = None
         settings = {"device": str(engine.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+                    "compile": compile,
                     "kv_cache_dtype": engine.kv_cache_dtype, "tp": engine.tp, "input_len": input_len,
                     "output_len": output_len, "batch_sizes": list(batch_sizes), "time_limit_s": time_limit,
                     "peak_read_bandwidth": peak_bw, "peak_flops": peak_fl, "machine": hw.get("machine"),

@@ -46,6 +46,8 @@ def parse_size(text: str) -> int:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Compute dtype (default: float32 on CPU, the checkpoint's 16-bit dtype on GPU).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="torch.compile the decode step (tp 1; the first batches of each shape wait for compilation).")
 @click.option("--served-model-name", help="Model id in the API (default: the artifact's name).")
 @click.option("--api-key", envvar="LLMQ_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (env LLMQ_API_KEY).")
 @click.option("--max-queue", type=int, default=256, show_default=True,
@@ -61,8 +63,8 @@ def parse_size(text: str) -> int:
               show_default=True)
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
-          max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, served_model_name,
-          api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout, log_level):
+          max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
+          served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout, log_level):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes
@@ -84,7 +86,7 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
                        max_model_len=max_seq_len, block_size=block_size,
                        kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
                        kv_cache_dtype=kv, enable_prefix_caching=not no_prefix_caching, tp=tp,
-                       device=device, dtype=dtype)
+                       device=device, dtype=dtype, compile=compile_)
     if kv_cache_fraction is not None:
         cfg.kv_cache_fraction = kv_cache_fraction
     engine = thread.call(LLMEngine, art.path, cfg)

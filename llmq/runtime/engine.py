@@ -45,6 +45,7 @@ class EngineConfig:
     tp: int = 1
     device: str | None = None
     dtype: str | None = None  # compute dtype; None: float32 on CPU, the checkpoint's 16-bit dtype on GPU
+    compile: bool = False  # torch.compile the decode-only steps (runtime/compiled.py); tp 1 only
 
 
 @dataclass
@@ -175,6 +176,9 @@ class LLMEngine:
         if self.max_model_len > self.spec.max_position_embeddings:
             raise LlmqError(f"max_model_len {self.max_model_len} exceeds the model's "
                             f"{self.spec.max_position_embeddings} positions")
+        if cfg.compile and self.tp > 1:
+            raise LlmqError("--compile compiles the decode step of one rank; use it with tp 1 (tensor-parallel "
+                            "ranks run eagerly)")
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1 or block_size < 1:
             raise LlmqError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         self.block_size = block_size
@@ -188,7 +192,7 @@ class LLMEngine:
 
         load_args = dict(path=str(src.path), engine=engine, tp=self.tp, device=str(self.device), dtype=cfg.dtype,
                          num_blocks=self.num_blocks, block_size=block_size, kv_cache_dtype=self.kv_cache_dtype,
-                         max_positions=self.max_model_len)
+                         max_positions=self.max_model_len, compile=cfg.compile)
         self.workers = None
         self._workers_ready = False
         self._saved_threads = None

@@ -22,6 +22,7 @@ from ..models.engine_spec import EngineSpec
 from ..models.reader import ATTN, MLP, CheckpointReader, LinearWeights
 from ..models.sharding import RankWeights, ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
 from ..models.spec import attends
+from .compiled import compile_decode
 from .distributed import LocalGroup, LocalTPContext, TPContext, init_group, rank_device, threads_per_rank
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
@@ -175,7 +176,8 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
         try:
             caches = allocate_kv_cache(spec.num_layers, b * nblk, block_size, kv_heads, spec.head_dim, "auto", dtype,
                                        device, None)
-            results[r] = models[r](step.input_ids, step.positions, caches, step.meta, step.logits_indices)
+            with torch.inference_mode():
+                results[r] = models[r](step.input_ids, step.positions, caches, step.meta, step.logits_indices)
         except BaseException as e:   # free the others from the barrier they would wait at forever
             results[r] = e
             group.barrier.abort()
@@ -209,7 +211,7 @@ class ModelRunner:
     """One rank's model and KV cache."""
 
     def __init__(self, path: str, engine: EngineSpec | None, tp: int, rank: int, world: int, device: str, dtype,
-                 num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int):
+                 num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int, compile: bool = False):
         assert world == tp
         self.device = torch.device(device)
         self.rank_dir = Path(path) / f"rank{rank}" if engine is not None else Path(path)
@@ -225,6 +227,7 @@ class ModelRunner:
         self.caches = allocate_kv_cache(ckpt.spec.num_layers, num_blocks, block_size, self.num_kv_heads,
                                         ckpt.spec.head_dim, kv_cache_dtype, self.dtype, self.device, scales)
         self.kv_cache_dtype = kv_cache_dtype
+        self.decode = compile_decode(self.model, self.device) if compile else None
 
     def observe_kv(self, fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> None:
         """Have every layer's cache call fn(layer, k, v) with the K/V it is given to store (None: stop)."""
@@ -233,7 +236,11 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         step = step.to(self.device)
-        return self.model(step.input_ids, step.positions, self.caches, step.meta, step.logits_indices)
+        args = (step.input_ids, step.positions, self.caches, step.meta, step.logits_indices)
+        if self.decode is not None and not step.meta.prefills:
+            return self.decode(*args)
+        with torch.inference_mode():
+            return self.model(*args)
 
 
 def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct: bool,

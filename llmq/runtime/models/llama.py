@@ -84,10 +84,10 @@ class LlamaForCausalLM(nn.Module):
         h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed) * inside.unsqueeze(-1)
         return self.tp.all_reduce(h)
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """Logits [len(logits_indices), vocab] in float32 on rank 0 (None on the other ranks)."""
+        """Logits [len(logits_indices), vocab] in float32 on rank 0 (None on the other ranks). Callers choose the
+        autograd mode: inference_mode eagerly, no_grad around the compiled decode step."""
         x = self._embed(input_ids)
         rope = self.rotary.table(positions)
         for layer, cache in zip(self.layers, caches):
