@@ -64,7 +64,8 @@ def parse_size(text: str) -> int:
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
-          served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout, log_level):
+          served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout,
+          log_level):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes
