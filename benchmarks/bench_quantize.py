@@ -4,7 +4,8 @@ Each configuration runs `llmq quantize ... --json` in its own process (so peak R
 same imported model (default: the embedded SmolLM2-135M-Instruct) with the same calibration and probe settings.
 Printed per run: wall time, peak RSS, checkpoint size and its ratio to bf16 (whole file and quantized linears
 only), and the probe's mean KL divergence and top-1 agreement against the source model. The issue's bars are checked
-in the same run: INT8 weight-only top-1 >= 98%, INT4 GPTQ KLD < INT4 RTN KLD.
+in the same run: INT8 weight-only top-1 >= 98%, INT4 GPTQ KLD < INT4 RTN KLD; and bitsandbytes' NF4 is set against
+INT4 RTN / GPTQ at equal bits (KLD and bytes of the quantized linears).
 
     python benchmarks/bench_quantize.py [--model REF] [--store DIR] [--only rtn-w8,gptq-w4,...]
         [--num-samples 32] [--seq-len 256] [--probe-tokens 2048] [--json OUT]
@@ -36,6 +37,9 @@ CONFIGS = {
     "awq-w4": ["--method", "awq", "--bits", "4"],
     "smoothquant-w8a8": ["--method", "smoothquant", "--bits", "8"],
     "fp8": ["--method", "fp8", "--bits", "8"],
+    "bnb-nf4": ["--method", "bnb-nf4"],
+    "bnb-nf4-dq": ["--method", "bnb-nf4", "--double-quant"],
+    "bnb-int8": ["--method", "bnb-int8"],
 }
 
 
@@ -99,6 +103,12 @@ def main() -> None:
     if "rtn-w4" in ok and "gptq-w4" in ok:
         r, g = ok["rtn-w4"]["kld"], ok["gptq-w4"]["kld"]
         print(f"INT4 KLD: GPTQ {g:.5f} vs RTN {r:.5f} ({r / g:.2f}x lower with GPTQ; bar: GPTQ < RTN)")
+    for nf4 in ("bnb-nf4", "bnb-nf4-dq"):
+        for int4 in ("rtn-w4", "gptq-w4"):
+            if nf4 in ok and int4 in ok:
+                a, b = ok[nf4], ok[int4]
+                print(f"{nf4} vs {int4}: KLD {a['kld']:.5f} vs {b['kld']:.5f} ({b['kld'] / a['kld']:.2f}x), linears "
+                      f"{a['linear_ratio_bf16']:.2f}x vs {b['linear_ratio_bf16']:.2f}x smaller than bf16")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -137,6 +137,10 @@ class QuantizedWeight:
         return self.q.dtype == torch.float8_e4m3fn
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
     def strategy(self) -> str:
         if self.scale.numel() == 1:
             return "tensor"

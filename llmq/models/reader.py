@@ -1,8 +1,8 @@
-"""Reading a checkpoint directory (dense or compressed-tensors) lazily, one tensor at a time.
+"""Reading a checkpoint directory (dense, compressed-tensors or bitsandbytes) lazily, one tensor at a time.
 
 Shared by the build stage (which slices it into rank shards) and the runtime (which loads it): tensors are opened
 from the safetensors files on demand, so neither ever holds two copies of a large model. Quantized linears and
-KV-cache scales are read through `qformat`, the one reader of that format.
+KV-cache scales are read through `qformat` and `bnbformat`, the one reader of each format.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LlmqError
-from . import qformat
+from . import bnbformat, qformat
 from .checkpoint import read_config, safetensors_files
 from .spec import ModelSpec
 
@@ -33,17 +33,17 @@ def linear_names(i: int) -> list[str]:
 
 @dataclass
 class LinearWeights:
-    """One linear layer of a checkpoint: a dense weight [out, in] or a qformat QuantizedWeight, plus an optional bias."""
+    """One linear layer of a checkpoint: a dense weight [out, in] or a quantized one (a qformat QuantizedWeight or a
+    bnbformat weight), plus an optional bias."""
 
     name: str
     weight: torch.Tensor | None = None
-    qw: qformat.QuantizedWeight | None = None
+    qw: qformat.QuantizedWeight | bnbformat.NF4Weight | bnbformat.Int8Weight | None = None
     bias: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
-        t = self.weight if self.weight is not None else self.qw.q
-        return tuple(t.shape)
+        return tuple(self.weight.shape) if self.weight is not None else tuple(self.qw.shape)
 
     @property
     def out_features(self) -> int:
@@ -92,11 +92,12 @@ class CheckpointReader:
         if not files:
             raise LlmqError(f"{self.path}: no *.safetensors weights found")
         self.tensors = LazyTensors(files)
-        self.qconfig = qformat.parse_quantization_config(self.config)
+        self.bnb = bnbformat.parse_config(self.config)
+        self.qconfig = None if self.bnb else qformat.parse_quantization_config(self.config)
 
     @property
     def quantized(self) -> bool:
-        return self.qconfig is not None
+        return self.qconfig is not None or self.bnb is not None
 
     def tensor(self, name: str) -> torch.Tensor:
         try:
@@ -108,7 +109,10 @@ class CheckpointReader:
                                                  torch.Tensor | None]:
         """(dense weight, quantized weight, bias) of one linear: exactly one of the first two is set."""
         bias = self.tensors.get(f"{name}.bias")
-        qw = qformat.read_linear(self.tensors, name, self.qconfig) if self.qconfig is not None else None
+        if self.bnb is not None:
+            qw = bnbformat.read_linear(self.tensors, name, self.bnb)
+        else:
+            qw = qformat.read_linear(self.tensors, name, self.qconfig) if self.qconfig is not None else None
         return (None if qw is not None else self.tensor(f"{name}.weight")), qw, bias
 
     def linear(self, name: str) -> LinearWeights:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import LlmqError
+from . import qformat
 from .reader import ATTN, MLP, LinearWeights
 from .spec import ModelSpec
 
@@ -197,11 +198,18 @@ def _scale_cols(s: torch.Tensor | None, cols: torch.Tensor, in_features: int, fi
     return take(s, group_index(cols, in_features // s.shape[-1], name), 1, fill)
 
 
+def _check_sliceable(lw: LinearWeights) -> None:
+    if not isinstance(lw.qw, qformat.QuantizedWeight):
+        raise LlmqError(f"{lw.name}: bitsandbytes ({lw.qw.scheme}) weights are not split for tensor parallelism; "
+                        "run them with tp 1, or quantize with a compressed-tensors method (rtn, gptq, awq) to shard")
+
+
 def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:
     """Column-parallel slice: keep output rows `rows` (with their bias, scales and zero points)."""
     bias = take(lw.bias, rows, 0) if lw.bias is not None else None
     if lw.qw is None:
         return LinearWeights(lw.name, weight=take(lw.weight, rows, 0), bias=bias)
+    _check_sliceable(lw)
     qw = lw.qw  # padded rows: q 0, zero point 0, scale 1 -> they dequantize to exactly 0
     sliced = dataclasses.replace(qw, q=take(qw.q, rows, 0), scale=_scale_rows(qw.scale, rows, 1.0),
                                  zero_point=_scale_rows(qw.zero_point, rows, 0))
@@ -212,6 +220,7 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
     """Row-parallel slice: keep input columns `cols`. The bias stays whole: it is added once after the all-reduce."""
     if lw.qw is None:
         return LinearWeights(lw.name, weight=take(lw.weight, cols, 1), bias=lw.bias)
+    _check_sliceable(lw)
     qw = lw.qw
     in_features = qw.q.shape[1]
     sliced = dataclasses.replace(

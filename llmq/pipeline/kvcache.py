@@ -87,6 +87,9 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if source.kind not in ("model", "quantized"):
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize-kv takes a model or quantized artifact")
     ckpt = CheckpointReader(source.path)
+    if ckpt.bnb is not None:
+        raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint, whose format has no KV-cache scales; run "
+                        "quantize-kv on a compressed-tensors artifact (rtn, gptq, awq, smoothquant, fp8) or a model")
     have = ckpt.kv_cache_dtype()
     if have is not None:
         raise LlmqError(f"{source.ref} already carries calibrated {have} KV-cache scales; "

@@ -41,7 +41,7 @@ class RunResult:
 def _quantize(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
     from .quantize import quantize
 
-    return quantize(parent, cfg.to_options(seed=recipe.seed, name=f"{recipe.name}-{cfg.method}-w{cfg.bits}"), store)
+    return quantize(parent, cfg.to_options(seed=recipe.seed, name=f"{recipe.name}-{cfg.method}" + (f"-w{cfg.bits}" if cfg.bits else "")), store)
 
 
 def _quantize_kv(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:

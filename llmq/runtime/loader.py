@@ -1,7 +1,7 @@
 """Turning one rank's linears (LinearWeights, sliced by llmq.models.sharding when needed) into runtime layers.
 
-Quantized weights are read only through llmq.models.qformat. q/k/v and gate/up are fused into one linear each when
-their packings allow.
+Quantized weights are read only through llmq.models.qformat (compressed-tensors) and llmq.models.bnbformat
+(bitsandbytes). q/k/v and gate/up are fused into one linear each when their packings allow.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from ..errors import LlmqError
+from ..models import bnbformat
 from ..models.reader import LinearWeights
 from .layers.linear import (DenseLinear, FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, LinearBase,
                             W8A8Linear)
@@ -21,7 +22,11 @@ def _activation_quant(qw) -> bool:
 
 
 def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device) -> LinearBase:
-    """The runtime layer for one qformat QuantizedWeight, on `device`."""
+    """The runtime layer for one quantized weight (a qformat QuantizedWeight or a bnbformat weight), on `device`."""
+    if isinstance(qw, (bnbformat.NF4Weight, bnbformat.Int8Weight)):
+        from .layers.bnb import LLMInt8Linear, NF4Linear
+
+        return (NF4Linear if isinstance(qw, bnbformat.NF4Weight) else LLMInt8Linear)(qw, bias, dtype, device)
     to = lambda t: t.to(device) if t is not None else None  # noqa: E731
     q, scale, zero, bias = to(qw.q), to(qw.scale), to(qw.zero_point), to(bias)
     inp = to(getattr(qw, "input_scale", None))
@@ -44,6 +49,13 @@ def _fusable(parts: list[LinearWeights]) -> bool:
     if any(p.qw is None for p in parts):
         return False
     a = parts[0].qw
+    if any(type(p.qw) is not type(a) for p in parts):
+        return False
+    if isinstance(a, bnbformat.NF4Weight):
+        return bnbformat.NF4Weight.cat([p.qw for p in parts]) is not None
+    if isinstance(a, bnbformat.Int8Weight):
+        return True
+
     def sig(qw):
         s = qw.scale
         return (qw.scheme, qw.bits, qw.q.dtype, s.numel() == 1, s.shape[-1] if s.dim() > 1 else 1,
@@ -88,6 +100,8 @@ def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device) -> Line
         w = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
         return DenseLinear(w.to(device=device, dtype=dtype), bias.to(device) if bias is not None else None)
     qws = [p.qw for p in parts]
+    if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight)):
+        return quantized_linear(type(qws[0]).cat(qws), bias, dtype, device)
     fused = qws[0] if len(qws) == 1 else dataclasses.replace(
         qws[0], q=torch.cat([q.q for q in qws]), scale=_cat([q.scale for q in qws]),
         zero_point=_cat([q.zero_point for q in qws]))

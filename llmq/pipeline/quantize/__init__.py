@@ -1,4 +1,5 @@
-"""`llmq quantize`: weights to INT8 / INT4 / FP8, one decoder layer at a time, written in compressed-tensors format.
+"""`llmq quantize`: weights to INT8 / INT4 / FP8, one decoder layer at a time, written in compressed-tensors format
+(bitsandbytes' NF4 / LLM.int8: in bitsandbytes' own serialized form, `llmq.models.bnbformat`).
 
 Methods are plug-ins. Adding one is adding one module `llmq/pipeline/quantize/<name>.py` and its name to
 `METHODS` (methods.py); the stage (stage.py) and the layer-by-layer engine (layerwise.py) do everything else:
@@ -21,7 +22,8 @@ engine stores the rewritten norms / biases in the model dtype), `ctx.linears` ({
 calibration passes over the layer as it is at the time of the call: `ctx.collect(names, fn)` (fn(name, x) with x the
 [tokens, in_features] float32 input of each named linear, sample by sample), `ctx.hessians(names)`,
 `ctx.input_absmax(names)`.
-It returns a `qformat.QuantizedWeight` for every linear in `ctx.linears`. Activation quantization is expressed in the
+It returns a `qformat.QuantizedWeight` for every linear in `ctx.linears` (the bitsandbytes methods: a
+`bnbformat.NF4Weight` / `Int8Weight`, which the stage writes as a bitsandbytes checkpoint). Activation quantization is expressed in the
 weight (`input_scale` for static, `dynamic=True` for per-token): the engine computes the quality probe and the inputs
 it hands to the next layer through the runtime's layer for each weight (so the probe measures what serve computes),
 and derives the compressed-tensors scheme from the weights (one scheme for all).

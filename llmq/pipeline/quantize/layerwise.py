@@ -216,8 +216,8 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
                                 f"expected {sorted(linears)}")
             for name, qw in qws.items():
                 lin = linears[name]
-                if tuple(qw.q.shape) != tuple(lin.weight.shape):
-                    raise LlmqError(f"{prefix}.{name}: quantized shape {tuple(qw.q.shape)} != {tuple(lin.weight.shape)}")
+                if tuple(qw.shape) != tuple(lin.weight.shape):
+                    raise LlmqError(f"{prefix}.{name}: quantized shape {tuple(qw.shape)} != {tuple(lin.weight.shape)}")
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent) if parent else layer, attr, QuantLinear(qw, lin.bias, device))
                 weights[f"{prefix}.{name}"] = qw

@@ -7,7 +7,7 @@ from types import ModuleType
 
 from ...errors import LlmqError
 
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8")
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "bnb-nf4", "bnb-int8")
 PACKAGE = __name__.rsplit(".", 1)[0]
 
 
@@ -15,10 +15,11 @@ def load_method(name: str) -> ModuleType:
     """The plug-in module of a quantization method, checked for the interface above."""
     if name not in METHODS:
         raise LlmqError(f"unknown quantization method {name!r} (methods: {', '.join(METHODS)})")
+    module = f"{PACKAGE}.{name.replace('-', '_')}"  # bnb-nf4 -> bnb_nf4
     try:
-        mod = importlib.import_module(f"{PACKAGE}.{name}")
+        mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name != f"{PACKAGE}.{name}":
+        if e.name != module:
             raise
         raise LlmqError(f"quantization method {name!r} is not available in this installation") from None
     if not all(hasattr(mod, a) for a in ("BITS", "CALIBRATED", "quantize_layer")):

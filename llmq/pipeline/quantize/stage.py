@@ -9,6 +9,7 @@ wall time and memory go into the manifest's metrics, which are not part of the i
 from __future__ import annotations
 
 import dataclasses
+import math
 import resource
 import shutil
 import sys
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from ...models import qformat
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+BNB_BLOCKSIZE = 64  # bitsandbytes' and transformers' 4-bit block size
 DEFAULT_GROUPS = (128, 64, 32)
 WEIGHT_ONLY = ("rtn", "gptq", "awq")
 LM_HEAD_CHOICES = ("keep", "int8")
@@ -40,12 +43,14 @@ class QuantizeOptions(Options):
     user's spelling into the canonical one (group_size >= 0, 0 = per channel; alpha set for SmoothQuant) that
     methods read."""
 
-    bits: int = option(8, "Weight bits: 4 or 8.", choices=(4, 8))
+    bits: int | None = option(None, "Weight bits: 4 or 8 (default: 8, or the only width the method has).",
+                              choices=(4, 8))
     method: str = option("rtn", "rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; "
-                         "fp8: FP8 E4M3.", choices=METHODS)
+                         "fp8: FP8 E4M3; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / LLM.int8 (needs llmq[bnb]).",
+                         choices=METHODS)
     group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 bits "
                                     "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
-                                    "SmolLM2), per channel at 8 bits.")
+                                    "SmolLM2), per channel at 8 bits; bnb-nf4: its block size, default 64.")
     symmetric: bool = option(True, "Symmetric or zero-point grid.", flag="--sym/--asym")
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
     act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
@@ -66,14 +71,20 @@ class QuantizeOptions(Options):
     ignore: tuple[str, ...] = option(("lm_head",), internal=True)
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
+    double_quant: bool = option(False, "bnb-nf4: quantize the block absmax values too (QLoRA's double "
+                                "quantization: about 0.4 bits per weight less).", flag="--double-quant/--no-double-quant")
+    compute_dtype: str | None = option(None, "bnb-nf4: the dtype transformers computes in, recorded in the config as "
+                                       "bnb_4bit_compute_dtype (default float32).", choices=COMPUTE_DTYPES)
+    int8_threshold: float | None = option(None, "bnb-int8: LLM.int8's outlier threshold: activation columns with "
+                                          "|x| >= it stay in floating point; 0 = none (default 6.0).", ge=0)
 
     def check(self) -> None:
         """Every rule that needs neither the model nor its weights."""
-        if self.bits not in (4, 8):
+        if self.bits not in (None, 4, 8):
             raise LlmqError(f"--bits must be 4 or 8, got {self.bits}")
         super().check()
         method = load_method(self.method)
-        if self.bits not in method.BITS:
+        if self.bits is not None and self.bits not in method.BITS:
             widths = " or ".join(map(str, method.BITS))
             raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
                             "bits only)")
@@ -84,14 +95,26 @@ class QuantizeOptions(Options):
         if self.lm_head != "keep" and self.method not in WEIGHT_ONLY:
             raise LlmqError(f"--lm-head {self.lm_head} needs a weight-only method ({', '.join(WEIGHT_ONLY)}): a "
                             f"{self.method} checkpoint has one layout for every quantized layer")
+        if (self.double_quant or self.compute_dtype) and self.method != "bnb-nf4":
+            raise LlmqError("--double-quant / --compute-dtype are bitsandbytes 4-bit options; use them with --method "
+                            "bnb-nf4")
+        if self.int8_threshold is not None and self.method != "bnb-int8":
+            raise LlmqError("--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
+        widths = load_method(self.method).BITS
+        bits = self.bits or (8 if 8 in widths else widths[0])
         g = self.group_size
+        if g is None and self.method == "bnb-nf4":
+            g = BNB_BLOCKSIZE
         if g is None:
             fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
-            g = fits[0] if self.bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
+            g = fits[0] if bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
         alpha = 0.5 if self.alpha is None and self.method == "smoothquant" else self.alpha
-        return dataclasses.replace(self, group_size=0 if g in (0, -1) else int(g), alpha=alpha)
+        bnb = {"compute_dtype": self.compute_dtype or "float32"} if self.method == "bnb-nf4" else (
+            {"int8_threshold": 6.0 if self.int8_threshold is None else self.int8_threshold}
+            if self.method == "bnb-int8" else {})
+        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), alpha=alpha, **bnb)
 
     @property
     def ignored(self) -> tuple[str, ...]:
@@ -154,6 +177,37 @@ def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qforma
     return weights, acts
 
 
+def _checkpoint(weights: dict, opts: QuantizeOptions) -> tuple[dict, dict, str]:
+    """(quantization_config, the quantized linears' checkpoint tensors, format name) of one checkpoint: bitsandbytes'
+    serialized form for its methods, compressed-tensors for every other; either holds one scheme."""
+    from ...models import bnbformat, qformat
+
+    head = weights.get(qformat.LM_HEAD)  # --lm-head int8: a group of its own (weight-only methods only)
+    layers = [qw for name, qw in weights.items() if name != qformat.LM_HEAD]
+    example = layers[0]
+    if isinstance(example, qformat.QuantizedWeight):
+        schemes = {_scheme_args(qw) for qw in layers}
+        fmt, write = "compressed-tensors", qformat.write_linear
+    else:
+        schemes = {qw.scheme for qw in layers}
+        fmt, write = "bitsandbytes", bnbformat.write_linear
+    if len(schemes) != 1:
+        raise LlmqError(f"method {opts.method} produced {len(schemes)} different schemes; a checkpoint holds one")
+    if fmt == "compressed-tensors":
+        weight_args, act_args = schemes.pop()
+        qc = qformat.quantization_config(weight_args, act_args, ignore=list(opts.ignored),
+                                         lm_head=_scheme_args(head)[0] if head is not None else None)
+    elif isinstance(example, bnbformat.Int8Weight):
+        qc = bnbformat.quantization_config("int8", skip=opts.ignore, threshold=opts.int8_threshold)
+    else:
+        qc = bnbformat.quantization_config("nf4", skip=opts.ignore, compute_dtype=opts.compute_dtype,
+                                           double_quant=opts.double_quant)
+    tensors: dict = {}
+    for name, qw in sorted(weights.items()):
+        tensors.update(write(name, qw))
+    return qc, tensors, fmt
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -191,31 +245,23 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
 
     result = run_layerwise(source.path, method, opts, spec, calib=calib,
                            probe=probe, progress=progress)
-    layers = {k: qw for k, qw in result.weights.items() if k != qformat.LM_HEAD}
-    head = result.weights.get(qformat.LM_HEAD)
-    schemes = {_scheme_args(qw) for qw in layers.values()}
-    if len(schemes) != 1:
-        raise LlmqError(f"method {opts.method} produced {len(schemes)} different schemes; a checkpoint holds one")
-    weight_args, act_args = schemes.pop()
-    example = next(iter(layers.values()))
-
     config = dict(read_config(source.path))
-    config["quantization_config"] = qformat.quantization_config(
-        weight_args, act_args, ignore=list(opts.ignored), lm_head=_scheme_args(head)[0] if head else None)
+    config["quantization_config"], linear_state, fmt = _checkpoint(result.weights, opts)
+    head = result.weights.get(qformat.LM_HEAD)
     if head is not None:
         config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
-    state = dict(result.dense)
-    for name, qw in sorted(result.weights.items()):
-        state.update(qformat.write_linear(name, qw))
-    linear_bytes = sum(t.numel() * t.element_size() for k, t in state.items() if k.rsplit(".", 1)[0] in layers
-                       and not k.endswith(".bias"))
-    linear_params = sum(qw.q.numel() for qw in layers.values())
+    layers = {k: qw for k, qw in result.weights.items() if k != qformat.LM_HEAD}
+    example = next(iter(layers.values()))
+    state = dict(result.dense) | linear_state
+    linear_bytes = sum(t.numel() * t.element_size() for k, t in linear_state.items()
+                       if not k.startswith(qformat.LM_HEAD + "."))
+    linear_params = sum(math.prod(qw.shape) for qw in layers.values())
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
-        "-act" if opts.act_order else "") + ("-head8" if head is not None else "")
+        "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + ("-head8" if head else "")
     run_config = {
-        "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None, "symmetric": opts.symmetric,
-        "strategy": opts.strategy, "scheme": example.scheme,
+        "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
+        "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": example.scheme,
         "scheme_per_module": {"Linear": example.scheme, **({"lm_head": head.scheme} if head is not None else {})},
         "excluded_modules": list(opts.ignored), "dense_modules": sorted({k.rsplit(".", 1)[0] for k in result.dense}),
         "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},

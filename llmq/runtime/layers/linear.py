@@ -288,19 +288,21 @@ class W8A8Linear(LinearBase):
         if self.cpu_kernel:
             _buffer(self, "ones", torch.ones(n, dtype=torch.bfloat16))
 
+    def _int_matmul(self, xq: torch.Tensor) -> torch.Tensor:
+        """xq [M, K] (int8 values as floats) times q.T, as float32 sums."""
+        m = xq.shape[0]
+        if self.cuda_int_mm:  # it wants more than 16 rows: decode batches are padded with zero rows
+            xi = xq.to(torch.int8)
+            return torch._int_mm(F.pad(xi, (0, 0, 0, 17 - m)) if m <= 16 else xi, self.q.t())[:m].float()
+        if self.cpu_kernel and m <= self.max_kernel_rows:  # integer activations are exact in bfloat16
+            return torch.ops.aten._weight_int8pack_mm(xq.to(torch.bfloat16), self.q, self.ones).float()
+        return F.linear(xq, self.q.float())  # |sums| < 2^24 for K < 1040 stay exact in float32; beyond ~1e-7
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=False)
-        m = x2.shape[0]
-        if self.cuda_int_mm:  # it wants more than 16 rows: decode batches are padded with zero rows
-            xi = xq.to(torch.int8)
-            acc = torch._int_mm(F.pad(xi, (0, 0, 0, 17 - m)) if m <= 16 else xi, self.q.t())[:m].float()
-        elif self.cpu_kernel and m <= self.max_kernel_rows:  # integer activations are exact in bfloat16
-            acc = torch.ops.aten._weight_int8pack_mm(xq.to(torch.bfloat16), self.q, self.ones).float()
-        else:  # |products sums| < 2^24 for K < 1040 stay exact in float32; beyond, float32 rounding (~1e-7)
-            acc = F.linear(xq, self.q.float())
-        y = acc * xs * self.scale
+        y = self._int_matmul(xq) * xs * self.scale
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
 
 
