@@ -234,3 +234,56 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny, histograms, monk
     assert _two_sample_p(plain, spec_sample()) > 1e-3
     monkeypatch.setattr(speculative, "accept", _wrong_accept)
     assert _two_sample_p(plain, spec_sample()) < 1e-6  # the test tells a wrong acceptance rule apart
+
+
+# -- interfaces: /metrics, eval, CLI -------------------------------------------------------------------------------
+
+def test_server_reports_vllm_spec_decode_metrics(tiny):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server import live_server
+
+    prompt = list(range(30, 50)) * 3
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = run(LLMEngine(tiny, EngineConfig()), [prompt], params)[0]
+    with live_server(tiny, EngineConfig(speculative="ngram", num_speculative_tokens=3)) as srv:
+        r = srv.client().completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens] == want
+        m = srv.metrics()
+        text = httpx.get(f"{srv.url}/metrics").text
+    drafts, drafted = m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and drafted >= drafts and 0 < accepted <= drafted
+    assert m["vllm:spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafted)
+    per_pos = {s.labels["position"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos["0"] > 0 and sum(per_pos.values()) == accepted
+    assert m["vllm:generation_tokens_total"] == 24
+
+
+def test_eval_scores_are_the_same_with_speculation(tmp_path, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from llmq.artifacts import Store
+    from llmq.cli.main import cli
+    from llmq.models import resolve_model
+    from tiny import make_tiny_model
+
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    store = Store(tmp_path / "store")
+    art = resolve_model(str(make_tiny_model(tmp_path / "m", seed=0)), store)
+    reports = []
+    for extra in ([], ["--speculative", "ngram", "--speculative-max-batch", "64"]):
+        res = CliRunner().invoke(cli, ["--store", str(store.root), "eval", art.ref, "--tasks", "code", "--limit", "4",
+                                       "--baseline", "none", "--json", *extra])
+        assert res.exit_code == 0, res.output
+        reports.append(json.loads(res.output[res.output.index("{"):res.output.rindex("}") + 1]))
+    assert reports[1]["settings"]["speculative"]["speculative"] == "ngram"
+    assert "llmq_code_greedy" in reports[0]["scores"]["tasks"]  # a generation task: speculation had work
+    assert reports[0]["scores"] == reports[1]["scores"]
+    bad = CliRunner().invoke(cli, ["--store", str(store.root), "eval", art.ref, "--backend", "hf",
+                                   "--speculative", "ngram"])
+    assert bad.exit_code != 0 and "--backend llmq" in bad.output

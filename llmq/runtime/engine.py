@@ -23,15 +23,15 @@ from .kv_cache import KV_DTYPES, kv_element_bytes
 from ..models.engine_spec import EngineSpec
 from ..models.reader import CheckpointReader
 from ..models.sharding import make_plan
+from ..options import SPECULATIVE_MAX_BATCH
 from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import make_speculator, verify
+from .speculative import SpecStats, make_speculator, verify
 
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_FRACTION = 0.25
-DEFAULT_SPECULATIVE_MAX_BATCH = 8
 
 
 @dataclass
@@ -49,7 +49,7 @@ class EngineConfig:
     dtype: str | None = None  # compute dtype; None: float32 on CPU, the checkpoint's 16-bit dtype on GPU
     speculative: str | None = None  # "ngram" (prompt lookup) or a draft model's directory (same tokenizer); None: off
     num_speculative_tokens: int = 4  # draft tokens per speculating sequence and step
-    speculative_max_batch: int | None = DEFAULT_SPECULATIVE_MAX_BATCH  # no drafts while more sequences run (None: any)
+    speculative_max_batch: int | None = SPECULATIVE_MAX_BATCH  # no drafts while more sequences run (None: any)
 
 
 @dataclass
@@ -119,6 +119,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's totals (all zero when it is off)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -615,7 +616,8 @@ class LLMEngine:
         s, bm = self.scheduler, self.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_blocks, s.prefix_cache_queries,
                            s.prefix_cache_hits, s.num_preemptions, self.prompt_tokens_total,
-                           self.generation_tokens_total)
+                           self.generation_tokens_total,
+                           self.speculator.stats.copy() if self.speculator is not None else SpecStats())
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):

@@ -42,6 +42,9 @@ class SpecStats:
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
+    def copy(self) -> SpecStats:
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos))
+
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
