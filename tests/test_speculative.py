@@ -287,3 +287,49 @@ def test_eval_scores_are_the_same_with_speculation(tmp_path, monkeypatch):
     bad = CliRunner().invoke(cli, ["--store", str(store.root), "eval", art.ref, "--backend", "hf",
                                    "--speculative", "ngram"])
     assert bad.exit_code != 0 and "--backend llmq" in bad.output
+
+
+# -- draft model -------------------------------------------------------------------------------------------------
+
+def test_draft_model_of_the_target_itself_is_always_accepted_and_identical(tiny):
+    """The target as its own draft: every greedy draft token is the target's argmax, so all are accepted (the
+    draft's own KV cache, rollback and catch-up are right), and the output is plain greedy's."""
+    ps = prompts(6, seed=5)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = run(LLMEngine(tiny, EngineConfig(block_size=4, max_num_batched_tokens=32)), ps, params)
+    eng = LLMEngine(tiny, EngineConfig(block_size=4, max_num_batched_tokens=32, speculative=str(tiny),
+                                       speculative_max_batch=None, num_speculative_tokens=3))
+    assert run(eng, ps, params) == ref
+    st = eng.speculator.stats
+    assert st.num_draft_tokens > 60 and st.num_accepted_tokens == st.num_draft_tokens
+    draft = eng.speculator.proposer
+    assert not draft.mirrors and draft.model.block_manager.num_used_blocks == 0  # finished requests' KV freed
+    eng.shutdown()
+
+
+def test_a_different_draft_model_is_lossless(tmp_path, tiny):
+    """A draft that disagrees often (another random model): rejections at every position roll the draft's own
+    cache back; greedy output stays plain greedy's and sampled output keeps its seeds' determinism."""
+    from tiny import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "draft", seed=11, num_hidden_layers=1)
+    ps = prompts(6, seed=6)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = run(LLMEngine(tiny, EngineConfig(block_size=4)), ps, params)
+    eng = LLMEngine(tiny, EngineConfig(block_size=4, speculative=str(other), speculative_max_batch=None))
+    assert run(eng, ps, params) == ref
+    st = eng.speculator.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny):
+    from transformers import AutoTokenizer
+
+    from tiny import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "d", seed=1)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(LlmqError, match="different tokenizer"):
+        LLMEngine(tiny, EngineConfig(speculative=str(other)))

@@ -364,6 +364,7 @@ class LLMEngine:
                     failed[seq.request_id] = self._fail(seq, e)
         if drafts:
             self._accept(spec_logits, {s: drafts[s] for s in batch.seqs if s in drafts}, now, outputs, failed)
+            self.speculator.collect()
         if failed:
             raise StepFailed(outputs, failed, False)
         return outputs
@@ -623,6 +624,8 @@ class LLMEngine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if getattr(self, "speculator", None) is not None:
+            self.speculator.close()
         if self.workers is not None:
             import torch.distributed as dist
 

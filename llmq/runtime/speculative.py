@@ -15,6 +15,7 @@ the prefix cache hashes a block only once it is computed and verified, so no rej
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -76,8 +77,102 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], None]:
         return [ngram_lookup(np.asarray(s.token_ids), k) for s, k in zip(seqs, ks)], None
 
-    def release(self, seq: Sequence) -> None:
-        pass
+
+class DraftModelProposer:
+    """A draft model with the target's tokenizer (a smaller sibling, or the target's own INT4 artifact) proposes
+    greedily, k decode steps of its own per engine step, batched over the speculating sequences.
+
+    It keeps a mirror sequence per request with a paged KV cache of its own (no prefix caching: rolled-back slots
+    are rewritten in place). Each round it rolls the mirror back to the longest prefix the target kept, computes the
+    tokens it has not seen (the verified tokens, or a whole prompt in budget-sized chunks), then drafts.
+    """
+
+    name = "draft"
+
+    def __init__(self, path: str, engine):
+        from .engine import EngineConfig, LLMEngine
+
+        c = engine.config
+        self.model = LLMEngine(path, EngineConfig(
+            max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=engine.max_model_len, block_size=engine.block_size, kv_cache_fraction=c.kv_cache_fraction,
+            enable_prefix_caching=False, device=str(engine.device), dtype=c.dtype))
+        if self.model.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+            self.model.shutdown()
+            raise LlmqError(f"draft model {path} has a different tokenizer than the target; speculative decoding "
+                            "needs the same one")
+        self.vocab_size = engine.spec.vocab_size
+        self.mirrors: dict[Sequence, Sequence] = {}  # target sequence -> the draft model's copy
+
+    def collect(self) -> None:
+        """Free the mirrors of finished requests."""
+        for seq in [s for s in self.mirrors if s.is_finished]:
+            self.model.block_manager.release(self.mirrors.pop(seq))
+
+    def _sync(self, seq: Sequence, k: int) -> Sequence | None:
+        """The mirror of `seq`, rolled back to what both agree on, with blocks for k drafts (None: no blocks)."""
+        m = self.mirrors.get(seq)
+        if m is None:
+            m = self.mirrors[seq] = Sequence(seq.request_id, [], seq.params)
+        same = 0
+        for a, b in zip(m.token_ids[:m.num_computed_tokens], seq.token_ids):
+            if a != b:
+                break
+            same += 1
+        m.token_ids = list(seq.token_ids)
+        m.num_computed_tokens = min(same, seq.num_tokens - 1)
+        return m if self.model.block_manager.allocate(m, seq.num_tokens + k) else None
+
+    def _run(self, mirrors: list[Sequence], sizes: list[int]) -> dict[Sequence, int]:
+        """One forward of the draft model over `sizes` tokens of each mirror; the greedy next token of those that
+        reach their end."""
+        from .model_runner import prepare_step
+
+        order = sorted(range(len(mirrors)), key=lambda i: sizes[i] != 1)
+        seqs, ns = [mirrors[i] for i in order], [sizes[i] for i in order]
+        step = prepare_step(seqs, ns, self.model.block_size, fresh_prefill_direct=self.model.kv_cache_dtype == "auto",
+                            window=self.model.spec.sliding_window)
+        logits = self.model._forward(step)
+        for m, n in zip(seqs, ns):
+            m.num_computed_tokens += n
+        done = [m for m, n in zip(seqs, ns) if m.num_computed_tokens == m.num_tokens]
+        return dict(zip(done, logits.argmax(-1).tolist()))
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], None]:
+        mirrors = [self._sync(s, k) for s, k in zip(seqs, ks)]
+        live = [(m, k) for m, k in zip(mirrors, ks) if m is not None]
+        drafts: dict[Sequence, list[int]] = {m: [] for m, _ in live}
+        budget = self.model.config.max_num_batched_tokens
+        pending = [m for m, _ in live]
+        while pending:  # catch up on unseen tokens (chunked like a prefill), then the first draft token
+            batch, sizes, left = [], [], budget
+            for m in pending:
+                if left == 0:
+                    break
+                n = min(m.num_tokens - m.num_computed_tokens, left)
+                batch.append(m)
+                sizes.append(n)
+                left -= n
+            for m, t in self._run(batch, sizes).items():
+                drafts[m].append(t)
+            pending = [m for m in pending if m.num_computed_tokens < m.num_tokens]
+        for r in range(1, max((k for _, k in live), default=0)):
+            batch = [m for m, k in live if k > r and drafts[m][-1] < self.vocab_size]
+            if not batch:
+                break
+            for m in batch:
+                m.token_ids.append(drafts[m][-1])
+            for m, t in self._run(batch, [1] * len(batch)).items():
+                drafts[m].append(t)
+        out = []
+        for m in mirrors:
+            d = drafts.get(m, []) if m is not None else []
+            cut = next((i for i, t in enumerate(d) if t >= self.vocab_size), len(d))  # a padded-vocabulary id
+            out.append(d[:cut])
+        return out, None
+
+    def close(self) -> None:
+        self.model.shutdown()
 
 
 @dataclass
@@ -157,6 +252,7 @@ class Speculator:
               max_model_len: int) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
         """Drafts for the decoding sequences of a scheduled step, appended to their token_ids and counted in
         num_new (in place), with KV blocks allocated for them; {sequence: (draft tokens, their q or None)}."""
+        self.collect()
         if self.max_batch is not None and running > self.max_batch:
             return {}
         left = budget - sum(num_new)
@@ -183,6 +279,15 @@ class Speculator:
                 num_new[i] += len(out[seq][0])
         return out
 
+    def collect(self) -> None:
+        """Let the proposer free what it holds for finished requests (a draft model's KV blocks)."""
+        if hasattr(self.proposer, "collect"):
+            self.proposer.collect()
+
+    def close(self) -> None:
+        if hasattr(self.proposer, "close"):
+            self.proposer.close()
+
 
 def make_speculator(cfg, engine) -> Speculator:
     """The engine's speculator from its EngineConfig: an n-gram proposer, or a draft model."""
@@ -192,6 +297,8 @@ def make_speculator(cfg, engine) -> Speculator:
         raise LlmqError(f"speculative_max_batch must be >= 0, got {cfg.speculative_max_batch}")
     if cfg.speculative == "ngram":
         proposer = NgramProposer()
+    elif Path(cfg.speculative).is_dir():
+        proposer = DraftModelProposer(cfg.speculative, engine)
     else:
         raise LlmqError(f"speculative must be 'ngram' or a draft model directory, got {cfg.speculative!r}")
     return Speculator(proposer, cfg.num_speculative_tokens, cfg.speculative_max_batch)
