@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..artifacts import Artifact, Store
 from ..errors import LlmqError
-from ..options import Options, option
+from ..options import SpeculativeOptions, option
 
 
 @dataclass
@@ -43,7 +43,7 @@ def _compute_params(spec) -> int:
 
 
 @dataclass(frozen=True)
-class OfflineOptions(Options):
+class OfflineOptions(SpeculativeOptions):
     """What `llmq bench offline` (or a recipe's bench stage) asks for."""
 
     batch_sizes: list[int] = option([1, 2, 4, 8, 16], "Batch sizes to sweep.", ge=1, min_items=1)
@@ -71,7 +71,8 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
     opts.check()
     hw = hardware(opts.device, refresh=opts.refresh)
     results, settings = sweep(source.path, opts.batch_sizes, opts.input_len, opts.output_len, hw, opts.time_limit,
-                              opts.device, opts.dtype, opts.seed, progress, compile=opts.compile)
+                              opts.device, opts.dtype, opts.seed, progress, opts.engine_fields(store),
+                              compile=opts.compile)
     settings["engine"] = source.ref
     report = {"schema": R.SCHEMA, "mode": "offline", "settings": settings, "offline": [r.to_dict() for r in results]}
     return R.save(store, report, opts.name, [source.id], command)
@@ -79,9 +80,11 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
 
 def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: int, hw: dict,
           time_limit: float = 300.0, device: str | None = None, dtype: str | None = None, seed: int = 0,
-          progress: Callable[[OfflineResult], None] | None = None, compile: bool = False
+          progress: Callable[[OfflineResult], None] | None = None, speculative: dict | None = None,
+          compile: bool = False
           ) -> tuple[list[OfflineResult], dict]:
-    """Results per batch size, plus the engine settings they were measured with."""
+    """Results per batch size, plus the engine settings they were measured with. `speculative`: EngineConfig's
+    speculative fields (a speculating step emits several tokens per sequence, so rates count tokens, not steps)."""
     import numpy as np
     import torch
 
@@ -95,7 +98,8 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
         raise LlmqError("offline bench needs --input-len >= 1 and --output-len >= 2 (decode steps to time)")
     max_b = max(batch_sizes)
     cfg = EngineConfig(max_num_seqs=max_b, max_num_batched_tokens=max(512, input_len), enable_prefix_caching=False,
-                       max_model_len=input_len + output_len + 1, device=device, dtype=dtype, compile=compile)
+                       max_model_len=input_len + output_len + 1, device=device, dtype=dtype, compile=compile,
+                       **(speculative or {}))
     engine = LLMEngine(path, cfg)
     try:
         spec = engine.spec
@@ -123,12 +127,12 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
             while any(s.first_token_time is None for s in seqs):
                 engine.step()
             prefill = time.perf_counter() - t0
-            times, kv = [], []
+            times, kv, made = [], [], 0
             # only steps in which all B sequences decode (a sequence prefilled a step early finishes a step early)
             while not any(s.is_finished for s in seqs) and time.perf_counter() < deadline:
                 context = sum(s.num_tokens for s in seqs)  # the KV each new token attends to
                 t = time.perf_counter()
-                engine.step()
+                made += sum(len(o.new_token_ids) for o in engine.step())
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize(engine.device)
                 times.append(time.perf_counter() - t)
@@ -140,9 +144,10 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
                                 f"or --time-limit ({time_limit:g} s)")
             step = float(np.mean(times))
             kv_mean = float(np.mean(kv))
-            rates.append(((weight_bytes + kv_mean) / step, flops_per_token * b / step))
-            results.append(OfflineResult(b, len(times), step * 1e3, float(np.median(times)) * 1e3, b / step, prefill,
-                                         weight_bytes, kv_mean, None, None))  # MBU / MFU: once all are measured
+            per_step = made / len(times) if engine.speculator else b  # speculation emits a variable number
+            rates.append(((weight_bytes + kv_mean) / step, flops_per_token * per_step / step))
+            results.append(OfflineResult(b, len(times), step * 1e3, float(np.median(times)) * 1e3, per_step / step,
+                                         prefill, weight_bytes, kv_mean, None, None))  # MBU / MFU: once all known
             if progress:
                 progress(results[-1])
         notes = []
@@ -162,7 +167,7 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
                     "output_len": output_len, "batch_sizes": list(batch_sizes), "time_limit_s": time_limit,
                     "peak_read_bandwidth": peak_bw, "peak_flops": peak_fl, "machine": hw.get("machine"),
                     "peaks_measured": hw.get("measured"), "peaks_load_per_core": hw.get("load_per_core"),
-                    "notes": notes,
+                    "notes": notes, **{k: getattr(cfg, k) for k in (speculative or {})},
                     "parameters": spec.num_parameters()}
         return results, settings
     finally:

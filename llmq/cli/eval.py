@@ -53,7 +53,7 @@ def eval_(ctx, ref, opts, as_json):
         return update
 
     with prog:
-        outcome = run_eval(store, art, base, opts.settings(), gates, progress, name=opts.name)
+        outcome = run_eval(store, art, base, opts.settings(store), gates, progress, name=opts.name)
     report = outcome.report
     if as_json:
         echo_json({**report, "artifact": {"ref": outcome.artifact.ref, "id": outcome.artifact.id,

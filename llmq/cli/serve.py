@@ -8,8 +8,10 @@ import click
 
 from ..errors import LlmqError
 from ..models import source_artifact
+from ..options import SpeculativeOptions
 from ..pipeline.targets.stage import KV_CHOICES
 from .common import get_store, human_bytes
+from .options import stage_options
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -61,11 +63,12 @@ def parse_size(text: str) -> int:
               help="Seconds to let in-flight requests finish on SIGTERM / Ctrl-C.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
+@stage_options(SpeculativeOptions)
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
           served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout,
-          log_level):
+          log_level, opts):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes
@@ -78,6 +81,7 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
     if min(max_stop_strings, max_stop_length) < 0:
         raise LlmqError("--max-stop-strings and --max-stop-length must be >= 0")
     limits = Limits(max_stop_strings, max_stop_length, parse_size(max_body_size))
+    opts.check()
     _check_bindable(host, port)  # before minutes of model loading, not after
     thread = EngineThread()  # builds and drives the engine: torch work stays on this one thread
     art = thread.call(source_artifact, ref, get_store(ctx))
@@ -87,7 +91,8 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
                        max_model_len=max_seq_len, block_size=block_size,
                        kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
                        kv_cache_dtype=kv, enable_prefix_caching=not no_prefix_caching, tp=tp,
-                       device=device, dtype=dtype, compile=compile_)
+                       device=device, dtype=dtype, compile=compile_,
+                       **thread.call(opts.engine_fields, get_store(ctx)))
     if kv_cache_fraction is not None:
         cfg.kv_cache_fraction = kv_cache_fraction
     engine = thread.call(LLMEngine, art.path, cfg)
@@ -101,7 +106,8 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
         click.echo(f"serving {name} ({art.ref}, {art.kind}) on http://{host}:{port}/v1  device={engine.device} "
                    f"tp={engine.tp} context={engine.max_model_len}  KV cache: {engine.num_blocks} blocks of "
                    f"{engine.block_size} tokens ({engine.kv_cache_dtype}, {human_bytes(kv_bytes)} "
-                   f"per rank)", err=True)
+                   f"per rank)" + (f"  speculative: {opts.speculative} k={opts.num_speculative_tokens} (off above "
+                                   f"{opts.speculative_max_batch} running)" if opts.speculative else ""), err=True)
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             click.echo(f"warning: listening on {host} without --api-key", err=True)
         run_server(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)

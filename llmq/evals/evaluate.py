@@ -54,14 +54,14 @@ def pick_baseline(store: Store, art: Artifact, ref: str | None) -> Artifact | No
     return base
 
 
-def _lm(settings: EvalSettings, art: Artifact, progress):
+def _lm(settings: EvalSettings, art: Artifact, progress, speculative: dict | None = None):
     if art.kind not in ("model", "quantized", "engine"):
         raise LlmqError(f"{art.ref} is a {art.kind} artifact; eval takes a model, quantized or engine artifact")
     if settings.backend == "hf" and art.kind == "engine":
         raise LlmqError("--backend hf loads checkpoints; evaluate the engine's source artifact instead")
     from .lm import make_lm
 
-    return make_lm(settings.backend, art.path, seed=settings.seed, progress=progress)
+    return make_lm(settings.backend, art.path, seed=settings.seed, progress=progress, speculative=speculative)
 
 
 def run_eval(store: Store, evaluated: Artifact, baseline: Artifact | None, settings: EvalSettings,
@@ -76,7 +76,7 @@ def run_eval(store: Store, evaluated: Artifact, baseline: Artifact | None, setti
     ts = plan(settings)
     if settings.kld and baseline is None:
         raise LlmqError("kld compares against a baseline: pass --baseline REF (or evaluate a quantized artifact)")
-    lm = _lm(settings, evaluated, progress(f"{evaluated.ref}"))
+    lm = _lm(settings, evaluated, progress(f"{evaluated.ref}"), settings.speculative)
     try:
         scores = run_lm_tasks(lm, ts, settings)
         base_scores, cached, hit, kld, base_lm = None, None, None, None, None

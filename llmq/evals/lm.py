@@ -135,11 +135,11 @@ class LlmqLM(EvalLM):
     """The model exactly as the bundled runtime serves it: paged KV cache (KV quantization included), its layers."""
 
     def __init__(self, path: str | Path, seed: int = 0, progress: ProgressFn | None = None,
-                 max_length: int = DEFAULT_MAX_LENGTH, engine_config=None):
+                 max_length: int = DEFAULT_MAX_LENGTH, engine_config=None, speculative: dict | None = None):
         from ..runtime.engine import EngineConfig, LLMEngine
 
         # a modest KV budget: scoring items are short, and an evaluation may hold the baseline's engine too
-        cfg = engine_config or EngineConfig(max_num_seqs=32, kv_cache_fraction=0.08)
+        cfg = engine_config or EngineConfig(max_num_seqs=32, kv_cache_fraction=0.08, **(speculative or {}))
         self.engine = LLMEngine(path, cfg)
         super().__init__(self.engine.tokenizer, min(max_length, self.engine.max_model_len), seed, progress)
         self.score_stats = {"computed_tokens": 0, "reused_tokens": 0}  # reused: served from the prefix cache
@@ -229,9 +229,11 @@ class HFLM(EvalLM):
         pass
 
 
-def make_lm(backend: str, path: str | Path, seed: int = 0, progress: ProgressFn | None = None) -> EvalLM:
+def make_lm(backend: str, path: str | Path, seed: int = 0, progress: ProgressFn | None = None,
+            speculative: dict | None = None) -> EvalLM:
+    """speculative: EngineConfig's speculative fields (the bundled runtime only)."""
     if backend == "llmq":
-        return LlmqLM(path, seed=seed, progress=progress)
+        return LlmqLM(path, seed=seed, progress=progress, speculative=speculative)
     if backend == "hf":
         return HFLM(path, seed=seed, progress=progress)
     raise LlmqError(f"unknown backend {backend!r}; choose llmq or hf")

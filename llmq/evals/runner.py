@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import LlmqError
 from ..models import cache_dir
-from ..options import Options, option
+from ..options import SpeculativeOptions, option
 from .compare import group_scores, mean_stderr, ratio_stderr
 from .gate import ALIASES, KLD_NAMES, parse_gates
 from .sandbox import require_sandbox
@@ -38,6 +38,8 @@ class EvalSettings:
     allow_code_execution: bool = False
     lm_tasks: list[str] = field(default_factory=list)  # expanded lm-eval task names (filled by plan())
     kld: bool = False
+    # EngineConfig's speculative fields for the evaluated model: lossless, so not part of scores_key
+    speculative: dict = field(default_factory=dict)
 
     def scores_key(self, artifact_id: str, info: dict) -> str:
         """What a cached score set depends on: the model, the tasks and their data, limit, seed, lm-eval, backend."""
@@ -49,7 +51,7 @@ class EvalSettings:
 
 
 @dataclass(frozen=True)
-class EvalOptions(Options):
+class EvalOptions(SpeculativeOptions):
     """What `llmq eval` (or a recipe's eval stage) asks for; `settings()` is the part the task runner reads."""
 
     tasks: list[str] = option(["code", "math"], "Comma-separated: math, code, ppl, kld and/or lm-eval task names "
@@ -80,9 +82,13 @@ class EvalOptions(Options):
         if self.allow_code_execution:
             require_sandbox()
 
-    def settings(self) -> EvalSettings:
+    def settings(self, store=None) -> EvalSettings:
+        """What the task runner reads; `store` resolves a --speculative draft REF."""
+        if self.speculative and self.backend != "llmq":
+            raise LlmqError("--speculative runs in the bundled runtime: use it with --backend llmq")
         return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),
-                            seed=self.seed, backend=self.backend, allow_code_execution=self.allow_code_execution)
+                            seed=self.seed, backend=self.backend, allow_code_execution=self.allow_code_execution,
+                            speculative=self.engine_fields(store) if self.speculative else {})
 
 
 def task_cache_dir() -> Path:

@@ -63,7 +63,7 @@ def _eval(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
     from ..evals.evaluate import pick_baseline, run_eval
 
     opts = cfg.to_options(seed=recipe.seed)
-    return run_eval(store, parent, pick_baseline(store, parent, opts.baseline), opts.settings(), gates=[],
+    return run_eval(store, parent, pick_baseline(store, parent, opts.baseline), opts.settings(store), gates=[],
                     name=opts.name).artifact
 
 

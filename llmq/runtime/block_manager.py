@@ -104,14 +104,27 @@ class BlockManager:
         seq.block_table.extend(self._take() for _ in range(need))
         return True
 
+    def _unref(self, block: int) -> None:
+        """Drop one reference; at zero the block is free, reused first unless it holds a findable (cached) prefix."""
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free[block] = None
+            if self.block_key[block] is None:
+                self.free.move_to_end(block, last=False)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the tail blocks beyond the first `num_tokens` tokens (speculative tokens the target rejected). They
+        were never committed, so they hold nothing findable."""
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            assert self.block_key[block] is None, "a block holding rejected tokens was hashed"
+            self._unref(block)
+        del seq.block_table[keep:]
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks reaching zero become free (cached ones stay findable)."""
         for block in reversed(seq.block_table):  # tail blocks are the least likely to be shared: reuse them first
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                self.free[block] = None
-                if self.block_key[block] is None:
-                    self.free.move_to_end(block, last=False)
+            self._unref(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0

@@ -23,10 +23,12 @@ from .kv_cache import KV_DTYPES, kv_element_bytes
 from ..models.engine_spec import EngineSpec
 from ..models.reader import CheckpointReader
 from ..models.sharding import make_plan
+from ..options import SPECULATIVE_MAX_BATCH
 from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import SpecStats, make_speculator, verify
 
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_FRACTION = 0.25
@@ -46,6 +48,9 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None  # compute dtype; None: float32 on CPU, the checkpoint's 16-bit dtype on GPU
     compile: bool = False  # torch.compile the decode-only steps (runtime/compiled.py); tp 1 only
+    speculative: str | None = None  # "ngram" (prompt lookup) or a draft model's directory (same tokenizer); None: off
+    num_speculative_tokens: int = 4  # draft tokens per speculating sequence and step
+    speculative_max_batch: int | None = SPECULATIVE_MAX_BATCH  # no drafts while more sequences run (None: any)
 
 
 @dataclass
@@ -115,6 +120,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's totals (all zero when it is off)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -218,6 +224,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
+        self.speculator = make_speculator(cfg, self) if cfg.speculative else None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._closed = False
@@ -313,21 +320,44 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
+        drafts = {}
+        if self.speculator is not None:
+            drafts = self.speculator.draft(batch.seqs, batch.num_new_tokens, len(self.scheduler.running),
+                                           self.scheduler.max_num_batched_tokens, self.block_manager,
+                                           self.max_model_len)
+            if drafts:  # verifications are chunks now: keep single-token entries first
+                items = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda c: c[1] != 1)
+                batch.seqs, batch.num_new_tokens = [c[0] for c in items], [c[1] for c in items]
+        # the positions whose logits the step needs: a sampler's last, a verification's every one
+        samplers, rows, spec_rows, wanted, q0 = [], [], [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq in drafts:
+                spec_rows.extend(range(len(wanted), len(wanted) + n))
+                wanted.extend(range(q0, q0 + n))
+            elif seq.num_computed_tokens + n == seq.num_tokens:
+                samplers.append(seq)
+                rows.append(len(wanted))
+                wanted.append(q0 + n - 1)
+            q0 += n
         try:
             step = prepare_step(batch.seqs, batch.num_new_tokens, self.block_size,
                                 fresh_prefill_direct=self.kv_cache_dtype == "auto", window=self.spec.sliding_window)
+            if drafts:
+                step.logits_indices = torch.tensor(wanted, dtype=torch.long)
             logits = self._forward(step)
         except Exception as e:
+            for seq, (draft, _) in drafts.items():
+                del seq.token_ids[-len(draft):]
             raise StepFailed([], {seq.request_id: self._fail(seq, e) for seq in batch.seqs}, True) from e
-        samplers = []
+        if drafts:
+            spec_logits, logits = logits[spec_rows], logits[rows]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                samplers.append(seq)
+            if seq not in drafts:
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
         outputs, failed = [], {}
+        now = time.monotonic()
         if samplers:
-            now = time.monotonic()
             for seq, picked in zip(samplers, self._sample(logits, samplers)):
                 try:
                     if isinstance(picked, Exception):
@@ -336,9 +366,40 @@ class LLMEngine:
                     outputs.append(self._output(seq))
                 except Exception as e:
                     failed[seq.request_id] = self._fail(seq, e)
+        if drafts:
+            self._accept(spec_logits, {s: drafts[s] for s in batch.seqs if s in drafts}, now, outputs, failed)
+            self.speculator.collect()
         if failed:
             raise StepFailed(outputs, failed, False)
         return outputs
+
+    def _accept(self, logits: torch.Tensor, drafts: dict, now: float, outputs: list, failed: dict) -> None:
+        """Verify the step's drafts (in batch order, as their logits rows are): keep each sequence's accepted tokens
+        (their KV is computed), emit the target's next token after them, and drop the rejected ones from the sequence
+        and its blocks."""
+        seqs = list(drafts)
+        base = {seq: seq.num_tokens - len(drafts[seq][0]) for seq in seqs}
+        for seq in seqs:
+            del seq.token_ids[base[seq]:]
+        try:
+            results = verify(logits, seqs, [drafts[s][0] for s in seqs], [drafts[s][1] for s in seqs])
+        except Exception as e:
+            failed.update({seq.request_id: self._fail(seq, e) for seq in seqs})
+            return
+        for seq, v in zip(seqs, results):
+            self.speculator.stats.record(len(drafts[seq][0]), v.accepted)
+            try:
+                for token, lp in zip(v.tokens, v.logprobs):
+                    self._append(seq, token, lp, now)
+                    if seq.is_finished:
+                        break
+                else:
+                    seq.num_computed_tokens = base[seq] + v.accepted
+                    self.block_manager.commit(seq)
+                    self.block_manager.trim(seq, seq.num_tokens)
+                outputs.append(self._output(seq))
+            except Exception as e:
+                failed[seq.request_id] = self._fail(seq, e)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None] | Exception]:
         """(token, logprobs) per sequence; when the batched sampler fails, each row alone, to find the culprit."""
@@ -560,12 +621,15 @@ class LLMEngine:
         s, bm = self.scheduler, self.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_blocks, s.prefix_cache_queries,
                            s.prefix_cache_hits, s.num_preemptions, self.prompt_tokens_total,
-                           self.generation_tokens_total)
+                           self.generation_tokens_total,
+                           self.speculator.stats.copy() if self.speculator is not None else SpecStats())
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if getattr(self, "speculator", None) is not None:
+            self.speculator.close()
         if self.workers is not None:
             import torch.distributed as dist
 

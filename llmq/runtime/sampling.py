@@ -70,41 +70,56 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     return sorted_logits.masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-           ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked.
+def _processed(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sampling distribution of every row (none greedy): temperature, then top-k / top-p. Returns (probs, order):
+    with top-k / top-p the probs are over the descending-sorted vocabulary and order maps them back, else order is
+    None."""
+    temp = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+    scaled = logits / temp[:, None]
+    if not any(p.top_k > 0 or p.top_p < 1 for p in params):
+        return scaled.softmax(-1), None
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+    scaled, order = scaled.sort(-1, descending=True)
+    return _filter_sorted(scaled, top_k, top_p).softmax(-1), order
 
-    Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as in vLLM.
-    """
-    tokens = logits.argmax(-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[R, V] probabilities that sample() draws each row's token from (in vocabulary order); rows must not be greedy."""
+    probs, order = _processed(logits, params)
+    return probs if order is None else torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def logprob_entries(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+                    ) -> list[dict[int, float] | None]:
+    """{token: logprob} per row where logprobs were asked (the chosen token's, plus the top-N): the model's raw
+    distribution, before temperature / top-k / top-p, as in vLLM."""
+    out: list[dict[int, float] | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if rows:
-        sel = torch.tensor(rows, device=logits.device)
-        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
-        scaled = logits.index_select(0, sel) / temp[:, None]
-        if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
-            vocab = logits.shape[-1]
-            top_k = torch.tensor([min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in rows], device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=logits.dtype)
-            scaled, order = scaled.sort(-1, descending=True)
-            probs = _filter_sorted(scaled, top_k, top_p).softmax(-1)
-        else:
-            order = None
-            probs = scaled.softmax(-1)
+        lsm = logits.index_select(0, torch.tensor(rows, device=logits.device)).log_softmax(-1)
         for j, i in enumerate(rows):
-            pick = torch.multinomial(probs[j], 1, generator=generators[i])
-            tokens[i] = order[j, pick[0]] if order is not None else pick[0]
-    token_list = tokens.tolist()
-    logprobs: list[dict[int, float] | None] = [None] * len(params)
-    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if lp_rows:
-        lsm = logits.index_select(0, torch.tensor(lp_rows, device=logits.device)).log_softmax(-1)
-        for j, i in enumerate(lp_rows):
-            entry = {token_list[i]: float(lsm[j, token_list[i]])}
+            entry = {tokens[i]: float(lsm[j, tokens[i]])}
             n = params[i].logprobs
             if n:
                 vals, ids = lsm[j].topk(n)
                 for t, v in zip(ids.tolist(), vals.tolist()):
                     entry.setdefault(t, v)
-            logprobs[i] = entry
-    return token_list, logprobs
+            out[i] = entry
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+           ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked."""
+    tokens = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        probs, order = _processed(logits.index_select(0, torch.tensor(rows, device=logits.device)),
+                                  [params[i] for i in rows])
+        for j, i in enumerate(rows):
+            pick = torch.multinomial(probs[j], 1, generator=generators[i])
+            tokens[i] = order[j, pick[0]] if order is not None else pick[0]
+    token_list = tokens.tolist()
+    return token_list, logprob_entries(logits, token_list, params)

@@ -55,16 +55,24 @@ class ServerMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted (to be recomputed).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified (sequence-steps).")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                     "position in the draft.", lab + ["position"], registry=r)
+        self.spec_acceptance = gauge("vllm:spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens "
+                                     "since the server started.")
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 lab + ["finished_reason"], registry=r)
         self._rejected = Counter("llmq:requests_rejected", "Requests refused before reaching the engine "
                                  "(queue full, draining).", lab + ["reason"], registry=r)
         self.model_name = model_name
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._spec_start = self._last  # acceptance rate counts from here
 
     def set_baseline(self, s: EngineStats) -> None:
         """Count from here: an engine that already ran (offline, or behind an earlier app) starts at its totals."""
-        self._last = s
+        self._last = self._spec_start = s
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -86,9 +94,20 @@ class ServerMetrics:
                                (self.prefix_hits, s.prefix_cache_hits, last.prefix_cache_hits),
                                (self.preemptions, s.num_preemptions, last.num_preemptions),
                                (self.prompt_tokens, s.prompt_tokens_total, last.prompt_tokens_total),
-                               (self.generation_tokens, s.generation_tokens_total, last.generation_tokens_total)):
+                               (self.generation_tokens, s.generation_tokens_total, last.generation_tokens_total),
+                               (self.spec_drafts, s.spec.num_drafts, last.spec.num_drafts),
+                               (self.spec_draft_tokens, s.spec.num_draft_tokens, last.spec.num_draft_tokens),
+                               (self.spec_accepted_tokens, s.spec.num_accepted_tokens, last.spec.num_accepted_tokens)):
             if now > before:
                 c.inc(now - before)
+        for pos, n in enumerate(s.spec.accepted_per_pos):
+            before = last.spec.accepted_per_pos[pos] if pos < len(last.spec.accepted_per_pos) else 0
+            if n > before:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(n - before)
+        start = self._spec_start.spec
+        drafted = s.spec.num_draft_tokens - start.num_draft_tokens
+        if drafted:
+            self.spec_acceptance.set((s.spec.num_accepted_tokens - start.num_accepted_tokens) / drafted)
         self._last = s
 
     def render(self) -> bytes:
