@@ -317,27 +317,33 @@ def bench(lc: LlamaCpp, args) -> int:
     print(f"llama.cpp tools: {lc.bin_dir}\nllmq model: {model.ref} ({model.id[:16]})  work dir: {work}\n"
           f"machine: {os.cpu_count()} cores, 1-minute load average {load:.2f} at start")
     gg = ggufs(lc, model, work, max(args.threads))
-    arts = {"bf16": model}
     given = dict(x.split("=", 1) for x in args.llmq if "=" in x)
     if len(given) != len(args.llmq):
         raise LlmqError("--llmq takes LABEL=REF")
-    for label, opts in variant_options().items():
-        if label not in given and not (args.no_calibrated and opts.method != "rtn"):
-            print(f"llmq variant {label}: quantize stage ...", flush=True)
-            arts[label] = quantized(model, opts, store)
-    arts.update({label: store.resolve(ref) for label, ref in given.items()})
-    paths = {k: a.path for k, a in arts.items()}
+    arts = {"bf16": model, **{label: store.resolve(ref) for label, ref in given.items()}}
+
+    def make(calibrated: bool) -> None:  # RTN first (the speed pairs); GPTQ / AWQ only for the quality table
+        for label, opts in variant_options().items():
+            if label not in arts and (opts.method != "rtn") == calibrated:
+                print(f"llmq variant {label}: ", end="", flush=True)
+                arts[label] = quantized(model, opts, store)
+                print(arts[label].ref, flush=True)
+
+    make(calibrated=False)
     results = {"settings": {"llama_cpp": str(lc.bin_dir), "model": model.ref, "model_id": model.id,
-                            "llmq": {k: a.ref for k, a in arts.items()}, "threads": args.threads,
-                            "rounds": args.rounds, "tokens": args.tokens, "load_average_start": load,
-                            "cores": os.cpu_count()}}
+                            "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
+                            "load_average_start": load, "cores": os.cpu_count()}}
     if not args.skip_speed:
-        missing = [v for _, v in PAIRS if v not in paths]
+        missing = [v for _, v in PAIRS if v not in arts]
         if missing:
             raise LlmqError(f"the speed pairs need llmq variants {', '.join(missing)}")
         print("speed (llama.cpp / llmq):", flush=True)
-        results["speed"] = speed(lc, gg, paths, args.threads, args.rounds, args.tokens, args.time_limit)
+        results["speed"] = speed(lc, gg, {k: a.path for k, a in arts.items()}, args.threads, args.rounds,
+                                 args.tokens, args.time_limit)
     if not args.skip_quality:
+        if not args.no_calibrated:
+            make(calibrated=True)
+        paths = {k: a.path for k, a in arts.items()}
         text, files = heldout_text(args.heldout)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         text_file = work / f"heldout-{digest}.txt"
@@ -355,7 +361,7 @@ def bench(lc: LlamaCpp, args) -> int:
             r["bpw"] = r["bytes"] * 8 / params
         results["quality"] = {"rows": rows, "heldout": files, "parameters": params, **info,
                               "agreement_llmq_bf16_vs_f16": mq["bf16"]["vs_f16"]}
-    results["settings"]["load_average_end"] = os.getloadavg()[0]
+    results["settings"].update(llmq={k: a.ref for k, a in arts.items()}, load_average_end=os.getloadavg()[0])
     print(f"\nmachine load: 1-minute load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at the end "
           f"on {os.cpu_count()} cores (shared: other work ran beside this benchmark)")
     if "speed" in results:
@@ -365,7 +371,7 @@ def bench(lc: LlamaCpp, args) -> int:
         print_quality(q["rows"], info, files)
         a = q["agreement_llmq_bf16_vs_f16"]
         print(f"references agree: llmq bf16 vs llama.cpp F16 (llama.cpp's formula on F16's base file): "
-              f"mean KLD {a['kld']:.2e}, top-1 {a['top1']:.2f} %")
+              f"mean KLD {a['kld']:.2e}, top-1 {a['top1']:.2f} % (|KLD| ~1e-5 is the base file's 16-bit resolution)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     return 0
