@@ -78,13 +78,14 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
     return R.save(store, report, opts.name, [source.id], command)
 
 
-def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: int, hw: dict,
+def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: int, hw: dict | None,
           time_limit: float = 300.0, device: str | None = None, dtype: str | None = None, seed: int = 0,
           progress: Callable[[OfflineResult], None] | None = None, speculative: dict | None = None,
           compile: bool = False
           ) -> tuple[list[OfflineResult], dict]:
     """Results per batch size, plus the engine settings they were measured with. `speculative`: EngineConfig's
-    speculative fields (a speculating step emits several tokens per sequence, so rates count tokens, not steps)."""
+    speculative fields (a speculating step emits several tokens per sequence, so rates count tokens, not steps).
+    hw: the machine's peaks (bench.hw.hardware), or None to time only (MBU / MFU left None)."""
     import numpy as np
     import torch
 
@@ -106,16 +107,16 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
         kv_per_token = spec.kv_bytes_per_token(kv_element_bytes(engine.kv_cache_dtype, engine.runner.dtype))
         weight_bytes = engine.runner.model.weight_bytes() * engine.tp
         flops_per_token = 2 * _compute_params(spec)
-        peak_bw, peak_fl = hw["read_bandwidth"], peak_flops(hw, engine.runner.dtype)
+        peak_bw, peak_fl = (hw["read_bandwidth"], peak_flops(hw, engine.runner.dtype)) if hw else (None, None)
         rng = np.random.default_rng(seed)
         special = set(engine.tokenizer.all_special_ids)
         vocab = [i for i in range(min(spec.vocab_size, len(engine.tokenizer))) if i not in special]
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
         warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-        engine.generate([list(map(int, rng.choice(vocab, min(input_len, 8))))], warm)  # warm up
-        if compile:  # compile the graphs the sweep will hit (batch 1 and more, its context) before timing
-            for n in sorted({1, min(2, max_b)}):
-                engine.generate([list(map(int, rng.choice(vocab, input_len))) for _ in range(n)], warm)
+        # warm up on a prompt as long as the timed ones, so the first timed prefill pays no one-off costs; compiled,
+        # also on the batch sizes whose graphs the sweep will hit (batch 1 and more)
+        for n in sorted({1, min(2, max_b)}) if compile else [1]:
+            engine.generate([list(map(int, rng.choice(vocab, input_len))) for _ in range(n)], warm)
         results, rates = [], []  # rates: (bytes read / s, FLOP / s) achieved at each batch size
         for b in batch_sizes:
             ids = [f"b{b}-{i}" for i in range(b)]
@@ -151,22 +152,24 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
             if progress:
                 progress(results[-1])
         notes = []
-        if any(bw > peak_bw or fl > peak_fl for bw, fl in rates):  # the cached peaks understate this machine
-            hw = hardware(str(engine.device), refresh=True)
-            peak_bw, peak_fl = hw["read_bandwidth"], peak_flops(hw, engine.runner.dtype)
-            notes.append("the cached peaks were below what this run achieved; measured them again")
-        for r, (bw, fl) in zip(results, rates):
-            r.mbu, r.mfu = bw / peak_bw, fl / peak_fl
-            if r.mbu > 1 or r.mfu > 1:  # still: the weights sit in a cache faster than memory; no honest figure
-                notes.append(f"batch {r.batch_size}: {bw / 1e9:.1f} GB/s and {fl / 1e9:.1f} GFLOP/s exceed the peaks "
-                             "just measured (the working set fits in cache); MBU / MFU not reported")
-                r.mbu = r.mfu = None
+        if hw is not None:  # else time only
+            if any(bw > peak_bw or fl > peak_fl for bw, fl in rates):  # the cached peaks understate this machine
+                hw = hardware(str(engine.device), refresh=True)
+                peak_bw, peak_fl = hw["read_bandwidth"], peak_flops(hw, engine.runner.dtype)
+                notes.append("the cached peaks were below what this run achieved; measured them again")
+            for r, (bw, fl) in zip(results, rates):
+                r.mbu, r.mfu = bw / peak_bw, fl / peak_fl
+                if r.mbu > 1 or r.mfu > 1:  # still: the weights sit in a cache faster than memory; no honest figure
+                    notes.append(f"batch {r.batch_size}: {bw / 1e9:.1f} GB/s and {fl / 1e9:.1f} GFLOP/s exceed the "
+                                 "peaks just measured (the working set fits in cache); MBU / MFU not reported")
+                    r.mbu = r.mfu = None
         settings = {"device": str(engine.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
                     "compile": compile,
                     "kv_cache_dtype": engine.kv_cache_dtype, "tp": engine.tp, "input_len": input_len,
                     "output_len": output_len, "batch_sizes": list(batch_sizes), "time_limit_s": time_limit,
-                    "peak_read_bandwidth": peak_bw, "peak_flops": peak_fl, "machine": hw.get("machine"),
-                    "peaks_measured": hw.get("measured"), "peaks_load_per_core": hw.get("load_per_core"),
+                    "peak_read_bandwidth": peak_bw, "peak_flops": peak_fl, "machine": (hw or {}).get("machine"),
+                    "peaks_measured": (hw or {}).get("measured"),
+                    "peaks_load_per_core": (hw or {}).get("load_per_core"),
                     "notes": notes, **{k: getattr(cfg, k) for k in (speculative or {})},
                     "parameters": spec.num_parameters()}
         return results, settings

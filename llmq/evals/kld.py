@@ -18,6 +18,13 @@ from .compare import mean_stderr
 WINDOW = 512
 
 
+def token_kl(lp_eval: torch.Tensor, lp_base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of [T, vocab] log-probabilities: KL(P_base || P_eval) in float64 (rounding below zero clamped)
+    and whether the two argmaxes agree."""
+    lp_e, lp_b = lp_eval.double(), lp_base.double()
+    return (lp_b.exp() * (lp_b - lp_e)).sum(-1).clamp_min(0), lp_e.argmax(-1) == lp_b.argmax(-1)
+
+
 def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], None] | None = None) -> dict:
     progress = progress or (lambda todo, done: None)
     windows = []
@@ -34,9 +41,9 @@ def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], Non
         lp_b = base.full_logprobs(w).double()
         if lp_e.shape != lp_b.shape:
             raise LlmqError(f"vocabularies differ: {lp_e.shape[-1]} vs {lp_b.shape[-1]} entries")
-        kl = (lp_b.exp() * (lp_b - lp_e)).sum(-1)[:-1]  # the last position predicts past the window
-        kls += kl.clamp_min(0).tolist()
-        agree += (lp_e.argmax(-1) == lp_b.argmax(-1))[:-1].float().tolist()
+        kl, same = token_kl(lp_e[:-1], lp_b[:-1])  # the last position predicts past the window
+        kls += kl.tolist()
+        agree += same.float().tolist()
         tgt = torch.tensor(w[1:])
         nll_e -= float(lp_e[:-1].gather(1, tgt[:, None]).sum())
         nll_b -= float(lp_b[:-1].gather(1, tgt[:, None]).sum())

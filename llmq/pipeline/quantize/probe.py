@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ...evals.kld import token_kl
+
 
 def _terms(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position KL(P || Q) and argmax agreement, in float64."""
@@ -17,8 +19,7 @@ def _terms(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor
         raise ValueError(f"logits shapes differ: {tuple(p_logits.shape)} vs {tuple(q_logits.shape)}")
     lp = torch.log_softmax(p_logits.double().reshape(-1, p_logits.shape[-1]), -1)
     lq = torch.log_softmax(q_logits.double().reshape(-1, q_logits.shape[-1]), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0)
-    return kl, (lp.argmax(-1) == lq.argmax(-1))
+    return token_kl(lq, lp)
 
 
 def kld_top1(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:

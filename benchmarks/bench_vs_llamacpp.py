@@ -1,0 +1,390 @@
+"""llmq vs llama.cpp on the same model and machine: batch-1 speed and quantization quality, in one run.
+
+Needs a llama.cpp build (--llama-cpp DIR or $LLAMA_CPP_DIR: its source tree or build/bin; without one this prints how
+to build it and exits 2). llmq's bf16 model artifact is converted to GGUF F16 by llama.cpp's own converter
+(convert_hf_to_gguf.py) and quantized by llama-quantize to Q8_0 / Q4_0 / Q4_K_M; the GGUFs are cached in
+<work dir>/<bf16 artifact id>. llmq's variants are made by the quantize stage (reused from the store on later runs)
+or passed with --llmq LABEL=REF.
+
+Speed, for every thread count and round, interleaved pair by pair (llama.cpp, then llmq):
+  llama.cpp: `llama-bench -p 128 -n 128 -r 1 -t T`: pp128 = one 128-token prompt, tg128 = 128 one-token decode steps
+  from an empty context (after its own warm-up runs).
+  llmq: LLMEngine in-process (bench.offline.sweep, batch 1, torch threads T, after a warm-up request of the same
+  length): pp128 = 128 / the time to prefill a 128-token prompt and sample its first token; tg128 = 1 / mean decode
+  step over the 127 steps that follow (context 129..255 tokens: a little more attention than llama.cpp's 0..127;
+  fewer steps where --time-limit stops them).
+  Pairs: F16 / llmq bf16, Q8_0 / INT8 RTN per channel, Q4_0 / INT4 RTN g64. Medians over --rounds; ratio = llmq /
+  llama.cpp.
+Quality, on Python source from the installed stdlib that is in none of llmq's calibration, probe or eval data,
+windowed as llama-perplexity does (-c 512: chunks of 512 tokens, the second half of each scored):
+  llama.cpp: `llama-perplexity --kl-divergence-base` writes F16's log-probs; `--kl-divergence` compares each GGUF to
+  them (its mean KLD and "Same top p").
+  llmq: LLMEngine.prompt_logprobs over the same chunks; each variant against llmq bf16 (exact, float64), and against
+  F16's base file with llama.cpp's own formula. That formula applied to llmq bf16 is the check that the two references
+  agree (the base file stores log-probs to 16 bits, so a perfect match reads about 1e-6, not 0).
+  bits/weight = file bytes x 8 / parameters (a GGUF includes its tokenizer; llmq: its safetensors).
+
+    python benchmarks/bench_vs_llamacpp.py --llama-cpp /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
+        --converter-pythonpath /tmp/llamacpp/pydeps [--rounds 3] [--threads 1 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmq.bench.llamacpp import LlamaCpp, LlamaCppNotFound, locate, run  # noqa: E402
+from llmq.errors import LlmqError  # noqa: E402
+
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")
+VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int4-gptq-g64-act",
+            "int4-awq-g64")  # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8)
+PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q4_0", "int4-rtn-g64"),
+         ("Q4_0", "int4-rtn-g64-head8"))  # speed: same precision class
+HELDOUT = ("copy.py", "abc.py")  # stdlib files in none of llmq's calibration / probe / eval sets (checked below)
+
+
+def variant_options() -> dict:
+    from llmq.pipeline.quantize import QuantizeOptions
+
+    return dict(zip(VARIANTS, (QuantizeOptions(bits=8, group_size=0), QuantizeOptions(bits=4, group_size=64),
+                               QuantizeOptions(bits=8, group_size=0, lm_head="int8"),
+                               QuantizeOptions(bits=4, group_size=64, lm_head="int8"),
+                               QuantizeOptions(bits=4, method="gptq", group_size=64, act_order=True),
+                               QuantizeOptions(bits=4, method="awq", group_size=64))))
+
+
+def quantized(source, opts, store):
+    """The quantize stage's artifact for (source, opts): the one an earlier run of this benchmark made, or a new one."""
+    import dataclasses
+
+    from llmq.pipeline.quantize import quantize
+    from llmq.pipeline.recipe import StageCache
+
+    key = hashlib.sha256(json.dumps({"bench": "vs-llamacpp", "parent": source.id,
+                                     "options": dataclasses.asdict(opts)}, sort_keys=True).encode()).hexdigest()
+    cache = StageCache(store)
+    if (hit := cache.get(key)) is not None:
+        return hit
+    art = quantize(source, opts, store, progress=False)
+    cache.put(key, art)
+    return art
+
+
+def ggufs(lc: LlamaCpp, model, work: Path, threads: int) -> dict[str, Path]:
+    """F16 converted from the bf16 artifact by llama.cpp's converter, then llama-quantize's types; cached in `work`."""
+    work.mkdir(parents=True, exist_ok=True)
+    out = {"F16": work / "model-F16.gguf", **{t: work / f"model-{t}.gguf" for t in GGUF_TYPES}}
+    if not out["F16"].is_file():
+        if lc.converter is None:
+            raise LlmqError(f"no {out['F16']} yet and no convert_hf_to_gguf.py beside {lc.bin_dir}: point --llama-cpp "
+                            "at the llama.cpp source tree")
+        tmp = out["F16"].with_suffix(".tmp")
+        print(f"converting {model.ref} to GGUF F16 with {lc.converter} ...", flush=True)
+        run([sys.executable, str(lc.converter), str(model.path), "--outtype", "f16", "--outfile", str(tmp)],
+            "the GGUF converter (missing modules: add their directory with --converter-pythonpath)",
+            env=lc.converter_env())
+        tmp.replace(out["F16"])
+    for t in GGUF_TYPES:
+        if not out[t].is_file():
+            tmp = out[t].with_suffix(".tmp")
+            print(f"llama-quantize {t} ...", flush=True)
+            run([lc.tool("llama-quantize"), str(out["F16"]), str(tmp), t, str(threads)], "llama-quantize")
+            tmp.replace(out[t])
+    return out
+
+
+# -- speed ------------------------------------------------------------------------------------------------------------
+def llama_speed(lc: LlamaCpp, gguf: Path, threads: int, n: int) -> dict:
+    from llmq.bench.llamacpp import parse_bench_json
+
+    r = parse_bench_json(run([lc.tool("llama-bench"), "-m", str(gguf), "-p", str(n), "-n", str(n), "-r", "1",
+                              "-t", str(threads), "-o", "json"], "llama-bench"))
+    return {"pp": r[f"pp{n}"]["tokens_per_s"], "tg": r[f"tg{n}"]["tokens_per_s"], "build": r[f"pp{n}"]["build"]}
+
+
+def llmq_speed(path: Path, threads: int, n: int, time_limit: float, compile: bool = False) -> dict:
+    import torch
+
+    from llmq.bench.offline import sweep
+
+    torch.set_num_threads(threads)  # the engine is built and stepped on this thread
+    (r,), settings = sweep(path, [1], n, n, hw=None, time_limit=time_limit, compile=compile)
+    return {"pp": n / r.prefill_s, "tg": r.tokens_per_s, "decode_steps": r.decode_steps, "dtype": settings["dtype"]}
+
+
+def speed(lc, gg, paths, threads: list[int], rounds: int, n: int, time_limit: float, compile: bool = False
+          ) -> list[dict]:
+    rows = []
+    for t in threads:
+        samples = {p: {"llama.cpp": [], "llmq": []} for p in PAIRS}
+        for r in range(rounds):
+            for pair in PAIRS:
+                g, v = pair
+                a = llama_speed(lc, gg[g], t, n)
+                b = llmq_speed(paths[v], t, n, time_limit, compile)
+                samples[pair]["llama.cpp"].append(a)
+                samples[pair]["llmq"].append(b)
+                print(f"  threads {t} round {r + 1}/{rounds} {g:>6} / {v:<18} pp{n} {a['pp']:7.1f} / {b['pp']:7.1f}"
+                      f"  tg{n} {a['tg']:6.1f} / {b['tg']:6.1f} tok/s", flush=True)
+        for (g, v), s in samples.items():
+            med = {side: {k: statistics.median(x[k] for x in s[side]) for k in ("pp", "tg")} for side in s}
+            rows.append({"threads": t, "gguf": g, "llmq": v, "median": med, "samples": s,
+                         "ratio": {k: med["llmq"][k] / med["llama.cpp"][k] for k in ("pp", "tg")}})
+    return rows
+
+
+# -- quality ----------------------------------------------------------------------------------------------------------
+def heldout_text(names: list[str]) -> tuple[str, list[dict]]:
+    """The named stdlib files (or paths), refused if llmq calibrates, probes or evaluates on them."""
+    from llmq.evals import tasks
+    from llmq.pipeline.quantize import calib
+
+    used = set(calib.CALIB_STDLIB) | set(calib.PROBE_STDLIB) | set(tasks.STDLIB_FILES)
+    data = (calib.DATA, Path(tasks.__file__).parent / "data")
+    bundled = [p.read_text(encoding="utf-8") for d in data for p in sorted(d.glob("*.txt"))]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, info = [], []
+    for n in names:
+        p = Path(n) if Path(n).is_absolute() else root / n
+        if n in used:
+            raise LlmqError(f"{n} is in llmq's calibration, probe or eval data; pick held-out text")
+        if not p.is_file():
+            raise LlmqError(f"held-out file {p} not found")
+        t = p.read_text(encoding="utf-8")
+        lines = [ln for ln in t.splitlines() if len(ln.strip()) > 40]
+        if any(ln in b for ln in lines for b in bundled):
+            raise LlmqError(f"{p} shares lines with llmq's bundled calibration / eval text; pick held-out text")
+        texts.append(t)
+        info.append({"file": str(p), "sha256": hashlib.sha256(t.encode()).hexdigest()[:16], "chars": len(t)})
+    return "\n\n".join(texts), info
+
+
+def llama_quality(lc: LlamaCpp, gg: dict, text_file: Path, base_file: Path, n_ctx: int, threads: int) -> dict:
+    from llmq.bench.llamacpp import parse_kld_output
+
+    ppl = [lc.tool("llama-perplexity"), "-c", str(n_ctx), "-t", str(threads), "--kl-divergence-base"]
+    if not base_file.is_file():
+        tmp = base_file.with_suffix(".tmp")
+        print("llama-perplexity: F16 base log-probs ...", flush=True)
+        run(ppl[:-1] + ["-m", str(gg["F16"]), "-f", str(text_file), "--kl-divergence-base", str(tmp)],
+            "llama-perplexity (base)")
+        tmp.replace(base_file)
+    out = {}
+    for t in GGUF_TYPES:
+        print(f"llama-perplexity --kl-divergence {t} ...", flush=True)
+        out[t] = parse_kld_output(run(ppl + [str(base_file), "-m", str(gg[t]), "--kl-divergence"],
+                                      f"llama-perplexity --kl-divergence ({t})"))
+    return out
+
+
+def llmq_quality(paths: dict[str, Path], base, text: str, threads: int) -> tuple[dict, dict]:
+    """Every llmq variant against llmq bf16 (exact) and against F16's base file (llama.cpp's formula); `paths`
+    holds "bf16", the reference."""
+    import torch
+
+    from llmq.bench.llamacpp import chunks, kld_vs_base, scored
+    from llmq.evals.compare import mean_stderr
+    from llmq.evals.kld import token_kl
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    torch.set_num_threads(threads)
+    sl = scored(base.n_ctx)
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=base.n_ctx, max_model_len=base.n_ctx,
+                       enable_prefix_caching=False)
+    ref, out, chs, info = [], {}, None, {}
+    for label, path in paths.items():  # bf16 first
+        engine = LLMEngine(path, cfg)
+        try:
+            if chs is None:
+                tok = engine.tokenizer
+                ids = tok.encode(text, add_special_tokens=False)
+                add_bos = base.add_bos(ids, tok.bos_token_id)
+                chs = chunks(ids, base.n_ctx, add_bos, tok.bos_token_id)
+                if len(chs) != base.n_chunk:
+                    raise LlmqError(f"{len(chs)} chunks of llmq's tokens, {base.n_chunk} in llama.cpp's base file")
+                info = {"text_tokens": len(ids), "chunks": len(chs), "n_ctx": base.n_ctx, "add_bos": add_bos,
+                        "scored_tokens": len(chs) * (sl.stop - sl.start)}
+            kl, top, klf, topf, nll = [], [], [], [], []
+            for i, c in enumerate(chs):
+                lp = engine.prompt_logprobs(c)[sl].float()
+                nll += (-lp.gather(1, torch.tensor(c[sl.start + 1:])[:, None])[:, 0]).tolist()
+                a, b = kld_vs_base(base.logprobs(i), lp)
+                klf += a.tolist()
+                topf += b.float().tolist()
+                if label == "bf16":
+                    ref.append(lp)
+                    continue
+                a, b = token_kl(lp, ref[i])
+                kl += a.tolist()
+                top += b.float().tolist()
+        finally:
+            engine.shutdown()
+        (m, se), (t1, t1se) = mean_stderr(klf), mean_stderr(topf)
+        r = {"ppl": float(torch.tensor(nll).double().mean().exp()),
+             "vs_f16": {"kld": m, "kld_stderr": se, "top1": 100 * t1, "top1_stderr": 100 * t1se}}
+        if kl:
+            (m, se), (t1, t1se) = mean_stderr(kl), mean_stderr(top)
+            r.update(kld=m, kld_stderr=se, top1=100 * t1, top1_stderr=100 * t1se)
+        out[label] = r
+        print(f"  llmq {label}: done", flush=True)
+    return out, info
+
+
+# -- report -----------------------------------------------------------------------------------------------------------
+def print_speed(rows: list[dict], rounds: int, n: int) -> None:
+    print(f"\nSpeed, batch 1 (tok/s, median of {rounds} rounds; ratio = llmq / llama.cpp)")
+    print(f"{'threads':>7} {'llama.cpp / llmq':<29} {'pp' + str(n):>9} {'llmq':>8} {'ratio':>6}   "
+          f"{'tg' + str(n):>7} {'llmq':>7} {'ratio':>6}")
+    for r in rows:
+        m = r["median"]
+        print(f"{r['threads']:>7} {r['gguf'] + ' / ' + r['llmq']:<29} {m['llama.cpp']['pp']:>9.1f} "
+              f"{m['llmq']['pp']:>8.1f} {r['ratio']['pp']:>6.2f}   {m['llama.cpp']['tg']:>7.1f} "
+              f"{m['llmq']['tg']:>7.1f} {r['ratio']['tg']:>6.2f}")
+
+
+def print_quality(rows: list[dict], info: dict, files: list[dict]) -> None:
+    print(f"\nQuality on {info['scored_tokens']} held-out tokens ({info['chunks']} chunks of {info['n_ctx']}, second "
+          f"half of each scored, BOS {'added' if info['add_bos'] else 'not added'}; text: "
+          f"{', '.join(Path(f['file']).name for f in files)} from the Python stdlib)")
+    print("reference: llama.cpp GGUFs vs F16 (llama-perplexity --kl-divergence); llmq variants vs llmq bf16 (exact); "
+          "'vs F16': llmq against F16's base file by llama.cpp's formula")
+    print(f"{'model':<24} {'file MB':>8} {'bits/w':>6} {'PPL':>7} {'mean KLD':>9} {'±':>8} {'top-1 %':>7} "
+          f"{'/Q4_K_M':>7} {'vs F16 KLD':>10} {'top-1 %':>7}")
+    q4km = next(r["kld"] for r in rows if r["model"] == "llama.cpp Q4_K_M")
+    for r in rows:
+        kld = (f"{r['kld']:>9.5f} {r['kld_stderr']:>8.5f} {r['top1']:>7.2f} {r['kld'] / q4km:>7.3f}"
+               if "kld" in r else f"{'(reference)':>34}")
+        vs = f" {r['vs_f16']['kld']:>10.6f} {r['vs_f16']['top1']:>7.2f}" if "vs_f16" in r else ""
+        print(f"{r['model']:<24} {r['bytes'] / 1e6:>8.1f} {r['bpw']:>6.2f} {r['ppl']:>7.3f} {kld}{vs}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", default=None,
+                    help="llama.cpp source tree or its build/bin (default: $LLAMA_CPP_DIR, then PATH)")
+    ap.add_argument("--converter-pythonpath", action="append", default=[],
+                    help="a directory the GGUF converter needs on its PYTHONPATH (e.g. where sentencepiece is); "
+                         "repeatable; the tree's gguf-py is added by itself")
+    ap.add_argument("--model", default=None, help="llmq model reference (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--store", default=None, help="artifact store (default: $LLMQ_STORE or ~/.local/share/llmq/store)")
+    ap.add_argument("--llmq", action="append", default=[], metavar="LABEL=REF",
+                    help="an llmq artifact to compare under LABEL (replaces the built-in variant of that label: "
+                         f"{', '.join(['bf16', *VARIANTS])}); repeatable")
+    ap.add_argument("--no-calibrated", action="store_true", help="skip the GPTQ and AWQ variants (slow to make)")
+    ap.add_argument("--work-dir", default=None, help="where GGUFs and base log-probs are cached "
+                    "(default: <llmq cache>/vs-llamacpp)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128, help="pp / tg length")
+    ap.add_argument("--time-limit", type=float, default=120.0,
+                    help="seconds per llmq measurement: decode steps stop there (a loaded machine)")
+    ap.add_argument("--heldout", nargs="+", default=list(HELDOUT), help="stdlib files (or paths) to score on")
+    ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity -c")
+    ap.add_argument("--compile", action="store_true", help="llmq's decode step compiled (EngineConfig.compile)")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args()
+    try:
+        lc = locate(args.llama_cpp, tuple(args.converter_pythonpath))
+    except LlamaCppNotFound as e:
+        print(e, file=sys.stderr)
+        return 2
+    from llmq.artifacts import ArtifactError
+
+    try:
+        return bench(lc, args)
+    except (LlmqError, ArtifactError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def bench(lc: LlamaCpp, args) -> int:
+    from llmq.artifacts import Store
+    from llmq.bench.llamacpp import KldBase
+    from llmq.models import ModelSpec, cache_dir, resolve_model
+
+    if args.rounds < 1 or min(args.threads) < 1:
+        raise LlmqError("--rounds and --threads need positive integers")
+    store = Store.open(args.store)
+    model = resolve_model(args.model, store)
+    work = Path(args.work_dir or cache_dir() / "vs-llamacpp") / model.id[:16]
+    load = os.getloadavg()[0]
+    print(f"llama.cpp tools: {lc.bin_dir}\nllmq model: {model.ref} ({model.id[:16]})  work dir: {work}\n"
+          f"machine: {os.cpu_count()} cores, 1-minute load average {load:.2f} at start")
+    gg = ggufs(lc, model, work, max(args.threads))
+    given = dict(x.split("=", 1) for x in args.llmq if "=" in x)
+    if len(given) != len(args.llmq):
+        raise LlmqError("--llmq takes LABEL=REF")
+    arts = {"bf16": model, **{label: store.resolve(ref) for label, ref in given.items()}}
+
+    def make(calibrated: bool) -> None:  # RTN first (the speed pairs); GPTQ / AWQ only for the quality table
+        for label, opts in variant_options().items():
+            if label not in arts and (opts.method != "rtn") == calibrated:
+                print(f"llmq variant {label}: ", end="", flush=True)
+                arts[label] = quantized(model, opts, store)
+                print(arts[label].ref, flush=True)
+
+    make(calibrated=False)
+    results = {"settings": {"llama_cpp": str(lc.bin_dir), "model": model.ref, "model_id": model.id,
+                            "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
+                            "load_average_start": load, "cores": os.cpu_count(), "compile": args.compile}}
+    if not args.skip_speed:
+        missing = [v for _, v in PAIRS if v not in arts]
+        if missing:
+            raise LlmqError(f"the speed pairs need llmq variants {', '.join(missing)}")
+        print("speed (llama.cpp / llmq):", flush=True)
+        results["speed"] = speed(lc, gg, {k: a.path for k, a in arts.items()}, args.threads, args.rounds,
+                                 args.tokens, args.time_limit, args.compile)
+    if not args.skip_quality:
+        if not args.no_calibrated:
+            make(calibrated=True)
+        paths = {k: a.path for k, a in arts.items()}
+        text, files = heldout_text(args.heldout)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        text_file = work / f"heldout-{digest}.txt"
+        text_file.write_text(text, encoding="utf-8")
+        base_file = work / f"F16-{digest}-c{args.ctx}.kld"
+        lq = llama_quality(lc, gg, text_file, base_file, args.ctx, max(args.threads))
+        base = KldBase(base_file)
+        mq, info = llmq_quality(paths, base, text, max(args.threads))
+        params = ModelSpec.from_config(model.path / "config.json").num_parameters()
+        rows = [{"model": "llama.cpp F16", "bytes": gg["F16"].stat().st_size, "ppl": lq[GGUF_TYPES[0]]["ppl_base"]}]
+        rows += [{"model": f"llama.cpp {t}", "bytes": gg[t].stat().st_size, **lq[t]} for t in GGUF_TYPES]
+        rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in paths[k].glob("*.safetensors")),
+                  **r} for k, r in mq.items()]
+        for r in rows:
+            r["bpw"] = r["bytes"] * 8 / params
+        results["quality"] = {"rows": rows, "heldout": files, "parameters": params, **info,
+                              "agreement_llmq_bf16_vs_f16": mq["bf16"]["vs_f16"]}
+    results["settings"].update(llmq={k: a.ref for k, a in arts.items()}, load_average_end=os.getloadavg()[0])
+    print(f"\nmachine load: 1-minute load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at the end "
+          f"on {os.cpu_count()} cores (shared: other work ran beside this benchmark)")
+    if "speed" in results:
+        print_speed(results["speed"], args.rounds, args.tokens)
+    if "quality" in results:
+        q = results["quality"]
+        print_quality(q["rows"], info, files)
+        a = q["agreement_llmq_bf16_vs_f16"]
+        print(f"references agree: llmq bf16 vs llama.cpp F16 (llama.cpp's formula on F16's base file): "
+              f"mean KLD {a['kld']:.2e}, top-1 {a['top1']:.2f} % (|KLD| ~1e-5 is the base file's 16-bit resolution)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    code = main()
+    print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    sys.exit(code)
