@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import LlmqError
-from . import qformat
+from . import bnbformat
 from .reader import ATTN, MLP, LinearWeights
 from .spec import ModelSpec
 
@@ -199,7 +199,7 @@ def _scale_cols(s: torch.Tensor | None, cols: torch.Tensor, in_features: int, fi
 
 
 def _check_sliceable(lw: LinearWeights) -> None:
-    if not isinstance(lw.qw, qformat.QuantizedWeight):
+    if isinstance(lw.qw, (bnbformat.NF4Weight, bnbformat.Int8Weight)):
         raise LlmqError(f"{lw.name}: bitsandbytes ({lw.qw.scheme}) weights are not split for tensor parallelism; "
                         "run them with tp 1, or quantize with a compressed-tensors method (rtn, gptq, awq) to shard")
 
