@@ -104,22 +104,61 @@ def batch1(eng: LLMEngine, modes: dict, cats: dict, reps: int, max_tokens: int) 
     return res
 
 
-def throughput(eng: LLMEngine, modes: dict, ps: list[list[int]], concurrency: list[int], max_tokens: int) -> dict:
-    """Output tokens/s per mode and concurrency: `c` requests at once (prompts cycled), each max_tokens long."""
+def throughput(eng: LLMEngine, modes: dict, ps: list[list[int]], concurrency: list[int], max_tokens: int,
+               reps: int) -> dict:
+    """Median output tokens/s per mode and concurrency: `c` requests at once (prompts cycled), each max_tokens long,
+    the modes interleaved (rotated) within every repetition."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    out = {m: {} for m in modes}
+    rates = {m: {c: [] for c in concurrency} for m in modes}
     texts = {m: {} for m in modes}
-    for c in concurrency:
-        batch = [ps[i % len(ps)] for i in range(c)]
-        for mode, spec in modes.items():
-            eng.speculator = spec
-            t = time.perf_counter()
-            res = eng.generate(batch, params)
-            out[mode][c] = sum(len(r.output_token_ids) for r in res) / (time.perf_counter() - t)
-            texts[mode][c] = [r.text for r in res]
+    names = list(modes)
+    for rep in range(reps):
+        for c in concurrency:
+            batch = [ps[i % len(ps)] for i in range(c)]
+            for mode in names[rep % len(names):] + names[:rep % len(names)]:
+                eng.speculator = modes[mode]
+                t = time.perf_counter()
+                res = eng.generate(batch, params)
+                rates[mode][c].append(sum(len(r.output_token_ids) for r in res) / (time.perf_counter() - t))
+                texts[mode][c] = [r.text for r in res]
     identical = {m: sum(a == b for c in concurrency for a, b in zip(texts[m][c], texts["plain"][c]))
                  for m in modes}
-    return {"tokens_per_s": out, "identical_outputs": identical, "outputs": sum(concurrency)}
+    return {"tokens_per_s": {m: {c: statistics.median(v) for c, v in r.items()} for m, r in rates.items()},
+            "all_tokens_per_s": rates, "identical_outputs": identical, "outputs": sum(concurrency)}
+
+
+def report_batch1(b1: dict, modes: dict, cats: dict, a, top1: float | None) -> dict:
+    """Print the batch-1 table (and the INT4 draft's acceptance against its probe); the numbers as a dict."""
+    print(f"\nbatch 1, greedy, {a.max_tokens} tokens max, {a.reps} reps interleaved: median TPOT (ms)")
+    print(f"{'category':8} {'plain':>8} " + " ".join(f"{m:>10} {'speedup':>7} {'accept':>6} {'same':>5}"
+                                                     for m in modes if m != "plain"))
+    summary: dict = {}
+    for cat in cats:
+        base = statistics.median(b1["plain"][cat]["tpot"])
+        row = f"{cat:8} {base * 1e3:8.1f} "
+        for m in modes:
+            if m == "plain":
+                continue
+            r = b1[m][cat]
+            med = statistics.median(r["tpot"])
+            rate = r["accepted"] / r["drafted"] if r["drafted"] else float("nan")
+            same = sum(r["texts"][i] == b1["plain"][cat]["texts"][i] for i in r["texts"])
+            row += f"{med * 1e3:10.1f} {base / med:6.2f}x {rate:6.1%} {same}/{len(r['texts']):<3}"
+            summary.setdefault(m, {})[cat] = {"tpot_ms": med * 1e3, "speedup": base / med, "acceptance": rate,
+                                              "identical": same, "prompts": len(r["texts"])}
+        summary.setdefault("plain", {})[cat] = {"tpot_ms": base * 1e3}
+        print(row)
+    if top1 is not None:
+        d = b1["draft-int4"]
+        drafted, accepted = sum(d[c]["drafted"] for c in cats), sum(d[c]["accepted"] for c in cats)
+        per_pos = modes["draft-int4"].stats.accepted_per_pos
+        first = per_pos[0] / modes["draft-int4"].stats.num_drafts if per_pos else float("nan")
+        print(f"\nINT4 draft: probe top-1 agreement {top1:.1%}; acceptance rate {accepted / drafted:.1%} "
+              f"(first draft token accepted {first:.1%} of drafts; with per-token agreement p and k={a.draft_k}, "
+              f"the rate would be (p + ... + p^k) / k = "
+              f"{sum(top1 ** i for i in range(1, a.draft_k + 1)) / a.draft_k:.1%})")
+        summary["draft_probe"] = {"top1": top1, "acceptance": accepted / drafted, "first_token_acceptance": first}
+    return summary
 
 
 def main() -> None:
@@ -133,6 +172,7 @@ def main() -> None:
     ap.add_argument("--no-draft", action="store_true", help="skip the INT4 draft model")
     ap.add_argument("--concurrency", default="1,4,8,16,32")
     ap.add_argument("--conc-tokens", type=int, default=48, help="output tokens per request in the sweep")
+    ap.add_argument("--skip-batch1", action="store_true", help="only the concurrency sweep")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     store = Store(Path(a.store))
@@ -156,32 +196,14 @@ def main() -> None:
     print(f"model {model.ref}; device {eng.device}; n-gram k={a.k}" +
           ("" if a.no_draft else f"; INT4 RTN draft k={a.draft_k} (probe top-1 agreement {top1})"))
 
-    b1 = batch1(eng, modes, cats, a.reps, a.max_tokens)
-    print(f"\nbatch 1, greedy, {a.max_tokens} tokens max, {a.reps} reps interleaved: median TPOT (ms)")
-    print(f"{'category':8} {'plain':>8} " + " ".join(f"{m:>10} {'speedup':>7} {'accept':>6} {'same':>5}"
-                                                     for m in modes if m != "plain"))
     summary = {}
-    for cat in cats:
-        base = statistics.median(b1["plain"][cat]["tpot"])
-        row = f"{cat:8} {base * 1e3:8.1f} "
-        for m in modes:
-            if m == "plain":
-                continue
-            r = b1[m][cat]
-            med = statistics.median(r["tpot"])
-            rate = r["accepted"] / r["drafted"] if r["drafted"] else float("nan")
-            same = sum(r["texts"][i] == b1["plain"][cat]["texts"][i] for i in r["texts"])
-            row += f"{med * 1e3:10.1f} {base / med:6.2f}x {rate:6.1%} {same}/{len(r['texts']):<3}"
-            summary.setdefault(m, {})[cat] = {"tpot_ms": med * 1e3, "speedup": base / med, "acceptance": rate,
-                                              "identical": same, "prompts": len(r["texts"])}
-        summary.setdefault("plain", {})[cat] = {"tpot_ms": base * 1e3}
-        print(row)
-
+    if not a.skip_batch1:
+        summary = report_batch1(batch1(eng, modes, cats, a.reps, a.max_tokens), modes, cats, a, top1)
     mixed = [p for c in ("edit", "quote", "chat") for p in cats[c]]
     backoff_off = make_speculator(EngineConfig(speculative="ngram", num_speculative_tokens=a.k,
                                                speculative_max_batch=None), eng)
     tp_modes = {"plain": None, "ngram": ngram, "ngram-no-backoff": backoff_off}
-    tp = throughput(eng, tp_modes, mixed, conc, a.conc_tokens)
+    tp = throughput(eng, tp_modes, mixed, conc, a.conc_tokens, a.reps)
     print(f"\nthroughput, {a.conc_tokens} tokens per request, mixed prompts: output tokens/s "
           f"(back-off above {ngram.max_batch} running)")
     print(f"{'conc':>4} {'plain':>8} {'ngram':>8} {'ratio':>6} {'no-backoff':>10} {'ratio':>6}")
@@ -189,18 +211,8 @@ def main() -> None:
         p = tp["tokens_per_s"]["plain"][c]
         n, nb = tp["tokens_per_s"]["ngram"][c], tp["tokens_per_s"]["ngram-no-backoff"][c]
         print(f"{c:4d} {p:8.1f} {n:8.1f} {n / p:6.2f} {nb:10.1f} {nb / p:6.2f}")
-    print(f"greedy outputs identical to plain: " + ", ".join(f"{m} {v}/{tp['outputs']}"
+    print("greedy outputs identical to plain: " + ", ".join(f"{m} {v}/{tp['outputs']}"
                                                             for m, v in tp["identical_outputs"].items()))
-    if top1 is not None:
-        d = b1["draft-int4"]
-        drafted, accepted = sum(d[c]["drafted"] for c in cats), sum(d[c]["accepted"] for c in cats)
-        per_pos = modes["draft-int4"].stats.accepted_per_pos
-        first = per_pos[0] / modes["draft-int4"].stats.num_drafts if per_pos else float("nan")
-        print(f"\nINT4 draft: probe top-1 agreement {top1:.1%}; acceptance rate {accepted / drafted:.1%} "
-              f"(first draft token accepted {first:.1%} of drafts; with per-token agreement p and k={a.draft_k}, "
-              f"the rate would be (p + ... + p^k) / k = "
-              f"{sum(top1 ** i for i in range(1, a.draft_k + 1)) / a.draft_k:.1%})")
-        summary["draft_probe"] = {"top1": top1, "acceptance": accepted / drafted, "first_token_acceptance": first}
     if a.json:
         Path(a.json).write_text(json.dumps({"batch1": summary, "throughput": tp, "k": a.k, "draft_k": a.draft_k,
                                             "model": model.ref, "reps": a.reps}, indent=1))

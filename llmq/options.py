@@ -69,7 +69,9 @@ class Options:
                         raise LlmqError(f"{flag_of(f)} must be {sign} {bound}, got {x!r}")
 
 
-SPECULATIVE_MAX_BATCH = 8  # measured by benchmarks/bench_speculative.py: beyond it verification cost exceeds the gain
+# above this many running sequences speculation stops (a K-token draft multiplies a sequence's step compute by
+# K+1); a starting point, not yet tuned: benchmarks/bench_speculative.py's concurrency sweep is the measurement to tune it
+SPECULATIVE_MAX_BATCH = 8
 
 
 @dataclasses.dataclass(frozen=True)
