@@ -3,8 +3,9 @@
 Each artifact is made by `llmq quantize` from the same model (default: the embedded SmolLM2-135M-Instruct) and run
 by the bundled runtime (the engine `llmq serve` runs): steady-state decode steps of one sequence after a 128-token
 prefill, repeated --repeats times; the median tokens/s and its ratio to INT4 RTN g64 (the baseline, measured in the
-same run) are printed, with the best run (the least disturbed on a shared machine). "nf4-torch" is the NF4 artifact with bitsandbytes' dequantize kernel switched off (the
-runtime's exact torch fallback, what runs where bitsandbytes is not installed).
+same run) are printed, with the best run (the least disturbed on a shared machine). "nf4-torch" is the NF4 artifact
+with bitsandbytes' dequantize kernel switched off (the runtime's exact torch fallback, what runs where bitsandbytes
+is not installed).
 
     python benchmarks/bench_bnb_decode.py [--model REF] [--store DIR] [--steps 32] [--repeats 3] [--json OUT]
 """

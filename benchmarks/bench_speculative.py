@@ -188,8 +188,8 @@ def main() -> None:
 
         int4 = quantize(model, QuantizeOptions(method="rtn", bits=4, group_size=64), store, progress=False)
         top1 = (int4.metrics.get("probe") or {}).get("top1")
-        modes["draft-int4"] = make_speculator(EngineConfig(speculative=str(int4.path), num_speculative_tokens=a.draft_k),
-                                              eng)
+        modes["draft-int4"] = make_speculator(
+            EngineConfig(speculative=str(int4.path), num_speculative_tokens=a.draft_k), eng)
     cats = prompts(eng.tokenizer)
     eng.speculator = None
     eng.generate([cats["chat"][0]], SamplingParams(max_tokens=4, temperature=0))  # warm up

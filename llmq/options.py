@@ -70,7 +70,8 @@ class Options:
 
 
 # above this many running sequences speculation stops (a K-token draft multiplies a sequence's step compute by
-# K+1); a starting point, not yet tuned: benchmarks/bench_speculative.py's concurrency sweep is the measurement to tune it
+# K+1); a starting point, not yet tuned: benchmarks/bench_speculative.py's concurrency sweep is the measurement to
+# tune it
 SPECULATIVE_MAX_BATCH = 8
 
 

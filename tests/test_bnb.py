@@ -34,7 +34,8 @@ def tiny_source(store, tmp_path, make_tiny_model):
 def _nf4(w: torch.Tensor, blocksize: int, double_quant: bool) -> bnbformat.NF4Weight:
     packed, state = bnb.functional.quantize_4bit(w, blocksize=blocksize, compress_statistics=double_quant,
                                                  quant_type="nf4", quant_storage=torch.uint8)
-    return bnbformat.NF4Weight({"weight": packed} | {f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}), state
+    stored = {f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}
+    return bnbformat.NF4Weight({"weight": packed} | stored), state
 
 
 @pytest.mark.parametrize("shape,blocksize,double_quant,dtype", [

@@ -380,7 +380,8 @@ def test_an_int8_lm_head_is_a_second_group_that_transformers_loads_and_llmq_comp
     groups = {tuple(g["targets"]): g for g in cfg["config_groups"].values()}
     assert set(groups) == {("Linear",), ("lm_head",)} and cfg["ignore"] == []
     assert groups[("Linear",)]["weights"] == INT4_G32 and groups[("lm_head",)]["weights"] == INT8_CH
-    assert ck.config["tie_word_embeddings"] is False and art.config["scheme_per_module"]["lm_head"] == "W8A16-channel-sym"
+    assert ck.config["tie_word_embeddings"] is False
+    assert art.config["scheme_per_module"]["lm_head"] == "W8A16-channel-sym"
     vocab, hidden = ck.tensors["model.embed_tokens.weight"].shape
     assert ck.tensors["model.embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in ck.tensors
     for key, (dtype, shape) in PACKED_INT8.items():

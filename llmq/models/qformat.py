@@ -11,10 +11,10 @@ and `config.json` → `quantization_config` built from compressed-tensors' own p
 is never written, stamped with the compressed-tensors `version` that wrote it (as compressed-tensors itself does).
 llmq writes and reads the format of the releases in [CT_MIN, CT_MAX) (pyproject.toml pins the same range): vLLM's
 current release pins 0.17; a checkpoint stamped with a newer release is refused with one clear error rather than
-misread. The output projection is dense (in `ignore`) unless `llmq quantize --lm-head int8` quantized it: then a second config
-group targets `lm_head` alone with INT8 per-channel weights in the same pack-quantized layout (transformers and
-compressed-tensors resolve a module by its name before its class). A tied model is untied for that: the
-embedding table stays 16-bit for the lookup, since transformers cannot load a quantized Embedding.
+misread. The output projection is dense (in `ignore`) unless `llmq quantize --lm-head int8` quantized it: then a
+second config group targets `lm_head` alone with INT8 per-channel weights in the same pack-quantized layout
+(transformers and compressed-tensors resolve a module by its name before its class). A tied model is untied for
+that: the embedding table stays 16-bit for the lookup, since transformers cannot load a quantized Embedding.
 KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` ([1] per tensor, [kv_heads, 1, 1] per head, the
 shapes compressed-tensors gives them) with `kv_cache_scheme` in the config;
 a model whose weights stay dense but whose KV cache is calibrated has format "dense", no config groups and only a

@@ -41,7 +41,8 @@ class RunResult:
 def _quantize(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
     from .quantize import quantize
 
-    return quantize(parent, cfg.to_options(seed=recipe.seed, name=f"{recipe.name}-{cfg.method}" + (f"-w{cfg.bits}" if cfg.bits else "")), store)
+    name = f"{recipe.name}-{cfg.method}" + (f"-w{cfg.bits}" if cfg.bits else "")
+    return quantize(parent, cfg.to_options(seed=recipe.seed, name=name), store)
 
 
 def _quantize_kv(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:

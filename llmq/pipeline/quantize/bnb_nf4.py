@@ -28,7 +28,8 @@ def quantize_layer(ctx) -> dict[str, bnbformat.NF4Weight]:
     bnb = bnbformat.bitsandbytes()
     out = {}
     for name, lin in ctx.linears.items():
-        packed, state = bnb.functional.quantize_4bit(lin.weight.data.float().contiguous(), blocksize=ctx.opts.group_size,
+        packed, state = bnb.functional.quantize_4bit(lin.weight.data.float().contiguous(),
+                                                     blocksize=ctx.opts.group_size,
                                                      compress_statistics=ctx.opts.double_quant, quant_type="nf4",
                                                      quant_storage=torch.uint8)
         out[name] = bnbformat.NF4Weight({"weight": packed.cpu()} | {

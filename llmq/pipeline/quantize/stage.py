@@ -72,7 +72,8 @@ class QuantizeOptions(Options):
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
     double_quant: bool = option(False, "bnb-nf4: quantize the block absmax values too (QLoRA's double "
-                                "quantization: about 0.4 bits per weight less).", flag="--double-quant/--no-double-quant")
+                                "quantization: about 0.4 bits per weight less).",
+                                flag="--double-quant/--no-double-quant")
     compute_dtype: str | None = option(None, "bnb-nf4: the dtype transformers computes in, recorded in the config as "
                                        "bnb_4bit_compute_dtype (default float32).", choices=COMPUTE_DTYPES)
     int8_threshold: float | None = option(None, "bnb-int8: LLM.int8's outlier threshold: activation columns with "
