@@ -5,7 +5,6 @@ lm_head, INT8 KV cache)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
@@ -79,4 +78,3 @@ def test_compile_is_refused_where_it_cannot_run(sources, monkeypatch):
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
     with pytest.raises(LlmqError, match="needs a C\\+\\+ compiler"):
         LLMEngine(sources["dense"], EngineConfig(compile=True, kv_cache_memory=8 << 20))
-    assert torch.get_num_threads() >= 1
