@@ -23,34 +23,78 @@ def pickle_files(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
 
 
+class ShardedWriter:
+    """A checkpoint's tensors written as they come, a tensor at a time (see `safetensors_io`): shards of at most
+    `shard_bytes`, named as transformers names them (`model.safetensors` when one is enough, else
+    `model-0000i-of-0000N.safetensors` with an index), so memory never holds more than the tensor being added."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int = SHARD_BYTES):
+        self.out_dir, self.shard_bytes = Path(out_dir), shard_bytes
+        self._done: list[tuple[Path, list[str]]] = []
+        self._current = None  # the SafetensorsWriter of the shard being written
+        self._names: list[str] = []
+        self.total = 0
+
+    def add(self, name: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current is not None and self._current.nbytes and self._current.nbytes + nbytes > self.shard_bytes:
+            self._finish_shard()
+        if self._current is None:
+            from .safetensors_io import SafetensorsWriter
+
+            self._current = SafetensorsWriter(self.out_dir / f".shard-{len(self._done) + 1}.safetensors")
+        self._current.add(name, tensor)
+        self._names.append(name)
+        self.total += nbytes
+
+    def _finish_shard(self) -> None:
+        self._current.close()
+        self._done.append((self._current.path, self._names))
+        self._current, self._names = None, []
+
+    def close(self) -> list[str]:
+        """Finish the last shard, give the shards their final names, write the index; returns the file names."""
+        if self._current is not None:
+            self._finish_shard()
+        if len(self._done) <= 1:
+            if not self._done:
+                from .safetensors_io import SafetensorsWriter
+
+                SafetensorsWriter(self.out_dir / "model.safetensors").close()
+            else:
+                self._done[0][0].rename(self.out_dir / "model.safetensors")
+            return ["model.safetensors"]
+        files, weight_map = [], {}
+        for i, (path, names) in enumerate(self._done, 1):
+            fname = f"model-{i:05d}-of-{len(self._done):05d}.safetensors"
+            path.rename(self.out_dir / fname)
+            files.append(fname)
+            weight_map.update({n: fname for n in names})
+        (self.out_dir / INDEX_NAME).write_text(json.dumps(
+            {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2, sort_keys=True))
+        return files + [INDEX_NAME]
+
+    def abort(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+        for path, _ in self._done:
+            path.unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
 def save_state_dict(state: dict, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write tensors as safetensors, sharded with an HF index when larger than `shard_bytes`. Deterministic order."""
-    from safetensors.torch import save_file
-
-    names = sorted(state)
-    shards: list[dict] = [{}]
-    size = 0
-    for n in names:
-        t = state[n].contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][n] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        files.append(fname)
-        weight_map.update({n: fname for n in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2, sort_keys=True))
-    return files + [INDEX_NAME]
+    with ShardedWriter(out_dir, shard_bytes) as w:
+        for n in sorted(state):
+            w.add(n, state[n])
+        return w.close()
 
 
 def load_state_dict(d: Path, allow_pickle: bool = False) -> dict:

@@ -54,25 +54,26 @@ class LinearWeights:
 
 
 class LazyTensors(Mapping):
-    """name -> tensor over every *.safetensors file of a directory, each tensor read when first asked for."""
+    """name -> tensor over every *.safetensors file of a directory, each tensor read from disk when asked for and
+    kept by nobody but the caller (see `safetensors_io`: no file is mapped into memory)."""
 
     def __init__(self, files: list[Path]):
-        from safetensors import safe_open
+        from .safetensors_io import TensorFile
 
-        self._where = {}
+        self._where: dict[str, TensorFile] = {}
         for f in files:
-            try:
-                h = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for damaged headers
-                raise LlmqError(f"{f}: not a readable safetensors file ({e})") from None
+            h = TensorFile(f)
             for k in h.keys():
                 self._where[k] = h
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
-            return self._where[name].get_tensor(name)
+            return self._where[name].get(name)
         except KeyError:
             raise KeyError(name) from None
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._where
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -1,14 +1,15 @@
 """The layer-by-layer engine: calibrate and quantize one decoder layer at a time.
 
-The model is loaded in its stored dtype (bf16) and only the layer being worked on is turned into float32. The hidden
-states entering layer 0 are captured for every calibration sample; then, for each layer in turn, the method runs
-its calibration passes over that layer (hooks on its linears collect inputs, Hessians or channel statistics),
-returns quantized weights, the linears are swapped for the runtime's layers for those weights (the kernels and
-activation quantization serve runs), and the quantized layer is re-run to give the next layer its
-inputs, so each layer is calibrated on what the quantized model before it really produces (GPTQ's sequential
-scheme). Only one layer's activations (and one float32 layer) are in memory at a time, and each finished layer is
-dropped. The quality probe rides along: held-out windows flow through the float layer and through the quantized
-layer side by side, and the two final hidden states meet at the (shared, unquantized) norm and lm_head.
+The model is built on the meta device (no memory) and each decoder layer is read from the checkpoint, in its stored
+dtype, when its turn comes; only the layer being worked on is turned into float32. The hidden states entering layer
+0 are captured for every calibration sample; then, for each layer in turn, the method runs its calibration passes
+over that layer (hooks on its linears collect inputs, Hessians or channel statistics), returns quantized weights,
+the linears are swapped for the runtime's layers for those weights (the kernels and activation quantization serve
+runs), and the quantized layer is re-run to give the next layer its inputs, so each layer is calibrated on what the
+quantized model before it really produces (GPTQ's sequential scheme). Each finished layer's tensors go to the
+stage's writer at once and the layer is dropped, so memory holds one layer's weights and the activations, whatever
+the model's size. The quality probe rides along: held-out windows flow through the float layer and through the
+quantized layer side by side, and the two final hidden states meet at the (shared, unquantized) norm and lm_head.
 """
 
 from __future__ import annotations
@@ -98,10 +99,18 @@ class LayerContext:
         return out
 
 
+class Sink:
+    """Where the layer-by-layer run puts the checkpoint's tensors the moment they are final: `linear(name, qw)` for a
+    quantized linear, `dense(name, tensor)` for every other tensor (in its stored dtype). The stage writes them to the
+    artifact at once, so no finished layer stays in memory."""
+
+    def linear(self, name: str, qw) -> None: ...
+
+    def dense(self, name: str, tensor: torch.Tensor) -> None: ...
+
+
 @dataclass
 class LayerwiseResult:
-    weights: dict[str, qformat.QuantizedWeight]    # full linear name -> quantized weight
-    dense: dict[str, torch.Tensor]                 # every other tensor of the checkpoint, in its stored dtype
     probe: dict | None
     layer_times: list[float]
     device: str
@@ -159,8 +168,8 @@ def _progress(enabled: bool):
 
 
 def _source_tensors(path: Path):
-    from ...models.reader import LazyTensors
     from ...models.checkpoint import safetensors_files
+    from ...models.reader import LazyTensors
 
     return LazyTensors(safetensors_files(path))
 
@@ -174,20 +183,39 @@ def _stored_dtype(model_dir: Path) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
 
+def _skeleton(model_dir: Path, dtype: torch.dtype, device):
+    """The model with every weight on the meta device (no memory), its rotary embedding real: modules get their
+    tensors from the checkpoint one at a time (`_load`), so the whole model is never in memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+    return model
+
+
+def _load(module: nn.Module, prefix: str, source, device) -> nn.Module:
+    """Give a meta-device module its tensors from the checkpoint (as stored), on `device`."""
+    names = list(module.state_dict())
+    module.load_state_dict({n: source[f"{prefix}.{n}"].to(device) for n in names}, assign=True)
+    return module
+
+
 @torch.no_grad()
 def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWindows | None,
-                  probe: TokenWindows | None, progress: bool = True) -> LayerwiseResult:
-    """Quantize every decoder layer's linears of the model in `model_dir` with `method` (a plug-in module)."""
-    from transformers import AutoModelForCausalLM
+                  probe: TokenWindows | None, sink: Sink, progress: bool = True) -> LayerwiseResult:
+    """Quantize every decoder layer's linears of the model in `model_dir` with `method` (a plug-in module), handing
+    each finished tensor to `sink`. At most one decoder layer's weights are in memory at any time."""
     from transformers.utils import logging as hf_logging
 
     device = torch.device(pick_device(opts.device))
     hf_logging.disable_progress_bar()
     source = _source_tensors(model_dir)
     model_dtype = _stored_dtype(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=model_dtype, attn_implementation="sdpa").eval()
-    model.model.embed_tokens.to(device)
-    model.model.rotary_emb.to(device)
+    model = _skeleton(model_dir, model_dtype, device)
+    _load(model.model.embed_tokens, "model.embed_tokens", source, device)
     layers = model.model.layers
     ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None,
                              ignore=tuple(opts.ignore), kv=None)
@@ -195,9 +223,9 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     calib_x, calib_kw = capture_layer0(model, calib.samples, device) if calib is not None else ([], {})
     probe_src, probe_kw = capture_layer0(model, probe.samples, device) if probe is not None else ([], {})
     probe_q = [x.clone() for x in probe_src]
+    model.model.embed_tokens = nn.Module()  # read again from the checkpoint when it is written
 
-    weights: dict[str, qformat.QuantizedWeight] = {}
-    dense: dict[str, torch.Tensor] = {}
+    emitted: set[str] = set()
     times: list[float] = []
     with _progress(progress) as bar:
         task = bar.add_task(f"{opts.method} w{opts.bits}", total=len(layers))
@@ -205,7 +233,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             t0 = time.perf_counter()
             prefix = f"model.layers.{i}"
             bar.update(task, description=f"{opts.method} w{opts.bits} layer {i + 1}/{len(layers)}")
-            layer = layers[i].to(device=device, dtype=torch.float32)
+            layer = _load(layers[i], prefix, source, device).to(dtype=torch.float32)
             probe_src = [layer(x, **probe_kw) for x in probe_src]
             linears = {n: m for n, m in layer.named_modules()
                        if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
@@ -220,11 +248,13 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
                     raise LlmqError(f"{prefix}.{name}: quantized shape {tuple(qw.shape)} != {tuple(lin.weight.shape)}")
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent) if parent else layer, attr, QuantLinear(qw, lin.bias, device))
-                weights[f"{prefix}.{name}"] = qw
+                sink.linear(f"{prefix}.{name}", qw)
+                emitted.add(f"{prefix}.{name}.weight")
             for name, p in layer.named_parameters():  # norms, biases, ignored linears: as stored, computed as stored
                 stored_p = p.data.to(model_dtype)
                 p.data = stored_p.float()
-                dense[f"{prefix}.{name}"] = stored_p.cpu()
+                sink.dense(f"{prefix}.{name}", stored_p.cpu())
+                emitted.add(f"{prefix}.{name}")
             probe_q = [layer(x, **probe_kw) for x in probe_q]
             if calib_x and i + 1 < len(layers):
                 calib_x = [layer(x, **calib_kw) for x in calib_x]
@@ -232,21 +262,22 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             times.append(round(time.perf_counter() - t0, 3))
             bar.advance(task)
 
-    head = model.lm_head.weight.to(device=device, dtype=torch.float32)
+    head = (source["lm_head.weight"] if "lm_head.weight" in source else source["model.embed_tokens.weight"])
+    head = head.to(device=device, dtype=torch.float32)
     quant_head = lambda h: h @ head.T  # noqa: E731
     if opts.lm_head == "int8":
         from .rtn import quantize_weight
 
-        weights[qformat.LM_HEAD] = quantize_weight(head, 8, 0, True, model_dtype)
-        quant_head = QuantLinear(weights[qformat.LM_HEAD], None, device)
-    for k in source:
-        if k.removesuffix(".weight") in weights:
-            continue
-        if not k.startswith("model.layers.") or k not in dense:
-            dense[k] = source[k]
+        qw = quantize_weight(head, 8, 0, True, model_dtype)
+        sink.linear(qformat.LM_HEAD, qw)
+        emitted.add(qformat.LM_HEAD + ".weight")
+        quant_head = QuantLinear(qw, None, device)
+    for k in source:  # embedding, final norm, a 16-bit lm_head: as stored
+        if k not in emitted:
+            sink.dense(k, source[k])
     result_probe = None
     if probe is not None:
-        norm = model.model.norm.to(device=device, dtype=torch.float32)
+        norm = _load(model.model.norm, "model.norm", source, device).to(dtype=torch.float32)
         result_probe = _kl_chunks(probe_src, probe_q, norm, head, quant_head)
         result_probe["source"] = probe.source
-    return LayerwiseResult(weights, dense, result_probe, times, str(device))
+    return LayerwiseResult(result_probe, times, str(device))

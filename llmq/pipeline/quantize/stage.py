@@ -178,35 +178,63 @@ def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qforma
     return weights, acts
 
 
-def _checkpoint(weights: dict, opts: QuantizeOptions) -> tuple[dict, dict, str]:
-    """(quantization_config, the quantized linears' checkpoint tensors, format name) of one checkpoint: bitsandbytes'
-    serialized form for its methods, compressed-tensors for every other; either holds one scheme."""
-    from ...models import bnbformat, qformat
+class CheckpointSink:
+    """The layer-by-layer run's Sink (layerwise.Sink): writes each tensor into the artifact the moment it is final
+    (bitsandbytes' serialized form for its methods, compressed-tensors for every other) and keeps only what the
+    config and the manifest need: the schemes seen, byte and parameter counts."""
 
-    head = weights.get(qformat.LM_HEAD)  # --lm-head int8: a group of its own (weight-only methods only)
-    layers = [qw for name, qw in weights.items() if name != qformat.LM_HEAD]
-    example = layers[0]
-    if isinstance(example, qformat.QuantizedWeight):
-        schemes = {_scheme_args(qw) for qw in layers}
-        fmt, write = "compressed-tensors", qformat.write_linear
-    else:
-        schemes = {qw.scheme for qw in layers}
-        fmt, write = "bitsandbytes", bnbformat.write_linear
-    if len(schemes) != 1:
-        raise LlmqError(f"method {opts.method} produced {len(schemes)} different schemes; a checkpoint holds one")
-    if fmt == "compressed-tensors":
-        weight_args, act_args = schemes.pop()
-        qc = qformat.quantization_config(weight_args, act_args, ignore=list(opts.ignored),
-                                         lm_head=_scheme_args(head)[0] if head is not None else None)
-    elif isinstance(example, bnbformat.Int8Weight):
-        qc = bnbformat.quantization_config("int8", skip=opts.ignore, threshold=opts.int8_threshold)
-    else:
-        qc = bnbformat.quantization_config("nf4", skip=opts.ignore, compute_dtype=opts.compute_dtype,
-                                           double_quant=opts.double_quant)
-    tensors: dict = {}
-    for name, qw in sorted(weights.items()):
-        tensors.update(write(name, qw))
-    return qc, tensors, fmt
+    def __init__(self, writer, opts: QuantizeOptions):
+        self.writer, self.opts = writer, opts
+        self.schemes: set = set()
+        self.example = None          # one layer weight: its type and scheme name describe them all
+        self.head = None             # (scheme args, scheme name, parameters) of an int8 lm_head
+        self.linear_bytes = self.linear_params = self.dense_params = self.bias_params = 0
+        self.dense_modules: set[str] = set()
+        self._linears: set[str] = set()
+
+    def linear(self, name: str, qw) -> None:
+        from ...models import bnbformat, qformat
+
+        compressed = isinstance(qw, qformat.QuantizedWeight)
+        tensors = (qformat.write_linear if compressed else bnbformat.write_linear)(name, qw)
+        for k, t in tensors.items():
+            self.writer.add(k, t)
+        if name == qformat.LM_HEAD:
+            self.head = (_scheme_args(qw)[0], qw.scheme, math.prod(qw.shape))
+            return
+        if self.example is None:
+            self.example = qw
+        self.schemes.add(_scheme_args(qw) if compressed else qw.scheme)
+        self.linear_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.linear_params += math.prod(qw.shape)
+        self._linears.add(name)
+
+    def dense(self, name: str, tensor) -> None:
+        self.writer.add(name, tensor)
+        module = name.rsplit(".", 1)[0]
+        self.dense_modules.add(module)
+        if name.endswith(".bias") and module in self._linears:
+            self.bias_params += tensor.numel()
+        else:
+            self.dense_params += tensor.numel()
+
+    def quantization_config(self) -> tuple[dict, str]:
+        """(quantization_config, format name): a checkpoint holds one scheme for its layers."""
+        from ...models import bnbformat, qformat
+
+        if len(self.schemes) != 1:
+            raise LlmqError(f"method {self.opts.method} produced {len(self.schemes)} different schemes; a checkpoint "
+                            "holds one")
+        opts = self.opts
+        if isinstance(self.example, qformat.QuantizedWeight):
+            weight_args, act_args = next(iter(self.schemes))
+            return qformat.quantization_config(weight_args, act_args, ignore=list(opts.ignored),
+                                               lm_head=self.head[0] if self.head else None), "compressed-tensors"
+        if isinstance(self.example, bnbformat.Int8Weight):
+            return bnbformat.quantization_config("int8", skip=opts.ignore, threshold=opts.int8_threshold), \
+                "bitsandbytes"
+        return bnbformat.quantization_config("nf4", skip=opts.ignore, compute_dtype=opts.compute_dtype,
+                                             double_quant=opts.double_quant), "bitsandbytes"
 
 
 def peak_rss_bytes() -> int:
@@ -244,45 +272,41 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed) if calibrated else None
     probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
 
-    result = run_layerwise(source.path, method, opts, spec, calib=calib,
-                           probe=probe, progress=progress)
-    config = dict(read_config(source.path))
-    config["quantization_config"], linear_state, fmt = _checkpoint(result.weights, opts)
-    head = result.weights.get(qformat.LM_HEAD)
-    if head is not None:
-        config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
-    layers = {k: qw for k, qw in result.weights.items() if k != qformat.LM_HEAD}
-    example = next(iter(layers.values()))
-    state = dict(result.dense) | linear_state
-    linear_bytes = sum(t.numel() * t.element_size() for k, t in linear_state.items()
-                       if not k.startswith(qformat.LM_HEAD + "."))
-    linear_params = sum(math.prod(qw.shape) for qw in layers.values())
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
-        "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + ("-head8" if head else "")
-    run_config = {
-        "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
-        "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": example.scheme,
-        "scheme_per_module": {"Linear": example.scheme, **({"lm_head": head.scheme} if head is not None else {})},
-        "excluded_modules": list(opts.ignored), "dense_modules": sorted({k.rsplit(".", 1)[0] for k in result.dense}),
-        "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},
-        "calibration": calib.manifest() if calib is not None else None,
-        "probe": probe.manifest() if probe is not None else None,
-        "source": {"id": source.id, "ref": source.ref},
-    }
-    from ...models.checkpoint import copy_tokenizer, save_state_dict
+        "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + (
+        "-head8" if opts.lm_head == "int8" else "")
+    from ...models.checkpoint import ShardedWriter, copy_tokenizer
 
-    with store.create("quantized", name, parents=[source.id], config=run_config, command=command) as w:
-        save_state_dict(state, w.dir)
+    with store.create("quantized", name, parents=[source.id], command=command) as w, ShardedWriter(w.dir) as out:
+        sink = CheckpointSink(out, opts)
+        result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,
+                               progress=progress)
+        out.close()
+        config = dict(read_config(source.path))
+        config["quantization_config"], fmt = sink.quantization_config()
+        if sink.head is not None:
+            config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
+        scheme = sink.example.scheme
+        w.config.update({
+            "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
+            "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": scheme,
+            "scheme_per_module": {"Linear": scheme, **({"lm_head": sink.head[1]} if sink.head else {})},
+            "excluded_modules": list(opts.ignored), "dense_modules": sorted(sink.dense_modules),
+            "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},
+            "calibration": calib.manifest() if calib is not None else None,
+            "probe": probe.manifest() if probe is not None else None,
+            "source": {"id": source.id, "ref": source.ref},
+        })
         write_json(w.dir / "config.json", config)
         if (source.path / "generation_config.json").is_file():
             shutil.copyfile(source.path / "generation_config.json", w.dir / "generation_config.json")
         copy_tokenizer(source.path, w.dir)
         size = sum(p.stat().st_size for p in w.dir.glob("*.safetensors"))
         source_size = sum(p.stat().st_size for p in source.path.glob("*.safetensors"))
-        head_bf16 = 2 * head.q.numel() if head is not None and not spec.tie_word_embeddings else 0
-        bf16_size = 2 * sum(t.numel() for t in result.dense.values()) + 2 * linear_params + head_bf16 + sum(
-            t.numel() * 2 for k, t in state.items() if k.endswith(".bias") and k.rsplit(".", 1)[0] in layers)
+        head_bf16 = 2 * sink.head[2] if sink.head is not None and not spec.tie_word_embeddings else 0
+        bf16_size = 2 * (sink.dense_params + sink.linear_params + sink.bias_params) + head_bf16
+        linear_bytes, linear_params = sink.linear_bytes, sink.linear_params
         w.metrics.update(
             wall_time_s=round(time.perf_counter() - t0, 2), **peak_memory(result.device),
             layer_times_s=result.layer_times, size_bytes=size, source_bytes=source_size, bf16_bytes=bf16_size,
