@@ -38,7 +38,7 @@ class TensorFile:
         try:
             self.entries, self.metadata, self._base = _parse_header(self._fd, os.fstat(self._fd).st_size)
         except LlmqError as e:
-            os.close(self._fd)
+            self.close()
             raise LlmqError(f"{self.path}: not a readable safetensors file ({e})") from None
 
     def keys(self) -> list[str]:
@@ -56,7 +56,7 @@ class TensorFile:
         return buf.view(dtype).reshape(shape)
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
 

@@ -147,6 +147,11 @@ def capture_layer0(model, windows: list[torch.Tensor], device) -> tuple[list[tor
     return hidden, kwargs
 
 
+def _logits(h: torch.Tensor, head: torch.Tensor, rows: int = 16384) -> torch.Tensor:
+    """h @ head.T in float32 with the (16-bit) head turned into float32 a slice of rows at a time."""
+    return torch.cat([h @ head[i:i + rows].float().T for i in range(0, head.shape[0], rows)], dim=-1)
+
+
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
                quant_head: Callable[[torch.Tensor], torch.Tensor], chunk: int = 256) -> dict:
     from .probe import ProbeAccumulator
@@ -155,16 +160,18 @@ def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Modu
     for a, b in zip(src, quant):
         a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         for i in range(0, a.shape[0], chunk):
-            acc.add(norm(a[i:i + chunk]) @ head.T, quant_head(norm(b[i:i + chunk])))
+            acc.add(_logits(norm(a[i:i + chunk]), head), quant_head(norm(b[i:i + chunk])))
     return acc.result()
 
 
 def _progress(enabled: bool):
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), disable=not enabled, transient=False)
+                    TextColumn("left"), TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled,
+                    transient=False)
 
 
 def _source_tensors(path: Path):
@@ -262,22 +269,22 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             times.append(round(time.perf_counter() - t0, 3))
             bar.advance(task)
 
-    head = (source["lm_head.weight"] if "lm_head.weight" in source else source["model.embed_tokens.weight"])
-    head = head.to(device=device, dtype=torch.float32)
-    quant_head = lambda h: h @ head.T  # noqa: E731
+    head_name = "lm_head.weight" if "lm_head.weight" in source else "model.embed_tokens.weight"
+    quant_head = None
     if opts.lm_head == "int8":
         from .rtn import quantize_weight
 
-        qw = quantize_weight(head, 8, 0, True, model_dtype)
+        qw = quantize_weight(source[head_name].to(device=device, dtype=torch.float32), 8, 0, True, model_dtype)
         sink.linear(qformat.LM_HEAD, qw)
         emitted.add(qformat.LM_HEAD + ".weight")
         quant_head = QuantLinear(qw, None, device)
-    for k in source:  # embedding, final norm, a 16-bit lm_head: as stored
+    for k in source:  # embedding, final norm, a 16-bit lm_head: as stored, one at a time
         if k not in emitted:
             sink.dense(k, source[k])
     result_probe = None
     if probe is not None:
+        head = source[head_name].to(device)  # as stored: float32 a slice at a time (_logits)
         norm = _load(model.model.norm, "model.norm", source, device).to(dtype=torch.float32)
-        result_probe = _kl_chunks(probe_src, probe_q, norm, head, quant_head)
+        result_probe = _kl_chunks(probe_src, probe_q, norm, head, quant_head or (lambda h: _logits(h, head)))
         result_probe["source"] = probe.source
     return LayerwiseResult(result_probe, times, str(device))

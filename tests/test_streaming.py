@@ -1,0 +1,159 @@
+"""Checkpoints are read and written a tensor at a time (llmq.models.safetensors_io), and quantize holds one decoder
+layer at a time: the properties that let an 8B model be quantized on a 24 GiB machine, asserted without timing."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import weakref
+
+import pytest
+import torch
+
+from llmq.errors import LlmqError
+from llmq.models import resolve_model
+from llmq.models.checkpoint import INDEX_NAME, ShardedWriter, save_state_dict
+from llmq.models.reader import LazyTensors
+from llmq.models.safetensors_io import SafetensorsWriter, TensorFile
+from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return {"f32": r(3, 5), "bf16": r(7).bfloat16(), "f16": r(2, 2, 2).half(), "f64": r(4).double(),
+            "i8": torch.randint(-128, 127, (9, 4), generator=g, dtype=torch.int8),
+            "u8": torch.randint(0, 255, (6,), generator=g, dtype=torch.uint8),
+            "i32": torch.randint(-9, 9, (3,), generator=g, dtype=torch.int32), "bool": r(5) > 0,
+            "fp8": r(4, 4).clamp(-400, 400).to(torch.float8_e4m3fn), "scalar": r(()), "empty": torch.empty(0, 3),
+            "strided": r(4, 6)[:, ::2]}
+
+
+def test_writer_output_is_what_the_safetensors_package_reads(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    ts = _tensors(1)
+    with SafetensorsWriter(tmp_path / "a.safetensors", metadata={"format": "pt", "k": "v"}) as w:
+        for k, t in ts.items():
+            w.add(k, t)
+    assert not list(tmp_path.glob("*.body"))
+    back = load_file(str(tmp_path / "a.safetensors"))
+    ours = TensorFile(tmp_path / "a.safetensors")
+    assert set(back) == set(ts) == set(ours.keys())
+    for k, t in ts.items():
+        for got in (back[k], ours.get(k)):
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert torch.equal(_bytes(got), _bytes(t))
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as h:
+        assert h.metadata() == {"format": "pt", "k": "v"}
+    (n,) = struct.unpack("<Q", (tmp_path / "a.safetensors").read_bytes()[:8])
+    assert n % 8 == 0  # data 8-byte aligned, as the safetensors package writes it
+
+
+def test_files_the_safetensors_package_wrote_read_the_same(tmp_path):
+    from safetensors.torch import save_file
+
+    ts = {k: v.contiguous() for k, v in _tensors(2).items()}
+    save_file(ts, str(tmp_path / "b.safetensors"))
+    f = TensorFile(tmp_path / "b.safetensors")
+    for k, t in ts.items():
+        got = f.get(k)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(_bytes(got), _bytes(t))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _corrupt(raw: bytes, how: str) -> bytes:
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    if how == "truncated":
+        return raw[:-3]
+    if how == "length":
+        return struct.pack("<Q", len(raw) * 2) + raw[8:]
+    if how == "not-json":
+        return raw[:8] + b"{" * n + raw[8 + n:]
+    if how == "overlap":
+        header["b"]["data_offsets"] = header["a"]["data_offsets"]
+    if how == "shape":
+        header["a"]["shape"] = [5]
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body + raw[8 + n:]
+
+
+@pytest.mark.parametrize("how, match", [("truncated", "take"), ("length", "header length"), ("not-json", "JSON"),
+                                        ("overlap", "overlap or leave a gap"), ("shape", "bytes for shape")])
+def test_damaged_files_are_refused_in_one_line(tmp_path, how, match):
+    with SafetensorsWriter(tmp_path / "ok.safetensors") as w:
+        w.add("a", torch.ones(4))
+        w.add("b", torch.zeros(4))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(_corrupt((tmp_path / "ok.safetensors").read_bytes(), how))
+    with pytest.raises(LlmqError, match=f"not a readable safetensors file .*{re.escape(match)}"):
+        TensorFile(bad)
+
+
+def test_a_failed_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with ShardedWriter(tmp_path, shard_bytes=64) as w:
+            for i in range(5):
+                w.add(f"t{i}", torch.ones(16))
+            raise RuntimeError("stage failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shards_and_index_load_in_transformers(tmp_path, make_tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model(tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(str(src))
+    state = {k: v for k, v in model.state_dict().items()}
+    out = tmp_path / "out"
+    out.mkdir()
+    files = save_state_dict(state, out, shard_bytes=20_000)
+    assert len(files) > 3 and files[-1] == INDEX_NAME
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == set(state)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    for name in ("config.json", "tokenizer.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    again = AutoModelForCausalLM.from_pretrained(str(out))
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    one = tmp_path / "one"
+    one.mkdir()
+    assert save_state_dict(state, one) == ["model.safetensors"]
+
+
+def test_quantize_holds_one_decoder_layer_at_a_time(tmp_path, store, make_tiny_model, monkeypatch):
+    """Every layer tensor is read from the checkpoint exactly once, and when one is read no tensor read for another
+    decoder layer is still alive: the model is never whole in memory (the old from_pretrained path read no layer
+    tensor through the reader and held all of them)."""
+    src = resolve_model(str(make_tiny_model(tmp_path / "m", num_hidden_layers=4)), store)
+    alive: list[tuple[str, weakref.ref]] = []
+    reads: dict[str, int] = {}
+    violations: list[str] = []
+    layer_of = lambda n: n.split(".")[2] if n.startswith("model.layers.") else None  # noqa: E731
+    original = LazyTensors.__getitem__
+
+    def tracked(self, name):
+        t = original(self, name)
+        reads[name] = reads.get(name, 0) + 1
+        here = layer_of(name)
+        others = [n for n, r in alive if r() is not None and layer_of(n) not in (None, here)]
+        if here is not None and others:
+            violations.append(f"{name} read while {others[0]} alive")
+        alive.append((name, weakref.ref(t)))
+        return t
+
+    monkeypatch.setattr(LazyTensors, "__getitem__", tracked)
+    quantize(src, QuantizeOptions(method="gptq", bits=4, group_size=32, num_samples=4, seq_len=32, probe_tokens=64),
+             store, progress=False)
+    layer_tensors = [n for n in TensorFile(next(src.path.glob("*.safetensors"))).keys() if n.startswith("model.layers.")]
+    assert len(layer_tensors) == 4 * 9
+    assert {n: reads.get(n) for n in layer_tensors} == {n: 1 for n in layer_tensors}
+    assert violations == []
