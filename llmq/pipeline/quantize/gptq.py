@@ -32,23 +32,29 @@ def validate(opts, spec) -> None:
 
 
 def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """chol(H^-1) (upper) of H + damp * mean(diag H) * I; the damping grows tenfold (three tries) if H is singular."""
-    mean_diag = float(torch.diag(h).mean())
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    """chol(H^-1) (upper) of H + damp * mean(diag H) * I; the damping grows tenfold (three tries) if H is singular.
+    `h` is scratch: damped in place, then overwritten by the inverse, so at most two [in, in] matrices exist at once
+    (at 8B a down_proj Hessian is 0.8 GB, and this is the peak of GPTQ's memory)."""
+    diag = h.diagonal()
+    undamped = diag.clone()
+    mean_diag = float(undamped.mean())
     for attempt in range(4):
-        try:
-            lower = torch.linalg.cholesky(h + (damp * 10 ** attempt) * mean_diag * eye)
-            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
-        except torch.linalg.LinAlgError:
-            continue
+        torch.add(undamped, damp * 10 ** attempt * mean_diag, out=diag)
+        lower, info = torch.linalg.cholesky_ex(h)
+        if int(info) == 0:
+            torch.cholesky_inverse(lower, out=h)
+            del lower
+            return torch.linalg.cholesky(h, upper=True)
     raise LlmqError("GPTQ: the Hessian is not positive definite even with 1000x damping; calibrate on more data")
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, symmetric: bool,
-                  scale_dtype: torch.dtype, damp: float = 0.01, act_order: bool = False) -> qformat.QuantizedWeight:
-    """GPTQ-quantized QuantizedWeight of w [out, in] given the input Hessian h [in, in]."""
+                  scale_dtype: torch.dtype, damp: float = 0.01, act_order: bool = False,
+                  consume: bool = False) -> qformat.QuantizedWeight:
+    """GPTQ-quantized QuantizedWeight of w [out, in] given the input Hessian h [in, in]; with `consume` h is used
+    as scratch (the caller's last use of it: one [in, in] copy less)."""
     W = w.detach().float().clone()
-    H = h.detach().float().clone()
+    H = h.detach() if consume and h.dtype == torch.float32 else h.detach().float().clone()
     n, k = W.shape
     g = group_size if group_size > 0 else k
     dead = torch.diag(H) == 0
@@ -63,8 +69,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
         if zero is not None:
             zero[:] = z[..., 0]
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
-    W, H = W[:, perm], H[perm][:, perm]
+    if act_order:
+        W, H = W[:, perm], H[perm][:, perm]
     U = _upper_cholesky_of_inverse(H, damp)
+    del H
     group_of = (perm // g).tolist()
     lazy_groups = not act_order and g < k
     block = g * max(1, BLOCK // g) if lazy_groups else BLOCK  # a group never straddles two blocks
@@ -90,13 +98,20 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
             W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
             E1[:, j] = err
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    Q = Q[:, torch.argsort(perm)]
+    if act_order:
+        Q = Q[:, torch.argsort(perm)]
     return rtn.pack(Q, scale, zero, bits, group_size if group_size > 0 else None, scale_dtype)
 
 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
+    """One linear at a time, each Hessian released once no linear needs it."""
     o = ctx.opts
     hessians = ctx.hessians(list(ctx.linears))
-    return {name: gptq_quantize(lin.weight.data, hessians[name], o.bits, o.group_size, o.symmetric, ctx.scale_dtype,
-                                damp=o.damp, act_order=o.act_order)
-            for name, lin in ctx.linears.items()}
+    out = {}
+    for name, lin in ctx.linears.items():
+        h = hessians.pop(name)
+        last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
+        out[name] = gptq_quantize(lin.weight.data, h, o.bits, o.group_size, o.symmetric, ctx.scale_dtype,
+                                  damp=o.damp, act_order=o.act_order, consume=last)
+        del h
+    return out

@@ -78,19 +78,29 @@ class LayerContext:
                 h.remove()
 
     def hessians(self, names) -> dict[str, torch.Tensor]:
-        """H = 2/n X^T X of each linear's inputs (float32, [in, in]); linears fed the same input share the work."""
+        """H = 2/n X^T X of each linear's inputs (float32, [in, in]). Linears fed the same input (q/k/v, gate/up)
+        share the work and the very same tensor (at 8B one down_proj Hessian is 0.8 GB): treat them as read-only."""
         acc: dict[str, torch.Tensor] = {}
-        last: list = [None, None]  # (input, its X^T X): holding the input keeps its address from being reused
+        shared: dict[str, str] = {}  # name -> the first name that saw the same input
+        last: list = [None, None]  # (input, first name fed it): holding the input keeps its address from being reused
 
         def fn(name: str, x: torch.Tensor) -> None:
             same = last[0] is not None and last[0].data_ptr() == x.data_ptr() and last[0].shape == x.shape
-            xtx = last[1] if same else x.T @ x
-            last[0], last[1] = x, xtx
-            acc[name] = acc[name] + xtx if name in acc else xtx.clone()
+            if same:
+                shared[name] = last[1]
+                return
+            last[0], last[1] = x, name
+            xtx = x.T @ x
+            if name in acc:
+                acc[name] += xtx
+            else:
+                acc[name] = xtx
 
         self.collect(names, fn)
         n = max(self.num_tokens, 1)
-        return {k: v * (2.0 / n) for k, v in acc.items()}
+        for h in acc.values():
+            h *= 2.0 / n
+        return {name: acc[shared.get(name, name)] for name in names}
 
     def input_absmax(self, names) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
