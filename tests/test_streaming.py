@@ -129,31 +129,58 @@ def test_shards_and_index_load_in_transformers(tmp_path, make_tiny_model):
     assert save_state_dict(state, one) == ["model.safetensors"]
 
 
+class LayerTracker:
+    """Wraps LazyTensors.__getitem__: counts reads per tensor and records every read of a decoder layer's tensor made
+    while tensors read for other decoder layers are still alive (held by anyone) -- more than one linear's worth (a
+    loop variable may hold the previous linear while the next is read; a held layer or model shows up as dozens)."""
+
+    def __init__(self, monkeypatch):
+        self.alive: list[tuple[str, weakref.ref]] = []
+        self.reads: dict[str, int] = {}
+        self.violations: list[str] = []
+        original = LazyTensors.__getitem__
+
+        def tracked(lazy, name):
+            t = original(lazy, name)
+            self.reads[name] = self.reads.get(name, 0) + 1
+            here = _layer_of(name)
+            others = [n for n, r in self.alive if r() is not None and _layer_of(n) not in (None, here)]
+            if here is not None and len({n.rsplit(".", 1)[0] for n in others}) > 1:
+                self.violations.append(f"{name} read while {others[0]} alive")
+            self.alive.append((name, weakref.ref(t)))
+            return t
+
+        monkeypatch.setattr(LazyTensors, "__getitem__", tracked)
+
+
+def _layer_of(name: str) -> str | None:
+    return name.split(".")[2] if name.startswith("model.layers.") else None
+
+
 def test_quantize_holds_one_decoder_layer_at_a_time(tmp_path, store, make_tiny_model, monkeypatch):
     """Every layer tensor is read from the checkpoint exactly once, and when one is read no tensor read for another
     decoder layer is still alive: the model is never whole in memory (the old from_pretrained path read no layer
     tensor through the reader and held all of them)."""
     src = resolve_model(str(make_tiny_model(tmp_path / "m", num_hidden_layers=4)), store)
-    alive: list[tuple[str, weakref.ref]] = []
-    reads: dict[str, int] = {}
-    violations: list[str] = []
-    layer_of = lambda n: n.split(".")[2] if n.startswith("model.layers.") else None  # noqa: E731
-    original = LazyTensors.__getitem__
-
-    def tracked(self, name):
-        t = original(self, name)
-        reads[name] = reads.get(name, 0) + 1
-        here = layer_of(name)
-        others = [n for n, r in alive if r() is not None and layer_of(n) not in (None, here)]
-        if here is not None and others:
-            violations.append(f"{name} read while {others[0]} alive")
-        alive.append((name, weakref.ref(t)))
-        return t
-
-    monkeypatch.setattr(LazyTensors, "__getitem__", tracked)
+    track = LayerTracker(monkeypatch)
     quantize(src, QuantizeOptions(method="gptq", bits=4, group_size=32, num_samples=4, seq_len=32, probe_tokens=64),
              store, progress=False)
     layer_tensors = [n for n in TensorFile(next(src.path.glob("*.safetensors"))).keys() if n.startswith("model.layers.")]
     assert len(layer_tensors) == 4 * 9
-    assert {n: reads.get(n) for n in layer_tensors} == {n: 1 for n in layer_tensors}
-    assert violations == []
+    assert {n: track.reads.get(n) for n in layer_tensors} == {n: 1 for n in layer_tensors}
+    assert track.violations == []
+
+
+@pytest.mark.parametrize("target", ["llmq", "trtllm"])
+def test_build_writes_each_layer_before_reading_the_next(tmp_path, store, make_tiny_model, monkeypatch, target):
+    """Both build targets at tp 2 stream: no decoder layer's tensors are still held (by a rank's pending state)
+    when the next layer is read (the old writers kept every rank's whole state dict until the end)."""
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    src = resolve_model(str(make_tiny_model(tmp_path / "m", num_hidden_layers=4, hidden_size=128,
+                                            intermediate_size=256)), store)
+    q = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=64, probe_tokens=0), store, progress=False)
+    track = LayerTracker(monkeypatch)
+    build_engine(q, store, BuildOptions(tp=2, target=target))
+    assert any(_layer_of(n) == "3" for n in track.reads)
+    assert track.violations == []

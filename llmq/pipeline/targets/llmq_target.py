@@ -11,22 +11,21 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import torch
-
-from ...models.checkpoint import save_state_dict, write_json
-from ...models.reader import CheckpointReader, LinearWeights, layer_prefix
+from ...models.checkpoint import ShardedWriter, write_json
+from ...models.reader import ATTN, CheckpointReader, LinearWeights, layer_prefix
 from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows, vocab_slice
 
 
-def _put(state: dict, lw: LinearWeights, name: str) -> None:
+def _put(out: ShardedWriter, lw: LinearWeights, name: str) -> None:
     if lw.qw is None:
-        state[f"{name}.weight"] = lw.weight.contiguous()
+        out.add(f"{name}.weight", lw.weight)
     else:
         from ...models import qformat
 
-        state.update(qformat.write_linear(name, lw.qw))
+        for k, t in qformat.write_linear(name, lw.qw).items():
+            out.add(k, t)
     if lw.bias is not None:
-        state[f"{name}.bias"] = lw.bias.contiguous()
+        out.add(f"{name}.bias", lw.bias)
 
 
 def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
@@ -37,33 +36,43 @@ def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
 
 
 def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path) -> list[str]:
-    """Write rank0..rank{tp-1} under `out`; returns the rank directory names."""
-    states: list[dict[str, torch.Tensor]] = [{} for _ in range(plan.tp)]
-    for i in range(src.spec.num_layers):
-        p = layer_prefix(i)
-        for r, slices in enumerate(layer_slices(src, plan, i)):
-            for n, lw in slices.items():
-                _put(states[r], lw, f"{p}.{'self_attn' if n in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{n}")
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                states[r][f"{p}.{norm}.weight"] = src.tensor(f"{p}.{norm}.weight")
-        scales = src.kv_scales(i)
-        if scales is not None:
-            from ...models import qformat
+    """Write rank0..rank{tp-1} under `out`, each tensor to its rank's files as soon as it is sliced; returns the rank
+    directory names."""
+    names = [f"rank{r}" for r in range(plan.tp)]
+    for d in names:
+        (out / d).mkdir(parents=True)
+    writers = [ShardedWriter(out / d) for d in names]
+    try:
+        for i in range(src.spec.num_layers):
+            p = layer_prefix(i)
+            for r, slices in enumerate(layer_slices(src, plan, i)):
+                for n, lw in slices.items():
+                    _put(writers[r], lw, f"{p}.{'self_attn' if n in ATTN else 'mlp'}.{n}")
+                for norm in ("input_layernorm", "post_attention_layernorm"):
+                    writers[r].add(f"{p}.{norm}.weight", src.tensor(f"{p}.{norm}.weight"))
+            scales = src.kv_scales(i)
+            if scales is not None:
+                from ...models import qformat
 
-            for r in range(plan.tp):
-                states[r].update(qformat.write_kv_scales(f"{p}.self_attn", kv_scale_slice(scales[0], plan, r),
-                                                         kv_scale_slice(scales[1], plan, r)))
-    embed = src.tensor("model.embed_tokens.weight")
-    lm_head = src.lm_head()
-    for r in range(plan.tp):
-        states[r]["model.embed_tokens.weight"] = vocab_slice(embed, plan, r) if plan.parallel_embedding else embed
-        states[r]["model.norm.weight"] = src.tensor("model.norm.weight")
-        _put(states[r], split_rows(lm_head, plan.vocab_rows(r)), "lm_head")
-    names = []
-    for r, state in enumerate(states):
-        d = out / f"rank{r}"
-        d.mkdir(parents=True)
-        save_state_dict(state, d)
-        write_json(d / "config.json", rank_config(src, plan))
-        names.append(d.name)
+                for r in range(plan.tp):
+                    for k, t in qformat.write_kv_scales(f"{p}.self_attn", kv_scale_slice(scales[0], plan, r),
+                                                        kv_scale_slice(scales[1], plan, r)).items():
+                        writers[r].add(k, t)
+        embed = src.tensor("model.embed_tokens.weight")
+        for r in range(plan.tp):
+            writers[r].add("model.embed_tokens.weight",
+                           vocab_slice(embed, plan, r) if plan.parallel_embedding else embed)
+            writers[r].add("model.norm.weight", src.tensor("model.norm.weight"))
+        del embed
+        lm_head = src.lm_head()
+        for r in range(plan.tp):
+            _put(writers[r], split_rows(lm_head, plan.vocab_rows(r)), "lm_head")
+        del lm_head
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    for w, d in zip(writers, names):
+        w.close()
+        write_json(out / d / "config.json", rank_config(src, plan))
     return names

@@ -227,22 +227,21 @@ def _schemes(src: CheckpointReader) -> tuple[str | None, dict]:
     """
     if not src.quantized:
         return None, {}
-    algos, awq = set(), []
+    algos, groups, has_zero = set(), set(), False  # what the INT4 layers say, not the layers: one at a time
     for i in range(src.spec.num_layers):
         for name in linear_names(i):
             qw = src.linear(name).qw
             if qw is not None:
                 algos.add(algo := quant_algo_for(qw))
                 if algo == "W4A16_AWQ":
-                    awq.append(qw)
+                    groups.add(qw.group_size)
+                    has_zero = has_zero or qw.zero_point is not None or bool(_int4_offset(qw))
     if not algos:
         return None, {}
-    if awq:
-        groups = {q.group_size for q in awq}
+    if groups:
         if len(groups) > 1:
             raise LlmqError(f"INT4 layers use different group sizes {sorted(groups)}; a TensorRT-LLM checkpoint has one")
-        has_zero = any(q.zero_point is not None or _int4_offset(q) for q in awq)
-        return "W4A16_AWQ", {"group_size": int(groups.pop()), "has_zero_point": bool(has_zero)}
+        return "W4A16_AWQ", {"group_size": int(groups.pop()), "has_zero_point": has_zero}
     return "W8A16", {}
 
 
@@ -313,13 +312,23 @@ def validate_config(cfg: dict) -> None:
 
 
 class _RankWriter:
-    """Accumulates each rank's tensors; knows which linears TensorRT-LLM will quantize and at what shape."""
+    """Writes each rank's tensors into its rank{r}.safetensors as they come (one tensor in memory at a time);
+    knows which linears TensorRT-LLM will quantize and at what shape."""
 
-    def __init__(self, algo: str | None, qfields: dict, plan: ShardPlan, dtype: torch.dtype):
+    def __init__(self, algo: str | None, qfields: dict, plan: ShardPlan, dtype: torch.dtype, out: Path):
+        from ...models.safetensors_io import SafetensorsWriter
+
         self.algo, self.plan, self.dtype = algo, plan, dtype
         self.multiple = padding_multiple(algo, qfields.get("group_size", 64), plan.tp)
-        self.states: list[dict[str, torch.Tensor]] = [{} for _ in range(plan.tp)]
+        self.files = [SafetensorsWriter(out / f"rank{r}.safetensors") for r in range(plan.tp)]
         self.dense: set[str] = set()
+
+    def put(self, r: int, name: str, tensor: torch.Tensor) -> None:
+        self.files[r].add(name, tensor)
+
+    def close(self, ok: bool) -> None:
+        for f in self.files:
+            f.close() if ok else f.abort()
 
     def _quantized_here(self, lw: LinearWeights) -> bool:
         """Whether TensorRT-LLM will run this linear quantized (else it is excluded and stays dense)."""
@@ -340,7 +349,8 @@ class _RankWriter:
             t = {"weight": _pad(lw.dense(torch.float32).to(self.dtype), shape).contiguous()}
         if lw.bias is not None:
             t["bias"] = _pad(lw.bias.to(self.dtype), (shape[0],)).contiguous()
-        self.states[r].update({f"{module}.{k}": v for k, v in t.items()})
+        for k, v in t.items():
+            self.put(r, f"{module}.{k}", v)
 
 
 def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dict:
@@ -359,33 +369,37 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> d
     algo, qfields = _schemes(src)
     kv = engine.kv_cache_dtype
     kv_algo = {"int8": "INT8", "fp8": "FP8"}.get(kv)
-    w = _RankWriter(algo, qfields, plan, dtype)
-    for i in range(src.spec.num_layers):
-        p, tp_ = layer_prefix(i), f"transformer.layers.{i}"
-        kv_s = _kv_cache_scaling_factor(src.kv_scales(i)) if kv_algo is not None else None
-        for r, sl in enumerate(layer_slices(src, plan, i)):
-            w.linear(r, f"{tp_}.attention.qkv", _stack_rows([sl["q_proj"], sl["k_proj"], sl["v_proj"]]))
-            for n, trt in TRT_MODULES.items():
-                w.linear(r, f"{tp_}.{trt}", sl[n])
-            w.states[r][f"{tp_}.input_layernorm.weight"] = src.tensor(f"{p}.input_layernorm.weight").to(dtype)
-            w.states[r][f"{tp_}.post_layernorm.weight"] = src.tensor(f"{p}.post_attention_layernorm.weight").to(dtype)
-            if kv_s is not None:
-                w.states[r][f"{tp_}.attention.kv_cache_scaling_factor"] = kv_s
-    embed = src.tensor("model.embed_tokens.weight").to(dtype)
-    lm_head = src.lm_head()
-    for r in range(plan.tp):
-        w.states[r]["transformer.vocab_embedding.weight"] = vocab_slice(embed, plan, r) if plan.parallel_embedding \
-            else embed
-        w.states[r]["transformer.ln_f.weight"] = src.tensor("model.norm.weight").to(dtype)
-        w.linear(r, "lm_head", split_rows(lm_head, plan.vocab_rows(r)))
-    exclude = exclude_patterns(sorted(w.dense)) if algo is not None else None
-    cfg = trtllm_config(src, plan, algo, qfields, kv_algo, exclude, dtype_name)
-    validate_config(cfg)
     out.mkdir(parents=True)
-    from safetensors.torch import save_file
-
-    for r, state in enumerate(w.states):
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / f"rank{r}.safetensors"))
+    w = _RankWriter(algo, qfields, plan, dtype, out)
+    try:
+        for i in range(src.spec.num_layers):
+            p, tp_ = layer_prefix(i), f"transformer.layers.{i}"
+            kv_s = _kv_cache_scaling_factor(src.kv_scales(i)) if kv_algo is not None else None
+            for r, sl in enumerate(layer_slices(src, plan, i)):
+                w.linear(r, f"{tp_}.attention.qkv", _stack_rows([sl["q_proj"], sl["k_proj"], sl["v_proj"]]))
+                for n, trt in TRT_MODULES.items():
+                    w.linear(r, f"{tp_}.{trt}", sl[n])
+                w.put(r, f"{tp_}.input_layernorm.weight", src.tensor(f"{p}.input_layernorm.weight").to(dtype))
+                w.put(r, f"{tp_}.post_layernorm.weight", src.tensor(f"{p}.post_attention_layernorm.weight").to(dtype))
+                if kv_s is not None:
+                    w.put(r, f"{tp_}.attention.kv_cache_scaling_factor", kv_s)
+        embed = src.tensor("model.embed_tokens.weight").to(dtype)
+        for r in range(plan.tp):
+            w.put(r, "transformer.vocab_embedding.weight", vocab_slice(embed, plan, r) if plan.parallel_embedding
+                  else embed)
+            w.put(r, "transformer.ln_f.weight", src.tensor("model.norm.weight").to(dtype))
+        del embed
+        lm_head = src.lm_head()
+        for r in range(plan.tp):
+            w.linear(r, "lm_head", split_rows(lm_head, plan.vocab_rows(r)))
+        del lm_head
+        exclude = exclude_patterns(sorted(w.dense)) if algo is not None else None
+        cfg = trtllm_config(src, plan, algo, qfields, kv_algo, exclude, dtype_name)
+        validate_config(cfg)
+    except BaseException:
+        w.close(ok=False)
+        raise
+    w.close(ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return {"ranks": [f"trtllm/rank{r}.safetensors" for r in range(plan.tp)], "trtllm_checkpoint": "trtllm",
             "quantization": cfg["quantization"], "requantized_by_target": algo in REQUANTIZED,

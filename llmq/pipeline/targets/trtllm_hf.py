@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
-from ...models.checkpoint import copy_tokenizer, save_state_dict, write_json
+from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
 from ...models.reader import ATTN, MLP, CheckpointReader, LinearWeights, layer_prefix
 from ...models.sharding import RankWeights, ShardPlan, head_rows, split_cols, split_rows
 from .trtllm import pack_int4_rows, unpack_int4_rows
@@ -89,45 +89,50 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
     kv = engine.kv_cache_dtype
     if kv == "int8":
         raise LlmqError("an INT8 KV cache is not loaded by TensorRT-LLM's PyTorch backend (it ignores "
-                        "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`, or use --target trtllm")
+                        "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`, or use "
+                        "--target trtllm")
     q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
-    state, algos, groups, dense = {}, set(), set(), []
-    for i in range(src.spec.num_layers):
-        p = layer_prefix(i)
-        lin = {n: src.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: src.linear(f"{p}.mlp.{n}") for n in MLP}
-        lin |= {"q_proj": split_rows(lin["q_proj"], q_rows), "k_proj": split_rows(lin["k_proj"], kv_rows),
-                "v_proj": split_rows(lin["v_proj"], kv_rows), "o_proj": split_cols(lin["o_proj"], q_rows)}
-        for n, lw in lin.items():
-            name = f"{p}.{'self_attn' if n in ATTN else 'mlp'}.{n}"
-            tensors, algo = _linear_tensors(name, lw, dtype)
-            state |= tensors
-            if algo is None:
-                dense.append(name)
-            else:
-                algos.add(algo)
-                groups.add(lw.qw.group_size)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"{p}.{norm}.weight"] = src.tensor(f"{p}.{norm}.weight").to(dtype)
-        scales = src.kv_scales(i)
-        if scales is not None and kv == "fp8":
-            if any(s.numel() != 1 for s in scales):
-                raise LlmqError("per-head FP8 KV scales: TensorRT-LLM's PyTorch backend takes one k_scale / v_scale "
-                                "per layer; re-run `llmq quantize-kv --kv fp8` with per-tensor scales")
-            state[f"{p}.self_attn.k_scale"], state[f"{p}.self_attn.v_scale"] = (s.float().reshape(()) for s in scales)
-    state["model.embed_tokens.weight"] = src.tensor("model.embed_tokens.weight").to(dtype)
-    state["model.norm.weight"] = src.tensor("model.norm.weight").to(dtype)
-    head = src.lm_head()
-    if head.qw is not None:
-        head = LinearWeights("lm_head", weight=head.dense(torch.float32))
-    state["lm_head.weight"] = head.weight.to(dtype).clone()   # untied: the backend gets its own lm_head
+    algos, groups, dense = set(), set(), []
+    out.mkdir(parents=True)
+    with ShardedWriter(out) as state:  # each tensor written as it is made: one layer in memory at most
+        for i in range(src.spec.num_layers):
+            p = layer_prefix(i)
+            lin = {n: src.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: src.linear(f"{p}.mlp.{n}") for n in MLP}
+            lin |= {"q_proj": split_rows(lin["q_proj"], q_rows), "k_proj": split_rows(lin["k_proj"], kv_rows),
+                    "v_proj": split_rows(lin["v_proj"], kv_rows), "o_proj": split_cols(lin["o_proj"], q_rows)}
+            for n, lw in lin.items():
+                name = f"{p}.{'self_attn' if n in ATTN else 'mlp'}.{n}"
+                tensors, algo = _linear_tensors(name, lw, dtype)
+                for k, t in tensors.items():
+                    state.add(k, t)
+                if algo is None:
+                    dense.append(name)
+                else:
+                    algos.add(algo)
+                    groups.add(lw.qw.group_size)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                state.add(f"{p}.{norm}.weight", src.tensor(f"{p}.{norm}.weight").to(dtype))
+            scales = src.kv_scales(i)
+            if scales is not None and kv == "fp8":
+                if any(s.numel() != 1 for s in scales):
+                    raise LlmqError("per-head FP8 KV scales: TensorRT-LLM's PyTorch backend takes one k_scale / "
+                                    "v_scale per layer; re-run `llmq quantize-kv --kv fp8` with per-tensor scales")
+                for k, s in zip(("k_scale", "v_scale"), scales):
+                    state.add(f"{p}.self_attn.{k}", s.float().reshape(()))
+        state.add("model.embed_tokens.weight", src.tensor("model.embed_tokens.weight").to(dtype))
+        state.add("model.norm.weight", src.tensor("model.norm.weight").to(dtype))
+        head = src.lm_head()
+        if head.qw is not None:
+            head = LinearWeights("lm_head", weight=head.dense(torch.float32))
+        state.add("lm_head.weight", head.weight.to(dtype))   # untied: the backend gets its own lm_head
+        del head
+        state.close()
     qcfg = hf_quant_config(algos, groups.pop() if len(groups) == 1 else None, "FP8" if kv == "fp8" else None,
                            [*dense, "lm_head"]) if (algos or kv == "fp8") else None
     cfg = copy.deepcopy(src.config)
     cfg.pop("quantization_config", None)   # it describes llmq's compressed-tensors tensors, which this has not
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
                head_dim=plan.head_dim, tie_word_embeddings=False, torch_dtype=engine.dtype)
-    out.mkdir(parents=True)
-    save_state_dict(state, out)
     write_json(out / "config.json", cfg)
     if qcfg is not None:
         write_json(out / "hf_quant_config.json", qcfg)
