@@ -184,3 +184,41 @@ def test_build_writes_each_layer_before_reading_the_next(tmp_path, store, make_t
     build_engine(q, store, BuildOptions(tp=2, target=target))
     assert any(_layer_of(n) == "3" for n in track.reads)
     assert track.violations == []
+
+
+def test_the_runtime_builds_each_layer_as_it_reads_it(tmp_path, store, make_tiny_model, monkeypatch):
+    """Loading an engine reads layer i's tensors only after layer i-1's runtime modules exist (the old loader read
+    the whole checkpoint first: checkpoint and runtime copies of every layer at the peak); an untied embedding table
+    stays in its stored dtype, cast per looked-up row."""
+    from llmq.runtime import EngineConfig, LLMEngine
+    from llmq.runtime.models import llama
+
+    src = resolve_model(str(make_tiny_model(tmp_path / "m", num_hidden_layers=4)), store)
+    q = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, probe_tokens=0), store, progress=False)
+    events: list[tuple[str, int]] = []
+    read, built = LazyTensors.__getitem__, llama.DecoderLayer.__init__
+
+    def reading(lazy, name):
+        if _layer_of(name) is not None:
+            events.append(("read", int(_layer_of(name))))
+        return read(lazy, name)
+
+    def building(layer, *args, **kwargs):
+        events.append(("built", sum(1 for e in events if e[0] == "built")))
+        built(layer, *args, **kwargs)
+
+    monkeypatch.setattr(LazyTensors, "__getitem__", reading)
+    monkeypatch.setattr(llama.DecoderLayer, "__init__", building)
+    eng = LLMEngine(q.path, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory=16 << 20,
+                                         dtype="bfloat16"))
+    try:
+        assert eng.runner.model.embed.dtype == torch.float32  # stored float32: kept, not made the compute bfloat16
+        assert eng.runner.model.norm.weight.dtype == torch.bfloat16
+    finally:
+        eng.shutdown()
+    order = [e for e in events if e[0] == "built" or e[1] is not None]
+    assert [e for e in order if e[0] == "built"] == [("built", i) for i in range(4)]
+    for n, (kind, i) in enumerate(order):
+        if kind == "read":
+            done = sum(1 for k, _ in order[:n] if k == "built")
+            assert done == i, f"layer {i} read after {done} layers were built"

@@ -274,7 +274,7 @@ class RankWeights:
     """One rank's share of a model under Hugging Face module names: what each target's reader produces (applying
     that target's dequantization where it stores values differently) and what the runtime turns into modules."""
 
-    layers: list[dict[str, LinearWeights]]          # q_proj ... down_proj, dense or quantized
+    layers: list[dict[str, LinearWeights]]          # q_proj ... down_proj (a generator when read lazily)
     norms: list[tuple[torch.Tensor, torch.Tensor]]  # (input_layernorm, post_attention_layernorm)
     embed: torch.Tensor                             # [vocab, hidden], or this rank's rows with a parallel embedding
     final_norm: torch.Tensor

@@ -80,23 +80,29 @@ def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | 
         heads = plan.heads_per_rank if plan else spec.num_heads
         kv_heads = plan.kv_heads_per_rank if plan else spec.num_kv_heads
         embed_start = None
-    rw = rank_weights(ckpt, plan, rank)
+    rw = rank_weights(ckpt, plan, rank, lazy=True)
     model = assemble(rw, ckpt.config, heads, kv_heads, TPContext(rank, tp, tp > 1), dtype, device, max_positions,
                      embed_start)
     return model, heads, kv_heads
 
 
-def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int) -> RankWeights:
-    """A checkpoint's weights for one rank (all of them without a plan), quantized ones left quantized."""
-    layers, norms = [], []
-    for i in range(ckpt.spec.num_layers):
+def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy: bool = False) -> RankWeights:
+    """A checkpoint's weights for one rank (all of them without a plan), quantized ones left quantized. `lazy`: the
+    layers and their norms are read only as a consumer iterates them, once (load_model: one layer's checkpoint
+    tensors in memory beside the runtime's modules, not the whole checkpoint)."""
+    def layer(i: int) -> dict:
         p = f"model.layers.{i}"
         if plan is not None:
-            layers.append(layer_slices(ckpt, plan, i, ranks=[rank])[0])
-        else:
-            layers.append({n: ckpt.linear(f"{p}.self_attn.{n}") for n in ATTN}
-                          | {n: ckpt.linear(f"{p}.mlp.{n}") for n in MLP})
-        norms.append((ckpt.tensor(f"{p}.input_layernorm.weight"), ckpt.tensor(f"{p}.post_attention_layernorm.weight")))
+            return layer_slices(ckpt, plan, i, ranks=[rank])[0]
+        return {n: ckpt.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: ckpt.linear(f"{p}.mlp.{n}") for n in MLP}
+
+    def norms(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = f"model.layers.{i}"
+        return ckpt.tensor(f"{p}.input_layernorm.weight"), ckpt.tensor(f"{p}.post_attention_layernorm.weight")
+
+    n = ckpt.spec.num_layers
+    layers = (layer(i) for i in range(n)) if lazy else [layer(i) for i in range(n)]
+    norm_pairs = (norms(i) for i in range(n)) if lazy else [norms(i) for i in range(n)]
     embed = ckpt.tensor("model.embed_tokens.weight")
     if ckpt.has_lm_head():
         head = ckpt.linear("lm_head")
@@ -106,7 +112,7 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int) -> R
         raise LlmqError(f"{ckpt.path}: no lm_head weights and tie_word_embeddings is false")
     if plan is not None:
         head = split_rows(head, plan.vocab_rows(rank))
-    return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.tensor("model.norm.weight"),
+    return RankWeights(layers=layers, norms=norm_pairs, embed=embed, final_norm=ckpt.tensor("model.norm.weight"),
                        lm_head=head)
 
 
@@ -139,10 +145,12 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
             gate_up=build_linear([lin["gate_proj"], lin["up_proj"]], dtype, device),
             down=build_linear([down], dtype, device), down_bias=down_bias)
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
-    embed = rw.embed.to(device=device, dtype=dtype)
     head = rw.lm_head
-    if head.weight is rw.embed:
-        head = LinearWeights("lm_head", weight=embed)  # tied: shares the embedding's memory
+    if head.weight is rw.embed:  # tied: the table in the compute dtype, shared with the head's weight
+        embed = rw.embed.to(device=device, dtype=dtype)
+        head = LinearWeights("lm_head", weight=embed)
+    else:  # looked up a few rows at a time: stays as stored (half the memory of a float32 copy at 16 bits)
+        embed = rw.embed.to(device=device)
     model = LlamaForCausalLM(embed, layers, norm(rw.final_norm), build_linear([head], dtype, device), rotary,
                              spec.vocab_size, tpc, embed_start)
     return model.eval()

@@ -77,11 +77,14 @@ class LlamaForCausalLM(nn.Module):
         self.embed_vocab_start = embed_vocab_start  # None: whole embedding table on every rank
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids`, in the compute dtype (the norm's): the table itself may stay in its stored 16-bit
+        dtype, whose values the cast reproduces exactly."""
+        dtype = self.norm.weight.dtype
         if self.embed_vocab_start is None:
-            return F.embedding(ids, self.embed)
+            return F.embedding(ids, self.embed).to(dtype)
         local = ids - self.embed_vocab_start
         inside = (local >= 0) & (local < self.embed.shape[0])
-        h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed) * inside.unsqueeze(-1)
+        h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed).to(dtype) * inside.unsqueeze(-1)
         return self.tp.all_reduce(h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV],
