@@ -222,3 +222,30 @@ def test_the_runtime_builds_each_layer_as_it_reads_it(tmp_path, store, make_tiny
         if kind == "read":
             done = sum(1 for k, _ in order[:n] if k == "built")
             assert done == i, f"layer {i} read after {done} layers were built"
+
+
+def test_quantize_kv_never_holds_two_models(tmp_path, store, make_tiny_model, monkeypatch):
+    """The reference pass (full-precision cache) is spilled to disk and its engine shut down before the artifact's
+    engine loads (it used to keep both: two copies of an 8B model's weights)."""
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+    from llmq.runtime import LLMEngine
+
+    src = resolve_model(str(make_tiny_model(tmp_path / "m")), store)
+    live: set[int] = set()
+    peak = [0]
+    init, shutdown = LLMEngine.__init__, LLMEngine.shutdown
+
+    def start(eng, *a, **k):
+        init(eng, *a, **k)
+        live.add(id(eng))
+        peak[0] = max(peak[0], len(live))
+
+    def stop(eng):  # shutdown may be called again (idempotent)
+        live.discard(id(eng))
+        shutdown(eng)
+
+    monkeypatch.setattr(LLMEngine, "__init__", start)
+    monkeypatch.setattr(LLMEngine, "shutdown", stop)
+    art = quantize_kv(src, store, KVOptions(kv="int8", num_samples=2, seq_len=32, probe_tokens=64), show_progress=False)
+    assert peak[0] == 1 and not live
+    assert 0 <= art.manifest["metrics"]["probe"]["kld_mean"] < 0.05

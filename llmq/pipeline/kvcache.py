@@ -170,13 +170,41 @@ def _with_kv_scheme(config: dict, qargs: qformat.QuantArgs) -> dict:
     return out
 
 
-def _probe(ref, test, windows: list[list[int]], step: Callable[[], None]) -> dict:
-    """KLD / top-1 agreement of `test`'s next-token distributions against `ref`'s, both through the paged path."""
+class SpilledLogprobs:
+    """The reference pass's next-token log-probabilities, written to a temporary file window by window and read
+    back one window at a time: the quantized-cache pass then runs after the reference engine is gone, so the probe
+    never holds two copies of the weights (an 8B model's). Costs tokens x vocab x 4 bytes of disk, not memory."""
+
+    def __init__(self):
+        import tempfile
+
+        self._file = tempfile.TemporaryFile()
+        self._index: list[tuple[int, tuple[int, int]]] = []
+
+    def append(self, lp: torch.Tensor) -> None:
+        a = lp.detach().float().cpu().contiguous().numpy()
+        self._index.append((self._file.tell(), a.shape))
+        self._file.write(a.tobytes())
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import numpy as np
+
+        offset, shape = self._index[i]
+        self._file.seek(offset)
+        return torch.from_numpy(np.fromfile(self._file, dtype=np.float32, count=shape[0] * shape[1]).reshape(shape))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _probe(ref: SpilledLogprobs, test, windows: list[list[int]], step: Callable[[], None]) -> dict:
+    """KLD / top-1 agreement of `test`'s next-token distributions against the spilled reference's (both through
+    the paged path)."""
     from .quantize.probe import ProbeAccumulator
 
     acc = ProbeAccumulator()
-    for w in windows:
-        acc.add(ref.prompt_logprobs(w), test.prompt_logprobs(w))
+    for i, w in enumerate(windows):
+        acc.add(ref[i], test.prompt_logprobs(w))
         step()
     return acc.result()
 
@@ -218,10 +246,19 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
     probe = load_probe_text(tokenizer, opts.probe_tokens)
     max_len = min(spec.max_position_embeddings, max(len(s) for s in calib.samples + probe.samples) + 1)
     samples, heldout = _windows(calib, max_len), _windows(probe, max_len)
+    reference = SpilledLogprobs()
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as bar:
-        engine = _engine(source.path, max_len, opts)
         try:
-            candidates, errors = calibrate(engine, opts.kv, samples, heldout, bar)
+            engine = _engine(source.path, max_len, opts)
+            try:
+                candidates, errors = calibrate(engine, opts.kv, samples, heldout, bar)
+                task = bar.add_task("reference: full-precision cache", total=len(heldout))
+                for w in heldout:
+                    reference.append(engine.prompt_logprobs(w))
+                    bar.advance(task)
+                device = str(engine.device)
+            finally:
+                engine.shutdown()
             chosen = _choose(opts, errors)
             qargs = kv_quant_args(opts.kv, chosen)
             scales = {}
@@ -238,15 +275,15 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
                 quant = _engine(w.dir, max_len, opts)  # the artifact as written, read back by the runtime
                 try:
                     task = bar.add_task("KLD vs full-precision cache", total=len(heldout))
-                    quality = _probe(engine, quant, heldout, lambda: bar.advance(task))
+                    quality = _probe(reference, quant, heldout, lambda: bar.advance(task))
                 finally:
                     quant.shutdown()
                 w.metrics.update(
                     granularity=chosen, kv_error=errors, probe=quality,
                     kv_bytes_per_token=spec.kv_bytes_per_token(1),
                     kv_bytes_per_token_16bit=spec.kv_bytes_per_token(2),
-                    wall_time_s=round(time.perf_counter() - t0, 2), **peak_memory(str(engine.device)),
+                    wall_time_s=round(time.perf_counter() - t0, 2), **peak_memory(device),
                     size_bytes=sum(p.stat().st_size for p in w.dir.glob("*.safetensors")))
         finally:
-            engine.shutdown()
+            reference.close()
     return w.artifact

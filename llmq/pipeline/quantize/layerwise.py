@@ -163,9 +163,11 @@ def _logits(h: torch.Tensor, head: torch.Tensor, rows: int = 16384) -> torch.Ten
 
 
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
-               quant_head: Callable[[torch.Tensor], torch.Tensor], chunk: int = 256) -> dict:
-    from .probe import ProbeAccumulator
+               quant_head: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """KLD / top-1 over the probe's positions, a chunk of logits at a time (probe.positions_per_chunk)."""
+    from .probe import ProbeAccumulator, positions_per_chunk
 
+    chunk = positions_per_chunk(head.shape[0])
     acc = ProbeAccumulator()
     for a, b in zip(src, quant):
         a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])

@@ -29,6 +29,12 @@ def kld_top1(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
     return {"kld_mean": float(kl.mean()), "top1": float(agree.double().mean()), "tokens": int(kl.numel())}
 
 
+def positions_per_chunk(vocab: int) -> int:
+    """How many positions to score at once so that each float64 [positions, vocab] temporary stays near 32 MB (at
+    Llama-3's 128k vocabulary a 512-token window would otherwise take 0.5 GB per temporary, and there are several)."""
+    return max(1, (1 << 22) // vocab)
+
+
 class ProbeAccumulator:
     """kld_top1 over many chunks of positions without holding all logits at once."""
 
@@ -36,11 +42,15 @@ class ProbeAccumulator:
         self.kl_sum, self.agree, self.n, self.kl_max = 0.0, 0, 0, 0.0
 
     def add(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> None:
-        kl, agree = _terms(p_logits, q_logits)
-        self.kl_sum += float(kl.sum())
-        self.kl_max = max(self.kl_max, float(kl.max()))
-        self.agree += int(agree.sum())
-        self.n += int(kl.numel())
+        p = p_logits.reshape(-1, p_logits.shape[-1])
+        q = q_logits.reshape(-1, q_logits.shape[-1])
+        step = positions_per_chunk(p.shape[-1])
+        for i in range(0, max(p.shape[0], 1), step):
+            kl, agree = _terms(p[i:i + step], q[i:i + step])
+            self.kl_sum += float(kl.sum())
+            self.kl_max = max(self.kl_max, float(kl.max()))
+            self.agree += int(agree.sum())
+            self.n += int(kl.numel())
 
     def result(self) -> dict:
         n = max(self.n, 1)
