@@ -266,6 +266,8 @@ def main() -> int:
             shutil.rmtree(store / name, ignore_errors=True)
         results[st] = r
         print(f"    -> {json.dumps({k: v for k, v in r.items() if k != 'cmd'})}", file=sys.stderr, flush=True)
+        if a.json:  # after every stage: a run cut short keeps what it measured
+            a.json.write_text(json.dumps({"shape": a.shape, "config": shape, "stages": results}, indent=2))
     small = {}
     if a.shape != "tiny":  # the fixed part of each stage, for the estimate on paper
         out = a.work / "tiny.json"

@@ -4,6 +4,7 @@ layer at a time: the properties that let an 8B model be quantized on a 24 GiB ma
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import weakref
@@ -249,3 +250,28 @@ def test_quantize_kv_never_holds_two_models(tmp_path, store, make_tiny_model, mo
     art = quantize_kv(src, store, KVOptions(kv="int8", num_samples=2, seq_len=32, probe_tokens=64), show_progress=False)
     assert peak[0] == 1 and not live
     assert 0 <= art.manifest["metrics"]["probe"]["kld_mean"] < 0.05
+
+
+def test_the_kv_budget_counts_packed_weights_as_stored(tmp_path, store, make_tiny_model, monkeypatch):
+    """A KV budget from a fraction of free memory subtracts what the weights will take loaded: packed INT4 as
+    stored, 16-bit matrices at the compute dtype's width. (It used to subtract 4x the file: an 8B INT4 artifact,
+    5.3 GB on disk, left no memory for any KV cache on a 24 GB machine.)"""
+    from llmq.models.reader import CheckpointReader
+    from llmq.runtime import EngineConfig, LLMEngine
+    from llmq.runtime import engine as engine_mod
+
+    src = resolve_model(str(make_tiny_model(tmp_path / "m", hidden_size=256, intermediate_size=512)), store)
+    q = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=64, probe_tokens=0), store, progress=False)
+    ckpt = CheckpointReader(q.path)
+    files = sum(p.stat().st_size for p in q.path.glob("*.safetensors"))
+    dense = sum(math.prod(ckpt.tensors.info(n)[1]) * 4 for n in ckpt.tensors if not n.endswith(
+        ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")))
+    packed = sum(math.prod(ckpt.tensors.info(n)[1]) * ckpt.tensors.info(n)[0].itemsize for n in ckpt.tensors
+                 if n.endswith(("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")))
+    assert ckpt.runtime_bytes(torch.float32) == dense + packed
+    monkeypatch.setattr(engine_mod, "_available_memory", lambda device: 3 * files)
+    eng = LLMEngine(q.path, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_fraction=0.5))
+    try:
+        assert eng.num_blocks * eng.block_size >= 64
+    finally:
+        eng.shutdown()

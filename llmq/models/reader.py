@@ -7,6 +7,7 @@ KV-cache scales are read through `qformat` and `bnbformat`, the one reader of ea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,11 @@ class LazyTensors(Mapping):
     def __len__(self) -> int:
         return len(self._where)
 
+    def info(self, name: str) -> tuple[torch.dtype, list[int]]:
+        """(dtype, shape) of a tensor, from the file's header: nothing is read."""
+        dtype, shape, _ = self._where[name].entries[name]
+        return dtype, shape
+
 
 class CheckpointReader:
     """A Llama-family checkpoint directory: config, spec, and its tensors, dense or quantized."""
@@ -127,6 +133,18 @@ class CheckpointReader:
         if self.spec.tie_word_embeddings:
             return LinearWeights("lm_head", weight=self.tensor("model.embed_tokens.weight"))
         raise LlmqError(f"{self.path}: no lm_head weights and tie_word_embeddings is false")
+
+    def runtime_bytes(self, compute_dtype: torch.dtype) -> int:
+        """About what the runtime's weights take once loaded: floating-point matrices in the compute dtype (a bf16
+        checkpoint served in float32 doubles), packed integers and scales as stored. Known before loading, so the
+        KV-cache budget can be sized from what is left."""
+        total = 0
+        for name in self.tensors:
+            dtype, shape = self.tensors.info(name)
+            numel = math.prod(shape)
+            wide = dtype.is_floating_point and len(shape) == 2 and min(shape) >= 256 and dtype.itemsize > 1
+            total += numel * (compute_dtype.itemsize if wide else dtype.itemsize)
+        return total
 
     def has_lm_head(self) -> bool:
         return any(k.startswith("lm_head.") for k in self.tensors)

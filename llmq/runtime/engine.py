@@ -193,7 +193,7 @@ class LLMEngine:
             else cfg.max_num_seqs
         self.kv_cache_dtype = self._kv_dtype(cfg.kv_cache_dtype, ckpt, engine)
         dtype = compute_dtype_for(self.device, cfg.dtype, ckpt.config)
-        self.num_blocks = self._num_blocks(ckpt, dtype)
+        self.num_blocks = self._num_blocks(ckpt, dtype, sliced=engine is not None)
         self.eos_token_ids = self._eos_ids(src.path)
 
         load_args = dict(path=str(src.path), engine=engine, tp=self.tp, device=str(self.device), dtype=cfg.dtype,
@@ -246,7 +246,8 @@ class LLMEngine:
             raise LlmqError(f"this checkpoint's KV-cache scales are calibrated for {have}, not {requested}")
         return requested
 
-    def _num_blocks(self, ckpt: CheckpointReader, dtype: torch.dtype) -> int:
+    def _num_blocks(self, ckpt: CheckpointReader, dtype: torch.dtype, sliced: bool) -> int:
+        """KV-cache blocks per rank; `sliced`: ckpt is already one rank's share (an engine's rank0)."""
         cfg = self.config
         heads_per_rank = max(self.spec.num_kv_heads // self.tp, 1)
         per_token = 2 * self.spec.num_layers * heads_per_rank * self.spec.head_dim * kv_element_bytes(
@@ -257,8 +258,7 @@ class LLMEngine:
         else:
             if not 0 < cfg.kv_cache_fraction <= 1:
                 raise LlmqError(f"kv_cache_fraction must be in (0, 1], got {cfg.kv_cache_fraction}")
-            weights = sum(p.stat().st_size for p in ckpt.path.glob("*.safetensors"))
-            free = _available_memory(self.device) - (weights * 4 if self.device.type == "cpu" else weights)
+            free = _available_memory(self.device) - ckpt.runtime_bytes(dtype) // (1 if sliced else self.tp)
             # never more than every sequence slot filled to the context length
             budget = min(int(max(free, 0) * cfg.kv_cache_fraction),
                          self.max_num_seqs * self.max_model_len * per_token + block_bytes)
