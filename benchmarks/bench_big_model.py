@@ -43,8 +43,14 @@ SHAPES = {  # Llama-3 8B / 70B, and small ones for dry runs
     "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=49152),
 }
-STAGES = ("import", "rtn", "gptq", "awq", "quantize-kv", "build-llmq", "build-trtllm", "serve", "offline")
+STAGES = ("import", "rtn", "gptq", "awq", "quantize-kv", "build-llmq", "build-trtllm", "serve", "offline",
+          "serve-bf16", "offline-bf16")
 MiB = 1 << 20
+
+
+def _model_name(shape_name: str, layers: int, shape: dict) -> str:
+    full = layers == shape["num_hidden_layers"]
+    return f"model-{shape_name}" if full else f"model-{shape_name}-{layers}layers"
 
 
 def layer_params(s: dict) -> int:
@@ -189,6 +195,11 @@ def main() -> int:
     ap.add_argument("--num-samples", type=int, default=8, help="calibration windows (gptq, awq, quantize-kv)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per calibration window")
     ap.add_argument("--probe-tokens", type=int, default=256, help="held-out tokens of the KLD probe")
+    ap.add_argument("--calib-layers", type=int, default=4,
+                    help="gptq / awq run on a checkpoint of this many layers of the same shape (their memory is per "
+                         "layer; their wall time for the full depth is extrapolated from the per-layer times); 0: "
+                         "the full model")
+    ap.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)  # with --make-checkpoint
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--cleanup", action="store_true", help="delete the gptq / awq artifacts once measured")
     ap.add_argument("--json", type=Path)
@@ -200,7 +211,8 @@ def main() -> int:
         from llmq.models import resolve_model
 
         tok = resolve_model(None, Store.open(a.work / "store")).path  # the default model: its tokenizer
-        make_checkpoint(a.work / f"model-{a.shape}", shape, tok)
+        layers = a.layers or shape["num_hidden_layers"]
+        make_checkpoint(a.work / _model_name(a.shape, layers, shape), dict(shape, num_hidden_layers=layers), tok)
         return 0
     stages = [s.strip() for s in a.stages.split(",") if s.strip()]
     if bad := [s for s in stages if s not in STAGES]:
@@ -208,6 +220,7 @@ def main() -> int:
         return 2
     a.work.mkdir(parents=True, exist_ok=True)
     store, model_dir = a.work / "store", a.work / f"model-{a.shape}"
+
     bf16 = 2 * model_params(shape)
     int4 = model_params(shape) // 2 + 4 * shape["vocab_size"] * shape["hidden_size"]
     need = (0 if model_dir.is_dir() else bf16) + bf16 + 3 * int4 + 2 * int4
@@ -218,20 +231,25 @@ def main() -> int:
         print("not enough free disk; use --work on a larger disk or --stages to run fewer", file=sys.stderr)
         return 2
     llmq = [sys.executable, "-m", "llmq", "--store", str(store)]
-    if not model_dir.is_dir():  # in a child: this process stays small, as every child starts with its peak RSS
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--make-checkpoint", "--shape", a.shape, "--work", str(a.work)],
-                       check=True)
-        print(f"checkpoint written in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    depth = shape["num_hidden_layers"]
+    short = a.calib_layers if 0 < a.calib_layers < depth else depth
+    short_dir = a.work / _model_name(a.shape, short, shape)
+    for d, n in ((model_dir, depth), (short_dir, short)):
+        if d.is_dir() or (d == short_dir and not {"gptq", "awq"} & set(stages)):
+            continue
+        t0 = time.perf_counter()  # in a child: this process stays small, as every child starts with its peak RSS
+        subprocess.run([sys.executable, __file__, "--make-checkpoint", "--shape", a.shape, "--layers", str(n),
+                        "--work", str(a.work)], check=True)
+        print(f"checkpoint {d.name} written in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     calib = ["--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len)]
     rtn = f"big-{a.shape}-rtn"
     commands = {
         "import": ["import", str(model_dir)],
         "rtn": ["quantize", str(model_dir), "--bits", "4", "--method", "rtn", "--probe-tokens", str(a.probe_tokens),
                 "--name", rtn],
-        "gptq": ["quantize", str(model_dir), "--bits", "4", "--method", "gptq", *calib, "--probe-tokens",
+        "gptq": ["quantize", str(short_dir), "--bits", "4", "--method", "gptq", *calib, "--probe-tokens",
                  str(a.probe_tokens), "--name", f"big-{a.shape}-gptq"],
-        "awq": ["quantize", str(model_dir), "--bits", "4", "--method", "awq", *calib, "--probe-tokens",
+        "awq": ["quantize", str(short_dir), "--bits", "4", "--method", "awq", *calib, "--probe-tokens",
                 str(a.probe_tokens), "--name", f"big-{a.shape}-awq"],
         "quantize-kv": ["quantize-kv", rtn, "--kv", "int8", *calib, "--probe-tokens", str(a.probe_tokens),
                         "--name", f"{rtn}-kvint8"],
@@ -241,24 +259,29 @@ def main() -> int:
         "offline": ["bench", "offline", rtn, "--batch-sizes", "1", "--input-len", "64", "--output-len", "16",
                     "--name", f"bench-{rtn}"],
     }
+    commands["serve-bf16"] = commands["serve"] + ["--dtype", "bfloat16"]
+    commands["offline-bf16"] = commands["offline"][:-1] + [f"bench-{rtn}-bf16", "--dtype", "bfloat16"]
     results = {}  # resumed: stages measured by an earlier run with the same --json stay in the table
     if a.json and a.json.is_file():
         results = json.loads(a.json.read_text()).get("stages", {})
     for st in stages:
         print(f"[{time.strftime('%H:%M:%S')}] {st}: llmq {' '.join(commands[st])}", file=sys.stderr, flush=True)
-        until = serve_and_bench(llmq, a.port, a.work / "serve.log", 3600) if st == "serve" else None
+        until = serve_and_bench(llmq, a.port, a.work / f"{st}.log", 3600) if st.startswith("serve") else None
         r = run_measured(llmq + commands[st], a.work / f"{st}.log", until)
         name = commands[st][commands[st].index("--name") + 1] if "--name" in commands[st] else None
         m = _manifest(store, name) if name else None
         if m and st in ("rtn", "gptq", "awq"):
             probe = m["metrics"].get("probe") or {}
+            times = m["metrics"]["layer_times_s"]
             r.update(kld=probe.get("kld_mean"), top1=probe.get("top1"), size_gib=m["metrics"]["size_bytes"] / 2**30,
                      calib_tokens=0 if st == "rtn" else a.num_samples * a.seq_len,
-                     layer_s=sorted(m["metrics"]["layer_times_s"])[len(m["metrics"]["layer_times_s"]) // 2])
+                     layer_s=sorted(times)[len(times) // 2], layers=len(times))
+            if len(times) < depth:  # the same stage at full depth: the rest + every layer at the measured median
+                r["wall_s_full_depth"] = round(r["wall_s"] - sum(times) + depth * r["layer_s"], 1)
         if m and st == "quantize-kv":
             r.update(kld=m["metrics"]["probe"].get("kld_mean"), calib_tokens=a.num_samples * a.seq_len)
-        if st == "offline":
-            rep = sorted((store / f"bench-{rtn}").glob("v*/report.json"))
+        if st.startswith("offline"):
+            rep = sorted((store / name).glob("v*/report.json"))
             if rep:
                 row = json.loads(rep[-1].read_text())["offline"][0]
                 r.update(decode_tok_s=round(row["tokens_per_s"], 2), mbu=row["mbu"], weight_gib=row["weight_bytes"] / 2**30)
@@ -284,8 +307,8 @@ def main() -> int:
 
 
 def _notes(r: dict) -> str:
-    keys = ("kld", "top1", "calib_tokens", "size_gib", "layer_s", "tpot_ms", "decode_tok_s", "mbu", "ready_s",
-            "error")
+    keys = ("layers", "wall_s_full_depth", "kld", "top1", "calib_tokens", "size_gib", "layer_s", "tpot_ms",
+            "decode_tok_s", "mbu", "ready_s", "error")
     out = []
     for k in keys:
         v = r.get(k)
@@ -316,7 +339,7 @@ def print_paper(shape: dict, results: dict, small: dict) -> None:
         base = small.get(st, {}).get("peak_anon_mib")
         if r.get("error") or not r["peak_anon_mib"] or not base:
             continue
-        ratio = model_ratio if st in ("serve", "offline") else layer_ratio
+        ratio = model_ratio if st.startswith(("serve", "offline")) else layer_ratio
         est = base + max(0.0, r["peak_anon_mib"] - base) * ratio
         print(f"{st:<13} {base:>9} {r['peak_anon_mib']:>9} {est:>13.0f}")
 

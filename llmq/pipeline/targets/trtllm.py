@@ -346,7 +346,8 @@ class _RankWriter:
         if quantized and self.algo == "W4A16_AWQ":
             t = _awq_tensors(lw.qw, self.dtype, shape)
         else:
-            t = {"weight": _pad(lw.dense(torch.float32).to(self.dtype), shape).contiguous()}
+            w = lw.weight.to(self.dtype) if lw.qw is None else lw.dense(torch.float32).to(self.dtype)
+            t = {"weight": _pad(w, shape).contiguous()}  # a 16-bit weight without a float32 round trip (1 GB at 8B)
         if lw.bias is not None:
             t["bias"] = _pad(lw.bias.to(self.dtype), (shape[0],)).contiguous()
         for k, v in t.items():
