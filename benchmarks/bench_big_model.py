@@ -95,6 +95,21 @@ def make_checkpoint(out: Path, shape: dict, tokenizer_dir: Path, seed: int = 0) 
     tmp.rename(out)
 
 
+def disk_needed(shape: dict, short: int, stages: list[str], have_model: bool, have_short: bool, cleanup: bool) -> int:
+    """Bytes the stages will write: checkpoints not made yet, the import's copy, an INT4 artifact (plus its
+    16-bit embedding and head) per quantize / build stage."""
+    def sizes(layers: int) -> tuple[int, int]:
+        s = dict(shape, num_hidden_layers=layers)
+        return 2 * model_params(s), layers * layer_params(s) // 2 + 4 * s["vocab_size"] * s["hidden_size"]
+
+    (bf16, int4), (sbf16, sint4) = sizes(shape["num_hidden_layers"]), sizes(short)
+    need = (0 if have_model else bf16) + ("import" in stages) * bf16
+    need += sum(st in stages for st in ("rtn", "build-llmq", "build-trtllm")) * int4
+    if {"gptq", "awq"} & set(stages):
+        need += (0 if have_short else sbf16) + sbf16 + (1 if cleanup else 2) * sint4
+    return need
+
+
 class Sampler(threading.Thread):
     """Peak RSS / RssAnon of a process and its descendants, every `period` seconds."""
 
@@ -221,19 +236,17 @@ def main() -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     store, model_dir = a.work / "store", a.work / f"model-{a.shape}"
 
-    bf16 = 2 * model_params(shape)
-    int4 = model_params(shape) // 2 + 4 * shape["vocab_size"] * shape["hidden_size"]
-    need = (0 if model_dir.is_dir() else bf16) + bf16 + 3 * int4 + 2 * int4
-    free = shutil.disk_usage(a.work).free
-    print(f"{a.shape}: {model_params(shape) / 1e9:.2f} B parameters, {bf16 / 2**30:.1f} GiB bf16; this run needs about "
-          f"{need / 2**30:.0f} GiB of disk ({free / 2**30:.0f} GiB free)")
-    if need > free:
-        print("not enough free disk; use --work on a larger disk or --stages to run fewer", file=sys.stderr)
-        return 2
     llmq = [sys.executable, "-m", "llmq", "--store", str(store)]
     depth = shape["num_hidden_layers"]
     short = a.calib_layers if 0 < a.calib_layers < depth else depth
     short_dir = a.work / _model_name(a.shape, short, shape)
+    need = disk_needed(shape, short, stages, model_dir.is_dir(), short_dir.is_dir(), a.cleanup)
+    free = shutil.disk_usage(a.work).free
+    print(f"{a.shape}: {model_params(shape) / 1e9:.2f} B parameters, {2 * model_params(shape) / 2**30:.1f} GiB bf16; "
+          f"these stages need about {need / 2**30:.0f} GiB of disk ({free / 2**30:.0f} GiB free)")
+    if need > free:
+        print("not enough free disk; use --work on a larger disk or --stages to run fewer", file=sys.stderr)
+        return 2
     for d, n in ((model_dir, depth), (short_dir, short)):
         if d.is_dir() or (d == short_dir and not {"gptq", "awq"} & set(stages)):
             continue
@@ -294,9 +307,12 @@ def main() -> int:
     small = {}
     if a.shape != "tiny":  # the fixed part of each stage, for the estimate on paper
         out = a.work / "tiny.json"
-        subprocess.run([sys.executable, __file__, "--shape", "tiny", "--work", str(a.work / "tiny"), "--stages",
-                        ",".join(stages), "--json", str(out), "--port", str(a.port + 1)], capture_output=True)
         small = json.loads(out.read_text())["stages"] if out.is_file() else {}
+        if set(results) - set(small):
+            subprocess.run([sys.executable, __file__, "--shape", "tiny", "--work", str(a.work / "tiny"), "--stages",
+                            ",".join(set(results) - set(small)), "--json", str(out), "--port", str(a.port + 1)],
+                           capture_output=True)
+            small = json.loads(out.read_text())["stages"] if out.is_file() else {}
     print_table(a.shape, shape, results)
     if small:
         print_paper(shape, results, small)

@@ -226,8 +226,8 @@ def test_the_runtime_builds_each_layer_as_it_reads_it(tmp_path, store, make_tiny
 
 
 def test_quantize_kv_never_holds_two_models(tmp_path, store, make_tiny_model, monkeypatch):
-    """The reference pass (full-precision cache) is spilled to disk and its engine shut down before the artifact's
-    engine loads (it used to keep both: two copies of an 8B model's weights)."""
+    """The reference pass (full-precision cache) is spilled to disk and its engine shut down -- its weights freed --
+    before the artifact's engine loads (it used to keep both: two copies of an 8B model's weights)."""
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
     from llmq.runtime import LLMEngine
 
@@ -241,9 +241,14 @@ def test_quantize_kv_never_holds_two_models(tmp_path, store, make_tiny_model, mo
         live.add(id(eng))
         peak[0] = max(peak[0], len(live))
 
+    models: list[weakref.ref] = []
+
     def stop(eng):  # shutdown may be called again (idempotent)
+        if getattr(eng, "runner", None) is not None:
+            models.append(weakref.ref(eng.runner.model))
         live.discard(id(eng))
         shutdown(eng)
+        assert models[-1]() is None, "shutdown left the engine's weights in memory"
 
     monkeypatch.setattr(LLMEngine, "__init__", start)
     monkeypatch.setattr(LLMEngine, "shutdown", stop)

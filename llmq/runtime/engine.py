@@ -643,6 +643,7 @@ class LLMEngine:
                 dist.destroy_process_group()
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
+        self.runner = None  # the weights and the KV cache go now, even while a caller still holds the engine
 
     def __del__(self):
         try:
