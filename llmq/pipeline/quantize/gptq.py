@@ -114,4 +114,5 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
         out[name] = gptq_quantize(lin.weight.data, h, o.bits, o.group_size, o.symmetric, ctx.scale_dtype,
                                   damp=o.damp, act_order=o.act_order, consume=last)
         del h
+        lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj
     return out

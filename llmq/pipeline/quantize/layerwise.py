@@ -263,8 +263,9 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
                                 f"expected {sorted(linears)}")
             for name, qw in qws.items():
                 lin = linears[name]
-                if tuple(qw.shape) != tuple(lin.weight.shape):
-                    raise LlmqError(f"{prefix}.{name}: quantized shape {tuple(qw.shape)} != {tuple(lin.weight.shape)}")
+                if tuple(qw.shape) != (lin.out_features, lin.in_features):  # (a method may have freed lin.weight)
+                    raise LlmqError(f"{prefix}.{name}: quantized shape {tuple(qw.shape)} != "
+                                    f"{(lin.out_features, lin.in_features)}")
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent) if parent else layer, attr, QuantLinear(qw, lin.bias, device))
                 sink.linear(f"{prefix}.{name}", qw)
