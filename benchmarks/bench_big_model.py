@@ -308,10 +308,10 @@ def main() -> int:
     if a.shape != "tiny":  # the fixed part of each stage, for the estimate on paper
         out = a.work / "tiny.json"
         small = json.loads(out.read_text())["stages"] if out.is_file() else {}
-        if set(results) - set(small):
+        if any(st not in small or small[st].get("error") for st in results):  # every stage: later ones need rtn
             subprocess.run([sys.executable, __file__, "--shape", "tiny", "--work", str(a.work / "tiny"), "--stages",
-                            ",".join(set(results) - set(small)), "--json", str(out), "--port", str(a.port + 1)],
-                           capture_output=True)
+                            ",".join(st for st in STAGES if st in results), "--json", str(out),
+                            "--port", str(a.port + 1)], capture_output=True)
             small = json.loads(out.read_text())["stages"] if out.is_file() else {}
     print_table(a.shape, shape, results)
     if small:
@@ -343,8 +343,8 @@ def print_table(name: str, shape: dict, results: dict) -> None:
 def print_paper(shape: dict, results: dict, small: dict) -> None:
     """70B on paper, a two-point model per stage: what the tiny shape's run of the same stage needs is the fixed part
     (interpreter, libraries, calibration text, tokenizer), and the rest of this shape's peak grows like one decoder
-    layer (70B's is 4.5x the 8B's; conservative for the embedding-sized parts, which grow 2x). Serve and offline
-    hold the whole INT4 model: their rest grows like the model."""
+    layer (70B's is 3.9x the 8B's; conservative for the embedding-sized parts, which grow 2x). Serve, offline and
+    quantize-kv (the runtime) hold the whole INT4 model: their rest grows like the model."""
     big = SHAPES["70b"]
     layer_ratio = layer_params(big) / layer_params(shape)
     model_ratio = model_params(big) / model_params(shape)
@@ -353,9 +353,9 @@ def print_paper(shape: dict, results: dict, small: dict) -> None:
     print(f"{'stage':<13} {'tiny MiB':>9} {'this MiB':>9} {'70B est. MiB':>13}   (peak anonymous memory)")
     for st, r in results.items():
         base = small.get(st, {}).get("peak_anon_mib")
-        if r.get("error") or not r["peak_anon_mib"] or not base:
+        if r.get("error") or not r["peak_anon_mib"] or not base or small[st].get("error"):
             continue
-        ratio = model_ratio if st.startswith(("serve", "offline")) else layer_ratio
+        ratio = model_ratio if st.startswith(("serve", "offline", "quantize-kv")) else layer_ratio
         est = base + max(0.0, r["peak_anon_mib"] - base) * ratio
         print(f"{st:<13} {base:>9} {r['peak_anon_mib']:>9} {est:>13.0f}")
 
