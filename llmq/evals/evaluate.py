@@ -64,6 +64,31 @@ def _lm(settings: EvalSettings, art: Artifact, progress, speculative: dict | Non
     return make_lm(settings.backend, art.path, seed=settings.seed, progress=progress, speculative=speculative)
 
 
+def _check_both_fit(evaluated: Artifact, baseline: Artifact) -> None:
+    """kld scores every window with both models, so both stay loaded: refuse in one line, before loading the
+    baseline, when their weights alone would not fit (an 8B bf16 baseline is 32 GB in the CPU runtime's float32),
+    rather than be killed for memory halfway."""
+    import torch
+
+    from ..models import pick_device
+    from ..models.reader import CheckpointReader
+    from ..runtime.engine import available_memory
+    from ..runtime.model_runner import compute_dtype_for
+
+    device = torch.device(pick_device())
+
+    def loaded(art: Artifact) -> int:
+        dirs = sorted(p for p in art.path.glob("rank*") if p.is_dir()) or [art.path]
+        readers = [CheckpointReader(d) for d in dirs]
+        return sum(r.runtime_bytes(compute_dtype_for(device, None, r.config)) for r in readers)
+
+    need, have = loaded(evaluated) + loaded(baseline), available_memory(device)
+    if need > have:
+        raise LlmqError(f"kld keeps {evaluated.ref} and the baseline {baseline.ref} loaded together: about "
+                        f"{need / 2**30:.1f} GiB of weights, {have / 2**30:.1f} GiB available; the quantize probe "
+                        "(`llmq inspect`, metrics.probe) measures KLD layer by layer, or run kld on a bigger machine")
+
+
 def run_eval(store: Store, evaluated: Artifact, baseline: Artifact | None, settings: EvalSettings,
              gates: list[Gate], progress: ProgressFactory | None = None, command: str | None = None,
              name: str | None = None) -> EvalOutcome:
@@ -87,6 +112,8 @@ def run_eval(store: Store, evaluated: Artifact, baseline: Artifact | None, setti
                 if hit is not None:
                     cached, base_scores = hit
                 if (hit is None and settings.lm_tasks) or settings.kld:
+                    if settings.kld:
+                        _check_both_fit(evaluated, baseline)
                     base_lm = _lm(settings, baseline, progress(f"baseline {baseline.ref}"))
                 if hit is None and settings.lm_tasks:
                     tb = time.monotonic()

@@ -123,7 +123,7 @@ class EngineStats:
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's totals (all zero when it is off)
 
 
-def _available_memory(device: torch.device) -> int:
+def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
@@ -258,7 +258,7 @@ class LLMEngine:
         else:
             if not 0 < cfg.kv_cache_fraction <= 1:
                 raise LlmqError(f"kv_cache_fraction must be in (0, 1], got {cfg.kv_cache_fraction}")
-            free = _available_memory(self.device) - ckpt.runtime_bytes(dtype) // (1 if sliced else self.tp)
+            free = available_memory(self.device) - ckpt.runtime_bytes(dtype) // (1 if sliced else self.tp)
             # never more than every sequence slot filled to the context length
             budget = min(int(max(free, 0) * cfg.kv_cache_fraction),
                          self.max_num_seqs * self.max_model_len * per_token + block_bytes)
