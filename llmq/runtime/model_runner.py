@@ -116,6 +116,25 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
                        lm_head=head)
 
 
+@functools.cache
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        return None
+
+
+def release_free_heap() -> None:
+    """Hand freed heap memory back to the OS. glibc keeps what the packing temporaries of each layer leave behind
+    (1.4 GB after loading an 8B INT4 model, 25% of it); no-op where malloc_trim does not exist."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
              device: torch.device, max_positions: int, embed_start: int | None = None) -> LlamaForCausalLM:
     """The runtime model of one rank from its weights: quantized linears become the runtime's quantized layers,
@@ -145,6 +164,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
             gate_up=build_linear([lin["gate_proj"], lin["up_proj"]], dtype, device),
             down=build_linear([down], dtype, device), down_bias=down_bias)
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
+        release_free_heap()
     head = rw.lm_head
     if head.weight is rw.embed:  # tied: the table in the compute dtype, shared with the head's weight
         embed = rw.embed.to(device=device, dtype=dtype)
@@ -153,6 +173,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         embed = rw.embed.to(device=device)
     model = LlamaForCausalLM(embed, layers, norm(rw.final_norm), build_linear([head], dtype, device), rotary,
                              spec.vocab_size, tpc, embed_start)
+    release_free_heap()
     return model.eval()
 
 
