@@ -79,10 +79,18 @@ def delta(before, after) -> tuple[int, int]:
     return (after.num_draft_tokens - before.num_draft_tokens, after.num_accepted_tokens - before.num_accepted_tokens)
 
 
+def copied(prompt: list[int], output: list[int], n: int = 4) -> float:
+    """The share of the output's n-grams that occur in the prompt: how much of the answer is the input, a property
+    of the model's answer that bounds what prompt lookup can draft."""
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    outs = [tuple(output[i:i + n]) for i in range(len(output) - n + 1)]
+    return sum(g in grams for g in outs) / len(outs) if outs else 0.0
+
+
 def batch1(eng: LLMEngine, modes: dict, cats: dict, reps: int, max_tokens: int) -> dict:
     """TPOT (s), drafted / accepted tokens and output text per mode, category and prompt."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    res = {m: {c: {"tpot": [], "drafted": 0, "accepted": 0, "texts": {}} for c in cats} for m in modes}
+    res = {m: {c: {"tpot": [], "drafted": 0, "accepted": 0, "texts": {}, "by_prompt": {}} for c in cats} for m in modes}
     names = list(modes)
     for rep in range(reps):
         for cat, ps in cats.items():
@@ -93,14 +101,20 @@ def batch1(eng: LLMEngine, modes: dict, cats: dict, reps: int, max_tokens: int) 
                     before = modes[mode].stats.copy() if modes[mode] else None
                     out = eng.generate([p], params)[0]
                     r = res[mode][cat]
+                    mine = r["by_prompt"].setdefault(i, {"tpot": [], "drafted": 0, "accepted": 0})
                     n = len(out.output_token_ids)
                     if n > 1:
-                        r["tpot"].append((out.metrics.finished_time - out.metrics.first_token_time) / (n - 1))
+                        tpot = (out.metrics.finished_time - out.metrics.first_token_time) / (n - 1)
+                        r["tpot"].append(tpot)
+                        mine["tpot"].append(tpot)
                     if before is not None:
                         d, a = delta(before, modes[mode].stats)
                         r["drafted"] += d
                         r["accepted"] += a
+                        mine["drafted"] += d
+                        mine["accepted"] += a
                     r["texts"][i] = out.text
+                    mine["copied"] = copied(p, list(out.output_token_ids))
     return res
 
 
@@ -148,6 +162,19 @@ def report_batch1(b1: dict, modes: dict, cats: dict, a, top1: float | None) -> d
                                               "identical": same, "prompts": len(r["texts"])}
         summary.setdefault("plain", {})[cat] = {"tpot_ms": base * 1e3}
         print(row)
+    print("\nper prompt (copied: share of the plain answer's 4-grams found in the prompt)")
+    for cat in cats:
+        for i, plain in sorted(b1["plain"][cat]["by_prompt"].items()):
+            base = statistics.median(plain["tpot"])
+            row = f"{cat:6} #{i} copied {plain['copied']:4.0%} plain {base * 1e3:6.1f} ms"
+            for m in modes:
+                if m != "plain":
+                    r = b1[m][cat]["by_prompt"][i]
+                    rate = r["accepted"] / r["drafted"] if r["drafted"] else float("nan")
+                    row += f"  {m} {base / statistics.median(r['tpot']):5.2f}x {rate:6.1%}"
+                    summary[m][cat].setdefault("by_prompt", []).append(
+                        {"copied": plain["copied"], "speedup": base / statistics.median(r["tpot"]), "acceptance": rate})
+            print(row)
     if top1 is not None:
         d = b1["draft-int4"]
         drafted, accepted = sum(d[c]["drafted"] for c in cats), sum(d[c]["accepted"] for c in cats)
