@@ -354,6 +354,15 @@ def test_an_installed_compressed_tensors_outside_the_range_is_a_clear_error(monk
         qformat.quantization_config(qformat.QuantArgs(8))
 
 
+def _assert_transformers_computes_what_llmq_computes(art, ids, monkeypatch):
+    _int4_kernel_off(monkeypatch)
+    hf = _transformers(art.path)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    got = kld_top1(ref, _llmq_logprobs(art.path, ids))
+    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_an_int8_lm_head_is_a_second_group_that_transformers_loads_and_llmq_computes(tmp_path, ids, tied,
                                                                                       monkeypatch):
@@ -389,14 +398,48 @@ def test_an_int8_lm_head_is_a_second_group_that_transformers_loads_and_llmq_comp
         assert t.dtype == dtype and tuple(t.shape) == shape(vocab, hidden), key
     assert ck.linear("lm_head").qw.bits == 8
 
-    _int4_kernel_off(monkeypatch)
-    hf = _transformers(art.path)
-    with torch.no_grad():
-        ref = hf(ids).logits[0]
-    got = kld_top1(ref, _llmq_logprobs(art.path, ids))
-    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    _assert_transformers_computes_what_llmq_computes(art, ids, monkeypatch)
     # the head's rounding is in the probe: it differs from the same layers with a 16-bit head
     assert art.metrics["probe"]["kld_mean"] != plain.metrics["probe"]["kld_mean"]
+
+
+@pytest.mark.parametrize("method, target, chosen", [("rtn", 6, {4, 8}), ("gptq", 10, {8, 16})])
+def test_mixed_precision_is_named_groups_that_transformers_loads_and_llmq_computes(source, ids, method, target, chosen,
+                                                                                   monkeypatch):
+    """`--target-bpw`: the most common scheme targets `Linear`, every other is a weight-only group naming its modules
+    (16-bit ones in `ignore`); the stored widths are the manifest's, the linears fit the budget, and transformers
+    computes what llmq computes."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = source
+    art = quantize(src, QuantizeOptions(method=method, bits=4, group_size=32, target_bpw=target, num_samples=4,
+                                        seq_len=64, probe_tokens=PROBE_TOKENS), store, progress=False)
+    mixed = art.config["mixed_precision"]
+    widths = {f"model.layers.{u['layer']}.{m}": u["bits"] for u in mixed["units"] for m in u["modules"]}
+    assert len(widths) == 2 * len(LINEARS) and set(widths.values()) == chosen, widths
+    ck = CheckpointReader(art.path)
+    cfg = ck.config["quantization_config"]
+    groups = {tuple(g["targets"]): g["weights"] for g in cfg["config_groups"].values()}
+    named = {m: args for targets, args in groups.items() if targets != ("Linear",) for m in targets}
+    for name, bits in widths.items():
+        if bits == 16:
+            assert name in cfg["ignore"] and name not in named, name
+        else:
+            assert named.get(name, groups[("Linear",)]) == {4: INT4_G32, 8: INT8_CH}[bits], name
+    assert cfg["ignore"] == ["lm_head", *sorted(n for n, b in widths.items() if b == 16)]
+    for name, bits in widths.items():
+        qw = ck.linear(name).qw
+        assert (qw.bits if qw is not None else 16) == bits, name
+        per_module = art.config["scheme_per_module"]
+        assert per_module.get(name, per_module["Linear"]) == {4: "W4A16-group32-sym", 8: "W8A16-channel-sym",
+                                                              16: "dense"}[bits]
+    params = sum(n * k for n, k in LINEARS.values()) * 2
+    assert art.metrics["linear_bytes"] <= mixed["budget_bytes"] == target * params // 8
+    dense_bytes = sum(2 * ck.tensors[f"{n}.weight"].numel() for n, b in widths.items() if b == 16)
+    quantized = sum(1 for b in widths.values() if b != 16)  # the plan counts all but each one's 16-byte weight_shape
+    assert art.metrics["linear_bytes"] + dense_bytes - mixed["bytes"] == 16 * quantized
+
+    _assert_transformers_computes_what_llmq_computes(art, ids, monkeypatch)
 
 
 def test_an_int8_lm_head_needs_a_weight_only_method():

@@ -448,6 +448,26 @@ def test_per_channel_and_wider_groups_map_exactly_by_repeating_the_scale(tiny):
         assert assert_bit_exact(src.path, gguf_file(art))["scales_not_exact"] == 0
 
 
+@pytest.mark.parametrize("target, widths", [(6, {4, 8}), (10, {8, 16})])
+def test_mixed_precision_gives_each_tensor_its_own_block_type_and_the_same_logits(tiny, target, widths):
+    """`--target-bpw`: a linear at 4 bits is Q4_0, at 8 Q8_0, at 16 the dense dtype, each as the artifact stores it,
+    and the file computes what llmq's runtime computes."""
+    store, built = tiny
+    model = built["llama-gqa", "bf16"][0]
+    src = quantize(model, QuantizeOptions(method="rtn", bits=4, group_size=32, target_bpw=target, num_samples=4,
+                                          seq_len=64, probe_tokens=0), store, progress=False)
+    art = build_engine(src, store, BuildOptions(target="gguf"))
+    chosen = {f"model.layers.{u['layer']}.{m}": u["bits"] for u in src.config["mixed_precision"]["units"]
+              for m in u["modules"]}
+    assert set(chosen.values()) == widths
+    r = gguf.GGUFReader(gguf_file(art))
+    types = {_hf_name(t.name): t.tensor_type for t in r.tensors if t.name.startswith("blk.")}
+    for name, bits in chosen.items():
+        assert types[f"{name}.weight"] == GGML_TYPE_ID[{4: "Q4_0", 8: "Q8_0", 16: "BF16"}[bits]], name
+    got = reader_logprobs(read_gguf(gguf_file(art))[0], TOKENS)
+    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), TOKENS), got) <= 1e-6
+
+
 # ---------------------------------------------------------------- (d) refusals
 def _one_line_refusal(store, src, opts, *words):
     """build_engine raises one LlmqError line naming the way out, and leaves no engine behind."""

@@ -258,6 +258,29 @@ def test_checkpoint_loads_and_computes_what_llmq_evaluated(tiny_artifacts, shape
         assert kld <= 1e-3 and v["target_kld"] <= 1e-3
 
 
+def test_mixed_precision_loads_with_its_8_and_16_bit_layers_dense_and_computes_what_llmq_evaluated(tiny_artifacts):
+    """`--target-bpw`: TensorRT-LLM has one algorithm per checkpoint, so the INT4 groups decide it (W4A16_AWQ) and the
+    8-bit units are stored dequantized (exactly) and excluded like the 16-bit ones: the logits are llmq's."""
+    store, arts = tiny_artifacts
+    src = quantize(arts["llama-gqa", "bf16"], QuantizeOptions(bits=4, group_size=64, target_bpw=6, num_samples=4,
+                                                              seq_len=64, probe_tokens=0), store, progress=False)
+    trt = {"self_attn.q_proj": "attention.qkv", "self_attn.o_proj": "attention.dense", "mlp.gate_proj": "mlp.fc",
+           "mlp.up_proj": "mlp.gate", "mlp.down_proj": "mlp.proj"}
+    eight = {f"transformer.layers.{u['layer']}.{trt[m]}" for u in src.config["mixed_precision"]["units"]
+             if u["bits"] == 8 for m in u["modules"] if m in trt}
+    assert eight
+    art = build_engine(src, store, BuildOptions(tp=2, target="trtllm", verify=True))
+    cfg = check_loads(art.path / "trtllm")
+    assert cfg["quantization"]["quant_algo"] == "W4A16_AWQ"
+    assert {m for m in cfg["quantization"]["exclude_modules"] if not m.startswith("*")} == \
+        eight | {f"{m}.*" for m in eight}
+    ids = verify_ids(cfg["vocab_size"])
+    kld = kld_top1(llmq_logits(src.path, ids), trtllm_logits(art.path, src.path, ids))["kld_mean"]
+    assert art.metrics["verify"]["passed"] and kld <= 1e-3
+    with pytest.raises(LlmqError, match="different schemes"):  # the PyTorch backend's hf_quant_config has one
+        build_engine(src, store, BuildOptions(target="trtllm-hf"))
+
+
 def test_refusals_name_the_way_out(tiny_artifacts, tmp_path):
     store, arts = tiny_artifacts
     g16 = quantize(arts["llama-gqa", "bf16"], QuantizeOptions(method="rtn", bits=4, group_size=16), store,

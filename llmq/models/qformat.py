@@ -13,8 +13,10 @@ llmq writes and reads the format of the releases in [CT_MIN, CT_MAX) (pyproject.
 current release pins 0.17; a checkpoint stamped with a newer release is refused with one clear error rather than
 misread. The output projection is dense (in `ignore`) unless `llmq quantize --lm-head int8` quantized it: then a
 second config group targets `lm_head` alone with INT8 per-channel weights in the same pack-quantized layout
-(transformers and compressed-tensors resolve a module by its name before its class). A tied model is untied for
+(transformers, compressed-tensors and vLLM resolve a module by its name before its class). A tied model is untied for
 that: the embedding table stays 16-bit for the lookup, since transformers cannot load a quantized Embedding.
+Mixed precision (`--target-bpw`) uses the same mechanism: one weight-only group per other scheme, targeting its
+modules by full name (e.g. `model.layers.29.mlp.down_proj`), and the 16-bit ones listed in `ignore`.
 KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` ([1] per tensor, [kv_heads, 1, 1] per head, the
 shapes compressed-tensors gives them) with `kv_cache_scheme` in the config;
 a model whose weights stay dense but whose KV cache is calibrated has format "dense", no config groups and only a
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,21 +89,25 @@ class QuantArgs:
 
 @dataclass(frozen=True)
 class QConfig:
-    """A parsed `quantization_config`: one scheme for every Linear except `ignore`, plus the KV-cache scheme.
-    weights is None (format "dense") when only the KV cache is quantized; lm_head is the output projection's own
-    weight-only scheme when it is quantized (a config group targeting `lm_head`)."""
+    """A parsed `quantization_config`: one scheme for every Linear except `ignore` and `modules`, plus the KV-cache
+    scheme. weights is None (format "dense") when only the KV cache is quantized; modules maps a module's full name
+    (`lm_head`, `model.layers.3.mlp.down_proj`) to its own weight-only scheme (a config group targeting it by name)."""
 
     format: str
     weights: QuantArgs | None
     input_activations: QuantArgs | None
     ignore: tuple[str, ...]
     kv: QuantArgs | None
-    lm_head: QuantArgs | None = None
+    modules: Mapping[str, QuantArgs] = field(default_factory=dict)
+
+    @property
+    def lm_head(self) -> QuantArgs | None:
+        return self.modules.get(LM_HEAD)
 
     def scheme_of(self, name: str) -> tuple[QuantArgs, QuantArgs | None] | None:
         """(weights, input activations) of the linear `name`, None where it is stored dense."""
-        if name == LM_HEAD and self.lm_head is not None:
-            return self.lm_head, None
+        if name in self.modules:
+            return self.modules[name], None
         if self.weights is None or self.ignores(name):
             return None
         return self.weights, self.input_activations
@@ -170,14 +176,16 @@ def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
 
 def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs | None = None,
                         ignore: list[str] | tuple[str, ...] = (LM_HEAD,), kv: QuantArgs | None = None,
-                        lm_head: QuantArgs | None = None) -> dict:
+                        modules: Mapping[str, QuantArgs] | None = None) -> dict:
     """The `quantization_config` dict for config.json, validated by compressed-tensors' own models.
     weights=None: dense weights with a calibrated KV cache only (format "dense", no config groups).
-    lm_head: the output projection's weight-only scheme (a second group, same pack-quantized layout)."""
+    modules: full module name -> its own weight-only scheme (an INT8 lm_head, mixed-precision layers): one more group
+    per distinct scheme, in the same pack-quantized layout, targeting its modules by name."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
+    modules = dict(modules or {})
     if weights is None:
-        if kv is None or input_activations is not None or lm_head is not None:
+        if kv is None or input_activations is not None or modules:
             raise LlmqError("a quantization_config without a weights scheme carries a KV-cache scheme and nothing else")
         groups, fmt = {}, "dense"
     else:
@@ -185,11 +193,14 @@ def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs 
             targets=["Linear"], weights=weights.to_ct(),
             input_activations=input_activations.to_ct() if input_activations else None)}
         fmt = format_for(weights, input_activations)
-        if lm_head is not None:
-            if fmt != "pack-quantized" or format_for(lm_head, None) != fmt or LM_HEAD in ignore:
-                raise LlmqError("a quantized lm_head shares the weight-only (pack-quantized) layout of the other "
-                                "linears and is not ignored")
-            groups["group_1"] = QuantizationScheme(targets=[LM_HEAD], weights=lm_head.to_ct())
+        by_scheme: dict[QuantArgs, list[str]] = {}
+        for name, args in modules.items():
+            if fmt != "pack-quantized" or format_for(args, None) != fmt or name in ignore:
+                raise LlmqError(f"{name}: a module with its own scheme shares the weight-only (pack-quantized) layout "
+                                "of the other linears and is not ignored")
+            by_scheme.setdefault(args, []).append(name)
+        for i, (args, names) in enumerate(sorted(by_scheme.items(), key=lambda kv: sorted(kv[1])), start=1):
+            groups[f"group_{i}"] = QuantizationScheme(targets=sorted(names), weights=args.to_ct())
     cfg = QuantizationConfig(config_groups=groups, format=fmt, ignore=list(ignore) if groups else [],
                              kv_cache_scheme=kv.to_ct() if kv else None, quantization_status="compressed")
     return {**cfg.model_dump(mode="json", exclude_none=True), "version": compressed_tensors_version()}
@@ -214,16 +225,19 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
                        kv=QuantArgs.from_dict(kv))
     if fmt not in FORMATS:
         raise LlmqError(f"compressed-tensors format {fmt!r} is not supported; llmq reads {', '.join(FORMATS)}")
-    by_target = {tuple(g.get("targets") or ()): g for g in groups}
-    linear, head = by_target.get(("Linear",)), by_target.get((LM_HEAD,))
-    if linear is None or len(groups) != 1 + (head is not None) or (head and head.get("input_activations")):
-        raise LlmqError("only compressed-tensors checkpoints with one scheme for every Linear layer (and optionally a "
-                        "weight-only one for lm_head) are supported")
-    acts = linear.get("input_activations")
-    return QConfig(format=fmt, weights=QuantArgs.from_dict(linear["weights"]),
+    linear = [g for g in groups if list(g.get("targets") or ()) == ["Linear"]]
+    named = [g for g in groups if g not in linear]
+    if len(linear) != 1 or any(g.get("input_activations") or any(
+            not isinstance(t, str) or t.startswith("re:") or t == "Linear" for t in g.get("targets") or ())
+            for g in named):
+        raise LlmqError("only compressed-tensors checkpoints with one scheme for every Linear layer (and optionally "
+                        "weight-only ones for modules named in full) are supported")
+    modules = {t: QuantArgs.from_dict(g["weights"]) for g in named for t in g["targets"]}
+    acts = linear[0].get("input_activations")
+    return QConfig(format=fmt, weights=QuantArgs.from_dict(linear[0]["weights"]),
                    input_activations=QuantArgs.from_dict(acts) if acts else None,
                    ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None,
-                   lm_head=QuantArgs.from_dict(head["weights"]) if head else None)
+                   modules=modules)
 
 
 def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -18,7 +18,9 @@ cannot honour; called before anything is loaded).
 `quantize_layer` is called once per decoder layer with a `layerwise.LayerContext`: `ctx.layer` (the float32 decoder
 layer on the work device; the method may rewrite its parameters in place, e.g. fold scales into an RMSNorm, and the
 engine stores the rewritten norms / biases in the model dtype), `ctx.linears` ({"self_attn.q_proj": nn.Linear, ...}),
-`ctx.opts` (QuantizeOptions), `ctx.spec` (ModelSpec), `ctx.scale_dtype` (store scales in it: `rtn.round_scale`), and
+`ctx.opts` (QuantizeOptions), `ctx.grid(name)` (the (bits, group_size) to quantize each linear to: the options', or
+8 bits per channel where `--target-bpw` chose 8; linears it keeps at 16 bits are not in `ctx.linears`), `ctx.spec`
+(ModelSpec), `ctx.scale_dtype` (store scales in it: `rtn.round_scale`), and
 calibration passes over the layer as it is at the time of the call: `ctx.collect(names, fn)` (fn(name, x) with x the
 [tokens, in_features] float32 input of each named linear, sample by sample), `ctx.hessians(names)`,
 `ctx.input_absmax(names)`.

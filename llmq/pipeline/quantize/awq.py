@@ -102,11 +102,12 @@ def fold_scales(layer: nn.Module, producer: str, consumers: tuple[str, ...], s: 
 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     o, spec = ctx.opts, ctx.spec
-    missing = [n for _, cons in GROUPS for n in cons if n not in ctx.linears]
+    missing = [n for _, cons in GROUPS for n in cons if n not in ctx.linears and not ctx.dense(n)]
     if missing:
         raise LlmqError(f"AWQ needs the Llama-family linears; layer {ctx.index} lacks {', '.join(missing)}")
     heads = (spec.num_heads, spec.num_kv_heads)
-    firsts = [cons[0] for _, cons in GROUPS]
+    groups = [(p, cons) for p, cons in GROUPS if not ctx.dense(cons[0])]  # --target-bpw's 16-bit units: no scales
+    firsts = [cons[0] for _, cons in groups]
     sums: dict[str, torch.Tensor] = {}
     kept: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
     per_sample = max(1, SEARCH_TOKENS // max(len(ctx.calib_inputs), 1))
@@ -118,11 +119,11 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
 
     ctx.collect(firsts, fn)
     tokens = max(ctx.num_tokens, 1)
-    for (producer, consumers), first in zip(GROUPS, firsts):
+    for (producer, consumers), first in zip(groups, firsts):
         x, x_mean = torch.cat(kept[first]), sums[first] / tokens
         tie = (lambda v: tie_heads(v, *heads)) if producer == "self_attn.v_proj" else None
         weights = [ctx.linears[c].weight.data.float() for c in consumers]
-        s, _, _ = search_scales(x, x_mean, weights, o.bits, o.group_size, o.symmetric, ctx.scale_dtype, tie)
+        s, _, _ = search_scales(x, x_mean, weights, *ctx.grid(first), o.symmetric, ctx.scale_dtype, tie)
         fold_scales(ctx.layer, producer, consumers, s, *heads)
-    return {name: rtn.quantize_weight(lin.weight.data, o.bits, o.group_size, o.symmetric, ctx.scale_dtype)
+    return {name: rtn.quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype)
             for name, lin in ctx.linears.items()}

@@ -111,7 +111,7 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     for name, lin in ctx.linears.items():
         h = hessians.pop(name)
         last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
-        out[name] = gptq_quantize(lin.weight.data, h, o.bits, o.group_size, o.symmetric, ctx.scale_dtype,
+        out[name] = gptq_quantize(lin.weight.data, h, *ctx.grid(name), o.symmetric, ctx.scale_dtype,
                                   damp=o.damp, act_order=o.act_order, consume=last)
         del h
         lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj

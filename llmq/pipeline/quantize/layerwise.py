@@ -58,6 +58,16 @@ class LayerContext:
     device: torch.device
     calib_inputs: list[torch.Tensor] = field(default_factory=list)
     layer_kwargs: dict = field(default_factory=dict)
+    widths: dict[str, int] = field(default_factory=dict)  # --target-bpw: each linear's bits (16: kept dense)
+
+    def grid(self, name: str) -> tuple[int, int]:
+        """(bits, group_size) of linear `name`: the options' grid, or 8 bits per channel where --target-bpw chose 8."""
+        bits = self.widths.get(name, self.opts.bits)
+        return (bits, self.opts.group_size) if bits == self.opts.bits else (bits, 0)
+
+    def dense(self, name: str) -> bool:
+        """Whether --target-bpw keeps linear `name` at 16 bits (it is then not in `linears`)."""
+        return self.widths.get(name) == 16
 
     @property
     def num_tokens(self) -> int:
@@ -224,9 +234,11 @@ def _load(module: nn.Module, prefix: str, source, device) -> nn.Module:
 
 @torch.no_grad()
 def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWindows | None,
-                  probe: TokenWindows | None, sink: Sink, progress: bool = True) -> LayerwiseResult:
+                  probe: TokenWindows | None, sink: Sink, progress: bool = True,
+                  widths: dict[str, int] | None = None) -> LayerwiseResult:
     """Quantize every decoder layer's linears of the model in `model_dir` with `method` (a plug-in module), handing
-    each finished tensor to `sink`. At most one decoder layer's weights are in memory at any time."""
+    each finished tensor to `sink`. widths: full linear name -> bits where --target-bpw chose them (16: dense).
+    At most one decoder layer's weights are in memory at any time."""
     from transformers.utils import logging as hf_logging
 
     device = torch.device(pick_device(opts.device))
@@ -236,8 +248,9 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     model = _skeleton(model_dir, model_dtype, device)
     _load(model.model.embed_tokens, "model.embed_tokens", source, device)
     layers = model.model.layers
-    ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None,
-                             ignore=tuple(opts.ignore), kv=None)
+    widths = widths or {}
+    ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None, kv=None,
+                             ignore=(*opts.ignore, *(n for n, b in widths.items() if b == 16)))
 
     calib_x, calib_kw = capture_layer0(model, calib.samples, device) if calib is not None else ([], {})
     probe_src, probe_kw = capture_layer0(model, probe.samples, device) if probe is not None else ([], {})
@@ -256,7 +269,8 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             probe_src = [layer(x, **probe_kw) for x in probe_src]
             linears = {n: m for n, m in layer.named_modules()
                        if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
-            ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x, calib_kw)
+            own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
+            ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x, calib_kw, own)
             qws = method.quantize_layer(ctx)
             if set(qws) != set(linears):
                 raise LlmqError(f"method {opts.method} returned weights for {sorted(qws)} in layer {i}, "

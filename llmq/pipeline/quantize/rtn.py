@@ -87,5 +87,5 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: 
 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     o = ctx.opts
-    return {name: quantize_weight(lin.weight.data, o.bits, o.group_size, o.symmetric, ctx.scale_dtype, o.per_tensor)
+    return {name: quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype, o.per_tensor)
             for name, lin in ctx.linears.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 import resource
 import shutil
 import sys
@@ -68,6 +69,10 @@ class QuantizeOptions(Options):
                           "probed with the rest; weight-only methods). It is the widest matrix a decode step reads; "
                           "a tied model gets its own lm_head, the embedding table stays 16-bit.",
                           choices=LM_HEAD_CHOICES)
+    target_bpw: float | None = option(None, "Mixed precision: give each decoder unit (q/k/v, o, gate/up, down) 4, 8 "
+                                      "or 16 bits from its measured sensitivity so that the decoder linears average "
+                                      "at most this many bits per weight, scales included (rtn / gptq / awq at 4 "
+                                      "bits).", gt=4, le=16, metavar="BPW")
     ignore: tuple[str, ...] = option(("lm_head",), internal=True)
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
@@ -101,10 +106,13 @@ class QuantizeOptions(Options):
                             "bnb-nf4")
         if self.int8_threshold is not None and self.method != "bnb-int8":
             raise LlmqError("--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
+        if self.target_bpw is not None and (self.method not in WEIGHT_ONLY or self.bits == 8 or self.per_tensor):
+            raise LlmqError(f"--target-bpw mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "
+                            f"weight-only method ({', '.join(WEIGHT_ONLY)}), not per tensor")
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
         widths = load_method(self.method).BITS
-        bits = self.bits or (8 if 8 in widths else widths[0])
+        bits = self.bits or (4 if self.target_bpw is not None else 8 if 8 in widths else widths[0])
         g = self.group_size
         if g is None and self.method == "bnb-nf4":
             g = BNB_BLOCKSIZE
@@ -154,6 +162,10 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
     if hasattr(method, "validate"):
         method.validate(o, spec)
+    if o.target_bpw is not None:
+        from .mixed import check
+
+        check(spec, o)
     return o, spec, method
 
 
@@ -183,10 +195,11 @@ class CheckpointSink:
     (bitsandbytes' serialized form for its methods, compressed-tensors for every other) and keeps only what the
     config and the manifest need: the schemes seen, byte and parameter counts."""
 
-    def __init__(self, writer, opts: QuantizeOptions):
-        self.writer, self.opts = writer, opts
-        self.schemes: set = set()
-        self.example = None          # one layer weight: its type and scheme name describe them all
+    def __init__(self, writer, opts: QuantizeOptions, dense: tuple[str, ...] = ()):
+        self.writer, self.opts, self.dense_linears = writer, opts, dense
+        self.args: dict[str, tuple] = {}     # compressed-tensors (weights, activations) args of each layer linear
+        self.names: dict[str, str] = {}      # their scheme names
+        self.example = None          # one layer weight: its type tells the checkpoint format
         self.head = None             # (scheme args, scheme name, parameters) of an int8 lm_head
         self.linear_bytes = self.linear_params = self.dense_params = self.bias_params = 0
         self.dense_modules: set[str] = set()
@@ -204,7 +217,8 @@ class CheckpointSink:
             return
         if self.example is None:
             self.example = qw
-        self.schemes.add(_scheme_args(qw) if compressed else qw.scheme)
+        self.args[name] = _scheme_args(qw) if compressed else qw.scheme
+        self.names[name] = qw.scheme
         self.linear_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         self.linear_params += math.prod(qw.shape)
         self._linears.add(name)
@@ -218,18 +232,38 @@ class CheckpointSink:
         else:
             self.dense_params += tensor.numel()
 
+    @property
+    def base(self):
+        """The scheme most layer linears have: the `Linear` group; every other is a group of named modules."""
+        counts = Counter(self.args.values())
+        return max(counts, key=lambda a: (counts[a], repr(a)))
+
+    def scheme_per_module(self) -> dict[str, str]:
+        """{"Linear": the base scheme's name, module: its own scheme name for every other one}."""
+        base = self.base
+        out = {"Linear": next(self.names[n] for n, a in self.args.items() if a == base)}
+        out.update({n: self.names[n] for n, a in self.args.items() if a != base})
+        out.update({n: "dense" for n in self.dense_linears})
+        return out | ({"lm_head": self.head[1]} if self.head else {})
+
     def quantization_config(self) -> tuple[dict, str]:
-        """(quantization_config, format name): a checkpoint holds one scheme for its layers."""
+        """(quantization_config, format name): one scheme for the layers' linears, weight-only groups of named
+        modules for the others (an INT8 lm_head, mixed precision); bitsandbytes checkpoints hold one scheme."""
         from ...models import bnbformat, qformat
 
-        if len(self.schemes) != 1:
-            raise LlmqError(f"method {self.opts.method} produced {len(self.schemes)} different schemes; a checkpoint "
-                            "holds one")
-        opts = self.opts
+        opts, base = self.opts, self.base
         if isinstance(self.example, qformat.QuantizedWeight):
-            weight_args, act_args = next(iter(self.schemes))
-            return qformat.quantization_config(weight_args, act_args, ignore=list(opts.ignored),
-                                               lm_head=self.head[0] if self.head else None), "compressed-tensors"
+            modules = {n: a[0] for n, a in self.args.items() if a != base}
+            if any(a[1] is not None for n, a in self.args.items() if a != base):
+                raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
+                                "checkpoint holds one for activation-quantized layers")
+            if self.head:
+                modules[qformat.LM_HEAD] = self.head[0]
+            return qformat.quantization_config(base[0], base[1], ignore=[*opts.ignored, *self.dense_linears],
+                                               modules=modules), "compressed-tensors"
+        if len(set(self.args.values())) != 1:
+            raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
+                            "bitsandbytes checkpoint holds one")
         if isinstance(self.example, bnbformat.Int8Weight):
             return bnbformat.quantization_config("int8", skip=opts.ignore, threshold=opts.int8_threshold), \
                 "bitsandbytes"
@@ -265,7 +299,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     opts, spec, method = validate(source, opts)
     from ...models.load import load_tokenizer
 
-    calibrated = needs_calibration(method, opts)
+    calibrated = needs_calibration(method, opts) or opts.target_bpw is not None
     if opts.calib and not calibrated:
         raise LlmqError(f"--calib: method {opts.method} with these options uses no calibration data; drop --calib")
     tokenizer = load_tokenizer(source.path)
@@ -275,23 +309,29 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
         "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + (
-        "-head8" if opts.lm_head == "int8" else "")
+        "-head8" if opts.lm_head == "int8" else "") + (f"-bpw{opts.target_bpw:g}" if opts.target_bpw else "")
     from ...models.checkpoint import ShardedWriter, copy_tokenizer
 
     with store.create("quantized", name, parents=[source.id], command=command) as w, ShardedWriter(w.dir) as out:
-        sink = CheckpointSink(out, opts)
+        plan = None
+        if opts.target_bpw is not None:
+            from ...models.load import pick_device
+            from .mixed import plan as mixed_plan
+
+            plan = mixed_plan(source.path, spec, opts, calib, pick_device(opts.device), progress)
+        sink = CheckpointSink(out, opts, tuple(plan.dense) if plan else ())
         result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,
-                               progress=progress)
+                               progress=progress, widths=plan.bits if plan else None)
         out.close()
         config = dict(read_config(source.path))
         config["quantization_config"], fmt = sink.quantization_config()
         if sink.head is not None:
             config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
-        scheme = sink.example.scheme
+        per_module = sink.scheme_per_module()
         w.config.update({
             "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
-            "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": scheme,
-            "scheme_per_module": {"Linear": scheme, **({"lm_head": sink.head[1]} if sink.head else {})},
+            "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": per_module["Linear"],
+            "scheme_per_module": per_module, **({"mixed_precision": plan.manifest} if plan else {}),
             "excluded_modules": list(opts.ignored), "dense_modules": sorted(sink.dense_modules),
             "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},
             "calibration": calib.manifest() if calib is not None else None,

@@ -1,0 +1,246 @@
+"""Mixed precision (`llmq quantize --target-bpw B`): each unit of linears gets 4, 8 or 16 bits, chosen from its
+measured sensitivity so that the model's KLD at that size is as low as the measurements say it can be.
+
+A unit is the linears one input feeds and engines fuse into one matmul (q/k/v, gate/up), or o_proj / down_proj
+alone: vLLM loads a fused layer with one scheme, and AWQ scales exactly these groups, so a unit has one width.
+Its sensitivity is measured, not guessed: the mean KLD of the model's next-token distributions when that unit alone
+is rounded to the 4-bit grid (RTN, the options' group size), on calibration windows (never the probe's held-out
+text). On SmolLM2-135M the single-layer KLDs add up to the KLD of rounding all of them (0.48 summed, 0.47 at once),
+so the KLD of a choice is estimated as the sum of its units' losses, and choosing is a knapsack: minimise the summed
+loss under the byte budget, solved exactly by dynamic programming over budget buckets. At 8 bits (per channel) a
+unit's loss is its 4-bit loss scaled by the ratio of the two grids' weight mean-squared errors (KLD is quadratic in
+a small perturbation); at 16 bits it is 0. B counts every byte of the decoder layers' linears (integers, scales,
+zero points) per weight; the embedding and lm_head are outside it (`--lm-head` decides the head).
+
+The measurement streams like the quantizer: the float model's hidden states entering each layer are kept (tokens x
+hidden per layer), and each layer's units are measured by running the later layers, read from the checkpoint one at
+a time, on the perturbed states: O(layers^2) layer passes, one layer's weights in memory at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...errors import LlmqError
+from ...models import ModelSpec
+from . import rtn
+from .calib import TokenWindows
+
+UNITS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+         ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+WIDTHS = (4, 8, 16)
+SENSITIVITY_TOKENS = 1024   # calibration tokens the sensitivity pass scores (its cost is linear in them)
+BUCKETS = 1 << 20           # most budget steps the knapsack tracks (beyond: costs rounded up, the budget still holds)
+
+
+def unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
+    """[out, in] of each linear of each unit, in UNITS order."""
+    h, q, kv, ff = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
+        spec.intermediate_size
+    return [[(q, h), (kv, h), (kv, h)], [(h, q)], [(ff, h), (ff, h)], [(h, ff)]]
+
+
+def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
+    """Bytes a [n, k] linear takes in the checkpoint at `bits` (8: per channel; 16: dense)."""
+    if bits == 16:
+        return 2 * n * k
+    groups = k // group_size if bits == 4 and group_size else 1
+    zeros = 0 if symmetric else n * groups * bits // 8
+    return n * k * bits // 8 + n * groups * scale_bytes + zeros
+
+
+def width_grid(bits: int, opts) -> tuple[int, int]:
+    """(bits, group_size) of a linear at `bits`: the options' grid at their own width, per channel at 8."""
+    return (bits, opts.group_size) if bits == opts.bits else (bits, 0)
+
+
+def choose(losses: np.ndarray, costs: np.ndarray, budget: int) -> list[int]:
+    """Per item, the index of the option that minimises the summed loss with summed cost <= budget. losses / costs:
+    [items, options], costs in whole bytes. Exact in steps of the costs' greatest common divisor (a real model's unit
+    costs share a large one: 384 bytes for SmolLM2) when the budget spans at most BUCKETS of them; otherwise in steps
+    of budget / BUCKETS with costs rounded up. An LlmqError if even the cheapest options exceed the budget."""
+    if costs.min(1).sum() > budget:
+        raise LlmqError("the budget is below the smallest choice")
+    step = int(np.gcd.reduce(costs.astype(np.int64).ravel()))
+    unit = step if budget / step <= BUCKETS else budget / BUCKETS
+    c = np.ceil(costs / unit - 1e-9).astype(np.int64)
+    cap = int(budget // unit)
+    best = np.full(cap + 1, np.inf)
+    best[0] = 0.0
+    picks = np.zeros((len(losses), cap + 1), dtype=np.int8)
+    for i in range(len(losses)):
+        new = np.full(cap + 1, np.inf)
+        for j in range(losses.shape[1]):
+            if c[i, j] > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[c[i, j]:] = best[:cap + 1 - c[i, j]] + losses[i, j]
+            better = cand < new
+            new[better], picks[i, better] = cand[better], j
+        best = new
+    if not np.isfinite(best).any():  # bucket rounding can push the cheapest choice just past the budget
+        raise LlmqError("the budget is below the smallest choice")
+    at, out = int(np.argmin(best)), []
+    for i in reversed(range(len(losses))):
+        j = int(picks[i, at])
+        out.append(j)
+        at -= c[i, j]
+    return out[::-1]
+
+
+@dataclass
+class Plan:
+    """The width of every decoder linear (full name -> 4 / 8 / 16) and what the manifest records of the choice."""
+
+    bits: dict[str, int]
+    manifest: dict
+
+    def widths_of_layer(self, prefix: str) -> dict[str, int]:
+        return {name[len(prefix) + 1:]: b for name, b in self.bits.items() if name.startswith(prefix + ".")}
+
+    @property
+    def dense(self) -> list[str]:
+        return sorted(n for n, b in self.bits.items() if b == 16)
+
+
+class _Scorer:
+    """Mean KL(float || perturbed) of next-token distributions on the second half of every window (the positions
+    with at least half a window of context, as llama-perplexity scores), against reference log-probabilities
+    computed once."""
+
+    def __init__(self, final: torch.Tensor, norm, head: torch.Tensor):
+        from .layerwise import _logits
+        from .probe import positions_per_chunk
+
+        self.norm, self.head, self.logits = norm, head, _logits
+        self.chunk = positions_per_chunk(head.shape[0])
+        self.ref = [lp.cpu() for lp in self._logprobs(final)]
+
+    def _logprobs(self, h: torch.Tensor):
+        h = h[:, h.shape[1] // 2:].reshape(-1, h.shape[-1])
+        for i in range(0, h.shape[0], self.chunk):
+            yield self.logits(self.norm(h[i:i + self.chunk]), self.head).log_softmax(-1)
+
+    def kld(self, h: torch.Tensor) -> float:
+        total, n = 0.0, 0
+        for ref, lq in zip(self.ref, self._logprobs(h)):
+            ref = ref.to(lq.device)
+            total += float((ref.exp() * (ref - lq)).sum(-1, dtype=torch.float64).sum())
+            n += ref.shape[0]
+        return total / n
+
+
+@torch.no_grad()
+def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True) -> dict:
+    """Per unit (layer, index into UNITS): its 4-bit KLD (alone, RTN) and the 8 / 4-bit weight MSE ratio."""
+    from .layerwise import _load, _progress, _skeleton, _source_tensors, _stored_dtype, capture_layer0
+
+    source = _source_tensors(model_dir)
+    dtype = _stored_dtype(model_dir)
+    model = _skeleton(model_dir, dtype, device)
+    _load(model.model.embed_tokens, "model.embed_tokens", source, device)
+    hidden, kw = capture_layer0(model, windows.samples, device)
+    x = torch.cat(hidden)  # the windows as one batch: [windows, tokens, hidden]
+    model.model.embed_tokens = torch.nn.Module()
+    layers = model.model.layers
+    n, k = len(layers), len(UNITS)
+
+    def layer(j: int):
+        return _load(layers[j], f"model.layers.{j}", source, device).to(dtype=torch.float32)
+
+    entering = []
+    with _progress(progress) as bar:
+        task = bar.add_task("sensitivity: float pass", total=n)
+        for j in range(n):
+            entering.append(x.cpu())
+            x = layer(j)(x, **kw)
+            layers[j].to("meta")
+            bar.advance(task)
+        head_name = "lm_head.weight" if "lm_head.weight" in source else "model.embed_tokens.weight"
+        norm = _load(model.model.norm, "model.norm", source, device).to(dtype=torch.float32)
+        scorer = _Scorer(x, norm, source[head_name].to(device))
+        out: dict = {}
+        task = bar.add_task("sensitivity: units", total=n * (n + 1) // 2)
+        for i in range(n):
+            prefix = f"model.layers.{i}"
+            lay = layer(i)
+            h_in = entering[i].to(device)
+            streams = []
+            for u, names in enumerate(UNITS):
+                lins = [lay.get_submodule(nm) for nm in names]
+                kept = [lin.weight.data for lin in lins]
+                err4 = err8 = 0.0  # summed squared weight errors of the unit at 4 and at 8 bits
+                for lin, w in zip(lins, kept):
+                    b, g = width_grid(4, opts)
+                    lin.weight.data = rtn.quantize_weight(w, b, g, opts.symmetric, dtype).dequantize()
+                    err4 += float((lin.weight.data - w).pow(2).sum())
+                    err8 += float((rtn.quantize_weight(w, 8, 0, opts.symmetric, dtype).dequantize() - w).pow(2).sum())
+                streams.append(lay(h_in, **kw))
+                for lin, w in zip(lins, kept):
+                    lin.weight.data = w
+                out[(i, u)] = {"prefix": prefix, "mse_ratio": err8 / err4 if err4 else 0.0}
+            layers[i].to("meta")
+            bar.advance(task)
+            s = torch.cat(streams)  # every unit's perturbed states in one batch through the later layers
+            for j in range(i + 1, n):
+                s = layer(j)(s, **kw)
+                layers[j].to("meta")
+                bar.advance(task)
+            for u, su in enumerate(s.chunk(k)):
+                out[(i, u)]["kld"] = scorer.kld(su)
+    return out
+
+
+def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
+    """([layers * units, WIDTHS] bytes of each unit at each width, parameters of all decoder linears)."""
+    shapes = unit_shapes(spec)
+    scale_bytes = 2  # bf16 / fp16 scales, as the quantizer stores them for 16-bit models
+    costs = np.array([[sum(linear_bytes(n, k, b, width_grid(b, opts)[1], opts.symmetric, scale_bytes)
+                           for n, k in shapes[u]) for b in WIDTHS]
+                      for _ in range(spec.num_layers) for u in range(len(UNITS))], dtype=np.float64)
+    return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
+
+
+def check(spec: ModelSpec, opts) -> None:
+    """An LlmqError when opts.target_bpw is below what every unit at the options' 4-bit grid takes."""
+    costs, params = unit_costs(spec, opts)
+    floor = costs[:, 0].sum() * 8 / params
+    if opts.target_bpw * params / 8 < costs[:, 0].sum():
+        raise LlmqError(f"--target-bpw {opts.target_bpw:g} is below the {floor:.3f} bits per weight that "
+                        f"{opts.bits}-bit groups of {opts.group_size or 'a row'} take; ask for at least that")
+
+
+def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress: bool = True) -> Plan:
+    """Measure every unit's sensitivity and choose its width so the decoder linears fit opts.target_bpw."""
+    check(spec, opts)
+    costs, params = unit_costs(spec, opts)
+    budget = opts.target_bpw * params / 8
+    take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
+    windows = TokenWindows(calib.samples[:take], calib.source, calib.sha256, calib.seed)
+    sens = measure(model_dir, spec, opts, windows, device, progress)
+    keys = [(i, u) for i in range(spec.num_layers) for u in range(len(UNITS))]
+    losses = np.array([[sens[k]["kld"], sens[k]["kld"] * sens[k]["mse_ratio"], 0.0] for k in keys])
+    picks = choose(losses, costs, int(budget))
+    bits, units = {}, []
+    for (i, u), j in zip(keys, picks):
+        prefix = sens[(i, u)]["prefix"]
+        for name in UNITS[u]:
+            bits[f"{prefix}.{name}"] = WIDTHS[j]
+        units.append({"layer": i, "modules": list(UNITS[u]), "bits": WIDTHS[j],
+                      "kld_4bit_alone": round(sens[(i, u)]["kld"], 7), "mse_ratio_8_to_4": sens[(i, u)]["mse_ratio"]})
+    chosen = sum(costs[n, j] for n, j in enumerate(picks))
+    manifest = {
+        "target_bpw": opts.target_bpw, "bpw": round(chosen * 8 / params, 4), "bytes": int(chosen),
+        "budget_bytes": int(budget), "params": params,
+        "estimated_kld": round(float(sum(losses[n, j] for n, j in enumerate(picks))), 6),
+        "estimated_kld_all_4bit": round(float(losses[:, 0].sum()), 6),
+        "count": {str(b): sum(1 for j in picks if WIDTHS[j] == b) for b in WIDTHS},
+        "sensitivity": {"method": "rtn", "bits": 4, "group_size": opts.group_size, "tokens": windows.tokens,
+                        "windows": len(windows.samples), "source": windows.source},
+        "units": units,
+    }
+    return Plan(bits, manifest)
+
