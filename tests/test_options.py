@@ -38,7 +38,8 @@ def _values(f, hint) -> list:
         return [not default]
     if typing.get_origin(hint) is list:
         return [["ppl", "kld"]] if typing.get_args(hint)[0] is str else [[3, 5]]
-    return {int: [3], float: [0.25], str: ["x"]}[hint]
+    low = next((v for k, v in f.metadata["bounds"].items() if k in ("ge", "gt")), 0)  # a value inside the bounds
+    return {int: [3], float: [low + 0.25], str: ["x"]}[hint]
 
 
 def _argv(opt: click.Option, value) -> list[str]:
