@@ -284,7 +284,8 @@ def main() -> int:
     ap.add_argument("--llmq", action="append", default=[], metavar="LABEL=REF",
                     help="an llmq artifact to compare under LABEL (replaces the built-in variant of that label: "
                          f"{', '.join(['bf16', *VARIANTS])}); repeatable")
-    ap.add_argument("--no-calibrated", action="store_true", help="skip the GPTQ, AWQ and mixed-precision variants (slow to make)")
+    ap.add_argument("--no-calibrated", action="store_true",
+                    help="skip the GPTQ, AWQ and mixed-precision variants (slow to make)")
     ap.add_argument("--work-dir", default=None, help="where GGUFs and base log-probs are cached "
                     "(default: <llmq cache>/vs-llamacpp)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])

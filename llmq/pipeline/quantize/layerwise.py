@@ -27,6 +27,7 @@ from ...models import ModelSpec, qformat
 from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
 from .calib import TokenWindows
+from .mixed import width_grid
 
 
 class QuantLinear(nn.Module):
@@ -62,8 +63,7 @@ class LayerContext:
 
     def grid(self, name: str) -> tuple[int, int]:
         """(bits, group_size) of linear `name`: the options' grid, or 8 bits per channel where --target-bpw chose 8."""
-        bits = self.widths.get(name, self.opts.bits)
-        return (bits, self.opts.group_size) if bits == self.opts.bits else (bits, 0)
+        return width_grid(self.widths.get(name, self.opts.bits), self.opts)
 
     def dense(self, name: str) -> bool:
         """Whether --target-bpw keeps linear `name` at 16 bits (it is then not in `linears`)."""

@@ -98,9 +98,6 @@ class Plan:
     bits: dict[str, int]
     manifest: dict
 
-    def widths_of_layer(self, prefix: str) -> dict[str, int]:
-        return {name[len(prefix) + 1:]: b for name, b in self.bits.items() if name.startswith(prefix + ".")}
-
     @property
     def dense(self) -> list[str]:
         return sorted(n for n, b in self.bits.items() if b == 16)
@@ -169,13 +166,13 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
             lay = layer(i)
             h_in = entering[i].to(device)
             streams = []
+            b4, g4 = width_grid(4, opts)
             for u, names in enumerate(UNITS):
                 lins = [lay.get_submodule(nm) for nm in names]
                 kept = [lin.weight.data for lin in lins]
                 err4 = err8 = 0.0  # summed squared weight errors of the unit at 4 and at 8 bits
                 for lin, w in zip(lins, kept):
-                    b, g = width_grid(4, opts)
-                    lin.weight.data = rtn.quantize_weight(w, b, g, opts.symmetric, dtype).dequantize()
+                    lin.weight.data = rtn.quantize_weight(w, b4, g4, opts.symmetric, dtype).dequantize()
                     err4 += float((lin.weight.data - w).pow(2).sum())
                     err8 += float((rtn.quantize_weight(w, 8, 0, opts.symmetric, dtype).dequantize() - w).pow(2).sum())
                 streams.append(lay(h_in, **kw))
@@ -204,19 +201,20 @@ def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
     return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
 
 
-def check(spec: ModelSpec, opts) -> None:
-    """An LlmqError when opts.target_bpw is below what every unit at the options' 4-bit grid takes."""
+def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
+    """unit_costs(spec, opts), after an LlmqError when opts.target_bpw is below what every unit at the options' 4-bit
+    grid takes."""
     costs, params = unit_costs(spec, opts)
     floor = costs[:, 0].sum() * 8 / params
     if opts.target_bpw * params / 8 < costs[:, 0].sum():
         raise LlmqError(f"--target-bpw {opts.target_bpw:g} is below the {floor:.3f} bits per weight that "
                         f"{opts.bits}-bit groups of {opts.group_size or 'a row'} take; ask for at least that")
+    return costs, params
 
 
 def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress: bool = True) -> Plan:
     """Measure every unit's sensitivity and choose its width so the decoder linears fit opts.target_bpw."""
-    check(spec, opts)
-    costs, params = unit_costs(spec, opts)
+    costs, params = check(spec, opts)
     budget = opts.target_bpw * params / 8
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
     windows = TokenWindows(calib.samples[:take], calib.source, calib.sha256, calib.seed)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 import resource
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -254,7 +254,7 @@ class CheckpointSink:
         opts, base = self.opts, self.base
         if isinstance(self.example, qformat.QuantizedWeight):
             modules = {n: a[0] for n, a in self.args.items() if a != base}
-            if any(a[1] is not None for n, a in self.args.items() if a != base):
+            if any(a[1] is not None for a in self.args.values() if a != base):
                 raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
                                 "checkpoint holds one for activation-quantized layers")
             if self.head:
