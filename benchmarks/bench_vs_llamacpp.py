@@ -47,8 +47,10 @@ from llmq.errors import LlmqError  # noqa: E402
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")
 VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int4-gptq-g64-act",
-            "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5", "int4-gptq-g32-act-bpw5")
-# llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5
+            "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5", "int4-gptq-g32-act-bpw5",
+            "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75")
+# llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
+# emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size
 PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q4_0", "int4-rtn-g64"),
          ("Q4_0", "int4-rtn-g64-head8"))  # speed: same precision class
 HELDOUT = ("copy.py", "abc.py")  # stdlib files in none of llmq's calibration / probe / eval sets (checked below)
@@ -64,7 +66,11 @@ def variant_options() -> dict:
                                QuantizeOptions(bits=4, method="awq", group_size=64),
                                QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True),
                                QuantizeOptions(bits=4, group_size=32, target_bpw=5),
-                               QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True, target_bpw=5))))
+                               QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True, target_bpw=5),
+                               QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
+                                               embedding="int8"),
+                               QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
+                                               embedding="int8", target_bpw=5.75))))
 
 
 def quantized(source, opts, store):
@@ -284,6 +290,8 @@ def main() -> int:
     ap.add_argument("--llmq", action="append", default=[], metavar="LABEL=REF",
                     help="an llmq artifact to compare under LABEL (replaces the built-in variant of that label: "
                          f"{', '.join(['bf16', *VARIANTS])}); repeatable")
+    ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS, metavar="LABEL",
+                    help="make and compare only these llmq variants (default: all; the speed pairs need theirs)")
     ap.add_argument("--no-calibrated", action="store_true",
                     help="skip the GPTQ, AWQ and mixed-precision variants (slow to make)")
     ap.add_argument("--work-dir", default=None, help="where GGUFs and base log-probs are cached "
@@ -335,7 +343,8 @@ def bench(lc: LlamaCpp, args) -> int:
 
     def make(calibrated: bool) -> None:  # RTN first (the speed pairs); GPTQ / AWQ / mixed only for the quality table
         for label, opts in variant_options().items():
-            if label not in arts and (opts.method != "rtn" or opts.target_bpw is not None) == calibrated:
+            chosen = args.variants is None or label in args.variants
+            if chosen and label not in arts and (opts.method != "rtn" or opts.target_bpw is not None) == calibrated:
                 print(f"llmq variant {label}: ", end="", flush=True)
                 arts[label] = quantized(model, opts, store)
                 print(arts[label].ref, flush=True)

@@ -273,8 +273,8 @@ def exact_artifact_model(src_path: Path):
     s = CheckpointReader(src_path)
     cfg = {k: v for k, v in s.config.items() if k != "quantization_config"}
     config = AutoConfig.for_model(**cfg)
-    state = {k: s.tensor(k).float() for k in s.tensors if k.endswith("norm.weight") or k.endswith(".bias")
-             or k == "model.embed_tokens.weight"}
+    state = {k: s.tensor(k).float() for k in s.tensors if k.endswith("norm.weight") or k.endswith(".bias")}
+    state["model.embed_tokens.weight"] = s.embedding().dense(torch.float32)
     for i in range(s.spec.num_layers):
         for name in linear_names(i):
             state[f"{name}.weight"] = s.linear(name).dense(torch.float32)
@@ -464,6 +464,27 @@ def test_mixed_precision_gives_each_tensor_its_own_block_type_and_the_same_logit
     types = {_hf_name(t.name): t.tensor_type for t in r.tensors if t.name.startswith("blk.")}
     for name, bits in chosen.items():
         assert types[f"{name}.weight"] == GGML_TYPE_ID[{4: "Q4_0", 8: "Q8_0", 16: "BF16"}[bits]], name
+    got = reader_logprobs(read_gguf(gguf_file(art))[0], TOKENS)
+    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), TOKENS), got) <= 1e-6
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_an_int8_embedding_table_is_q8_0_token_embd_read_back_exact(tiny, arch):
+    """`quantize --embedding int8`: token_embd is Q8_0 with the artifact's integers and row scales; a tied model has
+    no output tensor (llama.cpp's output is that table); the file computes what the artifact computes."""
+    store, built = tiny
+    model = built[arch, "bf16"][0]
+    src = quantize(model, QuantizeOptions(method="rtn", bits=4, group_size=32, embedding="int8", probe_tokens=0),
+                   store, progress=False)
+    art = build_engine(src, store, BuildOptions(target="gguf"))
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_file(art)).tensors}
+    assert tensors["token_embd.weight"].tensor_type == GGML_TYPE_ID["Q8_0"]
+    assert ("output.weight" in tensors) is not CheckpointReader(src.path).spec.tie_word_embeddings
+    qw = CheckpointReader(src.path).embedding().qw
+    blocks = decode_blocks(tensors["token_embd.weight"])
+    np.testing.assert_array_equal(blocks["q"], qw.q.numpy())
+    used = qw.q.abs().amax(1).numpy() > 0   # an all-zero (padding) row's tiny scale is no fp16 number: it reads 0
+    assert (blocks["d"].astype(np.float32) == qw.scale.float().numpy())[used].all()   # the row scale, every block
     got = reader_logprobs(read_gguf(gguf_file(art))[0], TOKENS)
     assert mean_kld(reader_logprobs(exact_artifact_model(src.path), TOKENS), got) <= 1e-6
 

@@ -25,5 +25,13 @@ def load_hf_model(path: str | Path, dtype=None, device: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ..errors import LlmqError
+    from . import qformat
+    from .checkpoint import read_config
+
+    qc = qformat.parse_quantization_config(read_config(Path(path)))
+    if qc is not None and qformat.EMBEDDING in qc.modules:
+        raise LlmqError(f"{path}: its embedding table is INT8 (quantize --embedding int8), which transformers cannot "
+                        "load (it needs a dense Embedding weight); run it with llmq's runtime (--backend llmq)")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
     return model.to(pick_device(device)).eval()

@@ -15,6 +15,10 @@ misread. The output projection is dense (in `ignore`) unless `llmq quantize --lm
 second config group targets `lm_head` alone with INT8 per-channel weights in the same pack-quantized layout
 (transformers, compressed-tensors and vLLM resolve a module by its name before its class). A tied model is untied for
 that: the embedding table stays 16-bit for the lookup, since transformers cannot load a quantized Embedding.
+`llmq quantize --embedding int8` quantizes the table itself anyway, for llmq's runtime and the GGUF export: a group
+targets `model.embed_tokens` with INT8 per-row weights in the same layout (compressed-tensors' own for an Embedding),
+and a tied model's head is that table. transformers 5 refuses such a checkpoint (its weight initialisation needs a
+dense Embedding weight); `load_hf_model` says so in one line.
 Mixed precision (`--target-bpw`) uses the same mechanism: one weight-only group per other scheme, targeting its
 modules by full name (e.g. `model.layers.29.mlp.down_proj`), and the 16-bit ones listed in `ignore`.
 KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` ([1] per tensor, [kv_heads, 1, 1] per head, the
@@ -37,6 +41,7 @@ from ..errors import LlmqError
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 LM_HEAD = "lm_head"
+EMBEDDING = "model.embed_tokens"
 CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
 CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
 

@@ -7,6 +7,7 @@ KV-cache scales are read through `qformat` and `bnbformat`, the one reader of ea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -126,12 +127,22 @@ class CheckpointReader:
         weight, qw, bias = self.linear_tensors(name)
         return LinearWeights(name, weight=weight, qw=qw, bias=bias)
 
+    def embedding(self) -> LinearWeights:
+        """The token embedding table [vocab, hidden]: as stored, or INT8 per row (`quantize --embedding int8`)."""
+        if self.embedding_quantized():
+            return self.linear(qformat.EMBEDDING)
+        return LinearWeights(qformat.EMBEDDING, weight=self.tensor(f"{qformat.EMBEDDING}.weight"))
+
+    def embedding_quantized(self) -> bool:
+        """Whether the table is stored quantized (known from the config and the tensor names, nothing is read)."""
+        return self.qconfig is not None and qformat.EMBEDDING in self.qconfig.modules
+
     def lm_head(self) -> LinearWeights:
         """lm_head, or the embedding where the model ties them."""
         if self.has_lm_head():
             return self.linear("lm_head")
         if self.spec.tie_word_embeddings:
-            return LinearWeights("lm_head", weight=self.tensor("model.embed_tokens.weight"))
+            return dataclasses.replace(self.embedding(), name="lm_head")
         raise LlmqError(f"{self.path}: no lm_head weights and tie_word_embeddings is false")
 
     def runtime_bytes(self, compute_dtype: torch.dtype) -> int:

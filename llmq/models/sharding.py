@@ -276,7 +276,7 @@ class RankWeights:
 
     layers: list[dict[str, LinearWeights]]          # q_proj ... down_proj (a generator when read lazily)
     norms: list[tuple[torch.Tensor, torch.Tensor]]  # (input_layernorm, post_attention_layernorm)
-    embed: torch.Tensor                             # [vocab, hidden], or this rank's rows with a parallel embedding
+    embed: LinearWeights                            # [vocab, hidden] (INT8 rows too), this rank's rows if parallel
     final_norm: torch.Tensor
     lm_head: LinearWeights                          # this rank's vocab rows (the embedding itself where tied)
     kv_scales: list = field(default_factory=list)   # per layer: (k_scale, v_scale) as stored, or None

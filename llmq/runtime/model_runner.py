@@ -103,11 +103,11 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
     n = ckpt.spec.num_layers
     layers = (layer(i) for i in range(n)) if lazy else [layer(i) for i in range(n)]
     norm_pairs = (norms(i) for i in range(n)) if lazy else [norms(i) for i in range(n)]
-    embed = ckpt.tensor("model.embed_tokens.weight")
+    embed = ckpt.embedding()
     if ckpt.has_lm_head():
         head = ckpt.linear("lm_head")
     elif ckpt.spec.tie_word_embeddings:
-        head = LinearWeights("lm_head", weight=embed)   # assemble() keeps it sharing the embedding's memory
+        head = dataclasses.replace(embed, name="lm_head")  # assemble() keeps a 16-bit one sharing the table's memory
     else:
         raise LlmqError(f"{ckpt.path}: no lm_head weights and tie_word_embeddings is false")
     if plan is not None:
@@ -165,14 +165,16 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
             down=build_linear([down], dtype, device), down_bias=down_bias)
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
         release_free_heap()
-    head = rw.lm_head
-    if head.weight is rw.embed:  # tied: the table in the compute dtype, shared with the head's weight
-        embed = rw.embed.to(device=device, dtype=dtype)
-        head = LinearWeights("lm_head", weight=embed)
+    head, table, scale = rw.lm_head, rw.embed.weight, None
+    if rw.embed.qw is not None:  # INT8 rows and their scales, looked up as stored (a tied head is built from them)
+        table, scale = rw.embed.qw.q.to(device), rw.embed.qw.scale.float().reshape(-1, 1).to(device)
+    elif head.weight is table:  # tied: the table in the compute dtype, shared with the head's weight
+        table = table.to(device=device, dtype=dtype)
+        head = LinearWeights("lm_head", weight=table)
     else:  # looked up a few rows at a time: stays as stored (half the memory of a float32 copy at 16 bits)
-        embed = rw.embed.to(device=device)
-    model = LlamaForCausalLM(embed, layers, norm(rw.final_norm), build_linear([head], dtype, device), rotary,
-                             spec.vocab_size, tpc, embed_start)
+        table = table.to(device=device)
+    model = LlamaForCausalLM(table, layers, norm(rw.final_norm), build_linear([head], dtype, device), rotary,
+                             spec.vocab_size, tpc, embed_start, scale)
     release_free_heap()
     return model.eval()
 

@@ -9,7 +9,9 @@ runs), and the quantized layer is re-run to give the next layer its inputs, so e
 quantized model before it really produces (GPTQ's sequential scheme). Each finished layer's tensors go to the
 stage's writer at once and the layer is dropped, so memory holds one layer's weights and the activations, whatever
 the model's size. The quality probe rides along: held-out windows flow through the float layer and through the
-quantized layer side by side, and the two final hidden states meet at the (shared, unquantized) norm and lm_head.
+quantized layer side by side, and the two final hidden states meet at the norm and at the float and the quantized
+lm_head (the same 16-bit one unless --lm-head / --embedding int8 rounded it). With --embedding int8 the table is
+rounded first, and calibration and the probe's quantized side start from its rows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
 from .calib import TokenWindows
 from .mixed import width_grid
+from .rtn import quantize_weight
 
 
 class QuantLinear(nn.Module):
@@ -252,12 +255,19 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None, kv=None,
                              ignore=(*opts.ignore, *(n for n, b in widths.items() if b == 16)))
 
-    calib_x, calib_kw = capture_layer0(model, calib.samples, device) if calib is not None else ([], {})
+    emitted: set[str] = set()
     probe_src, probe_kw = capture_layer0(model, probe.samples, device) if probe is not None else ([], {})
-    probe_q = [x.clone() for x in probe_src]
+    quant_embed = None
+    if opts.embedding == "int8":  # from here on the model looks tokens up in the INT8 table, as serve will
+        quant_embed = quantize_weight(model.model.embed_tokens.weight, 8, 0, True, model_dtype)
+        sink.linear(qformat.EMBEDDING, quant_embed)
+        emitted.add(qformat.EMBEDDING + ".weight")
+        model.model.embed_tokens.weight.data = quant_embed.dequantize(torch.float32).to(device)
+    calib_x, calib_kw = capture_layer0(model, calib.samples, device) if calib is not None else ([], {})
+    probe_q = (capture_layer0(model, probe.samples, device)[0] if quant_embed is not None and probe is not None
+               else [x.clone() for x in probe_src])
     model.model.embed_tokens = nn.Module()  # read again from the checkpoint when it is written
 
-    emitted: set[str] = set()
     times: list[float] = []
     with _progress(progress) as bar:
         task = bar.add_task(f"{opts.method} w{opts.bits}", total=len(layers))
@@ -297,10 +307,9 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             bar.advance(task)
 
     head_name = "lm_head.weight" if "lm_head.weight" in source else "model.embed_tokens.weight"
-    quant_head = None
-    if opts.lm_head == "int8":
-        from .rtn import quantize_weight
-
+    tied = head_name != "lm_head.weight"
+    quant_head = QuantLinear(quant_embed, None, device) if quant_embed is not None and tied else None
+    if opts.lm_head == "int8" and quant_head is None:
         qw = quantize_weight(source[head_name].to(device=device, dtype=torch.float32), 8, 0, True, model_dtype)
         sink.linear(qformat.LM_HEAD, qw)
         emitted.add(qformat.LM_HEAD + ".weight")

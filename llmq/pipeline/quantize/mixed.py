@@ -10,7 +10,7 @@ so the KLD of a choice is estimated as the sum of its units' losses, and choosin
 loss under the byte budget, solved exactly by dynamic programming over budget buckets. At 8 bits (per channel) a
 unit's loss is its 4-bit loss scaled by the ratio of the two grids' weight mean-squared errors (KLD is quadratic in
 a small perturbation); at 16 bits it is 0. B counts every byte of the decoder layers' linears (integers, scales,
-zero points) per weight; the embedding and lm_head are outside it (`--lm-head` decides the head).
+zero points) per weight; the embedding and lm_head are outside it (`--embedding` / `--lm-head` decide them).
 
 The measurement streams like the quantizer: the float model's hidden states entering each layer are kept (tokens x
 hidden per layer), and each layer's units are measured by running the later layers, read from the checkpoint one at

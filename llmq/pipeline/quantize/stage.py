@@ -34,6 +34,7 @@ BNB_BLOCKSIZE = 64  # bitsandbytes' and transformers' 4-bit block size
 DEFAULT_GROUPS = (128, 64, 32)
 WEIGHT_ONLY = ("rtn", "gptq", "awq")
 LM_HEAD_CHOICES = ("keep", "int8")
+EMBEDDING_CHOICES = ("keep", "int8")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ class QuantizeOptions(Options):
                           "probed with the rest; weight-only methods). It is the widest matrix a decode step reads; "
                           "a tied model gets its own lm_head, the embedding table stays 16-bit.",
                           choices=LM_HEAD_CHOICES)
+    embedding: str = option("keep", "Token embedding table: keep it as stored (16-bit), or int8 per row (RTN, probed "
+                            "with the rest; weight-only methods). A tied model's head is then that same INT8 table, "
+                            "as in llama.cpp's Q8_0 token_embd: half the bytes of SmolLM2's file are its embedding. "
+                            "Runs in llmq's runtime and exports to GGUF; transformers and TensorRT-LLM cannot load "
+                            "a quantized embedding.", choices=EMBEDDING_CHOICES)
     target_bpw: float | None = option(None, "Mixed precision: give each decoder unit (q/k/v, o, gate/up, down) 4, 8 "
                                       "or 16 bits from its measured sensitivity so that the decoder linears average "
                                       "at most this many bits per weight, scales included (rtn / gptq / awq at 4 "
@@ -98,9 +104,10 @@ class QuantizeOptions(Options):
             raise LlmqError("--alpha is SmoothQuant's migration strength; use it with --method smoothquant")
         if self.act_order and self.method != "gptq":
             raise LlmqError("--act-order is a GPTQ option; use it with --method gptq")
-        if self.lm_head != "keep" and self.method not in WEIGHT_ONLY:
-            raise LlmqError(f"--lm-head {self.lm_head} needs a weight-only method ({', '.join(WEIGHT_ONLY)}): a "
-                            f"{self.method} checkpoint has one layout for every quantized layer")
+        for flag, value in (("--lm-head", self.lm_head), ("--embedding", self.embedding)):
+            if value != "keep" and self.method not in WEIGHT_ONLY:
+                raise LlmqError(f"{flag} {value} needs a weight-only method ({', '.join(WEIGHT_ONLY)}): a "
+                                f"{self.method} checkpoint has one layout for every quantized layer")
         if (self.double_quant or self.compute_dtype) and self.method != "bnb-nf4":
             raise LlmqError("--double-quant / --compute-dtype are bitsandbytes 4-bit options; use them with --method "
                             "bnb-nf4")
@@ -200,7 +207,7 @@ class CheckpointSink:
         self.args: dict[str, tuple] = {}     # compressed-tensors (weights, activations) args of each layer linear
         self.names: dict[str, str] = {}      # their scheme names
         self.example = None          # one layer weight: its type tells the checkpoint format
-        self.head = None             # (scheme args, scheme name, parameters) of an int8 lm_head
+        self.outside: dict[str, tuple] = {}  # quantized lm_head / embedding: (weight args, scheme name, parameters)
         self.linear_bytes = self.linear_params = self.dense_params = self.bias_params = 0
         self.dense_modules: set[str] = set()
         self._linears: set[str] = set()
@@ -212,8 +219,8 @@ class CheckpointSink:
         tensors = (qformat.write_linear if compressed else bnbformat.write_linear)(name, qw)
         for k, t in tensors.items():
             self.writer.add(k, t)
-        if name == qformat.LM_HEAD:
-            self.head = (_scheme_args(qw)[0], qw.scheme, math.prod(qw.shape))
+        if name in (qformat.LM_HEAD, qformat.EMBEDDING):
+            self.outside[name] = (_scheme_args(qw)[0], qw.scheme, math.prod(qw.shape))
             return
         if self.example is None:
             self.example = qw
@@ -244,11 +251,12 @@ class CheckpointSink:
         out = {"Linear": next(self.names[n] for n, a in self.args.items() if a == base)}
         out.update({n: self.names[n] for n, a in self.args.items() if a != base})
         out.update({n: "dense" for n in self.dense_linears})
-        return out | ({"lm_head": self.head[1]} if self.head else {})
+        return out | {n: o[1] for n, o in self.outside.items()}
 
     def quantization_config(self) -> tuple[dict, str]:
         """(quantization_config, format name): one scheme for the layers' linears, weight-only groups of named
-        modules for the others (an INT8 lm_head, mixed precision); bitsandbytes checkpoints hold one scheme."""
+        modules for the others (an INT8 lm_head or embedding, mixed precision); bitsandbytes checkpoints hold one
+        scheme."""
         from ...models import bnbformat, qformat
 
         opts, base = self.opts, self.base
@@ -257,8 +265,7 @@ class CheckpointSink:
             if any(a[1] is not None for a in self.args.values() if a != base):
                 raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
                                 "checkpoint holds one for activation-quantized layers")
-            if self.head:
-                modules[qformat.LM_HEAD] = self.head[0]
+            modules.update({n: o[0] for n, o in self.outside.items()})
             return qformat.quantization_config(base[0], base[1], ignore=[*opts.ignored, *self.dense_linears],
                                                modules=modules), "compressed-tensors"
         if len(set(self.args.values())) != 1:
@@ -309,7 +316,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
         "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + (
-        "-head8" if opts.lm_head == "int8" else "") + (f"-bpw{opts.target_bpw:g}" if opts.target_bpw else "")
+        "-head8" if opts.lm_head == "int8" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
+        f"-bpw{opts.target_bpw:g}" if opts.target_bpw else "")
     from ...models.checkpoint import ShardedWriter, copy_tokenizer
 
     with store.create("quantized", name, parents=[source.id], command=command) as w, ShardedWriter(w.dir) as out:
@@ -325,9 +333,11 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         out.close()
         config = dict(read_config(source.path))
         config["quantization_config"], fmt = sink.quantization_config()
-        if sink.head is not None:
+        if qformat.LM_HEAD in sink.outside:
             config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
         per_module = sink.scheme_per_module()
+        if qformat.EMBEDDING in sink.outside and config.get("tie_word_embeddings"):
+            per_module[qformat.LM_HEAD] = per_module[qformat.EMBEDDING]   # the head is the tied INT8 table
         w.config.update({
             "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
             "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": per_module["Linear"],
@@ -344,8 +354,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         copy_tokenizer(source.path, w.dir)
         size = sum(p.stat().st_size for p in w.dir.glob("*.safetensors"))
         source_size = sum(p.stat().st_size for p in source.path.glob("*.safetensors"))
-        head_bf16 = 2 * sink.head[2] if sink.head is not None and not spec.tie_word_embeddings else 0
-        bf16_size = 2 * (sink.dense_params + sink.linear_params + sink.bias_params) + head_bf16
+        outside_bf16 = 2 * sum(o[2] for n, o in sink.outside.items()   # a tied model has one table to count
+                               if not (n == qformat.LM_HEAD and spec.tie_word_embeddings))
+        bf16_size = 2 * (sink.dense_params + sink.linear_params + sink.bias_params) + outside_bf16
         linear_bytes, linear_params = sink.linear_bytes, sink.linear_params
         w.metrics.update(
             wall_time_s=round(time.perf_counter() - t0, 2), **peak_memory(result.device),

@@ -14,6 +14,8 @@ step. Every re-rounding is counted in the returned record.
 What no block format holds is refused with the way out: groups that are not a multiple of 32 columns, INT8 with zero
 points, FP8, W8A8 (llama.cpp quantizes activations its own way), calibrated KV-cache scales, sliding windows and
 RoPE scaling. Dense weights keep the source dtype; norms and biases are F32, as llama.cpp's converter writes them.
+An INT8 embedding table (`quantize --embedding int8`, one scale per row) is Q8_0 like any INT8 per-channel matrix; a
+tied model's output is that same token_embd, as llama.cpp reads it.
 
 llama.cpp's `llama` architecture (Llama, Mistral) applies RoPE to adjacent pairs (2i, 2i+1) of a head where Hugging
 Face rotates (i, i + d/2), so the q and k rows of every head are reordered, scales and zero points with their rows;
@@ -204,7 +206,7 @@ class _Tensors:
 def _add_weights(tensors: _Tensors, src: CheckpointReader, arch: str) -> None:
     names = gguf.TENSOR_NAMES
     s = src.spec
-    tensors.dense(f"{names[MT.TOKEN_EMBD]}.weight", src.tensor("model.embed_tokens.weight"))
+    tensors.linear(names[MT.TOKEN_EMBD], src.embedding())   # an INT8 table: Q8_0, as llama.cpp's own
     for i in range(s.num_layers):
         p = layer_prefix(i)
         for hf, key in LAYER_NORMS.items():

@@ -3,7 +3,8 @@
 rank{r}/config.json is the source config with the engine's head counts (padded ones when --pad-heads was needed)
 and an explicit head_dim; rank{r}/model.safetensors holds that rank's slices under the source's tensor names, so
 the runtime's quantized layers read them exactly as they read an unsharded quantized artifact. lm_head.weight is
-always written (tied embeddings are untied: its rows are split, the embedding's are not unless parallel).
+always written (tied embeddings are untied: its rows are split, the embedding's are not unless parallel); an INT8
+table (`quantize --embedding int8`) is written, sliced and named in the config the same way.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from ...models import qformat
 from ...models.checkpoint import ShardedWriter, write_json
 from ...models.reader import ATTN, CheckpointReader, LinearWeights, layer_prefix
-from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows, vocab_slice
+from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows
 
 
 def _put(out: ShardedWriter, lw: LinearWeights, name: str) -> None:
     if lw.qw is None:
         out.add(f"{name}.weight", lw.weight)
     else:
-        from ...models import qformat
-
         for k, t in qformat.write_linear(name, lw.qw).items():
             out.add(k, t)
     if lw.bias is not None:
@@ -29,9 +29,16 @@ def _put(out: ShardedWriter, lw: LinearWeights, name: str) -> None:
 
 
 def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
+    """The source config with this engine's head counts, untied; a tied INT8 table's head becomes its own INT8
+    lm_head, named in the quantization config."""
     cfg = copy.deepcopy(src.config)
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
                head_dim=plan.head_dim, tie_word_embeddings=False)
+    qc = src.qconfig
+    if src.embedding_quantized() and qformat.LM_HEAD not in qc.modules:
+        cfg["quantization_config"] = qformat.quantization_config(
+            qc.weights, qc.input_activations, ignore=[m for m in qc.ignore if m != qformat.LM_HEAD], kv=qc.kv,
+            modules={**qc.modules, qformat.LM_HEAD: qc.modules[qformat.EMBEDDING]})
     return cfg
 
 
@@ -52,16 +59,14 @@ def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path) -> list[str]:
                     writers[r].add(f"{p}.{norm}.weight", src.tensor(f"{p}.{norm}.weight"))
             scales = src.kv_scales(i)
             if scales is not None:
-                from ...models import qformat
-
                 for r in range(plan.tp):
                     for k, t in qformat.write_kv_scales(f"{p}.self_attn", kv_scale_slice(scales[0], plan, r),
                                                         kv_scale_slice(scales[1], plan, r)).items():
                         writers[r].add(k, t)
-        embed = src.tensor("model.embed_tokens.weight")
+        embed = src.embedding()
         for r in range(plan.tp):
-            writers[r].add("model.embed_tokens.weight",
-                           vocab_slice(embed, plan, r) if plan.parallel_embedding else embed)
+            _put(writers[r], split_rows(embed, plan.vocab_rows(r)) if plan.parallel_embedding else embed,
+                 qformat.EMBEDDING)
             writers[r].add("model.norm.weight", src.tensor("model.norm.weight"))
         del embed
         lm_head = src.lm_head()

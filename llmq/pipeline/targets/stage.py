@@ -52,6 +52,10 @@ def _check(opts: BuildOptions, src: CheckpointReader) -> None:
     if opts.max_seq_len and opts.max_seq_len > src.spec.max_position_embeddings:
         raise LlmqError(f"--max-seq-len {opts.max_seq_len} exceeds the model's {src.spec.max_position_embeddings} "
                         "positions")
+    if opts.target in ("trtllm", "trtllm-hf") and src.embedding_quantized():
+        raise LlmqError(f"--target {opts.target}: this artifact's embedding table is INT8 (quantize --embedding int8) "
+                        "and TensorRT-LLM holds the embedding in the model dtype, where the dequantized rows would be "
+                        "re-rounded; use --target llmq or gguf, or quantize without --embedding int8")
 
 
 def kv_cache_dtype(requested: str, src: CheckpointReader) -> str:
@@ -69,8 +73,8 @@ def kv_cache_dtype(requested: str, src: CheckpointReader) -> str:
 
 
 def _dtype_of(src: CheckpointReader) -> str:
-    """The dense tensors' dtype, read from the embedding rather than trusted from config.json."""
-    return str(src.tensor("model.embed_tokens.weight").dtype).removeprefix("torch.")
+    """The dense tensors' dtype, read from the final norm's header rather than trusted from config.json."""
+    return str(src.tensors.info("model.norm.weight")[0]).removeprefix("torch.")
 
 
 def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: str | None = None) -> Artifact:
@@ -96,10 +100,10 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     config = {"options": asdict(opts), "plan": plan.to_dict(), "kv_cache_dtype": kv, "max_seq_len": max_seq_len}
     with store.create("engine", name, parents=[source.id], config=config, command=command) as w:
         if opts.target == "llmq":
-            from .llmq_target import write_llmq
+            from .llmq_target import rank_config, write_llmq
 
             spec = replace(spec, ranks=write_llmq(src, plan, w.dir),
-                           quantization=src.config.get("quantization_config"))  # as in every rank's config.json
+                           quantization=rank_config(src, plan).get("quantization_config"))  # as in every rank's
         elif opts.target == "gguf":
             from .gguf_target import write_gguf
 

@@ -466,7 +466,8 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
             norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_layernorm.weight"].float()))
         kv = [st.get(f"transformer.layers.{i}.attention.kv_cache_scaling_factor") for i in range(len(layers))]
         head = st["lm_head.weight"]
-        ranks.append(RankWeights(embed=st["transformer.vocab_embedding.weight"].float(), layers=layers, norms=norms,
+        embed = LinearWeights("model.embed_tokens", weight=st["transformer.vocab_embedding.weight"].float())
+        ranks.append(RankWeights(embed=embed, layers=layers, norms=norms,
                                  final_norm=st["transformer.ln_f.weight"].float(),
                                  lm_head=lin(st, "lm_head", tuple(head.shape)),
                                  kv_scales=[None if s is None else (s, s) for s in kv]))

@@ -174,5 +174,6 @@ def read_modelopt_checkpoint(path: Path):
         norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_attention_layernorm.weight"].float()))
         kv.append((st[f"{p}.self_attn.k_scale"], st[f"{p}.self_attn.v_scale"]) if f"{p}.self_attn.k_scale" in st
                   else None)
-    return RankWeights(embed=st["model.embed_tokens.weight"].float(), layers=layers, norms=norms,
-                       final_norm=st["model.norm.weight"].float(), lm_head=lin("lm_head"), kv_scales=kv)
+    embed = LinearWeights("model.embed_tokens", weight=st["model.embed_tokens.weight"].float())
+    return RankWeights(embed=embed, layers=layers, norms=norms, final_norm=st["model.norm.weight"].float(),
+                       lm_head=lin("lm_head"), kv_scales=kv)

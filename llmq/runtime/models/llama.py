@@ -67,24 +67,31 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: LinearBase,
-                 rotary: RotaryEmbedding, vocab_size: int, tp: TPContext, embed_vocab_start: int | None):
+                 rotary: RotaryEmbedding, vocab_size: int, tp: TPContext, embed_vocab_start: int | None,
+                 embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("embed", embed, persistent=False)
+        self.register_buffer("embed_scale", embed_scale, persistent=False)  # [vocab, 1] for an INT8 table
         self.layers = nn.ModuleList(layers)
         self.norm, self.lm_head, self.rotary = norm, lm_head, rotary
         self.vocab_size = vocab_size
         self.tp = tp
         self.embed_vocab_start = embed_vocab_start  # None: whole embedding table on every rank
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows of `ids` in the compute dtype (the norm's): a 16-bit table as stored, whose values the cast
+        reproduces exactly; an INT8 one times its row scales in float32, then cast (as quantize's probe computes)."""
+        rows = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            rows = rows.float() * F.embedding(ids, self.embed_scale)
+        return rows.to(self.norm.weight.dtype)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of `ids`, in the compute dtype (the norm's): the table itself may stay in its stored 16-bit
-        dtype, whose values the cast reproduces exactly."""
-        dtype = self.norm.weight.dtype
         if self.embed_vocab_start is None:
-            return F.embedding(ids, self.embed).to(dtype)
+            return self._rows(ids)
         local = ids - self.embed_vocab_start
         inside = (local >= 0) & (local < self.embed.shape[0])
-        h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed).to(dtype) * inside.unsqueeze(-1)
+        h = self._rows(local.clamp(0, self.embed.shape[0] - 1)) * inside.unsqueeze(-1)
         return self.tp.all_reduce(h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV],

@@ -1,0 +1,171 @@
+"""`llmq quantize --embedding int8`: the token embedding table at INT8 per row, a tied head being that same table.
+
+The reference reader of the stored table is compressed-tensors' own decompressor (the layout is its pack-quantized
+one for an Embedding); the reference model is transformers' float32 model of the source with every quantized weight
+replaced by what the checkpoint stores, dequantized in float32. llmq's runtime, its TP build and its probe must
+compute that model; transformers and TensorRT-LLM, which cannot hold a quantized embedding, refuse in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmq.errors import LlmqError
+from llmq.models import qformat
+from llmq.models.reader import CheckpointReader, linear_names
+from llmq.pipeline.quantize.probe import kld_top1
+
+COMMON = dict(method="rtn", bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=256)
+IDS = [int(x) for x in torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(3))]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """{tied: (store, source, INT8-table artifact, same options with a 16-bit table)} for a tiny bf16 model."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("emb8")
+    out = {}
+    for tied in (True, False):
+        path = make_tiny_model(root / f"tiny-{tied}", seed=11, tie_word_embeddings=tied)
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+        store = Store(root / f"store-{tied}")
+        src = resolve_model(str(path), store)
+        out[tied] = (store, src, quantize(src, QuantizeOptions(embedding="int8", **COMMON), store, progress=False),
+                     quantize(src, QuantizeOptions(**COMMON), store, progress=False))
+    return out
+
+
+def _decompressed_table(ck: CheckpointReader) -> torch.Tensor:
+    """The stored table as compressed-tensors' own decompressor reads it (scales in float32: nothing re-rounded)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    cfg = ck.config["quantization_config"]
+    (group,) = [g for g in cfg["config_groups"].values() if g["targets"] == [qformat.EMBEDDING]]
+    prefix = qformat.EMBEDDING + "."
+    stored = {k[len(prefix):]: ck.tensors[k] for k in ck.tensors if k.startswith(prefix)}
+    stored["weight_scale"] = stored["weight_scale"].float()
+    compressor = BaseCompressor.get_value_from_registry(cfg["format"])
+    return compressor.decompress(stored, QuantizationScheme.model_validate(group))["weight"].float()
+
+
+def _reference_logprobs(src_path, art_path, ids) -> torch.Tensor:
+    """transformers' float32 model of the source with the artifact's weights dequantized in float32."""
+    from transformers import AutoModelForCausalLM
+
+    ck = CheckpointReader(art_path)
+    model = AutoModelForCausalLM.from_pretrained(src_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for i in range(ck.spec.num_layers):
+            for name in linear_names(i):
+                model.get_submodule(name).weight.data = ck.linear(name).dense(torch.float32)
+        table = _decompressed_table(ck) if ck.embedding_quantized() else ck.embedding().dense(torch.float32)
+        model.model.embed_tokens.weight.data = table  # a tied lm_head shares this very tensor
+        return model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+
+
+def _runtime_logprobs(path, ids) -> torch.Tensor:
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    engine = LLMEngine(path, EngineConfig(kv_cache_memory=8 << 20, enable_prefix_caching=False))
+    try:
+        return engine.prompt_logprobs(ids).double()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_table_is_int8_per_row_in_its_own_group_and_the_file_shrinks(made, tied):
+    store, src, art, plain = made[tied]
+    ck = CheckpointReader(art.path)
+    source_table = CheckpointReader(src.path).tensor("model.embed_tokens.weight").float()
+    cfg = ck.config["quantization_config"]
+    groups = {tuple(g["targets"]): g["weights"] for g in cfg["config_groups"].values()}
+    assert groups[(qformat.EMBEDDING,)] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                             "dynamic": False}
+    assert "model.embed_tokens.weight" not in ck.tensors and ck.embedding_quantized()
+    assert ck.config["tie_word_embeddings"] is tied and ck.has_lm_head() is not tied
+    if tied:
+        assert art.config["scheme_per_module"]["lm_head"] == "W8A16-channel-sym"
+        assert ck.lm_head().qw is not None
+    else:
+        assert ck.lm_head().qw is None and "lm_head" in cfg["ignore"]   # --lm-head decides an untied head
+    # round to nearest on one scale per row: absmax / 127 rounded up to the model's bf16
+    qw = ck.embedding().qw
+    scale, exact = qw.scale.float(), source_table.abs().amax(1, keepdim=True) / 127
+    assert qw.bits == 8 and qw.scale.dtype == torch.bfloat16 and scale.shape == (source_table.shape[0], 1)
+    assert ((scale >= exact) & ((scale <= exact * (1 + 2 ** -7)) | (exact == 0))).all()   # (the padding row is 0)
+    assert ((_decompressed_table(ck) - source_table).abs() <= scale / 2 * (1 + 1e-6)).all()
+    assert torch.equal(_decompressed_table(ck), qw.dequantize(torch.float32))
+    # half the table's bytes less on disk (scales and the int32 packing's header aside); same bf16 reference size
+    vocab, hidden = source_table.shape
+    saved = plain.metrics["size_bytes"] - art.metrics["size_bytes"]
+    assert vocab * hidden * 0.9 < saved <= vocab * hidden
+    assert art.metrics["bf16_bytes"] == plain.metrics["bf16_bytes"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_runtime_computes_the_dequantized_reference(made, tied, monkeypatch):
+    from llmq.runtime.layers import linear
+
+    _, src, art, _ = made[tied]
+    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)   # the exact INT4 path, no bf16 kernel
+    ref = _reference_logprobs(src.path, art.path, IDS)
+    got = _runtime_logprobs(art.path, IDS)
+    assert kld_top1(ref, got)["kld_mean"] < 1e-9
+    # the check sees the table's rounding: the 16-bit source table is measurably not what runs
+    plain = _reference_logprobs(src.path, made[tied][3].path, IDS)
+    assert kld_top1(plain, got)["kld_mean"] > 1e-7
+
+
+def test_the_probe_counts_the_table_and_matches_the_runtime(made):
+    from llmq.models.load import load_tokenizer
+    from llmq.pipeline.quantize.calib import load_probe_text
+    from llmq.pipeline.quantize.probe import ProbeAccumulator
+
+    _, src, art, plain = made[True]
+    windows = [w.tolist() for w in load_probe_text(load_tokenizer(src.path), COMMON["probe_tokens"]).samples]
+    acc = ProbeAccumulator()
+    for w in windows:
+        acc.add(_runtime_logprobs(src.path, w), _runtime_logprobs(art.path, w))
+    # within the float32 noise that the INT4 kernel's bf16 activations amplify (5e-5 here with a 16-bit table too),
+    # and far from the same layers' probe with the 16-bit table (1.6e-3 away)
+    recorded = art.metrics["probe"]["kld_mean"]
+    assert abs(acc.result()["kld_mean"] / recorded - 1) < 2e-4
+    assert abs(plain.metrics["probe"]["kld_mean"] / recorded - 1) > 1e-3
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_tp2_build_slices_the_table_and_passes_the_reference_check(made, parallel):
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, _, art, _ = made[True]
+    eng = build_engine(art, store, BuildOptions(tp=2, parallel_embedding=parallel, verify=True))
+    assert eng.metrics["verify"]["passed"]
+    rank = CheckpointReader(eng.path / "rank1")
+    assert rank.embedding_quantized() and rank.lm_head().qw is not None and rank.lm_head().qw.bits == 8
+    vocab = CheckpointReader(art.path).spec.vocab_size
+    assert rank.embedding().shape[0] == (vocab // 2 if parallel else vocab)
+
+
+def test_transformers_and_tensorrt_llm_refuse_in_one_line(made):
+    from llmq.models.load import load_hf_model
+    from llmq.pipeline.quantize import QuantizeOptions
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, _, art, _ = made[True]
+    for target in ("trtllm", "trtllm-hf"):
+        with pytest.raises(LlmqError, match="embedding table is INT8") as e:
+            build_engine(art, store, BuildOptions(target=target))
+        assert "\n" not in str(e.value) and "--target llmq or gguf" in str(e.value)
+    with pytest.raises(LlmqError, match="transformers cannot load"):
+        load_hf_model(art.path)
+    with pytest.raises(LlmqError, match="--embedding int8 needs a weight-only method"):
+        QuantizeOptions(method="smoothquant", bits=8, embedding="int8").check()
