@@ -46,13 +46,13 @@ from llmq.bench.llamacpp import LlamaCpp, LlamaCppNotFound, locate, run  # noqa:
 from llmq.errors import LlmqError  # noqa: E402
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")
-VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int4-gptq-g64-act",
-            "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5", "int4-gptq-g32-act-bpw5",
-            "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75")
+VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int8-rtn-emb8",
+            "int4-rtn-g64-emb8", "int4-gptq-g64-act", "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5",
+            "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size
-PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q4_0", "int4-rtn-g64"),
-         ("Q4_0", "int4-rtn-g64-head8"))  # speed: same precision class
+PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q8_0", "int8-rtn-emb8"),
+         ("Q4_0", "int4-rtn-g64"), ("Q4_0", "int4-rtn-g64-head8"), ("Q4_0", "int4-rtn-g64-emb8"))  # same class
 HELDOUT = ("copy.py", "abc.py")  # stdlib files in none of llmq's calibration / probe / eval sets (checked below)
 
 
@@ -62,6 +62,8 @@ def variant_options() -> dict:
     return dict(zip(VARIANTS, (QuantizeOptions(bits=8, group_size=0), QuantizeOptions(bits=4, group_size=64),
                                QuantizeOptions(bits=8, group_size=0, lm_head="int8"),
                                QuantizeOptions(bits=4, group_size=64, lm_head="int8"),
+                               QuantizeOptions(bits=8, group_size=0, embedding="int8"),
+                               QuantizeOptions(bits=4, group_size=64, embedding="int8"),
                                QuantizeOptions(bits=4, method="gptq", group_size=64, act_order=True),
                                QuantizeOptions(bits=4, method="awq", group_size=64),
                                QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True),
@@ -136,9 +138,9 @@ def speed(lc, gg, paths, threads: list[int], rounds: int, n: int, time_limit: fl
           ) -> list[dict]:
     rows = []
     for t in threads:
-        samples = {p: {"llama.cpp": [], "llmq": []} for p in PAIRS}
+        samples = {p: {"llama.cpp": [], "llmq": []} for p in PAIRS if p[1] in paths}
         for r in range(rounds):
-            for pair in PAIRS:
+            for pair in samples:
                 g, v = pair
                 a = llama_speed(lc, gg[g], t, n)
                 b = llmq_speed(paths[v], t, n, time_limit, compile)
@@ -253,11 +255,11 @@ def llmq_quality(paths: dict[str, Path], base, text: str, threads: int) -> tuple
 # -- report -----------------------------------------------------------------------------------------------------------
 def print_speed(rows: list[dict], rounds: int, n: int) -> None:
     print(f"\nSpeed, batch 1 (tok/s, median of {rounds} rounds; ratio = llmq / llama.cpp)")
-    print(f"{'threads':>7} {'llama.cpp / llmq':<29} {'pp' + str(n):>9} {'llmq':>8} {'ratio':>6}   "
+    print(f"{'threads':>7} {'llama.cpp / llmq':<32} {'pp' + str(n):>9} {'llmq':>8} {'ratio':>6}   "
           f"{'tg' + str(n):>7} {'llmq':>7} {'ratio':>6}")
     for r in rows:
         m = r["median"]
-        print(f"{r['threads']:>7} {r['gguf'] + ' / ' + r['llmq']:<29} {m['llama.cpp']['pp']:>9.1f} "
+        print(f"{r['threads']:>7} {r['gguf'] + ' / ' + r['llmq']:<32} {m['llama.cpp']['pp']:>9.1f} "
               f"{m['llmq']['pp']:>8.1f} {r['ratio']['pp']:>6.2f}   {m['llama.cpp']['tg']:>7.1f} "
               f"{m['llmq']['tg']:>7.1f} {r['ratio']['tg']:>6.2f}")
 
@@ -268,14 +270,14 @@ def print_quality(rows: list[dict], info: dict, files: list[dict]) -> None:
           f"{', '.join(Path(f['file']).name for f in files)} from the Python stdlib)")
     print("reference: llama.cpp GGUFs vs F16 (llama-perplexity --kl-divergence); llmq variants vs llmq bf16 (exact); "
           "'vs F16': llmq against F16's base file by llama.cpp's formula")
-    print(f"{'model':<24} {'file MB':>8} {'bits/w':>6} {'PPL':>7} {'mean KLD':>9} {'±':>8} {'top-1 %':>7} "
+    print(f"{'model':<36} {'file MB':>8} {'bits/w':>6} {'PPL':>7} {'mean KLD':>9} {'±':>8} {'top-1 %':>7} "
           f"{'/Q4_K_M':>7} {'vs F16 KLD':>10} {'top-1 %':>7}")
     q4km = next(r["kld"] for r in rows if r["model"] == "llama.cpp Q4_K_M")
     for r in rows:
         kld = (f"{r['kld']:>9.5f} {r['kld_stderr']:>8.5f} {r['top1']:>7.2f} {r['kld'] / q4km:>7.3f}"
                if "kld" in r else f"{'(reference)':>34}")
         vs = f" {r['vs_f16']['kld']:>10.6f} {r['vs_f16']['top1']:>7.2f}" if "vs_f16" in r else ""
-        print(f"{r['model']:<24} {r['bytes'] / 1e6:>8.1f} {r['bpw']:>6.2f} {r['ppl']:>7.3f} {kld}{vs}")
+        print(f"{r['model']:<36} {r['bytes'] / 1e6:>8.1f} {r['bpw']:>6.2f} {r['ppl']:>7.3f} {kld}{vs}")
 
 
 def main() -> int:
@@ -291,7 +293,7 @@ def main() -> int:
                     help="an llmq artifact to compare under LABEL (replaces the built-in variant of that label: "
                          f"{', '.join(['bf16', *VARIANTS])}); repeatable")
     ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS, metavar="LABEL",
-                    help="make and compare only these llmq variants (default: all; the speed pairs need theirs)")
+                    help="make and compare only these llmq variants (default: all; speed: the pairs they are in)")
     ap.add_argument("--no-calibrated", action="store_true",
                     help="skip the GPTQ, AWQ and mixed-precision variants (slow to make)")
     ap.add_argument("--work-dir", default=None, help="where GGUFs and base log-probs are cached "
@@ -355,7 +357,7 @@ def bench(lc: LlamaCpp, args) -> int:
                             "load_average_start": load, "cores": os.cpu_count(), "compile": args.compile}}
     if not args.skip_speed:
         missing = [v for _, v in PAIRS if v not in arts]
-        if missing:
+        if args.variants is None and missing:
             raise LlmqError(f"the speed pairs need llmq variants {', '.join(missing)}")
         print("speed (llama.cpp / llmq):", flush=True)
         results["speed"] = speed(lc, gg, {k: a.path for k, a in arts.items()}, args.threads, args.rounds,

@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 from .errors import LlmqError
 
 BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise LlmqError(f"cannot read {text!r} as a size; use e.g. 512MiB, 2GiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def option(default=dataclasses.MISSING, help: str = "", *, choices: tuple | None = None, aliases: tuple[str, ...] = (),

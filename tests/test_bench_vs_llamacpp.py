@@ -44,6 +44,19 @@ def test_without_llama_cpp_it_says_how_to_build_it_and_exits_2(tmp_path):
     assert "Traceback" not in r.stderr and "Python package is only the library" not in r.stderr
 
 
+def test_every_variant_label_says_what_its_options_ask_for():
+    """The labels are the rows of the published tables: each names its bits, method, group, act-order, INT8 head /
+    table and budget, and its options pass the stage's own check."""
+    for label, opts in _script().variant_options().items():
+        opts.check()
+        assert label.startswith(f"int{opts.bits}-{opts.method}"), label
+        assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
+        assert ("-act" in label) == opts.act_order and ("-head8" in label) == (opts.lm_head == "int8"), label
+        assert ("-emb8" in label) == (opts.embedding == "int8"), label
+        budget = "" if opts.target_bpw is None else f"-bpw{opts.target_bpw:g}"
+        assert label.endswith(budget) and ("-bpw" in label) == bool(budget), label
+
+
 def test_an_installed_llama_cpp_package_alone_is_named_as_not_enough(tmp_path):
     (tmp_path / "pkgs" / "llama_cpp").mkdir(parents=True)
     (tmp_path / "pkgs" / "llama_cpp" / "__init__.py").write_text("")

@@ -142,6 +142,22 @@ def test_the_probe_counts_the_table_and_matches_the_runtime(made):
     assert abs(plain.metrics["probe"]["kld_mean"] / recorded - 1) > 1e-3
 
 
+def test_the_kv_budget_counts_the_tied_heads_own_copy_of_the_table(made):
+    """runtime_bytes (what the KV-cache budget subtracts) covers what the engine really holds: the INT8 table for
+    lookups and the head's packed copy of it."""
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    _, _, art, _ = made[True]
+    engine = LLMEngine(art.path, EngineConfig(kv_cache_memory=8 << 20, enable_prefix_caching=False))
+    try:
+        model = engine.runner.model
+        tensors = [*model.named_parameters(), *model.named_buffers()]   # (not the rope table: sized by the context)
+        held = sum(t.numel() * t.element_size() for n, t in tensors if not n.startswith("rotary."))
+        assert held <= CheckpointReader(art.path).runtime_bytes(torch.float32) < 1.5 * held
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_tp2_build_slices_the_table_and_passes_the_reference_check(made, parallel):
     from llmq.pipeline.targets import BuildOptions, build_engine

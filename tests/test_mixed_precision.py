@@ -127,3 +127,39 @@ def test_what_target_bpw_cannot_honour_is_refused_before_any_work(tiny):
         quantize(src, QuantizeOptions(bits=4, group_size=32, target_bpw=4.4, num_samples=2, seq_len=64,
                                       probe_tokens=0), store, progress=False)
     assert not any("bpw4.4" in str(p) for p in store.root.rglob("*"))  # nothing left behind
+
+
+@pytest.mark.parametrize("extra", [{}, {"embedding": "int8"}])
+def test_max_size_spends_what_the_file_leaves_and_never_passes_it(tiny, extra):
+    """`--max-size`: the budget is the size less everything outside the decoder linears, priced as stored (here a
+    bf16 or an INT8 table); the file is at most that size, and the room above a plain 4-bit file buys 8-bit units."""
+    from llmq.pipeline.quantize import quantize
+
+    store, src = tiny
+    common = dict(bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=0, **extra)
+    plain = quantize(src, QuantizeOptions(**common), store, progress=False)
+    limit = plain.metrics["size_bytes"] + 60_000
+    art = quantize(src, QuantizeOptions(max_size=f"{limit / 1000:g}kB", **common), store, progress=False)
+    m = art.config["mixed_precision"]
+    assert plain.metrics["size_bytes"] < art.metrics["size_bytes"] <= limit and m["count"]["8"] > 0
+    assert art.config["options"]["max_size"] == f"{limit / 1000:g}kB" and m["target_bpw"] == art.config["options"][
+        "target_bpw"]
+    # nothing but the headers' allowance (256 bytes an entry, real ones are ~100) and less than one more unit's
+    # upgrade is left unspent
+    assert limit - art.metrics["size_bytes"] < 256 * 100 + 4 * 64 * 128
+
+
+def test_a_max_size_below_the_4_bit_floor_is_refused_before_any_work(tiny):
+    from llmq.pipeline.quantize import quantize
+
+    store, src = tiny
+    with pytest.raises(LlmqError, match=r"--max-size 90kB leaves -?[0-9.]+ bits per decoder weight, which is below"):
+        quantize(src, QuantizeOptions(bits=4, group_size=32, max_size="90kB", num_samples=2, seq_len=64,
+                                      probe_tokens=0), store, progress=False)
+    assert not any("max90kB" in str(p) for p in store.root.rglob("*"))
+    with pytest.raises(LlmqError, match="two spellings of one budget"):
+        QuantizeOptions(max_size="1GB", target_bpw=6).check()
+    with pytest.raises(LlmqError, match="cannot read 'lots' as a size"):
+        QuantizeOptions(max_size="lots").check()
+    with pytest.raises(LlmqError, match="--max-size mixes"):
+        QuantizeOptions(max_size="1GB", method="smoothquant", bits=8).check()

@@ -155,6 +155,8 @@ class CheckpointReader:
             numel = math.prod(shape)
             wide = dtype.is_floating_point and len(shape) == 2 and min(shape) >= 256 and dtype.itemsize > 1
             total += numel * (compute_dtype.itemsize if wide else dtype.itemsize)
+        if self.embedding_quantized() and not self.has_lm_head():  # the tied head packs its own copy of the table
+            total += math.prod(self.tensors.info(f"{qformat.EMBEDDING}.weight_packed")[1]) * 4
         return total
 
     def has_lm_head(self) -> bool:

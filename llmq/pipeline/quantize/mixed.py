@@ -1,5 +1,6 @@
-"""Mixed precision (`llmq quantize --target-bpw B`): each unit of linears gets 4, 8 or 16 bits, chosen from its
-measured sensitivity so that the model's KLD at that size is as low as the measurements say it can be.
+"""Mixed precision (`llmq quantize --target-bpw B`, or `--max-size S`, which derives B from a file size): each unit
+of linears gets 4, 8 or 16 bits, chosen from its measured sensitivity so that the model's KLD at that size is as low
+as the measurements say it can be.
 
 A unit is the linears one input feeds and engines fuse into one matmul (q/k/v, gate/up), or o_proj / down_proj
 alone: vLLM loads a fused layer with one scheme, and AWQ scales exactly these groups, so a unit has one width.
@@ -19,6 +20,7 @@ a time, on the perturbed states: O(layers^2) layer passes, one layer's weights i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +28,7 @@ import torch
 
 from ...errors import LlmqError
 from ...models import ModelSpec
+from ...options import parse_size
 from . import rtn
 from .calib import TokenWindows
 
@@ -33,6 +36,7 @@ UNITS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_at
          ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 WIDTHS = (4, 8, 16)
 SENSITIVITY_TOKENS = 1024   # calibration tokens the sensitivity pass scores (its cost is linear in them)
+HEADER_BYTES_PER_ENTRY = 256  # above any safetensors header entry (name, dtype, shape, offsets) of a Llama tensor
 BUCKETS = 1 << 20           # most budget steps the knapsack tracks (beyond: costs rounded up, the budget still holds)
 
 
@@ -201,14 +205,42 @@ def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
     return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
 
 
+def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
+    """The --target-bpw that fills a --max-size file: the bytes left once every tensor outside the decoder linears
+    is priced as it will be stored (an INT8 table or head: a byte per weight and a scale per row), less each linear's
+    16-byte weight_shape and an upper bound on the safetensors header, per decoder-linear weight."""
+    from ...models.checkpoint import safetensors_files
+    from ...models.reader import LazyTensors, linear_names
+
+    tensors = LazyTensors(safetensors_files(model_dir))
+    linears = {f"{n}.weight" for i in range(spec.num_layers) for n in linear_names(i)}
+    int8 = {"model.embed_tokens.weight": opts.embedding == "int8", "lm_head.weight": opts.lm_head == "int8"}
+    fixed, entries = 0, 0
+    for name in tensors:
+        dtype, shape = tensors.info(name)
+        if name in linears:
+            entries += 4   # packed integers, scales, shape, zero points
+            continue
+        rows = math.prod(shape[:1])
+        fixed += rows * (shape[1] + dtype.itemsize) + 16 if int8.get(name) else math.prod(shape) * dtype.itemsize
+        entries += 3 if int8.get(name) else 1
+    if opts.lm_head == "int8" and "lm_head.weight" not in tensors and opts.embedding != "int8":  # untied for it
+        dtype, (rows, cols) = tensors.info("model.embed_tokens.weight")
+        fixed, entries = fixed + rows * (cols + dtype.itemsize) + 16, entries + 3
+    left = parse_size(opts.max_size) - fixed - 16 * len(linears) - HEADER_BYTES_PER_ENTRY * entries
+    return left * 8 / unit_costs(spec, opts)[1]
+
+
 def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
     """unit_costs(spec, opts), after an LlmqError when opts.target_bpw is below what every unit at the options' 4-bit
     grid takes."""
     costs, params = unit_costs(spec, opts)
     floor = costs[:, 0].sum() * 8 / params
     if opts.target_bpw * params / 8 < costs[:, 0].sum():
-        raise LlmqError(f"--target-bpw {opts.target_bpw:g} is below the {floor:.3f} bits per weight that "
-                        f"{opts.bits}-bit groups of {opts.group_size or 'a row'} take; ask for at least that")
+        asked = (f"--max-size {opts.max_size} leaves {opts.target_bpw:.3f} bits per decoder weight, which is"
+                 if opts.max_size is not None else f"--target-bpw {opts.target_bpw:g} is")
+        raise LlmqError(f"{asked} below the {floor:.3f} bits per weight that {opts.bits}-bit groups of "
+                        f"{opts.group_size or 'a row'} take; ask for at least that")
     return costs, params
 
 

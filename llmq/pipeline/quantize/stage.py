@@ -22,7 +22,7 @@ from ...artifacts import Artifact, Store
 from ...errors import LlmqError
 from ...models import ModelSpec
 from ...models.checkpoint import read_config, write_json
-from ...options import Options, option
+from ...options import Options, option, parse_size
 from .methods import METHODS, load_method
 
 if TYPE_CHECKING:
@@ -79,6 +79,9 @@ class QuantizeOptions(Options):
                                       "or 16 bits from its measured sensitivity so that the decoder linears average "
                                       "at most this many bits per weight, scales included (rtn / gptq / awq at 4 "
                                       "bits).", gt=4, le=16, metavar="BPW")
+    max_size: str | None = option(None, "Mixed precision for a file-size budget (e.g. 105MB, 100MiB): the "
+                                  "--target-bpw that what is left fills, once the embedding, head, norms and headers "
+                                  "are priced as they will be stored; the file is at most this size.", metavar="SIZE")
     ignore: tuple[str, ...] = option(("lm_head",), internal=True)
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
@@ -113,13 +116,23 @@ class QuantizeOptions(Options):
                             "bnb-nf4")
         if self.int8_threshold is not None and self.method != "bnb-int8":
             raise LlmqError("--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
-        if self.target_bpw is not None and (self.method not in WEIGHT_ONLY or self.bits == 8 or self.per_tensor):
-            raise LlmqError(f"--target-bpw mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "
+        if self.max_size is not None:
+            parse_size(self.max_size)
+            if self.target_bpw is not None:
+                raise LlmqError("--max-size and --target-bpw are two spellings of one budget; give one")
+        if self.mixed and (self.method not in WEIGHT_ONLY or self.bits == 8 or self.per_tensor):
+            flag = "--target-bpw" if self.target_bpw is not None else "--max-size"
+            raise LlmqError(f"{flag} mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "
                             f"weight-only method ({', '.join(WEIGHT_ONLY)}), not per tensor")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a budget (--target-bpw or --max-size) asks for mixed precision."""
+        return self.target_bpw is not None or self.max_size is not None
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
         widths = load_method(self.method).BITS
-        bits = self.bits or (4 if self.target_bpw is not None else 8 if 8 in widths else widths[0])
+        bits = self.bits or (4 if self.mixed else 8 if 8 in widths else widths[0])
         g = self.group_size
         if g is None and self.method == "bnb-nf4":
             g = BNB_BLOCKSIZE
@@ -169,9 +182,11 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
     if hasattr(method, "validate"):
         method.validate(o, spec)
-    if o.target_bpw is not None:
-        from .mixed import check
+    if o.mixed:
+        from .mixed import bpw_for_size, check
 
+        if o.max_size is not None:
+            o = dataclasses.replace(o, target_bpw=math.floor(bpw_for_size(source.path, spec, o) * 1e4) / 1e4)
         check(spec, o)
     return o, spec, method
 
@@ -306,7 +321,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     opts, spec, method = validate(source, opts)
     from ...models.load import load_tokenizer
 
-    calibrated = needs_calibration(method, opts) or opts.target_bpw is not None
+    calibrated = needs_calibration(method, opts) or opts.mixed
     if opts.calib and not calibrated:
         raise LlmqError(f"--calib: method {opts.method} with these options uses no calibration data; drop --calib")
     tokenizer = load_tokenizer(source.path)
@@ -317,7 +332,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
         "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + (
         "-head8" if opts.lm_head == "int8" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
-        f"-bpw{opts.target_bpw:g}" if opts.target_bpw else "")
+        f"-max{opts.max_size.replace(' ', '')}" if opts.max_size else f"-bpw{opts.target_bpw:g}" if opts.target_bpw
+        else "")
     from ...models.checkpoint import ShardedWriter, copy_tokenizer
 
     with store.create("quantized", name, parents=[source.id], command=command) as w, ShardedWriter(w.dir) as out:
