@@ -92,6 +92,7 @@ def test_the_table_is_int8_per_row_in_its_own_group_and_the_file_shrinks(made, t
                                              "dynamic": False}
     assert "model.embed_tokens.weight" not in ck.tensors and ck.embedding_quantized()
     assert ck.config["tie_word_embeddings"] is tied and ck.has_lm_head() is not tied
+    assert ("lm_head" in art.config["excluded_modules"]) is not tied   # a tied head is the INT8 table
     if tied:
         assert art.config["scheme_per_module"]["lm_head"] == "W8A16-channel-sym"
         assert ck.lm_head().qw is not None

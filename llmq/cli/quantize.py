@@ -24,7 +24,8 @@ def quantize(ctx, model, opts, as_json):
     m, c = art.metrics, art.config
     click.echo(f"quantized {source.ref} -> {art.ref} ({c['scheme']}, {opts.method}) at {art.path}")
     click.echo(f"  size {human_bytes(m['size_bytes'])}: {m['ratio_vs_bf16']:.2f}x smaller than bf16 "
-               f"({m['linear_ratio_vs_bf16']:.2f}x for the quantized linears); excluded: {', '.join(c['excluded_modules'])}")
+               f"({m['linear_ratio_vs_bf16']:.2f}x for the quantized linears); excluded: "
+               f"{', '.join(c['excluded_modules']) or 'none'}")
     if c.get("calibration"):
         cal = c["calibration"]
         click.echo(f"  calibration: {cal['samples']} x {cal['seq_len']} tokens from {cal['source'][:80]}")

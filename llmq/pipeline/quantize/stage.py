@@ -358,7 +358,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
             "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": per_module["Linear"],
             "scheme_per_module": per_module, **({"mixed_precision": plan.manifest} if plan else {}),
-            "excluded_modules": list(opts.ignored), "dense_modules": sorted(sink.dense_modules),
+            "excluded_modules": [m for m in opts.ignored if m not in per_module], "dense_modules": sorted(sink.dense_modules),
             "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},
             "calibration": calib.manifest() if calib is not None else None,
             "probe": probe.manifest() if probe is not None else None,
