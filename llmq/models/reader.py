@@ -137,12 +137,13 @@ class CheckpointReader:
         """Whether the table is stored quantized (known from the config and the tensor names, nothing is read)."""
         return self.qconfig is not None and qformat.EMBEDDING in self.qconfig.modules
 
-    def lm_head(self) -> LinearWeights:
-        """lm_head, or the embedding where the model ties them."""
+    def lm_head(self, embed: LinearWeights | None = None) -> LinearWeights:
+        """lm_head, or the embedding where the model ties them (`embed`: the table already read, shared rather than
+        read again)."""
         if self.has_lm_head():
             return self.linear("lm_head")
         if self.spec.tie_word_embeddings:
-            return dataclasses.replace(self.embedding(), name="lm_head")
+            return dataclasses.replace(embed or self.embedding(), name="lm_head")
         raise LlmqError(f"{self.path}: no lm_head weights and tie_word_embeddings is false")
 
     def runtime_bytes(self, compute_dtype: torch.dtype) -> int:

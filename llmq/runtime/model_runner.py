@@ -104,12 +104,7 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
     layers = (layer(i) for i in range(n)) if lazy else [layer(i) for i in range(n)]
     norm_pairs = (norms(i) for i in range(n)) if lazy else [norms(i) for i in range(n)]
     embed = ckpt.embedding()
-    if ckpt.has_lm_head():
-        head = ckpt.linear("lm_head")
-    elif ckpt.spec.tie_word_embeddings:
-        head = dataclasses.replace(embed, name="lm_head")  # assemble() keeps a 16-bit one sharing the table's memory
-    else:
-        raise LlmqError(f"{ckpt.path}: no lm_head weights and tie_word_embeddings is false")
+    head = ckpt.lm_head(embed)  # tied: the same table, so assemble() keeps a 16-bit one sharing its memory
     if plan is not None:
         head = split_rows(head, plan.vocab_rows(rank))
     return RankWeights(layers=layers, norms=norm_pairs, embed=embed, final_norm=ckpt.tensor("model.norm.weight"),

@@ -215,18 +215,21 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     tensors = LazyTensors(safetensors_files(model_dir))
     linears = {f"{n}.weight" for i in range(spec.num_layers) for n in linear_names(i)}
     int8 = {"model.embed_tokens.weight": opts.embedding == "int8", "lm_head.weight": opts.lm_head == "int8"}
+
+    def int8_rows(name: str) -> int:  # packed integers, a scale per row (stored dtype), weight_shape
+        dtype, (rows, cols) = tensors.info(name)
+        return linear_bytes(rows, cols, 8, 0, True, dtype.itemsize) + 16
+
     fixed, entries = 0, 0
     for name in tensors:
         dtype, shape = tensors.info(name)
         if name in linears:
             entries += 4   # packed integers, scales, shape, zero points
             continue
-        rows = math.prod(shape[:1])
-        fixed += rows * (shape[1] + dtype.itemsize) + 16 if int8.get(name) else math.prod(shape) * dtype.itemsize
+        fixed += int8_rows(name) if int8.get(name) else math.prod(shape) * dtype.itemsize
         entries += 3 if int8.get(name) else 1
     if opts.lm_head == "int8" and "lm_head.weight" not in tensors and opts.embedding != "int8":  # untied for it
-        dtype, (rows, cols) = tensors.info("model.embed_tokens.weight")
-        fixed, entries = fixed + rows * (cols + dtype.itemsize) + 16, entries + 3
+        fixed, entries = fixed + int8_rows("model.embed_tokens.weight"), entries + 3
     left = parse_size(opts.max_size) - fixed - 16 * len(linears) - HEADER_BYTES_PER_ENTRY * entries
     return left * 8 / unit_costs(spec, opts)[1]
 
