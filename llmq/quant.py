@@ -79,6 +79,15 @@ def quantize_tokens(x: torch.Tensor, input_scale: torch.Tensor | None, fp8: bool
     return (to_fp8(xf, s) if fp8 else round_int(xf, s)), s
 
 
+def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] on the int8 grid per block of `block` inputs (integer values as float32) and the scales [M, K / block]
+    (absmax / 127): the activations of the CPU low-bit kernels (runtime/layers/lowbit_cpu), as llama.cpp's Q8_0."""
+    m, k = x.shape
+    xb = x.float().view(m, k // block, block)
+    s = absmax_scale(xb.abs().amax(-1, keepdim=True), fp8=False)
+    return round_int(xb, s).view(m, k), s.view(m, -1)
+
+
 def encode_kv(x: torch.Tensor, scale: torch.Tensor, fp8: bool) -> torch.Tensor:
     """K or V on the cache's 8-bit grid (int8 or float8_e4m3fn) with a scale broadcasting over x."""
     xf = x.float()

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_cache import LayerKV
+from . import cpu_kernels
+from .rotary import apply_rotary
 
 
 @dataclass
@@ -34,10 +36,24 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV, meta: AttentionMetadata,
+                     num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (rotated) and v of the fused qkv rows [T, (H + 2 Hkv) D], k and v stored at their cache slots: on CPU with
+    a 16/32-bit cache nobody observes, in one pass by llmq's kernel; else apply_rotary, then LayerKV.write."""
+    t, d = qkv.shape[0], rope[0].shape[-1]
+    v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
+    if cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(qkv):
+        q, k = cpu_kernels.rope_kv_write(qkv, *rope, cache.k, cache.v, meta.slot_mapping, num_heads, num_kv_heads)
+        return q, k, v
+    qk = apply_rotary(qkv[:, :(num_heads + num_kv_heads) * d].view(t, -1, d), *rope)  # q and k at once
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    cache.write(meta.slot_mapping, k, v)
+    return q, k, v
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] (rotated) -> [T, H, D]."""
-    cache.write(meta.slot_mapping, k, v)
+    """q [T, H, D], k/v [T, Hkv, D] (rotated, already in the cache: rotate_and_store) -> [T, H, D]."""
     bd = meta.num_decode
     if bd and not meta.prefills:
         return _decode(q, cache, meta, scale)
@@ -60,7 +76,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
 
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One SDPA call for all decodes; each KV head's query group is laid out as that head's query rows."""
+    """All decodes at once: on CPU with a 16/32-bit cache llmq's kernel reads the blocks in place, else `_decode_sdpa`."""
+    bd = meta.num_decode
+    if cache.kv_dtype == "auto" and cpu_kernels.usable(q):
+        return cpu_kernels.decode_attention(q[:bd], cache.k, cache.v, meta.decode_blocks,
+                                            meta.decode_mask.view(bd, -1), scale)
+    return _decode_sdpa(q, cache, meta, scale)
+
+
+def _decode_sdpa(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One SDPA call over the gathered blocks; each KV head's query group is laid out as that head's query rows."""
     bd, h, d = meta.num_decode, q.shape[1], q.shape[2]
     kc, vc = cache.gather(meta.decode_blocks)
     hkv = kc.shape[2]

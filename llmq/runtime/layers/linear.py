@@ -2,14 +2,17 @@
 
 Weights stay in their low-bit form in memory; each class picks the fastest real kernel the device has. Every scale,
 grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes its quality probe with.
-- INT8 weight-only: aten._weight_int8pack_mm (per-channel scales) for batches of up to 8 rows (decode). On CPU it
-  takes bfloat16 activations and scales and returns bfloat16, so decode steps compute with activations and outputs
-  rounded to bfloat16 (2^-8 relative); larger batches dequantize into the compute dtype and use the BLAS matmul.
-- INT4 weight-only: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm packing
-  (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
-  bfloat16, so activations are rounded to bfloat16. It is the fast path, so it is what serve computes and what the
-  quantize probe measures (KLD of the order of 1e-4 against exact arithmetic); shapes the kernels refuse fall back
-  to dequantize-on-the-fly, exactly.
+- INT8 / INT4 weight-only on x86 CPUs with AVX512-VNNI: llmq's own kernels (cpu_kernels.lowbit_linear) at every
+  batch size, any group size that is a multiple of 32, with or without zero points: activations rounded to int8 per
+  block of 32 inputs, integer products, float32 out (llama.cpp's Q8_0 activations; 2-4x PyTorch's kernels at batch 1).
+- INT8 weight-only elsewhere: aten._weight_int8pack_mm (per-channel scales) for batches of up to 8 rows (decode). On
+  CPU it takes bfloat16 activations and scales and returns bfloat16, so decode steps compute with activations and
+  outputs rounded to bfloat16 (2^-8 relative); larger batches dequantize into the compute dtype and use the BLAS matmul.
+- INT4 weight-only elsewhere: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
+  packing (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
+  bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
+  quantize probe measures (the probe runs these layers); shapes no kernel takes fall back to dequantize-on-the-fly,
+  exactly.
 - W8A8: activations quantized to int8 per token (or with the static input scale); the int8 x int8 products run on
   torch._int_mm on CUDA (decode batches padded to its 17-row minimum) and, on CPU, for up to 8 rows (decode)
   through the int8-weight kernel with integer-valued activations (exact in bfloat16, but its bfloat16 output rounds
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import quant
+from . import cpu_kernels
 
 
 class LinearBase(nn.Module):
@@ -156,8 +160,13 @@ class Int8WeightOnlyLinear(LinearBase):
         _buffer(self, "zero", _grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.compute_dtype = compute_dtype
+        self.lowbit = _lowbit(self, q, self.scale, self.zero, 8)
+        if self.lowbit:
+            for name in ("q", "scale", "zero"):
+                self._buffers.pop(name)
         # the packed kernel wants one scale per output channel and no zero point
-        self.kernel = self.scale.shape[1] == 1 and self.zero is None and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        self.kernel = not self.lowbit and self.scale.shape[1] == 1 and self.zero is None and \
+            hasattr(torch.ops.aten, "_weight_int8pack_mm")
         if self.kernel:
             self._kdtype = torch.bfloat16 if q.device.type == "cpu" else compute_dtype
             _buffer(self, "kscale", self.scale[:, 0].to(self._kdtype))
@@ -169,7 +178,9 @@ class Int8WeightOnlyLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.kernel and x2.shape[0] <= self.max_kernel_rows:
+        if self.lowbit:
+            y = _lowbit_mm(self, x2)
+        elif self.kernel and x2.shape[0] <= self.max_kernel_rows:
             y = self._kernel(x2)
         else:
             y = F.linear(x2, quant.dequantize(self.q, self.scale, self.zero, x.dtype))
@@ -192,13 +203,14 @@ class Int4WeightOnlyLinear(LinearBase):
         self.group_size = k // scale.shape[1]
         self.compute_dtype = compute_dtype
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
-        self.packed = _pack_int4(q, scale, zero, self.group_size)
+        self.lowbit = _lowbit(self, q, scale, zero, 4)
+        self.packed = None if self.lowbit else _pack_int4(q, scale, zero, self.group_size)
         if self.packed is not None:
             _buffer(self, "w_packed", self.packed[0])
             _buffer(self, "scales_zeros", self.packed[1])
             self._kdtype = self.packed[1].dtype
             self.packed = _probe(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
-        if not self.packed:
+        if not self.packed and not self.lowbit:
             _buffer(self, "q", q.to(torch.int8))
             _buffer(self, "scale", scale)
             _buffer(self, "zero", zero)
@@ -214,13 +226,32 @@ class Int4WeightOnlyLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.packed and x2.shape[0] <= self.max_kernel_rows:
+        if self.lowbit:
+            y = _lowbit_mm(self, x2)
+        elif self.packed and x2.shape[0] <= self.max_kernel_rows:
             y = self._kernel(x2)
         elif self.packed:
             y = torch.cat([self._kernel(c) for c in x2.split(self.max_kernel_rows)])
         else:
             y = F.linear(x2, quant.dequantize(self.q, self.scale, self.zero, x.dtype))
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
+
+
+def _lowbit(layer: LinearBase, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
+            ) -> tuple[int, int] | None:
+    """(bits, group size) after giving `layer` the AVX512-VNNI kernels' packed weight (buffers lb_codes / lb_s /
+    lb_sz) where the CPU has those kernels and the shape fits (cpu_kernels); None, nothing changed, otherwise."""
+    n, k = q.shape
+    group = k // scale.shape[1]
+    if not cpu_kernels.usable(q) or not cpu_kernels.lowbit_fits(n, k, group):
+        return None
+    for name, t in zip(("lb_codes", "lb_s", "lb_sz"), cpu_kernels.pack(q, scale, zero, bits)):
+        _buffer(layer, name, t)
+    return bits, group
+
+
+def _lowbit_mm(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.lowbit_linear(x, layer.lb_codes, layer.lb_s, layer.lb_sz, *layer.lowbit)
 
 
 def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int):

@@ -1,9 +1,11 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, computed in float32 like the reference implementation (on CPU by llmq's kernel, in one pass)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from . import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +15,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.usable(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        return self.eager(x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        """PyTorch's operations: the reference the kernel is tested against, and the path off the CPU."""
         if x.dtype == torch.float32:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()

@@ -15,10 +15,10 @@ from torch import nn
 
 from ..distributed import TPContext
 from ..kv_cache import LayerKV
-from ..layers.attention import AttentionMetadata, paged_attention
+from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store
 from ..layers.linear import LinearBase
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding, apply_rotary
+from ..layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -54,9 +54,7 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)  # q and k at once
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
         a = paged_attention(q, k, v, cache, meta, self.scale)
         x = x + self._reduce(self.o(a.reshape(t, self.q_size)), self.o_bias)
         gu = self.gate_up(self.post_norm(x))

@@ -1,0 +1,349 @@
+// llmq's CPU kernels (llmq/runtime/layers/cpu_kernels.py builds and loads this file and says why each exists;
+// tests/test_cpu_kernels.py checks each against the eager PyTorch code it replaces or a float64 reference).
+//
+// lowbit_linear: INT4 / INT8 weights x INT8 activations on AVX512-VNNI (compiled for it with target attributes, called
+// only where the CPU has it):
+// y[m, n] = sum_g s[n, g] * (sum_{b in g} d[m, b] * dot_b(u[n, :], xq[m, :]) - z[n, g] * sum_{b in g} d[m, b] * sumq[m, b])
+// with u the unsigned weight codes, xq the activations rounded per block of 32 inputs to int8 with scale d
+// (absmax / 127, as llmq.quant computes it), and dot_b the exact integer dot product of block b (vpdpbusd).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#define LLMQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per activation scale
+constexpr int64_t kTile = 16;   // output rows per packed tile: one int32 lane each
+
+// Row m of x quantized per block: xq [K] int8, d [K/32] scales, ds [K/32] = d * sum(xq of the block).
+void quantize_row(const float* x, int64_t k, double eps, int8_t* xq, float* d, float* ds) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float s = std::max(amax, static_cast<float>(eps)) / 127.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] / s)), -128, 127);
+      xq[b * kBlock + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    d[b] = s;
+    ds[b] = s * static_cast<float>(sum);
+  }
+}
+
+LLMQ_VNNI inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// The int32 dot products of one block of 32 inputs for the 16 rows of a tile; w advances past the block.
+template <int Bits>
+LLMQ_VNNI inline __m512i block_dot(const uint8_t*& w, const int8_t* xq) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+  if constexpr (Bits == 4) {  // 64 bytes = 16 rows x 8 inputs: low nibbles inputs 0-3, high nibbles 4-7
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int s = 0; s < 4; ++s, w += 64, xq += 8) {
+      const __m512i v = _mm512_loadu_si512(w);
+      a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(v, mask), broadcast4(xq));
+      a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), broadcast4(xq + 4));
+    }
+  } else {  // 64 bytes = 16 rows x 4 inputs
+    for (int s = 0; s < 8; s += 2, w += 128, xq += 8) {
+      a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(w), broadcast4(xq));
+      a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(w + 64), broadcast4(xq + 4));
+    }
+  }
+  return _mm512_add_epi32(a0, a1);
+}
+
+template <int Bits>
+LLMQ_VNNI void tile_row(const uint8_t* w, const float* s, const float* sz, const int8_t* xq, const float* d,
+              const float* dsg, int64_t k, int64_t group, float* y) {
+  const int64_t groups = k / group, blocks = group / kBlock;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 gacc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, xq += kBlock, ++d) {
+      gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot<Bits>(w, xq)), _mm512_set1_ps(*d), gacc);
+    }
+    acc = _mm512_fmadd_ps(gacc, _mm512_loadu_ps(s + g * kTile), acc);
+    acc = _mm512_fnmadd_ps(_mm512_loadu_ps(sz + g * kTile), _mm512_set1_ps(dsg[g]), acc);
+  }
+  _mm512_storeu_ps(y, acc);
+}
+
+at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz,
+                         int64_t bits, int64_t group, double eps) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl"), "lowbit_linear needs a CPU with AVX512-VNNI");
+  TORCH_CHECK(bits == 4 || bits == 8, "lowbit_linear: bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "lowbit_linear: x must be a 2-D CPU tensor");
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && sz.dtype() == at::kFloat &&
+              w.is_contiguous() && s.is_contiguous() && sz.is_contiguous(), "lowbit_linear: bad packed weight");
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(k % kBlock == 0 && group % kBlock == 0 && groups * group == k, "lowbit_linear: K=", k,
+              " does not fit groups of ", group);
+  TORCH_CHECK(w.numel() == n * k * bits / 8, "lowbit_linear: packed weight holds ", w.numel(), " bytes, expected ",
+              n * k * bits / 8);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xq = at::empty({m, k}, at::kChar), d = at::empty({m, k / kBlock}, at::kFloat);
+  at::Tensor ds = at::empty({m, k / kBlock}, at::kFloat), dsg = at::empty({m, groups}, at::kFloat);
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const int64_t blocks = group / kBlock;
+  at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      quantize_row(xf.data_ptr<float>() + r * k, k, eps, xq.data_ptr<int8_t>() + r * k,
+                   d.data_ptr<float>() + r * (k / kBlock), ds.data_ptr<float>() + r * (k / kBlock));
+      const float* dsr = ds.data_ptr<float>() + r * (k / kBlock);
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) t += dsr[g * blocks + b];
+        dsg.data_ptr<float>()[r * groups + g] = t;
+      }
+    }
+  });
+  const auto* wp = w.data_ptr<uint8_t>();
+  const int64_t tile_bytes = kTile * k * bits / 8;
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t r = 0; r < m; ++r) {
+        auto* row_y = y.data_ptr<float>() + r * n + t * kTile;
+        const auto* xr = xq.data_ptr<int8_t>() + r * k;
+        const auto* dr = d.data_ptr<float>() + r * (k / kBlock);
+        const auto* gr = dsg.data_ptr<float>() + r * groups;
+        const float* st = s.data_ptr<float>() + t * groups * kTile;
+        const float* zt = sz.data_ptr<float>() + t * groups * kTile;
+        if (bits == 4) tile_row<4>(wp + t * tile_bytes, st, zt, xr, dr, gr, k, group, row_y);
+        else tile_row<8>(wp + t * tile_bytes, st, zt, xr, dr, gr, k, group, row_y);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+// rms_norm: one pass per row instead of the ~6 operations (each a dispatch) PyTorch's CPU rms_norm runs; the same
+// arithmetic as runtime/layers/norm.py (float32: x * r * w; 16-bit: w * round16(x * r), r computed in float32).
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t c, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* xr = x + r * c;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < c; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + eps);
+      T* yr = y + r * c;
+      for (int64_t i = 0; i < c; ++i) {
+        const float h = static_cast<float>(xr[i]) * inv;
+        yr[i] = std::is_same_v<T, float> ? static_cast<T>(h * static_cast<float>(w[i]))
+                                         : static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(h)));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dtype() == w.dtype() && w.dim() == 1 && x.size(-1) == w.size(0),
+              "rms_norm: x [..., C] and w [C] of one dtype on the CPU");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t c = w.size(0), rows = c ? xc.numel() / c : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, c,
+                            static_cast<float>(eps));
+  });
+  return y;
+}
+
+// decode_attention: single-token queries against their sequences' paged K/V, read in place through the block table
+// (the eager path copies every block out with index_select, then runs SDPA with a mask). Scores, softmax and the
+// weighted sum in float32; mask [B, nblocks * block_size] is the eager path's (models.spec.attends). The float loops
+// are cloned for AVX-512 / AVX2 and picked at load time (the file is otherwise built for any x86-64).
+#define LLMQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// 16 independent partial sums: vectorised without reassociating (no -ffast-math needed).
+inline float dot16(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float part[16] = {};
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    for (int l = 0; l < 16; ++l) part[l] += a[e + l] * b[e + l];
+  }
+  for (; e < n; ++e) part[0] += a[e] * b[e];
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += part[l];
+  return s;
+}
+
+// One KV head's `group` query heads (q [group, d]) over n visible rows: out [group, d]; sc: scratch [group, n].
+LLMQ_CLONES void attend_rows(const float* q, int64_t group, int64_t d, const float* const* krows,
+                             const float* const* vrows, int64_t n, float scale, float* sc, float* out) {
+  for (int64_t j = 0; j < group; ++j) {
+    const float* qj = q + j * d;
+    float* sj = sc + j * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n; ++p) {
+      sj[p] = dot16(qj, krows[p], d) * scale;
+      mx = std::max(mx, sj[p]);
+    }
+    float sum = 0.f;
+    for (int64_t p = 0; p < n; ++p) {
+      sj[p] = std::exp(sj[p] - mx);
+      sum += sj[p];
+    }
+    float* oj = out + j * d;
+    std::fill(oj, oj + d, 0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float w = sj[p] / sum;
+      const float* __restrict v = vrows[p];
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) oj[e] += w * v[e];
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& blocks,
+                           const at::Tensor& mask, float scale, at::Tensor& out) {
+  const int64_t bd = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t bs = kc.size(1), hkv = kc.size(2), nblk = blocks.size(1), len = nblk * bs, group = h / hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* bt = blocks.data_ptr<int64_t>();
+  const bool* mp = mask.data_ptr<bool>();
+  T* op = out.data_ptr<T>();
+  constexpr bool f32 = std::is_same_v<T, float>;
+  at::parallel_for(0, bd * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(group * d), of(group * d), sc(group * len), conv(f32 ? 0 : 2 * len * d);
+    std::vector<const float*> krows(len), vrows(len);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / hkv, g = i % hkv;
+      int64_t n = 0;
+      for (int64_t p = 0; p < len; ++p) {
+        if (!mp[b * len + p]) continue;
+        const int64_t at = ((bt[b * nblk + p / bs] * bs + p % bs) * hkv + g) * d;
+        if constexpr (f32) {
+          krows[n] = kp + at;
+          vrows[n] = vp + at;
+        } else {  // 16-bit caches: the visible rows in float32 first
+          float* kf = conv.data() + 2 * n * d;
+          float* vf = kf + d;
+          for (int64_t e = 0; e < d; ++e) kf[e] = static_cast<float>(kp[at + e]), vf[e] = static_cast<float>(vp[at + e]);
+          krows[n] = kf;
+          vrows[n] = vf;
+        }
+        ++n;
+      }
+      for (int64_t e = 0; e < group * d; ++e) qf[e] = static_cast<float>(qp[(b * h + g * group) * d + e]);
+      attend_rows(qf.data(), group, d, krows.data(), vrows.data(), n, scale, sc.data(), of.data());
+      for (int64_t e = 0; e < group * d; ++e) op[(b * h + g * group) * d + e] = static_cast<T>(of[e]);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& blocks,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes() && q.dtype() == kc.dtype() &&
+              vc.dtype() == kc.dtype() && kc.is_contiguous() && vc.is_contiguous() && q.size(2) == kc.size(3) &&
+              q.size(1) % kc.size(2) == 0, "decode_attention: q [B, H, D], caches [blocks, block, Hkv, D]");
+  TORCH_CHECK(blocks.dtype() == at::kLong && mask.dtype() == at::kBool && blocks.size(0) == q.size(0) &&
+              mask.size(0) == q.size(0) && mask.size(1) == blocks.size(1) * kc.size(1),
+              "decode_attention: blocks [B, n] int64, mask [B, n * block] bool");
+  const at::Tensor qc = q.contiguous(), bc = blocks.contiguous(), mc = mask.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(qc, kc, vc, bc, mc, static_cast<float>(scale), out);
+  });
+  return out;
+}
+
+// rope_kv_write: the rotary embedding of q and k (rotary.py's arithmetic: x * cos + roll(x, D/2) * sin, the sign
+// folded into sin) and the store of k and v at their cache slots, in one pass over the fused qkv rows. Returns the
+// rotated q [T, H, D] and k [T, Hkv, D]; eagerly these are ~10 dispatched operations a layer.
+template <typename T>
+void rope_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
+                  const at::Tensor& slots, int64_t h, int64_t hkv, at::Tensor& q, at::Tensor& k) {
+  const int64_t t = qkv.size(0), d = cos.size(-1), half = d / 2, width = qkv.size(1);
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* kcp = kc.data_ptr<T>();
+  T* vcp = vc.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* row = src + r * width;
+      const T* c = cp + r * d;
+      const T* sn = sp + r * d;
+      for (int64_t head = 0; head < h + hkv; ++head) {
+        const T* x = row + head * d;
+        T* out = head < h ? qp + (r * h + head) * d : kp + (r * hkv + head - h) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          const T rolled = x[e < half ? e + half : e - half];
+          const float xc = static_cast<float>(static_cast<T>(static_cast<float>(x[e]) * static_cast<float>(c[e])));
+          out[e] = static_cast<T>(xc + static_cast<float>(rolled) * static_cast<float>(sn[e]));
+        }
+      }
+      T* kdst = kcp + slot[r] * hkv * d;
+      T* vdst = vcp + slot[r] * hkv * d;
+      std::memcpy(kdst, kp + r * hkv * d, hkv * d * sizeof(T));
+      std::memcpy(vdst, row + (h + hkv) * d, hkv * d * sizeof(T));
+    }
+  });
+}
+
+std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t h,
+                                      int64_t hkv) {
+  const int64_t t = qkv.size(0), d = cos.size(-1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * hkv) * d && qkv.stride(1) == 1 && cos.numel() == t * d &&
+              sin.numel() == t * d && d % 2 == 0, "rope_kv_write: qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dtype() == qkv.dtype() &&
+              v_cache.dtype() == qkv.dtype() && cos.dtype() == qkv.dtype() && sin.dtype() == qkv.dtype() &&
+              k_cache.size(2) == hkv && k_cache.size(3) == d && slots.dtype() == at::kLong && slots.numel() == t,
+              "rope_kv_write: caches [blocks, block, Hkv, D] of qkv's dtype, slots [T] int64");
+  const at::Tensor x = qkv.stride(0) == qkv.size(1) ? qkv : qkv.contiguous();
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), sl = slots.contiguous();
+  const int64_t nslots = k_cache.numel() / (hkv * d);
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t v = sl.data_ptr<int64_t>()[r];
+    TORCH_CHECK(v >= 0 && v < nslots, "rope_kv_write: slot ", v, " out of range");
+  }
+  at::Tensor q = at::empty({t, h, d}, qkv.options()), k = at::empty({t, hkv, d}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_kv_write", [&] {
+    rope_kv_impl<scalar_t>(x, c, s, k_cache, v_cache, sl, h, hkv, q, k);
+  });
+  return {q, k};
+}
+
+TORCH_LIBRARY(llmq_cpu, m) {
+  m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) -> Tensor");
+  m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "int h, int hkv) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
+  m.impl("lowbit_linear", &lowbit_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rope_kv_write", &rope_kv_write);
+}

@@ -1,0 +1,144 @@
+"""llmq's own CPU kernels (cpu_kernels.cpp), for the three places where PyTorch's CPU operations, not the bytes, set a
+small model's decode step (profiled on SmolLM2-135M, one thread: 19 ms a step before, of which the INT4 / INT8
+products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies).
+
+- `lowbit_linear`, on CPUs with AVX512-VNNI: INT4 / INT8 weight-only products. PyTorch's kernels for these weights
+  (aten._weight_int4pack_mm_for_cpu, _weight_int8pack_mm) convert every weight to floating point and multiply in
+  bfloat16 / float32, ~18 G multiply-adds a second on one core here. These do what llama.cpp's Q4_0 x Q8_0 products
+  do: each row's activations are rounded per block of 32 inputs to int8 (scale absmax / 127: quant.quantize_blocks)
+  and the products run on integers (vpdpbusd, 64 multiply-adds an instruction), exactly, before one float scale per
+  block and group: 2-4x faster at batch 1. Rounding the activations is their only error beyond the weights' own
+  (relative ~1/254 of a block's largest input); it is what serve computes on such a CPU, so what the quantize probe
+  measures there (the probe runs the runtime's layers). `reference` is that arithmetic in float64.
+- `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic.
+- `rope_kv_write`: the rotary embedding of q and k and the store of k and v in their cache slots, one pass (eagerly
+  ~10 operations a layer); rotary.py's arithmetic.
+- `decode_attention`: single-token queries read their paged K/V in place through the block table, where the eager
+  path copies every block out (index_select) and runs SDPA with a mask; float32 scores and softmax, the same mask.
+
+Layout of a packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value
+(u - z) * s, in tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane (64 bytes = 16 rows x 4 inputs),
+INT4 8 (low nibbles inputs 0-3, high nibbles 4-7). s and s * z per (tile, group, row) in float32.
+
+Built on first use with PyTorch's extension builder (a C++ compiler and ninja; ~15 s, then cached under
+TORCH_EXTENSIONS_DIR). Where the build fails the layers keep PyTorch's operations (one warning); LLMQ_CPU_KERNELS=0
+keeps them too, for comparing the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ... import quant
+
+BLOCK = 32  # inputs per activation scale
+TILE = 16  # output rows per packed tile
+_VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+log = logging.getLogger(__name__)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built and loaded here (built at most once a process)."""
+    if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="llmq_cpu_kernels", sources=[str(Path(__file__).with_suffix(".cpp"))], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp"])
+    except Exception as e:  # a missing compiler / ninja, or a failed build: PyTorch's operations stay
+        log.warning("llmq: its CPU kernels could not be built (%s); using PyTorch's operations",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+    for name, fake in (("lowbit_linear", _fake_linear), ("rms_norm", _fake_same), ("decode_attention", _fake_same),
+                       ("rope_kv_write", _fake_rope)):
+        torch.library.register_fake(f"llmq_cpu::{name}")(fake)
+    return True
+
+
+def _fake_linear(x, w, s, sz, bits, group, eps):
+    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+
+
+def _fake_same(x, *args):
+    return torch.empty_like(x)
+
+
+def _fake_rope(qkv, cos, sin, k_cache, v_cache, slots, h, hkv):
+    d = cos.shape[-1]
+    return [qkv.new_empty(qkv.shape[0], h, d), qkv.new_empty(qkv.shape[0], hkv, d)]
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernels serve this tensor's device."""
+    return t.device.type == "cpu" and available()
+
+
+def lowbit_fits(n: int, k: int, group: int) -> bool:
+    """Whether a [n, k] weight in groups of `group` inputs (k: per channel) can take the low-bit kernels here."""
+    return n % TILE == 0 and k % BLOCK == 0 and group % BLOCK == 0 and k % group == 0 and set(_VNNI) <= cpu_flags()
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, s, s * z) in the kernels' layout for q [N, K] with scale / zero [N, G] (value (q - zero) * scale)."""
+    n, k = q.shape
+    g = scale.shape[1]
+    offset = 1 << (bits - 1) if int(q.min()) < 0 else 0
+    u = (q.to(torch.int32) + offset).to(torch.uint8)
+    z = offset + (zero.float() if zero is not None else torch.zeros(n, g))
+    if bits == 4:
+        u = u.view(n, k // 8, 2, 4)
+        u = u[:, :, 0] | (u[:, :, 1] << 4)  # [N, K/8, 4]: a byte holds input j (low nibble) and j + 4 (high)
+        codes = u.view(n // TILE, TILE, k // 8, 4).permute(0, 2, 1, 3)
+    else:
+        codes = u.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
+    tiles = lambda t: t.float().reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()  # noqa: E731
+    return codes.contiguous().view(-1), tiles(scale), tiles(scale.float() * z)
+
+
+def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, sz: torch.Tensor, bits: int,
+                  group: int) -> torch.Tensor:
+    """x [M, K] times the packed weight, float32 [M, N]."""
+    return torch.ops.llmq_cpu.lowbit_linear(x, codes, s, sz, bits, group, quant.EPS)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """What lowbit_linear computes, in float64: activations rounded per block of 32 (quant.quantize_blocks) times
+    the dequantized weight."""
+    xq, d = quant.quantize_blocks(x.float(), BLOCK)
+    xr = (xq.double().view(x.shape[0], -1, BLOCK) * d.double().unsqueeze(-1)).view(x.shape)
+    return xr @ quant.dequantize(q, scale, zero, torch.float64).t()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.llmq_cpu.rms_norm(x, weight, eps)
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated q [T, H, D] and k [T, Hkv, D] of the fused qkv rows; k and v stored at their flat cache slots."""
+    q, k = torch.ops.llmq_cpu.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads)
+    return q, k
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D] against the cache blocks [B, n] under mask [B, n * block_size] -> [B, H, D]."""
+    return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale)

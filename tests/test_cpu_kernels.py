@@ -1,0 +1,170 @@
+"""llmq's CPU kernels (runtime/layers/cpu_kernels) against the eager PyTorch code they replace, or a float64 reference
+of their arithmetic, on fresh random inputs; and the whole model with and without them."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from llmq import quant
+from llmq.models.spec import attends
+from llmq.runtime.kv_cache import allocate_kv_cache
+from llmq.runtime.layers import cpu_kernels
+from llmq.runtime.layers.attention import AttentionMetadata, _decode, _decode_sdpa, rotate_and_store
+from llmq.runtime.layers.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from llmq.runtime.layers.norm import RMSNorm
+from llmq.runtime.layers.rotary import RotaryEmbedding
+
+VNNI = set(cpu_kernels._VNNI) <= cpu_kernels.cpu_flags()
+needs_vnni = pytest.mark.skipif(not VNNI, reason="the low-bit kernels need AVX512-VNNI, which this CPU lacks")
+
+
+def test_kernels_build_here():
+    """CI's machine has a compiler and ninja (a dependency): the kernels must build, not fall back silently."""
+    assert cpu_kernels.available()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _weight(bits: int, n: int, k: int, group: int, asym: bool, gen: torch.Generator):
+    qmin, qmax = quant.int_range(bits)
+    if asym:
+        q = torch.randint(0, 2 ** bits, (n, k), generator=gen)
+        zero = torch.randint(0, 2 ** bits, (n, k // group), generator=gen).float()
+    else:
+        q, zero = torch.randint(qmin, qmax + 1, (n, k), generator=gen), None
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    return q, scale, zero
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits,n,k,group,asym", [(4, 96, 576, 64, False), (4, 64, 256, 32, True),
+                                                 (4, 48, 384, 128, False), (8, 80, 1536, 1536, False),
+                                                 (8, 32, 256, 64, True)])
+def test_lowbit_linear_equals_its_float64_arithmetic(bits, n, k, group, asym):
+    gen = torch.Generator().manual_seed(1000 * bits + n)
+    q, scale, zero = _weight(bits, n, k, group, asym, gen)
+    packed = cpu_kernels.pack(q, scale, zero, bits)
+    exact_w = quant.dequantize(q, scale, zero, torch.float64)
+    for m in (1, 5, 37):
+        x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)  # uneven channels
+        y = cpu_kernels.lowbit_linear(x, *packed, bits, group)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert _rel(y, cpu_kernels.reference(x, q, scale, zero)) < 1e-5  # only float32 summation order differs
+        # the activations' int8 rounding is the one approximation: small, and not zero (it is really applied)
+        assert 1e-4 < _rel(y, x.double() @ exact_w.t()) < 2e-2
+
+
+def test_quantize_blocks_is_absmax_per_32():
+    x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(32)
+    xq, d = quant.quantize_blocks(x, 32)
+    assert d.shape == (3, 3) and torch.equal(xq, xq.round()) and float(xq.abs().max()) == 127
+    assert torch.equal(xq.view(3, 3, 32).abs().amax(-1), torch.full((3, 3), 127.0))
+    err = (xq.view(3, 3, 32) * d.unsqueeze(-1) - x.view(3, 3, 32)).abs()
+    assert bool((err <= d.unsqueeze(-1) / 2 * (1 + 1e-6)).all())
+
+
+@needs_vnni
+@pytest.mark.parametrize("cls,bits", [(Int4WeightOnlyLinear, 4), (Int8WeightOnlyLinear, 8)])
+def test_weight_only_layers_run_the_lowbit_kernel(cls, bits):
+    gen = torch.Generator().manual_seed(bits)
+    q, scale, zero = _weight(bits, 64, 256, 64, False, gen)
+    bias = torch.randn(64, generator=gen)
+    layer = cls(q, scale, zero, bias, torch.float32)
+    assert layer.lowbit == (bits, 64)
+    x = torch.randn(2, 3, 256, generator=gen)
+    want = cpu_kernels.reference(x.view(6, 256), q, scale, zero).view(2, 3, 64) + bias.double()
+    assert _rel(layer(x), want) < 1e-5
+    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+        eager = cls(q, scale, zero, bias, torch.float32)
+    assert eager.lowbit is None  # PyTorch's kernels: bfloat16 activations, a different rounding of the same product
+    assert _rel(eager(x), want) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_eager(dtype):
+    gen = torch.Generator().manual_seed(7)
+    norm = RMSNorm((torch.rand(576, generator=gen) + 0.5).to(dtype), 1e-5)
+    x = (torch.randn(2, 9, 576, generator=gen) * 3).to(dtype)
+    got, want = norm(x), norm.eager(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: at most a last-bit difference of the rounding
+    assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()) <= tol
+
+
+def _cache(dtype, gen, layers=1):
+    caches = allocate_kv_cache(layers, 24, 16, 3, 64, "auto", dtype, "cpu", None)
+    for c in caches:
+        c.k.copy_(torch.randn(c.k.shape, generator=gen).to(dtype))
+        c.v.copy_(torch.randn(c.v.shape, generator=gen).to(dtype))
+    return caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_attention_equals_sdpa(dtype, window):
+    gen = torch.Generator().manual_seed(11)
+    (cache,) = _cache(dtype, gen)
+    blocks = torch.tensor([[3, 7, 1, 0, 0], [5, 2, 9, 11, 20], [4, 0, 0, 0, 0]])  # scattered, padded with block 0
+    last = torch.tensor([40, 79, 5])  # each sequence's query position
+    mask = attends(last[:, None], torch.arange(80)[None, :], window).view(3, 1, 1, -1)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), num_decode=3, decode_blocks=blocks,
+                             decode_mask=mask)
+    q = (torch.randn(3, 9, 64, generator=gen) * 2).to(dtype)
+    got, want = _decode(q, cache, meta, 0.125), _decode_sdpa(q, cache, meta, 0.125)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert float((got.float() - want.float()).abs().max()) < tol * float(want.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kv_write_equals_eager(dtype):
+    gen = torch.Generator().manual_seed(13)
+    fused, eager = _cache(dtype, gen, layers=2)
+    eager.k.copy_(fused.k), eager.v.copy_(fused.v)
+    rot = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64), 128, dtype=dtype)
+    positions = torch.tensor([3, 9, 17, 40, 41])
+    qkv = torch.randn(5, 15 * 64, generator=gen).to(dtype)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([5, 77, 100, 3, 250]))
+    got = rotate_and_store(qkv, rot.table(positions), fused, meta, 9, 3)
+    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+        want = rotate_and_store(qkv, rot.table(positions), eager, meta, 9, 3)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and float((g.float() - w.float()).abs().max()) <= 1e-6 * float(w.abs().max())
+    assert float((fused.k.float() - eager.k.float()).abs().max()) <= 1e-6 * float(eager.k.abs().max())
+    assert torch.equal(fused.v, eager.v)
+    assert not torch.equal(fused.k[0, 5], qkv[0, 9 * 64:12 * 64].view(3, 64))  # k was stored rotated
+
+
+def test_rope_kv_write_refuses_a_slot_outside_the_cache():
+    gen = torch.Generator().manual_seed(17)
+    (cache,) = _cache(torch.float32, gen)
+    rot = RotaryEmbedding(torch.ones(32), 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.rope_kv_write(torch.zeros(1, 15 * 64), *rot.table(torch.tensor([0])), cache.k, cache.v,
+                                  torch.tensor([24 * 16]), 9, 3)
+
+
+def _step_logits(model_dir, prompts):
+    """Every step's logits (prefill and decode) of a greedy run."""
+    from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(model_dir, EngineConfig(max_num_batched_tokens=64, block_size=8))
+    logits, execute = [], eng.runner.execute
+    eng.runner.execute = lambda step: logits.append(execute(step).clone()) or logits[-1]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    return [o.output_token_ids for o in outs], logits
+
+
+def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model):
+    """A float32 model's decode and prefill steps through the kernels (norm, rotary + cache write, decode attention)
+    against the same engine on PyTorch's operations."""
+    d = make_tiny_model(tmp_path / "m", seed=5)
+    prompts = [[(7 * i + 3) % 256 for i in range(n)] for n in (9, 30, 2)]
+    tokens, got = _step_logits(d, prompts)
+    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+        want_tokens, want = _step_logits(d, prompts)
+    assert tokens == want_tokens and len(got) == len(want) >= 10
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
