@@ -124,18 +124,22 @@ def llama_speed(lc: LlamaCpp, gguf: Path, threads: int, n: int) -> dict:
     return {"pp": r[f"pp{n}"]["tokens_per_s"], "tg": r[f"tg{n}"]["tokens_per_s"], "build": r[f"pp{n}"]["build"]}
 
 
-def llmq_speed(path: Path, threads: int, n: int, time_limit: float, compile: bool = False) -> dict:
+def llmq_speed(path: Path, threads: int, n: int, time_limit: float, compile: bool = False,
+               int8_activations: bool = False) -> dict:
     import torch
 
     from llmq.bench.offline import sweep
 
     torch.set_num_threads(threads)  # the engine is built and stepped on this thread
-    (r,), settings = sweep(path, [1], n, n, hw=None, time_limit=time_limit, compile=compile)
+    (r,), settings = sweep(path, [1], n, n, hw=None, time_limit=time_limit, compile=compile,
+                           int8_activations=int8_activations)
     return {"pp": n / r.prefill_s, "tg": r.tokens_per_s, "decode_steps": r.decode_steps, "dtype": settings["dtype"]}
 
 
-def speed(lc, gg, paths, threads: list[int], rounds: int, n: int, time_limit: float, compile: bool = False
-          ) -> list[dict]:
+def speed(lc, gg, paths, threads: list[int], rounds: int, n: int, time_limit: float, compile: bool = False,
+          int8_activations: bool = False) -> list[dict]:
+    """Interleaved rounds of llama.cpp and llmq per pair; with int8_activations llmq's quantized variants run a
+    second time with them (side "llmq-a8")."""
     rows = []
     for t in threads:
         samples = {p: {"llama.cpp": [], "llmq": []} for p in PAIRS if p[1] in paths}
@@ -146,12 +150,19 @@ def speed(lc, gg, paths, threads: list[int], rounds: int, n: int, time_limit: fl
                 b = llmq_speed(paths[v], t, n, time_limit, compile)
                 samples[pair]["llama.cpp"].append(a)
                 samples[pair]["llmq"].append(b)
-                print(f"  threads {t} round {r + 1}/{rounds} {g:>6} / {v:<18} pp{n} {a['pp']:7.1f} / {b['pp']:7.1f}"
-                      f"  tg{n} {a['tg']:6.1f} / {b['tg']:6.1f} tok/s", flush=True)
+                line = f"  threads {t} round {r + 1}/{rounds} {g:>6} / {v:<18} pp{n} {a['pp']:7.1f} / {b['pp']:7.1f}" \
+                       f"  tg{n} {a['tg']:6.1f} / {b['tg']:6.1f}"
+                if int8_activations and v != "bf16":
+                    c = llmq_speed(paths[v], t, n, time_limit, compile, int8_activations=True)
+                    samples[pair].setdefault("llmq-a8", []).append(c)
+                    line += f"  int8 activations pp{n} {c['pp']:7.1f} tg{n} {c['tg']:6.1f}"
+                print(line + " tok/s", flush=True)
         for (g, v), s in samples.items():
             med = {side: {k: statistics.median(x[k] for x in s[side]) for k in ("pp", "tg")} for side in s}
             rows.append({"threads": t, "gguf": g, "llmq": v, "median": med, "samples": s,
                          "ratio": {k: med["llmq"][k] / med["llama.cpp"][k] for k in ("pp", "tg")}})
+            if "llmq-a8" in med:
+                rows[-1]["ratio_a8"] = {k: med["llmq-a8"][k] / med["llama.cpp"][k] for k in ("pp", "tg")}
     return rows
 
 
@@ -199,9 +210,11 @@ def llama_quality(lc: LlamaCpp, gg: dict, text_file: Path, base_file: Path, n_ct
     return out
 
 
-def llmq_quality(paths: dict[str, Path], base, text: str, threads: int) -> tuple[dict, dict]:
+def llmq_quality(paths: dict[str, Path], base, text: str, threads: int, int8_activations: bool = False
+                 ) -> tuple[dict, dict]:
     """Every llmq variant against llmq bf16 (exact) and against F16's base file (llama.cpp's formula); `paths`
-    holds "bf16", the reference."""
+    holds "bf16", the reference. int8_activations: every quantized variant a second time with them (label
+    "<variant> +int8-act")."""
     import torch
 
     from llmq.bench.llamacpp import chunks, kld_vs_base, scored
@@ -211,11 +224,13 @@ def llmq_quality(paths: dict[str, Path], base, text: str, threads: int) -> tuple
 
     torch.set_num_threads(threads)
     sl = scored(base.n_ctx)
-    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=base.n_ctx, max_model_len=base.n_ctx,
-                       enable_prefix_caching=False)
+    cfg = dict(max_num_seqs=1, max_num_batched_tokens=base.n_ctx, max_model_len=base.n_ctx,
+               enable_prefix_caching=False)
+    runs = [(label, path, False) for label, path in paths.items()]  # bf16 first
+    runs += [(f"{label} +int8-act", path, True) for label, path in paths.items() if int8_activations and label != "bf16"]
     ref, out, chs, info = [], {}, None, {}
-    for label, path in paths.items():  # bf16 first
-        engine = LLMEngine(path, cfg)
+    for label, path, a8 in runs:
+        engine = LLMEngine(path, EngineConfig(**cfg, int8_activations=a8))
         try:
             if chs is None:
                 tok = engine.tokenizer
@@ -259,9 +274,11 @@ def print_speed(rows: list[dict], rounds: int, n: int) -> None:
           f"{'tg' + str(n):>7} {'llmq':>7} {'ratio':>6}")
     for r in rows:
         m = r["median"]
+        a8 = f"   int8 activations: pp {m['llmq-a8']['pp']:.1f} ({r['ratio_a8']['pp']:.2f}) tg " \
+             f"{m['llmq-a8']['tg']:.1f} ({r['ratio_a8']['tg']:.2f})" if "ratio_a8" in r else ""
         print(f"{r['threads']:>7} {r['gguf'] + ' / ' + r['llmq']:<32} {m['llama.cpp']['pp']:>9.1f} "
               f"{m['llmq']['pp']:>8.1f} {r['ratio']['pp']:>6.2f}   {m['llama.cpp']['tg']:>7.1f} "
-              f"{m['llmq']['tg']:>7.1f} {r['ratio']['tg']:>6.2f}")
+              f"{m['llmq']['tg']:>7.1f} {r['ratio']['tg']:>6.2f}{a8}")
 
 
 def print_quality(rows: list[dict], info: dict, files: list[dict]) -> None:
@@ -270,14 +287,14 @@ def print_quality(rows: list[dict], info: dict, files: list[dict]) -> None:
           f"{', '.join(Path(f['file']).name for f in files)} from the Python stdlib)")
     print("reference: llama.cpp GGUFs vs F16 (llama-perplexity --kl-divergence); llmq variants vs llmq bf16 (exact); "
           "'vs F16': llmq against F16's base file by llama.cpp's formula")
-    print(f"{'model':<36} {'file MB':>8} {'bits/w':>6} {'PPL':>7} {'mean KLD':>9} {'±':>8} {'top-1 %':>7} "
+    print(f"{'model':<48} {'file MB':>8} {'bits/w':>6} {'PPL':>7} {'mean KLD':>9} {'±':>8} {'top-1 %':>7} "
           f"{'/Q4_K_M':>7} {'vs F16 KLD':>10} {'top-1 %':>7}")
     q4km = next(r["kld"] for r in rows if r["model"] == "llama.cpp Q4_K_M")
     for r in rows:
         kld = (f"{r['kld']:>9.5f} {r['kld_stderr']:>8.5f} {r['top1']:>7.2f} {r['kld'] / q4km:>7.3f}"
                if "kld" in r else f"{'(reference)':>34}")
         vs = f" {r['vs_f16']['kld']:>10.6f} {r['vs_f16']['top1']:>7.2f}" if "vs_f16" in r else ""
-        print(f"{r['model']:<36} {r['bytes'] / 1e6:>8.1f} {r['bpw']:>6.2f} {r['ppl']:>7.3f} {kld}{vs}")
+        print(f"{r['model']:<48} {r['bytes'] / 1e6:>8.1f} {r['bpw']:>6.2f} {r['ppl']:>7.3f} {kld}{vs}")
 
 
 def main() -> int:
@@ -306,6 +323,9 @@ def main() -> int:
     ap.add_argument("--heldout", nargs="+", default=list(HELDOUT), help="stdlib files (or paths) to score on")
     ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity -c")
     ap.add_argument("--compile", action="store_true", help="llmq's decode step compiled (EngineConfig.compile)")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="also run llmq's quantized variants with int8 activations (EngineConfig.int8_activations: "
+                         "llama.cpp's Q8_0 arithmetic), beside the default 16-bit activations")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -354,14 +374,15 @@ def bench(lc: LlamaCpp, args) -> int:
     make(calibrated=False)
     results = {"settings": {"llama_cpp": str(lc.bin_dir), "model": model.ref, "model_id": model.id,
                             "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
-                            "load_average_start": load, "cores": os.cpu_count(), "compile": args.compile}}
+                            "load_average_start": load, "cores": os.cpu_count(), "compile": args.compile,
+                            "int8_activations": args.int8_activations}}
     if not args.skip_speed:
         missing = [v for _, v in PAIRS if v not in arts]
         if args.variants is None and missing:
             raise LlmqError(f"the speed pairs need llmq variants {', '.join(missing)}")
         print("speed (llama.cpp / llmq):", flush=True)
         results["speed"] = speed(lc, gg, {k: a.path for k, a in arts.items()}, args.threads, args.rounds,
-                                 args.tokens, args.time_limit, args.compile)
+                                 args.tokens, args.time_limit, args.compile, args.int8_activations)
     if not args.skip_quality:
         if not args.no_calibrated:
             make(calibrated=True)
@@ -373,11 +394,12 @@ def bench(lc: LlamaCpp, args) -> int:
         base_file = work / f"F16-{digest}-c{args.ctx}.kld"
         lq = llama_quality(lc, gg, text_file, base_file, args.ctx, max(args.threads))
         base = KldBase(base_file)
-        mq, info = llmq_quality(paths, base, text, max(args.threads))
+        mq, info = llmq_quality(paths, base, text, max(args.threads), args.int8_activations)
         params = ModelSpec.from_config(model.path / "config.json").num_parameters()
         rows = [{"model": "llama.cpp F16", "bytes": gg["F16"].stat().st_size, "ppl": lq[GGUF_TYPES[0]]["ppl_base"]}]
         rows += [{"model": f"llama.cpp {t}", "bytes": gg[t].stat().st_size, **lq[t]} for t in GGUF_TYPES]
-        rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in paths[k].glob("*.safetensors")),
+        rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in
+                                                     paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
                   **r} for k, r in mq.items()]
         for r in rows:
             r["bpw"] = r["bytes"] * 8 / params

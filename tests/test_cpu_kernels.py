@@ -72,13 +72,12 @@ def test_weight_only_layers_run_the_lowbit_kernel(cls, bits):
     gen = torch.Generator().manual_seed(bits)
     q, scale, zero = _weight(bits, 64, 256, 64, False, gen)
     bias = torch.randn(64, generator=gen)
-    layer = cls(q, scale, zero, bias, torch.float32)
+    layer = cls(q, scale, zero, bias, torch.float32, int8_activations=True)
     assert layer.lowbit == (bits, 64)
     x = torch.randn(2, 3, 256, generator=gen)
     want = cpu_kernels.reference(x.view(6, 256), q, scale, zero).view(2, 3, 64) + bias.double()
     assert _rel(layer(x), want) < 1e-5
-    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
-        eager = cls(q, scale, zero, bias, torch.float32)
+    eager = cls(q, scale, zero, bias, torch.float32)  # the default: 16-bit activations
     assert eager.lowbit is None  # PyTorch's kernels: bfloat16 activations, a different rounding of the same product
     assert _rel(eager(x), want) < 2e-2
 
@@ -94,8 +93,8 @@ def test_rms_norm_equals_eager(dtype):
     assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()) <= tol
 
 
-def _cache(dtype, gen, layers=1):
-    caches = allocate_kv_cache(layers, 24, 16, 3, 64, "auto", dtype, "cpu", None)
+def _cache(dtype, gen, layers=1, head_dim=64):
+    caches = allocate_kv_cache(layers, 24, 16, 3, head_dim, "auto", dtype, "cpu", None)
     for c in caches:
         c.k.copy_(torch.randn(c.k.shape, generator=gen).to(dtype))
         c.v.copy_(torch.randn(c.v.shape, generator=gen).to(dtype))
@@ -103,17 +102,17 @@ def _cache(dtype, gen, layers=1):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 21])
-def test_decode_attention_equals_sdpa(dtype, window):
+@pytest.mark.parametrize("window,head_dim", [(None, 64), (21, 64), (None, 128), (None, 40)])  # 64 / 128: own code
+def test_decode_attention_equals_sdpa(dtype, window, head_dim):
     gen = torch.Generator().manual_seed(11)
-    (cache,) = _cache(dtype, gen)
+    (cache,) = _cache(dtype, gen, head_dim=head_dim)
     blocks = torch.tensor([[3, 7, 1, 0, 0], [5, 2, 9, 11, 20], [4, 0, 0, 0, 0]])  # scattered, padded with block 0
     last = torch.tensor([40, 79, 5])  # each sequence's query position
     mask = attends(last[:, None], torch.arange(80)[None, :], window).view(3, 1, 1, -1)
     meta = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), num_decode=3, decode_blocks=blocks,
                              decode_mask=mask)
-    q = (torch.randn(3, 9, 64, generator=gen) * 2).to(dtype)
-    got, want = _decode(q, cache, meta, 0.125), _decode_sdpa(q, cache, meta, 0.125)
+    q = (torch.randn(3, 9, head_dim, generator=gen) * 2).to(dtype)
+    got, want = _decode(q, cache, meta, head_dim ** -0.5), _decode_sdpa(q, cache, meta, head_dim ** -0.5)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
     assert float((got.float() - want.float()).abs().max()) < tol * float(want.float().abs().max())
 
@@ -146,11 +145,11 @@ def test_rope_kv_write_refuses_a_slot_outside_the_cache():
                                   torch.tensor([24 * 16]), 9, 3)
 
 
-def _step_logits(model_dir, prompts):
+def _step_logits(model_dir, prompts, **config):
     """Every step's logits (prefill and decode) of a greedy run."""
     from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
-    eng = LLMEngine(model_dir, EngineConfig(max_num_batched_tokens=64, block_size=8))
+    eng = LLMEngine(model_dir, EngineConfig(max_num_batched_tokens=64, block_size=8, **config))
     logits, execute = [], eng.runner.execute
     eng.runner.execute = lambda step: logits.append(execute(step).clone()) or logits[-1]
     outs = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
@@ -168,3 +167,48 @@ def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model):
     assert tokens == want_tokens and len(got) == len(want) >= 10
     for g, w in zip(got, want):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_decoder_layer_equals_op_by_op(tmp_path, make_tiny_model, bits):
+    """An INT4 / INT8 model's decode steps with int8 activations through cpu_kernels.decoder_layer against the same
+    layers run op by op (the same kernels, so equal up to float32 rounding), and close to the default engine."""
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(make_tiny_model(tmp_path / "m", seed=9)), store)
+    art = quantize(src, QuantizeOptions(method="rtn", bits=bits, group_size=32, num_samples=2, seq_len=32,
+                                        probe_tokens=64), store, progress=False)
+    prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
+    calls = []
+    real = cpu_kernels.decoder_layer
+    with mock.patch.object(cpu_kernels, "decoder_layer", lambda *a: calls.append(1) or real(*a)):
+        tokens, fused = _step_logits(art.path, prompts, int8_activations=True)
+    assert calls  # the fused layer ran
+    with mock.patch.object(cpu_kernels, "fused_layer_args", lambda layer: None):
+        op_tokens, op_by_op = _step_logits(art.path, prompts, int8_activations=True)
+    assert tokens == op_tokens
+    for g, w in zip(fused, op_by_op):
+        assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
+    calls.clear()
+    with mock.patch.object(cpu_kernels, "decoder_layer", lambda *a: calls.append(1) or real(*a)):
+        _, default = _step_logits(art.path, prompts)
+    assert not calls  # the default engine keeps 16-bit activations (PyTorch's products), layer by layer
+    # on the same inputs (the first step: the prompts) int8 activations move the distribution by a little
+    p, q = default[0].log_softmax(-1), fused[0].log_softmax(-1)
+    kld = float((p.exp() * (p - q)).sum(-1).max())
+    assert 1e-7 < kld < 1e-3
+
+
+def test_a_failed_build_is_one_warning_and_the_eager_path(monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    def broken(**kw):
+        raise RuntimeError("Error building extension 'llmq_cpu_kernels'\ncpu_kernels.cpp:1:1: error: no compiler here")
+
+    monkeypatch.setattr(ext, "load", broken)
+    assert cpu_kernels._build() is False
+    assert "error: no compiler here" in caplog.text and "using PyTorch's operations" in caplog.text

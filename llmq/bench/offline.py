@@ -57,6 +57,8 @@ class OfflineOptions(SpeculativeOptions):
     seed: int = option(0, "Seeds the random prompts.")
     refresh: bool = option(False, "Measure the machine's peaks again instead of using the cached figures.")
     compile: bool = option(False, "torch.compile the decode step (compiled before timing; tp 1).")
+    int8_activations: bool = option(False, "INT4 / INT8 weight-only products with int8 activations (llama.cpp's Q8_0 "
+                                    "arithmetic; AVX512-VNNI CPUs): faster, not what quantize's probe measured.")
 
 
 def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: str | None = None,
@@ -72,7 +74,7 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
     hw = hardware(opts.device, refresh=opts.refresh)
     results, settings = sweep(source.path, opts.batch_sizes, opts.input_len, opts.output_len, hw, opts.time_limit,
                               opts.device, opts.dtype, opts.seed, progress, opts.engine_fields(store),
-                              compile=opts.compile)
+                              compile=opts.compile, int8_activations=opts.int8_activations)
     settings["engine"] = source.ref
     report = {"schema": R.SCHEMA, "mode": "offline", "settings": settings, "offline": [r.to_dict() for r in results]}
     return R.save(store, report, opts.name, [source.id], command)
@@ -81,7 +83,7 @@ def run_offline(source: Artifact, opts: OfflineOptions, store: Store, command: s
 def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: int, hw: dict | None,
           time_limit: float = 300.0, device: str | None = None, dtype: str | None = None, seed: int = 0,
           progress: Callable[[OfflineResult], None] | None = None, speculative: dict | None = None,
-          compile: bool = False
+          compile: bool = False, int8_activations: bool = False
           ) -> tuple[list[OfflineResult], dict]:
     """Results per batch size, plus the engine settings they were measured with. `speculative`: EngineConfig's
     speculative fields (a speculating step emits several tokens per sequence, so rates count tokens, not steps).
@@ -100,6 +102,7 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
     max_b = max(batch_sizes)
     cfg = EngineConfig(max_num_seqs=max_b, max_num_batched_tokens=max(512, input_len), enable_prefix_caching=False,
                        max_model_len=input_len + output_len + 1, device=device, dtype=dtype, compile=compile,
+                       int8_activations=int8_activations,
                        **(speculative or {}))
     engine = LLMEngine(path, cfg)
     try:
@@ -164,7 +167,7 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
                                  "peaks just measured (the working set fits in cache); MBU / MFU not reported")
                     r.mbu = r.mfu = None
         settings = {"device": str(engine.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
-                    "compile": compile,
+                    "compile": compile, "int8_activations": int8_activations,
                     "kv_cache_dtype": engine.kv_cache_dtype, "tp": engine.tp, "input_len": input_len,
                     "output_len": output_len, "batch_sizes": list(batch_sizes), "time_limit_s": time_limit,
                     "peak_read_bandwidth": peak_bw, "peak_flops": peak_fl, "machine": (hw or {}).get("machine"),

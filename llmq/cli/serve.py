@@ -37,6 +37,10 @@ from .options import stage_options
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile the decode step (tp 1; the first batches of each shape wait for compilation).")
+@click.option("--int8-activations", is_flag=True,
+              help="INT4 / INT8 weight-only products with activations rounded to int8 per block of 32 (llama.cpp's "
+                   "Q8_0 arithmetic; x86 CPUs with AVX512-VNNI): ~2x faster decode, a little less accurate than what "
+                   "quantize's probe and eval measured.")
 @click.option("--served-model-name", help="Model id in the API (default: the artifact's name).")
 @click.option("--api-key", envvar="LLMQ_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (env LLMQ_API_KEY).")
 @click.option("--max-queue", type=int, default=256, show_default=True,
@@ -54,7 +58,7 @@ from .options import stage_options
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
-          served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout,
+          int8_activations, served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout,
           log_level, opts):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
@@ -78,7 +82,7 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
                        max_model_len=max_seq_len, block_size=block_size,
                        kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
                        kv_cache_dtype=kv, enable_prefix_caching=not no_prefix_caching, tp=tp,
-                       device=device, dtype=dtype, compile=compile_,
+                       device=device, dtype=dtype, compile=compile_, int8_activations=int8_activations,
                        **thread.call(opts.engine_fields, get_store(ctx)))
     if kv_cache_fraction is not None:
         cfg.kv_cache_fraction = kv_cache_fraction

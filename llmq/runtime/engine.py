@@ -48,6 +48,9 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None  # compute dtype; None: float32 on CPU, the checkpoint's 16-bit dtype on GPU
     compile: bool = False  # torch.compile the decode-only steps (runtime/compiled.py); tp 1 only
+    # INT4 / INT8 weight-only products with activations rounded to int8 per block of 32 inputs (llama.cpp's Q8_0
+    # arithmetic) on CPUs with AVX512-VNNI: ~2x faster decode, not what the quantize probe and the exports compute
+    int8_activations: bool = False
     speculative: str | None = None  # "ngram" (prompt lookup) or a draft model's directory (same tokenizer); None: off
     num_speculative_tokens: int = 4  # draft tokens per speculating sequence and step
     speculative_max_batch: int | None = SPECULATIVE_MAX_BATCH  # no drafts while more sequences run (None: any)
@@ -198,7 +201,8 @@ class LLMEngine:
 
         load_args = dict(path=str(src.path), engine=engine, tp=self.tp, device=str(self.device), dtype=cfg.dtype,
                          num_blocks=self.num_blocks, block_size=block_size, kv_cache_dtype=self.kv_cache_dtype,
-                         max_positions=self.max_model_len, compile=cfg.compile)
+                         max_positions=self.max_model_len, compile=cfg.compile,
+                         int8_activations=cfg.int8_activations)
         self.workers = None
         self._workers_ready = False
         self._saved_threads = None

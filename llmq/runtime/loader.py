@@ -21,8 +21,11 @@ def _activation_quant(qw) -> bool:
     return bool(getattr(qw, "input_scale", None) is not None or getattr(qw, "dynamic", False))
 
 
-def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device) -> LinearBase:
-    """The runtime layer for one quantized weight (a qformat QuantizedWeight or a bnbformat weight), on `device`."""
+def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device, int8_activations: bool = False
+                     ) -> LinearBase:
+    """The runtime layer for one quantized weight (a qformat QuantizedWeight or a bnbformat weight), on `device`.
+    int8_activations: INT4 / INT8 weight-only layers run llmq's int8-activation CPU kernels where they can
+    (EngineConfig.int8_activations)."""
     if isinstance(qw, (bnbformat.NF4Weight, bnbformat.Int8Weight)):
         from .layers.bnb import LLMInt8Linear, NF4Linear
 
@@ -37,9 +40,9 @@ def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device) 
             raise LlmqError(f"W{qw.bits}A8 is not supported by the runtime (only W8A8 integer)")
         return W8A8Linear(q, scale, inp, bias, dtype)
     if qw.bits == 8:
-        return Int8WeightOnlyLinear(q, scale, zero, bias, dtype)
+        return Int8WeightOnlyLinear(q, scale, zero, bias, dtype, int8_activations)
     if qw.bits == 4:
-        return Int4WeightOnlyLinear(q, scale, zero, bias, dtype)
+        return Int4WeightOnlyLinear(q, scale, zero, bias, dtype, int8_activations)
     raise LlmqError(f"{qw.bits}-bit weights ({qw.scheme}) are not supported by the runtime")
 
 
@@ -90,9 +93,10 @@ class ConcatLinear(LinearBase):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device) -> LinearBase:
+def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device, int8_activations: bool = False
+                 ) -> LinearBase:
     if not _fusable(parts):
-        return ConcatLinear([build_linear([p], dtype, device) for p in parts])
+        return ConcatLinear([build_linear([p], dtype, device, int8_activations) for p in parts])
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]).to(dtype)
@@ -101,8 +105,8 @@ def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device) -> Line
         return DenseLinear(w.to(device=device, dtype=dtype), bias.to(device) if bias is not None else None)
     qws = [p.qw for p in parts]
     if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight)):
-        return quantized_linear(type(qws[0]).cat(qws), bias, dtype, device)
+        return quantized_linear(type(qws[0]).cat(qws), bias, dtype, device, int8_activations)
     fused = qws[0] if len(qws) == 1 else dataclasses.replace(
         qws[0], q=torch.cat([q.q for q in qws]), scale=_cat([q.scale for q in qws]),
         zero_point=_cat([q.zero_point for q in qws]))
-    return quantized_linear(fused, bias, dtype, device)
+    return quantized_linear(fused, bias, dtype, device, int8_activations)

@@ -63,7 +63,8 @@ def compute_dtype_for(device: torch.device, requested: str | torch.dtype | None,
 
 
 def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | None, dtype: torch.dtype,
-               device: torch.device, max_positions: int) -> tuple[LlamaForCausalLM, int, int]:
+               device: torch.device, max_positions: int, int8_activations: bool = False
+               ) -> tuple[LlamaForCausalLM, int, int]:
     """This rank's model, its number of local query heads and local KV heads.
 
     engine is the record of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
@@ -82,7 +83,7 @@ def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | 
         embed_start = None
     rw = rank_weights(ckpt, plan, rank, lazy=True)
     model = assemble(rw, ckpt.config, heads, kv_heads, TPContext(rank, tp, tp > 1), dtype, device, max_positions,
-                     embed_start)
+                     embed_start, int8_activations)
     return model, heads, kv_heads
 
 
@@ -131,15 +132,20 @@ def release_free_heap() -> None:
 
 
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
-             device: torch.device, max_positions: int, embed_start: int | None = None) -> LlamaForCausalLM:
+             device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False
+             ) -> LlamaForCausalLM:
     """The runtime model of one rank from its weights: quantized linears become the runtime's quantized layers,
-    q/k/v and gate/up are fused, row-parallel biases are added after the all-reduce."""
+    q/k/v and gate/up are fused, row-parallel biases are added after the all-reduce. int8_activations:
+    EngineConfig.int8_activations."""
     from transformers import AutoConfig
 
     spec = ModelSpec.from_config(config)
 
     def norm(w: torch.Tensor) -> RMSNorm:
         return RMSNorm(w.to(device=device, dtype=dtype), spec.rms_norm_eps)
+
+    def linear(parts: list[LinearWeights]):
+        return build_linear(parts, dtype, device, int8_activations)
 
     def row_bias(lw: LinearWeights):
         b = lw.bias.to(device=device, dtype=dtype) if lw.bias is not None else None
@@ -154,10 +160,9 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         o_bias, o = row_bias(lin["o_proj"])
         down_bias, down = row_bias(lin["down_proj"])
         w = LayerWeights(
-            input_norm=norm(n_in), qkv=build_linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]], dtype, device),
-            o=build_linear([o], dtype, device), o_bias=o_bias, post_norm=norm(n_post),
-            gate_up=build_linear([lin["gate_proj"], lin["up_proj"]], dtype, device),
-            down=build_linear([down], dtype, device), down_bias=down_bias)
+            input_norm=norm(n_in), qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
+            o=linear([o]), o_bias=o_bias, post_norm=norm(n_post),
+            gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias)
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
         release_free_heap()
     head, table, scale = rw.lm_head, rw.embed.weight, None
@@ -168,7 +173,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         head = LinearWeights("lm_head", weight=table)
     else:  # looked up a few rows at a time: stays as stored (half the memory of a float32 copy at 16 bits)
         table = table.to(device=device)
-    model = LlamaForCausalLM(table, layers, norm(rw.final_norm), build_linear([head], dtype, device), rotary,
+    model = LlamaForCausalLM(table, layers, norm(rw.final_norm), linear([head]), rotary,
                              spec.vocab_size, tpc, embed_start, scale)
     release_free_heap()
     return model.eval()
@@ -237,14 +242,15 @@ class ModelRunner:
     """One rank's model and KV cache."""
 
     def __init__(self, path: str, engine: EngineSpec | None, tp: int, rank: int, world: int, device: str, dtype,
-                 num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int, compile: bool = False):
+                 num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int, compile: bool = False,
+                 int8_activations: bool = False):
         assert world == tp
         self.device = torch.device(device)
         self.rank_dir = Path(path) / f"rank{rank}" if engine is not None else Path(path)
         ckpt = CheckpointReader(self.rank_dir)
         self.dtype = compute_dtype_for(self.device, dtype, ckpt.config)
         self.model, self.num_heads, self.num_kv_heads = load_model(ckpt, tp, rank, engine, self.dtype, self.device,
-                                                                   max_positions)
+                                                                   max_positions, int8_activations)
         self.tp = self.model.tp
         self.spec: ModelSpec = ckpt.spec
         self.block_size = block_size

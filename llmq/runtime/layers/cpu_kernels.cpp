@@ -25,21 +25,21 @@ namespace {
 constexpr int64_t kBlock = 32;  // inputs per activation scale
 constexpr int64_t kTile = 16;   // output rows per packed tile: one int32 lane each
 
-// Row m of x quantized per block: xq [K] int8, d [K/32] scales, ds [K/32] = d * sum(xq of the block).
-void quantize_row(const float* x, int64_t k, double eps, int8_t* xq, float* d, float* ds) {
+// Row m of x quantized per block: xq [K] int8, d [K/32] scales, ds [K/32] = d * sum(xq of the block). The division
+// and round-half-to-even of quant.quantize_blocks, 16 lanes at a time (IEEE division: the same quotients).
+LLMQ_VNNI void quantize_row(const float* x, int64_t k, float eps, int8_t* xq, float* d, float* ds) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float s = std::max(amax, static_cast<float>(eps)) / 127.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] / s)), -128, 127);
-      xq[b * kBlock + i] = static_cast<int8_t>(q);
-      sum += q;
-    }
+    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float s = std::max(amax, eps) / 127.f;
+    const __m512 sv = _mm512_set1_ps(s);
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v0, sv), kRound));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v1, sv), kRound));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
     d[b] = s;
-    ds[b] = s * static_cast<float>(sum);
+    ds[b] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
 }
 
@@ -105,7 +105,7 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int64_t blocks = group / kBlock;
   at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
-      quantize_row(xf.data_ptr<float>() + r * k, k, eps, xq.data_ptr<int8_t>() + r * k,
+      quantize_row(xf.data_ptr<float>() + r * k, k, static_cast<float>(eps), xq.data_ptr<int8_t>() + r * k,
                    d.data_ptr<float>() + r * (k / kBlock), ds.data_ptr<float>() + r * (k / kBlock));
       const float* dsr = ds.data_ptr<float>() + r * (k / kBlock);
       for (int64_t g = 0; g < groups; ++g) {
@@ -189,32 +189,67 @@ inline float dot16(const float* __restrict a, const float* __restrict b, int64_t
   return s;
 }
 
+// exp(x) for x <= 0 (scores minus their maximum) in straight-line float arithmetic, so the softmax loop vectorises
+// (a call to expf does not): 2^n * p(r), r = x - n ln2 split in two parts, p Cephes' degree-7 expf polynomial
+// (relative error ~1e-7, like expf's); below -87 (e^-87 ~ 1e-38) it returns 0.
+inline float exp_nonpositive(float x) {
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest (|t| < 2^22)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
 // One KV head's `group` query heads (q [group, d]) over n visible rows: out [group, d]; sc: scratch [group, n].
-LLMQ_CLONES void attend_rows(const float* q, int64_t group, int64_t d, const float* const* krows,
-                             const float* const* vrows, int64_t n, float scale, float* sc, float* out) {
+// D: the head size as a compile-time constant (64, 128: the accumulators stay in registers), 0 for any other.
+template <int D>
+__attribute__((always_inline)) inline void attend_rows_impl(const float* q, int64_t group, int64_t d_any,
+                                                            const float* const* krows, const float* const* vrows,
+                                                            int64_t n, float scale, float* sc, float* out) {
+  const int64_t d = D ? D : d_any;
+  for (int64_t p = 0; p < n; ++p) {
+    for (int64_t j = 0; j < group; ++j) sc[j * n + p] = dot16(q + j * d, krows[p], d) * scale;
+  }
   for (int64_t j = 0; j < group; ++j) {
-    const float* qj = q + j * d;
     float* sj = sc + j * n;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n; ++p) {
-      sj[p] = dot16(qj, krows[p], d) * scale;
-      mx = std::max(mx, sj[p]);
-    }
+    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sj[p]);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t p = 0; p < n; ++p) {
-      sj[p] = std::exp(sj[p] - mx);
+      sj[p] = exp_nonpositive(sj[p] - mx);
       sum += sj[p];
     }
-    float* oj = out + j * d;
-    std::fill(oj, oj + d, 0.f);
+    float local[D ? D : 1];
+    float* acc = D ? local : out + j * d;
+    std::fill(acc, acc + d, 0.f);
     for (int64_t p = 0; p < n; ++p) {
       const float w = sj[p] / sum;
       const float* __restrict v = vrows[p];
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) oj[e] += w * v[e];
+      for (int64_t e = 0; e < d; ++e) acc[e] += w * v[e];
     }
+    if (D) std::copy(acc, acc + d, out + j * d);
   }
 }
+
+#define LLMQ_ATTEND_ROWS(name, D)                                                                                   \
+  LLMQ_CLONES void name(const float* q, int64_t group, int64_t d, const float* const* krows,                      \
+                        const float* const* vrows, int64_t n, float scale, float* sc, float* out) {              \
+    attend_rows_impl<D>(q, group, d, krows, vrows, n, scale, sc, out);                                            \
+  }
+LLMQ_ATTEND_ROWS(attend_rows_64, 64)
+LLMQ_ATTEND_ROWS(attend_rows_128, 128)
+LLMQ_ATTEND_ROWS(attend_rows_any, 0)
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& blocks,
@@ -250,7 +285,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
         ++n;
       }
       for (int64_t e = 0; e < group * d; ++e) qf[e] = static_cast<float>(qp[(b * h + g * group) * d + e]);
-      attend_rows(qf.data(), group, d, krows.data(), vrows.data(), n, scale, sc.data(), of.data());
+      const auto attend = d == 64 ? attend_rows_64 : d == 128 ? attend_rows_128 : attend_rows_any;
+      attend(qf.data(), group, d, krows.data(), vrows.data(), n, scale, sc.data(), of.data());
       for (int64_t e = 0; e < group * d; ++e) op[(b * h + g * group) * d + e] = static_cast<T>(of[e]);
     }
   });
@@ -333,12 +369,43 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
   return {q, k};
 }
 
+// decoder_layer: a whole Llama decoder layer for a decode-only step whose four projections are low-bit (the common
+// quantized CPU case), the same kernels and ATen operations in the order models/llama.py's DecoderLayer runs them,
+// without a trip through Python between them (eagerly ~25 dispatched calls a layer). linears: [codes, s, sz, bias]
+// four times (bias empty when none), bits / groups per linear. Returns the new residual stream.
+at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t i, int64_t bits, int64_t group,
+                   double eps, at::ScalarType dtype) {
+  at::Tensor y = lowbit_linear(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], bits, group, eps).to(dtype);
+  return w[4 * i + 3].numel() ? y.add_(w[4 * i + 3]) : y;
+}
+
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm, double norm_eps,
+                         const std::vector<at::Tensor>& linears, at::IntArrayRef bits, at::IntArrayRef groups,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                         const at::Tensor& slots, const at::Tensor& blocks, const at::Tensor& mask, int64_t h,
+                         int64_t hkv, double scale, double eps) {
+  TORCH_CHECK(linears.size() == 16 && bits.size() == 4 && groups.size() == 4, "decoder_layer: four linears");
+  const auto dtype = x.scalar_type();
+  const int64_t t = x.size(0), d = cos.size(-1);
+  const at::Tensor qkv = project(rms_norm(x, in_norm, norm_eps), linears, 0, bits[0], groups[0], eps, dtype);
+  const auto qk = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, h, hkv);
+  const at::Tensor a = decode_attention(qk[0], k_cache, v_cache, blocks, mask, scale);
+  const at::Tensor x1 = x + project(a.view({t, h * d}), linears, 1, bits[1], groups[1], eps, dtype);
+  const at::Tensor gu = project(rms_norm(x1, post_norm, norm_eps), linears, 2, bits[2], groups[2], eps, dtype);
+  const int64_t inter = gu.size(1) / 2;
+  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  return x1.add_(project(act, linears, 3, bits[3], groups[3], eps, dtype));
+}
+
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) -> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int h, int hkv) -> Tensor[]");
+  m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float norm_eps, Tensor[] linears, int[] bits, "
+        "int[] groups, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor blocks, "
+        "Tensor mask, int h, int hkv, float scale, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
@@ -346,4 +413,5 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("decode_attention", &decode_attention);
   m.impl("rope_kv_write", &rope_kv_write);
+  m.impl("decoder_layer", &decoder_layer);
 }

@@ -1,20 +1,26 @@
-"""llmq's own CPU kernels (cpu_kernels.cpp), for the three places where PyTorch's CPU operations, not the bytes, set a
+"""llmq's own CPU kernels (cpu_kernels.cpp), for the places where PyTorch's CPU operations, not the bytes, set a
 small model's decode step (profiled on SmolLM2-135M, one thread: 19 ms a step before, of which the INT4 / INT8
 products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies).
 
-- `lowbit_linear`, on CPUs with AVX512-VNNI: INT4 / INT8 weight-only products. PyTorch's kernels for these weights
+- `lowbit_linear`, on CPUs with AVX512-VNNI, when the engine asks for int8 activations
+  (EngineConfig.int8_activations): INT4 / INT8 weight-only products. PyTorch's kernels for these weights
   (aten._weight_int4pack_mm_for_cpu, _weight_int8pack_mm) convert every weight to floating point and multiply in
   bfloat16 / float32, ~18 G multiply-adds a second on one core here. These do what llama.cpp's Q4_0 x Q8_0 products
   do: each row's activations are rounded per block of 32 inputs to int8 (scale absmax / 127: quant.quantize_blocks)
   and the products run on integers (vpdpbusd, 64 multiply-adds an instruction), exactly, before one float scale per
   block and group: 2-4x faster at batch 1. Rounding the activations is their only error beyond the weights' own
-  (relative ~1/254 of a block's largest input); it is what serve computes on such a CPU, so what the quantize probe
-  measures there (the probe runs the runtime's layers). `reference` is that arithmetic in float64.
-- `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic.
+  (relative ~1/254 of a block's largest input, ~0.6% of a product): an approximation the quantize probe, the eval
+  and the export targets (16-bit activations) do not make, so it is opt-in and said wherever it is used.
+  `reference` is that arithmetic in float64.
+- `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic. This and the two
+  below run by default on any x86-64 CPU: they compute what the PyTorch operations compute (float32 summation
+  order aside), tested equal.
 - `rope_kv_write`: the rotary embedding of q and k and the store of k and v in their cache slots, one pass (eagerly
   ~10 operations a layer); rotary.py's arithmetic.
 - `decode_attention`: single-token queries read their paged K/V in place through the block table, where the eager
   path copies every block out (index_select) and runs SDPA with a mask; float32 scores and softmax, the same mask.
+- `decoder_layer`: a whole decoder layer of a decode-only step whose projections all run `lowbit_linear`: the same
+  kernels and ATen operations in DecoderLayer's order, without returning to Python between them (~25 calls a layer).
 
 Layout of a packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value
 (u - z) * s, in tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane (64 bytes = 16 rows x 4 inputs),
@@ -54,20 +60,26 @@ def cpu_flags() -> set[str]:
 @functools.cache
 def available() -> bool:
     """Whether the kernels are built and loaded here (built at most once a process)."""
-    if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0":
+    if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
+    for name, fake in (("lowbit_linear", _fake_linear), ("rms_norm", _fake_same), ("decode_attention", _fake_same),
+                       ("rope_kv_write", _fake_rope), ("decoder_layer", _fake_same)):
+        torch.library.register_fake(f"llmq_cpu::{name}")(fake)
+    return True
+
+
+def _build() -> bool:
+    """Build (or find built) and load the extension; False, with one warning, where that fails."""
     try:
         from torch.utils.cpp_extension import load
 
         load(name="llmq_cpu_kernels", sources=[str(Path(__file__).with_suffix(".cpp"))], is_python_module=False,
              extra_cflags=["-O3", "-fopenmp"])
     except Exception as e:  # a missing compiler / ninja, or a failed build: PyTorch's operations stay
+        lines = str(e).splitlines() or [type(e).__name__]
         log.warning("llmq: its CPU kernels could not be built (%s); using PyTorch's operations",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    next((x for x in lines if "error:" in x.lower()), lines[0])[:300])
         return False
-    for name, fake in (("lowbit_linear", _fake_linear), ("rms_norm", _fake_same), ("decode_attention", _fake_same),
-                       ("rope_kv_write", _fake_rope)):
-        torch.library.register_fake(f"llmq_cpu::{name}")(fake)
     return True
 
 
@@ -142,3 +154,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D] against the cache blocks [B, n] under mask [B, n * block_size] -> [B, H, D]."""
     return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale)
+
+
+def fused_layer_args(layer) -> tuple | None:
+    """The constant arguments of `decoder_layer` for a models.llama.DecoderLayer whose four projections run
+    `lowbit_linear` on one rank without row-parallel biases; None for any other layer (it runs op by op)."""
+    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    if not all(getattr(m, "lowbit", None) for m in linears) or layer.tp.world > 1 or \
+            layer.o_bias is not None or layer.down_bias is not None or layer.input_norm.eps != layer.post_norm.eps:
+        return None
+    empty = torch.empty(0)
+    tensors = [t for m in linears for t in (m.lb_codes, m.lb_s, m.lb_sz, m.bias if m.bias is not None else empty)]
+    return (layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, tensors,
+            [m.lowbit[0] for m in linears], [m.lowbit[1] for m in linears])
+
+
+def decoder_layer(x: torch.Tensor, fused: tuple, rope: tuple[torch.Tensor, torch.Tensor], cache, meta,
+                  num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """The layer's output residual stream for a decode-only step (fused: fused_layer_args)."""
+    return torch.ops.llmq_cpu.decoder_layer(x, *fused, *rope, cache.k, cache.v, meta.slot_mapping, meta.decode_blocks,
+                                            meta.decode_mask.view(meta.num_decode, -1), num_heads, num_kv_heads,
+                                            scale, quant.EPS)

@@ -2,13 +2,15 @@
 
 Weights stay in their low-bit form in memory; each class picks the fastest real kernel the device has. Every scale,
 grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes its quality probe with.
-- INT8 / INT4 weight-only on x86 CPUs with AVX512-VNNI: llmq's own kernels (cpu_kernels.lowbit_linear) at every
-  batch size, any group size that is a multiple of 32, with or without zero points: activations rounded to int8 per
-  block of 32 inputs, integer products, float32 out (llama.cpp's Q8_0 activations; 2-4x PyTorch's kernels at batch 1).
-- INT8 weight-only elsewhere: aten._weight_int8pack_mm (per-channel scales) for batches of up to 8 rows (decode). On
+- INT8 / INT4 weight-only with `int8_activations` (EngineConfig.int8_activations, `serve --int8-activations`) on
+  x86 CPUs with AVX512-VNNI: llmq's own kernels (cpu_kernels.lowbit_linear) at every batch size, any group size that
+  is a multiple of 32, with or without zero points: activations rounded to int8 per block of 32 inputs, integer
+  products, float32 out (llama.cpp's Q8_0 activations; 2-4x PyTorch's kernels at batch 1). Opt-in: the quantize
+  probe, eval and every export target compute with 16-bit activations, as the layers below do.
+- INT8 weight-only otherwise: aten._weight_int8pack_mm (per-channel scales) for batches of up to 8 rows (decode). On
   CPU it takes bfloat16 activations and scales and returns bfloat16, so decode steps compute with activations and
   outputs rounded to bfloat16 (2^-8 relative); larger batches dequantize into the compute dtype and use the BLAS matmul.
-- INT4 weight-only elsewhere: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
+- INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
   packing (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
   bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
   quantize probe measures (the probe runs these layers); shapes no kernel takes fall back to dequantize-on-the-fly,
@@ -151,7 +153,7 @@ class Int8WeightOnlyLinear(LinearBase):
     max_kernel_rows = 8  # above this the kernel (a GEMV per row) loses to dequantize + BLAS
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, int8_activations: bool = False):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
@@ -160,7 +162,7 @@ class Int8WeightOnlyLinear(LinearBase):
         _buffer(self, "zero", _grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.compute_dtype = compute_dtype
-        self.lowbit = _lowbit(self, q, self.scale, self.zero, 8)
+        self.lowbit = _lowbit(self, q, self.scale, self.zero, 8) if int8_activations else None
         if self.lowbit:
             for name in ("q", "scale", "zero"):
                 self._buffers.pop(name)
@@ -194,7 +196,7 @@ class Int4WeightOnlyLinear(LinearBase):
     max_kernel_rows = 32
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, int8_activations: bool = False):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
@@ -203,7 +205,7 @@ class Int4WeightOnlyLinear(LinearBase):
         self.group_size = k // scale.shape[1]
         self.compute_dtype = compute_dtype
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
-        self.lowbit = _lowbit(self, q, scale, zero, 4)
+        self.lowbit = _lowbit(self, q, scale, zero, 4) if int8_activations else None
         self.packed = None if self.lowbit else _pack_int4(q, scale, zero, self.group_size)
         if self.packed is not None:
             _buffer(self, "w_packed", self.packed[0])

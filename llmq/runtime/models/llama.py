@@ -15,6 +15,7 @@ from torch import nn
 
 from ..distributed import TPContext
 from ..kv_cache import LayerKV
+from ..layers import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store
 from ..layers.linear import LinearBase
 from ..layers.norm import RMSNorm
@@ -45,6 +46,13 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
         self.tp = tp
+        self.fused = cpu_kernels.fused_layer_args(self)  # None: this layer runs op by op
+
+    def fused_step(self, meta: AttentionMetadata, cache: LayerKV) -> bool:
+        """Whether this step runs the layer as one kernel call (cpu_kernels.decoder_layer): decodes only, a 16/32-bit
+        cache nobody observes, eagerly (a compiled step traces the layer's operations)."""
+        return self.fused is not None and not meta.prefills and cache.kv_dtype == "auto" and \
+            cache.observer is None and not torch.compiler.is_compiling()
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -52,6 +60,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused_step(meta, cache):
+            return cpu_kernels.decoder_layer(x, self.fused, rope, cache, meta, self.num_heads, self.num_kv_heads,
+                                             self.scale)
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
         q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
