@@ -369,32 +369,44 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
   return {q, k};
 }
 
-// decoder_layer: a whole Llama decoder layer for a decode-only step whose four projections are low-bit (the common
-// quantized CPU case), the same kernels and ATen operations in the order models/llama.py's DecoderLayer runs them,
-// without a trip through Python between them (eagerly ~25 dispatched calls a layer). linears: [codes, s, sz, bias]
-// four times (bias empty when none), bits / groups per linear. Returns the new residual stream.
-at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t i, int64_t bits, int64_t group,
+// decoder_layer: a whole Llama decoder layer for a decode-only step whose four projections are INT4 / INT8 (the
+// common quantized CPU case), the same kernels and ATen operations in the order models/llama.py's DecoderLayer and
+// linear.py's layers run them, without a trip through Python between them (eagerly ~25 dispatched calls a layer).
+// linears: four tensors per projection, the last its bias (empty when none); kinds (cpu_kernels.py's KIND_*):
+// 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz]; 2: PyTorch's INT4 kernel [packed, scales_zeros, -];
+// 3: PyTorch's INT8 kernel [q, scales, -]; both take and give bfloat16 (the layers' default arithmetic).
+at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t i, int64_t kind, int64_t group,
                    double eps, at::ScalarType dtype) {
-  at::Tensor y = lowbit_linear(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], bits, group, eps).to(dtype);
-  return w[4 * i + 3].numel() ? y.add_(w[4 * i + 3]) : y;
+  const at::Tensor &a = w[4 * i], &b = w[4 * i + 1], &c = w[4 * i + 2], &bias = w[4 * i + 3];
+  at::Tensor y;
+  if (kind <= 1) {
+    y = lowbit_linear(x, a, b, c, kind == 0 ? 4 : 8, group, eps);
+  } else if (kind == 2) {
+    y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), a, group, b);
+  } else {
+    TORCH_CHECK(kind == 3, "decoder_layer: unknown linear kind ", kind);
+    y = at::_weight_int8pack_mm(x.to(at::kBFloat16).contiguous(), a, b);
+  }
+  y = y.to(dtype);
+  return bias.numel() ? y + bias : y;
 }
 
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm, double norm_eps,
-                         const std::vector<at::Tensor>& linears, at::IntArrayRef bits, at::IntArrayRef groups,
+                         const std::vector<at::Tensor>& linears, at::IntArrayRef kinds, at::IntArrayRef groups,
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slots, const at::Tensor& blocks, const at::Tensor& mask, int64_t h,
                          int64_t hkv, double scale, double eps) {
-  TORCH_CHECK(linears.size() == 16 && bits.size() == 4 && groups.size() == 4, "decoder_layer: four linears");
+  TORCH_CHECK(linears.size() == 16 && kinds.size() == 4 && groups.size() == 4, "decoder_layer: four linears");
   const auto dtype = x.scalar_type();
   const int64_t t = x.size(0), d = cos.size(-1);
-  const at::Tensor qkv = project(rms_norm(x, in_norm, norm_eps), linears, 0, bits[0], groups[0], eps, dtype);
+  const at::Tensor qkv = project(rms_norm(x, in_norm, norm_eps), linears, 0, kinds[0], groups[0], eps, dtype);
   const auto qk = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, h, hkv);
   const at::Tensor a = decode_attention(qk[0], k_cache, v_cache, blocks, mask, scale);
-  const at::Tensor x1 = x + project(a.view({t, h * d}), linears, 1, bits[1], groups[1], eps, dtype);
-  const at::Tensor gu = project(rms_norm(x1, post_norm, norm_eps), linears, 2, bits[2], groups[2], eps, dtype);
+  const at::Tensor x1 = x + project(a.view({t, h * d}), linears, 1, kinds[1], groups[1], eps, dtype);
+  const at::Tensor gu = project(rms_norm(x1, post_norm, norm_eps), linears, 2, kinds[2], groups[2], eps, dtype);
   const int64_t inter = gu.size(1) / 2;
   const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
-  return x1.add_(project(act, linears, 3, bits[3], groups[3], eps, dtype));
+  return x1.add_(project(act, linears, 3, kinds[3], groups[3], eps, dtype));
 }
 
 TORCH_LIBRARY(llmq_cpu, m) {
@@ -403,7 +415,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) -> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int h, int hkv) -> Tensor[]");
-  m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float norm_eps, Tensor[] linears, int[] bits, "
+  m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float norm_eps, Tensor[] linears, int[] kinds, "
         "int[] groups, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor blocks, "
         "Tensor mask, int h, int hkv, float scale, float eps) -> Tensor");
 }

@@ -19,8 +19,9 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
   ~10 operations a layer); rotary.py's arithmetic.
 - `decode_attention`: single-token queries read their paged K/V in place through the block table, where the eager
   path copies every block out (index_select) and runs SDPA with a mask; float32 scores and softmax, the same mask.
-- `decoder_layer`: a whole decoder layer of a decode-only step whose projections all run `lowbit_linear`: the same
-  kernels and ATen operations in DecoderLayer's order, without returning to Python between them (~25 calls a layer).
+- `decoder_layer`: a whole decoder layer of a decode-only step whose projections are INT4 / INT8 (with or without
+  int8 activations): the same kernels and ATen operations in DecoderLayer's order, without returning to Python
+  between them (~25 calls a layer).
 
 Layout of a packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value
 (u - z) * s, in tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane (64 bytes = 16 rows x 4 inputs),
@@ -156,22 +157,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale)
 
 
-def fused_layer_args(layer) -> tuple | None:
-    """The constant arguments of `decoder_layer` for a models.llama.DecoderLayer whose four projections run
-    `lowbit_linear` on one rank without row-parallel biases; None for any other layer (it runs op by op)."""
+KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK = range(4)  # decoder_layer's linear kinds (see the .cpp)
+
+
+def fused_layer_args(layer) -> tuple[tuple, int] | None:
+    """(the constant arguments of `decoder_layer`, the most decodes a step may hold) for a models.llama.DecoderLayer
+    whose four projections are INT4 / INT8 layers with a kernel for decode batches (their `fused_spec`), on one rank
+    without row-parallel biases; None for any other layer (it runs op by op)."""
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    if not all(getattr(m, "lowbit", None) for m in linears) or layer.tp.world > 1 or \
-            layer.o_bias is not None or layer.down_bias is not None or layer.input_norm.eps != layer.post_norm.eps:
+    specs = [getattr(m, "fused_spec", lambda: None)() for m in linears]
+    if not all(specs) or not usable(layer.input_norm.weight) or layer.tp.world > 1 or layer.o_bias is not None or \
+            layer.down_bias is not None or layer.input_norm.eps != layer.post_norm.eps:
         return None
     empty = torch.empty(0)
-    tensors = [t for m in linears for t in (m.lb_codes, m.lb_s, m.lb_sz, m.bias if m.bias is not None else empty)]
-    return (layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, tensors,
-            [m.lowbit[0] for m in linears], [m.lowbit[1] for m in linears])
+    tensors = [t for (_, ts, _, _), m in zip(specs, linears)
+               for t in (*ts, *[empty] * (3 - len(ts)), m.bias if m.bias is not None else empty)]
+    args = (layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, tensors,
+            [kind for kind, *_ in specs], [group for _, _, group, _ in specs])
+    return args, min(rows for *_, rows in specs)
 
 
 def decoder_layer(x: torch.Tensor, fused: tuple, rope: tuple[torch.Tensor, torch.Tensor], cache, meta,
                   num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
-    """The layer's output residual stream for a decode-only step (fused: fused_layer_args)."""
+    """The layer's output residual stream for a decode-only step (fused: fused_layer_args' arguments)."""
     return torch.ops.llmq_cpu.decoder_layer(x, *fused, *rope, cache.k, cache.v, meta.slot_mapping, meta.decode_blocks,
                                             meta.decode_mask.view(meta.num_decode, -1), num_heads, num_kv_heads,
                                             scale, quant.EPS)

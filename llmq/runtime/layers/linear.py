@@ -177,6 +177,14 @@ class Int8WeightOnlyLinear(LinearBase):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(_kernel_input(x, self._kdtype), self.q, self.kscale)
 
+    def fused_spec(self) -> tuple | None:
+        """(kind, tensors, group, most rows) for cpu_kernels.decoder_layer: what forward runs on a decode batch."""
+        if self.lowbit:
+            return _lowbit_spec(self)
+        if self.kernel and self.q.device.type == "cpu":
+            return cpu_kernels.KIND_INT8PACK, (self.q, self.kscale), 0, self.max_kernel_rows
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -219,6 +227,14 @@ class Int4WeightOnlyLinear(LinearBase):
             for name in ("w_packed", "scales_zeros"):
                 self._buffers.pop(name, None)
 
+    def fused_spec(self) -> tuple | None:
+        """(kind, tensors, group, most rows) for cpu_kernels.decoder_layer: what forward runs on a decode batch."""
+        if self.lowbit:
+            return _lowbit_spec(self)
+        if self.packed and self.w_packed.device.type == "cpu":
+            return cpu_kernels.KIND_INT4PACK, (self.w_packed, self.scales_zeros), self.group_size, self.max_kernel_rows
+        return None
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         x = _kernel_input(x, self._kdtype)
         if x.device.type == "cpu":
@@ -250,6 +266,13 @@ def _lowbit(layer: LinearBase, q: torch.Tensor, scale: torch.Tensor, zero: torch
     for name, t in zip(("lb_codes", "lb_s", "lb_sz"), cpu_kernels.pack(q, scale, zero, bits)):
         _buffer(layer, name, t)
     return bits, group
+
+
+def _lowbit_spec(layer: LinearBase) -> tuple:
+    """fused_spec of a layer on the low-bit kernels: any number of rows."""
+    bits, group = layer.lowbit
+    kind = cpu_kernels.KIND_LOWBIT4 if bits == 4 else cpu_kernels.KIND_LOWBIT8
+    return kind, (layer.lb_codes, layer.lb_s, layer.lb_sz), group, 1 << 30
 
 
 def _lowbit_mm(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:

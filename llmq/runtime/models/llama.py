@@ -46,13 +46,14 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
         self.tp = tp
-        self.fused = cpu_kernels.fused_layer_args(self)  # None: this layer runs op by op
+        fused = cpu_kernels.fused_layer_args(self)  # None: this layer runs op by op
+        self.fused, self.fused_rows = fused if fused is not None else (None, 0)
 
     def fused_step(self, meta: AttentionMetadata, cache: LayerKV) -> bool:
         """Whether this step runs the layer as one kernel call (cpu_kernels.decoder_layer): decodes only, a 16/32-bit
         cache nobody observes, eagerly (a compiled step traces the layer's operations)."""
-        return self.fused is not None and not meta.prefills and cache.kv_dtype == "auto" and \
-            cache.observer is None and not torch.compiler.is_compiling()
+        return self.fused is not None and not meta.prefills and meta.num_decode <= self.fused_rows and \
+            cache.kv_dtype == "auto" and cache.observer is None and not torch.compiler.is_compiling()
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.tp.all_reduce(y)
