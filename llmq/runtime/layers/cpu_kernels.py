@@ -98,8 +98,9 @@ def _fake_rope(qkv, cos, sin, k_cache, v_cache, slots, h, hkv):
 
 
 def usable(t: torch.Tensor) -> bool:
-    """Whether the kernels serve this tensor's device."""
-    return t.device.type == "cpu" and available()
+    """Whether the kernels serve this tensor's device; not inside a compiled graph (inductor fuses the PyTorch
+    operations there itself, and a cached availability check is nothing dynamo should trace)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and available()
 
 
 def lowbit_fits(n: int, k: int, group: int) -> bool:

@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
         """Whether this step runs the layer as one kernel call (cpu_kernels.decoder_layer): decodes only, a 16/32-bit
         cache nobody observes, eagerly (a compiled step traces the layer's operations)."""
         return self.fused is not None and not meta.prefills and meta.num_decode <= self.fused_rows and \
-            cache.kv_dtype == "auto" and cache.observer is None and not torch.compiler.is_compiling()
+            cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(cache.k)
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.tp.all_reduce(y)
