@@ -227,7 +227,8 @@ def llmq_quality(paths: dict[str, Path], base, text: str, threads: int, int8_act
     cfg = dict(max_num_seqs=1, max_num_batched_tokens=base.n_ctx, max_model_len=base.n_ctx,
                enable_prefix_caching=False)
     runs = [(label, path, False) for label, path in paths.items()]  # bf16 first
-    runs += [(f"{label} +int8-act", path, True) for label, path in paths.items() if int8_activations and label != "bf16"]
+    runs += [(f"{label} +int8-act", path, True) for label, path in paths.items()
+             if int8_activations and label != "bf16"]
     ref, out, chs, info = [], {}, None, {}
     for label, path, a8 in runs:
         engine = LLMEngine(path, EngineConfig(**cfg, int8_activations=a8))

@@ -58,8 +58,8 @@ from .options import stage_options
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
-          int8_activations, served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size, drain_timeout,
-          log_level, opts):
+          int8_activations, served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size,
+          drain_timeout, log_level, opts):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes

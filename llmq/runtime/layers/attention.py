@@ -36,8 +36,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV, meta: AttentionMetadata,
-                     num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
+                     meta: AttentionMetadata, num_heads: int, num_kv_heads: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k (rotated) and v of the fused qkv rows [T, (H + 2 Hkv) D], k and v stored at their cache slots: on CPU with
     a 16/32-bit cache nobody observes, in one pass by llmq's kernel; else apply_rotary, then LayerKV.write."""
     t, d = qkv.shape[0], rope[0].shape[-1]
@@ -76,7 +77,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
 
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All decodes at once: on CPU with a 16/32-bit cache llmq's kernel reads the blocks in place, else `_decode_sdpa`."""
+    """All decodes at once: on CPU with a 16/32-bit cache llmq's kernel reads the blocks in place, else
+    `_decode_sdpa`."""
     bd = meta.num_decode
     if cache.kv_dtype == "auto" and cpu_kernels.usable(q):
         return cpu_kernels.decode_attention(q[:bd], cache.k, cache.v, meta.decode_blocks,

@@ -3,7 +3,8 @@
 //
 // lowbit_linear: INT4 / INT8 weights x INT8 activations on AVX512-VNNI (compiled for it with target attributes, called
 // only where the CPU has it):
-// y[m, n] = sum_g s[n, g] * (sum_{b in g} d[m, b] * dot_b(u[n, :], xq[m, :]) - z[n, g] * sum_{b in g} d[m, b] * sumq[m, b])
+// y[m, n] = sum_g s[n, g] * (sum_{b in g} d[m, b] * dot_b(u[n, :], xq[m, :])
+//                             - z[n, g] * sum_{b in g} d[m, b] * sumq[m, b])
 // with u the unsigned weight codes, xq the activations rounded per block of 32 inputs to int8 with scale d
 // (absmax / 127, as llmq.quant computes it), and dot_b the exact integer dot product of block b (vpdpbusd).
 
@@ -151,8 +152,9 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t c, float 
       T* yr = y + r * c;
       for (int64_t i = 0; i < c; ++i) {
         const float h = static_cast<float>(xr[i]) * inv;
-        yr[i] = std::is_same_v<T, float> ? static_cast<T>(h * static_cast<float>(w[i]))
-                                         : static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(h)));
+        const float wi = static_cast<float>(w[i]);
+        yr[i] = std::is_same_v<T, float> ? static_cast<T>(h * wi)
+                                         : static_cast<T>(wi * static_cast<float>(static_cast<T>(h)));
       }
     }
   });
@@ -279,7 +281,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
         } else {  // 16-bit caches: the visible rows in float32 first
           float* kf = conv.data() + 2 * n * d;
           float* vf = kf + d;
-          for (int64_t e = 0; e < d; ++e) kf[e] = static_cast<float>(kp[at + e]), vf[e] = static_cast<float>(vp[at + e]);
+          for (int64_t e = 0; e < d; ++e) {
+            kf[e] = static_cast<float>(kp[at + e]);
+            vf[e] = static_cast<float>(vp[at + e]);
+          }
           krows[n] = kf;
           vrows[n] = vf;
         }
@@ -413,7 +418,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const a
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
+        "-> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int h, int hkv) -> Tensor[]");
   m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float norm_eps, Tensor[] linears, int[] kinds, "
