@@ -81,7 +81,7 @@ def quantize_tokens(x: torch.Tensor, input_scale: torch.Tensor | None, fp8: bool
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] on the int8 grid per block of `block` inputs (integer values as float32) and the scales [M, K / block]
-    (absmax / 127): the activations of the CPU low-bit kernels (runtime/layers/lowbit_cpu), as llama.cpp's Q8_0."""
+    (absmax / 127): the activations of the CPU low-bit kernels (runtime/layers/cpu_kernels), as llama.cpp's Q8_0."""
     m, k = x.shape
     xb = x.float().view(m, k // block, block)
     s = absmax_scale(xb.abs().amax(-1, keepdim=True), fp8=False)

@@ -49,13 +49,15 @@ _VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 log = logging.getLogger(__name__)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere); read once, not once a layer."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+        return frozenset()
+    return next((frozenset(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")),
+                frozenset())
 
 
 @functools.cache
