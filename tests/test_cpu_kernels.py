@@ -43,10 +43,15 @@ def _weight(bits: int, n: int, k: int, group: int, asym: bool, gen: torch.Genera
 @pytest.mark.parametrize("bits,n,k,group,asym", [(4, 96, 576, 64, False), (4, 64, 256, 32, True),
                                                  (4, 48, 384, 128, False), (8, 80, 1536, 1536, False),
                                                  (8, 32, 256, 64, True)])
-def test_lowbit_linear_equals_its_float64_arithmetic(bits, n, k, group, asym):
+@pytest.mark.parametrize("bf16_scales", [False, True])
+def test_lowbit_linear_equals_its_float64_arithmetic(bits, n, k, group, asym, bf16_scales):
     gen = torch.Generator().manual_seed(1000 * bits + n)
     q, scale, zero = _weight(bits, n, k, group, asym, gen)
+    if bf16_scales:  # as llmq's artifacts store them: packed as bfloat16, exactly
+        scale = scale.bfloat16().float()
     packed = cpu_kernels.pack(q, scale, zero, bits)
+    assert packed[1].dtype == (torch.bfloat16 if bf16_scales else torch.float32)
+    assert packed[2].numel() == (packed[1].numel() if asym else 0)  # symmetric: no zero-point term stored
     exact_w = quant.dequantize(q, scale, zero, torch.float64)
     for m in (1, 5, 37):
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)  # uneven channels
@@ -102,7 +107,8 @@ def _cache(dtype, gen, layers=1, head_dim=64):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window,head_dim", [(None, 64), (21, 64), (None, 128), (None, 40)])  # 64 / 128: own code
+@pytest.mark.parametrize("window,head_dim", [(None, 64), (21, 64), (None, 128), (None, 96), (None, 40)])
+# 64 / 128: specialised code; 96: any multiple of 16; 40: the scalar loops
 def test_decode_attention_equals_sdpa(dtype, window, head_dim):
     gen = torch.Generator().manual_seed(11)
     (cache,) = _cache(dtype, gen, head_dim=head_dim)

@@ -71,9 +71,22 @@ LLMQ_VNNI inline __m512i block_dot(const uint8_t*& w, const int8_t* xq) {
   return _mm512_add_epi32(a0, a1);
 }
 
-template <int Bits>
-LLMQ_VNNI void tile_row(const uint8_t* w, const float* s, const float* sz, const int8_t* xq, const float* d,
-              const float* dsg, int64_t k, int64_t group, float* y) {
+// 16 scales of a tile as float32: stored as float32, or as bfloat16 (uint16 bits) where that holds them exactly.
+template <typename S>
+LLMQ_VNNI inline __m512 load_scales(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One row's outputs for one tile of 16 rows. Zero points: sz (s * z per group) or, where every z is the codes'
+// offset (symmetric weights), that constant: acc += s * (dot - z * sum(xq)).
+template <int Bits, typename S, bool Zeros>
+LLMQ_VNNI void tile_row(const uint8_t* w, const S* s, const float* sz, float zconst, const int8_t* xq, const float* d,
+                        const float* dsg, int64_t k, int64_t group, float* y) {
   const int64_t groups = k / group, blocks = group / kBlock;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -81,20 +94,59 @@ LLMQ_VNNI void tile_row(const uint8_t* w, const float* s, const float* sz, const
     for (int64_t b = 0; b < blocks; ++b, xq += kBlock, ++d) {
       gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot<Bits>(w, xq)), _mm512_set1_ps(*d), gacc);
     }
-    acc = _mm512_fmadd_ps(gacc, _mm512_loadu_ps(s + g * kTile), acc);
-    acc = _mm512_fnmadd_ps(_mm512_loadu_ps(sz + g * kTile), _mm512_set1_ps(dsg[g]), acc);
+    const __m512 sg = load_scales(s + g * kTile);
+    if constexpr (Zeros) {
+      acc = _mm512_fmadd_ps(gacc, sg, acc);
+      acc = _mm512_fnmadd_ps(_mm512_loadu_ps(sz + g * kTile), _mm512_set1_ps(dsg[g]), acc);
+    } else {
+      acc = _mm512_fmadd_ps(_mm512_sub_ps(gacc, _mm512_set1_ps(zconst * dsg[g])), sg, acc);
+    }
   }
   _mm512_storeu_ps(y, acc);
 }
 
+template <int Bits, typename S, bool Zeros>
+void tiles_rows(const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz, const at::Tensor& xq,
+                const at::Tensor& d, const at::Tensor& dsg, int64_t group, at::Tensor& y) {
+  const int64_t m = xq.size(0), k = xq.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  const int64_t tile_bytes = kTile * k * Bits / 8;
+  const auto* wp = w.data_ptr<uint8_t>();
+  const S* sp = reinterpret_cast<const S*>(s.data_ptr());
+  const float* zp = Zeros ? sz.data_ptr<float>() : nullptr;
+  const float zconst = 1 << (Bits - 1);
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t r = 0; r < m; ++r) {
+        tile_row<Bits, S, Zeros>(wp + t * tile_bytes, sp + t * groups * kTile, Zeros ? zp + t * groups * kTile : nullptr,
+                                 zconst, xq.data_ptr<int8_t>() + r * k, d.data_ptr<float>() + r * (k / kBlock),
+                                 dsg.data_ptr<float>() + r * groups, k, group, y.data_ptr<float>() + r * n + t * kTile);
+      }
+    }
+  });
+}
+
+template <int Bits>
+void tiles_any(const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz, const at::Tensor& xq,
+               const at::Tensor& d, const at::Tensor& dsg, int64_t group, at::Tensor& y) {
+  const bool bf16 = s.scalar_type() == at::kBFloat16, zeros = sz.numel() > 0;
+  if (bf16 && zeros) tiles_rows<Bits, uint16_t, true>(w, s, sz, xq, d, dsg, group, y);
+  else if (bf16) tiles_rows<Bits, uint16_t, false>(w, s, sz, xq, d, dsg, group, y);
+  else if (zeros) tiles_rows<Bits, float, true>(w, s, sz, xq, d, dsg, group, y);
+  else tiles_rows<Bits, float, false>(w, s, sz, xq, d, dsg, group, y);
+}
+
+// s: [tiles, groups, 16] float32 or bfloat16; sz: s * z in float32 of that shape, or empty where every zero point is
+// the codes' offset 2^(bits - 1) (symmetric weights: half or less of the scale bytes a step reads).
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz,
                          int64_t bits, int64_t group, double eps) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
               __builtin_cpu_supports("avx512vl"), "lowbit_linear needs a CPU with AVX512-VNNI");
   TORCH_CHECK(bits == 4 || bits == 8, "lowbit_linear: bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "lowbit_linear: x must be a 2-D CPU tensor");
-  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && sz.dtype() == at::kFloat &&
-              w.is_contiguous() && s.is_contiguous() && sz.is_contiguous(), "lowbit_linear: bad packed weight");
+  TORCH_CHECK(w.dtype() == at::kByte && (s.dtype() == at::kFloat || s.dtype() == at::kBFloat16) && s.dim() == 3 &&
+              s.size(2) == kTile && w.is_contiguous() && s.is_contiguous() && sz.is_contiguous() &&
+              (sz.numel() == 0 || (sz.dtype() == at::kFloat && sz.sizes() == s.sizes())),
+              "lowbit_linear: bad packed weight");
   const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
   TORCH_CHECK(k % kBlock == 0 && group % kBlock == 0 && groups * group == k, "lowbit_linear: K=", k,
               " does not fit groups of ", group);
@@ -117,22 +169,8 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
       }
     }
   });
-  const auto* wp = w.data_ptr<uint8_t>();
-  const int64_t tile_bytes = kTile * k * bits / 8;
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      for (int64_t r = 0; r < m; ++r) {
-        auto* row_y = y.data_ptr<float>() + r * n + t * kTile;
-        const auto* xr = xq.data_ptr<int8_t>() + r * k;
-        const auto* dr = d.data_ptr<float>() + r * (k / kBlock);
-        const auto* gr = dsg.data_ptr<float>() + r * groups;
-        const float* st = s.data_ptr<float>() + t * groups * kTile;
-        const float* zt = sz.data_ptr<float>() + t * groups * kTile;
-        if (bits == 4) tile_row<4>(wp + t * tile_bytes, st, zt, xr, dr, gr, k, group, row_y);
-        else tile_row<8>(wp + t * tile_bytes, st, zt, xr, dr, gr, k, group, row_y);
-      }
-    }
-  });
+  if (bits == 4) tiles_any<4>(w, s, sz, xq, d, dsg, group, y);
+  else tiles_any<8>(w, s, sz, xq, d, dsg, group, y);
   return y;
 }
 
@@ -179,23 +217,32 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // are cloned for AVX-512 / AVX2 and picked at load time (the file is otherwise built for any x86-64).
 #define LLMQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
-// 16 independent partial sums: vectorised without reassociating (no -ffast-math needed).
-inline float dot16(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float part[16] = {};
-  int64_t e = 0;
-  for (; e + 16 <= n; e += 16) {
-    for (int l = 0; l < 16; ++l) part[l] += a[e + l] * b[e + l];
-  }
-  for (; e < n; ++e) part[0] += a[e] * b[e];
-  float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += part[l];
-  return s;
+#define LLMQ_INLINE __attribute__((always_inline)) inline  // compiled inside each clone, for its target
+
+// 16 floats as one value (GCC's vector extension): one zmm register in the AVX-512 clone, two ymm in the AVX2 one,
+// four xmm in the baseline, so each clone vectorises without intrinsics and without -ffast-math.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+LLMQ_INLINE f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The sum of the 16 lanes in a tree (four shuffles and adds; a sequential sum is a chain of 16 dependent additions).
+LLMQ_INLINE float sum16(f32x16 v) {
+  v += __builtin_shuffle(v, i32x16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, i32x16{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, i32x16{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+  v += __builtin_shuffle(v, i32x16{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+  return v[0];
 }
 
 // exp(x) for x <= 0 (scores minus their maximum) in straight-line float arithmetic, so the softmax loop vectorises
 // (a call to expf does not): 2^n * p(r), r = x - n ln2 split in two parts, p Cephes' degree-7 expf polynomial
 // (relative error ~1e-7, like expf's); below -87 (e^-87 ~ 1e-38) it returns 0.
-inline float exp_nonpositive(float x) {
+LLMQ_INLINE float exp_nonpositive(float x) {
   const float t = x * 1.44269504088896341f;
   const float n = (t + 12582912.f) - 12582912.f;  // round to nearest (|t| < 2^22)
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -212,36 +259,66 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+// Scores to probabilities in place (sj[n]); returns 1 / their sum.
+LLMQ_INLINE float softmax_unnormalised(float* sj, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sj[p]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t p = 0; p < n; ++p) {
+    sj[p] = exp_nonpositive(sj[p] - mx);
+    sum += sj[p];
+  }
+  return 1.f / sum;
+}
+
+constexpr int64_t kMaxHead = 256;  // the largest head size the vector path holds in its accumulators
+
 // One KV head's `group` query heads (q [group, d]) over n visible rows: out [group, d]; sc: scratch [group, n].
-// D: the head size as a compile-time constant (64, 128: the accumulators stay in registers), 0 for any other.
+// D: the head size as a compile-time constant (64, 128: q and the accumulators stay in registers); 0: d, any
+// multiple of 16 up to kMaxHead.
 template <int D>
-__attribute__((always_inline)) inline void attend_rows_impl(const float* q, int64_t group, int64_t d_any,
+LLMQ_INLINE void attend_rows_impl(const float* q, int64_t group, int64_t d_any,
                                                             const float* const* krows, const float* const* vrows,
                                                             int64_t n, float scale, float* sc, float* out) {
-  const int64_t d = D ? D : d_any;
-  for (int64_t p = 0; p < n; ++p) {
-    for (int64_t j = 0; j < group; ++j) sc[j * n + p] = dot16(q + j * d, krows[p], d) * scale;
+  const int64_t d = D ? D : d_any, c = d / 16;
+  for (int64_t j = 0; j < group; ++j) {
+    f32x16 qj[D ? D / 16 : kMaxHead / 16];
+    for (int64_t i = 0; i < c; ++i) qj[i] = load16(q + j * d + 16 * i);
+    float* sj = sc + j * n;
+    for (int64_t p = 0; p < n; ++p) {
+      f32x16 s = qj[0] * load16(krows[p]);
+      for (int64_t i = 1; i < c; ++i) s += qj[i] * load16(krows[p] + 16 * i);
+      sj[p] = sum16(s) * scale;
+    }
+    const float inv = softmax_unnormalised(sj, n);
+    f32x16 acc[D ? D / 16 : kMaxHead / 16] = {};
+    for (int64_t p = 0; p < n; ++p) {
+      const float w = sj[p] * inv;
+      for (int64_t i = 0; i < c; ++i) acc[i] += w * load16(vrows[p] + 16 * i);
+    }
+    std::memcpy(out + j * d, acc, d * sizeof(float));
   }
+}
+
+// Any other head size, scalar (a vectorising compiler does what it can).
+LLMQ_INLINE void attend_rows_scalar(const float* q, int64_t group, int64_t d, const float* const* krows,
+                               const float* const* vrows, int64_t n, float scale, float* sc, float* out) {
   for (int64_t j = 0; j < group; ++j) {
     float* sj = sc + j * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sj[p]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
     for (int64_t p = 0; p < n; ++p) {
-      sj[p] = exp_nonpositive(sj[p] - mx);
-      sum += sj[p];
+      float s = 0.f;
+      for (int64_t e = 0; e < d; ++e) s += q[j * d + e] * krows[p][e];
+      sj[p] = s * scale;
     }
-    float local[D ? D : 1];
-    float* acc = D ? local : out + j * d;
+    const float inv = softmax_unnormalised(sj, n);
+    float* acc = out + j * d;
     std::fill(acc, acc + d, 0.f);
     for (int64_t p = 0; p < n; ++p) {
-      const float w = sj[p] / sum;
-      const float* __restrict v = vrows[p];
-#pragma omp simd
-      for (int64_t e = 0; e < d; ++e) acc[e] += w * v[e];
+      const float w = sj[p] * inv;
+      for (int64_t e = 0; e < d; ++e) acc[e] += w * vrows[p][e];
     }
-    if (D) std::copy(acc, acc + d, out + j * d);
   }
 }
 
@@ -252,7 +329,11 @@ __attribute__((always_inline)) inline void attend_rows_impl(const float* q, int6
   }
 LLMQ_ATTEND_ROWS(attend_rows_64, 64)
 LLMQ_ATTEND_ROWS(attend_rows_128, 128)
-LLMQ_ATTEND_ROWS(attend_rows_any, 0)
+LLMQ_ATTEND_ROWS(attend_rows_16k, 0)
+LLMQ_CLONES void attend_rows_any(const float* q, int64_t group, int64_t d, const float* const* krows,
+                                 const float* const* vrows, int64_t n, float scale, float* sc, float* out) {
+  attend_rows_scalar(q, group, d, krows, vrows, n, scale, sc, out);
+}
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& blocks,
@@ -272,26 +353,31 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / hkv, g = i % hkv;
       int64_t n = 0;
-      for (int64_t p = 0; p < len; ++p) {
-        if (!mp[b * len + p]) continue;
-        const int64_t at = ((bt[b * nblk + p / bs] * bs + p % bs) * hkv + g) * d;
-        if constexpr (f32) {
-          krows[n] = kp + at;
-          vrows[n] = vp + at;
-        } else {  // 16-bit caches: the visible rows in float32 first
-          float* kf = conv.data() + 2 * n * d;
-          float* vf = kf + d;
-          for (int64_t e = 0; e < d; ++e) {
-            kf[e] = static_cast<float>(kp[at + e]);
-            vf[e] = static_cast<float>(vp[at + e]);
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const bool* visible = mp + b * len + blk * bs;
+        const int64_t base = (bt[b * nblk + blk] * bs * hkv + g) * d;
+        for (int64_t o = 0; o < bs; ++o) {
+          if (!visible[o]) continue;
+          const int64_t at = base + o * hkv * d;
+          if constexpr (f32) {
+            krows[n] = kp + at;
+            vrows[n] = vp + at;
+          } else {  // 16-bit caches: the visible rows in float32 first
+            float* kf = conv.data() + 2 * n * d;
+            float* vf = kf + d;
+            for (int64_t e = 0; e < d; ++e) {
+              kf[e] = static_cast<float>(kp[at + e]);
+              vf[e] = static_cast<float>(vp[at + e]);
+            }
+            krows[n] = kf;
+            vrows[n] = vf;
           }
-          krows[n] = kf;
-          vrows[n] = vf;
+          ++n;
         }
-        ++n;
       }
       for (int64_t e = 0; e < group * d; ++e) qf[e] = static_cast<float>(qp[(b * h + g * group) * d + e]);
-      const auto attend = d == 64 ? attend_rows_64 : d == 128 ? attend_rows_128 : attend_rows_any;
+      const auto attend = d == 64 ? attend_rows_64 : d == 128 ? attend_rows_128
+                        : d % 16 == 0 && d <= kMaxHead ? attend_rows_16k : attend_rows_any;
       attend(qf.data(), group, d, krows.data(), vrows.data(), n, scale, sc.data(), of.data());
       for (int64_t e = 0; e < group * d; ++e) op[(b * h + g * group) * d + e] = static_cast<T>(of[e]);
     }

@@ -25,7 +25,9 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
 
 Layout of a packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value
 (u - z) * s, in tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane (64 bytes = 16 rows x 4 inputs),
-INT4 8 (low nibbles inputs 0-3, high nibbles 4-7). s and s * z per (tile, group, row) in float32.
+INT4 8 (low nibbles inputs 0-3, high nibbles 4-7). s per (tile, group, row) in bfloat16 where that holds every scale
+exactly (llmq's artifacts store bfloat16 scales), else float32; s * z likewise in float32, or nothing where every z
+is the codes' offset 2^(bits - 1) (symmetric weights): 2 bytes a group and row where there were 8.
 
 Built on first use with PyTorch's extension builder (a C++ compiler and ninja; ~15 s, then cached under
 TORCH_EXTENSIONS_DIR). Where the build fails the layers keep PyTorch's operations (one warning); LLMQ_CPU_KERNELS=0
@@ -112,7 +114,8 @@ def lowbit_fits(n: int, k: int, group: int) -> bool:
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, s, s * z) in the kernels' layout for q [N, K] with scale / zero [N, G] (value (q - zero) * scale)."""
+    """(codes, s, s * z or empty) in the kernels' layout for q [N, K] with scale / zero [N, G] (value
+    (q - zero) * scale)."""
     n, k = q.shape
     g = scale.shape[1]
     offset = 1 << (bits - 1) if int(q.min()) < 0 else 0
@@ -124,8 +127,12 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: 
         codes = u.view(n // TILE, TILE, k // 8, 4).permute(0, 2, 1, 3)
     else:
         codes = u.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
-    tiles = lambda t: t.float().reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()  # noqa: E731
-    return codes.contiguous().view(-1), tiles(scale), tiles(scale.float() * z)
+    tiles = lambda t: t.reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()  # noqa: E731
+    scale = scale.float()
+    exact16 = scale.to(torch.bfloat16)
+    s = tiles(exact16 if torch.equal(exact16.float(), scale) else scale)
+    sz = torch.empty(0) if bool((z == 1 << (bits - 1)).all()) else tiles(scale * z)
+    return codes.contiguous().view(-1), s, sz
 
 
 def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, sz: torch.Tensor, bits: int,
