@@ -5,6 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llmq import quant
 from llmq.models.spec import attends
@@ -96,6 +97,17 @@ def test_rms_norm_equals_eager(dtype):
     assert got.shape == want.shape and got.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: at most a last-bit difference of the rounding
     assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_eager(dtype):
+    gu = (torch.randn(5, 2 * 200, generator=torch.Generator().manual_seed(3)) * 6).to(dtype)  # both signs, tails
+    g, u = gu.chunk(2, dim=-1)
+    want = F.silu(g.clone()).mul_(u)  # what DecoderLayer computes op by op
+    got = cpu_kernels.silu_mul(gu)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # own exp (~1e-7); 16-bit: at most a rounding step apart
+    assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()) < tol
 
 
 def _cache(dtype, gen, layers=1, head_dim=64):

@@ -12,13 +12,14 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
   (relative ~1/254 of a block's largest input, ~0.6% of a product): an approximation the quantize probe, the eval
   and the export targets (16-bit activations) do not make, so it is opt-in and said wherever it is used.
   `reference` is that arithmetic in float64.
-- `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic. This and the two
+- `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic. This and the three
   below run by default on any x86-64 CPU: they compute what the PyTorch operations compute (float32 summation
   order aside), tested equal.
 - `rope_kv_write`: the rotary embedding of q and k and the store of k and v in their cache slots, one pass (eagerly
   ~10 operations a layer); rotary.py's arithmetic.
 - `decode_attention`: single-token queries read their paged K/V in place through the block table, where the eager
   path copies every block out (index_select) and runs SDPA with a mask; float32 scores and softmax, the same mask.
+- `silu_mul`: the MLP's silu(gate) * up in one pass (three operations eagerly).
 - `decoder_layer`: a whole decoder layer of a decode-only step whose projections are INT4 / INT8 (with or without
   int8 activations): the same kernels and ATen operations in DecoderLayer's order, without returning to Python
   between them (~25 calls a layer).
@@ -67,8 +68,8 @@ def available() -> bool:
     """Whether the kernels are built and loaded here (built at most once a process)."""
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
-    for name, fake in (("lowbit_linear", _fake_linear), ("rms_norm", _fake_same), ("decode_attention", _fake_same),
-                       ("rope_kv_write", _fake_rope), ("decoder_layer", _fake_same)):
+    for name, fake in (("lowbit_linear", _fake_linear), ("rms_norm", _fake_same), ("silu_mul", _fake_half),
+                       ("decode_attention", _fake_same), ("rope_kv_write", _fake_rope), ("decoder_layer", _fake_same)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
     return True
 
@@ -94,6 +95,10 @@ def _fake_linear(x, w, s, sz, bits, group, eps):
 
 def _fake_same(x, *args):
     return torch.empty_like(x)
+
+
+def _fake_half(gu):
+    return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
 
 
 def _fake_rope(qkv, cos, sin, k_cache, v_cache, slots, h, hkv):
@@ -151,6 +156,11 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.llmq_cpu.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of fused gate_up rows [T, 2I] (the decoder layer's MLP activation), one pass."""
+    return torch.ops.llmq_cpu.silu_mul(gate_up)
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
