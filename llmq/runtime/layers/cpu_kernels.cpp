@@ -276,8 +276,8 @@ LLMQ_INLINE std::pair<float, float> softmax_unnormalised(float* sj, int64_t n) {
 }
 
 // The K / V rows of one position (all KV heads, `span` floats) kAhead positions on, asked for while the first head's
-// pass runs: a chunk's rows then arrive as one sequential stream instead of one strided pass per head (from
-// memory: ~1.5x faster).
+// pass runs: a chunk's rows then arrive as one sequential stream instead of one strided pass per head (with the
+// chunking, 230 positions from memory: 55 -> 47 us on one thread).
 constexpr int64_t kAhead = 8;
 LLMQ_INLINE void prefetch_position(const float* const* kpos, const float* const* vpos, int64_t p, int64_t n,
                                    int64_t span) {
