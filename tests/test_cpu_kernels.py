@@ -189,9 +189,11 @@ def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("int8_activations", [False, pytest.param(True, marks=needs_vnni)])
-def test_fused_decoder_layer_equals_op_by_op(tmp_path, make_tiny_model, bits, int8_activations):
-    """An INT4 / INT8 model's decode steps through cpu_kernels.decoder_layer against the same layers run op by op
-    (the same kernels, PyTorch's by default, so equal up to float32 rounding)."""
+@pytest.mark.parametrize("fused_layers", ["all", "odd"])
+def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_activations, fused_layers):
+    """An INT4 / INT8 model's decode steps through cpu_kernels' DecoderStacks (every layer in one stack, or runs of
+    one fused layer between layers run op by op) against the same layers all run op by op (the same kernels,
+    PyTorch's by default, so equal up to float32 rounding)."""
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.quantize import QuantizeOptions, quantize
@@ -201,11 +203,19 @@ def test_fused_decoder_layer_equals_op_by_op(tmp_path, make_tiny_model, bits, in
     art = quantize(src, QuantizeOptions(method="rtn", bits=bits, group_size=0 if bits == 8 else 32, num_samples=2,
                                         seq_len=32, probe_tokens=64), store, progress=False)
     prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
-    calls = []
-    real = cpu_kernels.decoder_layer
-    with mock.patch.object(cpu_kernels, "decoder_layer", lambda *a: calls.append(1) or real(*a)):
+    layer_args, built, stacked = cpu_kernels.fused_layer_args, [], []
+
+    def some_layers(layer):  # "odd": layers 1, 3, ... fused, so the runs alternate
+        built.append(layer)
+        return layer_args(layer) if fused_layers == "all" or len(built) % 2 == 0 else None
+
+    real = cpu_kernels.run_stack
+    with mock.patch.object(cpu_kernels, "fused_layer_args", some_layers), \
+            mock.patch.object(cpu_kernels, "run_stack", lambda stack, x, rope, caches, *a:
+                              stacked.append(len(caches)) or real(stack, x, rope, caches, *a)):
         tokens, fused = _step_logits(art.path, prompts, int8_activations=int8_activations)
-    assert calls  # the fused layer ran
+    n = len(built)
+    assert n >= 2 and stacked and set(stacked) == ({n} if fused_layers == "all" else {1})
     with mock.patch.object(cpu_kernels, "fused_layer_args", lambda layer: None):
         op_tokens, op_by_op = _step_logits(art.path, prompts, int8_activations=int8_activations)
     assert tokens == op_tokens

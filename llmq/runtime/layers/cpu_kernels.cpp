@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -119,7 +120,8 @@ void tiles_rows(const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz, 
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       for (int64_t r = 0; r < m; ++r) {
-        tile_row<Bits, S, Zeros>(wp + t * tile_bytes, sp + t * groups * kTile, Zeros ? zp + t * groups * kTile : nullptr,
+        tile_row<Bits, S, Zeros>(wp + t * tile_bytes, sp + t * groups * kTile,
+                                 Zeros ? zp + t * groups * kTile : nullptr,
                                  zconst, xq.data_ptr<int8_t>() + r * k, d.data_ptr<float>() + r * (k / kBlock),
                                  dsg.data_ptr<float>() + r * groups, k, group, y.data_ptr<float>() + r * n + t * kTile);
       }
@@ -546,43 +548,68 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
   return {q, k};
 }
 
-// decoder_layer: a whole Llama decoder layer for a decode-only step whose four projections are INT4 / INT8 (the
-// common quantized CPU case), the same kernels and ATen operations in the order models/llama.py's DecoderLayer and
-// linear.py's layers run them, without a trip through Python between them (eagerly ~25 dispatched calls a layer).
-// linears: four tensors per projection, the last its bias (empty when none); kinds (cpu_kernels.py's KIND_*):
-// 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz]; 2: PyTorch's INT4 kernel [packed, scales_zeros, -];
-// 3: PyTorch's INT8 kernel [q, scales, -]; both take and give bfloat16 (the layers' default arithmetic).
-at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, int64_t i, int64_t kind, int64_t group,
-                   double eps, at::ScalarType dtype) {
-  const at::Tensor &a = w[4 * i], &b = w[4 * i + 1], &c = w[4 * i + 2], &bias = w[4 * i + 3];
+// DecoderStack: consecutive Llama decoder layers of a decode-only step whose four projections are INT4 / INT8 (the
+// common quantized CPU case), in one call a step: the same kernels and ATen operations in the order
+// models/llama.py's DecoderLayer and linear.py's layers run them, without a trip through Python between them (eagerly
+// ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the layers'
+// constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its bias
+// (empty when none); kinds (cpu_kernels.py's KIND_*): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz]; 2: PyTorch's
+// INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; both take and give bfloat16 (the
+// layers' default arithmetic).
+at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
+                   at::ScalarType dtype) {
+  const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
   at::Tensor y;
   if (kind <= 1) {
     y = lowbit_linear(x, a, b, c, kind == 0 ? 4 : 8, group, eps);
   } else if (kind == 2) {
     y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), a, group, b);
   } else {
-    TORCH_CHECK(kind == 3, "decoder_layer: unknown linear kind ", kind);
+    TORCH_CHECK(kind == 3, "DecoderStack: unknown linear kind ", kind);
     y = at::_weight_int8pack_mm(x.to(at::kBFloat16).contiguous(), a, b);
   }
   y = y.to(dtype);
   return bias.numel() ? y + bias : y;
 }
 
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm, double norm_eps,
-                         const std::vector<at::Tensor>& linears, at::IntArrayRef kinds, at::IntArrayRef groups,
-                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                         const at::Tensor& slots, const at::Tensor& blocks, const at::Tensor& mask, int64_t h,
-                         int64_t hkv, double scale, double eps) {
-  TORCH_CHECK(linears.size() == 16 && kinds.size() == 4 && groups.size() == 4, "decoder_layer: four linears");
-  const auto dtype = x.scalar_type();
-  const int64_t t = x.size(0), d = cos.size(-1);
-  const at::Tensor qkv = project(rms_norm(x, in_norm, norm_eps), linears, 0, kinds[0], groups[0], eps, dtype);
-  const auto qk = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, h, hkv);
-  const at::Tensor a = decode_attention(qk[0], k_cache, v_cache, blocks, mask, scale);
-  const at::Tensor x1 = x + project(a.view({t, h * d}), linears, 1, kinds[1], groups[1], eps, dtype);
-  const at::Tensor gu = project(rms_norm(x1, post_norm, norm_eps), linears, 2, kinds[2], groups[2], eps, dtype);
-  return x1.add_(project(silu_mul(gu), linears, 3, kinds[3], groups[3], eps, dtype));
-}
+struct DecoderStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> in_norms, post_norms, linears;
+  std::vector<int64_t> kinds, groups;
+  double norm_eps;
+
+  DecoderStack(std::vector<at::Tensor> in_norms, std::vector<at::Tensor> post_norms, double norm_eps,
+               std::vector<at::Tensor> linears, std::vector<int64_t> kinds, std::vector<int64_t> groups)
+      : in_norms(std::move(in_norms)), post_norms(std::move(post_norms)), linears(std::move(linears)),
+        kinds(std::move(kinds)), groups(std::move(groups)), norm_eps(norm_eps) {
+    const size_t n = this->in_norms.size();
+    TORCH_CHECK(this->post_norms.size() == n && this->linears.size() == 16 * n && this->kinds.size() == 4 * n &&
+                    this->groups.size() == 4 * n,
+                "DecoderStack: two norms and four linears (4 tensors, a kind and a group each) a layer");
+  }
+
+  // x [T, hidden] after the stack; k_caches / v_caches: each layer's cache, written at slots.
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                     const at::Tensor& slots, const at::Tensor& blocks, const at::Tensor& mask, int64_t h,
+                     int64_t hkv, double scale, double eps) {
+    TORCH_CHECK(k_caches.size() == in_norms.size() && v_caches.size() == in_norms.size(),
+                "DecoderStack: one K and one V cache a layer");
+    const auto dtype = x.scalar_type();
+    const int64_t t = x.size(0), d = cos.size(-1);
+    for (size_t i = 0; i < in_norms.size(); ++i) {
+      const at::Tensor* w = linears.data() + 16 * i;
+      const int64_t* kd = kinds.data() + 4 * i;
+      const int64_t* gr = groups.data() + 4 * i;
+      const at::Tensor qkv = project(rms_norm(x, in_norms[i], norm_eps), w, kd[0], gr[0], eps, dtype);
+      const auto qk = rope_kv_write(qkv, cos, sin, k_caches[i], v_caches[i], slots, h, hkv);
+      const at::Tensor a = decode_attention(qk[0], k_caches[i], v_caches[i], blocks, mask, scale);
+      const at::Tensor x1 = x + project(a.view({t, h * d}), w + 4, kd[1], gr[1], eps, dtype);
+      const at::Tensor gu = project(rms_norm(x1, post_norms[i], norm_eps), w + 8, kd[2], gr[2], eps, dtype);
+      x = x1.add_(project(silu_mul(gu), w + 12, kd[3], gr[3], eps, dtype));
+    }
+    return x;
+  }
+};
 
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
@@ -592,9 +619,10 @@ TORCH_LIBRARY(llmq_cpu, m) {
         "-> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int h, int hkv) -> Tensor[]");
-  m.def("decoder_layer(Tensor x, Tensor in_norm, Tensor post_norm, float norm_eps, Tensor[] linears, int[] kinds, "
-        "int[] groups, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor blocks, "
-        "Tensor mask, int h, int hkv, float scale, float eps) -> Tensor");
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double, std::vector<at::Tensor>,
+                       std::vector<int64_t>, std::vector<int64_t>>())
+      .def("forward", &DecoderStack::forward);
 }
 
 TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
@@ -603,5 +631,4 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
   m.impl("rope_kv_write", &rope_kv_write);
-  m.impl("decoder_layer", &decoder_layer);
 }

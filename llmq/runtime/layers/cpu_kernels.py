@@ -20,9 +20,9 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
 - `decode_attention`: single-token queries read their paged K/V in place through the block table, where the eager
   path copies every block out (index_select) and runs SDPA with a mask; float32 scores and softmax, the same mask.
 - `silu_mul`: the MLP's silu(gate) * up in one pass (three operations eagerly).
-- `decoder_layer`: a whole decoder layer of a decode-only step whose projections are INT4 / INT8 (with or without
-  int8 activations): the same kernels and ATen operations in DecoderLayer's order, without returning to Python
-  between them (~25 calls a layer).
+- `DecoderStack`: consecutive decoder layers of a decode-only step whose projections are INT4 / INT8 (with or
+  without int8 activations), one call a step: the same kernels and ATen operations in DecoderLayer's order, without
+  returning to Python between them (~25 calls a layer eagerly; one call a layer still cost ~15 us each).
 
 Layout of a packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value
 (u - z) * s, in tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane (64 bytes = 16 rows x 4 inputs),
@@ -69,7 +69,7 @@ def available() -> bool:
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
     for name, fake in (("lowbit_linear", _fake_linear), ("rms_norm", _fake_same), ("silu_mul", _fake_half),
-                       ("decode_attention", _fake_same), ("rope_kv_write", _fake_rope), ("decoder_layer", _fake_same)):
+                       ("decode_attention", _fake_same), ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
     return True
 
@@ -177,13 +177,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale)
 
 
-KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK = range(4)  # decoder_layer's linear kinds (see the .cpp)
+KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK = range(4)  # DecoderStack's linear kinds (see the .cpp)
 
 
 def fused_layer_args(layer) -> tuple[tuple, int] | None:
-    """(the constant arguments of `decoder_layer`, the most decodes a step may hold) for a models.llama.DecoderLayer
-    whose four projections are INT4 / INT8 layers with a kernel for decode batches (their `fused_spec`), on one rank
-    without row-parallel biases; None for any other layer (it runs op by op)."""
+    """(the constant arguments of a DecoderStack for a models.llama.DecoderLayer, the most decodes a step may hold)
+    when its four projections are INT4 / INT8 layers with a kernel for decode batches (their `fused_spec`), on one
+    rank without row-parallel biases; None for any other layer (it runs op by op)."""
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     specs = [getattr(m, "fused_spec", lambda: None)() for m in linears]
     if not all(specs) or not usable(layer.input_norm.weight) or layer.tp.world > 1 or layer.o_bias is not None or \
@@ -197,9 +197,16 @@ def fused_layer_args(layer) -> tuple[tuple, int] | None:
     return args, min(rows for *_, rows in specs)
 
 
-def decoder_layer(x: torch.Tensor, fused: tuple, rope: tuple[torch.Tensor, torch.Tensor], cache, meta,
-                  num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
-    """The layer's output residual stream for a decode-only step (fused: fused_layer_args' arguments)."""
-    return torch.ops.llmq_cpu.decoder_layer(x, *fused, *rope, cache.k, cache.v, meta.slot_mapping, meta.decode_blocks,
-                                            meta.decode_mask.view(meta.num_decode, -1), num_heads, num_kv_heads,
-                                            scale, quant.EPS)
+def decoder_stack(fused: list[tuple]):
+    """The C++ DecoderStack (cpu_kernels.cpp) of consecutive layers, from their fused_layer_args' arguments."""
+    return torch.classes.llmq_cpu.DecoderStack([f[0] for f in fused], [f[1] for f in fused], fused[0][2],
+                                               [t for f in fused for t in f[3]], [k for f in fused for k in f[4]],
+                                               [g for f in fused for g in f[5]])
+
+
+def run_stack(stack, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list, meta, num_heads: int,
+              num_kv_heads: int, scale: float) -> torch.Tensor:
+    """The residual stream after a DecoderStack's layers for a decode-only step (caches: theirs, in order)."""
+    return stack.forward(x, *rope, [c.k for c in caches], [c.v for c in caches], meta.slot_mapping,
+                         meta.decode_blocks, meta.decode_mask.view(meta.num_decode, -1), num_heads, num_kv_heads,
+                         scale, quant.EPS)

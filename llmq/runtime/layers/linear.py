@@ -178,7 +178,7 @@ class Int8WeightOnlyLinear(LinearBase):
         return torch.ops.aten._weight_int8pack_mm(_kernel_input(x, self._kdtype), self.q, self.kscale)
 
     def fused_spec(self) -> tuple | None:
-        """(kind, tensors, group, most rows) for cpu_kernels.decoder_layer: what forward runs on a decode batch."""
+        """(kind, tensors, group, most rows) for a cpu_kernels DecoderStack: what forward runs on a decode batch."""
         if self.lowbit:
             return _lowbit_spec(self)
         if self.kernel and self.q.device.type == "cpu":
@@ -228,7 +228,7 @@ class Int4WeightOnlyLinear(LinearBase):
                 self._buffers.pop(name, None)
 
     def fused_spec(self) -> tuple | None:
-        """(kind, tensors, group, most rows) for cpu_kernels.decoder_layer: what forward runs on a decode batch."""
+        """(kind, tensors, group, most rows) for a cpu_kernels DecoderStack: what forward runs on a decode batch."""
         if self.lowbit:
             return _lowbit_spec(self)
         if self.packed and self.w_packed.device.type == "cpu":

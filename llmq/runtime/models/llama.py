@@ -7,6 +7,7 @@ vocabulary of lm_head is split across ranks and rank 0 gathers the full logits.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -46,14 +47,7 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
         self.tp = tp
-        fused = cpu_kernels.fused_layer_args(self)  # None: this layer runs op by op
-        self.fused, self.fused_rows = fused if fused is not None else (None, 0)
-
-    def fused_step(self, meta: AttentionMetadata, cache: LayerKV) -> bool:
-        """Whether this step runs the layer as one kernel call (cpu_kernels.decoder_layer): decodes only, a 16/32-bit
-        cache nobody observes, eagerly (a compiled step traces the layer's operations)."""
-        return self.fused is not None and not meta.prefills and meta.num_decode <= self.fused_rows and \
-            cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(cache.k)
+        self.fused = cpu_kernels.fused_layer_args(self)  # (a DecoderStack's arguments, most decodes) or None
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -61,9 +55,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
                 meta: AttentionMetadata) -> torch.Tensor:
-        if self.fused_step(meta, cache):
-            return cpu_kernels.decoder_layer(x, self.fused, rope, cache, meta, self.num_heads, self.num_kv_heads,
-                                             self.scale)
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
         q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
@@ -90,6 +81,36 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = vocab_size
         self.tp = tp
         self.embed_vocab_start = embed_vocab_start  # None: whole embedding table on every rank
+        # runs of consecutive layers as (first, end, their cpu_kernels.DecoderStack or None, the most decodes it takes)
+        self.runs = []
+        for fused, group in itertools.groupby(range(len(layers)), key=lambda i: layers[i].fused is not None):
+            idx = list(group)
+            args = [layers[i].fused for i in idx] if fused else None
+            self.runs.append((idx[0], idx[-1] + 1, cpu_kernels.decoder_stack([a for a, _ in args]) if args else None,
+                              min(rows for _, rows in args) if args else 0))
+        self.has_stacks = any(stack is not None for _, _, stack, _ in self.runs)
+
+    def _stacks_serve(self, caches: list[LayerKV], meta: AttentionMetadata) -> bool:
+        """Whether this step runs the DecoderStacks: decodes only, 16/32-bit caches nobody observes, eagerly (a compiled
+        step traces the layers' operations)."""
+        return self.has_stacks and not meta.prefills and caches[0].kv_dtype == "auto" and \
+            cpu_kernels.usable(caches[0].k) and all(c.observer is None for c in caches)
+
+    def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[LayerKV],
+                meta: AttentionMetadata) -> torch.Tensor:
+        if not self._stacks_serve(caches, meta):
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, rope, cache, meta)
+            return x
+        first = self.layers[0]
+        for lo, hi, stack, rows in self.runs:
+            if stack is not None and meta.num_decode <= rows:
+                x = cpu_kernels.run_stack(stack, x, rope, caches[lo:hi], meta, first.num_heads, first.num_kv_heads,
+                                          first.scale)
+            else:
+                for layer, cache in zip(self.layers[lo:hi], caches[lo:hi]):
+                    x = layer(x, rope, cache, meta)
+        return x
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The table's rows of `ids` in the compute dtype (the norm's): a 16-bit table as stored, whose values the cast
@@ -113,8 +134,7 @@ class LlamaForCausalLM(nn.Module):
         autograd mode: inference_mode eagerly, no_grad around the compiled decode step."""
         x = self._embed(input_ids)
         rope = self.rotary.table(positions)
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, rope, cache, meta)
+        x = self._layers(x, rope, caches, meta)
         h = self.norm(x.index_select(0, logits_indices))
         logits = self.tp.gather_vocab(self.lm_head(h).float())
         return logits[:, :self.vocab_size] if logits is not None else None
