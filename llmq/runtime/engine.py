@@ -436,18 +436,20 @@ class LLMEngine:
             seq.logprobs.append(logprob)
         p = seq.params
         reason = None
+        end = seq.num_tokens
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-            text_ids = seq.output_token_ids[:-1]
-        else:
-            text_ids = seq.output_token_ids
-        seq.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        if p.stop:
-            cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            end -= 1  # the stop token is not text
+        length = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        before = len(seq.text)
+        seq.text = seq.detokenizer.update(self.tokenizer, seq.token_ids, end, reason is not None or length)
+        if p.stop and len(seq.text) > before:  # a stop string ending in the new text
+            since = max(0, before - max(map(len, p.stop)) + 1)
+            cut = min((i for i in (seq.text.find(s, since) for s in p.stop) if i >= 0), default=-1)
             if cut >= 0:
                 seq.text = seq.text[:cut]
                 reason = "stop"
-        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and length:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)

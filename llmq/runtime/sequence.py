@@ -7,6 +7,7 @@ from enum import Enum, auto
 
 import torch
 
+from .detokenize import IncrementalText
 from .sampling import SamplingParams
 
 
@@ -38,7 +39,8 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.admitted = False
         self.finish_reason: str | None = None
-        self.text = ""
+        self.text = ""  # the output's text so far (detokenizer's), cut at a stop string
+        self.detokenizer = IncrementalText(len(prompt_ids))
         self.logprobs: list[dict[int, float]] = []
         self.num_emitted = 0  # output tokens already returned by step()
         self.arrival_time = time.monotonic()
