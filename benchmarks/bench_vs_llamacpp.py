@@ -11,8 +11,8 @@ Speed, for every thread count and round, interleaved pair by pair (llama.cpp, th
   from an empty context (after its own warm-up runs).
   llmq: LLMEngine in-process (bench.offline.sweep, batch 1, torch threads T, after a warm-up request of the same
   length): pp128 = 128 / the time to prefill a 128-token prompt and sample its first token; tg128 = 1 / mean decode
-  step over the 127 steps that follow (context 129..255 tokens: a little more attention than llama.cpp's 0..127;
-  fewer steps where --time-limit stops them).
+  step over the 127 steps after a one-token prompt (contexts 2..128, as llama-bench's; fewer steps where --time-limit
+  stops them).
   Pairs: F16 / llmq bf16, Q8_0 / INT8 RTN per channel, Q4_0 / INT4 RTN g64. Medians over --rounds; ratio = llmq /
   llama.cpp.
 Quality, on Python source from the installed stdlib that is in none of llmq's calibration, probe or eval data,
@@ -126,14 +126,17 @@ def llama_speed(lc: LlamaCpp, gguf: Path, threads: int, n: int) -> dict:
 
 def llmq_speed(path: Path, threads: int, n: int, time_limit: float, compile: bool = False,
                int8_activations: bool = False) -> dict:
+    """pp from a prompt of n tokens; tg from a prompt of one token, so the decode steps attend to the contexts
+    llama-bench's tg does (1..n tokens), not to n more."""
     import torch
 
     from llmq.bench.offline import sweep
 
     torch.set_num_threads(threads)  # the engine is built and stepped on this thread
-    (r,), settings = sweep(path, [1], n, n, hw=None, time_limit=time_limit, compile=compile,
-                           int8_activations=int8_activations)
-    return {"pp": n / r.prefill_s, "tg": r.tokens_per_s, "decode_steps": r.decode_steps, "dtype": settings["dtype"]}
+    opts = dict(hw=None, time_limit=time_limit, compile=compile, int8_activations=int8_activations)
+    (pp,), settings = sweep(path, [1], n, 2, **opts)
+    (tg,), _ = sweep(path, [1], 1, n, **opts)
+    return {"pp": n / pp.prefill_s, "tg": tg.tokens_per_s, "decode_steps": tg.decode_steps, "dtype": settings["dtype"]}
 
 
 def speed(lc, gg, paths, threads: list[int], rounds: int, n: int, time_limit: float, compile: bool = False,
