@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmq.artifacts import Store  # noqa: E402
+from llmq.bench.hw import read_bandwidth  # noqa: E402
 from llmq.models import resolve_model  # noqa: E402
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -160,19 +161,6 @@ def start_server(model_path: Path, port: int):
     raise SystemExit("llmq serve did not become healthy in 300 s")
 
 
-def peak_read_bandwidth() -> float:
-    buf = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
-    buf.sum()
-    best = min(_timed(buf.sum) for _ in range(5))
-    return buf.numel() * 4 / best
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def batch1_decode(path: Path, prompt: list[int], steps: int, peak_bw: float, config: EngineConfig | None = None
                   ) -> dict:
     engine = LLMEngine(path, config or EngineConfig(max_num_seqs=1))
@@ -266,7 +254,7 @@ def main() -> None:
             server.wait(60)
     engine.shutdown()
 
-    peak = peak_read_bandwidth()
+    peak = read_bandwidth("cpu", 1 << 30)  # llmq bench hw's measurement, over a 1 GiB buffer, now
     results["peak_read_bandwidth_gbs"] = peak / 1e9
     variants = {"bf16": model.path}
     if not args.skip_quantized:
