@@ -18,6 +18,8 @@ from llmq.runtime.layers.rotary import RotaryEmbedding
 
 VNNI = set(cpu_kernels._VNNI) <= cpu_kernels.cpu_flags()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the low-bit kernels need AVX512-VNNI, which this CPU lacks")
+BF16 = {"avx512bw", "avx512_bf16"} <= cpu_kernels.cpu_flags()
+needs_bf16 = pytest.mark.skipif(not BF16, reason="lowbit_linear_bf16 needs AVX512-BF16, which this CPU lacks")
 
 
 def test_kernels_build_here():
@@ -79,13 +81,57 @@ def test_weight_only_layers_run_the_lowbit_kernel(cls, bits):
     q, scale, zero = _weight(bits, 64, 256, 64, False, gen)
     bias = torch.randn(64, generator=gen)
     layer = cls(q, scale, zero, bias, torch.float32, int8_activations=True)
-    assert layer.lowbit == (bits, 64)
+    assert layer.lowbit == (bits, 64, True)
     x = torch.randn(2, 3, 256, generator=gen)
     want = cpu_kernels.reference(x.view(6, 256), q, scale, zero).view(2, 3, 64) + bias.double()
     assert _rel(layer(x), want) < 1e-5
-    eager = cls(q, scale, zero, bias, torch.float32)  # the default: 16-bit activations
-    assert eager.lowbit is None  # PyTorch's kernels: bfloat16 activations, a different rounding of the same product
-    assert _rel(eager(x), want) < 2e-2
+    default = cls(q, scale, zero, bias, torch.float32)  # 16-bit activations: a different rounding of the same product
+    assert default.lowbit is None  # float32 scales: PyTorch's kernel (it rounds them)
+    exact16 = cls(q, scale.bfloat16().float(), zero, bias, torch.float32)
+    assert exact16.lowbit == ((4, 64, False) if bits == 4 and BF16 else None)
+    assert _rel(default(x), want) < 2e-2
+
+
+def _bf16_step(ref: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 values at each element of ref (2^-7 relative at most)."""
+    return ref.abs() * 2 ** -7 + 1e-30
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k,group", [(96, 576, 64), (64, 256, 32), (48, 1536, 128)])
+def test_lowbit_linear_bf16_is_pytorchs_int4_arithmetic(n, k, group):
+    """bfloat16(x) times the exact symmetric INT4 weights, float32 sums, rounded to bfloat16 (what
+    aten._weight_int4pack_mm_for_cpu computes): against that in float64, where only the float32 summation order may
+    move an output to the neighbouring bfloat16 value, and against PyTorch's kernel itself."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(n + k)
+    q, scale, _ = _weight(4, n, k, group, False, gen)
+    scale = scale.bfloat16().float()  # as llmq's artifacts store them
+    codes, s, sz = cpu_kernels.pack(q, scale, None, 4)
+    assert sz.numel() == 0 and s.dtype == torch.bfloat16
+    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+        pytorchs = Int4WeightOnlyLinear(q, scale, None, None, torch.float32)
+    assert pytorchs.packed and not pytorchs.lowbit
+    exact_w = quant.dequantize(q, scale, None, torch.float64)
+    for m in (1, 3, 4, 7, 33):  # rows alone and in fours
+        x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
+        y = cpu_kernels.lowbit_linear_bf16(x, codes, s, group)
+        assert y.shape == (m, n) and y.dtype == torch.float32 and torch.equal(y.bfloat16().float(), y)
+        ref = (x.bfloat16().double() @ exact_w.t()).bfloat16().float()
+        assert bool(((y - ref).abs() <= _bf16_step(ref)).all()) and float((y == ref).float().mean()) > 0.99
+        theirs = pytorchs(x)
+        assert bool(((y - theirs).abs() <= _bf16_step(theirs)).all()) and float((y == theirs).float().mean()) > 0.99
+
+
+@needs_bf16
+@pytest.mark.parametrize("asym,bf16_scales", [(True, True), (False, False)])
+def test_int4_layers_keep_pytorchs_kernel_where_it_rounds(asym, bf16_scales):
+    """PyTorch's kernel rounds scales and a zero-point term to bfloat16; lowbit_linear_bf16 would not, so layers with
+    zero points or scales that bfloat16 does not hold keep it (its numbers are the ones the probe measured)."""
+    gen = torch.Generator().manual_seed(3)
+    q, scale, zero = _weight(4, 64, 256, 64, asym, gen)
+    layer = Int4WeightOnlyLinear(q, scale.bfloat16().float() if bf16_scales else scale, zero, None, torch.float32)
+    assert layer.lowbit is None and layer.packed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -221,6 +267,36 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
     assert tokens == op_tokens
     for g, w in zip(fused, op_by_op):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
+
+
+@needs_bf16
+def test_int4_model_on_lowbit_linear_bf16_equals_pytorchs_kernel(tmp_path, make_tiny_model):
+    """A bfloat16 model's INT4 artifact (bfloat16 scales, as the default model's): prefill and decode steps on llmq's
+    16-bit-activation kernel against PyTorch's INT4 kernel: the same arithmetic, so the logits agree to bfloat16
+    rounding (a float32 summation order apart)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store = Store(tmp_path / "store")
+    d = make_tiny_model(tmp_path / "m", seed=4)
+    AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
+    src = resolve_model(str(d), store)
+    art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, num_samples=2, seq_len=32,
+                                        probe_tokens=64), store, progress=False)
+    prompts = [[(3 * i + 2) % 256 for i in range(n)] for n in (14, 5)]
+    real, kernels = cpu_kernels.lowbit_linear_bf16, []
+    with mock.patch.object(cpu_kernels, "lowbit_linear_bf16", lambda *a: kernels.append(1) or real(*a)):
+        tokens, ours = _step_logits(art.path, prompts)
+    assert kernels  # the layers outside the decode stacks (prefill) ran it
+    fits = cpu_kernels.lowbit_fits
+    with mock.patch.object(cpu_kernels, "lowbit_fits", lambda n, k, g, bits, a8: a8 and fits(n, k, g, bits, a8)):
+        theirs_tokens, theirs = _step_logits(art.path, prompts)
+    assert len(ours) == len(theirs) >= 10
+    for g, w in zip(ours, theirs):
+        assert float((g - w).abs().max()) < 1e-2 * float(w.abs().max())
 
 
 @needs_vnni

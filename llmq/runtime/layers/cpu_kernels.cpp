@@ -23,6 +23,7 @@
 #include <vector>
 
 #define LLMQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define LLMQ_AVX512 __attribute__((target("avx512f,avx512bw,fma")))  // what both kernels' targets have
 
 namespace {
 
@@ -76,7 +77,7 @@ LLMQ_VNNI inline __m512i block_dot(const uint8_t*& w, const int8_t* xq) {
 
 // 16 scales of a tile as float32: stored as float32, or as bfloat16 (uint16 bits) where that holds them exactly.
 template <typename S>
-LLMQ_VNNI inline __m512 load_scales(const S* p) {
+LLMQ_AVX512 inline __m512 load_scales(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
     return _mm512_loadu_ps(p);
   } else {
@@ -175,6 +176,122 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   });
   if (bits == 4) tiles_any<4>(w, s, sz, xq, d, dsg, group, y);
   else tiles_any<8>(w, s, sz, xq, d, dsg, group, y);
+  return y;
+}
+
+
+// lowbit_linear_bf16: symmetric INT4 weights (the same packed tiles, no zero points) x 16-bit activations, on
+// AVX512-BF16: what PyTorch's INT4 CPU kernel (aten._weight_int4pack_mm_for_cpu, the layers' default) computes: x
+// rounded to bfloat16 times the exactly dequantized weights, float32 sums, the output rounded to bfloat16 (checked
+// bit-equal to that, in float64, on random inputs). Each code u becomes bfloat16(u - 8) by a table lookup (vpermw
+// reads the low 5 bits of each 16-bit index) and vdpbf16ps multiplies pairs of them by pairs of x exactly into
+// float32 sums: only the order of the sums differs from PyTorch's (and vdpbf16ps flushes subnormals, below 1e-38):
+// y += s * sum x (u - 8) per group. (PyTorch's kernel rounds a zero-point term to bfloat16; weights with zero points
+// keep it, and so do scales that bfloat16 does not hold exactly.) R rows at a time share each unpacked weight vector
+// (prefill).
+#define LLMQ_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,fma")))
+
+// Row r of x as the kernel reads it: x rounded to bfloat16 (c10's rounding, PyTorch's .to(bfloat16)), per 8 inputs
+// the pairs (x0, x2) (x1, x3) (x4, x6) (x5, x7) in 32-bit lanes, matching the weight pairs that the lookups below make
+// from a lane's low and high nibbles.
+void bf16_pairs(const float* x, int64_t k, uint32_t* out) {
+  const auto b = [&](int64_t i) { return static_cast<uint32_t>(c10::BFloat16(x[i]).x); };
+  for (int64_t c = 0; c < k; c += 8, out += 4) {
+    out[0] = b(c) | b(c + 2) << 16;
+    out[1] = b(c + 1) | b(c + 3) << 16;
+    out[2] = b(c + 4) | b(c + 6) << 16;
+    out[3] = b(c + 5) | b(c + 7) << 16;
+  }
+}
+
+// float32 rounded to the nearest bfloat16, ties to even, as c10::BFloat16 rounds (NaN stays NaN), kept in float32.
+LLMQ_AVX512 inline __m512 round_bf16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r), v);
+}
+
+template <int R>
+LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_t* x, int64_t k, int64_t group,
+                              float* y, int64_t n) {
+  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
+  alignas(64) uint16_t lut[32] = {};
+  for (int u = 0; u < 16; ++u) {
+    const float f = static_cast<float>(u - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    lut[u] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  const __m512i table = _mm512_load_si512(lut), nibbles = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m512 gacc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) gacc[r][a] = _mm512_setzero_ps();
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(w);
+      const __m512i lo = _mm512_and_si512(v, nibbles), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles);
+      const __m512i p[4] = {_mm512_permutexvar_epi16(lo, table),  // 16-bit words: (u0, u2)
+                            _mm512_permutexvar_epi16(_mm512_srli_epi32(lo, 8), table),  // (u1, u3)
+                            _mm512_permutexvar_epi16(hi, table),  // (u4, u6)
+                            _mm512_permutexvar_epi16(_mm512_srli_epi32(hi, 8), table)};  // (u5, u7)
+      for (int r = 0; r < R; ++r) {
+        const uint32_t* xr = x + r * k / 2 + i / 2;
+        for (int j = 0; j < 4; ++j) {
+          const __m512i xj = _mm512_set1_epi32(static_cast<int>(xr[j]));
+          gacc[r][j % A] = _mm512_dpbf16_ps(gacc[r][j % A], (__m512bh)p[j], (__m512bh)xj);
+        }
+      }
+    }
+    const __m512 sg = load_scales(s + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      __m512 t = gacc[r][0];
+      for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, gacc[r][a]);
+      acc[r] = _mm512_fmadd_ps(t, sg, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
+}
+
+void tiles_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& xp, int64_t group, at::Tensor& y) {
+  constexpr int R = 4;
+  const int64_t m = xp.size(0), k = 2 * xp.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  const auto* xq = reinterpret_cast<const uint32_t*>(xp.data_ptr<int32_t>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const uint8_t* wt = wp + t * kTile * k / 2;
+      const uint16_t* st = sp + t * groups * kTile;
+      int64_t r = 0;
+      for (; r + R <= m; r += R) tile_rows_bf16<R>(wt, st, xq + r * k / 2, k, group, yp + r * n + t * kTile, n);
+      for (; r < m; ++r) tile_rows_bf16<1>(wt, st, xq + r * k / 2, k, group, yp + r * n + t * kTile, n);
+    }
+  });
+}
+
+// x [M, K] (any float dtype) times a packed symmetric INT4 weight with bfloat16 scales (as PyTorch's kernel holds
+// them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the way).
+at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"),
+              "lowbit_linear_bf16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "lowbit_linear_bf16: x must be a 2-D CPU tensor");
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
+              w.is_contiguous() && s.is_contiguous(), "lowbit_linear_bf16: bad packed weight (bfloat16 scales)");
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k / 2, "lowbit_linear_bf16: K=", k,
+              " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xp = at::empty({m, k / 2}, at::kInt), y = at::empty({m, n}, at::kFloat);
+  for (int64_t r = 0; r < m; ++r) {
+    bf16_pairs(xf.data_ptr<float>() + r * k, k, reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>()) + r * k / 2);
+  }
+  tiles_bf16(w, s, xp, group, y);
   return y;
 }
 
@@ -554,14 +671,16 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
 // ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the layers'
 // constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its bias
 // (empty when none); kinds (cpu_kernels.py's KIND_*): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz]; 2: PyTorch's
-// INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; both take and give bfloat16 (the
-// layers' default arithmetic).
+// INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4: lowbit_linear_bf16 [codes, s, -];
+// 2-4 take and give bfloat16 (the layers' default arithmetic).
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
   at::Tensor y;
   if (kind <= 1) {
     y = lowbit_linear(x, a, b, c, kind == 0 ? 4 : 8, group, eps);
+  } else if (kind == 4) {
+    y = lowbit_linear_bf16(x, a, b, group);
   } else if (kind == 2) {
     y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), a, group, b);
   } else {
@@ -613,6 +732,7 @@ struct DecoderStack : torch::CustomClassHolder {
 
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
+  m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int group) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
@@ -627,6 +747,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
 
 TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("lowbit_linear", &lowbit_linear);
+  m.impl("lowbit_linear_bf16", &lowbit_linear_bf16);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);

@@ -68,8 +68,9 @@ def available() -> bool:
     """Whether the kernels are built and loaded here (built at most once a process)."""
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
-    for name, fake in (("lowbit_linear", _fake_linear), ("rms_norm", _fake_same), ("silu_mul", _fake_half),
-                       ("decode_attention", _fake_same), ("rope_kv_write", _fake_rope)):
+    for name, fake in (("lowbit_linear", _fake_linear), ("lowbit_linear_bf16", _fake_linear_bf16),
+                       ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
+                       ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
     return True
 
@@ -93,6 +94,10 @@ def _fake_linear(x, w, s, sz, bits, group, eps):
     return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
+def _fake_linear_bf16(x, w, s, group):
+    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+
+
 def _fake_same(x, *args):
     return torch.empty_like(x)
 
@@ -112,9 +117,12 @@ def usable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and available()
 
 
-def lowbit_fits(n: int, k: int, group: int) -> bool:
-    """Whether a [n, k] weight in groups of `group` inputs (k: per channel) can take the low-bit kernels here."""
-    return n % TILE == 0 and k % BLOCK == 0 and group % BLOCK == 0 and k % group == 0 and set(_VNNI) <= cpu_flags()
+def lowbit_fits(n: int, k: int, group: int, bits: int, int8_activations: bool) -> bool:
+    """Whether a [n, k] weight in groups of `group` inputs (k: per channel) can take the low-bit kernels here:
+    lowbit_linear (int8 activations, AVX512-VNNI) or lowbit_linear_bf16 (INT4, AVX512-BF16)."""
+    shape = n % TILE == 0 and k % BLOCK == 0 and group % BLOCK == 0 and k % group == 0
+    bf16 = bits == 4 and {"avx512bw", "avx512_bf16"} <= cpu_flags()
+    return shape and (set(_VNNI) <= cpu_flags() if int8_activations else bf16)
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
@@ -144,6 +152,12 @@ def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, sz: tor
                   group: int) -> torch.Tensor:
     """x [M, K] times the packed weight, float32 [M, N]."""
     return torch.ops.llmq_cpu.lowbit_linear(x, codes, s, sz, bits, group, quant.EPS)
+
+
+def lowbit_linear_bf16(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] times a packed symmetric INT4 weight, [M, N] float32 holding bfloat16 values: PyTorch's INT4 kernel's
+    arithmetic (bfloat16 in and out)."""
+    return torch.ops.llmq_cpu.lowbit_linear_bf16(x, codes, s, group)
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
@@ -177,7 +191,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale)
 
 
-KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK = range(4)  # DecoderStack's linear kinds (see the .cpp)
+# DecoderStack's linear kinds (see the .cpp)
+KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK, KIND_LOWBIT4_BF16 = range(5)
 
 
 def fused_layer_args(layer) -> tuple[tuple, int] | None:
