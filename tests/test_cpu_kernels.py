@@ -92,35 +92,58 @@ def test_weight_only_layers_run_the_lowbit_kernel(cls, bits):
     assert _rel(default(x), want) < 2e-2
 
 
-def _bf16_step(ref: torch.Tensor) -> torch.Tensor:
-    """The spacing of bfloat16 values at each element of ref (2^-7 relative at most)."""
-    return ref.abs() * 2 ** -7 + 1e-30
+def _within_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """y is ref (a float64 product rounded to bfloat16) up to one bfloat16 step plus float32 summation error (which a
+    sum that cancels makes large relative to itself: bounded by K * 2^-24 * sum |x w|)."""
+    bound = ref.abs() * 2 ** -7 + x.shape[1] * 2 ** -24 * (x.double().abs() @ w.abs().t()).float()
+    return bool(((y - ref).abs() <= bound).all())
 
 
-@needs_bf16
-@pytest.mark.parametrize("n,k,group", [(96, 576, 64), (64, 256, 32), (48, 1536, 128)])
-def test_lowbit_linear_bf16_is_pytorchs_int4_arithmetic(n, k, group):
-    """bfloat16(x) times the exact symmetric INT4 weights, float32 sums, rounded to bfloat16 (what
-    aten._weight_int4pack_mm_for_cpu computes): against that in float64, where only the float32 summation order may
-    move an output to the neighbouring bfloat16 value, and against PyTorch's kernel itself."""
+@pytest.mark.parametrize("bits,n,k,group", [pytest.param(4, 96, 576, 64, marks=needs_bf16),
+                                            pytest.param(4, 64, 256, 32, marks=needs_bf16),
+                                            pytest.param(4, 48, 1536, 128, marks=needs_bf16),
+                                            (8, 96, 576, 576), (8, 32, 1536, 1536)])
+def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group):
+    """bfloat16(x) times the exact symmetric INT4 / INT8 weights, float32 sums, rounded to bfloat16 (what
+    aten._weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute): against that in float64, where only the float32
+    summation order may move an output to a neighbouring bfloat16 value, and against PyTorch's kernels themselves."""
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(n + k)
-    q, scale, _ = _weight(4, n, k, group, False, gen)
+    q, scale, _ = _weight(bits, n, k, group, False, gen)
     scale = scale.bfloat16().float()  # as llmq's artifacts store them
-    codes, s, sz = cpu_kernels.pack(q, scale, None, 4)
+    codes, s, sz = cpu_kernels.pack(q, scale, None, bits)
     assert sz.numel() == 0 and s.dtype == torch.bfloat16
+    cls = Int4WeightOnlyLinear if bits == 4 else Int8WeightOnlyLinear
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
-        pytorchs = Int4WeightOnlyLinear(q, scale, None, None, torch.float32)
-    assert pytorchs.packed and not pytorchs.lowbit
+        pytorchs = cls(q, scale, None, None, torch.float32)
+    assert not pytorchs.lowbit and (pytorchs.packed if bits == 4 else pytorchs.kernel)
     exact_w = quant.dequantize(q, scale, None, torch.float64)
-    for m in (1, 3, 4, 7, 33):  # rows alone and in fours
+    for m in (1, 3, 4, 7, 8) if bits == 8 else (1, 3, 4, 7, 33):  # rows alone and in fours
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
-        y = cpu_kernels.lowbit_linear_bf16(x, codes, s, group)
+        y = cpu_kernels.lowbit_linear_bf16(x, codes, s, bits, group)
         assert y.shape == (m, n) and y.dtype == torch.float32 and torch.equal(y.bfloat16().float(), y)
-        ref = (x.bfloat16().double() @ exact_w.t()).bfloat16().float()
-        assert bool(((y - ref).abs() <= _bf16_step(ref)).all()) and float((y == ref).float().mean()) > 0.99
+        xb = x.bfloat16().float()
+        ref = (xb.double() @ exact_w.t()).bfloat16().float()
+        assert _within_rounding(y, ref, xb, exact_w) and float((y == ref).float().mean()) > 0.99
         theirs = pytorchs(x)
-        assert bool(((y - theirs).abs() <= _bf16_step(theirs)).all()) and float((y == theirs).float().mean()) > 0.99
+        assert _within_rounding(y, theirs, xb, exact_w) and float((y == theirs).float().mean()) > 0.99
+
+
+def test_int8_layers_dequantize_the_packed_weight_for_large_batches():
+    """Above 8 rows an INT8 layer on llmq's kernels multiplies the weight dequantized from its packed codes: exactly
+    quant.dequantize's values, so exactly the product PyTorch's path computes there."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(8)
+    q, scale, _ = _weight(8, 48, 320, 320, False, gen)
+    scale = scale.bfloat16().float()
+    codes, s, _ = cpu_kernels.pack(q, scale, None, 8)
+    assert torch.equal(cpu_kernels.int8_weight(codes, s, 320), quant.dequantize(q, scale))
+    layer = Int8WeightOnlyLinear(q, scale, None, None, torch.float32)
+    assert layer.lowbit == (8, 320, False)
+    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+        pytorchs = Int8WeightOnlyLinear(q, scale, None, None, torch.float32)
+    x = torch.randn(9, 320, generator=gen)
+    assert torch.equal(layer(x), pytorchs(x))
 
 
 @needs_bf16
@@ -269,11 +292,11 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
 
 
-@needs_bf16
-def test_int4_model_on_lowbit_linear_bf16_equals_pytorchs_kernel(tmp_path, make_tiny_model):
-    """A bfloat16 model's INT4 artifact (bfloat16 scales, as the default model's): prefill and decode steps on llmq's
-    16-bit-activation kernel against PyTorch's INT4 kernel: the same arithmetic, so the logits agree to bfloat16
-    rounding (a float32 summation order apart)."""
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_bf16), 8])
+def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny_model, bits):
+    """A bfloat16 model's INT4 / INT8 artifact (bfloat16 scales, as the default model's): prefill and decode steps on
+    llmq's 16-bit-activation kernels against PyTorch's: the same arithmetic, so the logits agree to bfloat16 rounding
+    (a float32 summation order apart)."""
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -284,13 +307,15 @@ def test_int4_model_on_lowbit_linear_bf16_equals_pytorchs_kernel(tmp_path, make_
     d = make_tiny_model(tmp_path / "m", seed=4)
     AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
     src = resolve_model(str(d), store)
-    art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, num_samples=2, seq_len=32,
-                                        probe_tokens=64), store, progress=False)
+    art = quantize(src, QuantizeOptions(method="rtn", bits=bits, group_size=32 if bits == 4 else 0, num_samples=2,
+                                        seq_len=32, probe_tokens=64), store, progress=False)
     prompts = [[(3 * i + 2) % 256 for i in range(n)] for n in (14, 5)]
-    real, kernels = cpu_kernels.lowbit_linear_bf16, []
-    with mock.patch.object(cpu_kernels, "lowbit_linear_bf16", lambda *a: kernels.append(1) or real(*a)):
+    from llmq.runtime.layers import linear
+
+    real, kinds = linear._lowbit, []
+    with mock.patch.object(linear, "_lowbit", lambda *a: kinds.append(real(*a)) or kinds[-1]):
         tokens, ours = _step_logits(art.path, prompts)
-    assert kernels  # the layers outside the decode stacks (prefill) ran it
+    assert kinds and all(k and k[0] == bits and not k[2] for k in kinds)  # every layer on llmq's kernel
     fits = cpu_kernels.lowbit_fits
     with mock.patch.object(cpu_kernels, "lowbit_fits", lambda n, k, g, bits, a8: a8 and fits(n, k, g, bits, a8)):
         theirs_tokens, theirs = _step_logits(art.path, prompts)

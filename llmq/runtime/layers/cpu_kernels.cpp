@@ -275,24 +275,111 @@ void tiles_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& xp, 
   });
 }
 
-// x [M, K] (any float dtype) times a packed symmetric INT4 weight with bfloat16 scales (as PyTorch's kernel holds
-// them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the way).
-at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"),
-              "lowbit_linear_bf16 needs a CPU with AVX512-BF16");
+// The INT8 counterpart, for PyTorch's INT8 kernel (aten._weight_int8pack_mm: bfloat16(x) times the exact q * s,
+// float32 sums, bfloat16 out): codes u = q + 128, four inputs a 32-bit lane; each q is sign-extended to int32 and
+// converted (exact), and bfloat16(x) * q is exact in float32, so again only the summation order differs
+// (y = s * sum x q a group). x: the row already rounded to bfloat16, as float32.
+template <int R>
+LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const float* x, int64_t k, int64_t group,
+                                     float* y, int64_t n) {
+  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
+  const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // u ^ 0x80: q as a signed byte
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m512 gacc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) gacc[r][a] = _mm512_setzero_ps();
+    for (int64_t i = g * group; i < (g + 1) * group; i += 4, w += 64) {  // 64 bytes = 16 rows x 4 inputs
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24));
+        for (int r = 0; r < R; ++r)
+          gacc[r][j % A] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * k + i + j]), gacc[r][j % A]);
+      }
+    }
+    const __m512 sg = load_scales(s + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      __m512 t = gacc[r][0];
+      for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, gacc[r][a]);
+      acc[r] = _mm512_fmadd_ps(t, sg, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
+}
+
+void tiles_int8_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& xb, int64_t group, at::Tensor& y) {
+  constexpr int R = 4;
+  const int64_t m = xb.size(0), k = xb.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  const float* xp = xb.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const uint8_t* wt = wp + t * kTile * k;
+      const uint16_t* st = sp + t * groups * kTile;
+      int64_t r = 0;
+      for (; r + R <= m; r += R) tile_rows_int8_bf16<R>(wt, st, xp + r * k, k, group, yp + r * n + t * kTile, n);
+      for (; r < m; ++r) tile_rows_int8_bf16<1>(wt, st, xp + r * k, k, group, yp + r * n + t * kTile, n);
+    }
+  });
+}
+
+// x [M, K] (any float dtype) times a packed symmetric INT4 / INT8 weight with bfloat16 scales (as PyTorch's kernels
+// hold them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the way).
+at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t bits,
+                              int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 8, "lowbit_linear_bf16: bits must be 4 or 8");
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw") && (bits == 8 || __builtin_cpu_supports("avx512bf16")),
+              "lowbit_linear_bf16 needs a CPU with AVX-512 (and AVX512-BF16 for INT4)");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "lowbit_linear_bf16: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
               w.is_contiguous() && s.is_contiguous(), "lowbit_linear_bf16: bad packed weight (bfloat16 scales)");
   const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
-  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k / 2, "lowbit_linear_bf16: K=", k,
+  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k * bits / 8, "lowbit_linear_bf16: K=", k,
               " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor xp = at::empty({m, k / 2}, at::kInt), y = at::empty({m, n}, at::kFloat);
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  if (bits == 8) {
+    at::Tensor xb = at::empty({m, k}, at::kFloat);  // x rounded to bfloat16 as c10 rounds, kept in float32
+    const float* src = xf.data_ptr<float>();
+    float* dst = xb.data_ptr<float>();
+    for (int64_t i = 0; i < m * k; ++i) dst[i] = static_cast<float>(c10::BFloat16(src[i]));
+    tiles_int8_bf16(w, s, xb, group, y);
+    return y;
+  }
+  at::Tensor xp = at::empty({m, k / 2}, at::kInt);
   for (int64_t r = 0; r < m; ++r) {
     bf16_pairs(xf.data_ptr<float>() + r * k, k, reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>()) + r * k / 2);
   }
   tiles_bf16(w, s, xp, group, y);
   return y;
+}
+
+// A packed INT8 weight back as float32 [N, K]: (u - 128) * s, the float32 product quant.dequantize computes, for
+// batches too large for a product a row at a time (the BLAS matmul takes them).
+at::Tensor int8_weight(const at::Tensor& w, const at::Tensor& s, int64_t group) {
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
+              w.is_contiguous() && s.is_contiguous(), "int8_weight: bad packed weight (bfloat16 scales)");
+  const int64_t tiles = s.size(0), groups = s.size(1), n = tiles * kTile, k = groups * group;
+  TORCH_CHECK(w.numel() == n * k, "int8_weight: ", w.numel(), " bytes for a [", n, ", ", k, "] weight");
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* sp = s.data_ptr<at::BFloat16>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t c = 0; c < k / 4; ++c) {  // 16 rows x 4 inputs a chunk
+        const uint8_t* u = wp + (t * (k / 4) + c) * 64;
+        for (int64_t r = 0; r < kTile; ++r) {
+          const float sc = static_cast<float>(sp[(t * groups + 4 * c / group) * kTile + r]);
+          for (int64_t j = 0; j < 4; ++j) op[(t * kTile + r) * k + 4 * c + j] = (u[4 * r + j] - 128) * sc;
+        }
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -671,16 +758,17 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
 // ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the layers'
 // constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its bias
 // (empty when none); kinds (cpu_kernels.py's KIND_*): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz]; 2: PyTorch's
-// INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4: lowbit_linear_bf16 [codes, s, -];
-// 2-4 take and give bfloat16 (the layers' default arithmetic).
+// INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5: lowbit_linear_bf16
+// INT4 / INT8 [codes, s, -]; 2-5 take and give bfloat16 (the layers' default arithmetic).
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
   at::Tensor y;
   if (kind <= 1) {
     y = lowbit_linear(x, a, b, c, kind == 0 ? 4 : 8, group, eps);
-  } else if (kind == 4) {
-    y = lowbit_linear_bf16(x, a, b, group);
+  } else if (kind >= 4) {
+    TORCH_CHECK(kind <= 5, "DecoderStack: unknown linear kind ", kind);
+    y = lowbit_linear_bf16(x, a, b, kind == 4 ? 4 : 8, group);
   } else if (kind == 2) {
     y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), a, group, b);
   } else {
@@ -732,7 +820,8 @@ struct DecoderStack : torch::CustomClassHolder {
 
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
-  m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int group) -> Tensor");
+  m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
+  m.def("int8_weight(Tensor w, Tensor s, int group) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
@@ -748,6 +837,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
 TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("lowbit_linear", &lowbit_linear);
   m.impl("lowbit_linear_bf16", &lowbit_linear_bf16);
+  m.impl("int8_weight", &int8_weight);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);

@@ -69,6 +69,7 @@ def available() -> bool:
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
     for name, fake in (("lowbit_linear", _fake_linear), ("lowbit_linear_bf16", _fake_linear_bf16),
+                       ("int8_weight", _fake_int8_weight),
                        ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
                        ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
@@ -94,8 +95,12 @@ def _fake_linear(x, w, s, sz, bits, group, eps):
     return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
-def _fake_linear_bf16(x, w, s, group):
+def _fake_linear_bf16(x, w, s, bits, group):
     return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+
+
+def _fake_int8_weight(w, s, group):
+    return s.new_empty(s.shape[0] * TILE, s.shape[1] * group, dtype=torch.float32)
 
 
 def _fake_same(x, *args):
@@ -119,9 +124,9 @@ def usable(t: torch.Tensor) -> bool:
 
 def lowbit_fits(n: int, k: int, group: int, bits: int, int8_activations: bool) -> bool:
     """Whether a [n, k] weight in groups of `group` inputs (k: per channel) can take the low-bit kernels here:
-    lowbit_linear (int8 activations, AVX512-VNNI) or lowbit_linear_bf16 (INT4, AVX512-BF16)."""
+    lowbit_linear (int8 activations, AVX512-VNNI) or lowbit_linear_bf16 (INT4: AVX512-BF16, INT8: AVX-512)."""
     shape = n % TILE == 0 and k % BLOCK == 0 and group % BLOCK == 0 and k % group == 0
-    bf16 = bits == 4 and {"avx512bw", "avx512_bf16"} <= cpu_flags()
+    bf16 = {"avx512bw", "avx512_bf16"} <= cpu_flags() if bits == 4 else "avx512bw" in cpu_flags()
     return shape and (set(_VNNI) <= cpu_flags() if int8_activations else bf16)
 
 
@@ -154,10 +159,15 @@ def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, sz: tor
     return torch.ops.llmq_cpu.lowbit_linear(x, codes, s, sz, bits, group, quant.EPS)
 
 
-def lowbit_linear_bf16(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] times a packed symmetric INT4 weight, [M, N] float32 holding bfloat16 values: PyTorch's INT4 kernel's
-    arithmetic (bfloat16 in and out)."""
-    return torch.ops.llmq_cpu.lowbit_linear_bf16(x, codes, s, group)
+def lowbit_linear_bf16(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """x [M, K] times a packed symmetric INT4 / INT8 weight with bfloat16 scales, [M, N] float32 holding bfloat16
+    values: the arithmetic of PyTorch's INT4 / INT8 kernels (bfloat16 in and out, exact products, float32 sums)."""
+    return torch.ops.llmq_cpu.lowbit_linear_bf16(x, codes, s, bits, group)
+
+
+def int8_weight(codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """A packed INT8 weight as float32 [N, K], exactly quant.dequantize's values."""
+    return torch.ops.llmq_cpu.int8_weight(codes, s, group)
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
@@ -192,7 +202,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # DecoderStack's linear kinds (see the .cpp)
-KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK, KIND_LOWBIT4_BF16 = range(5)
+KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK, KIND_LOWBIT4_BF16, KIND_LOWBIT8_BF16 = range(6)
 
 
 def fused_layer_args(layer) -> tuple[tuple, int] | None:

@@ -10,9 +10,10 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
 - INT8 weight-only otherwise: aten._weight_int8pack_mm (per-channel scales) for batches of up to 8 rows (decode). On
   CPU it takes bfloat16 activations and scales and returns bfloat16, so decode steps compute with activations and
   outputs rounded to bfloat16 (2^-8 relative); larger batches dequantize into the compute dtype and use the BLAS matmul.
-- INT4 weight-only, symmetric, on x86 CPUs with AVX-512: llmq's kernel (cpu_kernels.lowbit_linear_bf16) on the same
-  packed tiles, computing what PyTorch's INT4 CPU kernel below computes (bfloat16 activations times the exact
-  weights, float32 sums, bfloat16 out; only the summation order differs), 2x+ faster at batch 1.
+- INT4 / INT8 weight-only, symmetric with bfloat16 scales (INT8: per channel), on x86 CPUs with AVX512-BF16 / AVX-512:
+  llmq's kernel (cpu_kernels.lowbit_linear_bf16) on the same packed tiles, computing what PyTorch's kernels below
+  compute (bfloat16 activations times the exact weights, float32 sums, bfloat16 out; only the summation order
+  differs), 2x+ faster at batch 1; INT8 batches of more than 8 rows dequantize (exactly) into the BLAS matmul.
 - INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
   packing (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
   bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
@@ -165,7 +166,11 @@ class Int8WeightOnlyLinear(LinearBase):
         _buffer(self, "zero", _grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
         _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.compute_dtype = compute_dtype
-        self.lowbit = _lowbit(self, q, self.scale, self.zero, 8, True) if int8_activations else None
+        # llmq's kernels: with int8 activations wherever they fit; with 16-bit ones where PyTorch's kernel below would
+        # serve (one scale per output channel, no zero point), computing its numbers
+        per_channel = self.scale.shape[1] == 1 and self.zero is None
+        self.lowbit = _lowbit(self, q, self.scale, self.zero, 8, int8_activations) \
+            if int8_activations or per_channel else None
         if self.lowbit:
             for name in ("q", "scale", "zero"):
                 self._buffers.pop(name)
@@ -191,9 +196,12 @@ class Int8WeightOnlyLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.lowbit:
+        rows = x2.shape[0]
+        if self.lowbit and (self.lowbit[2] or rows <= self.max_kernel_rows):
             y = _lowbit_mm(self, x2)
-        elif self.kernel and x2.shape[0] <= self.max_kernel_rows:
+        elif self.lowbit:  # more rows than a product a row at a time suits: the same weights, dequantized
+            y = F.linear(x2, cpu_kernels.int8_weight(self.lb_codes, self.lb_s, self.lowbit[1]).to(x.dtype))
+        elif self.kernel and rows <= self.max_kernel_rows:
             y = self._kernel(x2)
         else:
             y = F.linear(x2, quant.dequantize(self.q, self.scale, self.zero, x.dtype))
@@ -262,8 +270,8 @@ def _lowbit(layer: LinearBase, q: torch.Tensor, scale: torch.Tensor, zero: torch
             int8_activations: bool) -> tuple[int, int, bool] | None:
     """(bits, group size, int8_activations) after giving `layer` llmq's packed weight (buffers lb_codes / lb_s /
     lb_sz) where the CPU has the kernels and the shape fits (cpu_kernels): lowbit_linear for int8 activations,
-    lowbit_linear_bf16 for 16-bit ones (symmetric INT4 with bfloat16 scales, as llmq's artifacts store them: exactly
-    PyTorch's kernel's numbers); None, nothing changed, otherwise."""
+    lowbit_linear_bf16 for 16-bit ones (symmetric, with bfloat16 scales, as llmq's artifacts store them: exactly
+    PyTorch's kernels' numbers); None, nothing changed, otherwise."""
     n, k = q.shape
     group = k // scale.shape[1]
     if not cpu_kernels.usable(q) or not cpu_kernels.lowbit_fits(n, k, group, bits, int8_activations):
@@ -277,10 +285,12 @@ def _lowbit(layer: LinearBase, q: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 def _lowbit_spec(layer: LinearBase) -> tuple:
-    """fused_spec of a layer on llmq's low-bit kernels: any number of rows."""
+    """fused_spec of a layer on llmq's low-bit kernels: any number of rows (INT8 with 16-bit activations: as many as
+    its product a row at a time takes)."""
     bits, group, a8 = layer.lowbit
     if not a8:
-        return cpu_kernels.KIND_LOWBIT4_BF16, (layer.lb_codes, layer.lb_s), group, 1 << 30
+        kind = cpu_kernels.KIND_LOWBIT4_BF16 if bits == 4 else cpu_kernels.KIND_LOWBIT8_BF16
+        return kind, (layer.lb_codes, layer.lb_s), group, 1 << 30 if bits == 4 else layer.max_kernel_rows
     kind = cpu_kernels.KIND_LOWBIT4 if bits == 4 else cpu_kernels.KIND_LOWBIT8
     return kind, (layer.lb_codes, layer.lb_s, layer.lb_sz), group, 1 << 30
 
@@ -288,7 +298,7 @@ def _lowbit_spec(layer: LinearBase) -> tuple:
 def _lowbit_mm(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     bits, group, a8 = layer.lowbit
     if not a8:
-        return cpu_kernels.lowbit_linear_bf16(x, layer.lb_codes, layer.lb_s, group)
+        return cpu_kernels.lowbit_linear_bf16(x, layer.lb_codes, layer.lb_s, bits, group)
     return cpu_kernels.lowbit_linear(x, layer.lb_codes, layer.lb_s, layer.lb_sz, bits, group)
 
 
