@@ -117,7 +117,8 @@ def test_the_runtime_computes_the_dequantized_reference(made, tied, monkeypatch)
     from llmq.runtime.layers import linear
 
     _, src, art, _ = made[tied]
-    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)   # the exact INT4 path, no bf16 kernel
+    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)   # the exact INT4 path: no bf16-activation
+    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)   # kernel, PyTorch's or llmq's
     ref = _reference_logprobs(src.path, art.path, IDS)
     got = _runtime_logprobs(art.path, IDS)
     assert kld_top1(ref, got)["kld_mean"] < 1e-9

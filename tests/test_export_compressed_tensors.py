@@ -222,10 +222,12 @@ def _linear_gaps(art, hf, ids) -> dict[str, float]:
 
 
 def _int4_kernel_off(monkeypatch):
-    """llmq's INT4 layers on their exact dequantize path instead of the bf16-activation tinygemm kernel."""
+    """llmq's INT4 layers on their exact dequantize path instead of a bf16-activation kernel (PyTorch's tinygemm or
+    llmq's lowbit_linear_bf16)."""
     from llmq.runtime.layers import linear
 
     monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)
+    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("name", [n for n, e in EXPECT.items() if e[3] is None])

@@ -147,17 +147,20 @@ class CheckpointReader:
         raise LlmqError(f"{self.path}: no lm_head weights and tie_word_embeddings is false")
 
     def runtime_bytes(self, compute_dtype: torch.dtype) -> int:
-        """About what the runtime's weights take once loaded: floating-point matrices in the compute dtype (a bf16
-        checkpoint served in float32 doubles), packed integers and scales as stored. Known before loading, so the
+        """About what the runtime's weights take once loaded: floating-point tensors in the compute dtype (a bf16
+        checkpoint served in float32 doubles), packed integers and quantization scales as stored. Known before loading, so the
         KV-cache budget can be sized from what is left."""
         total = 0
         for name in self.tensors:
             dtype, shape = self.tensors.info(name)
             numel = math.prod(shape)
-            wide = dtype.is_floating_point and len(shape) == 2 and min(shape) >= 256 and dtype.itemsize > 1
-            total += numel * (compute_dtype.itemsize if wide else dtype.itemsize)
-        if self.embedding_quantized() and not self.has_lm_head():  # the tied head packs its own copy of the table
-            total += math.prod(self.tensors.info(f"{qformat.EMBEDDING}.weight_packed")[1]) * 4
+            wide = dtype.is_floating_point and dtype.itemsize > 1 and not name.endswith(("_scale", "_zero_point"))
+            total += numel * (max(compute_dtype.itemsize, dtype.itemsize) if wide else dtype.itemsize)
+        if self.embedding_quantized():
+            scales = math.prod(self.tensors.info(f"{qformat.EMBEDDING}.weight_scale")[1])
+            total += scales * 2  # the table's row scales are held in float32 for the lookup
+            if not self.has_lm_head():  # the tied head packs its own copy of the table (codes, 16-bit scales)
+                total += math.prod(self.tensors.info(f"{qformat.EMBEDDING}.weight_packed")[1]) * 4 + scales * 2
         return total
 
     def has_lm_head(self) -> bool:
