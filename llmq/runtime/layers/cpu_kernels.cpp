@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -213,6 +214,33 @@ LLMQ_AVX512 inline __m512 round_bf16(__m512 v) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r), v);
 }
 
+template <int N>
+LLMQ_AVX512 inline void zeros(__m512* v) {
+  for (int i = 0; i < N; ++i) v[i] = _mm512_setzero_ps();
+}
+
+// acc[r] += s * (the sum of row r's partial sums of a group), for the 16-bit-activation kernels below.
+template <int R, int A>
+LLMQ_AVX512 inline void fold_group(const __m512 (&gacc)[R][A], __m512 s, __m512 (&acc)[R]) {
+  for (int r = 0; r < R; ++r) {
+    __m512 t = gacc[r][0];
+    for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, gacc[r][a]);
+    acc[r] = _mm512_fmadd_ps(t, s, acc[r]);
+  }
+}
+
+// f4(tile, first of 4 rows) then f1(tile, row) for the rows left, over every tile (threads split the tiles).
+template <typename F4, typename F1>
+void for_tiles(int64_t tiles, int64_t m, const F4& f4, const F1& f1) {
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      int64_t r = 0;
+      for (; r + 4 <= m; r += 4) f4(t, r);
+      for (; r < m; ++r) f1(t, r);
+    }
+  });
+}
+
 template <int R>
 LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_t* x, int64_t k, int64_t group,
                               float* y, int64_t n) {
@@ -226,11 +254,10 @@ LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_
   }
   const __m512i table = _mm512_load_si512(lut), nibbles = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  zeros<R>(acc);
   for (int64_t g = 0; g < k / group; ++g) {
     __m512 gacc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) gacc[r][a] = _mm512_setzero_ps();
+    zeros<R * A>(&gacc[0][0]);
     for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
       _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(w);
@@ -247,32 +274,9 @@ LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_
         }
       }
     }
-    const __m512 sg = load_scales(s + g * kTile);
-    for (int r = 0; r < R; ++r) {
-      __m512 t = gacc[r][0];
-      for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, gacc[r][a]);
-      acc[r] = _mm512_fmadd_ps(t, sg, acc[r]);
-    }
+    fold_group<R, A>(gacc, load_scales(s + g * kTile), acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
-}
-
-void tiles_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& xp, int64_t group, at::Tensor& y) {
-  constexpr int R = 4;
-  const int64_t m = xp.size(0), k = 2 * xp.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
-  const auto* wp = w.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
-  const auto* xq = reinterpret_cast<const uint32_t*>(xp.data_ptr<int32_t>());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const uint8_t* wt = wp + t * kTile * k / 2;
-      const uint16_t* st = sp + t * groups * kTile;
-      int64_t r = 0;
-      for (; r + R <= m; r += R) tile_rows_bf16<R>(wt, st, xq + r * k / 2, k, group, yp + r * n + t * kTile, n);
-      for (; r < m; ++r) tile_rows_bf16<1>(wt, st, xq + r * k / 2, k, group, yp + r * n + t * kTile, n);
-    }
-  });
 }
 
 // The INT8 counterpart, for PyTorch's INT8 kernel (aten._weight_int8pack_mm: bfloat16(x) times the exact q * s,
@@ -285,11 +289,10 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const 
   constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
   const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // u ^ 0x80: q as a signed byte
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  zeros<R>(acc);
   for (int64_t g = 0; g < k / group; ++g) {
     __m512 gacc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) gacc[r][a] = _mm512_setzero_ps();
+    zeros<R * A>(&gacc[0][0]);
     for (int64_t i = g * group; i < (g + 1) * group; i += 4, w += 64) {  // 64 bytes = 16 rows x 4 inputs
       const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
       for (int j = 0; j < 4; ++j) {
@@ -298,32 +301,9 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const 
           gacc[r][j % A] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * k + i + j]), gacc[r][j % A]);
       }
     }
-    const __m512 sg = load_scales(s + g * kTile);
-    for (int r = 0; r < R; ++r) {
-      __m512 t = gacc[r][0];
-      for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, gacc[r][a]);
-      acc[r] = _mm512_fmadd_ps(t, sg, acc[r]);
-    }
+    fold_group<R, A>(gacc, load_scales(s + g * kTile), acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
-}
-
-void tiles_int8_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& xb, int64_t group, at::Tensor& y) {
-  constexpr int R = 4;
-  const int64_t m = xb.size(0), k = xb.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
-  const auto* wp = w.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
-  const float* xp = xb.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const uint8_t* wt = wp + t * kTile * k;
-      const uint16_t* st = sp + t * groups * kTile;
-      int64_t r = 0;
-      for (; r + R <= m; r += R) tile_rows_int8_bf16<R>(wt, st, xp + r * k, k, group, yp + r * n + t * kTile, n);
-      for (; r < m; ++r) tile_rows_int8_bf16<1>(wt, st, xp + r * k, k, group, yp + r * n + t * kTile, n);
-    }
-  });
 }
 
 // x [M, K] (any float dtype) times a packed symmetric INT4 / INT8 weight with bfloat16 scales (as PyTorch's kernels
@@ -341,19 +321,32 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
               " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({m, n}, at::kFloat);
+  const float* src = xf.data_ptr<float>();
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const int64_t tile_bytes = kTile * k * bits / 8;
   if (bits == 8) {
-    at::Tensor xb = at::empty({m, k}, at::kFloat);  // x rounded to bfloat16 as c10 rounds, kept in float32
-    const float* src = xf.data_ptr<float>();
-    float* dst = xb.data_ptr<float>();
-    for (int64_t i = 0; i < m * k; ++i) dst[i] = static_cast<float>(c10::BFloat16(src[i]));
-    tiles_int8_bf16(w, s, xb, group, y);
+    std::vector<float> xb(m * k);  // x rounded to bfloat16 as c10 rounds, kept in float32
+    for (int64_t i = 0; i < m * k; ++i) xb[i] = static_cast<float>(c10::BFloat16(src[i]));
+    const auto rows = [&](auto r_const) {
+      return [&, r_const](int64_t t, int64_t r) {
+        tile_rows_int8_bf16<decltype(r_const)::value>(wp + t * tile_bytes, sp + t * groups * kTile,
+                                                      xb.data() + r * k, k, group, yp + r * n + t * kTile, n);
+      };
+    };
+    for_tiles(tiles, m, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 1>{}));
     return y;
   }
-  at::Tensor xp = at::empty({m, k / 2}, at::kInt);
-  for (int64_t r = 0; r < m; ++r) {
-    bf16_pairs(xf.data_ptr<float>() + r * k, k, reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>()) + r * k / 2);
-  }
-  tiles_bf16(w, s, xp, group, y);
+  std::vector<uint32_t> xp(m * k / 2);
+  for (int64_t r = 0; r < m; ++r) bf16_pairs(src + r * k, k, xp.data() + r * k / 2);
+  const auto rows = [&](auto r_const) {
+    return [&, r_const](int64_t t, int64_t r) {
+      tile_rows_bf16<decltype(r_const)::value>(wp + t * tile_bytes, sp + t * groups * kTile, xp.data() + r * k / 2, k,
+                                               group, yp + r * n + t * kTile, n);
+    };
+  };
+  for_tiles(tiles, m, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 1>{}));
   return y;
 }
 
