@@ -12,7 +12,7 @@ from llmq.models.spec import attends
 from llmq.runtime.kv_cache import allocate_kv_cache
 from llmq.runtime.layers import cpu_kernels
 from llmq.runtime.layers.attention import AttentionMetadata, _decode, _decode_sdpa, rotate_and_store
-from llmq.runtime.layers.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from llmq.runtime.layers.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from llmq.runtime.layers.norm import RMSNorm
 from llmq.runtime.layers.rotary import RotaryEmbedding
 
@@ -20,6 +20,8 @@ VNNI = set(cpu_kernels._VNNI) <= cpu_kernels.cpu_flags()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the low-bit kernels need AVX512-VNNI, which this CPU lacks")
 BF16 = {"avx512bw", "avx512_bf16"} <= cpu_kernels.cpu_flags()
 needs_bf16 = pytest.mark.skipif(not BF16, reason="lowbit_linear_bf16 needs AVX512-BF16, which this CPU lacks")
+AVX512 = "avx512f" in cpu_kernels.cpu_flags()
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="dense16_linear needs AVX-512, which this CPU lacks")
 
 
 def test_kernels_build_here():
@@ -63,6 +65,41 @@ def test_lowbit_linear_equals_its_float64_arithmetic(bits, n, k, group, asym, bf
         assert _rel(y, cpu_kernels.reference(x, q, scale, zero)) < 1e-5  # only float32 summation order differs
         # the activations' int8 rounding is the one approximation: small, and not zero (it is really applied)
         assert 1e-4 < _rel(y, x.double() @ exact_w.t()) < 2e-2
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(45, 80), (96, 576)])
+def test_dense16_linear_is_float32_arithmetic(dtype, n, k):
+    """The 16-bit weight widened exactly, float32 products and sums: against float64 within float32 summation error,
+    far inside what rounding x to 16 bits would cost (~1e-4 of the sum of |products| here). Row counts cover the
+    prefill (4 x 4) and decode (8 rows) paths and their leftovers."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    for m in (1, 3, 4, 9):
+        x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
+        y = cpu_kernels.dense16_linear(x, w)
+        want = x.double() @ w.double().t()
+        bound = 1e-6 * (x.double().abs() @ w.double().abs().t())
+        assert y.dtype == torch.float32 and y.shape == (m, n) and bool(((y.double() - want).abs() <= bound).all())
+
+
+@needs_avx512
+def test_dense_layer_keeps_a_16bit_weight_as_stored():
+    """A bfloat16 weight computed in float32 stays bfloat16 (half the bytes a step reads) and gives F.linear's numbers
+    on its float32 cast, on the kernel and on the PyTorch path a compiled graph takes."""
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(48, 64, generator=gen).bfloat16(), torch.randn(48, generator=gen)
+    layer = DenseLinear(w, b, torch.float32)
+    assert layer.dense16 and layer.weight.dtype == torch.bfloat16 and layer.weight.data_ptr() == w.data_ptr()
+    assert layer.nbytes == 48 * 64 * 2 + 48 * 4
+    x = torch.randn(2, 5, 64, generator=gen)
+    want = F.linear(x, w.float(), b)
+    assert float((layer(x) - want).abs().max()) < 1e-5 * float(want.abs().max())
+    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+        assert torch.equal(layer(x), want)
+    assert not DenseLinear(w, b, torch.bfloat16).dense16 and not DenseLinear(w.float(), b).dense16
 
 
 def test_quantize_blocks_is_absmax_per_32():
@@ -243,12 +280,20 @@ def _step_logits(model_dir, prompts, **config):
     return [o.output_token_ids for o in outs], logits
 
 
-def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model):
-    """A float32 model's decode and prefill steps through the kernels (norm, rotary + cache write, decode attention)
-    against the same engine on PyTorch's operations."""
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_avx512)])
+def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model, dtype):
+    """A float32 / bfloat16 model's decode and prefill steps through the kernels (norm, rotary + cache write, decode
+    attention; the bfloat16 one's projections on dense16_linear, its decodes in a DecoderStack) against the same
+    engine on PyTorch's operations."""
+    from transformers import AutoModelForCausalLM
+
     d = make_tiny_model(tmp_path / "m", seed=5)
+    AutoModelForCausalLM.from_pretrained(d, dtype=dtype).save_pretrained(d)
     prompts = [[(7 * i + 3) % 256 for i in range(n)] for n in (9, 30, 2)]
-    tokens, got = _step_logits(d, prompts)
+    real, stacked = cpu_kernels.run_stack, []
+    with mock.patch.object(cpu_kernels, "run_stack", lambda *a: stacked.append(1) or real(*a)):
+        tokens, got = _step_logits(d, prompts)
+    assert bool(stacked) == (dtype == torch.bfloat16)
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
         want_tokens, want = _step_logits(d, prompts)
     assert tokens == want_tokens and len(got) == len(want) >= 10
@@ -256,21 +301,44 @@ def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("int8_activations", [False, pytest.param(True, marks=needs_vnni)])
+@needs_avx512
+def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
+    """A tied bfloat16 embedding stays as stored and the lm_head computes from that same memory (no float32 copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    d = make_tiny_model(tmp_path / "m", seed=6, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
+    eng = LLMEngine(d, EngineConfig(max_model_len=64))
+    model = eng.runner.model
+    assert model.embed.dtype == torch.bfloat16 and model.lm_head.dense16
+    assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("bits,int8_activations", [(4, False), (8, False), pytest.param(4, True, marks=needs_vnni),
+                                                   pytest.param(8, True, marks=needs_vnni),
+                                                   pytest.param(16, False, marks=needs_avx512)])
 @pytest.mark.parametrize("fused_layers", ["all", "odd"])
 def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_activations, fused_layers):
-    """An INT4 / INT8 model's decode steps through cpu_kernels' DecoderStacks (every layer in one stack, or runs of
-    one fused layer between layers run op by op) against the same layers all run op by op (the same kernels,
-    PyTorch's by default, so equal up to float32 rounding)."""
+    """An INT4 / INT8 / bfloat16 model's decode steps through cpu_kernels' DecoderStacks (every layer in one stack, or
+    runs of one fused layer between layers run op by op) against the same layers all run op by op (the same kernels,
+    so equal up to float32 rounding)."""
+    from transformers import AutoModelForCausalLM
+
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
     store = Store(tmp_path / "store")
-    src = resolve_model(str(make_tiny_model(tmp_path / "m", seed=9)), store)
-    art = quantize(src, QuantizeOptions(method="rtn", bits=bits, group_size=0 if bits == 8 else 32, num_samples=2,
-                                        seq_len=32, probe_tokens=64), store, progress=False)
+    d = make_tiny_model(tmp_path / "m", seed=9)
+    if bits == 16:
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
+    src = resolve_model(str(d), store)
+    art = src if bits == 16 else quantize(src, QuantizeOptions(
+        method="rtn", bits=bits, group_size=0 if bits == 8 else 32, num_samples=2, seq_len=32, probe_tokens=64),
+        store, progress=False)
     prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
     layer_args, built, stacked = cpu_kernels.fused_layer_args, [], []
 

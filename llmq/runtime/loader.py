@@ -102,7 +102,7 @@ def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device, int8_ac
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]).to(dtype)
     if parts[0].qw is None:
         w = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
-        return DenseLinear(w.to(device=device, dtype=dtype), bias.to(device) if bias is not None else None)
+        return DenseLinear(w.to(device), bias.to(device) if bias is not None else None, dtype)
     qws = [p.qw for p in parts]
     if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight)):
         return quantized_linear(type(qws[0]).cat(qws), bias, dtype, device, int8_activations)

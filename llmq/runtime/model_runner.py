@@ -27,6 +27,8 @@ from .compiled import compile_decode
 from .distributed import LocalGroup, LocalTPContext, TPContext, init_group, rank_device, threads_per_rank
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
+from .host_memory import release_free_heap
+from .layers.linear import keeps_16bit
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_inv_freq
 from .loader import build_linear
@@ -113,25 +115,6 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
                        lm_head=head)
 
 
-@functools.cache
-def _malloc_trim():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        return None
-
-
-def release_free_heap() -> None:
-    """Hand freed heap memory back to the OS. glibc keeps what the packing temporaries of each layer leave behind
-    (1.4 GB after loading an 8B INT4 model, 25% of it); no-op where malloc_trim does not exist."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
              device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False
              ) -> LlamaForCausalLM:
@@ -169,8 +152,9 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
     head, table, scale = rw.lm_head, rw.embed.weight, None
     if rw.embed.qw is not None:  # INT8 rows and their scales, looked up as stored (a tied head is built from them)
         table, scale = rw.embed.qw.q.to(device), rw.embed.qw.scale.float().reshape(-1, 1).to(device)
-    elif head.weight is table:  # tied: the table in the compute dtype, shared with the head's weight
-        table = table.to(device=device, dtype=dtype)
+    elif head.weight is table:  # tied: one table shared with the head's weight, as stored where the head computes
+        table = table.to(device)  # from that (keeps_16bit), else in the compute dtype
+        table = table if keeps_16bit(table, dtype) else table.to(dtype)
         head = LinearWeights("lm_head", weight=table)
     else:  # looked up a few rows at a time: stays as stored (half the memory of a float32 copy at 16 bits)
         table = table.to(device=device)

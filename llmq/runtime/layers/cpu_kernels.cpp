@@ -375,6 +375,125 @@ at::Tensor int8_weight(const at::Tensor& w, const at::Tensor& s, int64_t group) 
   return out;
 }
 
+// dense16_linear: x [M, K] float32 times a 16-bit weight [N, K] as the checkpoint stores it (bfloat16 or float16)
+// -> [M, N] float32. Each weight widens to float32 exactly, products and sums are float32: what F.linear computes with
+// the weight cast to float32 (the CPU layers' arithmetic), reading half the bytes; only the summation order differs.
+// Rows as stored (no packing): a tied lm_head shares the embedding table's memory. Larger batches widen a task's 16
+// weight rows once into a float32 buffer (in L1 / L2) that every 4 rows of x then read.
+template <typename T>
+LLMQ_AVX512 inline __m512 widen16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<T, at::Half>) {
+      return _mm512_cvtph_ps(h);
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+// The four lane sums of a0..a3, in order.
+LLMQ_AVX512 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a0 a1 a0 a1 a lane
+  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b0, b1, 0x44), _mm512_shuffle_ps(b0, b1, 0xEE));  // a0 a1 a2 a3
+  const __m256 hi = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(c), 1));  // AVX512F only
+  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), hi);
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// Prefill: W weight rows x R rows of x, W x R sums sharing each load.
+template <typename T, int W, int R>
+LLMQ_AVX512 void dense_rows(const T* w, const float* x, int64_t k, float* y, int64_t n) {
+  __m512 acc[W][R];
+  zeros<W * R>(&acc[0][0]);
+  for (int64_t c = 0; c < k; c += 16) {
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * k + c);
+    for (int j = 0; j < W; ++j) {
+      const __m512 wv = widen16(w + j * k + c);
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(wv, xv[r], acc[j][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    int j = 0;
+    for (; j + 4 <= W; j += 4)
+      _mm_storeu_ps(y + r * n + j, sum4(acc[j][r], acc[j + 1][r], acc[j + 2][r], acc[j + 3][r]));
+    for (; j < W; ++j) y[r * n + j] = _mm512_reduce_add_ps(acc[j][r]);
+  }
+}
+
+// Decode: one weight row after another, four sums each: a single sequential stream through memory, which the
+// prefetchers follow best (eight rows interleaved streamed ~20% slower).
+template <typename T>
+LLMQ_AVX512 void dense_seq(const T* w, const float* x, int64_t k, int64_t rows, float* y) {
+  for (int64_t j = 0; j < rows; ++j, w += k) {
+    __m512 acc[4];
+    zeros<4>(acc);
+    int64_t c = 0;
+    for (; c + 64 <= k; c += 64)
+      for (int a = 0; a < 4; ++a)
+        acc[a] = _mm512_fmadd_ps(widen16(w + c + 16 * a), _mm512_loadu_ps(x + c + 16 * a), acc[a]);
+    for (; c < k; c += 16) acc[0] = _mm512_fmadd_ps(widen16(w + c), _mm512_loadu_ps(x + c), acc[0]);
+    y[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  }
+}
+
+template <typename T>
+LLMQ_AVX512 void widen_rows(const T* w, int64_t count, float* out) {
+  for (int64_t e = 0; e < count; e += 16) _mm512_storeu_ps(out + e, widen16(w + e));
+}
+
+// x's rows from r on, four at a time (r ends at the first row left), against weight rows [n0, n1); w is row n0, as
+// stored or widened.
+template <typename T>
+void dense_prefill(const T* w, const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1,
+                   int64_t& r) {
+  for (; r + 4 <= m; r += 4) {
+    int64_t j = n0;
+    for (; j + 4 <= n1; j += 4) dense_rows<T, 4, 4>(w + (j - n0) * k, x + r * k, k, y + r * n + j, n);
+    for (; j < n1; ++j) dense_rows<T, 1, 4>(w + (j - n0) * k, x + r * k, k, y + r * n + j, n);
+  }
+}
+
+template <typename T>
+void dense16_impl(const float* x, const T* w, float* y, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kRows = 16;  // weight rows a task
+  const bool widen = m >= 8;     // widening a task's rows once pays from two passes of 4 rows of x on
+  at::parallel_for(0, (n + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> wide(widen ? kRows * k : 0);
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t n0 = b * kRows, n1 = std::min(n, n0 + kRows);
+      int64_t r = 0;
+      if (widen) {
+        widen_rows(w + n0 * k, (n1 - n0) * k, wide.data());
+        dense_prefill(wide.data(), x, y, m, n, k, n0, n1, r);
+      } else {
+        dense_prefill(w + n0 * k, x, y, m, n, k, n0, n1, r);
+      }
+      for (; r < m; ++r) dense_seq(w + n0 * k, x + r * k, k, n1 - n0, y + r * n + n0);
+    }
+  });
+}
+
+at::Tensor dense16_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "dense16_linear needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.device().is_cpu() && x.size(1) == w.size(1),
+              "dense16_linear: x [M, K] and w [N, K] on the CPU");
+  TORCH_CHECK((w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf) && w.is_contiguous() &&
+                  w.size(1) % 16 == 0, "dense16_linear: w must be contiguous bfloat16 / float16 with K % 16 == 0");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  if (w.scalar_type() == at::kHalf)
+    dense16_impl(xf.data_ptr<float>(), w.data_ptr<at::Half>(), y.data_ptr<float>(), m, n, k);
+  else
+    dense16_impl(xf.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), m, n, k);
+  return y;
+}
+
 }  // namespace
 
 // rms_norm: one pass per row instead of the ~6 operations (each a dispatch) PyTorch's CPU rms_norm runs; the same
@@ -745,20 +864,23 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
   return {q, k};
 }
 
-// DecoderStack: consecutive Llama decoder layers of a decode-only step whose four projections are INT4 / INT8 (the
-// common quantized CPU case), in one call a step: the same kernels and ATen operations in the order
-// models/llama.py's DecoderLayer and linear.py's layers run them, without a trip through Python between them (eagerly
-// ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the layers'
-// constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its bias
-// (empty when none); kinds (cpu_kernels.py's KIND_*): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz]; 2: PyTorch's
-// INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5: lowbit_linear_bf16
-// INT4 / INT8 [codes, s, -]; 2-5 take and give bfloat16 (the layers' default arithmetic).
+// DecoderStack: consecutive Llama decoder layers of a decode-only step whose four projections are INT4 / INT8 or
+// 16-bit weights on dense16_linear (the common CPU cases), in one call a step: the same kernels and ATen operations
+// in the order models/llama.py's DecoderLayer and linear.py's layers run them, without a trip through Python between
+// them (eagerly ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the
+// layers' constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its
+// bias (empty when none); kinds (cpu_kernels.py's KIND_*): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz];
+// 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5:
+// lowbit_linear_bf16 INT4 / INT8 [codes, s, -]; 2-5 take and give bfloat16 (the layers' default arithmetic);
+// 6: dense16_linear [w, -, -].
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
   at::Tensor y;
   if (kind <= 1) {
     y = lowbit_linear(x, a, b, c, kind == 0 ? 4 : 8, group, eps);
+  } else if (kind == 6) {
+    y = dense16_linear(x, a);
   } else if (kind >= 4) {
     TORCH_CHECK(kind <= 5, "DecoderStack: unknown linear kind ", kind);
     y = lowbit_linear_bf16(x, a, b, kind == 4 ? 4 : 8, group);
@@ -815,6 +937,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
   m.def("int8_weight(Tensor w, Tensor s, int group) -> Tensor");
+  m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
@@ -831,6 +954,7 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("lowbit_linear", &lowbit_linear);
   m.impl("lowbit_linear_bf16", &lowbit_linear_bf16);
   m.impl("int8_weight", &int8_weight);
+  m.impl("dense16_linear", &dense16_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);

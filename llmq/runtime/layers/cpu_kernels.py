@@ -26,9 +26,13 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
 - `decode_attention`: single-token queries read their paged K/V in place through the block table, where the eager
   path copies every block out (index_select) and runs SDPA with a mask; float32 scores and softmax, the same mask.
 - `silu_mul`: the MLP's silu(gate) * up in one pass (three operations eagerly).
+- `dense16_linear`, by default on CPUs with AVX-512: a bfloat16 / float16 weight as the checkpoint stores it, times
+  float32 activations: each weight widened exactly, float32 products and sums, so F.linear's numbers on the float32
+  cast (the CPU layers' arithmetic) from half the bytes; 2x+ at batch 1, where oneDNN read a float32 copy.
 - `DecoderStack`: consecutive decoder layers of a decode-only step whose projections are INT4 / INT8 (with or
-  without int8 activations), one call a step: the same kernels and ATen operations in DecoderLayer's order, without
-  returning to Python between them (~25 calls a layer eagerly; one call a layer still cost ~15 us each).
+  without int8 activations) or 16-bit on dense16_linear, one call a step: the same kernels and ATen operations in
+  DecoderLayer's order, without returning to Python between them (~25 calls a layer eagerly; one call a layer still
+  cost ~15 us each).
 
 Layout of a packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value
 (u - z) * s, in tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane (64 bytes = 16 rows x 4 inputs),
@@ -75,7 +79,7 @@ def available() -> bool:
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
     for name, fake in (("lowbit_linear", _fake_linear), ("lowbit_linear_bf16", _fake_linear_bf16),
-                       ("int8_weight", _fake_int8_weight),
+                       ("int8_weight", _fake_int8_weight), ("dense16_linear", _fake_dense16),
                        ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
                        ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
@@ -107,6 +111,10 @@ def _fake_linear_bf16(x, w, s, bits, group):
 
 def _fake_int8_weight(w, s, group):
     return s.new_empty(s.shape[0] * TILE, s.shape[1] * group, dtype=torch.float32)
+
+
+def _fake_dense16(x, w):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
 
 def _fake_same(x, *args):
@@ -176,6 +184,19 @@ def int8_weight(codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tenso
     return torch.ops.llmq_cpu.int8_weight(codes, s, group)
 
 
+def dense16_fits(w: torch.Tensor) -> bool:
+    """Whether dense16_linear takes this weight here: a bfloat16 / float16 CPU weight [N, K] with K % 16 == 0, on a CPU
+    with AVX-512."""
+    return w.dtype in (torch.bfloat16, torch.float16) and w.dim() == 2 and w.shape[1] % 16 == 0 and \
+        "avx512f" in cpu_flags() and usable(w)
+
+
+def dense16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times a bfloat16 / float16 weight [N, K] as stored, float32 [M, N]: F.linear on the weight cast to
+    float32, reading half the bytes."""
+    return torch.ops.llmq_cpu.dense16_linear(x, w)
+
+
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
     """What lowbit_linear computes, in float64: activations rounded per block of 32 (quant.quantize_blocks) times
     the dequantized weight."""
@@ -208,12 +229,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # DecoderStack's linear kinds (see the .cpp)
-KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK, KIND_LOWBIT4_BF16, KIND_LOWBIT8_BF16 = range(6)
+KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK, KIND_LOWBIT4_BF16, KIND_LOWBIT8_BF16, KIND_DENSE16 = range(7)
 
 
 def fused_layer_args(layer) -> tuple[tuple, int] | None:
     """(the constant arguments of a DecoderStack for a models.llama.DecoderLayer, the most decodes a step may hold)
-    when its four projections are INT4 / INT8 layers with a kernel for decode batches (their `fused_spec`), on one
+    when its four projections are layers with a kernel for decode batches (their `fused_spec`), on one
     rank without row-parallel biases; None for any other layer (it runs op by op)."""
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     specs = [getattr(m, "fused_spec", lambda: None)() for m in linears]

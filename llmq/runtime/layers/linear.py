@@ -2,6 +2,9 @@
 
 Weights stay in their low-bit form in memory; each class picks the fastest real kernel the device has. Every scale,
 grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes its quality probe with.
+- 16-bit (unquantized) weights computed in float32, on x86 CPUs with AVX-512: kept as stored, on llmq's kernel
+  (cpu_kernels.dense16_linear: F.linear's numbers on the float32 cast, from half the bytes); elsewhere cast to the
+  compute dtype (oneDNN-prepacked on CPU).
 - INT8 / INT4 weight-only with `int8_activations` (EngineConfig.int8_activations, `serve --int8-activations`) on
   x86 CPUs with AVX512-VNNI: llmq's own kernels (cpu_kernels.lowbit_linear) at every batch size, any group size that
   is a multiple of 32, with or without zero points: activations rounded to int8 per block of 32 inputs, integer
@@ -72,15 +75,20 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 class DenseLinear(LinearBase):
-    """On CPU the float32 (or natively supported bfloat16) weight is prepacked once for oneDNN (what inductor does
-    when freezing a model): about 2x faster than the BLAS call for the wide lm_head and ~20% for decode-sized
-    batches."""
+    """A float weight. On CPUs with AVX-512, a bfloat16 / float16 weight computed in float32 stays as stored and runs
+    on cpu_kernels.dense16_linear (exact widening, float32 products: F.linear's numbers on the float32 cast, reading
+    half the bytes; 2x+ at batch 1). Otherwise, on CPU, the float32 (or natively supported bfloat16) weight is
+    prepacked once for oneDNN (what inductor does when freezing a model): about 2x faster than the BLAS call for the
+    wide lm_head and ~20% for decode-sized batches."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        dtype = dtype or weight.dtype
         self.out_features, self.in_features = weight.shape
-        _buffer(self, "bias", bias.to(weight.dtype) if bias is not None else None)
-        self.packed = _mkldnn_pack(weight)
+        _buffer(self, "bias", bias.to(dtype) if bias is not None else None)
+        self.dense16 = keeps_16bit(weight, dtype)
+        weight = weight if self.dense16 else weight.to(dtype)
+        self.packed = None if self.dense16 else _mkldnn_pack(weight)
         self.handle = _register_packed(self.packed) if self.packed is not None else None
         self.dtype_bytes = weight.element_size()
         _buffer(self, "weight", None if self.packed is not None else weight)
@@ -90,16 +98,31 @@ class DenseLinear(LinearBase):
         n = self.out_features * self.in_features * self.dtype_bytes
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
+    def fused_spec(self) -> tuple | None:
+        """(kind, tensors, group, most rows) for a cpu_kernels DecoderStack: what forward runs on a decode batch."""
+        return (cpu_kernels.KIND_DENSE16, (self.weight,), 0, 1 << 30) if self.dense16 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.dense16:
+            y = cpu_kernels.dense16_linear(x2, self.weight) if cpu_kernels.usable(x2) else \
+                F.linear(x2, self.weight.to(x.dtype))  # in a compiled graph: the same numbers, inductor's kernels
+            return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
         if self.packed is not None:
-            shape = x.shape
-            x2 = x.reshape(-1, shape[-1])
             if torch.compiler.is_compiling():  # the compiled decode step cannot trace an opaque oneDNN tensor
                 y = _packed_linear(x2, self.handle, self.out_features, self.bias)
             else:
                 y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
             return y.view(*shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+
+def keeps_16bit(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a DenseLinear computing in `dtype` keeps this weight as stored (a 16-bit weight, float32 arithmetic, on
+    cpu_kernels.dense16_linear); the model keeps a tied embedding table as stored then too."""
+    return dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16) and \
+        cpu_kernels.dense16_fits(weight)
 
 
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # handle -> packed weight

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import TPContext
+from ..host_memory import gather_weights
 from ..kv_cache import LayerKV
 from ..layers import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store
@@ -47,7 +48,6 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
         self.tp = tp
-        self.fused = cpu_kernels.fused_layer_args(self)  # (a DecoderStack's arguments, most decodes) or None
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -81,11 +81,14 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = vocab_size
         self.tp = tp
         self.embed_vocab_start = embed_vocab_start  # None: whole embedding table on every rank
+        if embed.device.type == "cpu":
+            gather_weights(self)  # before the stacks below capture the weights
         # runs of consecutive layers as (first, end, their cpu_kernels.DecoderStack or None, the most decodes it takes)
+        fused = [cpu_kernels.fused_layer_args(layer) for layer in layers]  # (a stack's arguments, most decodes) / None
         self.runs = []
-        for fused, group in itertools.groupby(range(len(layers)), key=lambda i: layers[i].fused is not None):
+        for stacked, group in itertools.groupby(range(len(layers)), key=lambda i: fused[i] is not None):
             idx = list(group)
-            args = [layers[i].fused for i in idx] if fused else None
+            args = [fused[i] for i in idx] if stacked else None
             self.runs.append((idx[0], idx[-1] + 1, cpu_kernels.decoder_stack([a for a, _ in args]) if args else None,
                               min(rows for _, rows in args) if args else 0))
         self.has_stacks = any(stack is not None for _, _, stack, _ in self.runs)
