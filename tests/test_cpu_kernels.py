@@ -69,15 +69,15 @@ def test_lowbit_linear_equals_its_float64_arithmetic(bits, n, k, group, asym, bf
 
 @needs_avx512
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k", [(45, 80), (96, 576)])
+@pytest.mark.parametrize("n,k", [(45, 112), (96, 576)])  # 112: every loop of the decode row (64, 32, 16)
 def test_dense16_linear_is_float32_arithmetic(dtype, n, k):
     """The 16-bit weight widened exactly, float32 products and sums: against float64 within float32 summation error,
     far inside what rounding x to 16 bits would cost (~1e-4 of the sum of |products| here). Row counts cover the
-    prefill (4 x 4) and decode (8 rows) paths and their leftovers."""
+    row-at-a-time path, up to 15 rows sharing each load (4 + 4 + 1: the last row alone) and batches of 8, 4, 1."""
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
-    for m in (1, 3, 4, 9):
+    for m in (1, 2, 3, 6, 9, 21, 29):
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
         y = cpu_kernels.dense16_linear(x, w)
         want = x.double() @ w.double().t()
@@ -166,21 +166,28 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group):
         assert _within_rounding(y, theirs, xb, exact_w) and float((y == theirs).float().mean()) > 0.99
 
 
-def test_int8_layers_dequantize_the_packed_weight_for_large_batches():
-    """Above 8 rows an INT8 layer on llmq's kernels multiplies the weight dequantized from its packed codes: exactly
-    quant.dequantize's values, so exactly the product PyTorch's path computes there."""
+@pytest.mark.parametrize("group", [320, 64])
+def test_int8_layers_multiply_the_exact_weights_for_large_batches(group):
+    """Above 8 rows an INT8 layer on llmq's kernels computes float32 x times the exact weights (quant.dequantize's),
+    as PyTorch's path there (the BLAS matmul on the dequantized weight) does: both within float32 summation error of
+    float64, far inside what rounding x to bfloat16 (the decode kernels' arithmetic) would move. Row counts cover the
+    batches of 8, 4 and 1 rows."""
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(8)
-    q, scale, _ = _weight(8, 48, 320, 320, False, gen)
+    q, scale, _ = _weight(8, 48, 320, group, False, gen)
     scale = scale.bfloat16().float()
+    exact = quant.dequantize(q, scale, None, torch.float64)
+    layer = Int8WeightOnlyLinear(q, scale, None, None, torch.float32, int8_activations=False) if group == 320 else None
+    assert layer is None or layer.lowbit == (8, 320, False)
     codes, s, _ = cpu_kernels.pack(q, scale, None, 8)
-    assert torch.equal(cpu_kernels.int8_weight(codes, s, 320), quant.dequantize(q, scale))
-    layer = Int8WeightOnlyLinear(q, scale, None, None, torch.float32)
-    assert layer.lowbit == (8, 320, False)
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
         pytorchs = Int8WeightOnlyLinear(q, scale, None, None, torch.float32)
-    x = torch.randn(9, 320, generator=gen)
-    assert torch.equal(layer(x), pytorchs(x))
+    for m in (9, 21):
+        x = torch.randn(m, 320, generator=gen) * (torch.rand(1, 320, generator=gen) * 4)
+        want = x.double() @ exact.t()
+        bound = 1e-6 * (x.double().abs() @ exact.abs().t())
+        got = [cpu_kernels.int8_linear_f32(x, codes, s, group)] + ([layer(x), pytorchs(x)] if layer else [])
+        assert all(bool(((y.double() - want).abs() <= bound).all()) for y in got)
 
 
 @needs_bf16

@@ -350,61 +350,88 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   return y;
 }
 
-// A packed INT8 weight back as float32 [N, K]: (u - 128) * s, the float32 product quant.dequantize computes, for
-// batches too large for a product a row at a time (the BLAS matmul takes them).
-at::Tensor int8_weight(const at::Tensor& w, const at::Tensor& s, int64_t group) {
-  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
-              w.is_contiguous() && s.is_contiguous(), "int8_weight: bad packed weight (bfloat16 scales)");
-  const int64_t tiles = s.size(0), groups = s.size(1), n = tiles * kTile, k = groups * group;
-  TORCH_CHECK(w.numel() == n * k, "int8_weight: ", w.numel(), " bytes for a [", n, ", ", k, "] weight");
-  at::Tensor out = at::empty({n, k}, at::kFloat);
-  const auto* wp = w.data_ptr<uint8_t>();
-  const auto* sp = s.data_ptr<at::BFloat16>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+// Batches (prefill) of the float32-arithmetic products below: a task takes one tile of 16 weight rows, writes their
+// exact float32 values input-major into `wide` ([K][16], in L1 / L2: fill(tile, wide)), then every row of x multiplies
+// it by broadcasts, 16 outputs a vector and no horizontal sums. Only the summation order differs from F.linear on the
+// same float32 weights.
+template <int R>
+LLMQ_AVX512 void wide_rows(const float* wide, const float* x, int64_t k, float* y, int64_t n, __mmask16 valid) {
+  __m512 acc[R];
+  zeros<R>(acc);
+  for (int64_t i = 0; i < k; ++i) {
+    const __m512 wv = _mm512_loadu_ps(wide + i * kTile);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * k + i]), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * n, valid, acc[r]);
+}
+
+template <typename Fill>
+void wide_product(const float* x, float* y, int64_t m, int64_t n, int64_t k, const Fill& fill) {
+  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> wide(kTile * k);
     for (int64_t t = lo; t < hi; ++t) {
-      for (int64_t c = 0; c < k / 4; ++c) {  // 16 rows x 4 inputs a chunk
-        const uint8_t* u = wp + (t * (k / 4) + c) * 64;
-        for (int64_t r = 0; r < kTile; ++r) {
-          const float sc = static_cast<float>(sp[(t * groups + 4 * c / group) * kTile + r]);
-          for (int64_t j = 0; j < 4; ++j) op[(t * kTile + r) * k + 4 * c + j] = (u[4 * r + j] - 128) * sc;
-        }
-      }
+      fill(t, wide.data());
+      const int64_t n0 = t * kTile;
+      const auto valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTile, n - n0)) - 1);
+      int64_t r = 0;
+      for (; r + 8 <= m; r += 8) wide_rows<8>(wide.data(), x + r * k, k, y + r * n + n0, n, valid);
+      for (; r + 4 <= m; r += 4) wide_rows<4>(wide.data(), x + r * k, k, y + r * n + n0, n, valid);
+      for (; r < m; ++r) wide_rows<1>(wide.data(), x + r * k, k, y + r * n + n0, n, valid);
     }
   });
-  return out;
+}
+
+// One packed INT8 tile as float32 [K][16]: (u - 128) * s, exactly quant.dequantize's values.
+LLMQ_AVX512 void int8_tile_wide(const uint8_t* w, const uint16_t* s, int64_t k, int64_t group, float* wide) {
+  const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // u ^ 0x80: q as a signed byte
+  for (int64_t i = 0; i < k; i += 4, w += 64) {  // 64 bytes = 16 rows x 4 inputs
+    const __m512 sc = load_scales(s + i / group * kTile);
+    const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24));
+      _mm512_storeu_ps(wide + (i + j) * kTile, _mm512_mul_ps(q, sc));
+    }
+  }
+}
+
+// int8_linear_f32: x [M, K] in float32 times a packed per-channel / grouped symmetric INT8 weight with bfloat16
+// scales -> [M, N] float32: the exact weights (quant.dequantize's), float32 products and sums, as the BLAS matmul on
+// the dequantized weight computed, without materializing it: the INT8 layers' product for batches too large for
+// lowbit_linear_bf16's row-at-a-time product.
+at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "int8_linear_f32 needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int8_linear_f32: x must be a 2-D CPU tensor");
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
+              w.is_contiguous() && s.is_contiguous(), "int8_linear_f32: bad packed weight (bfloat16 scales)");
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 4 == 0 && groups * group == k && w.numel() == n * k, "int8_linear_f32: K=", k,
+              " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const auto* wp = w.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  wide_product(xf.data_ptr<float>(), y.data_ptr<float>(), m, n, k, [&](int64_t t, float* wide) {
+    int8_tile_wide(wp + t * kTile * k, sp + t * groups * kTile, k, group, wide);
+  });
+  return y;
 }
 
 // dense16_linear: x [M, K] float32 times a 16-bit weight [N, K] as the checkpoint stores it (bfloat16 or float16)
 // -> [M, N] float32. Each weight widens to float32 exactly, products and sums are float32: what F.linear computes with
 // the weight cast to float32 (the CPU layers' arithmetic), reading half the bytes; only the summation order differs.
-// Rows as stored (no packing): a tied lm_head shares the embedding table's memory. Larger batches widen a task's 16
-// weight rows once into a float32 buffer (in L1 / L2) that every 4 rows of x then read.
+// Rows as stored (no packing): a tied lm_head shares the embedding table's memory. One row of x streams the weight
+// row by row; up to 15 share each weight load, four at a time; 16 and more go through wide_product.
 template <typename T>
 LLMQ_AVX512 inline __m512 widen16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (std::is_same_v<T, at::Half>) {
+    return _mm512_cvtph_ps(h);
   } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (std::is_same_v<T, at::Half>) {
-      return _mm512_cvtph_ps(h);
-    } else {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 }
 
-// The four lane sums of a0..a3, in order.
-LLMQ_AVX512 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a0 a1 a0 a1 a lane
-  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b0, b1, 0x44), _mm512_shuffle_ps(b0, b1, 0xEE));  // a0 a1 a2 a3
-  const __m256 hi = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(c), 1));  // AVX512F only
-  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), hi);
-  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
-}
-
-// Prefill: W weight rows x R rows of x, W x R sums sharing each load.
+// 2-15 rows of x: W weight rows x R rows of x, W x R sums sharing each load.
 template <typename T, int W, int R>
 LLMQ_AVX512 void dense_rows(const T* w, const float* x, int64_t k, float* y, int64_t n) {
   __m512 acc[W][R];
@@ -417,16 +444,19 @@ LLMQ_AVX512 void dense_rows(const T* w, const float* x, int64_t k, float* y, int
       for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(wv, xv[r], acc[j][r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    int j = 0;
-    for (; j + 4 <= W; j += 4)
-      _mm_storeu_ps(y + r * n + j, sum4(acc[j][r], acc[j + 1][r], acc[j + 2][r], acc[j + 3][r]));
-    for (; j < W; ++j) y[r * n + j] = _mm512_reduce_add_ps(acc[j][r]);
-  }
+  for (int j = 0; j < W; ++j)
+    for (int r = 0; r < R; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
-// Decode: one weight row after another, four sums each: a single sequential stream through memory, which the
-// prefetchers follow best (eight rows interleaved streamed ~20% slower).
+template <typename T, int R>
+void dense_rows_all(const T* w, const float* x, int64_t k, int64_t rows, float* y, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= rows; j += 4) dense_rows<T, 4, R>(w + j * k, x, k, y + j, n);
+  for (; j < rows; ++j) dense_rows<T, 1, R>(w + j * k, x, k, y + j, n);
+}
+
+// One weight row after another, four sums each: a single sequential stream through memory, which the prefetchers
+// follow best (eight rows interleaved streamed ~20% slower).
 template <typename T>
 LLMQ_AVX512 void dense_seq(const T* w, const float* x, int64_t k, int64_t rows, float* y) {
   for (int64_t j = 0; j < rows; ++j, w += k) {
@@ -441,39 +471,113 @@ LLMQ_AVX512 void dense_seq(const T* w, const float* x, int64_t k, int64_t rows, 
   }
 }
 
-template <typename T>
-LLMQ_AVX512 void widen_rows(const T* w, int64_t count, float* out) {
-  for (int64_t e = 0; e < count; e += 16) _mm512_storeu_ps(out + e, widen16(w + e));
+// The bfloat16 decode row without the widening shuffle: a 32-bit lane holds inputs 2i (low half) and 2i + 1 (high), so
+// a shift and a mask give both as float32, against x permuted per 32 inputs (even_x: evens, then odds; a tail of 16 as
+// it is).
+LLMQ_AVX512 inline __m512 even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+LLMQ_AVX512 inline __m512 odd(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// x's rows from r on, four at a time (r ends at the first row left), against weight rows [n0, n1); w is row n0, as
-// stored or widened.
+LLMQ_AVX512 void dense_seq_bf16(const at::BFloat16* w, const float* xp, int64_t k, int64_t rows, float* y) {
+  for (int64_t j = 0; j < rows; ++j, w += k) {
+    __m512 acc[4];
+    zeros<4>(acc);
+    int64_t c = 0;
+    for (; c + 64 <= k; c += 64) {
+      const __m512i v0 = _mm512_loadu_si512(w + c), v1 = _mm512_loadu_si512(w + c + 32);
+      acc[0] = _mm512_fmadd_ps(even(v0), _mm512_loadu_ps(xp + c), acc[0]);
+      acc[1] = _mm512_fmadd_ps(odd(v0), _mm512_loadu_ps(xp + c + 16), acc[1]);
+      acc[2] = _mm512_fmadd_ps(even(v1), _mm512_loadu_ps(xp + c + 32), acc[2]);
+      acc[3] = _mm512_fmadd_ps(odd(v1), _mm512_loadu_ps(xp + c + 48), acc[3]);
+    }
+    for (; c + 32 <= k; c += 32) {
+      const __m512i v = _mm512_loadu_si512(w + c);
+      acc[0] = _mm512_fmadd_ps(even(v), _mm512_loadu_ps(xp + c), acc[0]);
+      acc[1] = _mm512_fmadd_ps(odd(v), _mm512_loadu_ps(xp + c + 16), acc[1]);
+    }
+    if (c < k) acc[2] = _mm512_fmadd_ps(widen16(w + c), _mm512_loadu_ps(xp + c), acc[2]);
+    y[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  }
+}
+
+// x [rows, K] in dense_seq_bf16's order.
+void even_x(const float* x, int64_t rows, int64_t k, float* out) {
+  for (int64_t r = 0; r < rows; ++r, x += k, out += k) {
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32)
+      for (int64_t i = 0; i < 16; ++i) {
+        out[c + i] = x[c + 2 * i];
+        out[c + 16 + i] = x[c + 2 * i + 1];
+      }
+    std::copy(x + c, x + k, out + c);
+  }
+}
+
+// c[j] = column j of the 16 x 16 float32 block r (rows r[0..15]).
+LLMQ_AVX512 void transpose16(const __m512 (&r)[16], __m512 (&c)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3) of rows a = 2i, b = 2i + 1
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // rows 4q..4q+3: u[4q + e] holds element e of each 128-bit lane, four rows
+    const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 2]);
+    const __m512d c2 = _mm512_castps_pd(t[4 * q + 1]), d = _mm512_castps_pd(t[4 * q + 3]);
+    u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c2, d));
+    u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c2, d));
+  }
+  for (int e = 0; e < 4; ++e) {  // column 4L + e is lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD), w1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    c[e] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    c[8 + e] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    c[4 + e] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+    c[12 + e] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+  }
+}
+
+// Rows [n0, n0 + rows) of a 16-bit weight as float32 [K][16] (rows past the weight's end: zeros), 16 x 16 at a time.
 template <typename T>
-void dense_prefill(const T* w, const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1,
-                   int64_t& r) {
-  for (; r + 4 <= m; r += 4) {
-    int64_t j = n0;
-    for (; j + 4 <= n1; j += 4) dense_rows<T, 4, 4>(w + (j - n0) * k, x + r * k, k, y + r * n + j, n);
-    for (; j < n1; ++j) dense_rows<T, 1, 4>(w + (j - n0) * k, x + r * k, k, y + r * n + j, n);
+LLMQ_AVX512 void widen_tile(const T* w, int64_t rows, int64_t k, float* wide) {
+  for (int64_t i = 0; i < k; i += 16) {
+    __m512 r[16], c[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < rows ? widen16(w + j * k + i) : _mm512_setzero_ps();
+    transpose16(r, c);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(wide + (i + j) * kTile, c[j]);
   }
 }
 
 template <typename T>
 void dense16_impl(const float* x, const T* w, float* y, int64_t m, int64_t n, int64_t k) {
-  constexpr int64_t kRows = 16;  // weight rows a task
-  const bool widen = m >= 8;     // widening a task's rows once pays from two passes of 4 rows of x on
-  at::parallel_for(0, (n + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> wide(widen ? kRows * k : 0);
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n0 = b * kRows, n1 = std::min(n, n0 + kRows);
+  if (m >= 16) {  // the transposing widen costs about two passes of 4 rows of x: wide pays from 16 rows on
+    wide_product(x, y, m, n, k, [&](int64_t t, float* wide) {
+      widen_tile(w + t * kTile * k, std::min(kTile, n - t * kTile), k, wide);
+    });
+    return;
+  }
+  std::vector<float> xp;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (m % 4 == 1) {  // the row left to dense_seq_bf16
+      xp.resize(k);
+      even_x(x + (m - 1) * k, 1, k, xp.data());
+    }
+  }
+  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * kTile, rows = std::min(kTile, n - n0);
+      const T* wt = w + n0 * k;
       int64_t r = 0;
-      if (widen) {
-        widen_rows(w + n0 * k, (n1 - n0) * k, wide.data());
-        dense_prefill(wide.data(), x, y, m, n, k, n0, n1, r);
-      } else {
-        dense_prefill(w + n0 * k, x, y, m, n, k, n0, n1, r);
-      }
-      for (; r < m; ++r) dense_seq(w + n0 * k, x + r * k, k, n1 - n0, y + r * n + n0);
+      for (; r + 4 <= m; r += 4) dense_rows_all<T, 4>(wt, x + r * k, k, rows, y + r * n + n0, n);
+      if (m - r == 3) dense_rows_all<T, 3>(wt, x + r * k, k, rows, y + r * n + n0, n);
+      if (m - r == 2) dense_rows_all<T, 2>(wt, x + r * k, k, rows, y + r * n + n0, n);
+      if (m - r != 1) continue;
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        dense_seq_bf16(wt, xp.data(), k, rows, y + r * n + n0);
+      else
+        dense_seq(wt, x + r * k, k, rows, y + r * n + n0);
     }
   });
 }
@@ -936,7 +1040,7 @@ struct DecoderStack : torch::CustomClassHolder {
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
-  m.def("int8_weight(Tensor w, Tensor s, int group) -> Tensor");
+  m.def("int8_linear_f32(Tensor x, Tensor w, Tensor s, int group) -> Tensor");
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -953,7 +1057,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
 TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("lowbit_linear", &lowbit_linear);
   m.impl("lowbit_linear_bf16", &lowbit_linear_bf16);
-  m.impl("int8_weight", &int8_weight);
+  m.impl("int8_linear_f32", &int8_linear_f32);
   m.impl("dense16_linear", &dense16_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);

@@ -16,8 +16,9 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
   16-bit activations, computing what PyTorch's INT4 / INT8 kernels compute (bfloat16(x) times the exact weights,
   float32 sums, bfloat16 out: each product is exact, so only the summation order differs), 2-3x faster at batch 1
   (INT4: nibbles become bfloat16 by a table lookup and vdpbf16ps multiplies pairs; INT8: float32 FMAs). Layers whose
-  scales or zero points PyTorch's kernels would round keep those kernels. `int8_weight` dequantizes a packed INT8
-  weight for batches the BLAS matmul takes.
+  scales or zero points PyTorch's kernels would round keep those kernels. `int8_linear_f32`: the INT8 layers' product
+  for larger batches (float32 x times the exact weights, F.linear's numbers on the dequantized weight, without
+  materializing it).
 - `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic. This and the three
   below run by default on any x86-64 CPU: they compute what the PyTorch operations compute (float32 summation
   order aside), tested equal.
@@ -79,7 +80,7 @@ def available() -> bool:
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
     for name, fake in (("lowbit_linear", _fake_linear), ("lowbit_linear_bf16", _fake_linear_bf16),
-                       ("int8_weight", _fake_int8_weight), ("dense16_linear", _fake_dense16),
+                       ("int8_linear_f32", _fake_int8_f32), ("dense16_linear", _fake_dense16),
                        ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
                        ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
@@ -109,8 +110,8 @@ def _fake_linear_bf16(x, w, s, bits, group):
     return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
-def _fake_int8_weight(w, s, group):
-    return s.new_empty(s.shape[0] * TILE, s.shape[1] * group, dtype=torch.float32)
+def _fake_int8_f32(x, w, s, group):
+    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
 def _fake_dense16(x, w):
@@ -179,9 +180,10 @@ def lowbit_linear_bf16(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, bi
     return torch.ops.llmq_cpu.lowbit_linear_bf16(x, codes, s, bits, group)
 
 
-def int8_weight(codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
-    """A packed INT8 weight as float32 [N, K], exactly quant.dequantize's values."""
-    return torch.ops.llmq_cpu.int8_weight(codes, s, group)
+def int8_linear_f32(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] in float32 times a packed INT8 weight's exact values (quant.dequantize's), float32 [M, N]: F.linear on
+    the dequantized weight, without materializing it (batches: a task's 16 rows at a time)."""
+    return torch.ops.llmq_cpu.int8_linear_f32(x, codes, s, group)
 
 
 def dense16_fits(w: torch.Tensor) -> bool:

@@ -16,7 +16,8 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
 - INT4 / INT8 weight-only, symmetric with bfloat16 scales (INT8: per channel), on x86 CPUs with AVX512-BF16 / AVX-512:
   llmq's kernel (cpu_kernels.lowbit_linear_bf16) on the same packed tiles, computing what PyTorch's kernels below
   compute (bfloat16 activations times the exact weights, float32 sums, bfloat16 out; only the summation order
-  differs), 2x+ faster at batch 1; INT8 batches of more than 8 rows dequantize (exactly) into the BLAS matmul.
+  differs), 2x+ faster at batch 1; INT8 batches of more than 8 rows multiply float32 activations by the exact weights
+  (cpu_kernels.int8_linear_f32: the numbers of the dequantized weight's F.linear, without materializing it).
 - INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
   packing (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
   bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
@@ -222,8 +223,8 @@ class Int8WeightOnlyLinear(LinearBase):
         rows = x2.shape[0]
         if self.lowbit and (self.lowbit[2] or rows <= self.max_kernel_rows):
             y = _lowbit_mm(self, x2)
-        elif self.lowbit:  # more rows than a product a row at a time suits: the same weights, dequantized
-            y = F.linear(x2, cpu_kernels.int8_weight(self.lb_codes, self.lb_s, self.lowbit[1]).to(x.dtype))
+        elif self.lowbit:  # more rows than a product a row at a time suits: float32 x times the exact weights
+            y = cpu_kernels.int8_linear_f32(x2, self.lb_codes, self.lb_s, self.lowbit[1])
         elif self.kernel and rows <= self.max_kernel_rows:
             y = self._kernel(x2)
         else:
