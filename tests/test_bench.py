@@ -324,11 +324,11 @@ def test_cli_report_plot_and_compare(tok, tok_dir, tmp_path):
 # -- offline ---------------------------------------------------------------------------------------------------------
 
 def test_offline_sweep_roofline_arithmetic(tiny_model_dir, tmp_path, cache):
-    from llmq.bench.hw import machine_key
+    from llmq.bench.hw import METHOD, machine_key
     from llmq.models import ModelSpec, pick_device
 
     hw = {"read_bandwidth": 2e9, "fp32_flops": 3e10, "bf16_flops": 1e9, "device": pick_device(), "measured": "test",
-          "load_per_core": 0.0}
+          "load_per_core": 0.0, "method": METHOD}
     cache.mkdir(parents=True)
     (cache / "hw.json").write_text(json.dumps({machine_key(pick_device()): hw}))
     store = tmp_path / "store"
@@ -397,11 +397,11 @@ def test_bench_agrees_with_llmq_serve_metrics(default_model, tmp_path):
 
 
 def _cache_hw(cache, **figures):
-    from llmq.bench.hw import machine_key
+    from llmq.bench.hw import METHOD, machine_key
     from llmq.models import pick_device
 
     hw = {"read_bandwidth": 2e9, "fp32_flops": 3e10, "bf16_flops": 1e9, "device": pick_device(), "measured": "test",
-          "load_per_core": 0.0, **figures}
+          "load_per_core": 0.0, "method": METHOD, **figures}
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "hw.json").write_text(json.dumps({machine_key(pick_device()): hw}))
 
@@ -417,7 +417,7 @@ def test_offline_never_reports_an_impossible_mbu(tiny_model_dir, tmp_path, cache
     calls = []
     monkeypatch.setattr(H, "measure", lambda device: calls.append(device) or {
         "device": device, "read_bandwidth": remeasured_bw, "fp32_flops": remeasured_bw, "bf16_flops": remeasured_bw,
-        "measured": "now", "load_per_core": 0.1})
+        "measured": "now", "load_per_core": 0.1, "method": H.METHOD})
     r = CliRunner().invoke(cli, ["--store", str(tmp_path / "store"), "bench", "offline", str(tiny_model_dir),
                                  "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4", "--json"])
     assert r.exit_code == 0, r.output
@@ -447,6 +447,7 @@ def test_offline_never_reports_an_impossible_mbu(tiny_model_dir, tmp_path, cache
     ({"load_per_core": 2.0}, 0.2, True),        # busy then, quiet now: the cached peaks understate the machine
     ({"load_per_core": 2.0}, 2.5, False),       # as busy now as then: measuring again would not help
     ({}, 0.1, True),                            # written before the load was recorded
+    ({"load_per_core": 0.1, "method": None}, 0.1, True),  # read memory on 4 KiB pages: understates the machine
 ])
 def test_cached_peaks_measured_under_load_are_measured_again(cache, monkeypatch, cached, now, remeasure):
     from llmq.bench import hw as H
@@ -456,10 +457,13 @@ def test_cached_peaks_measured_under_load_are_measured_again(cache, monkeypatch,
     key = next(iter(data))
     data[key].pop("load_per_core")
     data[key].update(cached)
+    if data[key].get("method", 0) is None:
+        data[key].pop("method")
     (cache / "hw.json").write_text(json.dumps(data))
     monkeypatch.setattr(H, "load_per_core", lambda: now)
     monkeypatch.setattr(H, "measure", lambda device: {"device": device, "read_bandwidth": 9e9, "fp32_flops": 1e11,
-                                                      "bf16_flops": 1e11, "measured": "now", "load_per_core": now})
+                                                      "bf16_flops": 1e11, "measured": "now", "load_per_core": now,
+                                                      "method": H.METHOD})
     h = H.hardware()
     assert (h["measured"] == "now") == remeasure
     assert json.loads((cache / "hw.json").read_text())[key]["measured"] == ("now" if remeasure else "test")
