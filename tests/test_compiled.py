@@ -1,6 +1,6 @@
 """The compiled decode step (EngineConfig.compile) against the eager forward it replaces: the same tokens and the
-same log-probabilities, at batch 1 and for a batch of concurrent decodes, dense and quantized (INT4 layers, INT8
-lm_head, INT8 KV cache)."""
+same log-probabilities, at batch 1 and for a batch of concurrent decodes, dense (float32 and bfloat16 weights) and
+quantized (INT4 layers, INT8 lm_head, INT8 KV cache)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def _decode(path, compile: bool, kv: str = "auto") -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
@@ -48,14 +51,17 @@ def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
     store = Store(root / "store")
     dense = resolve_model(str(make_tiny_model(root / "tiny", seed=3, tie_word_embeddings=True)), store)
+    bf16_dir = make_tiny_model(root / "tiny-bf16", seed=3, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    bf16 = resolve_model(str(bf16_dir), store)  # on CPU: 16-bit weights on llmq's dense16 kernel, eagerly
     int4 = quantize(dense, QuantizeOptions(method="rtn", bits=4, group_size=32, lm_head="int8", probe_tokens=0),
                     store, progress=False)
     int4_kv8 = quantize_kv(int4, store, KVOptions(kv="int8", num_samples=2, seq_len=64, probe_tokens=64),
                            show_progress=False)
-    return {"dense": dense.path, "int4-head8-kv8": int4_kv8.path}
+    return {"dense": dense.path, "dense-bf16": bf16.path, "int4-head8-kv8": int4_kv8.path}
 
 
-@pytest.mark.parametrize("name", ["dense", "int4-head8-kv8"])
+@pytest.mark.parametrize("name", ["dense", "dense-bf16", "int4-head8-kv8"])
 def test_compiled_decode_equals_the_eager_forward(sources, name):
     kv = "int8" if name.endswith("kv8") else "auto"
     eager_tokens, eager_lp = _decode(sources[name], False, kv)
