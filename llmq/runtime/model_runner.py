@@ -25,9 +25,9 @@ from ..models.sharding import RankWeights, ShardPlan, kv_scale_slice, layer_slic
 from ..models.spec import attends
 from .compiled import compile_decode
 from .distributed import LocalGroup, LocalTPContext, TPContext, init_group, rank_device, threads_per_rank
+from .host_memory import release_free_heap
 from .kv_cache import allocate_kv_cache
 from .layers.attention import AttentionMetadata, PrefillChunk
-from .host_memory import release_free_heap
 from .layers.linear import keeps_16bit
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_inv_freq
