@@ -280,28 +280,55 @@ LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_
 }
 
 // The INT8 counterpart, for PyTorch's INT8 kernel (aten._weight_int8pack_mm: bfloat16(x) times the exact q * s,
-// float32 sums, bfloat16 out): codes u = q + 128, four inputs a 32-bit lane; each q is sign-extended to int32 and
-// converted (exact), and bfloat16(x) * q is exact in float32, so again only the summation order differs
-// (y = s * sum x q a group). x: the row already rounded to bfloat16, as float32.
+// float32 sums, bfloat16 out). A 16-byte quarter of a chunk holds four rows' four inputs; zero-extended and converted
+// (exact), its lanes 4a + j hold row a's code u = q + 128 for input j, multiplied by x's four inputs broadcast to each
+// 128-bit lane: u * bfloat16(x) is exact in float32. A group's row sums are then folded out of the lanes, less
+// 128 * the group's sum of x: y = s * (sum x u - 128 sum x) = s * sum x q, the same numbers up to float32 rounding of
+// sums about twice as large (fewer instructions than sign-extending each byte in place: ~20 -> ~26 GB/s a core).
+// x: the row already rounded to bfloat16, as float32; xsum: its sums per group.
+LLMQ_AVX512 inline __m512 lane_sums(__m512 t) {  // every element: the sum of its 128-bit lane
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+  return _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+}
+
+// The 16 rows' sums, row 4q + a being 128-bit lane a of t[q].
+LLMQ_AVX512 inline __m512 row_sums(const __m512 (&t)[4]) {
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 lo = _mm512_permutex2var_ps(lane_sums(t[0]), first, lane_sums(t[1]));  // rows 0-7 in lanes 0-7
+  const __m512 hi = _mm512_permutex2var_ps(lane_sums(t[2]), first, lane_sums(t[3]));  // rows 8-15
+  return _mm512_shuffle_f32x4(lo, hi, 0x44);
+}
+
 template <int R>
-LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const float* x, int64_t k, int64_t group,
-                                     float* y, int64_t n) {
-  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
-  const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // u ^ 0x80: q as a signed byte
+LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const float* x, const float* xsum, int64_t k,
+                                     int64_t group, float* y, int64_t n) {
+  constexpr int A = R == 1 ? 2 : 1;  // independent sums a quarter-tile and row
   __m512 acc[R];
   zeros<R>(acc);
   for (int64_t g = 0; g < k / group; ++g) {
-    __m512 gacc[R][A];
-    zeros<R * A>(&gacc[0][0]);
-    for (int64_t i = g * group; i < (g + 1) * group; i += 4, w += 64) {  // 64 bytes = 16 rows x 4 inputs
-      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24));
-        for (int r = 0; r < R; ++r)
-          gacc[r][j % A] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * k + i + j]), gacc[r][j % A]);
+    __m512 gacc[R][A][4];
+    zeros<R * A * 4>(&gacc[0][0][0]);
+    for (int64_t i = g * group; i < (g + 1) * group; i += 4 * A, w += 64 * A) {  // 64 bytes = 16 rows x 4 inputs
+      for (int a = 0; a < A; ++a) {
+        __m512 xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = _mm512_broadcast_f32x4(_mm_loadu_ps(x + r * k + i + 4 * a));
+        for (int q = 0; q < 4; ++q) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 * a + 16 * q));
+          const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+          for (int r = 0; r < R; ++r) gacc[r][a][q] = _mm512_fmadd_ps(c, xv[r], gacc[r][a][q]);
+        }
       }
     }
-    fold_group<R, A>(gacc, load_scales(s + g * kTile), acc);
+    const __m512 sc = load_scales(s + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      __m512 t[4];
+      for (int q = 0; q < 4; ++q) {
+        t[q] = gacc[r][0][q];
+        for (int a = 1; a < A; ++a) t[q] = _mm512_add_ps(t[q], gacc[r][a][q]);
+      }
+      const __m512 sums = _mm512_sub_ps(row_sums(t), _mm512_set1_ps(128.f * xsum[r * (k / group) + g]));
+      acc[r] = _mm512_fmadd_ps(sums, sc, acc[r]);
+    }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
 }
@@ -327,12 +354,15 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
   if (bits == 8) {
-    std::vector<float> xb(m * k);  // x rounded to bfloat16 as c10 rounds, kept in float32
-    for (int64_t i = 0; i < m * k; ++i) xb[i] = static_cast<float>(c10::BFloat16(src[i]));
+    std::vector<float> xb(m * k), xsum(m * groups, 0.f);  // x rounded to bfloat16 as c10 rounds, in float32
+    for (int64_t i = 0; i < m * k; ++i) {
+      xb[i] = static_cast<float>(c10::BFloat16(src[i]));
+      xsum[i / group] += xb[i];  // row i / k, group i % k / group: k is a multiple of group
+    }
     const auto rows = [&](auto r_const) {
       return [&, r_const](int64_t t, int64_t r) {
-        tile_rows_int8_bf16<decltype(r_const)::value>(wp + t * tile_bytes, sp + t * groups * kTile,
-                                                      xb.data() + r * k, k, group, yp + r * n + t * kTile, n);
+        tile_rows_int8_bf16<decltype(r_const)::value>(wp + t * tile_bytes, sp + t * groups * kTile, xb.data() + r * k,
+                                                      xsum.data() + r * groups, k, group, yp + r * n + t * kTile, n);
       };
     };
     for_tiles(tiles, m, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 1>{}));
