@@ -139,7 +139,8 @@ def _within_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: tor
 @pytest.mark.parametrize("bits,n,k,group", [pytest.param(4, 96, 576, 64, marks=needs_bf16),
                                             pytest.param(4, 64, 256, 32, marks=needs_bf16),
                                             pytest.param(4, 48, 1536, 128, marks=needs_bf16),
-                                            (8, 96, 576, 576), (8, 32, 1536, 1536), (8, 48, 256, 64)])
+                                            (8, 96, 576, 576), (8, 32, 1536, 1536), (8, 48, 256, 64),
+                                            (8, 16, 240, 40)])  # 40: groups not a multiple of 16 inputs
 def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group):
     """bfloat16(x) times the exact symmetric INT4 / INT8 weights, float32 sums, rounded to bfloat16 (what
     aten._weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute): against that in float64, where only the float32

@@ -333,6 +333,22 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
 }
 
+// x rounded to bfloat16 (as c10 rounds, kept in float32) and the sum of each group of it; count groups of `group`.
+LLMQ_AVX512 void round_groups(const float* x, int64_t count, int64_t group, float* xb, float* sums) {
+  for (int64_t g = 0; g < count; ++g, x += group, xb += group) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= group; i += 16) {
+      const __m512 v = round_bf16(_mm512_loadu_ps(x + i));
+      _mm512_storeu_ps(xb + i, v);
+      acc = _mm512_add_ps(acc, v);
+    }
+    float t = _mm512_reduce_add_ps(acc);
+    for (; i < group; ++i) t += xb[i] = static_cast<float>(c10::BFloat16(x[i]));
+    sums[g] = t;
+  }
+}
+
 // x [M, K] (any float dtype) times a packed symmetric INT4 / INT8 weight with bfloat16 scales (as PyTorch's kernels
 // hold them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the way).
 at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t bits,
@@ -354,11 +370,8 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
   if (bits == 8) {
-    std::vector<float> xb(m * k), xsum(m * groups, 0.f);  // x rounded to bfloat16 as c10 rounds, in float32
-    for (int64_t i = 0; i < m * k; ++i) {
-      xb[i] = static_cast<float>(c10::BFloat16(src[i]));
-      xsum[i / group] += xb[i];  // row i / k, group i % k / group: k is a multiple of group
-    }
+    std::vector<float> xb(m * k), xsum(m * groups);  // x rounded to bfloat16 as c10 rounds, in float32
+    round_groups(src, m * groups, group, xb.data(), xsum.data());
     const auto rows = [&](auto r_const) {
       return [&, r_const](int64_t t, int64_t r) {
         tile_rows_int8_bf16<decltype(r_const)::value>(wp + t * tile_bytes, sp + t * groups * kTile, xb.data() + r * k,
