@@ -312,6 +312,30 @@ def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model, dtype):
 
 
 @needs_avx512
+def test_the_kv_budget_counts_16bit_weights_as_the_engine_holds_them(tmp_path, make_tiny_model):
+    """runtime_bytes with the runtime's keeps_16bit_as: a bfloat16 model served in float32 holds its 2-D weights at 2
+    bytes (on dense16_linear), so the estimate the KV budget subtracts is what the engine holds, not twice it."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    from llmq.models.reader import CheckpointReader
+    from llmq.runtime import EngineConfig, LLMEngine
+    from llmq.runtime.layers.linear import keeps_16bit_as
+
+    d = make_tiny_model(tmp_path / "m", seed=7, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
+    eng = LLMEngine(d, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
+    model = eng.runner.model
+    held = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if not n.startswith("rotary.") and t.data_ptr() != model.embed.data_ptr()) + model.embed.nbytes
+    eng.shutdown()
+    ckpt = CheckpointReader(d)
+    kept = functools.partial(keeps_16bit_as, dtype=torch.float32, device="cpu")
+    assert held <= ckpt.runtime_bytes(torch.float32, kept) < 1.1 * held < ckpt.runtime_bytes(torch.float32)
+
+
+@needs_avx512
 def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
     """A tied bfloat16 embedding stays as stored and the lm_head computes from that same memory (no float32 copy)."""
     from transformers import AutoModelForCausalLM

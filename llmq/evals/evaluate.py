@@ -7,6 +7,7 @@ are compared with it. KL divergence needs both models' full distributions, so it
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ def _check_both_fit(evaluated: Artifact, baseline: Artifact) -> None:
     from ..models import pick_device
     from ..models.reader import CheckpointReader
     from ..runtime.engine import available_memory
+    from ..runtime.layers.linear import keeps_16bit_as
     from ..runtime.model_runner import compute_dtype_for
 
     device = torch.device(pick_device())
@@ -80,7 +82,9 @@ def _check_both_fit(evaluated: Artifact, baseline: Artifact) -> None:
     def loaded(art: Artifact) -> int:
         dirs = sorted(p for p in art.path.glob("rank*") if p.is_dir()) or [art.path]
         readers = [CheckpointReader(d) for d in dirs]
-        return sum(r.runtime_bytes(compute_dtype_for(device, None, r.config)) for r in readers)
+        dtypes = [compute_dtype_for(device, None, r.config) for r in readers]
+        return sum(r.runtime_bytes(dt, functools.partial(keeps_16bit_as, dtype=dt, device=device))
+                   for r, dt in zip(readers, dtypes))
 
     need, have = loaded(evaluated) + loaded(baseline), available_memory(device)
     if need > have:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,15 +146,18 @@ class CheckpointReader:
             return dataclasses.replace(embed or self.embedding(), name="lm_head")
         raise LlmqError(f"{self.path}: no lm_head weights and tie_word_embeddings is false")
 
-    def runtime_bytes(self, compute_dtype: torch.dtype) -> int:
+    def runtime_bytes(self, compute_dtype: torch.dtype,
+                      kept: Callable[[torch.dtype, tuple[int, ...]], bool] | None = None) -> int:
         """About what the runtime's weights take once loaded: floating-point tensors in the compute dtype (a bf16
-        checkpoint served in float32 doubles), packed integers and quantization scales as stored. Known before loading, so the
-        KV-cache budget can be sized from what is left."""
+        checkpoint served in float32 doubles) unless `kept(dtype, shape)` says the runtime keeps them as stored
+        (runtime.layers.linear.keeps_16bit_as), packed integers and quantization scales as stored. Known before
+        loading, so the KV-cache budget can be sized from what is left."""
         total = 0
         for name in self.tensors:
             dtype, shape = self.tensors.info(name)
             numel = math.prod(shape)
-            wide = dtype.is_floating_point and dtype.itemsize > 1 and not name.endswith(("_scale", "_zero_point"))
+            wide = dtype.is_floating_point and dtype.itemsize > 1 and not name.endswith(("_scale", "_zero_point")) \
+                and not (kept is not None and kept(dtype, tuple(shape)))
             total += numel * (max(compute_dtype.itemsize, dtype.itemsize) if wide else dtype.itemsize)
         if self.embedding_quantized():
             scales = math.prod(self.tensors.info(f"{qformat.EMBEDDING}.weight_scale")[1])

@@ -6,6 +6,7 @@ the worker processes of the other ranks. It is single-threaded: the server drive
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from ..models import ModelSpec
 from .block_manager import BlockManager
 from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
 from .kv_cache import KV_DTYPES, kv_element_bytes
+from .layers.linear import keeps_16bit_as
 from ..models.engine_spec import EngineSpec
 from ..models.reader import CheckpointReader
 from ..models.sharding import make_plan
@@ -262,7 +264,8 @@ class LLMEngine:
         else:
             if not 0 < cfg.kv_cache_fraction <= 1:
                 raise LlmqError(f"kv_cache_fraction must be in (0, 1], got {cfg.kv_cache_fraction}")
-            free = available_memory(self.device) - ckpt.runtime_bytes(dtype) // (1 if sliced else self.tp)
+            kept = functools.partial(keeps_16bit_as, dtype=dtype, device=self.device)
+            free = available_memory(self.device) - ckpt.runtime_bytes(dtype, kept) // (1 if sliced else self.tp)
             # never more than every sequence slot filled to the context length
             budget = min(int(max(free, 0) * cfg.kv_cache_fraction),
                          self.max_num_seqs * self.max_model_len * per_token + block_bytes)

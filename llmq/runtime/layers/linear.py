@@ -122,8 +122,12 @@ class DenseLinear(LinearBase):
 def keeps_16bit(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a DenseLinear computing in `dtype` keeps this weight as stored (a 16-bit weight, float32 arithmetic, on
     cpu_kernels.dense16_linear); the model keeps a tied embedding table as stored then too."""
-    return dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16) and \
-        cpu_kernels.dense16_fits(weight)
+    return keeps_16bit_as(weight.dtype, tuple(weight.shape), dtype, weight.device)
+
+
+def keeps_16bit_as(stored: torch.dtype, shape: tuple[int, ...], dtype: torch.dtype, device) -> bool:
+    """keeps_16bit for a weight not loaded yet (its checkpoint dtype and shape): what the KV-cache budget subtracts."""
+    return dtype == torch.float32 and cpu_kernels.dense16_fits(stored, shape, device)
 
 
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # handle -> packed weight
