@@ -219,7 +219,7 @@ LLMQ_AVX512 inline void zeros(__m512* v) {
   for (int i = 0; i < N; ++i) v[i] = _mm512_setzero_ps();
 }
 
-// acc[r] += s * (the sum of row r's partial sums of a group), for the 16-bit-activation kernels below.
+// acc[r] += s * (the sum of row r's partial sums of a group), for the INT4 16-bit-activation kernel below.
 template <int R, int A>
 LLMQ_AVX512 inline void fold_group(const __m512 (&gacc)[R][A], __m512 s, __m512 (&acc)[R]) {
   for (int r = 0; r < R; ++r) {
@@ -544,17 +544,15 @@ LLMQ_AVX512 void dense_seq_bf16(const at::BFloat16* w, const float* xp, int64_t 
   }
 }
 
-// x [rows, K] in dense_seq_bf16's order.
-void even_x(const float* x, int64_t rows, int64_t k, float* out) {
-  for (int64_t r = 0; r < rows; ++r, x += k, out += k) {
-    int64_t c = 0;
-    for (; c + 32 <= k; c += 32)
-      for (int64_t i = 0; i < 16; ++i) {
-        out[c + i] = x[c + 2 * i];
-        out[c + 16 + i] = x[c + 2 * i + 1];
-      }
-    std::copy(x + c, x + k, out + c);
-  }
+// A row of x [K] in dense_seq_bf16's order.
+void even_x(const float* x, int64_t k, float* out) {
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[c + i] = x[c + 2 * i];
+      out[c + 16 + i] = x[c + 2 * i + 1];
+    }
+  std::copy(x + c, x + k, out + c);
 }
 
 // c[j] = column j of the 16 x 16 float32 block r (rows r[0..15]).
@@ -605,7 +603,7 @@ void dense16_impl(const float* x, const T* w, float* y, int64_t m, int64_t n, in
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (m % 4 == 1) {  // the row left to dense_seq_bf16
       xp.resize(k);
-      even_x(x + (m - 1) * k, 1, k, xp.data());
+      even_x(x + (m - 1) * k, k, xp.data());
     }
   }
   at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t lo, int64_t hi) {
@@ -626,7 +624,7 @@ void dense16_impl(const float* x, const T* w, float* y, int64_t m, int64_t n, in
 }
 
 at::Tensor dense16_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "dense16_linear needs a CPU with AVX-512");
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "dense16_linear needs a CPU with AVX-512 (F and BW)");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.device().is_cpu() && x.size(1) == w.size(1),
               "dense16_linear: x [M, K] and w [N, K] on the CPU");
   TORCH_CHECK((w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf) && w.is_contiguous() &&

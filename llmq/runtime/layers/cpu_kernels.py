@@ -188,9 +188,9 @@ def int8_linear_f32(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group
 
 def dense16_fits(dtype: torch.dtype, shape: tuple[int, ...], device) -> bool:
     """Whether dense16_linear takes a weight of this dtype and shape on this device: bfloat16 / float16 [N, K] with
-    K % 16 == 0, on a CPU with AVX-512 where the kernels are built."""
+    K % 16 == 0, on a CPU with AVX-512 (F and BW: the kernel's compile target) where the kernels are built."""
     return dtype in (torch.bfloat16, torch.float16) and len(shape) == 2 and shape[1] % 16 == 0 and \
-        torch.device(device).type == "cpu" and "avx512f" in cpu_flags() and not torch.compiler.is_compiling() and \
+        torch.device(device).type == "cpu" and "avx512bw" in cpu_flags() and not torch.compiler.is_compiling() and \
         available()
 
 
