@@ -205,12 +205,13 @@ def test_latencies_and_token_counts_match_known_delays(server, tok_dir):
 
 
 def test_chat_api_counts_content_chunks_only(server, tok_dir):
-    # a warm-up request, and 12 tokens a request: on the stand-in's absolute schedule a first token that arrives late
-    # shortens TPOT by the delay / (tokens - 1), and one cold 25 ms stall moved a 6-token TPOT from 10 to 5 ms in CI
-    s = OnlineSettings(endpoint=server + "/v1", api="chat", concurrency=[2], num_prompts=4, input_len=20,
+    # a warm-up request, 12 tokens a request and 8 requests for the median: on the stand-in's absolute schedule a first
+    # token that arrives late shortens TPOT by the delay / (tokens - 1); in CI one cold 25 ms stall that hit both
+    # concurrent requests of 4 moved a 6-token median TPOT from 10 to 5 ms
+    s = OnlineSettings(endpoint=server + "/v1", api="chat", concurrency=[2], num_prompts=8, input_len=20,
                        output_len=12, tokenizer=str(tok_dir), time_limit=60)
     sm = run_online(s, warn=pytest.fail)[0]["levels"][0]["summary"]
-    assert sm["completed"] == 4 and sm["output_tokens"] == 48 and sm["prompt_tokens"] == 4 * 25
+    assert sm["completed"] == 8 and sm["output_tokens"] == 8 * 12 and sm["prompt_tokens"] == 8 * 25
     assert sm["ttft"]["min"] >= TTFT - 0.002  # the role-only first chunk is not the first token
     assert ITL - 0.002 <= sm["tpot"]["p50"] <= ITL + 0.004
 
