@@ -249,9 +249,11 @@ def test_poisson_arrivals_are_seeded_at_the_right_rate(server, tok):
     ep = asyncio.run(probe(server, None))
     prompts = P.synthetic(tok, [8] * 30, 2)
     recs = asyncio.run(LoadGenerator(ep, tokenizer=tok).open_loop(prompts, 40.0, 60, seed=3))
-    starts = np.array([r.start for r in recs])
-    # open loop: each request leaves on its own schedule (not after the previous answer)
-    assert np.abs(starts - poisson_arrivals(30, 40.0, seed=3)).max() < 0.03
+    late = np.array([r.start for r in recs]) - poisson_arrivals(30, 40.0, seed=3)
+    # open loop: each request leaves on its own schedule, not after the previous answer (each takes >= 60 ms here, the
+    # mean gap is 25 ms). A median: one stall of a loaded CI machine (230 ms once) delays whichever requests it overlaps
+    assert late.min() > -0.002 and np.median(np.abs(late)) < 0.01
+    assert sum(r.start < prev.end for prev, r in zip(recs, recs[1:])) >= 10
     assert all(r.ok for r in recs)
 
 
