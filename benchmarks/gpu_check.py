@@ -171,13 +171,13 @@ class HFReference:
         self.source = {k: v.clone() for k, v in self.model.state_dict().items()}
 
     def load(self, artifact: Path | None) -> None:
-        from llmq.models.reader import CheckpointReader, linear_names
+        from llmq.models.reader import CheckpointReader
 
         self.model.load_state_dict(self.source)
         if artifact is None:
             return
         ckpt = CheckpointReader(artifact)  # every tensor: SmoothQuant, for one, folds its scales into the norms
-        linears = {f"{n}.weight" for i in range(ckpt.spec.num_layers) for n in linear_names(i)}
+        linears = {f"{n}.weight" for i in range(ckpt.spec.num_layers) for n in ckpt.arch.linear_names(i)}
         sd = {k: ckpt.linear(k[:-len(".weight")]).dense(torch.float32) if k in linears else
               ckpt.tensor(k).float() for k in self.source if k != "lm_head.weight" or ckpt.has_lm_head()}
         self.model.load_state_dict(sd, strict=False)

@@ -10,7 +10,8 @@ from llmq.errors import LlmqError
 from llmq.models import ModelSpec
 from llmq.models.spec import IMPLEMENTED, INERT, REFUSED
 
-CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
@@ -39,6 +40,8 @@ def test_lists_cover_exactly_the_fields_of_the_supported_configs():
      "rope_parameters"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "layer_types"),
     ("qwen2", {"layer_types": ["sliding_attention", "sliding_attention"]}, "layer_types"),  # no window to slide
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "layer_types"),
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
     ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("llama", {"layer_types": ["sliding_attention", "sliding_attention"]}, "layer_types"),
     ("mistral", {"sliding_window": 0}, "sliding_window"),
@@ -61,6 +64,8 @@ def test_unimplemented_values_are_refused_naming_the_field(model_type, overrides
     ("qwen2", {}, None),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),  # no layer slides
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
+    ("qwen3", {}, None),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
 ])
 def test_implemented_values_are_accepted_with_transformers_window(model_type, overrides, window):
     assert ModelSpec.from_config(config(model_type, **overrides)).sliding_window == window

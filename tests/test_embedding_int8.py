@@ -13,7 +13,8 @@ import torch
 
 from llmq.errors import LlmqError
 from llmq.models import qformat
-from llmq.models.reader import CheckpointReader, linear_names
+from llmq.models.arch import LLAMA
+from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
 
 COMMON = dict(method="rtn", bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=256)
@@ -64,7 +65,7 @@ def _reference_logprobs(src_path, art_path, ids) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(src_path, dtype=torch.float32).eval()
     with torch.no_grad():
         for i in range(ck.spec.num_layers):
-            for name in linear_names(i):
+            for name in LLAMA.linear_names(i):
                 model.get_submodule(name).weight.data = ck.linear(name).dense(torch.float32)
         table = _decompressed_table(ck) if ck.embedding_quantized() else ck.embedding().dense(torch.float32)
         model.model.embed_tokens.weight.data = table  # a tied lm_head shares this very tensor

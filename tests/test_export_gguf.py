@@ -19,7 +19,7 @@ import torch
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
 from llmq.pipeline.targets import BuildOptions, build_engine
-from llmq.models.reader import CheckpointReader, linear_names
+from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 
 gguf = pytest.importorskip("gguf")
@@ -72,6 +72,8 @@ def expected_tensors(arch: str, c: dict) -> dict[str, tuple[tuple[int, ...], str
         if arch == "qwen2":
             out |= {b + "attn_q.bias": ((q,), "norm"), b + "attn_k.bias": ((kv,), "norm"),
                     b + "attn_v.bias": ((kv,), "norm")}
+        if arch == "qwen3":  # llama.cpp's qwen3: one RMSNorm weight per head dimension for q and for k
+            out |= {b + "attn_q_norm.weight": ((d,), "norm"), b + "attn_k_norm.weight": ((d,), "norm")}
     return out
 
 
@@ -109,7 +111,9 @@ def _bf16_with_a_merge(d: Path) -> Path:
 
 
 TINY = {"llama-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
-        "qwen2-bias-tied": dict(model_type="qwen2", tie_word_embeddings=True)}
+        "qwen2-bias-tied": dict(model_type="qwen2", tie_word_embeddings=True),
+        # head_dim 32 with hidden 64 and 4 heads: q is wider than the residual, as in Qwen3's releases
+        "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True)}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +142,7 @@ def test_file_meets_llama_cpp_loader_contract(tiny, arch, scheme):
     src, art = built[arch, scheme]
     cfg = json.loads((src.path / "config.json").read_text())
     r = gguf.GGUFReader(gguf_file(art))
-    a = cfg["model_type"] if cfg["model_type"] == "qwen2" else "llama"
+    a = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3") else "llama"
     assert _field(r, "GGUF.version")[1] == 3
     for key, vtype in REQUIRED_KEYS.items():
         assert r.fields[key.format(arch=a)].types[0] == vtype, key
@@ -150,7 +154,9 @@ def test_file_meets_llama_cpp_loader_contract(tiny, arch, scheme):
     want = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
             "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
             "attention.head_count": heads, "attention.head_count_kv": cfg["num_key_value_heads"],
-            "rope.dimension_count": cfg["hidden_size"] // heads}
+            "rope.dimension_count": cfg.get("head_dim") or cfg["hidden_size"] // heads}
+    if cfg.get("head_dim", cfg["hidden_size"] // heads) != cfg["hidden_size"] // heads:  # n_embd_head_k / _v
+        want |= {"attention.key_length": cfg["head_dim"], "attention.value_length": cfg["head_dim"]}
     for k, v in want.items():
         assert _field(r, f"{a}.{k}")[1] == v, k
     assert _field(r, f"{a}.rope.freq_base")[1] == pytest.approx(
@@ -218,6 +224,7 @@ def _unpair_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 HF_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+            "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output.weight": "self_attn.o_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
             "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
@@ -225,7 +232,7 @@ HF_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "po
 
 def read_gguf(path: Path, unpair: bool = True):
     """(transformers model, metadata) from a GGUF file alone, the way llama.cpp reads it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     r = gguf.GGUFReader(path)
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
@@ -238,7 +245,10 @@ def read_gguf(path: Path, unpair: bool = True):
                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=g("rope.dimension_count"),
                rms_norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base"),
                max_position_embeddings=g("context_length"), tie_word_embeddings="output.weight" not in names)
-    model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    if f"{arch}.attention.key_length" in meta:
+        cfg["head_dim"] = g("attention.key_length")
+    model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     state = {}
     for t in r.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape)])
@@ -276,7 +286,7 @@ def exact_artifact_model(src_path: Path):
     state = {k: s.tensor(k).float() for k in s.tensors if k.endswith("norm.weight") or k.endswith(".bias")}
     state["model.embed_tokens.weight"] = s.embedding().dense(torch.float32)
     for i in range(s.spec.num_layers):
-        for name in linear_names(i):
+        for name in s.arch.linear_names(i):
             state[f"{name}.weight"] = s.linear(name).dense(torch.float32)
     state["lm_head.weight"] = s.lm_head().dense(torch.float32)
     model = AutoModelForCausalLM.from_config(config).float().eval()
@@ -390,7 +400,7 @@ def _source_rows(qw, name: str, spec):
     """The artifact's integers, scales and zeros in the file's row order (q/k rows paired for `llama`)."""
     q, s, z = qw.q.numpy().astype(np.int16), qw.scale.float().numpy(), qw.zero_point
     z = None if z is None else z.numpy().astype(np.int16)
-    if spec.model_type != "qwen2" and name.endswith(("q_proj", "k_proj")):
+    if spec.model_type in ("llama", "mistral") and name.endswith(("q_proj", "k_proj")):  # llama.cpp `llama`
         heads = spec.num_heads if name.endswith("q_proj") else spec.num_kv_heads
         d = q.shape[0] // heads
         order = np.arange(heads * d).reshape(heads, 2, d // 2).transpose(0, 2, 1).reshape(-1)
@@ -407,7 +417,7 @@ def assert_bit_exact(src_path: Path, gguf_path: Path) -> dict:
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     stats = {"linears": 0, "weights": 0, "blocks": 0, "scales_not_exact": 0, "mins_rerounded": 0}
     for i in range(s.spec.num_layers):
-        for name in linear_names(i):
+        for name in s.arch.linear_names(i):
             qw = s.linear(name).qw
             blocks = decode_blocks(tensors[f"blk.{i}.{to_file[name.rsplit('.', 1)[1]]}.weight"])
             q, scale, zero = _source_rows(qw, name, s.spec)

@@ -65,7 +65,8 @@ def test_sensitivity_is_the_kld_of_rounding_that_unit_alone(tiny):
     opts, spec, _ = validate(src, QuantizeOptions(bits=4, group_size=32, target_bpw=6, num_samples=2, seq_len=64))
     windows = load_calibration(None, load_tokenizer(src.path), 2, 64, 0)
     got = mixed.measure(src.path, spec, opts, windows, "cpu", progress=False)
-    assert set(got) == {(i, u) for i in range(3) for u in range(len(mixed.UNITS))}
+    units = spec.arch.unit_paths()
+    assert set(got) == {(i, u) for i in range(3) for u in range(len(units))}
 
     model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
     ids = torch.stack(windows.samples)
@@ -74,7 +75,7 @@ def test_sensitivity_is_the_kld_of_rounding_that_unit_alone(tiny):
         ref = model(ids).logits[:, half:]
     klds = []
     for (i, u) in [(0, 0), (1, 3), (2, 2), (2, 1)]:
-        lins = [model.get_submodule(f"model.layers.{i}.{n}") for n in mixed.UNITS[u]]
+        lins = [model.get_submodule(f"{spec.arch.prefix(i)}.{n}") for n in units[u]]
         kept = [lin.weight.data.clone() for lin in lins]
         for lin in lins:
             lin.weight.data = rtn.quantize_weight(lin.weight.data, 4, 32, True, torch.bfloat16).dequantize()

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from llmq.cli.main import cli
 from llmq.errors import LlmqError
 from llmq.models import qformat, resolve_model
+from llmq.models.arch import ARCHS
 from llmq.models.checkpoint import load_state_dict, read_config
 from llmq.pipeline.quantize import QuantizeOptions, awq, calib, gptq, quantize, rtn
 from llmq.pipeline.quantize.probe import kld_top1
@@ -110,22 +111,23 @@ def test_gptq_zeroes_columns_that_never_see_input():
     assert bool((qw.q[:, 5] == 0).all())
 
 
-@pytest.mark.parametrize("heads,kv_heads,bias", [(4, 2, False), (6, 2, True), (4, 4, False)])
-def test_awq_folding_leaves_the_float_model_unchanged(tmp_path, make_tiny_model, heads, kv_heads, bias):
+@pytest.mark.parametrize("heads,kv_heads,model_type", [(4, 2, "llama"), (6, 2, "qwen2"), (4, 4, "llama"),
+                                                       (6, 2, "qwen3")])
+def test_awq_folding_leaves_the_float_model_unchanged(tmp_path, make_tiny_model, heads, kv_heads, model_type):
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model(tmp_path / "m", seed=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                           hidden_size=16 * heads, model_type="qwen2" if bias else "llama")
+                           hidden_size=16 * heads, model_type=model_type)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(ids).logits
         gen = torch.Generator().manual_seed(9)
         for layer in model.model.layers:
-            for producer, consumers in awq.GROUPS:
+            for producer, _, consumers in ARCHS[model_type].feed_paths():
                 k = layer.get_submodule(consumers[0]).in_features
                 s = torch.rand(k, generator=gen, dtype=torch.float64) * 4 + 0.25
-                if producer == "self_attn.v_proj":
+                if producer == ARCHS[model_type].path("v_proj"):
                     s = awq.tie_heads(s, heads, kv_heads)
                 awq.fold_scales(layer, producer, consumers, s, heads, kv_heads)
         after = model(ids).logits

@@ -5,6 +5,7 @@ import torch
 
 from llmq.errors import LlmqError
 from llmq.models import qformat as qf
+from llmq.models.arch import LLAMA
 from llmq.pipeline.quantize import fp8, smoothquant as sq
 from llmq.runtime.layers.linear import FP8Linear, W8A8Linear
 
@@ -51,7 +52,8 @@ def test_smoothing_leaves_the_float_model_unchanged(tmp_path, make_tiny_model, a
         absmax = {n: torch.rand(sd[f"{n}.weight"].shape[1], generator=gen, dtype=torch.float64) * 10 + 0.1
                   for n in LINEARS}
         new, factors = sq.smooth_layer(sd, absmax, 0.5, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                       cfg.hidden_size // cfg.num_attention_heads)
+                                       cfg.hidden_size // cfg.num_attention_heads, LLAMA.feed_paths(),
+                                       LLAMA.path("v_proj"))
         assert set(factors) == set(LINEARS) and new.keys() == sd.keys()
         changed += sum(not torch.allclose(new[k], sd[k]) for k in sd)
         layer.load_state_dict(new, strict=False)
@@ -71,7 +73,7 @@ def test_gqa_factors_are_shared_by_a_groups_query_heads():
               "mlp.gate_proj": (64, hidden), "mlp.up_proj": (64, hidden), "mlp.down_proj": (hidden, 64)}
     sd |= {f"{n}.weight": torch.randn(*s, generator=gen) for n, s in shapes.items()}
     absmax = {n: torch.rand(s[1], generator=gen) + 0.1 for n, s in shapes.items()}
-    _, factors = sq.smooth_layer(sd, absmax, 0.5, h, hkv, d)
+    _, factors = sq.smooth_layer(sd, absmax, 0.5, h, hkv, d, LLAMA.feed_paths(), LLAMA.path("v_proj"))
     s_o = factors["self_attn.o_proj"].view(hkv, h // hkv, d)
     assert torch.equal(s_o, s_o[:, :1].expand_as(s_o)) and not torch.allclose(s_o[0], s_o[1])
 

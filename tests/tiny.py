@@ -1,4 +1,5 @@
-"""Tiny random Llama-family models for unit tests: real checkpoints and tokenizers, made in a second, offline."""
+"""Tiny random models of every supported family for unit tests: real checkpoints and tokenizers, made in a second,
+offline."""
 
 from __future__ import annotations
 
@@ -28,12 +29,11 @@ def byte_tokenizer():
 
 
 def make_tiny_model(path: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random Llama (2 layers, hidden 64, 4 heads / 2 KV heads by default) with a byte tokenizer to `path`."""
+    """Save a random model (Llama unless model_type says another family; 2 layers, hidden 64, 4 heads / 2 KV heads
+    by default) with a byte tokenizer to `path`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     model_type = overrides.pop("model_type", "llama")
     tok = byte_tokenizer()
     cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -41,9 +41,8 @@ def make_tiny_model(path: Path, seed: int = 0, **overrides) -> Path:
                tie_word_embeddings=False, initializer_range=0.1, bos_token_id=tok.bos_token_id,
                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     cfg.update(overrides)
-    config_cls, model_cls = classes[model_type]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**cfg)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).eval()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

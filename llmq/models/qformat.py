@@ -38,10 +38,9 @@ import torch
 
 from .. import quant
 from ..errors import LlmqError
+from .arch.base import EMBEDDING, LM_HEAD
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
-LM_HEAD = "lm_head"
-EMBEDDING = "model.embed_tokens"
 CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
 CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
 

@@ -18,19 +18,8 @@ import torch
 from ..errors import LlmqError
 from . import bnbformat, qformat
 from .checkpoint import read_config, safetensors_files
+from .arch import LINEARS
 from .spec import ModelSpec
-
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def layer_prefix(i: int) -> str:
-    return f"model.layers.{i}"
-
-
-def linear_names(i: int) -> list[str]:
-    p = layer_prefix(i)
-    return [f"{p}.self_attn.{n}" for n in ATTN] + [f"{p}.mlp.{n}" for n in MLP]
 
 
 @dataclass
@@ -90,12 +79,14 @@ class LazyTensors(Mapping):
 
 
 class CheckpointReader:
-    """A Llama-family checkpoint directory: config, spec, and its tensors, dense or quantized."""
+    """A checkpoint directory of a supported family: config, spec, its declaration (`arch`: what its tensors are
+    called) and its tensors, dense or quantized."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self.config = read_config(self.path)
         self.spec = ModelSpec.from_config(self.config)
+        self.arch = self.spec.arch
         files = safetensors_files(self.path)
         if not files:
             raise LlmqError(f"{self.path}: no *.safetensors weights found")
@@ -127,6 +118,17 @@ class CheckpointReader:
         weight, qw, bias = self.linear_tensors(name)
         return LinearWeights(name, weight=weight, qw=qw, bias=bias)
 
+    def layer_linears(self, i: int) -> dict[str, LinearWeights]:
+        """Layer i's linears by role (q_proj ... down_proj)."""
+        return {r: self.linear(self.arch.linear(i, r)) for r in LINEARS}
+
+    def layer_norms(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's norm weights by role (attn_norm, mlp_norm, and q_norm / k_norm where the family has them)."""
+        return {r: self.tensor(self.arch.norm(i, r)) for r in self.arch.norms}
+
+    def final_norm(self) -> torch.Tensor:
+        return self.tensor(f"{self.arch.final_norm}.weight")
+
     def embedding(self) -> LinearWeights:
         """The token embedding table [vocab, hidden]: as stored, or INT8 per row (`quantize --embedding int8`)."""
         if self.embedding_quantized():
@@ -141,9 +143,9 @@ class CheckpointReader:
         """lm_head, or the embedding where the model ties them (`embed`: the table already read, shared rather than
         read again)."""
         if self.has_lm_head():
-            return self.linear("lm_head")
+            return self.linear(qformat.LM_HEAD)
         if self.spec.tie_word_embeddings:
-            return dataclasses.replace(embed or self.embedding(), name="lm_head")
+            return dataclasses.replace(embed or self.embedding(), name=qformat.LM_HEAD)
         raise LlmqError(f"{self.path}: no lm_head weights and tie_word_embeddings is false")
 
     def runtime_bytes(self, compute_dtype: torch.dtype,
@@ -167,11 +169,11 @@ class CheckpointReader:
         return total
 
     def has_lm_head(self) -> bool:
-        return any(k.startswith("lm_head.") for k in self.tensors)
+        return any(k.startswith(f"{qformat.LM_HEAD}.") for k in self.tensors)
 
     def kv_scales(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k_scale, v_scale) of layer i when the checkpoint carries calibrated KV-cache scales."""
-        return qformat.read_kv_scales(self.tensors, f"{layer_prefix(i)}.self_attn", self.qconfig)
+        return qformat.read_kv_scales(self.tensors, self.arch.attention_module(i), self.qconfig)
 
     def kv_cache_dtype(self) -> str | None:
         """'int8' / 'fp8' when the checkpoint carries a KV-cache scheme, else None."""

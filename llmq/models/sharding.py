@@ -25,7 +25,8 @@ import torch
 
 from ..errors import LlmqError
 from . import bnbformat
-from .reader import ATTN, MLP, LinearWeights
+from .arch import SPLIT
+from .reader import LinearWeights
 from .spec import ModelSpec
 
 SUPPORTED_TP = (1, 2, 4, 8)
@@ -231,24 +232,18 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
 
 
 
+def split_layer(full: dict[str, LinearWeights], plan: ShardPlan, rank: int) -> dict[str, LinearWeights]:
+    """One rank's slice of a layer's linears (by role), each split as arch.SPLIT says."""
+    index = {"q": plan.q_rows(rank), "kv": plan.kv_rows(rank), "mlp": plan.mlp_rows(rank)}
+    return {role: (split_rows if SPLIT[role][0] == "rows" else split_cols)(lw, index[SPLIT[role][1]])
+            for role, lw in full.items()}
+
+
 def layer_slices(reader, plan: ShardPlan, i: int, ranks=None) -> list[dict[str, LinearWeights]]:
-    """Rank slices of decoder layer i's seven linears under their Hugging Face module names, for `ranks` (all by
-    default). `reader` is any checkpoint reader whose .linear(name) returns LinearWeights."""
-    p = f"model.layers.{i}"
-    full = {n: reader.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: reader.linear(f"{p}.mlp.{n}") for n in MLP}
-    out = []
-    for r in (range(plan.tp) if ranks is None else ranks):
-        q_rows, kv_rows, mlp_rows = plan.q_rows(r), plan.kv_rows(r), plan.mlp_rows(r)
-        out.append({
-            "q_proj": split_rows(full["q_proj"], q_rows),
-            "k_proj": split_rows(full["k_proj"], kv_rows),
-            "v_proj": split_rows(full["v_proj"], kv_rows),
-            "o_proj": split_cols(full["o_proj"], q_rows),
-            "gate_proj": split_rows(full["gate_proj"], mlp_rows),
-            "up_proj": split_rows(full["up_proj"], mlp_rows),
-            "down_proj": split_cols(full["down_proj"], mlp_rows),
-        })
-    return out
+    """Rank slices of decoder layer i's linears by role, for `ranks` (all by default). `reader` is a
+    CheckpointReader (or anything with its layer_linears)."""
+    full = reader.layer_linears(i)
+    return [split_layer(full, plan, r) for r in (range(plan.tp) if ranks is None else ranks)]
 
 
 def kv_scale_slice(scale: torch.Tensor, plan, rank: int) -> torch.Tensor:
@@ -274,8 +269,8 @@ class RankWeights:
     """One rank's share of a model under Hugging Face module names: what each target's reader produces (applying
     that target's dequantization where it stores values differently) and what the runtime turns into modules."""
 
-    layers: list[dict[str, LinearWeights]]          # q_proj ... down_proj (a generator when read lazily)
-    norms: list[tuple[torch.Tensor, torch.Tensor]]  # (input_layernorm, post_attention_layernorm)
+    layers: list[dict[str, LinearWeights]]          # by role: q_proj ... down_proj (a generator when read lazily)
+    norms: list[dict[str, torch.Tensor]]            # by role: attn_norm, mlp_norm (q_norm, k_norm)
     embed: LinearWeights                            # [vocab, hidden] (INT8 rows too), this rank's rows if parallel
     final_norm: torch.Tensor
     lm_head: LinearWeights                          # this rank's vocab rows (the embedding itself where tied)

@@ -12,20 +12,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import LlmqError
+from .arch import ARCHS, Arch, arch_for
 
-# model_type -> architecture class. All are Llama-family decoders: RMSNorm, RoPE, SwiGLU, GQA.
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+# model_type -> architecture class, from the declarations (llmq.models.arch).
+SUPPORTED_ARCHITECTURES = {t: a.architecture for t, a in ARCHS.items()}
 
-# Config fields (of transformers' LlamaConfig / MistralConfig / Qwen2Config) the runtime computes with, for every value.
+# Config fields (of transformers' configs of the supported families) the runtime computes with, for every value.
 IMPLEMENTED = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "dtype",
     "attention_bias", "mlp_bias",  # the runtime adds whatever biases the checkpoint holds
-    "use_sliding_window", "max_window_layers",  # Qwen2: transformers turns them into layer_types, checked below
+    "use_sliding_window", "max_window_layers",  # Qwen2/3: transformers turns them into layer_types, checked below
 })
 
 # Fields that do not change the logits of an inference forward, with the reason.
@@ -43,10 +40,9 @@ ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # fixed frequencies, which
 
 
 def _window(hf_config) -> int | None:
-    """The one attention window all layers use (None: full). Qwen2 slides only the layers its layer_types mark."""
-    if hf_config.model_type == "llama":
-        return None
-    if hf_config.model_type == "qwen2" and "sliding_attention" not in (hf_config.layer_types or ()):
+    """The one attention window all layers use (None: full), by the family's rule (Arch.window)."""
+    rule = ARCHS[hf_config.model_type].window
+    if rule == "none" or (rule == "layer_types" and "sliding_attention" not in (hf_config.layer_types or ())):
         return None
     return hf_config.sliding_window
 
@@ -136,10 +132,7 @@ class ModelSpec:
             except json.JSONDecodeError as e:
                 raise LlmqError(f"{p}: config.json is not valid JSON ({e})") from None
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            arch = (config.get("architectures") or [model_type])[0]
-            raise LlmqError(f"unsupported architecture {arch!r} (model_type {model_type!r}); llmq supports: "
-                            + ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items()))
+        arch = arch_for(model_type, (config.get("architectures") or [model_type])[0])
         hf = _checked_hf_config(config)
         try:
             heads = int(config["num_attention_heads"])
@@ -148,7 +141,7 @@ class ModelSpec:
             rope_scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
             return cls(
                 model_type=model_type,
-                architecture=SUPPORTED_ARCHITECTURES[model_type],
+                architecture=arch.architecture,
                 num_layers=int(config["num_hidden_layers"]),
                 hidden_size=hidden,
                 num_heads=heads,
@@ -160,19 +153,32 @@ class ModelSpec:
                 rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                 rope_scaling=rope_scaling,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+                attention_bias=bool(config.get("attention_bias", arch.qkv_bias)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 sliding_window=_window(hf),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LlmqError(f"config.json of this {model_type} model is missing or has a bad field: {e}") from None
 
+    @property
+    def arch(self) -> Arch:
+        """The family's declaration: tensor names, fused groups, splits, export names."""
+        return ARCHS[self.model_type]
+
+    def linear_shape(self, role: str) -> tuple[int, int]:
+        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj)."""
+        h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ff, h),
+                "up_proj": (ff, h), "down_proj": (h, ff)}[role]
+
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         """KV-cache size of one token: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
     def num_parameters(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) \
+            + (2 * self.head_dim if self.arch.qk_norm else 0)
         mlp = 3 * self.hidden_size * self.intermediate_size
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + 2 * self.hidden_size) + emb + self.hidden_size

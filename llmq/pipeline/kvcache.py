@@ -6,7 +6,7 @@ is what the cache holds. The absolute maximum per layer and KV head gives scale 
 (fp8 e4m3), per tensor or per head, and the held-out error is measured with the runtime cache's own encode / decode
 (`llmq.quant`). Per-head scales pay only where heads differ in range, so `auto` measures the reconstruction error of
 both on held-out text and keeps per-head scales only when they cut it by a meaningful margin. The artifact is the input
-checkpoint (weights untouched) plus `model.layers.N.self_attn.k_scale` / `v_scale` and a `kv_cache_scheme` in
+checkpoint (weights untouched) plus each attention module's `k_scale` / `v_scale` (Arch.attention_module) and a `kv_cache_scheme` in
 `quantization_config`; its quality (KLD / top-1 agreement of the model with the quantized cache against the same
 model with a full-precision cache, both through the runtime's paged path) is measured on the written artifact.
 """
@@ -27,7 +27,7 @@ from ..artifacts import Artifact, Store
 from ..errors import LlmqError
 from ..models import qformat
 from ..models.checkpoint import INDEX_NAME, read_config, safetensors_files, write_json
-from ..models.reader import CheckpointReader, layer_prefix
+from ..models.reader import CheckpointReader
 from .kv_options import KVOptions
 
 SCALES_FILE = "kv-scales.safetensors"
@@ -263,7 +263,7 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
             qargs = kv_quant_args(opts.kv, chosen)
             scales = {}
             for i, (k, v) in enumerate(candidates[chosen]):
-                scales.update(qformat.write_kv_scales(f"{layer_prefix(i)}.self_attn", k, v))
+                scales.update(qformat.write_kv_scales(spec.arch.attention_module(i), k, v))
             config = {"kv_cache_dtype": opts.kv, "granularity": chosen, "granularity_requested": opts.granularity,
                       "margin": opts.margin, "kv_cache_scheme": asdict(qargs),
                       "calibration": {**calib.manifest(), "heldout": probe.manifest()},

@@ -20,7 +20,7 @@ import torch
 from ..errors import LlmqError
 from ..models import ModelSpec
 from ..models.engine_spec import EngineSpec
-from ..models.reader import ATTN, MLP, CheckpointReader, LinearWeights
+from ..models.reader import CheckpointReader, LinearWeights
 from ..models.sharding import RankWeights, ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
 from ..models.spec import attends
 from .compiled import compile_decode
@@ -32,7 +32,7 @@ from .layers.linear import keeps_16bit
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_inv_freq
 from .loader import build_linear
-from .models.llama import DecoderLayer, LayerWeights, LlamaForCausalLM
+from .models.decoder import CausalLM, DecoderLayer, LayerWeights
 
 
 @dataclass
@@ -67,7 +67,7 @@ def compute_dtype_for(device: torch.device, requested: str | torch.dtype | None,
 
 def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | None, dtype: torch.dtype,
                device: torch.device, max_positions: int, int8_activations: bool = False
-               ) -> tuple[LlamaForCausalLM, int, int]:
+               ) -> tuple[CausalLM, int, int]:
     """This rank's model, its number of local query heads and local KV heads.
 
     engine is the record of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
@@ -95,29 +95,22 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
     layers and their norms are read only as a consumer iterates them, once (load_model: one layer's checkpoint
     tensors in memory beside the runtime's modules, not the whole checkpoint)."""
     def layer(i: int) -> dict:
-        p = f"model.layers.{i}"
-        if plan is not None:
-            return layer_slices(ckpt, plan, i, ranks=[rank])[0]
-        return {n: ckpt.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: ckpt.linear(f"{p}.mlp.{n}") for n in MLP}
-
-    def norms(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p = f"model.layers.{i}"
-        return ckpt.tensor(f"{p}.input_layernorm.weight"), ckpt.tensor(f"{p}.post_attention_layernorm.weight")
+        return layer_slices(ckpt, plan, i, ranks=[rank])[0] if plan is not None else ckpt.layer_linears(i)
 
     n = ckpt.spec.num_layers
     layers = (layer(i) for i in range(n)) if lazy else [layer(i) for i in range(n)]
-    norm_pairs = (norms(i) for i in range(n)) if lazy else [norms(i) for i in range(n)]
+    norms = (ckpt.layer_norms(i) for i in range(n)) if lazy else [ckpt.layer_norms(i) for i in range(n)]
     embed = ckpt.embedding()
     head = ckpt.lm_head(embed)  # tied: the same table, so assemble() keeps a 16-bit one sharing its memory
     if plan is not None:
         head = split_rows(head, plan.vocab_rows(rank))
-    return RankWeights(layers=layers, norms=norm_pairs, embed=embed, final_norm=ckpt.tensor("model.norm.weight"),
+    return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.final_norm(),
                        lm_head=head)
 
 
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
              device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False
-             ) -> LlamaForCausalLM:
+             ) -> CausalLM:
     """The runtime model of one rank from its weights: quantized linears become the runtime's quantized layers,
     q/k/v and gate/up are fused, row-parallel biases are added after the all-reduce. int8_activations:
     EngineConfig.int8_activations."""
@@ -125,8 +118,8 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
 
     spec = ModelSpec.from_config(config)
 
-    def norm(w: torch.Tensor) -> RMSNorm:
-        return RMSNorm(w.to(device=device, dtype=dtype), spec.rms_norm_eps)
+    def norm(w: torch.Tensor | None) -> RMSNorm | None:
+        return RMSNorm(w.to(device=device, dtype=dtype), spec.rms_norm_eps) if w is not None else None
 
     def linear(parts: list[LinearWeights]):
         return build_linear(parts, dtype, device, int8_activations)
@@ -140,13 +133,14 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
     inv_freq, attn_scaling = rope_inv_freq(hf_config)
     rotary = RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
     layers = []
-    for lin, (n_in, n_post) in zip(rw.layers, rw.norms):
+    for lin, norms in zip(rw.layers, rw.norms):
         o_bias, o = row_bias(lin["o_proj"])
         down_bias, down = row_bias(lin["down_proj"])
         w = LayerWeights(
-            input_norm=norm(n_in), qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
-            o=linear([o]), o_bias=o_bias, post_norm=norm(n_post),
-            gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias)
+            input_norm=norm(norms["attn_norm"]), qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
+            o=linear([o]), o_bias=o_bias, post_norm=norm(norms["mlp_norm"]),
+            gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias,
+            q_norm=norm(norms.get("q_norm")), k_norm=norm(norms.get("k_norm")))
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
         release_free_heap()
     head, table, scale = rw.lm_head, rw.embed.weight, None
@@ -158,7 +152,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         head = LinearWeights("lm_head", weight=table)
     else:  # looked up a few rows at a time: stays as stored (half the memory of a float32 copy at 16 bits)
         table = table.to(device=device)
-    model = LlamaForCausalLM(table, layers, norm(rw.final_norm), linear([head]), rotary,
+    model = CausalLM(table, layers, norm(rw.final_norm), linear([head]), rotary,
                              spec.vocab_size, tpc, embed_start, scale)
     release_free_heap()
     return model.eval()

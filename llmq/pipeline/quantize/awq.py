@@ -29,11 +29,6 @@ BITS = (4, 8)
 CALIBRATED = True
 GRID = 20
 SEARCH_TOKENS = 1024
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-# (producer that absorbs 1/s, consumers whose input columns absorb s)
-GROUPS = (("input_layernorm", QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
-          ("post_attention_layernorm", GATE_UP), ("mlp.up_proj", ("mlp.down_proj",)))
 
 
 def validate(opts, spec) -> None:
@@ -102,11 +97,15 @@ def fold_scales(layer: nn.Module, producer: str, consumers: tuple[str, ...], s: 
 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     o, spec = ctx.opts, ctx.spec
-    missing = [n for _, cons in GROUPS for n in cons if n not in ctx.linears and not ctx.dense(n)]
+    # (producer that absorbs 1/s, consumers whose input columns absorb s): the family's feeds (Arch.feeds)
+    feeds = [(p, cons) for p, _, cons in spec.arch.feed_paths()]
+    missing = [n for _, cons in feeds for n in cons if n not in ctx.linears and not ctx.dense(n)]
     if missing:
-        raise LlmqError(f"AWQ needs the Llama-family linears; layer {ctx.index} lacks {', '.join(missing)}")
+        raise LlmqError(f"AWQ scales every linear a norm or a projection feeds; layer {ctx.index} keeps "
+                        f"{', '.join(missing)} dense (--ignore): drop it from --ignore or use --method gptq / rtn")
     heads = (spec.num_heads, spec.num_kv_heads)
-    groups = [(p, cons) for p, cons in GROUPS if not ctx.dense(cons[0])]  # --target-bpw's 16-bit units: no scales
+    v_proj = spec.arch.path("v_proj")
+    groups = [(p, cons) for p, cons in feeds if not ctx.dense(cons[0])]  # --target-bpw's 16-bit units: no scales
     firsts = [cons[0] for _, cons in groups]
     sums: dict[str, torch.Tensor] = {}
     kept: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
@@ -121,7 +120,7 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     tokens = max(ctx.num_tokens, 1)
     for (producer, consumers), first in zip(groups, firsts):
         x, x_mean = torch.cat(kept[first]), sums[first] / tokens
-        tie = (lambda v: tie_heads(v, *heads)) if producer == "self_attn.v_proj" else None
+        tie = (lambda v: tie_heads(v, *heads)) if producer == v_proj else None
         weights = [ctx.linears[c].weight.data.float() for c in consumers]
         s, _, _ = search_scales(x, x_mean, weights, *ctx.grid(first), o.symmetric, ctx.scale_dtype, tie)
         fold_scales(ctx.layer, producer, consumers, s, *heads)

@@ -31,6 +31,8 @@ from ...runtime.loader import quantized_linear
 from .calib import TokenWindows
 from .mixed import width_grid
 from .rtn import quantize_weight
+from .streamed import (capture_layer0, drop, head_name, load, logits, progress_bar, skeleton, source_tensors,
+                       stored_dtype)
 
 
 class QuantLinear(nn.Module):
@@ -139,42 +141,6 @@ class LayerwiseResult:
     device: str
 
 
-class _Captured(Exception):
-    pass
-
-
-@torch.no_grad()
-def capture_layer0(model, windows: list[torch.Tensor], device) -> tuple[list[torch.Tensor], dict]:
-    """The float32 hidden states entering decoder layer 0 for each window (all the same length), and the keyword
-    arguments the model passes every layer (position embeddings recomputed in float32)."""
-    got: list[tuple[torch.Tensor, dict]] = []
-
-    def hook(module, args, kwargs):
-        got.append((args[0] if args else kwargs["hidden_states"], kwargs))
-        raise _Captured
-
-    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for w in windows:
-            try:
-                model.model(input_ids=w[None].to(device), use_cache=False)
-            except _Captured:
-                pass
-    finally:
-        h.remove()
-    hidden = [x.float() for x, _ in got]
-    kwargs = {k: v for k, v in got[0][1].items() if k not in ("hidden_states", "past_key_values", "use_cache")}
-    if "position_embeddings" in kwargs:
-        kwargs["position_embeddings"] = tuple(
-            t.float() for t in model.model.rotary_emb(hidden[0], kwargs["position_ids"]))
-    return hidden, kwargs
-
-
-def _logits(h: torch.Tensor, head: torch.Tensor, rows: int = 16384) -> torch.Tensor:
-    """h @ head.T in float32 with the (16-bit) head turned into float32 a slice of rows at a time."""
-    return torch.cat([h @ head[i:i + rows].float().T for i in range(0, head.shape[0], rows)], dim=-1)
-
-
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
                quant_head: Callable[[torch.Tensor], torch.Tensor]) -> dict:
     """KLD / top-1 over the probe's positions, a chunk of logits at a time (probe.positions_per_chunk)."""
@@ -185,54 +151,8 @@ def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Modu
     for a, b in zip(src, quant):
         a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         for i in range(0, a.shape[0], chunk):
-            acc.add(_logits(norm(a[i:i + chunk]), head), quant_head(norm(b[i:i + chunk])))
+            acc.add(logits(norm(a[i:i + chunk]), head), quant_head(norm(b[i:i + chunk])))
     return acc.result()
-
-
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("left"), TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled,
-                    transient=False)
-
-
-def _source_tensors(path: Path):
-    from ...models.checkpoint import safetensors_files
-    from ...models.reader import LazyTensors
-
-    return LazyTensors(safetensors_files(path))
-
-
-def _stored_dtype(model_dir: Path) -> torch.dtype:
-    """The dtype the checkpoint stores its float tensors in (scales and dense tensors keep it)."""
-    from ...models.checkpoint import read_config
-
-    cfg = read_config(model_dir)
-    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
-
-
-def _skeleton(model_dir: Path, dtype: torch.dtype, device):
-    """The model with every weight on the meta device (no memory), its rotary embedding real: modules get their
-    tensors from the checkpoint one at a time (`_load`), so the whole model is never in memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
-    return model
-
-
-def _load(module: nn.Module, prefix: str, source, device) -> nn.Module:
-    """Give a meta-device module its tensors from the checkpoint (as stored), on `device`."""
-    names = list(module.state_dict())
-    module.load_state_dict({n: source[f"{prefix}.{n}"].to(device) for n in names}, assign=True)
-    return module
 
 
 @torch.no_grad()
@@ -246,36 +166,37 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
 
     device = torch.device(pick_device(opts.device))
     hf_logging.disable_progress_bar()
-    source = _source_tensors(model_dir)
-    model_dtype = _stored_dtype(model_dir)
-    model = _skeleton(model_dir, model_dtype, device)
-    _load(model.model.embed_tokens, "model.embed_tokens", source, device)
-    layers = model.model.layers
+    arch = spec.arch
+    source = source_tensors(model_dir)
+    model_dtype = stored_dtype(model_dir)
+    model = skeleton(model_dir, model_dtype, device)
+    embed = load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
+    layers = model.get_submodule(arch.layers)
     widths = widths or {}
     ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None, kv=None,
                              ignore=(*opts.ignore, *(n for n, b in widths.items() if b == 16)))
 
     emitted: set[str] = set()
-    probe_src, probe_kw = capture_layer0(model, probe.samples, device) if probe is not None else ([], {})
+    probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], {})
     quant_embed = None
     if opts.embedding == "int8":  # from here on the model looks tokens up in the INT8 table, as serve will
-        quant_embed = quantize_weight(model.model.embed_tokens.weight, 8, 0, True, model_dtype)
+        quant_embed = quantize_weight(embed.weight, 8, 0, True, model_dtype)
         sink.linear(qformat.EMBEDDING, quant_embed)
         emitted.add(qformat.EMBEDDING + ".weight")
-        model.model.embed_tokens.weight.data = quant_embed.dequantize(torch.float32).to(device)
-    calib_x, calib_kw = capture_layer0(model, calib.samples, device) if calib is not None else ([], {})
-    probe_q = (capture_layer0(model, probe.samples, device)[0] if quant_embed is not None and probe is not None
+        embed.weight.data = quant_embed.dequantize(torch.float32).to(device)
+    calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device) if calib is not None else ([], {})
+    probe_q = (capture_layer0(model, arch, probe.samples, device)[0] if quant_embed is not None and probe is not None
                else [x.clone() for x in probe_src])
-    model.model.embed_tokens = nn.Module()  # read again from the checkpoint when it is written
+    drop(model, qformat.EMBEDDING)  # read again from the checkpoint when it is written
 
     times: list[float] = []
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(f"{opts.method} w{opts.bits}", total=len(layers))
         for i in range(len(layers)):
             t0 = time.perf_counter()
-            prefix = f"model.layers.{i}"
+            prefix = arch.prefix(i)
             bar.update(task, description=f"{opts.method} w{opts.bits} layer {i + 1}/{len(layers)}")
-            layer = _load(layers[i], prefix, source, device).to(dtype=torch.float32)
+            layer = load(layers[i], prefix, source, device).to(dtype=torch.float32)
             probe_src = [layer(x, **probe_kw) for x in probe_src]
             linears = {n: m for n, m in layer.named_modules()
                        if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
@@ -306,11 +227,11 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             times.append(round(time.perf_counter() - t0, 3))
             bar.advance(task)
 
-    head_name = "lm_head.weight" if "lm_head.weight" in source else "model.embed_tokens.weight"
-    tied = head_name != "lm_head.weight"
+    head = head_name(source)
+    tied = head != f"{qformat.LM_HEAD}.weight"
     quant_head = QuantLinear(quant_embed, None, device) if quant_embed is not None and tied else None
     if opts.lm_head == "int8" and quant_head is None:
-        qw = quantize_weight(source[head_name].to(device=device, dtype=torch.float32), 8, 0, True, model_dtype)
+        qw = quantize_weight(source[head].to(device=device, dtype=torch.float32), 8, 0, True, model_dtype)
         sink.linear(qformat.LM_HEAD, qw)
         emitted.add(qformat.LM_HEAD + ".weight")
         quant_head = QuantLinear(qw, None, device)
@@ -319,8 +240,8 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             sink.dense(k, source[k])
     result_probe = None
     if probe is not None:
-        head = source[head_name].to(device)  # as stored: float32 a slice at a time (_logits)
-        norm = _load(model.model.norm, "model.norm", source, device).to(dtype=torch.float32)
-        result_probe = _kl_chunks(probe_src, probe_q, norm, head, quant_head or (lambda h: _logits(h, head)))
+        table = source[head].to(device)  # as stored: float32 a slice at a time (streamed.logits)
+        norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
+        result_probe = _kl_chunks(probe_src, probe_q, norm, table, quant_head or (lambda h: logits(h, table)))
         result_probe["source"] = probe.source
     return LayerwiseResult(result_probe, times, str(device))

@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 from ...errors import LlmqError
-from ...models import ModelSpec
+from ...models import ModelSpec, qformat
 from ...options import parse_size
 from . import rtn
 from .calib import TokenWindows
+from .streamed import (capture_layer0, drop, head_name, load, logits, progress_bar, skeleton, source_tensors,
+                       stored_dtype)
 
-UNITS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-         ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 WIDTHS = (4, 8, 16)
 SENSITIVITY_TOKENS = 1024   # calibration tokens the sensitivity pass scores (its cost is linear in them)
 HEADER_BYTES_PER_ENTRY = 256  # above any safetensors header entry (name, dtype, shape, offsets) of a Llama tensor
@@ -41,10 +41,8 @@ BUCKETS = 1 << 20           # most budget steps the knapsack tracks (beyond: cos
 
 
 def unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
-    """[out, in] of each linear of each unit, in UNITS order."""
-    h, q, kv, ff = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
-        spec.intermediate_size
-    return [[(q, h), (kv, h), (kv, h)], [(h, q)], [(ff, h), (ff, h)], [(h, ff)]]
+    """[out, in] of each linear of each unit, in the family's Arch.units order."""
+    return [[spec.linear_shape(r) for r in unit] for unit in spec.arch.units]
 
 
 def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
@@ -113,17 +111,16 @@ class _Scorer:
     computed once."""
 
     def __init__(self, final: torch.Tensor, norm, head: torch.Tensor):
-        from .layerwise import _logits
         from .probe import positions_per_chunk
 
-        self.norm, self.head, self.logits = norm, head, _logits
+        self.norm, self.head = norm, head
         self.chunk = positions_per_chunk(head.shape[0])
         self.ref = [lp.cpu() for lp in self._logprobs(final)]
 
     def _logprobs(self, h: torch.Tensor):
         h = h[:, h.shape[1] // 2:].reshape(-1, h.shape[-1])
         for i in range(0, h.shape[0], self.chunk):
-            yield self.logits(self.norm(h[i:i + self.chunk]), self.head).log_softmax(-1)
+            yield logits(self.norm(h[i:i + self.chunk]), self.head).log_softmax(-1)
 
     def kld(self, h: torch.Tensor) -> float:
         total, n = 0.0, 0
@@ -136,42 +133,41 @@ class _Scorer:
 
 @torch.no_grad()
 def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True) -> dict:
-    """Per unit (layer, index into UNITS): its 4-bit KLD (alone, RTN) and the 8 / 4-bit weight MSE ratio."""
-    from .layerwise import _load, _progress, _skeleton, _source_tensors, _stored_dtype, capture_layer0
+    """Per unit (layer, index into Arch.units): its 4-bit KLD (alone, RTN) and the 8 / 4-bit weight MSE ratio."""
 
-    source = _source_tensors(model_dir)
-    dtype = _stored_dtype(model_dir)
-    model = _skeleton(model_dir, dtype, device)
-    _load(model.model.embed_tokens, "model.embed_tokens", source, device)
-    hidden, kw = capture_layer0(model, windows.samples, device)
+    arch, units = spec.arch, spec.arch.unit_paths()
+    source = source_tensors(model_dir)
+    dtype = stored_dtype(model_dir)
+    model = skeleton(model_dir, dtype, device)
+    load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
+    hidden, kw = capture_layer0(model, arch, windows.samples, device)
     x = torch.cat(hidden)  # the windows as one batch: [windows, tokens, hidden]
-    model.model.embed_tokens = torch.nn.Module()
-    layers = model.model.layers
-    n, k = len(layers), len(UNITS)
+    drop(model, qformat.EMBEDDING)
+    layers = model.get_submodule(arch.layers)
+    n, k = len(layers), len(units)
 
     def layer(j: int):
-        return _load(layers[j], f"model.layers.{j}", source, device).to(dtype=torch.float32)
+        return load(layers[j], arch.prefix(j), source, device).to(dtype=torch.float32)
 
     entering = []
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("sensitivity: float pass", total=n)
         for j in range(n):
             entering.append(x.cpu())
             x = layer(j)(x, **kw)
             layers[j].to("meta")
             bar.advance(task)
-        head_name = "lm_head.weight" if "lm_head.weight" in source else "model.embed_tokens.weight"
-        norm = _load(model.model.norm, "model.norm", source, device).to(dtype=torch.float32)
-        scorer = _Scorer(x, norm, source[head_name].to(device))
+        norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
+        scorer = _Scorer(x, norm, source[head_name(source)].to(device))
         out: dict = {}
         task = bar.add_task("sensitivity: units", total=n * (n + 1) // 2)
         for i in range(n):
-            prefix = f"model.layers.{i}"
+            prefix = arch.prefix(i)
             lay = layer(i)
             h_in = entering[i].to(device)
             streams = []
             b4, g4 = width_grid(4, opts)
-            for u, names in enumerate(UNITS):
+            for u, names in enumerate(units):
                 lins = [lay.get_submodule(nm) for nm in names]
                 kept = [lin.weight.data for lin in lins]
                 err4 = err8 = 0.0  # summed squared weight errors of the unit at 4 and at 8 bits
@@ -201,7 +197,7 @@ def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
     scale_bytes = 2  # bf16 / fp16 scales, as the quantizer stores them for 16-bit models
     costs = np.array([[sum(linear_bytes(n, k, b, width_grid(b, opts)[1], opts.symmetric, scale_bytes)
                            for n, k in shapes[u]) for b in WIDTHS]
-                      for _ in range(spec.num_layers) for u in range(len(UNITS))], dtype=np.float64)
+                      for _ in range(spec.num_layers) for u in range(len(shapes))], dtype=np.float64)
     return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
 
 
@@ -210,11 +206,12 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     is priced as it will be stored (an INT8 table or head: a byte per weight and a scale per row), less each linear's
     16-byte weight_shape and an upper bound on the safetensors header, per decoder-linear weight."""
     from ...models.checkpoint import safetensors_files
-    from ...models.reader import LazyTensors, linear_names
+    from ...models.reader import LazyTensors
 
     tensors = LazyTensors(safetensors_files(model_dir))
-    linears = {f"{n}.weight" for i in range(spec.num_layers) for n in linear_names(i)}
-    int8 = {"model.embed_tokens.weight": opts.embedding == "int8", "lm_head.weight": opts.lm_head == "int8"}
+    linears = {f"{n}.weight" for i in range(spec.num_layers) for n in spec.arch.linear_names(i)}
+    table, head = f"{qformat.EMBEDDING}.weight", f"{qformat.LM_HEAD}.weight"
+    int8 = {table: opts.embedding == "int8", head: opts.lm_head == "int8"}
 
     def int8_rows(name: str) -> int:  # packed integers, a scale per row (stored dtype), weight_shape
         dtype, (rows, cols) = tensors.info(name)
@@ -228,8 +225,8 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
             continue
         fixed += int8_rows(name) if int8.get(name) else math.prod(shape) * dtype.itemsize
         entries += 3 if int8.get(name) else 1
-    if opts.lm_head == "int8" and "lm_head.weight" not in tensors and opts.embedding != "int8":  # untied for it
-        fixed, entries = fixed + int8_rows("model.embed_tokens.weight"), entries + 3
+    if opts.lm_head == "int8" and head not in tensors and opts.embedding != "int8":  # untied for it
+        fixed, entries = fixed + int8_rows(table), entries + 3
     left = parse_size(opts.max_size) - fixed - 16 * len(linears) - HEADER_BYTES_PER_ENTRY * entries
     return left * 8 / unit_costs(spec, opts)[1]
 
@@ -254,15 +251,16 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
     windows = TokenWindows(calib.samples[:take], calib.source, calib.sha256, calib.seed)
     sens = measure(model_dir, spec, opts, windows, device, progress)
-    keys = [(i, u) for i in range(spec.num_layers) for u in range(len(UNITS))]
+    units = spec.arch.unit_paths()
+    keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
     losses = np.array([[sens[k]["kld"], sens[k]["kld"] * sens[k]["mse_ratio"], 0.0] for k in keys])
     picks = choose(losses, costs, int(budget))
-    bits, units = {}, []
+    bits, chosen_units = {}, []
     for (i, u), j in zip(keys, picks):
         prefix = sens[(i, u)]["prefix"]
-        for name in UNITS[u]:
+        for name in units[u]:
             bits[f"{prefix}.{name}"] = WIDTHS[j]
-        units.append({"layer": i, "modules": list(UNITS[u]), "bits": WIDTHS[j],
+        chosen_units.append({"layer": i, "modules": list(units[u]), "bits": WIDTHS[j],
                       "kld_4bit_alone": round(sens[(i, u)]["kld"], 7), "mse_ratio_8_to_4": sens[(i, u)]["mse_ratio"]})
     chosen = sum(costs[n, j] for n, j in enumerate(picks))
     manifest = {
@@ -273,7 +271,7 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
         "count": {str(b): sum(1 for j in picks if WIDTHS[j] == b) for b in WIDTHS},
         "sensitivity": {"method": "rtn", "bits": 4, "group_size": opts.group_size, "tokens": windows.tokens,
                         "windows": len(windows.samples), "source": windows.source},
-        "units": units,
+        "units": chosen_units,
     }
     return Plan(bits, manifest)
 

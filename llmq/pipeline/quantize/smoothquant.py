@@ -26,11 +26,6 @@ from . import rtn
 
 BITS = (8,)
 CALIBRATED = True
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-# (producer, its kind, consumers): the producer absorbs 1/s, the consumers' input columns absorb s
-MAPPINGS = (("input_layernorm", "norm", QKV), ("post_attention_layernorm", "norm", GATE_UP),
-            ("self_attn.v_proj", "rows", ("self_attn.o_proj",)), ("mlp.up_proj", "rows", ("mlp.down_proj",)))
 
 
 def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
@@ -46,19 +41,21 @@ def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alp
 
 
 def smooth_layer(weights: Mapping[str, torch.Tensor], act_absmax: Mapping[str, torch.Tensor], alpha: float,
-                 num_heads: int, num_kv_heads: int, head_dim: int, mappings: tuple = MAPPINGS
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Smooth one decoder layer. `weights`: its tensors under HF names relative to the layer
+                 num_heads: int, num_kv_heads: int, head_dim: int, mappings: list[tuple[str, bool, tuple[str, ...]]],
+                 v_proj: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Smooth one decoder layer. `weights`: its tensors under their names relative to the layer
     (input_layernorm.weight, self_attn.q_proj.weight, ... optional biases); `act_absmax`: per-input-channel absmax of
-    each linear's input (keys "self_attn.q_proj" ... "mlp.down_proj"), measured on the unsmoothed layer.
+    each linear's input (keys "self_attn.q_proj" ... "mlp.down_proj"), measured on the unsmoothed layer;
+    `mappings`: (producer, whether it is a norm, consumers), the family's Arch.feed_paths(); `v_proj`: its path,
+    whose factors are shared per GQA group.
     Returns the smoothed tensors (same keys and dtypes; computed in float64, exact in real arithmetic) and each
     linear's input factors s (its smoothed input is X / s)."""
     out = {k: v.double().clone() for k, v in weights.items()}
     factors = {}
-    for producer, kind, consumers in mappings:
+    for producer, is_norm, consumers in mappings:
         x = act_absmax[consumers[0]].double()
         ws = [out[f"{c}.weight"] for c in consumers]
-        if kind == "rows" and producer == "self_attn.v_proj":
+        if producer == v_proj:
             # per (KV head, channel): max over the group's query heads of the o_proj input stats and weights
             group = num_heads // num_kv_heads
             x = x.view(num_kv_heads, group, head_dim).amax(1).reshape(-1)
@@ -69,7 +66,7 @@ def smooth_layer(weights: Mapping[str, torch.Tensor], act_absmax: Mapping[str, t
         else:
             s = smoothing_factors(x, ws, alpha)
             div = s
-        if kind == "norm":
+        if is_norm:
             out[f"{producer}.weight"] /= div
         else:
             out[f"{producer}.weight"] /= div[:, None]
@@ -112,12 +109,13 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     A mapping that touches a linear kept dense (--ignore) is skipped, so ignored layers stay as they were."""
     layer, spec, opts = ctx.layer, ctx.spec, ctx.opts
     absmax = ctx.input_absmax(list(ctx.linears))
-    mappings = [m for m in MAPPINGS if all(c in ctx.linears for c in m[2]) and (m[1] == "norm" or m[0] in ctx.linears)]
+    mappings = [m for m in spec.arch.feed_paths()
+                if all(c in ctx.linears for c in m[2]) and (m[1] or m[0] in ctx.linears)]
     params = {f"{n}.{p}": getattr(lin, p) for n, lin in ctx.linears.items() for p in ("weight", "bias")
               if getattr(lin, p, None) is not None}
-    params |= {f"{n}.weight": getattr(layer, n).weight for n in ("input_layernorm", "post_attention_layernorm")}
+    params |= {f"{n}.weight": layer.get_submodule(n).weight for n, is_norm, _ in mappings if is_norm}
     new, factors = smooth_layer({k: p.data for k, p in params.items()}, absmax, opts.alpha, spec.num_heads,
-                                spec.num_kv_heads, spec.head_dim, mappings)
+                                spec.num_kv_heads, spec.head_dim, mappings, spec.arch.path("v_proj"))
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(new[k])

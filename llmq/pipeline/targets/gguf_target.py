@@ -17,9 +17,11 @@ RoPE scaling. Dense weights keep the source dtype; norms and biases are F32, as 
 An INT8 embedding table (`quantize --embedding int8`, one scale per row) is Q8_0 like any INT8 per-channel matrix; a
 tied model's output is that same token_embd, as llama.cpp reads it.
 
-llama.cpp's `llama` architecture (Llama, Mistral) applies RoPE to adjacent pairs (2i, 2i+1) of a head where Hugging
-Face rotates (i, i + d/2), so the q and k rows of every head are reordered, scales and zero points with their rows;
-`qwen2` uses the Hugging Face pairing and keeps the q/k/v biases. The tokenizer (byte-level BPE), its special token
+Each family's declaration (llmq.models.arch) names its llama.cpp architecture and tensors. llama.cpp's `llama`
+architecture (Llama, Mistral) applies RoPE to adjacent pairs (2i, 2i+1) of a head where Hugging Face rotates
+(i, i + d/2), so the q and k rows of every head are reordered, scales and zero points with their rows (Arch.
+gguf_permutes_qk); `qwen2` and `qwen3` use the Hugging Face pairing (qwen2 keeps the q/k/v biases, qwen3 adds its
+per-head q/k norms as attn_q_norm / attn_k_norm). The tokenizer (byte-level BPE), its special token
 ids and the chat template come from the artifact's tokenizer files.
 """
 
@@ -36,15 +38,10 @@ from gguf import GGMLQuantizationType as GT
 from gguf import MODEL_TENSOR as MT
 
 from ...errors import LlmqError
-from ...models.reader import CheckpointReader, LinearWeights, layer_prefix
+from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import ShardPlan, split_rows
 
 BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 block
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-LAYER_TENSORS = {"self_attn.q_proj": MT.ATTN_Q, "self_attn.k_proj": MT.ATTN_K, "self_attn.v_proj": MT.ATTN_V,
-                 "self_attn.o_proj": MT.ATTN_OUT, "mlp.gate_proj": MT.FFN_GATE, "mlp.up_proj": MT.FFN_UP,
-                 "mlp.down_proj": MT.FFN_DOWN}
-LAYER_NORMS = {"input_layernorm": MT.ATTN_NORM, "post_attention_layernorm": MT.FFN_NORM}
 # tokenizer.json pre-tokenizers llama.cpp reproduces, by the name it knows them under (src/llama-vocab.cpp).
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -62,7 +59,7 @@ def _refuse_unsupported(src: CheckpointReader, plan: ShardPlan) -> None:
                         "on the fly); build from the artifact before `llmq quantize-kv`, or use --target llmq")
     if s.sliding_window is not None and s.sliding_window < s.max_position_embeddings:
         raise LlmqError(f"--target gguf: sliding-window attention ({s.sliding_window} of "
-                        f"{s.max_position_embeddings} positions) is not in llama.cpp's {GGUF_ARCH[s.model_type]} "
+                        f"{s.max_position_embeddings} positions) is not in llama.cpp's {src.arch.gguf_arch} "
                         "architecture; use --target llmq")
     if s.rope_scaling:
         raise LlmqError(f"--target gguf: RoPE scaling {s.rope_scaling.get('rope_type') or s.rope_scaling.get('type')!r}"
@@ -203,21 +200,23 @@ class _Tensors:
             self.dense(f"{name}.bias", lw.bias, force_f32=True)
 
 
-def _add_weights(tensors: _Tensors, src: CheckpointReader, arch: str) -> None:
-    names = gguf.TENSOR_NAMES
-    s = src.spec
+def gguf_name(role: str, arch, i: int) -> str:
+    """llama.cpp's name of layer i's tensor `role` (without .weight / .bias), from the family's declaration."""
+    return gguf.TENSOR_NAMES[MT[arch.gguf[role]]].format(bid=i)
+
+
+def _add_weights(tensors: _Tensors, src: CheckpointReader) -> None:
+    names, s, arch = gguf.TENSOR_NAMES, src.spec, src.arch
     tensors.linear(names[MT.TOKEN_EMBD], src.embedding())   # an INT8 table: Q8_0, as llama.cpp's own
     for i in range(s.num_layers):
-        p = layer_prefix(i)
-        for hf, key in LAYER_NORMS.items():
-            tensors.dense(f"{names[key].format(bid=i)}.weight", src.tensor(f"{p}.{hf}.weight"), True)
-        for hf, key in LAYER_TENSORS.items():
-            lw = src.linear(f"{p}.{hf}")
-            if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = s.num_heads if hf == "self_attn.q_proj" else s.num_kv_heads
+        for role, t in src.layer_norms(i).items():
+            tensors.dense(f"{gguf_name(role, arch, i)}.weight", t, True)
+        for role, lw in src.layer_linears(i).items():
+            if arch.gguf_permutes_qk and role in ("q_proj", "k_proj"):
+                heads = s.num_heads if role == "q_proj" else s.num_kv_heads
                 lw = split_rows(lw, rope_rows(heads, s.head_dim))
-            tensors.linear(names[key].format(bid=i), lw)
-    tensors.dense(f"{names[MT.OUTPUT_NORM]}.weight", src.tensor("model.norm.weight"), True)
+            tensors.linear(gguf_name(role, arch, i), lw)
+    tensors.dense(f"{names[MT.OUTPUT_NORM]}.weight", src.final_norm(), True)
     if src.has_lm_head() or not s.tie_word_embeddings:  # tied: llama.cpp reuses token_embd as the output
         tensors.linear(names[MT.OUTPUT], src.lm_head())
 
@@ -328,13 +327,13 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
 def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dict:
     """Write `<source>.<type>.gguf` under `out`; returns the engine.json fields: file, types, re-rounding."""
     _refuse_unsupported(src, plan)
-    arch = GGUF_ARCH[src.spec.model_type]
+    arch = src.arch.gguf_arch
     source_name = engine.source["name"]
     w = gguf.GGUFWriter(None, arch, use_temp_file=True)
     _add_hparams(w, src, source_name)
     tokenizer = _add_tokenizer(w, src)   # before the weights: a tokenizer GGUF cannot hold is refused early
     tensors = _Tensors(w)
-    _add_weights(tensors, src, arch)
+    _add_weights(tensors, src)
     ftype_name, ftype = _file_type(tensors.types, engine.dtype)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)

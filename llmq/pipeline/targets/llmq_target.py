@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ...models import qformat
 from ...models.checkpoint import ShardedWriter, write_json
-from ...models.reader import ATTN, CheckpointReader, LinearWeights, layer_prefix
+from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows
 
 
@@ -50,28 +50,29 @@ def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path) -> list[str]:
         (out / d).mkdir(parents=True)
     writers = [ShardedWriter(out / d) for d in names]
     try:
+        arch = src.arch
         for i in range(src.spec.num_layers):
-            p = layer_prefix(i)
+            norms = {arch.norm(i, role): t for role, t in src.layer_norms(i).items()}
             for r, slices in enumerate(layer_slices(src, plan, i)):
-                for n, lw in slices.items():
-                    _put(writers[r], lw, f"{p}.{'self_attn' if n in ATTN else 'mlp'}.{n}")
-                for norm in ("input_layernorm", "post_attention_layernorm"):
-                    writers[r].add(f"{p}.{norm}.weight", src.tensor(f"{p}.{norm}.weight"))
+                for role, lw in slices.items():
+                    _put(writers[r], lw, arch.linear(i, role))
+                for name, t in norms.items():
+                    writers[r].add(name, t)
             scales = src.kv_scales(i)
             if scales is not None:
                 for r in range(plan.tp):
-                    for k, t in qformat.write_kv_scales(f"{p}.self_attn", kv_scale_slice(scales[0], plan, r),
+                    for k, t in qformat.write_kv_scales(arch.attention_module(i), kv_scale_slice(scales[0], plan, r),
                                                         kv_scale_slice(scales[1], plan, r)).items():
                         writers[r].add(k, t)
         embed = src.embedding()
         for r in range(plan.tp):
             _put(writers[r], split_rows(embed, plan.vocab_rows(r)) if plan.parallel_embedding else embed,
                  qformat.EMBEDDING)
-            writers[r].add("model.norm.weight", src.tensor("model.norm.weight"))
+            writers[r].add(f"{arch.final_norm}.weight", src.final_norm())
         del embed
         lm_head = src.lm_head()
         for r in range(plan.tp):
-            _put(writers[r], split_rows(lm_head, plan.vocab_rows(r)), "lm_head")
+            _put(writers[r], split_rows(lm_head, plan.vocab_rows(r)), qformat.LM_HEAD)
         del lm_head
     except BaseException:
         for w in writers:

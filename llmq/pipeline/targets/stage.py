@@ -74,7 +74,7 @@ def kv_cache_dtype(requested: str, src: CheckpointReader) -> str:
 
 def _dtype_of(src: CheckpointReader) -> str:
     """The dense tensors' dtype, read from the final norm's header rather than trusted from config.json."""
-    return str(src.tensors.info("model.norm.weight")[0]).removeprefix("torch.")
+    return str(src.tensors.info(f"{src.arch.final_norm}.weight")[0]).removeprefix("torch.")
 
 
 def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: str | None = None) -> Artifact:

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
-from ...models.reader import CheckpointReader, LinearWeights, layer_prefix, linear_names
+from ...models import qformat
+from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import RankWeights, ShardPlan, layer_slices, split_rows, vocab_slice
 
 # The strings TensorRT-LLM accepts, read from tensorrt_llm/quantization/mode.py (class QuantAlgo(StrEnum), whose
@@ -229,7 +230,7 @@ def _schemes(src: CheckpointReader) -> tuple[str | None, dict]:
         return None, {}
     algos, groups, has_zero = set(), set(), False  # what the INT4 layers say, not the layers: one at a time
     for i in range(src.spec.num_layers):
-        for name in linear_names(i):
+        for name in src.arch.linear_names(i):
             qw = src.linear(name).qw
             if qw is not None:
                 algos.add(algo := quant_algo_for(qw))
@@ -287,9 +288,7 @@ def trtllm_config(src: CheckpointReader, plan: ShardPlan, algo: str | None, qfie
         "attn_bias": s.attention_bias, "mlp_bias": bool(src.config.get("mlp_bias", False)),
         "tie_word_embeddings": False,
     }
-    if s.model_type == "qwen2":
-        cfg["qwen_type"] = "qwen2"
-    return cfg
+    return cfg | src.arch.trtllm_legacy
 
 
 def validate_config(cfg: dict) -> None:
@@ -359,6 +358,9 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> d
     outputs for this target (`engine` is the EngineSpec being written)."""
     from .compile import compile_trtllm
 
+    if src.arch.trtllm_legacy is None:
+        raise LlmqError(f"--target trtllm writes the legacy TensorRT-LLM checkpoint for Llama, Mistral and Qwen2 only, "
+                        f"not {src.spec.architecture}; use --target trtllm-hf (TensorRT-LLM's PyTorch backend)")
     if src.spec.sliding_window is not None and src.spec.sliding_window < engine.max_seq_len:
         raise LlmqError(f"this model attends over a sliding window of {src.spec.sliding_window} tokens, which a "
                         "TensorRT-LLM checkpoint cannot carry (it is a run-time setting there); use --target trtllm-hf, "
@@ -374,21 +376,22 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> d
     w = _RankWriter(algo, qfields, plan, dtype, out)
     try:
         for i in range(src.spec.num_layers):
-            p, tp_ = layer_prefix(i), f"transformer.layers.{i}"
+            tp_ = f"transformer.layers.{i}"
+            norms = src.layer_norms(i)
             kv_s = _kv_cache_scaling_factor(src.kv_scales(i)) if kv_algo is not None else None
             for r, sl in enumerate(layer_slices(src, plan, i)):
                 w.linear(r, f"{tp_}.attention.qkv", _stack_rows([sl["q_proj"], sl["k_proj"], sl["v_proj"]]))
                 for n, trt in TRT_MODULES.items():
                     w.linear(r, f"{tp_}.{trt}", sl[n])
-                w.put(r, f"{tp_}.input_layernorm.weight", src.tensor(f"{p}.input_layernorm.weight").to(dtype))
-                w.put(r, f"{tp_}.post_layernorm.weight", src.tensor(f"{p}.post_attention_layernorm.weight").to(dtype))
+                w.put(r, f"{tp_}.input_layernorm.weight", norms["attn_norm"].to(dtype))
+                w.put(r, f"{tp_}.post_layernorm.weight", norms["mlp_norm"].to(dtype))
                 if kv_s is not None:
                     w.put(r, f"{tp_}.attention.kv_cache_scaling_factor", kv_s)
-        embed = src.tensor("model.embed_tokens.weight").to(dtype)
+        embed = src.tensor(f"{qformat.EMBEDDING}.weight").to(dtype)
         for r in range(plan.tp):
             w.put(r, "transformer.vocab_embedding.weight", vocab_slice(embed, plan, r) if plan.parallel_embedding
                   else embed)
-            w.put(r, "transformer.ln_f.weight", src.tensor("model.norm.weight").to(dtype))
+            w.put(r, "transformer.ln_f.weight", src.final_norm().to(dtype))
         del embed
         lm_head = src.lm_head()
         for r in range(plan.tp):
@@ -463,10 +466,11 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
             layer = {n: LinearWeights(n, weight=w, bias=b) for n, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs)}
             layer |= {n: lin(st, f"{p}.{trt}", shapes[trt]) for n, trt in TRT_MODULES.items()}
             layers.append(layer)
-            norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_layernorm.weight"].float()))
+            norms.append({"attn_norm": st[f"{p}.input_layernorm.weight"].float(),
+                          "mlp_norm": st[f"{p}.post_layernorm.weight"].float()})
         kv = [st.get(f"transformer.layers.{i}.attention.kv_cache_scaling_factor") for i in range(len(layers))]
         head = st["lm_head.weight"]
-        embed = LinearWeights("model.embed_tokens", weight=st["transformer.vocab_embedding.weight"].float())
+        embed = LinearWeights(qformat.EMBEDDING, weight=st["transformer.vocab_embedding.weight"].float())
         ranks.append(RankWeights(embed=embed, layers=layers, norms=norms,
                                  final_norm=st["transformer.ln_f.weight"].float(),
                                  lm_head=lin(st, "lm_head", tuple(head.shape)),

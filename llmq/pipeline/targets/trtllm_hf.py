@@ -26,7 +26,9 @@ import torch
 
 from ...errors import LlmqError
 from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
-from ...models.reader import ATTN, MLP, CheckpointReader, LinearWeights, layer_prefix
+from ...models import qformat
+from ...models.arch import arch_for
+from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import RankWeights, ShardPlan, head_rows, split_cols, split_rows
 from .trtllm import pack_int4_rows, unpack_int4_rows
 
@@ -95,13 +97,13 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
     algos, groups, dense = set(), set(), []
     out.mkdir(parents=True)
     with ShardedWriter(out) as state:  # each tensor written as it is made: one layer in memory at most
+        arch = src.arch
         for i in range(src.spec.num_layers):
-            p = layer_prefix(i)
-            lin = {n: src.linear(f"{p}.self_attn.{n}") for n in ATTN} | {n: src.linear(f"{p}.mlp.{n}") for n in MLP}
+            lin = src.layer_linears(i)
             lin |= {"q_proj": split_rows(lin["q_proj"], q_rows), "k_proj": split_rows(lin["k_proj"], kv_rows),
                     "v_proj": split_rows(lin["v_proj"], kv_rows), "o_proj": split_cols(lin["o_proj"], q_rows)}
-            for n, lw in lin.items():
-                name = f"{p}.{'self_attn' if n in ATTN else 'mlp'}.{n}"
+            for role, lw in lin.items():
+                name = arch.linear(i, role)
                 tensors, algo = _linear_tensors(name, lw, dtype)
                 for k, t in tensors.items():
                     state.add(k, t)
@@ -110,25 +112,25 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
                 else:
                     algos.add(algo)
                     groups.add(lw.qw.group_size)
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                state.add(f"{p}.{norm}.weight", src.tensor(f"{p}.{norm}.weight").to(dtype))
+            for role, t in src.layer_norms(i).items():
+                state.add(arch.norm(i, role), t.to(dtype))
             scales = src.kv_scales(i)
             if scales is not None and kv == "fp8":
                 if any(s.numel() != 1 for s in scales):
                     raise LlmqError("per-head FP8 KV scales: TensorRT-LLM's PyTorch backend takes one k_scale / "
                                     "v_scale per layer; re-run `llmq quantize-kv --kv fp8` with per-tensor scales")
                 for k, s in zip(("k_scale", "v_scale"), scales):
-                    state.add(f"{p}.self_attn.{k}", s.float().reshape(()))
-        state.add("model.embed_tokens.weight", src.tensor("model.embed_tokens.weight").to(dtype))
-        state.add("model.norm.weight", src.tensor("model.norm.weight").to(dtype))
+                    state.add(f"{arch.attention_module(i)}.{k}", s.float().reshape(()))
+        state.add(f"{qformat.EMBEDDING}.weight", src.tensor(f"{qformat.EMBEDDING}.weight").to(dtype))
+        state.add(f"{arch.final_norm}.weight", src.final_norm().to(dtype))
         head = src.lm_head()
         if head.qw is not None:
-            head = LinearWeights("lm_head", weight=head.dense(torch.float32))
-        state.add("lm_head.weight", head.weight.to(dtype))   # untied: the backend gets its own lm_head
+            head = LinearWeights(qformat.LM_HEAD, weight=head.dense(torch.float32))
+        state.add(f"{qformat.LM_HEAD}.weight", head.weight.to(dtype))   # untied: the backend gets its own lm_head
         del head
         state.close()
     qcfg = hf_quant_config(algos, groups.pop() if len(groups) == 1 else None, "FP8" if kv == "fp8" else None,
-                           [*dense, "lm_head"]) if (algos or kv == "fp8") else None
+                           [*dense, qformat.LM_HEAD]) if (algos or kv == "fp8") else None
     cfg = copy.deepcopy(src.config)
     cfg.pop("quantization_config", None)   # it describes llmq's compressed-tensors tensors, which this has not
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
@@ -167,13 +169,13 @@ def read_modelopt_checkpoint(path: Path):
             return LinearWeights(name, weight=w, bias=bias)
         return LinearWeights(name, weight=ints * scale[:, None], bias=bias)
 
+    arch = arch_for(cfg["model_type"])
     layers, norms, kv = [], [], []
     for i in range(cfg["num_hidden_layers"]):
-        p = layer_prefix(i)
-        layers.append({n: lin(f"{p}.self_attn.{n}") for n in ATTN} | {n: lin(f"{p}.mlp.{n}") for n in MLP})
-        norms.append((st[f"{p}.input_layernorm.weight"].float(), st[f"{p}.post_attention_layernorm.weight"].float()))
-        kv.append((st[f"{p}.self_attn.k_scale"], st[f"{p}.self_attn.v_scale"]) if f"{p}.self_attn.k_scale" in st
-                  else None)
-    embed = LinearWeights("model.embed_tokens", weight=st["model.embed_tokens.weight"].float())
-    return RankWeights(embed=embed, layers=layers, norms=norms, final_norm=st["model.norm.weight"].float(),
-                       lm_head=lin("lm_head"), kv_scales=kv)
+        attn = arch.attention_module(i)
+        layers.append({role: lin(arch.linear(i, role)) for role in arch.linears})
+        norms.append({role: st[arch.norm(i, role)].float() for role in arch.norms})
+        kv.append((st[f"{attn}.k_scale"], st[f"{attn}.v_scale"]) if f"{attn}.k_scale" in st else None)
+    embed = LinearWeights(qformat.EMBEDDING, weight=st[f"{qformat.EMBEDDING}.weight"].float())
+    return RankWeights(embed=embed, layers=layers, norms=norms, final_norm=st[f"{arch.final_norm}.weight"].float(),
+                       lm_head=lin(qformat.LM_HEAD), kv_scales=kv)

@@ -1,4 +1,5 @@
-"""The Llama-family decoder over a flat batch of tokens from many sequences (no padding), with paged attention.
+"""The decoder every supported family runs (its declaration, llmq.models.arch, says which parts a family has), over
+a flat batch of tokens from many sequences (no padding), with paged attention.
 
 Every rank of a tensor-parallel group runs this module on its own slice of the weights: attention heads and MLP
 columns are split (column-parallel q/k/v, gate/up; row-parallel o_proj, down_proj followed by an all-reduce), the
@@ -36,6 +37,8 @@ class LayerWeights:
     gate_up: LinearBase
     down: LinearBase
     down_bias: torch.Tensor | None
+    q_norm: RMSNorm | None = None  # over each query / key head before the rotary embedding (Arch.qk_norm)
+    k_norm: RMSNorm | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -44,6 +47,7 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.qkv, self.o, self.gate_up, self.down = w.qkv, w.o, w.gate_up, w.down
         self.o_bias, self.down_bias = w.o_bias, w.down_bias
+        self.q_norm, self.k_norm = w.q_norm, w.k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
@@ -53,10 +57,20 @@ class DecoderLayer(nn.Module):
         y = self.tp.all_reduce(y)
         return y + bias if bias is not None else y
 
+    def _qk_normed(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v rows with every q and k head RMS-normalized (the rotary embedding comes after)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
+        if self.q_norm is not None:
+            qkv = self._qk_normed(qkv)
         q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
         a = paged_attention(q, k, v, cache, meta, self.scale)
         x = x + self._reduce(self.o(a.reshape(t, self.q_size)), self.o_bias)
@@ -69,7 +83,7 @@ class DecoderLayer(nn.Module):
         return x.add_(self._reduce(self.down(h), self.down_bias))
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: LinearBase,
                  rotary: RotaryEmbedding, vocab_size: int, tp: TPContext, embed_vocab_start: int | None,
                  embed_scale: torch.Tensor | None = None):

@@ -1,0 +1,28 @@
+"""The architecture families llmq runs, one declaration module each (see base.Arch). A new family is its module,
+its line in ARCHS and its tests; docs/extending.md walks through one."""
+
+from __future__ import annotations
+
+from ...errors import LlmqError
+from .base import ATTN, LINEARS, MLP, SPLIT, Arch
+from .llama import LLAMA, MISTRAL, QWEN2
+from .qwen3 import QWEN3
+
+ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+
+
+def supported() -> str:
+    return ", ".join(f"{a.architecture} ({t})" for t, a in ARCHS.items())
+
+
+def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
+    """The declaration of `model_type`, or one line naming what is supported."""
+    try:
+        return ARCHS[model_type]
+    except KeyError:
+        raise LlmqError(f"unsupported architecture {shown or model_type!r} (model_type {model_type!r}); llmq "
+                        f"supports: {supported()}") from None
+
+
+__all__ = ["ARCHS", "ATTN", "Arch", "LINEARS", "LLAMA", "MISTRAL", "MLP", "QWEN2", "QWEN3", "SPLIT", "arch_for",
+           "supported"]
