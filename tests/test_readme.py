@@ -315,7 +315,7 @@ def test_benchmark_command_parses(command, monkeypatch, capsys):
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
     monkeypatch.setattr(sys, "argv", [str(script), *command.argv[2:]])
-    monkeypatch.syspath_prepend(str(script.parent))
+    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])   # restored after, with what the script adds
     with pytest.raises(_Parsed):
         try:
             runpy.run_path(str(script), run_name="__main__")
