@@ -24,9 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serve_throughput import batch1_decode, make_prompts, peak_read_bandwidth  # noqa: E402
+from bench_serve_throughput import batch1_decode, make_prompts  # noqa: E402
 
 from llmq.artifacts import Store  # noqa: E402
+from llmq.bench.hw import read_bandwidth  # noqa: E402
 from llmq.models import bnbformat, resolve_model  # noqa: E402
 from llmq.models.checkpoint import read_config  # noqa: E402
 from llmq.pipeline.quantize import QuantizeOptions, quantize  # noqa: E402
@@ -55,7 +56,7 @@ def main() -> None:
     paths = {k: quantize(model, dataclasses.replace(o, probe_tokens=0), store, progress=False).path
              for k, o in VARIANTS.items()}
     paths["nf4-torch"] = paths["nf4"]
-    peak = peak_read_bandwidth()
+    peak = read_bandwidth("cpu", 1 << 30)  # llmq bench hw's measurement, over a 1 GiB buffer, now
     prompt = make_prompts(1, 128, read_config(model.path)["vocab_size"])[0]
     kernels = bnbformat.kernels
     runs: dict[str, list[dict]] = {k: [] for k in paths}

@@ -23,7 +23,7 @@ from .sandbox import require_sandbox
 from .tasks import GROUPS, TASKS, TaskSet, materialize
 
 DEFAULT_SEED = 1234
-# 100 items per task keeps `--tasks code,math` on the default model under 15 minutes on a 2-core CPU (see README)
+# 100 items per task keeps `--tasks code,math` on the default model under 15 minutes on a 2-core CPU (see docs/eval.md)
 DEFAULT_LIMIT = 100
 KLD_MAX_DOCS = 40
 SPECIAL = ("math", "code", "ppl", "kld")
