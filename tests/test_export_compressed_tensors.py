@@ -95,9 +95,10 @@ KV_EXPECT = {("int8", "tensor"): (_args(8, strategy="tensor"), (1,)),
              ("fp8", "head"): (_args(8, type="float", strategy="attn_head"), (KV_HEADS, 1, 1))}
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """A tiny random model stored in bf16 (as real checkpoints are, so scales are bf16), as a model artifact."""
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def source(tmp_path_factory, request):
+    """A tiny random model of each family stored in bf16 (as real checkpoints are, so scales are bf16), as a model
+    artifact (Qwen3: the same shapes, with its per-head q/k norms)."""
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -105,7 +106,7 @@ def source(tmp_path_factory):
     from tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("ct")
-    path = make_tiny_model(d / "tiny", seed=5)
+    path = make_tiny_model(d / "tiny", seed=5, model_type=request.param, head_dim=16)
     AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
     store = Store(d / "store")
     return store, resolve_model(str(path), store)

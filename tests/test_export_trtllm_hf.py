@@ -122,16 +122,16 @@ SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size
                                                                           ignore=("lm_head", "model.layers.0.mlp.up_proj"))}
 
 
-@pytest.fixture(scope="module")
-def arts(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def arts(tmp_path_factory, request):
     from llmq.artifacts import Store
     from tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("trthf")
     store = Store(root / "store")
     model = resolve_model(str(make_tiny_model(root / "m", num_attention_heads=6, num_key_value_heads=3,
-                                              hidden_size=384, intermediate_size=256, tie_word_embeddings=True)),
-                          store)
+                                              hidden_size=384, intermediate_size=256, tie_word_embeddings=True,
+                                              head_dim=64, model_type=request.param)), store)
     return store, {k: model if q is None else quantize(model, QuantizeOptions(method="rtn", **q), store, progress=False)
                    for k, q in SCHEMES.items()}
 

@@ -1,1 +1,1 @@
-"""Model definitions the runtime executes (the Llama family: Llama, Mistral, Qwen2, SmolLM2)."""
+"""The decoder the runtime executes for every declared family (llmq.models.arch)."""
