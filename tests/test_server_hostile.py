@@ -118,6 +118,42 @@ def test_an_engine_that_cannot_step_is_fatal(tiny):
     engine.shutdown()
 
 
+def test_shutdown_leaves_an_engine_stuck_in_a_step(tiny, monkeypatch):
+    """An engine thread stuck in a step for good (as one waiting on a killed kernel build's lock was): shutdown
+    gives up after STOP_WAIT instead of waiting on it for ever, so SIGTERM still ends `llmq serve`."""
+    import threading
+
+    from llmq.runtime import LLMEngine
+    from llmq.runtime.server import engine_loop
+    from llmq.runtime.server.metrics import ServerMetrics
+    from llmq.runtime.sampling import SamplingParams
+
+    monkeypatch.setattr(engine_loop, "STOP_WAIT", 1.0)
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20))
+    entered, release = threading.Event(), threading.Event()
+    real = engine._forward
+
+    def stuck(step):
+        entered.set()
+        release.wait()
+        return real(step)
+
+    engine._forward = stuck
+    loop = engine_loop.EngineLoop(engine, ServerMetrics("tiny"))
+    loop.start()
+
+    async def submit():
+        loop.submit("r1", [1, 2, 3], SamplingParams(max_tokens=2), asyncio.get_running_loop())
+
+    asyncio.run(submit())
+    assert entered.wait(30)
+    t0 = time.monotonic()
+    loop.shutdown(timeout=0.5)
+    assert time.monotonic() - t0 < 5 and loop.stuck
+    release.set()
+    engine.shutdown()
+
+
 def _up(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health").status_code == 200

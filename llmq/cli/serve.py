@@ -87,6 +87,7 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
     if kv_cache_fraction is not None:
         cfg.kv_cache_fraction = kv_cache_fraction
     engine = thread.call(LLMEngine, art.path, cfg)
+    app = None
     try:
         name = served_model_name or art.name
         app = create_app(engine, served_model_name=name, api_key=api_key, max_queue=max_queue,
@@ -103,7 +104,8 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
             click.echo(f"warning: listening on {host} without --api-key", err=True)
         run_server(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
     finally:
-        thread.call(engine.shutdown)
+        if app is None or not app.state.frontend.loop.stuck:  # a stuck engine thread would never run it
+            thread.call(engine.shutdown)
         thread.close()
 
 
