@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmq.runtime import EngineConfig, LLMEngine
-from llmq.runtime.server import create_app
+from llmq.runtime.server import create_app, server_config
 
 
 def free_port() -> int:
@@ -51,7 +51,7 @@ def live_server(model_dir, config: EngineConfig, **app_kw):
     engine = LLMEngine(model_dir, config)
     app = create_app(engine, served_model_name="tiny", **app_kw)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

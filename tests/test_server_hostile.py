@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import socket
 import time
@@ -223,6 +224,125 @@ def test_models_hide_the_store_path_and_openapi_is_served(srv, tiny):
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
     assert "ChatCompletionRequest" in spec["components"]["schemas"]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the server closes this connection within `seconds` (EOF or a reset)."""
+    end = time.monotonic() + seconds
+    try:
+        while await asyncio.wait_for(reader.read(65536), max(end - time.monotonic(), 0.01)):
+            pass
+    except ConnectionError:
+        return True
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def _slow_clients(url: str, n: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter, str]]:
+    """n connections that each owe the server something for ever: headers trickled a byte at a time, a declared
+    body that never comes, an unfinished chunk-size line, or nothing at all."""
+    host, port = url.removeprefix("http://").split(":")
+    heads = {"headers": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ",
+             "body": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"",
+             "chunk": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n1f",
+             "silent": b""}
+    out = []
+    for i in range(n):
+        kind = list(heads)[i % len(heads)]
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(heads[kind])
+        await w.drain()
+        out.append((r, w, kind))
+    return out
+
+
+async def _trickle(clients, seconds: float) -> None:
+    """One more header byte every 0.2 s on each trickling connection (a deadline it must not extend)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _, w, kind in clients:
+            if kind == "headers" and not w.is_closing():
+                try:
+                    w.write(b"a")
+                except ConnectionError:
+                    pass
+        await asyncio.sleep(0.2)
+
+
+async def _health_latencies(url: str, seconds: float) -> list[float]:
+    out = []
+    async with httpx.AsyncClient(timeout=10) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            assert (await c.get(f"{url}/health")).status_code == 200
+            out.append(time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+    return out
+
+
+@pytest.fixture(scope="module")
+def strict(tiny):
+    """A server with short read deadlines and a small connection cap, to see them act within a test."""
+    from llmq.runtime.server import Limits
+
+    limits = Limits(header_timeout=2.0, body_timeout=2.0, keep_alive_timeout=2.0, max_connections=48)
+    with live_server(tiny, EngineConfig(max_num_seqs=4, kv_cache_memory=1 << 20), limits=limits) as live:
+        yield live
+
+
+def test_slow_clients_are_closed_at_their_deadline_and_health_answers_meanwhile(strict):
+    """Partial headers (trickled), a body that never comes, an unfinished chunk size, a silent connection: each
+    closed within its 2 s deadline (plus slack for a loaded machine), /health quick while they hang on, and the
+    descriptors back to their count before."""
+    base = _open_fds()
+
+    async def main():
+        clients = await _slow_clients(strict.url, 40)
+        health = asyncio.create_task(_health_latencies(strict.url, 1.5))
+        trickle = asyncio.create_task(_trickle(clients, 6))
+        t0 = time.monotonic()
+        closed = await asyncio.gather(*(_closed_within(r, 5) for r, _, _ in clients))
+        elapsed = time.monotonic() - t0
+        trickle.cancel()
+        for _, w, _ in clients:
+            w.close()
+        return closed, elapsed, await health
+
+    closed, elapsed, health = asyncio.run(main())
+    assert all(closed) and elapsed < 5, (closed, elapsed)
+    assert max(health) < 1.0, health
+    wait_for(lambda: _open_fds() <= base + 2 and not strict.server.server_state.connections)
+
+
+def test_connections_past_the_cap_are_closed_at_once_with_one_log_line(strict, caplog):
+    """The cap's worth of idle connections, then 30 more: those are closed as they arrive and the log says so in
+    one line; when the idle ones time out, the server answers again."""
+    async def main():
+        held = await _slow_clients(strict.url, 48)
+        await asyncio.sleep(0.2)
+        extra = await _slow_clients(strict.url, 30)
+        t0 = time.monotonic()
+        refused = await asyncio.gather(*(_closed_within(r, 0.5) for r, _, _ in extra))
+        quick = time.monotonic() - t0
+        await asyncio.gather(*(_closed_within(r, 5) for r, _, _ in held))
+        for _, w, _ in held + extra:
+            w.close()
+        return refused, quick
+
+    with caplog.at_level(logging.WARNING, logger="llmq.serve"):
+        refused, quick = asyncio.run(main())
+    assert all(refused) and quick < 1.5, refused
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 1 and "--max-connections" in lines[0], lines
+    assert httpx.get(f"{strict.url}/health").status_code == 200
 
 
 def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool]:

@@ -50,6 +50,14 @@ from .options import stage_options
 @click.option("--max-stop-length", type=int, default=1024, show_default=True,
               help="Longest stop string in characters; longer get 400.")
 @click.option("--max-body-size", default="8MiB", show_default=True, help="Largest request body; larger get 413.")
+@click.option("--header-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds a client has to send a request's headers; slower connections are closed.")
+@click.option("--body-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds a client has to send a request's body once its headers are in.")
+@click.option("--keep-alive-timeout", type=float, default=5.0, show_default=True,
+              help="Seconds an idle connection stays open between requests.")
+@click.option("--max-connections", type=int, default=1024, show_default=True,
+              help="Connections open at once; more are closed as they arrive (one log line).")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish on SIGTERM / Ctrl-C.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
@@ -59,7 +67,7 @@ from .options import stage_options
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
           int8_activations, served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size,
-          drain_timeout, log_level, opts):
+          header_timeout, body_timeout, keep_alive_timeout, max_connections, drain_timeout, log_level, opts):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes
@@ -71,7 +79,10 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
         raise LlmqError(f"--max-queue must be >= 0, got {max_queue}")
     if min(max_stop_strings, max_stop_length) < 0:
         raise LlmqError("--max-stop-strings and --max-stop-length must be >= 0")
-    limits = Limits(max_stop_strings, max_stop_length, parse_size(max_body_size))
+    if min(header_timeout, body_timeout, keep_alive_timeout) <= 0 or max_connections < 1:
+        raise LlmqError("--header-timeout, --body-timeout and --keep-alive-timeout must be > 0, --max-connections >= 1")
+    limits = Limits(max_stop_strings, max_stop_length, parse_size(max_body_size), header_timeout, body_timeout,
+                    keep_alive_timeout, max_connections)
     opts.check()
     _check_bindable(host, port)  # before minutes of model loading, not after
     thread = EngineThread()  # builds and drives the engine: torch work stays on this one thread

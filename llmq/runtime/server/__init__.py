@@ -6,7 +6,24 @@ from ...errors import LlmqError
 from .app import Limits, create_app
 from .engine_loop import EngineLoop, EngineThread
 
-__all__ = ["EngineLoop", "EngineThread", "Limits", "create_app", "run_server"]
+__all__ = ["EngineLoop", "EngineThread", "Limits", "create_app", "run_server", "server_config"]
+
+
+def server_config(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
+                  log_level: str = "info", max_connections: int | None = None):
+    """uvicorn's configuration for `app`: its Limits' timeouts and connection cap (`max_connections` overrides the
+    cap) on uvicorn's HTTP protocol (connections.py)."""
+    import uvicorn
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    from .connections import guarded
+
+    lim = app.state.frontend.limits
+    http = guarded(import_from_string(HTTP_PROTOCOLS["auto"]), max_connections or lim.max_connections,
+                   lim.header_timeout, lim.body_timeout)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=http,
+                          timeout_keep_alive=lim.keep_alive_timeout, timeout_graceful_shutdown=drain_timeout)
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
@@ -19,8 +36,10 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: fl
 
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout)
+    from .connections import fit_descriptors
+
+    config = server_config(app, host, port, drain_timeout, log_level,
+                           fit_descriptors(app.state.frontend.limits.max_connections))
     # uvicorn re-raises the signal that stopped it once it has drained; with the default handlers in place that
     # would kill the process before the caller can shut the engine's TP workers down, so catch it quietly instead
     main = threading.current_thread() is threading.main_thread()

@@ -47,11 +47,16 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for, so that no request can stall the event loop or the engine for the others."""
+    """What one request may ask for and one client may hold, so that none can stall the event loop, the engine or
+    the server for the others (the connection limits: connections.py)."""
 
     max_stop_strings: int = 16  # also the most stop_token_ids
     max_stop_chars: int = 1024
     max_body_bytes: int = 8 << 20
+    header_timeout: float = 10.0  # seconds for a request's headers, from its first byte
+    body_timeout: float = 30.0  # seconds for its body, from its headers
+    keep_alive_timeout: float = 5.0  # seconds a connection may sit idle between requests
+    max_connections: int = 1024  # open at once; more are closed as they arrive
 
 
 def artifact_ref(path: Path) -> str | None:
