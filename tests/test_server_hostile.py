@@ -345,6 +345,33 @@ def test_connections_past_the_cap_are_closed_at_once_with_one_log_line(strict, c
     assert httpx.get(f"{strict.url}/health").status_code == 200
 
 
+def test_huge_prompts_are_400_without_freezing_the_loop(srv):
+    """An 8 MB prompt, an 8 MB chat message and 50,000 messages are each a quick 400 (context_length_exceeded),
+    refused before they are tokenized or templated; /health answers within 1 s throughout (it froze 5-6 s)."""
+    huge = "hello world " * 660_000  # 7.9 MB, under the body limit
+
+    async def main():
+        health = asyncio.create_task(_health_latencies(srv.url, 2.0))
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            rs = await asyncio.gather(
+                c.post("/v1/completions", json={"prompt": huge, "max_tokens": 1}),
+                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": huge}]}),
+                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}] * 50_000}))
+        return rs, await health
+
+    rs, health = asyncio.run(main())
+    for r, param in zip(rs, ("prompt", "messages", "messages")):
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+    assert max(health) < 1.0, health
+    # a long prompt that fits the character bound is tokenized (off the loop) and measured in tokens
+    r = _post(srv, {"prompt": "x" * (srv.fe.max_model_len + 10), "max_tokens": 1})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and f"the prompt has {srv.fe.max_model_len + 10} tokens" in msg, r.text
+    _idle(srv)
+
+
 def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool]:
     """(route, body as dict or raw text, stream-and-drop) for request i of the soak."""
     ok = {"prompt": [rng.randrange(256) for _ in range(rng.randrange(1, 24))], "max_tokens": rng.randrange(1, 5)}

@@ -12,6 +12,7 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,15 @@ class _Frontend:
         self.created = int(time.time())
         self.limits = limits
         self._token_text: dict[int, str] = {}
+        # a text of more characters than this holds more tokens than the context: its longest token's characters
+        # (bytes, for byte-level vocabularies) times the context
+        self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
+        # tokenizing and templating run here, off the event loop (the tokenizer releases the GIL); one thread, so
+        # requests never use the tokenizer at once
+        self.text_thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenize")
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.text_thread, fn, *args)
 
     def token_text(self, token: int) -> str:
         s = self._token_text.get(token)
@@ -100,14 +110,21 @@ class _Frontend:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.",
                            param="model", code="model_not_found")
 
+    def check_chars(self, n: int, param: str) -> None:
+        """A 400 for text too long for the context whatever its tokens, before tokenizing it (megabytes of text
+        take seconds and hundreds of MB to tokenize)."""
+        if n > self.max_prompt_chars:
+            raise _bad(f"This model's maximum context length is {self.max_model_len} tokens; the {param} has {n} "
+                       f"characters, more than that many tokens hold.", param, "context_length_exceeded")
+
     def check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise _bad("the prompt is empty", "prompt")
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise _bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_model_len:  # first: the range check below reads every id
             raise _bad(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                        f"{len(ids)} tokens.", "prompt", "context_length_exceeded")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise _bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return ids
 
     def params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default_max: int | None,
@@ -336,6 +353,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             yield
         finally:
             await asyncio.to_thread(fe.loop.shutdown, drain_timeout)
+            fe.text_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llmq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
@@ -416,7 +434,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             if len(p) != 1:
                 raise _bad("one prompt per request (batch the requests instead)", "prompt")
             p = p[0]
-        ids = fe.check_ids(fe.tokenizer.encode(p) if isinstance(p, str) else list(p))
+        if isinstance(p, str):
+            fe.check_chars(len(p), "prompt")
+            p = await fe.off_loop(fe.tokenizer.encode, p)
+        ids = fe.check_ids(list(p))
         params = fe.params(body, len(ids), body.max_tokens, 16, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids
@@ -444,12 +465,20 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         fe.check_model(body.model)
         if not getattr(fe.tokenizer, "chat_template", None):
             raise _bad("this model's tokenizer has no chat template; use /v1/completions", "messages")
-        try:
-            text = fe.tokenizer.apply_chat_template([m.template_dict() for m in body.messages], tokenize=False,
-                                                    add_generation_prompt=True)
-        except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
-            raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
-        ids = fe.check_ids(fe.tokenizer.encode(text, add_special_tokens=False))
+        if len(body.messages) > fe.max_model_len:  # every template spends a token or more on each message
+            raise _bad(f"This model's maximum context length is {fe.max_model_len} tokens; the request has "
+                       f"{len(body.messages)} messages.", "messages", "context_length_exceeded")
+        messages = [m.template_dict() for m in body.messages]
+        fe.check_chars(sum(len(m["content"]) for m in messages), "messages")
+
+        def template() -> list[int]:
+            try:
+                text = fe.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
+                raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
+            return fe.tokenizer.encode(text, add_special_tokens=False)
+
+        ids = fe.check_ids(await fe.off_loop(template))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         params = fe.params(body, len(ids), max_tokens, None, n_top)
