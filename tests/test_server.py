@@ -39,7 +39,8 @@ class Live:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
+        key = self.fe.api_key
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).text
         return {s.name + ("{" + s.labels["finished_reason"] + "}" if "finished_reason" in s.labels else ""): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 

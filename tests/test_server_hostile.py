@@ -372,6 +372,63 @@ def test_huge_prompts_are_400_without_freezing_the_loop(srv):
     _idle(srv)
 
 
+@pytest.fixture(scope="module")
+def local(tiny):
+    """`llmq serve`'s default: loopback, no key, so the browser guard is on."""
+    from llmq.runtime.server.browser import allowed_hosts
+
+    with live_server(tiny, EngineConfig(max_num_seqs=4, kv_cache_memory=1 << 20),
+                     allowed_hosts=allowed_hosts("127.0.0.1", None, None)) as live:
+        yield live
+
+
+def _raw_post(live, headers: dict, body=b'{"prompt": "hi", "max_tokens": 1}', route="/v1/completions"):
+    return httpx.post(f"{live.url}{route}", content=body, headers=headers, timeout=30)
+
+
+def test_dns_rebinding_and_cross_site_requests_are_refused(local):
+    port = local.url.rsplit(":", 1)[1]
+    # the issue's repro: a rebound page's request, as a form post so the browser sends it without asking
+    r = _raw_post(local, {"Host": "rebind.attacker.example", "Origin": "http://rebind.attacker.example",
+                          "Content-Type": "text/plain;charset=UTF-8"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", r.text
+    r = httpx.get(f"{local.url}/v1/models", headers={"Host": f"rebind.attacker.example:{port}"})
+    assert r.status_code == 403, r.text
+    for origin in ("http://evil.example", f"http://evil.example:{port}", "null", "file://"):
+        r = _raw_post(local, {"Origin": origin, "Content-Type": "application/json"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (origin, r.text)
+    for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data", None):
+        r = _raw_post(local, {"Content-Type": ctype} if ctype else {})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (ctype, r.text)
+    # what a client on this machine sends (a forwarded port included) still works
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost:9000", "LOCALHOST"):
+        r = _raw_post(local, {"Host": host, "Content-Type": "application/json; charset=utf-8",
+                              "Origin": f"http://{host}"})
+        assert r.status_code == 200, (host, r.text)
+    assert local.client().completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_which_servers_check_hosts():
+    from llmq.runtime.server.browser import LOOPBACK_NAMES, allowed_hosts
+
+    assert allowed_hosts("127.0.0.1", None, None) == LOOPBACK_NAMES
+    assert allowed_hosts("127.0.0.2", None, None) == LOOPBACK_NAMES | {"127.0.0.2"}
+    assert allowed_hosts("::1", None, None) == LOOPBACK_NAMES and allowed_hosts("localhost", None, None)
+    assert allowed_hosts("0.0.0.0", None, None) is None and allowed_hosts("127.0.0.1", "key", None) is None
+    assert allowed_hosts("127.0.0.1", None, "api.example.com, Proxy.local") == LOOPBACK_NAMES | {
+        "api.example.com", "proxy.local"}
+    assert allowed_hosts("0.0.0.0", "key", "api.example.com") and allowed_hosts("127.0.0.1", None, "*") is None
+
+
+def test_the_key_guards_metrics_and_openapi(tiny):
+    with live_server(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20), api_key="sekrit") as live:
+        for route in ("/metrics", "/openapi.json", "/v1/models"):
+            assert httpx.get(f"{live.url}{route}").status_code == 401, route
+            r = httpx.get(f"{live.url}{route}", headers={"Authorization": "Bearer sekrit"})
+            assert r.status_code == 200, route
+        assert httpx.get(f"{live.url}/health").status_code == 200
+
+
 def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool]:
     """(route, body as dict or raw text, stream-and-drop) for request i of the soak."""
     ok = {"prompt": [rng.randrange(256) for _ in range(rng.randrange(1, 24))], "max_tokens": rng.randrange(1, 5)}

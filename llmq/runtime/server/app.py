@@ -30,6 +30,7 @@ from ... import __version__
 from ...errors import LlmqError
 from ..engine import LLMEngine, RequestOutput
 from ..sampling import SamplingParams
+from .browser import BrowserGuard
 from .engine_loop import EngineLoop, EngineThread, NotAccepting, QueueFull
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
@@ -339,11 +340,12 @@ def _sse(data: dict) -> str:
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
                max_queue: int = 256, drain_timeout: float = 30.0, thread: EngineThread | None = None,
-               limits: Limits = Limits()) -> FastAPI:
+               limits: Limits = Limits(), allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """An app serving `engine`. Its lifespan starts the engine loop and, at shutdown, drains it for up to
     `drain_timeout` seconds (uvicorn has already waited for open connections by then). The caller owns `engine`
     (and shuts it down), but must not call it while the app runs: the engine loop's thread is then its only user.
-    Pass the EngineThread the engine was built on, so the loop runs there (engine_loop.py says why)."""
+    Pass the EngineThread the engine was built on, so the loop runs there (engine_loop.py says why).
+    `allowed_hosts`: refuse requests a web page could send (browser.py; `browser.allowed_hosts` says when)."""
     fe = _Frontend(engine, served_model_name or engine.path.name, api_key, max_queue, thread, limits)
 
     @asynccontextmanager
@@ -356,8 +358,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             fe.text_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llmq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+                  openapi_url=None)  # served below, behind the key
     app.state.frontend = fe
+    if allowed_hosts is not None:
+        app.add_middleware(BrowserGuard, allowed=allowed_hosts)
 
     def openapi() -> dict:
         """FastAPI's schema plus the request bodies, which the handlers parse themselves (see _parse)."""
@@ -411,9 +415,13 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             raise APIError(503, "the engine is not running", "service_unavailable", code="unavailable")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(auth)])
     async def metrics():
         return Response(fe.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", dependencies=[Depends(auth)], include_in_schema=False)
+    async def openapi_json():
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
