@@ -90,6 +90,26 @@ def test_a_request_that_fails_in_the_engine_fails_alone(srv, monkeypatch):
     _idle(srv)
 
 
+def test_non_finite_logits_are_a_json_500_for_that_request(srv, monkeypatch):
+    """A model whose logits turn NaN / inf (issue 36, item 7): with logprobs that was a plain-text 500 ("Out of range
+    float values are not JSON compliant"), without them noise tokens and a 200. Now each such request fails with an
+    OpenAI-style error body (in-band for a stream), and the server serves the next request."""
+    eng = srv.fe.engine
+    real = eng._forward
+    for poison in (float("nan"), float("inf")):
+        monkeypatch.setattr(eng, "_forward", lambda step, v=poison: real(step) * 0 + v)
+        for extra in ({"logprobs": 2}, {}):
+            r = _post(srv, {"prompt": "Hi", "max_tokens": 3, **extra})
+            assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+            assert "logits are not finite" in r.json()["error"]["message"], r.text
+        code, text = _consume(srv, {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1})
+        assert code == 500 and "logits are not finite" in text, text
+    monkeypatch.setattr(eng, "_forward", real)
+    assert _post(srv, {"prompt": "Hi", "max_tokens": 2, "logprobs": 2}).status_code == 200
+    assert srv.fe.loop.healthy
+    _idle(srv)
+
+
 def test_an_engine_that_cannot_step_is_fatal(tiny):
     """Every forward pass failing (a dead TP worker, say): after a few, run_server stops and raises, so that
     `llmq serve` exits non-zero (and a supervisor restarts it) instead of living on as a 503 zombie."""

@@ -394,6 +394,11 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                 msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return JSONResponse(error_body(msg, param=param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):  # a bug: still an OpenAI-style body (Starlette logs it)
+        return JSONResponse(error_body("internal error (see the server's log)", "server_error", code="internal_error"),
+                            status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
