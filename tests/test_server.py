@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmq.runtime import EngineConfig, LLMEngine
-from llmq.runtime.server import create_app, server_config
+from llmq.runtime.server import create_app, make_server, server_config
 
 
 def free_port() -> int:
@@ -46,13 +46,11 @@ class Live:
 
 
 @contextmanager
-def live_server(model_dir, config: EngineConfig, **app_kw):
-    import uvicorn
-
+def live_server(model_dir, config: EngineConfig, drain: float = 30.0, **app_kw):
     engine = LLMEngine(model_dir, config)
     app = create_app(engine, served_model_name="tiny", **app_kw)
     port = free_port()
-    server = uvicorn.Server(server_config(app, port=port, log_level="warning"))
+    server = make_server(server_config(app, port=port, log_level="warning", drain_timeout=drain))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

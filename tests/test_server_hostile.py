@@ -110,6 +110,53 @@ def test_non_finite_logits_are_a_json_500_for_that_request(srv, monkeypatch):
     _idle(srv)
 
 
+def test_drain_answers_what_still_runs_at_its_deadline(tiny):
+    """At the drain deadline (issue 36, item 8) a stream still running gets an error event and [DONE], a request
+    waiting for its whole answer a 503 body, and a request whose body is still arriving is dropped: none is
+    cancelled mid-send, so no CancelledError traceback is logged."""
+    import threading
+
+    from llmq.runtime.server import Limits
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    with live_server(tiny, EngineConfig(max_num_seqs=4, kv_cache_memory=1 << 20), drain=1.5,
+                     limits=Limits(body_timeout=60)) as live:
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        eng = live.fe.engine
+        real = eng._forward
+        eng._forward = lambda step: (time.sleep(0.05), real(step))[1]  # 100 tokens: 5 s, past the drain
+        body = {"prompt": "Hi", "max_tokens": 100, "ignore_eos": True}
+        lines, answers = [], []
+
+        def stream():
+            with httpx.stream("POST", f"{live.url}/v1/completions", json=dict(body, stream=True), timeout=30) as r:
+                lines.extend(x for x in r.iter_lines() if x)
+
+        threads = [threading.Thread(target=stream),
+                   threading.Thread(target=lambda: answers.append(httpx.post(f"{live.url}/v1/completions",
+                                                                             json=body, timeout=30)))]
+        for t in threads:
+            t.start()
+        host, port = live.url.removeprefix("http://").split(":")
+        half = socket.create_connection((host, int(port)))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+        wait_for(lambda: len(lines) > 3)
+        live.server.should_exit = True  # the drain starts
+        for t in threads:
+            t.join(30)
+        half.settimeout(10)
+        assert half.recv(100) == b""  # dropped, not answered
+        half.close()
+    logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert lines[-1] == "data: [DONE]" and "shut down before this request finished" in lines[-2], lines[-3:]
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "unavailable", answers[0].text
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+
+
 def test_an_engine_that_cannot_step_is_fatal(tiny):
     """Every forward pass failing (a dead TP worker, say): after a few, run_server stops and raises, so that
     `llmq serve` exits non-zero (and a supervisor restarts it) instead of living on as a 503 zombie."""

@@ -6,7 +6,33 @@ from ...errors import LlmqError
 from .app import Limits, create_app
 from .engine_loop import EngineLoop, EngineThread
 
-__all__ = ["EngineLoop", "EngineThread", "Limits", "create_app", "run_server", "server_config"]
+__all__ = ["EngineLoop", "EngineThread", "Limits", "create_app", "make_server", "run_server", "server_config"]
+
+CUT_MARGIN = 0.5  # seconds before uvicorn's drain deadline that what still runs is answered
+
+
+def make_server(config):
+    """uvicorn's server for `config` (see server_config), whose drain answers what still runs CUT_MARGIN seconds
+    before uvicorn would cancel it (a cancelled handler sends nothing and logs a traceback): a stream gets an error
+    event and [DONE], a request waiting for its output a 503, a request whose body is still arriving is dropped."""
+    import asyncio
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            timeout = self.config.timeout_graceful_shutdown
+            if timeout is not None:
+                asyncio.get_running_loop().call_later(max(timeout - CUT_MARGIN, timeout / 2), self._cut)
+            await super().shutdown(sockets)
+
+        def _cut(self) -> None:
+            for conn in list(self.server_state.connections):
+                if getattr(conn, "receiving_body", False):
+                    conn.transport.abort()
+            self.config.app.state.frontend.cut()
+
+    return _Server(config)
 
 
 def server_config(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
@@ -34,8 +60,6 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: fl
     import signal
     import threading
 
-    import uvicorn
-
     from .connections import fit_descriptors
 
     config = server_config(app, host, port, drain_timeout, log_level,
@@ -44,7 +68,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout: fl
     # would kill the process before the caller can shut the engine's TP workers down, so catch it quietly instead
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    server = uvicorn.Server(config)
+    server = make_server(config)
     loop = app.state.frontend.loop
     loop.on_fatal = lambda: setattr(server, "should_exit", True)
     try:

@@ -95,6 +95,13 @@ class _Frontend:
         # tokenizing and templating run here, off the event loop (the tokenizer releases the GIL); one thread, so
         # requests never use the tokenizer at once
         self.text_thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenize")
+        self.waiting: set[asyncio.Queue] = set()  # the output queues of the requests being answered
+
+    def cut(self) -> None:
+        """The drain's deadline: every request still waiting for its output gets NotAccepting (a 503, or for a
+        stream an error event and [DONE]) and ends."""
+        for q in list(self.waiting):
+            q.put_nowait(NotAccepting("the server shut down before this request finished (--drain-timeout)"))
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.text_thread, fn, *args)
@@ -533,6 +540,12 @@ async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], pa
         deltas = _TextDeltas(params.stop)
         view = lambda o: (o, deltas(o.text, o.finished))  # noqa: E731
     q = fe.submit(rid, ids, params, view)
+    fe.waiting.add(q)
+
+    def close() -> None:
+        fe.waiting.discard(q)
+        fe.loop.abort(rid)  # no-op when finished; frees the blocks when the client left or we failed
+
     watcher = asyncio.create_task(_watch_disconnect(request, q))
     handed_over = False
     try:
@@ -563,6 +576,7 @@ async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], pa
                     item = await _next_output(q)
                 except APIError as e:  # the status line is long gone: report in-band, as OpenAI does
                     yield _sse(e.body)
+                    yield "data: [DONE]\n\n"
                     return
                 if item is None:  # the client left as the stream began
                     return
@@ -574,8 +588,8 @@ async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], pa
             yield "data: [DONE]\n\n"
 
         handed_over = True
-        return _AbortingStream(events(), on_close=lambda: fe.loop.abort(rid))
+        return _AbortingStream(events(), on_close=close)
     finally:
         watcher.cancel()  # a stream watches for the disconnect itself (Starlette cancels it)
         if not handed_over:
-            fe.loop.abort(rid)  # no-op when finished; frees the blocks when the client left or we failed
+            close()

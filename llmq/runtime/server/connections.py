@@ -47,6 +47,10 @@ def guarded(base: type, max_connections: int, header_timeout: float, body_timeou
         _phase: tuple | None = None  # what it owes: ("headers" | "body", the request cycle it follows / reads)
         _refused = False
 
+        @property
+        def receiving_body(self) -> bool:
+            return self._phase is not None and self._phase[0] == "body"
+
         def connection_made(self, transport) -> None:
             if len(self.connections) >= max_connections:
                 self._refused = True
