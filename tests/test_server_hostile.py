@@ -492,12 +492,20 @@ def test_which_servers_check_hosts():
     assert allowed_hosts("0.0.0.0", "key", "api.example.com") and allowed_hosts("127.0.0.1", None, "*") is None
 
 
-def test_the_key_guards_metrics_and_openapi(tiny):
-    with live_server(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20), api_key="sekrit") as live:
+def test_the_key_guards_metrics_and_openapi_and_is_compared_as_utf8(tiny):
+    """With --api-key, /metrics and /openapi.json need it as /v1 does (item 4); a non-ASCII key matches its UTF-8
+    bytes, not its Latin-1 ones (item 10)."""
+    key = "sekrit-clé-鍵"
+    with live_server(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20), api_key=key) as live:
+        good = {"Authorization": b"Bearer " + key.encode()}
         for route in ("/metrics", "/openapi.json", "/v1/models"):
             assert httpx.get(f"{live.url}{route}").status_code == 401, route
-            r = httpx.get(f"{live.url}{route}", headers={"Authorization": "Bearer sekrit"})
-            assert r.status_code == 200, route
+            assert httpx.get(f"{live.url}{route}", headers=good).status_code == 200, route
+        latin1 = {"Authorization": b"Bearer " + "sekrit-clé".encode("latin-1")}
+        with live_server(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20), api_key="sekrit-clé") as l1:
+            assert httpx.get(f"{l1.url}/v1/models", headers=latin1).status_code == 401
+            utf8 = {"Authorization": b"Bearer " + "sekrit-clé".encode()}
+            assert httpx.get(f"{l1.url}/v1/models", headers=utf8).status_code == 200
         assert httpx.get(f"{live.url}/health").status_code == 200
 
 

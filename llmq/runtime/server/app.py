@@ -417,7 +417,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             return
         h = request.headers.get("authorization", "")
         scheme, _, token = h.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), fe.api_key.encode()):
+        # headers arrive as Latin-1 text: back to their bytes, compared with the key's UTF-8
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"),
+                                                                 fe.api_key.encode()):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
