@@ -157,6 +157,30 @@ def test_drain_answers_what_still_runs_at_its_deadline(tiny):
     assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
 
 
+def test_an_unread_answer_holds_each_token_once(srv):
+    """Every output queued for a handler carried the whole text and token ids so far, so a client that does not
+    read a stream pinned memory growing as the square of its tokens (issue 36, item 11: ~100 MB at 4,096). Now
+    what waits in a request's queue is each token once (the last output carries the whole answer)."""
+    from llmq.runtime.sampling import SamplingParams
+    from llmq.runtime.server.app import output_view
+
+    n = 120
+    for stream in (True, False):
+        async def unread():
+            q = srv.fe.loop.submit(f"unread-{stream}", [1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True),
+                                   asyncio.get_running_loop(), output_view(stream, []))
+            items = []
+            while not items or not (items[-1][0] if stream else items[-1]).finished:
+                items.append(await q.get())
+            return [item[0] if stream else item for item in items]
+
+        outs = asyncio.run(unread())
+        held = sum(len(o.output_token_ids) for o in outs) + sum(len(o.new_token_ids) for o in outs)
+        chars = sum(len(o.text) for o in outs)
+        assert held == 2 * n and chars == len(outs[-1].text), (held, chars)  # whole outputs: ~n * n / 2
+    _idle(srv)
+
+
 def test_an_engine_that_cannot_step_is_fatal(tiny):
     """Every forward pass failing (a dead TP worker, say): after a few, run_server stops and raises, so that
     `llmq serve` exits non-zero (and a supervisor restarts it) instead of living on as a 503 zombie."""

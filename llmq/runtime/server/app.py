@@ -14,7 +14,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -533,15 +533,24 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     return app
 
 
+def output_view(stream: bool, stop: list[str]):
+    """What the engine thread queues for a handler from each output (EngineLoop.submit's `view`): an output short of
+    its last without the text and token ids so far, only its new tokens (a queue of whole outputs grew as the square
+    of the tokens for a client that reads slowly: ~100 MB at 4,096 tokens); for a stream, with its text delta."""
+    deltas = _TextDeltas(stop) if stream else None
+
+    def view(o: RequestOutput):
+        light = o if o.finished else replace(o, text="", output_token_ids=[])
+        return (light, deltas(o.text, o.finished)) if stream else light
+
+    return view
+
+
 async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], params: SamplingParams, stream: bool,
                    include_usage: bool, chunk, first: dict | None, full):
     """Run one request: a whole JSON body, or an SSE stream (`first`, then `chunk(...)`s, usage, [DONE]). A stream's
     outputs arrive as (output, text delta) pairs, the deltas worked out on the engine thread."""
-    view = None
-    if stream:
-        deltas = _TextDeltas(params.stop)
-        view = lambda o: (o, deltas(o.text, o.finished))  # noqa: E731
-    q = fe.submit(rid, ids, params, view)
+    q = fe.submit(rid, ids, params, output_view(stream, params.stop))
     fe.waiting.add(q)
 
     def close() -> None:
