@@ -533,6 +533,26 @@ def test_the_key_guards_metrics_and_openapi_and_is_compared_as_utf8(tiny):
         assert httpx.get(f"{live.url}/health").status_code == 200
 
 
+def test_the_descriptor_limit_is_raised_to_hold_the_cap_or_the_cap_lowered(caplog):
+    import resource
+
+    from llmq.runtime.server.connections import FD_MARGIN, fit_descriptors
+
+    saved = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = saved
+    try:
+        if hard != resource.RLIM_INFINITY and hard > 2 * FD_MARGIN:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (FD_MARGIN + 64, hard))
+            assert fit_descriptors(128) == 128 and resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 128 + FD_MARGIN
+            with caplog.at_level(logging.WARNING, logger="llmq.serve"):
+                assert fit_descriptors(hard) == hard - FD_MARGIN
+            assert "--max-connections" in caplog.text
+        else:
+            assert fit_descriptors(1024) == 1024
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, saved)
+
+
 def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool, dict]:
     """(route, body as dict or raw text, stream-and-drop, headers) for request i of the soak."""
     ok = {"prompt": [rng.randrange(256) for _ in range(rng.randrange(1, 24))], "max_tokens": rng.randrange(1, 5)}
