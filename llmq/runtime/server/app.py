@@ -274,7 +274,8 @@ def _borders(s: str) -> list[int]:
 
 
 async def _parse(model: type[BaseModel], request: Request, limit: int):
-    """The body as JSON whatever its Content-Type (`curl -d` sends a form type), validated by `model`; 413 beyond
+    """The body as JSON whatever its Content-Type (`curl -d` sends a form type; where the browser guard is on it
+    has refused any type but JSON already), validated by `model`; 413 beyond
     `limit` bytes, checked while reading so an oversized body is never held whole."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) > limit:
