@@ -452,3 +452,21 @@ def test_a_failed_build_is_one_warning_and_the_eager_path(monkeypatch, caplog):
     monkeypatch.setattr(ext, "load", broken)
     assert cpu_kernels._build() is False
     assert "error: no compiler here" in caplog.text and "using PyTorch's operations" in caplog.text
+
+
+def test_a_build_still_running_elsewhere_is_a_bounded_wait_and_the_eager_path(tmp_path, monkeypatch, caplog):
+    """Another process holding the build's lock (a build in progress, or hung) costs a bounded wait, then one
+    warning and PyTorch's operations: never the wait for ever that a killed build's lock file used to cause."""
+    import fcntl
+    from pathlib import Path
+
+    from llmq.runtime.layers import cpp_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = cpp_build.build_directory("llmq_cpu_kernels", Path(cpu_kernels.__file__).with_suffix(".cpp"),
+                                          ["-O3", "-fopenmp"])
+    directory.mkdir(parents=True)
+    with open(directory / "llmq.lock", "a") as held:  # a second open file: flock conflicts within one process too
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert cpu_kernels._build(wait=0.5) is False
+    assert "another process has been building" in caplog.text and "using PyTorch's operations" in caplog.text

@@ -450,3 +450,28 @@ def test_int4_rtn_loses_against_bf16(default_model, default_store, default_int4,
     assert r4["gates"][0]["passed"] is False
     r8 = run_eval(store, int8, model, EvalSettings(tasks=["kld"], limit=16, seed=1234), []).report
     assert r4["kld"]["mean"] > r8["kld"]["mean"] > 0 and r4["kld"]["top1"] < r8["kld"]["top1"]
+
+
+def test_a_non_finite_kld_fails_loudly():
+    """NaN / inf logits made "mean KLD nan, top-1 100.00%" (issue 36, item 7), which a top1 gate would pass: the
+    probe and the eval's KLD both raise instead; entries the baseline masks to -inf on both sides are no fault."""
+    import torch
+
+    from llmq.errors import LlmqError
+    from llmq.evals.kld import token_kl
+    from llmq.pipeline.quantize.probe import ProbeAccumulator, kld_top1
+
+    p = torch.randn(6, 32)
+    for bad in (float("nan"), float("inf")):
+        q = p.clone()
+        q[2, 5] = bad
+        with pytest.raises(LlmqError, match="not finite"):
+            kld_top1(p, q)
+        with pytest.raises(LlmqError, match="not finite"):
+            ProbeAccumulator().add(p, q)
+        with pytest.raises(LlmqError, match="not finite"):
+            token_kl(q.log_softmax(-1), p.log_softmax(-1))
+    masked = p.clone()
+    masked[:, -4:] = float("-inf")  # padded vocabulary entries
+    kl, agree = token_kl(masked.log_softmax(-1), masked.log_softmax(-1))
+    assert torch.equal(kl, torch.zeros(6)) and bool(agree.all())

@@ -165,3 +165,21 @@ def test_quickstart_runs_end_to_end_on_the_default_model(default_store):
     assert engine.metrics["verify"]["passed"] and engine.config["options"]["tp"] == 2
     again = CliRunner().invoke(cli, [*store, "run", str(RECIPES / "quickstart.yaml")])
     assert again.exit_code == 0 and again.output.count("reused") == 4, again.output
+
+
+def test_duplicate_keys_and_deep_nesting_are_one_line_errors(tmp_path):
+    """A second `quantize:` silently replaced the first; a flow list nested 5,000 deep was a RecursionError
+    traceback (issue 36, item 9). Both are one-line errors naming the line."""
+    p = tmp_path / "dup.yaml"
+    p.write_text("name: x\nstages:\n  quantize: {method: rtn, bits: 8}\n  quantize: {method: rtn, bits: 4}\n")
+    with pytest.raises(LlmqError, match=r"key 'quantize' given twice \(line 4\)") as e:
+        load_recipe(p)
+    assert "\n" not in str(e.value)
+    p.write_text("name: x\nstages: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(LlmqError, match="nested deeper than 64 levels at line 2") as e:
+        load_recipe(p)
+    assert "\n" not in str(e.value)
+    p.write_text("name: x\nbase: &b {method: rtn, bits: 8}\nstages:\n  quantize: {<<: *b, bits: 4}\n")
+    with pytest.raises(LlmqError) as e:  # a merge key overriding a merged one is no duplicate (base is unknown)
+        load_recipe(p)
+    assert "given twice" not in str(e.value)

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmq.runtime import EngineConfig, LLMEngine
-from llmq.runtime.server import create_app
+from llmq.runtime.server import create_app, make_server, server_config
 
 
 def free_port() -> int:
@@ -39,19 +39,18 @@ class Live:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
+        key = self.fe.api_key
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).text
         return {s.name + ("{" + s.labels["finished_reason"] + "}" if "finished_reason" in s.labels else ""): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 @contextmanager
-def live_server(model_dir, config: EngineConfig, **app_kw):
-    import uvicorn
-
+def live_server(model_dir, config: EngineConfig, drain: float = 30.0, **app_kw):
     engine = LLMEngine(model_dir, config)
     app = create_app(engine, served_model_name="tiny", **app_kw)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = make_server(server_config(app, port=port, log_level="warning", drain_timeout=drain))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import socket
 import time
@@ -25,8 +26,13 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(tiny):
+    """`llmq serve`'s defaults (a loopback bind without a key: the browser guard on), with 2 s read deadlines."""
+    from llmq.runtime.server import Limits
+    from llmq.runtime.server.browser import allowed_hosts
+
     with live_server(tiny, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
-                                        kv_cache_memory=2 << 20)) as live:
+                                        kv_cache_memory=2 << 20), limits=Limits(header_timeout=2, body_timeout=2),
+                     allowed_hosts=allowed_hosts("127.0.0.1", None, None)) as live:
         yield live
 
 
@@ -84,6 +90,97 @@ def test_a_request_that_fails_in_the_engine_fails_alone(srv, monkeypatch):
     _idle(srv)
 
 
+def test_non_finite_logits_are_a_json_500_for_that_request(srv, monkeypatch):
+    """A model whose logits turn NaN / inf (issue 36, item 7): with logprobs that was a plain-text 500 ("Out of range
+    float values are not JSON compliant"), without them noise tokens and a 200. Now each such request fails with an
+    OpenAI-style error body (in-band for a stream), and the server serves the next request."""
+    eng = srv.fe.engine
+    real = eng._forward
+    for poison in (float("nan"), float("inf")):
+        monkeypatch.setattr(eng, "_forward", lambda step, v=poison: real(step) * 0 + v)
+        for extra in ({"logprobs": 2}, {}):
+            r = _post(srv, {"prompt": "Hi", "max_tokens": 3, **extra})
+            assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+            assert "logits are not finite" in r.json()["error"]["message"], r.text
+        code, text = _consume(srv, {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1})
+        assert code == 500 and "logits are not finite" in text, text
+    monkeypatch.setattr(eng, "_forward", real)
+    assert _post(srv, {"prompt": "Hi", "max_tokens": 2, "logprobs": 2}).status_code == 200
+    assert srv.fe.loop.healthy
+    _idle(srv)
+
+
+def test_drain_answers_what_still_runs_at_its_deadline(tiny):
+    """At the drain deadline (issue 36, item 8) a stream still running gets an error event and [DONE], a request
+    waiting for its whole answer a 503 body, and a request whose body is still arriving is dropped: none is
+    cancelled mid-send, so no CancelledError traceback is logged."""
+    import threading
+
+    from llmq.runtime.server import Limits
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    with live_server(tiny, EngineConfig(max_num_seqs=4, kv_cache_memory=1 << 20), drain=1.5,
+                     limits=Limits(body_timeout=60)) as live:
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        eng = live.fe.engine
+        real = eng._forward
+        eng._forward = lambda step: (time.sleep(0.05), real(step))[1]  # 100 tokens: 5 s, past the drain
+        body = {"prompt": "Hi", "max_tokens": 100, "ignore_eos": True}
+        lines, answers = [], []
+
+        def stream():
+            with httpx.stream("POST", f"{live.url}/v1/completions", json=dict(body, stream=True), timeout=30) as r:
+                lines.extend(x for x in r.iter_lines() if x)
+
+        threads = [threading.Thread(target=stream),
+                   threading.Thread(target=lambda: answers.append(httpx.post(f"{live.url}/v1/completions",
+                                                                             json=body, timeout=30)))]
+        for t in threads:
+            t.start()
+        host, port = live.url.removeprefix("http://").split(":")
+        half = socket.create_connection((host, int(port)))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+        wait_for(lambda: len(lines) > 3)
+        live.server.should_exit = True  # the drain starts
+        for t in threads:
+            t.join(30)
+        half.settimeout(10)
+        assert half.recv(100) == b""  # dropped, not answered
+        half.close()
+    logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert lines[-1] == "data: [DONE]" and "shut down before this request finished" in lines[-2], lines[-3:]
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "unavailable", answers[0].text
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+
+
+def test_an_unread_answer_holds_each_token_once(srv):
+    """Every output queued for a handler carried the whole text and token ids so far, so a client that does not
+    read a stream pinned memory growing as the square of its tokens (issue 36, item 11: ~100 MB at 4,096). Now
+    what waits in a request's queue is each token once (the last output carries the whole answer)."""
+    from llmq.runtime.sampling import SamplingParams
+    from llmq.runtime.server.app import output_view
+
+    n = 120
+    for stream in (True, False):
+        async def unread():
+            q = srv.fe.loop.submit(f"unread-{stream}", [1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True),
+                                   asyncio.get_running_loop(), output_view(stream, []))
+            items = []
+            while not items or not (items[-1][0] if stream else items[-1]).finished:
+                items.append(await q.get())
+            return [item[0] if stream else item for item in items]
+
+        outs = asyncio.run(unread())
+        held = sum(len(o.output_token_ids) for o in outs) + sum(len(o.new_token_ids) for o in outs)
+        chars = sum(len(o.text) for o in outs)
+        assert held == 2 * n and chars == len(outs[-1].text), (held, chars)  # whole outputs: ~n * n / 2
+    _idle(srv)
+
+
 def test_an_engine_that_cannot_step_is_fatal(tiny):
     """Every forward pass failing (a dead TP worker, say): after a few, run_server stops and raises, so that
     `llmq serve` exits non-zero (and a supervisor restarts it) instead of living on as a 503 zombie."""
@@ -115,6 +212,42 @@ def test_an_engine_that_cannot_step_is_fatal(tiny):
     t.join(30)
     assert not t.is_alive() and "the engine failed" in str(raised[0])
     assert engine.block_manager.num_used_blocks == 0
+    engine.shutdown()
+
+
+def test_shutdown_leaves_an_engine_stuck_in_a_step(tiny, monkeypatch):
+    """An engine thread stuck in a step for good (as one waiting on a killed kernel build's lock was): shutdown
+    gives up after STOP_WAIT instead of waiting on it for ever, so SIGTERM still ends `llmq serve`."""
+    import threading
+
+    from llmq.runtime import LLMEngine
+    from llmq.runtime.server import engine_loop
+    from llmq.runtime.server.metrics import ServerMetrics
+    from llmq.runtime.sampling import SamplingParams
+
+    monkeypatch.setattr(engine_loop, "STOP_WAIT", 1.0)
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20))
+    entered, release = threading.Event(), threading.Event()
+    real = engine._forward
+
+    def stuck(step):
+        entered.set()
+        release.wait()
+        return real(step)
+
+    engine._forward = stuck
+    loop = engine_loop.EngineLoop(engine, ServerMetrics("tiny"))
+    loop.start()
+
+    async def submit():
+        loop.submit("r1", [1, 2, 3], SamplingParams(max_tokens=2), asyncio.get_running_loop())
+
+    asyncio.run(submit())
+    assert entered.wait(30)
+    t0 = time.monotonic()
+    loop.shutdown(timeout=0.5)
+    assert time.monotonic() - t0 < 5 and loop.stuck
+    release.set()
     engine.shutdown()
 
 
@@ -170,7 +303,7 @@ def test_client_gone_while_body_is_read_leaves_no_traceback(srv):
         host, port = srv.url.removeprefix("http://").split(":")
         for _ in range(3):
             with socket.create_connection((host, int(port))) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
                 time.sleep(0.1)
         time.sleep(0.3)
@@ -189,10 +322,241 @@ def test_models_hide_the_store_path_and_openapi_is_served(srv, tiny):
     assert "ChatCompletionRequest" in spec["components"]["schemas"]
 
 
-def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool]:
-    """(route, body as dict or raw text, stream-and-drop) for request i of the soak."""
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the server closes this connection within `seconds` (EOF or a reset)."""
+    end = time.monotonic() + seconds
+    try:
+        while await asyncio.wait_for(reader.read(65536), max(end - time.monotonic(), 0.01)):
+            pass
+    except ConnectionError:
+        return True
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def _slow_clients(url: str, n: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter, str]]:
+    """n connections that each owe the server something for ever: headers trickled a byte at a time, a declared
+    body that never comes, an unfinished chunk-size line, or nothing at all."""
+    host, port = url.removeprefix("http://").split(":")
+    heads = {"headers": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ",
+             "body": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"",
+             "chunk": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n1f",
+             "silent": b""}
+    out = []
+    for i in range(n):
+        kind = list(heads)[i % len(heads)]
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(heads[kind])
+        await w.drain()
+        out.append((r, w, kind))
+    return out
+
+
+async def _trickle(clients, seconds: float) -> None:
+    """One more header byte every 0.2 s on each trickling connection (a deadline it must not extend)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _, w, kind in clients:
+            if kind == "headers" and not w.is_closing():
+                try:
+                    w.write(b"a")
+                except ConnectionError:
+                    pass
+        await asyncio.sleep(0.2)
+
+
+async def _health_latencies(url: str, until: asyncio.Future) -> list[float]:
+    """/health's response times, one probe every 50 ms until `until` is done."""
+    out = []
+    async with httpx.AsyncClient(timeout=10) as c:
+        while not until.done():
+            t0 = time.monotonic()
+            assert (await c.get(f"{url}/health")).status_code == 200
+            out.append(time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+    return out
+
+
+@pytest.fixture(scope="module")
+def strict(tiny):
+    """A server with short read deadlines and a small connection cap, to see them act within a test."""
+    from llmq.runtime.server import Limits
+
+    limits = Limits(header_timeout=2.0, body_timeout=2.0, keep_alive_timeout=2.0, max_connections=48)
+    with live_server(tiny, EngineConfig(max_num_seqs=4, kv_cache_memory=1 << 20), limits=limits) as live:
+        yield live
+
+
+def test_slow_clients_are_closed_at_their_deadline_and_health_answers_meanwhile(strict):
+    """Partial headers (trickled), a body that never comes, an unfinished chunk size, a silent connection: each
+    closed within its 2 s deadline (plus slack for a loaded machine), /health quick while they hang on, and the
+    descriptors back to their count before."""
+    base = _open_fds()
+
+    async def main():
+        clients = await _slow_clients(strict.url, 40)
+        health = asyncio.create_task(_health_latencies(strict.url, asyncio.ensure_future(asyncio.sleep(1.5))))
+        trickle = asyncio.create_task(_trickle(clients, 6))
+        t0 = time.monotonic()
+        closed = await asyncio.gather(*(_closed_within(r, 5) for r, _, _ in clients))
+        elapsed = time.monotonic() - t0
+        trickle.cancel()
+        for _, w, _ in clients:
+            w.close()
+        return closed, elapsed, await health
+
+    closed, elapsed, health = asyncio.run(main())
+    assert all(closed) and elapsed < 5, (closed, elapsed)
+    assert max(health) < 1.0, health
+    wait_for(lambda: _open_fds() <= base + 2 and not strict.server.server_state.connections)
+
+
+def test_connections_past_the_cap_are_closed_at_once_with_one_log_line(strict, caplog):
+    """The cap's worth of idle connections, then 30 more: those are closed as they arrive and the log says so in
+    one line; when the idle ones time out, the server answers again."""
+    async def main():
+        held = await _slow_clients(strict.url, 48)
+        await asyncio.sleep(0.2)
+        extra = await _slow_clients(strict.url, 30)
+        t0 = time.monotonic()
+        refused = await asyncio.gather(*(_closed_within(r, 0.5) for r, _, _ in extra))
+        quick = time.monotonic() - t0
+        await asyncio.gather(*(_closed_within(r, 5) for r, _, _ in held))
+        for _, w, _ in held + extra:
+            w.close()
+        return refused, quick
+
+    with caplog.at_level(logging.WARNING, logger="llmq.serve"):
+        refused, quick = asyncio.run(main())
+    assert all(refused) and quick < 1.5, refused
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 1 and "--max-connections" in lines[0], lines
+    assert httpx.get(f"{strict.url}/health").status_code == 200
+
+
+def test_huge_prompts_are_400_without_freezing_the_loop(srv):
+    """An 8 MB prompt, an 8 MB chat message and 50,000 messages are each a quick 400 (context_length_exceeded),
+    refused before they are tokenized or templated; /health answers within 1 s throughout (it froze 5-6 s)."""
+    huge = "hello world " * 660_000  # 7.9 MB, under the body limit
+
+    async def main():
+        health = asyncio.create_task(_health_latencies(srv.url, asyncio.ensure_future(asyncio.sleep(2.0))))
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            rs = await asyncio.gather(
+                c.post("/v1/completions", json={"prompt": huge, "max_tokens": 1}),
+                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": huge}]}),
+                c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}] * 50_000}))
+        return rs, await health
+
+    rs, health = asyncio.run(main())
+    for r, param in zip(rs, ("prompt", "messages", "messages")):
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+    assert max(health) < 1.0, health
+    # a long prompt that fits the character bound is tokenized (off the loop) and measured in tokens
+    r = _post(srv, {"prompt": "x" * (srv.fe.max_model_len + 10), "max_tokens": 1})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and f"the prompt has {srv.fe.max_model_len + 10} tokens" in msg, r.text
+    _idle(srv)
+
+
+@pytest.fixture(scope="module")
+def local(tiny):
+    """`llmq serve`'s default: loopback, no key, so the browser guard is on."""
+    from llmq.runtime.server.browser import allowed_hosts
+
+    with live_server(tiny, EngineConfig(max_num_seqs=4, kv_cache_memory=1 << 20),
+                     allowed_hosts=allowed_hosts("127.0.0.1", None, None)) as live:
+        yield live
+
+
+def _raw_post(live, headers: dict, body=b'{"prompt": "hi", "max_tokens": 1}', route="/v1/completions"):
+    return httpx.post(f"{live.url}{route}", content=body, headers=headers, timeout=30)
+
+
+def test_dns_rebinding_and_cross_site_requests_are_refused(local):
+    port = local.url.rsplit(":", 1)[1]
+    # the issue's repro: a rebound page's request, as a form post so the browser sends it without asking
+    r = _raw_post(local, {"Host": "rebind.attacker.example", "Origin": "http://rebind.attacker.example",
+                          "Content-Type": "text/plain;charset=UTF-8"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", r.text
+    r = httpx.get(f"{local.url}/v1/models", headers={"Host": f"rebind.attacker.example:{port}"})
+    assert r.status_code == 403, r.text
+    for origin in ("http://evil.example", f"http://evil.example:{port}", "null", "file://"):
+        r = _raw_post(local, {"Origin": origin, "Content-Type": "application/json"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (origin, r.text)
+    for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data", None):
+        r = _raw_post(local, {"Content-Type": ctype} if ctype else {})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (ctype, r.text)
+    # what a client on this machine sends (a forwarded port included) still works
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost:9000", "LOCALHOST"):
+        r = _raw_post(local, {"Host": host, "Content-Type": "application/json; charset=utf-8",
+                              "Origin": f"http://{host}"})
+        assert r.status_code == 200, (host, r.text)
+    assert local.client().completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_which_servers_check_hosts():
+    from llmq.runtime.server.browser import LOOPBACK_NAMES, allowed_hosts
+
+    assert allowed_hosts("127.0.0.1", None, None) == LOOPBACK_NAMES
+    assert allowed_hosts("127.0.0.2", None, None) == LOOPBACK_NAMES | {"127.0.0.2"}
+    assert allowed_hosts("::1", None, None) == LOOPBACK_NAMES and allowed_hosts("localhost", None, None)
+    assert allowed_hosts("0.0.0.0", None, None) is None and allowed_hosts("127.0.0.1", "key", None) is None
+    assert allowed_hosts("127.0.0.1", None, "api.example.com, Proxy.local") == LOOPBACK_NAMES | {
+        "api.example.com", "proxy.local"}
+    assert allowed_hosts("0.0.0.0", "key", "api.example.com") and allowed_hosts("127.0.0.1", None, "*") is None
+
+
+def test_the_key_guards_metrics_and_openapi_and_is_compared_as_utf8(tiny):
+    """With --api-key, /metrics and /openapi.json need it as /v1 does (item 4); a non-ASCII key matches its UTF-8
+    bytes, not its Latin-1 ones (item 10)."""
+    key = "sekrit-clé-鍵"
+    with live_server(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20), api_key=key) as live:
+        good = {"Authorization": b"Bearer " + key.encode()}
+        for route in ("/metrics", "/openapi.json", "/v1/models"):
+            assert httpx.get(f"{live.url}{route}").status_code == 401, route
+            assert httpx.get(f"{live.url}{route}", headers=good).status_code == 200, route
+        latin1 = {"Authorization": b"Bearer " + "sekrit-clé".encode("latin-1")}
+        with live_server(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20), api_key="sekrit-clé") as l1:
+            assert httpx.get(f"{l1.url}/v1/models", headers=latin1).status_code == 401
+            utf8 = {"Authorization": b"Bearer " + "sekrit-clé".encode()}
+            assert httpx.get(f"{l1.url}/v1/models", headers=utf8).status_code == 200
+        assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_the_descriptor_limit_is_raised_to_hold_the_cap_or_the_cap_lowered(caplog):
+    import resource
+
+    from llmq.runtime.server.connections import FD_MARGIN, fit_descriptors
+
+    saved = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = saved
+    try:
+        if hard != resource.RLIM_INFINITY and hard > 2 * FD_MARGIN:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (FD_MARGIN + 64, hard))
+            assert fit_descriptors(128) == 128 and resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 128 + FD_MARGIN
+            with caplog.at_level(logging.WARNING, logger="llmq.serve"):
+                assert fit_descriptors(hard) == hard - FD_MARGIN
+            assert "--max-connections" in caplog.text
+        else:
+            assert fit_descriptors(1024) == 1024
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, saved)
+
+
+def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool, dict]:
+    """(route, body as dict or raw text, stream-and-drop, headers) for request i of the soak."""
     ok = {"prompt": [rng.randrange(256) for _ in range(rng.randrange(1, 24))], "max_tokens": rng.randrange(1, 5)}
-    kind = i % 20
+    kind = i % 23
     cases = {
         0: ok,
         1: dict(ok, temperature=1e-300),
@@ -214,22 +578,35 @@ def _hostile_bodies(i: int, rng: random.Random) -> tuple[str, object, bool]:
         17: json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "top_p": 1e-300}),
         18: json.dumps({"messages": [{"role": 7}], "n": 2**64}),
         19: dict(ok, stop_token_ids=list(range(5000))),
+        20: ok,  # a DNS-rebound page's request
+        21: ok,  # a cross-site form post
+        22: ok,  # a cross-site page's request
     }
+    headers = {20: {"Host": "rebind.attacker.example", "Content-Type": "text/plain;charset=UTF-8"},
+               21: {"Content-Type": "text/plain;charset=UTF-8"},
+               22: {"Origin": "http://attacker.example", "Content-Type": "application/json"}}
     body = cases[kind]
     route = "chat/completions" if kind in (17, 18) else "completions"
-    return route, body, kind == 13
+    return route, body, kind == 13, headers.get(kind, {"content-type": "application/json"})
+
+
+def _rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_hostile_soak(srv):
-    """About 1,000 hostile requests at concurrency 32: never a 5xx, the engine survives, every block comes back."""
+    """About 1,000 hostile requests at concurrency 32 (cross-site and rebound ones among them), and beside them 100
+    slow clients that owe headers or a body, and four 8 MB prompts: never a 5xx, /health under 1 s throughout,
+    the slow clients cut at their deadline, the engine survives, every block comes back, and the descriptors and
+    memory go back to where they were (issue 36's items 2-4; item 1: test_shutdown_leaves_an_engine_stuck_in_a_step
+    and test_cpp_build.py)."""
     n, concurrency = 1000, 32
     loop = srv.fe.loop
     statuses: dict[int, int] = {}
 
     async def one(client: httpx.AsyncClient, i: int, rng: random.Random):
-        route, body, drop = _hostile_bodies(i, rng)
+        route, body, drop, headers = _hostile_bodies(i, rng)
         content = json.dumps(body) if isinstance(body, dict) else body
-        headers = {"content-type": "application/json"}
         if drop:  # a client that leaves mid-stream
             async with client.stream("POST", f"/v1/{route}", content=content, headers=headers) as r:
                 statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
@@ -240,32 +617,57 @@ def test_hostile_soak(srv):
         if i % 100 == 50:  # a client that leaves while its body is being read
             host, port = srv.url.removeprefix("http://").split(":")
             _, w = await asyncio.open_connection(host, int(port))
-            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{\"pro")
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 500\r\n\r\n{\"pro")
             await w.drain()
             w.close()
             return
         r = await client.post(f"/v1/{route}", content=content, headers=headers)
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
 
+    async def huge(client: httpx.AsyncClient):
+        r = await client.post("/v1/completions", json={"prompt": "hello world " * 660_000, "max_tokens": 1})
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+
     async def soak():
         rng = random.Random(13)
         sem = asyncio.Semaphore(concurrency)
         limits = httpx.Limits(max_connections=concurrency)
+        slow = await _slow_clients(srv.url, 100)
         async with httpx.AsyncClient(base_url=srv.url, timeout=60, limits=limits) as client:
             async def guarded(i):
                 async with sem:
                     await one(client, i, rng)
 
-            await asyncio.wait_for(asyncio.gather(*(guarded(i) for i in range(n))), 150)
+            work = asyncio.gather(*(guarded(i) for i in range(n)), *(huge(client) for _ in range(4)))
+            health = asyncio.create_task(_health_latencies(srv.url, work))
+            trickle = asyncio.create_task(_trickle(slow, 4))
+            await asyncio.wait_for(work, 150)
+        cut = await asyncio.gather(*(_closed_within(r, 5) for r, _, _ in slow))
+        trickle.cancel()
+        for _, w, _ in slow:
+            w.close()
+        return await health, cut
 
+    asyncio.run(soak())  # a first round, for what the process allocates once and keeps (~140 MiB: arenas, caches)
+    statuses.clear()
+    base_fds, base_rss = _open_fds(), _rss()
     t0 = time.monotonic()
-    asyncio.run(soak())
+    health, cut = asyncio.run(soak())
     elapsed = time.monotonic() - t0
     assert not [s for s in statuses if s >= 500], statuses
     assert statuses.get(200, 0) > n // 4 and statuses.get(400, 0) > n // 4, statuses
+    assert statuses.get(403, 0) and statuses.get(415, 0), statuses
+    assert all(cut) and max(health) < 1.0, (sum(cut), max(health))
     assert loop.error is None and loop.healthy and httpx.get(f"{srv.url}/health").status_code == 200
     _idle(srv)
-    print(f"hostile soak: {n} requests in {elapsed:.1f} s, statuses {dict(sorted(statuses.items()))}")
+    wait_for(lambda: _open_fds() <= base_fds + 2 and not srv.server.server_state.connections)
+    grown = (_rss() - base_rss) / 2**20
+    assert grown < 50, f"the soak left the process {grown:.0f} MiB larger"
+    health.sort()
+    print(f"hostile soak: {n} requests in {elapsed:.1f} s, statuses {dict(sorted(statuses.items()))}; /health "
+          f"median {health[len(health) // 2] * 1e3:.0f} ms, max {health[-1] * 1e3:.0f} ms over {len(health)} probes; "
+          f"RSS {grown:+.0f} MiB")
 
 
 def test_schema_driven_fuzzing(srv):

@@ -42,7 +42,12 @@ from .options import stage_options
                    "Q8_0 arithmetic; x86 CPUs with AVX512-VNNI): ~2x faster decode, a little less accurate than what "
                    "quantize's probe and eval measured.")
 @click.option("--served-model-name", help="Model id in the API (default: the artifact's name).")
-@click.option("--api-key", envvar="LLMQ_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (env LLMQ_API_KEY).")
+@click.option("--api-key", envvar="LLMQ_API_KEY",
+              help="Require `Authorization: Bearer KEY` on /v1, /metrics and /openapi.json (env LLMQ_API_KEY).")
+@click.option("--allowed-hosts",
+              help="Host names requests may be addressed to, comma-separated ('*': any), e.g. a proxy's public name. "
+                   "Also refuses cross-origin requests and non-JSON POSTs. Default: the loopback names on a loopback "
+                   "--host without --api-key, any elsewhere.")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests allowed to wait beyond the running batch; more get 429.")
 @click.option("--max-stop-strings", type=int, default=16, show_default=True,
@@ -50,6 +55,14 @@ from .options import stage_options
 @click.option("--max-stop-length", type=int, default=1024, show_default=True,
               help="Longest stop string in characters; longer get 400.")
 @click.option("--max-body-size", default="8MiB", show_default=True, help="Largest request body; larger get 413.")
+@click.option("--header-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds a client has to send a request's headers; slower connections are closed.")
+@click.option("--body-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds a client has to send a request's body once its headers are in.")
+@click.option("--keep-alive-timeout", type=float, default=5.0, show_default=True,
+              help="Seconds an idle connection stays open between requests.")
+@click.option("--max-connections", type=int, default=1024, show_default=True,
+              help="Connections open at once; more are closed as they arrive (one log line).")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish on SIGTERM / Ctrl-C.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
@@ -58,12 +71,13 @@ from .options import stage_options
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
-          int8_activations, served_model_name, api_key, max_queue, max_stop_strings, max_stop_length, max_body_size,
-          drain_timeout, log_level, opts):
+          int8_activations, served_model_name, api_key, allowed_hosts, max_queue, max_stop_strings, max_stop_length, max_body_size,
+          header_timeout, body_timeout, keep_alive_timeout, max_connections, drain_timeout, log_level, opts):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine
     from ..runtime.kv_cache import kv_element_bytes
     from ..runtime.server import EngineThread, Limits, create_app, run_server
+    from ..runtime.server.browser import allowed_hosts as hosts_for
 
     if kv_cache_memory is not None and kv_cache_fraction is not None:
         raise LlmqError("give --kv-cache-memory or --kv-cache-fraction, not both")
@@ -71,7 +85,10 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
         raise LlmqError(f"--max-queue must be >= 0, got {max_queue}")
     if min(max_stop_strings, max_stop_length) < 0:
         raise LlmqError("--max-stop-strings and --max-stop-length must be >= 0")
-    limits = Limits(max_stop_strings, max_stop_length, parse_size(max_body_size))
+    if min(header_timeout, body_timeout, keep_alive_timeout) <= 0 or max_connections < 1:
+        raise LlmqError("--header-timeout, --body-timeout and --keep-alive-timeout must be > 0, --max-connections >= 1")
+    limits = Limits(max_stop_strings, max_stop_length, parse_size(max_body_size), header_timeout, body_timeout,
+                    keep_alive_timeout, max_connections)
     opts.check()
     _check_bindable(host, port)  # before minutes of model loading, not after
     thread = EngineThread()  # builds and drives the engine: torch work stays on this one thread
@@ -87,10 +104,12 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
     if kv_cache_fraction is not None:
         cfg.kv_cache_fraction = kv_cache_fraction
     engine = thread.call(LLMEngine, art.path, cfg)
+    app = None
     try:
         name = served_model_name or art.name
         app = create_app(engine, served_model_name=name, api_key=api_key, max_queue=max_queue,
-                         drain_timeout=drain_timeout, thread=thread, limits=limits)
+                         drain_timeout=drain_timeout, thread=thread, limits=limits,
+                         allowed_hosts=hosts_for(host, api_key, allowed_hosts))
         kv_heads = max(engine.spec.num_kv_heads // engine.tp, 1)
         kv_bytes = (engine.num_blocks * engine.block_size * 2 * engine.spec.num_layers * kv_heads
                     * engine.spec.head_dim * kv_element_bytes(engine.kv_cache_dtype, engine.runner.dtype))
@@ -103,7 +122,8 @@ def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_
             click.echo(f"warning: listening on {host} without --api-key", err=True)
         run_server(app, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
     finally:
-        thread.call(engine.shutdown)
+        if app is None or not app.state.frontend.loop.stuck:  # a stuck engine thread would never run it
+            thread.call(engine.shutdown)
         thread.close()
 
 

@@ -20,9 +20,17 @@ WINDOW = 512
 
 def token_kl(lp_eval: torch.Tensor, lp_base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position of [T, vocab] log-probabilities: KL(P_base || P_eval) in float64 (rounding below zero clamped)
-    and whether the two argmaxes agree."""
+    and whether the two argmaxes agree. Entries the baseline gives no mass (log-probability -inf) add nothing; a KL
+    that is still not finite (NaN / inf logits, or mass the evaluated model rules out) is an LlmqError, never a
+    number a gate could pass."""
     lp_e, lp_b = lp_eval.double(), lp_base.double()
-    return (lp_b.exp() * (lp_b - lp_e)).sum(-1).clamp_min(0), lp_e.argmax(-1) == lp_b.argmax(-1)
+    terms = torch.where(lp_b == float("-inf"), 0.0, lp_b.exp() * (lp_b - lp_e))
+    kl = terms.sum(-1).clamp_min(0)
+    if not bool(torch.isfinite(kl).all()):
+        bad = int((~torch.isfinite(kl)).sum())
+        raise LlmqError(f"the KL divergence is not finite at {bad} of {kl.numel()} positions: NaN or inf in the "
+                        "evaluated model's or the baseline's logits")
+    return kl, lp_e.argmax(-1) == lp_b.argmax(-1)
 
 
 def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], None] | None = None) -> dict:

@@ -144,11 +144,42 @@ def _format_error(path: Path, err: ValidationError) -> str:
     return f"{path}: {loc}: {first['msg']}{more}"
 
 
+MAX_DEPTH = 64  # nesting a recipe may use (a real one uses 4); deeper is refused before Python's recursion limit
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing what it would take silently or die on: a key given twice in one mapping (the
+    last one won) and nesting deeper than MAX_DEPTH (a RecursionError)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"nested deeper than {MAX_DEPTH} levels at line {mark.line + 1}", mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if (key.tag, key.value) in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key.value!r} given twice (line {key.start_mark.line + 1})", key.start_mark)
+                seen.add((key.tag, key.value))
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Parse and validate the whole recipe before anything runs; errors name the offending key."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), _RecipeLoader)  # noqa: S506 (a safe loader)
     except FileNotFoundError:
         raise LlmqError(f"{path}: recipe not found") from None
     except yaml.YAMLError as e:

@@ -50,6 +50,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN / inf logits: that request fails (a 500), the server goes on."""
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """A per-request generator, so a seeded request samples the same tokens whatever else shares its batch."""
     g = torch.Generator(device=device)
@@ -112,7 +116,13 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], params: list[Sampli
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
            ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked."""
+    """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked.
+    Raises NonFiniteLogits where a row holds NaN or +inf (or only -inf): a broken model, whose tokens would be
+    noise and whose logprobs no JSON can carry."""
+    top = logits.amax(-1)  # NaN wherever a row holds one, +inf likewise
+    if not bool(torch.isfinite(top).all()):
+        raise NonFiniteLogits(f"the model's logits are not finite (largest {top.tolist()[:4]}): NaN or inf in its "
+                              "weights or activations")
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -42,8 +42,9 @@ exactly (llmq's artifacts store bfloat16 scales), else float32; s * z likewise i
 is the codes' offset 2^(bits - 1) (symmetric weights): 2 bytes a group and row where there were 8.
 
 Built on first use with PyTorch's extension builder (a C++ compiler and ninja; ~15 s, then cached under
-TORCH_EXTENSIONS_DIR). Where the build fails the layers keep PyTorch's operations (one warning); LLMQ_CPU_KERNELS=0
-keeps them too, for comparing the two.
+TORCH_EXTENSIONS_DIR, in a directory named by the source's hash: cpp_build.py, which also makes a killed build
+harmless). Where the build fails, or another process's build of it is still running after BUILD_WAIT seconds, the
+layers keep PyTorch's operations (one warning); LLMQ_CPU_KERNELS=0 keeps them too, for comparing the two.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ from pathlib import Path
 import torch
 
 from ... import quant
+from . import cpp_build
 
 BLOCK = 32  # inputs per activation scale
 TILE = 16  # output rows per packed tile
 _VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+BUILD_WAIT = 600.0  # seconds to wait for another process's build (one takes ~15-25 s on 2 cores)
 log = logging.getLogger(__name__)
 
 
@@ -87,14 +90,11 @@ def available() -> bool:
     return True
 
 
-def _build() -> bool:
+def _build(wait: float = BUILD_WAIT) -> bool:
     """Build (or find built) and load the extension; False, with one warning, where that fails."""
     try:
-        from torch.utils.cpp_extension import load
-
-        load(name="llmq_cpu_kernels", sources=[str(Path(__file__).with_suffix(".cpp"))], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp"])
-    except Exception as e:  # a missing compiler / ninja, or a failed build: PyTorch's operations stay
+        cpp_build.load("llmq_cpu_kernels", Path(__file__).with_suffix(".cpp"), ["-O3", "-fopenmp"], wait)
+    except Exception as e:  # a missing compiler / ninja, a failed build, a build elsewhere too long: PyTorch's ops stay
         lines = str(e).splitlines() or [type(e).__name__]
         log.warning("llmq: its CPU kernels could not be built (%s); using PyTorch's operations",
                     next((x for x in lines if "error:" in x.lower()), lines[0])[:300])

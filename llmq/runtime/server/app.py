@@ -12,8 +12,9 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -29,6 +30,7 @@ from ... import __version__
 from ...errors import LlmqError
 from ..engine import LLMEngine, RequestOutput
 from ..sampling import SamplingParams
+from .browser import BrowserGuard
 from .engine_loop import EngineLoop, EngineThread, NotAccepting, QueueFull
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
@@ -47,11 +49,16 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for, so that no request can stall the event loop or the engine for the others."""
+    """What one request may ask for and one client may hold, so that none can stall the event loop, the engine or
+    the server for the others (the connection limits: connections.py)."""
 
     max_stop_strings: int = 16  # also the most stop_token_ids
     max_stop_chars: int = 1024
     max_body_bytes: int = 8 << 20
+    header_timeout: float = 10.0  # seconds for a request's headers, from its first byte
+    body_timeout: float = 30.0  # seconds for its body, from its headers
+    keep_alive_timeout: float = 5.0  # seconds a connection may sit idle between requests
+    max_connections: int = 1024  # open at once; more are closed as they arrive
 
 
 def artifact_ref(path: Path) -> str | None:
@@ -82,6 +89,22 @@ class _Frontend:
         self.created = int(time.time())
         self.limits = limits
         self._token_text: dict[int, str] = {}
+        # a text of more characters than this holds more tokens than the context: its longest token's characters
+        # (bytes, for byte-level vocabularies) times the context
+        self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
+        # tokenizing and templating run here, off the event loop (the tokenizer releases the GIL); one thread, so
+        # requests never use the tokenizer at once
+        self.text_thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenize")
+        self.waiting: set[asyncio.Queue] = set()  # the output queues of the requests being answered
+
+    def cut(self) -> None:
+        """The drain's deadline: every request still waiting for its output gets NotAccepting (a 503, or for a
+        stream an error event and [DONE]) and ends."""
+        for q in list(self.waiting):
+            q.put_nowait(NotAccepting("the server shut down before this request finished (--drain-timeout)"))
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.text_thread, fn, *args)
 
     def token_text(self, token: int) -> str:
         s = self._token_text.get(token)
@@ -95,14 +118,21 @@ class _Frontend:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.",
                            param="model", code="model_not_found")
 
+    def check_chars(self, n: int, param: str) -> None:
+        """A 400 for text too long for the context whatever its tokens, before tokenizing it (megabytes of text
+        take seconds and hundreds of MB to tokenize)."""
+        if n > self.max_prompt_chars:
+            raise _bad(f"This model's maximum context length is {self.max_model_len} tokens; the {param} has {n} "
+                       f"characters, more than that many tokens hold.", param, "context_length_exceeded")
+
     def check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise _bad("the prompt is empty", "prompt")
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise _bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_model_len:  # first: the range check below reads every id
             raise _bad(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                        f"{len(ids)} tokens.", "prompt", "context_length_exceeded")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise _bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return ids
 
     def params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default_max: int | None,
@@ -244,7 +274,8 @@ def _borders(s: str) -> list[int]:
 
 
 async def _parse(model: type[BaseModel], request: Request, limit: int):
-    """The body as JSON whatever its Content-Type (`curl -d` sends a form type), validated by `model`; 413 beyond
+    """The body as JSON whatever its Content-Type (`curl -d` sends a form type; where the browser guard is on it
+    has refused any type but JSON already), validated by `model`; 413 beyond
     `limit` bytes, checked while reading so an oversized body is never held whole."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) > limit:
@@ -317,11 +348,12 @@ def _sse(data: dict) -> str:
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
                max_queue: int = 256, drain_timeout: float = 30.0, thread: EngineThread | None = None,
-               limits: Limits = Limits()) -> FastAPI:
+               limits: Limits = Limits(), allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """An app serving `engine`. Its lifespan starts the engine loop and, at shutdown, drains it for up to
     `drain_timeout` seconds (uvicorn has already waited for open connections by then). The caller owns `engine`
     (and shuts it down), but must not call it while the app runs: the engine loop's thread is then its only user.
-    Pass the EngineThread the engine was built on, so the loop runs there (engine_loop.py says why)."""
+    Pass the EngineThread the engine was built on, so the loop runs there (engine_loop.py says why).
+    `allowed_hosts`: refuse requests a web page could send (browser.py; `browser.allowed_hosts` says when)."""
     fe = _Frontend(engine, served_model_name or engine.path.name, api_key, max_queue, thread, limits)
 
     @asynccontextmanager
@@ -331,10 +363,13 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             yield
         finally:
             await asyncio.to_thread(fe.loop.shutdown, drain_timeout)
+            fe.text_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llmq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+                  openapi_url=None)  # served below, behind the key
     app.state.frontend = fe
+    if allowed_hosts is not None:
+        app.add_middleware(BrowserGuard, allowed=allowed_hosts)
 
     def openapi() -> dict:
         """FastAPI's schema plus the request bodies, which the handlers parse themselves (see _parse)."""
@@ -367,6 +402,11 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                 msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return JSONResponse(error_body(msg, param=param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):  # a bug: still an OpenAI-style body (Starlette logs it)
+        return JSONResponse(error_body("internal error (see the server's log)", "server_error", code="internal_error"),
+                            status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
@@ -378,7 +418,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             return
         h = request.headers.get("authorization", "")
         scheme, _, token = h.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), fe.api_key.encode()):
+        # headers arrive as Latin-1 text: back to their bytes, compared with the key's UTF-8
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"),
+                                                                 fe.api_key.encode()):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
@@ -388,9 +430,13 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             raise APIError(503, "the engine is not running", "service_unavailable", code="unavailable")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(auth)])
     async def metrics():
         return Response(fe.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", dependencies=[Depends(auth)], include_in_schema=False)
+    async def openapi_json():
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
@@ -411,7 +457,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             if len(p) != 1:
                 raise _bad("one prompt per request (batch the requests instead)", "prompt")
             p = p[0]
-        ids = fe.check_ids(fe.tokenizer.encode(p) if isinstance(p, str) else list(p))
+        if isinstance(p, str):
+            fe.check_chars(len(p), "prompt")
+            p = await fe.off_loop(fe.tokenizer.encode, p)
+        ids = fe.check_ids(list(p))
         params = fe.params(body, len(ids), body.max_tokens, 16, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids
@@ -439,12 +488,20 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         fe.check_model(body.model)
         if not getattr(fe.tokenizer, "chat_template", None):
             raise _bad("this model's tokenizer has no chat template; use /v1/completions", "messages")
-        try:
-            text = fe.tokenizer.apply_chat_template([m.template_dict() for m in body.messages], tokenize=False,
-                                                    add_generation_prompt=True)
-        except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
-            raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
-        ids = fe.check_ids(fe.tokenizer.encode(text, add_special_tokens=False))
+        if len(body.messages) > fe.max_model_len:  # every template spends a token or more on each message
+            raise _bad(f"This model's maximum context length is {fe.max_model_len} tokens; the request has "
+                       f"{len(body.messages)} messages.", "messages", "context_length_exceeded")
+        messages = [m.template_dict() for m in body.messages]
+        fe.check_chars(sum(len(m["content"]) for m in messages), "messages")
+
+        def template() -> list[int]:
+            try:
+                text = fe.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
+                raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
+            return fe.tokenizer.encode(text, add_special_tokens=False)
+
+        ids = fe.check_ids(await fe.off_loop(template))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         params = fe.params(body, len(ids), max_tokens, None, n_top)
@@ -477,15 +534,30 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     return app
 
 
+def output_view(stream: bool, stop: list[str]):
+    """What the engine thread queues for a handler from each output (EngineLoop.submit's `view`): an output short of
+    its last without the text and token ids so far, only its new tokens (a queue of whole outputs grew as the square
+    of the tokens for a client that reads slowly: ~100 MB at 4,096 tokens); for a stream, with its text delta."""
+    deltas = _TextDeltas(stop) if stream else None
+
+    def view(o: RequestOutput):
+        light = o if o.finished else replace(o, text="", output_token_ids=[])
+        return (light, deltas(o.text, o.finished)) if stream else light
+
+    return view
+
+
 async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], params: SamplingParams, stream: bool,
                    include_usage: bool, chunk, first: dict | None, full):
     """Run one request: a whole JSON body, or an SSE stream (`first`, then `chunk(...)`s, usage, [DONE]). A stream's
     outputs arrive as (output, text delta) pairs, the deltas worked out on the engine thread."""
-    view = None
-    if stream:
-        deltas = _TextDeltas(params.stop)
-        view = lambda o: (o, deltas(o.text, o.finished))  # noqa: E731
-    q = fe.submit(rid, ids, params, view)
+    q = fe.submit(rid, ids, params, output_view(stream, params.stop))
+    fe.waiting.add(q)
+
+    def close() -> None:
+        fe.waiting.discard(q)
+        fe.loop.abort(rid)  # no-op when finished; frees the blocks when the client left or we failed
+
     watcher = asyncio.create_task(_watch_disconnect(request, q))
     handed_over = False
     try:
@@ -516,6 +588,7 @@ async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], pa
                     item = await _next_output(q)
                 except APIError as e:  # the status line is long gone: report in-band, as OpenAI does
                     yield _sse(e.body)
+                    yield "data: [DONE]\n\n"
                     return
                 if item is None:  # the client left as the stream began
                     return
@@ -527,8 +600,8 @@ async def _respond(fe: _Frontend, request: Request, rid: str, ids: list[int], pa
             yield "data: [DONE]\n\n"
 
         handed_over = True
-        return _AbortingStream(events(), on_close=lambda: fe.loop.abort(rid))
+        return _AbortingStream(events(), on_close=close)
     finally:
         watcher.cancel()  # a stream watches for the disconnect itself (Starlette cancels it)
         if not handed_over:
-            fe.loop.abort(rid)  # no-op when finished; frees the blocks when the client left or we failed
+            close()

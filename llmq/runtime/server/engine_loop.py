@@ -31,6 +31,8 @@ log = logging.getLogger("llmq.serve")
 
 # forward passes failing back to back: the engine itself can no longer run (a dead TP worker, a broken device)
 FATAL_STEP_FAILURES = 3
+# seconds the engine thread gets to stop once the drain is over: a step's worth (a step stuck for good: never)
+STOP_WAIT = 10.0
 
 
 class QueueFull(Exception):
@@ -96,6 +98,7 @@ class EngineLoop:
         self._own_thread = thread is None
         self._thread = thread or EngineThread()
         self._running: Future | None = None
+        self.stuck = False  # shutdown gave up on an engine thread stuck in a step; nobody can call the engine now
 
     # -- called from the asyncio side -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,7 +149,9 @@ class EngineLoop:
         self._inbox.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting, let in-flight requests finish for up to `timeout` seconds, abort the rest, stop."""
+        """Stop accepting, let in-flight requests finish for up to `timeout` seconds, abort the rest, stop. An engine
+        thread that has not stopped STOP_WAIT seconds later is stuck in a step: it is left behind (`stuck`; a daemon
+        thread, it does not hold the process open) rather than waited on for ever."""
         with self._lock:
             self._accepting = False
         deadline = time.monotonic() + timeout
@@ -154,7 +159,12 @@ class EngineLoop:
             time.sleep(0.02)
         if self._alive():
             self._inbox.put(("stop",))
-            self._running.result()
+            try:
+                self._running.result(timeout=STOP_WAIT)
+            except TimeoutError:
+                self.stuck = True
+                log.error("the engine did not stop within %.0f s of the drain (stuck in a step); exiting without it",
+                          STOP_WAIT)
         if self._own_thread:
             self._thread.close()
 
