@@ -11,7 +11,7 @@ from llmq.models import ModelSpec
 from llmq.models.spec import IMPLEMENTED, INERT, REFUSED
 
 CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}
+           "qwen3": transformers.Qwen3Config, "gemma3_text": transformers.Gemma3TextConfig}
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
@@ -42,6 +42,12 @@ def test_lists_cover_exactly_the_fields_of_the_supported_configs():
     ("qwen2", {"layer_types": ["sliding_attention", "sliding_attention"]}, "layer_types"),  # no window to slide
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "layer_types"),
     ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("gemma3_text", {"hidden_activation": "silu"}, "hidden_activation"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}},
+     "rope_parameters"),
     ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("llama", {"layer_types": ["sliding_attention", "sliding_attention"]}, "layer_types"),
     ("mistral", {"sliding_window": 0}, "sliding_window"),
@@ -65,6 +71,7 @@ def test_unimplemented_values_are_refused_naming_the_field(model_type, overrides
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),  # no layer slides
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
     ("qwen3", {}, None),
+    ("gemma3_text", {}, None),  # its window is per layer (ModelSpec.local_window), not every layer's
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
 ])
 def test_implemented_values_are_accepted_with_transformers_window(model_type, overrides, window):

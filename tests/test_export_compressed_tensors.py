@@ -95,7 +95,7 @@ KV_EXPECT = {("int8", "tensor"): (_args(8, strategy="tensor"), (1,)),
              ("fp8", "head"): (_args(8, type="float", strategy="attn_head"), (KV_HEADS, 1, 1))}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text"])
 def source(tmp_path_factory, request):
     """A tiny random model of each family stored in bf16 (as real checkpoints are, so scales are bf16), as a model
     artifact (Qwen3: the same shapes, with its per-head q/k norms)."""
@@ -273,7 +273,10 @@ def test_activation_quantized_schemes_match_transformers(quantized, ids, name, m
     with torch.no_grad():
         ref = hf(ids).logits[0]
     got = kld_top1(ref, _llmq_logprobs(art.path, ids))
-    assert got["kld_mean"] < 1e-4, got  # float32 rounding, amplified where it flips a quantized activation
+    # float32 rounding, amplified where it flips a quantized activation: on the Gemma model (embeddings scaled by
+    # sqrt(hidden), four norms a layer) FP8 flips moved it 1.9e-4; the scheme itself costs this model ~2.5e-3
+    bound = 1e-3 if _family(quantized(name)) == "gemma3_text" and name.startswith("fp8") else 1e-4
+    assert got["kld_mean"] < bound, got
 
 
 @pytest.mark.parametrize("name", ["rtn-w4g32", "smoothquant", "fp8"])
@@ -329,7 +332,17 @@ def test_kv_cache_schemes_match_transformers(source, ids, kv, granularity):
     with torch.no_grad():
         ref = hf(ids).logits[0]
     got = kld_top1(ref, _llmq_logprobs(art.path, ids))
-    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    bound = 1e-8
+    if _family(src) == "gemma3_text":  # its four (1 + w) norms a layer, in float32 op orders that differ from
+        bound = 1e-6                  # transformers', move a K / V value across an FP8 step now and then (1.6e-7
+        assert art.metrics["probe"]["kld_mean"] > 10 * bound  # measured), far under what the cache's rounding costs
+    assert got["kld_mean"] < bound and got["top1"] == 1.0, got
+
+
+def _family(src) -> str:
+    from llmq.models.checkpoint import read_config
+
+    return read_config(src.path)["model_type"]
 
 
 def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line():

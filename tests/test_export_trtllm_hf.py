@@ -122,7 +122,7 @@ SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size
                                                                           ignore=("lm_head", "model.layers.0.mlp.up_proj"))}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text"])
 def arts(tmp_path_factory, request):
     from llmq.artifacts import Store
     from tiny import make_tiny_model

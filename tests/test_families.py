@@ -15,7 +15,10 @@ from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
 # family -> config overrides that exercise what it declares (biases, tied tables, head_dim != hidden / heads)
 FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_word_embeddings": True},
-            "qwen3": {"head_dim": 24}}
+            "qwen3": {"head_dim": 24},
+            # local layers slide over 8 of the 40 scored tokens with their own rotary base, beside a global one
+            "gemma3_text": {"head_dim": 24, "sliding_window": 8, "query_pre_attn_scalar": 20,
+                            "final_logit_softcapping": 5.0, "layer_types": ["sliding_attention", "full_attention"]}}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
@@ -70,7 +73,8 @@ def test_runtime_equals_transformers(models, family, tp):
         ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)
         want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    eng = LLMEngine(path, EngineConfig(tp=tp, max_model_len=128, kv_cache_memory=32 << 20))
+    # chunked prefill: later chunks read their window of the cache through block tables
+    eng = LLMEngine(path, EngineConfig(tp=tp, max_model_len=128, kv_cache_memory=32 << 20, max_num_batched_tokens=16))
     try:
         got = eng.prompt_logprobs(ids).double()
         out = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
@@ -104,8 +108,8 @@ def test_qwen3_q_k_norms_are_computed_not_ignored(models, tmp_path):
 
 
 def test_an_undeclared_family_is_refused_naming_the_supported_ones():
-    with pytest.raises(LlmqError, match=r"^unsupported architecture 'Gemma3ForCausalLM' .*Qwen3ForCausalLM \(qwen3\)"):
-        ModelSpec.from_config({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]})
+    with pytest.raises(LlmqError, match=r"^unsupported architecture 'Phi3ForCausalLM' .*Gemma3ForCausalLM \(gemma3_text\)"):
+        ModelSpec.from_config({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
 
 
 def test_legacy_trtllm_checkpoint_refuses_qwen3_in_one_line(models, store):

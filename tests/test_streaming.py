@@ -192,12 +192,12 @@ def test_the_runtime_builds_each_layer_as_it_reads_it(tmp_path, store, make_tiny
     the whole checkpoint first: checkpoint and runtime copies of every layer at the peak); an untied embedding table
     stays in its stored dtype, cast per looked-up row."""
     from llmq.runtime import EngineConfig, LLMEngine
-    from llmq.runtime.models import llama
+    from llmq.runtime.models import decoder
 
     src = resolve_model(str(make_tiny_model(tmp_path / "m", num_hidden_layers=4)), store)
     q = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, probe_tokens=0), store, progress=False)
     events: list[tuple[str, int]] = []
-    read, built = LazyTensors.__getitem__, llama.DecoderLayer.__init__
+    read, built = LazyTensors.__getitem__, decoder.DecoderLayer.__init__
 
     def reading(lazy, name):
         if _layer_of(name) is not None:
@@ -209,7 +209,7 @@ def test_the_runtime_builds_each_layer_as_it_reads_it(tmp_path, store, make_tiny
         built(layer, *args, **kwargs)
 
     monkeypatch.setattr(LazyTensors, "__getitem__", reading)
-    monkeypatch.setattr(llama.DecoderLayer, "__init__", building)
+    monkeypatch.setattr(decoder.DecoderLayer, "__init__", building)
     eng = LLMEngine(q.path, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_memory=16 << 20,
                                          dtype="bfloat16"))
     try:

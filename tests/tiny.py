@@ -41,6 +41,7 @@ def make_tiny_model(path: Path, seed: int = 0, **overrides) -> Path:
                tie_word_embeddings=False, initializer_range=0.1, bos_token_id=tok.bos_token_id,
                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     cfg.update(overrides)
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])  # Qwen3 / Gemma 3 default to 128 / 256
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).eval()
     path = Path(path)

@@ -16,7 +16,7 @@ from ..artifacts import Artifact, ArtifactNotFound, Store
 from ..errors import LlmqError
 from .checkpoint import (INDEX_NAME, copy_tokenizer, load_state_dict, pickle_files, read_config, safetensors_files,
                          save_state_dict, write_json)
-from .default import DEFAULT, default_gguf
+from .default import DEFAULT, PACKAGED, packaged_gguf
 from .spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -125,15 +125,17 @@ def _download_hub(repo_id: str) -> tuple[Path, str]:
 
 def resolve_model(ref: str | None, store: Store, allow_pickle: bool = False) -> Artifact:
     """The `model` artifact for a model reference, importing it into the store on first use."""
-    if ref in (None, "", "default"):
-        fp = f"pypi:{DEFAULT.package}=={DEFAULT.version}:{DEFAULT.gguf_sha256}"
-        if (hit := _find_imported(store, fp)) is not None:
+    if ref in (None, "", "default") or ref in PACKAGED:
+        model = PACKAGED.get(ref, DEFAULT)
+        if (hit := _find_imported(store, model.fingerprint)) is not None:
             return hit
-        gguf = default_gguf()
-        source = {"type": "default", "package": DEFAULT.package, "package_version": DEFAULT.version,
-                  "wheel_sha256": DEFAULT.wheel_sha256, "gguf": DEFAULT.gguf_name, "gguf_sha256": DEFAULT.gguf_sha256,
-                  "gguf_quantization": "Q4_1", "upstream": DEFAULT.hf_id, "fingerprint": fp}
-        return import_gguf(gguf, store, DEFAULT.name, source)
+        gguf = packaged_gguf(model)
+        source = {"type": "default" if model is DEFAULT else "packaged", "package": model.wheels[0].package,
+                  "package_version": model.wheels[0].version,
+                  "wheels": {w.filename: w.sha256 for w in model.wheels}, "gguf": model.gguf_name,
+                  "gguf_sha256": model.gguf_sha256, "gguf_quantization": model.quantization, "upstream": model.hf_id,
+                  "fingerprint": model.fingerprint} | ({"license": model.license} if model.license else {})
+        return import_gguf(gguf, store, model.name, source)
     path = Path(ref).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":

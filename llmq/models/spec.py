@@ -23,6 +23,8 @@ IMPLEMENTED = frozenset({
     "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "dtype",
     "attention_bias", "mlp_bias",  # the runtime adds whatever biases the checkpoint holds
     "use_sliding_window", "max_window_layers",  # Qwen2/3: transformers turns them into layer_types, checked below
+    "_sliding_window_pattern",  # Gemma 3: likewise
+    "query_pre_attn_scalar", "final_logit_softcapping",  # Gemma 3: the attention scale, a tanh cap on the logits
 })
 
 # Fields that do not change the logits of an inference forward, with the reason.
@@ -42,35 +44,67 @@ ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # fixed frequencies, which
 def _window(hf_config) -> int | None:
     """The one attention window all layers use (None: full), by the family's rule (Arch.window)."""
     rule = ARCHS[hf_config.model_type].window
-    if rule == "none" or (rule == "layer_types" and "sliding_attention" not in (hf_config.layer_types or ())):
+    if rule in ("none", "per_layer") or \
+            (rule == "layer_types" and "sliding_attention" not in (hf_config.layer_types or ())):
         return None
     return hf_config.sliding_window
 
 
+def _local_layers(hf_config) -> tuple[int, ...]:
+    """The layers that slide over their own window where the family mixes them with global ones (Arch.window
+    "per_layer"), else none."""
+    if ARCHS[hf_config.model_type].window != "per_layer":
+        return ()
+    return tuple(i for i, t in enumerate(hf_config.layer_types or ()) if t == "sliding_attention")
+
+
 def _layer_types_unsupported(c) -> bool:
     types = set(getattr(c, "layer_types", None) or ())
+    if ARCHS[c.model_type].window == "per_layer":
+        return not types <= {"sliding_attention", "full_attention"}
     return bool(types) and types != {"sliding_attention" if _window(c) is not None else "full_attention"}
 
 
+def _rope_tables(rope: dict | None) -> list[dict]:
+    """The rotary parameters of each layer type (Gemma 3 keys them by type; others have one)."""
+    rope = rope or {}
+    return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+
+
 def _rope_unsupported(c) -> bool:
-    rope = c.rope_parameters or {}
-    return rope.get("rope_type", "default") not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0
+    return any(r.get("rope_type", "default") not in ROPE_TYPES or r.get("partial_rotary_factor", 1.0) != 1.0
+               for r in _rope_tables(c.rope_parameters))
 
 
 def _window_unsupported(c) -> bool:
-    w = _window(c)
+    w = c.sliding_window if _local_layers(c) else _window(c)
     return w is not None and (not isinstance(w, int) or w < 1)
+
+
+def _activation_unsupported(field: str):
+    """Refuses the config's activation unless it is its family's (Arch.activation_field); a field the family does
+    not use is not looked at."""
+    def refuse(c) -> bool:
+        name, allowed = ARCHS[c.model_type].activation_field
+        return name == field and getattr(c, field) not in allowed
+    return refuse
 
 
 # Fields the runtime implements for some values only: field -> (refuse(config), why).
 REFUSED = {
     "architectures": (lambda c: any(not a.endswith("ForCausalLM") for a in c.architectures or ()),
                       "llmq runs causal language models only"),
-    "hidden_act": (lambda c: c.hidden_act not in ("silu", "swish"), "the runtime's MLP is SwiGLU (silu)"),
+    "hidden_act": (_activation_unsupported("hidden_act"), "this family's MLP is SwiGLU (silu)"),
+    "hidden_activation": (_activation_unsupported("hidden_activation"),
+                          "this family's MLP is GeGLU with the tanh-approximated gelu"),
     "rope_parameters": (_rope_unsupported, f"the runtime's rotary supports rope_type {', '.join(ROPE_TYPES)} over "
                                            "the whole head"),
-    "layer_types": (_layer_types_unsupported, "the runtime applies one attention window to every layer"),
+    "layer_types": (_layer_types_unsupported, "this family applies one attention window to every layer"),
     "sliding_window": (_window_unsupported, "a window must be a positive number of tokens"),
+    "attn_logit_softcapping": (lambda c: getattr(c, "attn_logit_softcapping", None) is not None,
+                               "the runtime's attention does not cap its scores"),
+    "use_bidirectional_attention": (lambda c: bool(getattr(c, "use_bidirectional_attention", False)),
+                                    "llmq runs causal attention"),
 }
 
 
@@ -118,7 +152,11 @@ class ModelSpec:
     rms_norm_eps: float
     attention_bias: bool
     max_position_embeddings: int
-    sliding_window: int | None
+    sliding_window: int | None      # the window every layer uses (None: full attention)
+    local_window: int | None = None  # Arch.window "per_layer": the window of the layers in local_layers
+    local_layers: tuple[int, ...] = ()
+    attn_scale: float | None = None  # softmax scale of the attention scores; None: head_dim ** -0.5
+    final_softcap: float | None = None  # logits = c * tanh(logits / c)
 
     @classmethod
     def from_config(cls, config: dict | str | Path) -> "ModelSpec":
@@ -137,8 +175,11 @@ class ModelSpec:
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
-            rope = config.get("rope_parameters") or {}
+            rope = (config.get("rope_parameters") or {})
+            rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' table
             rope_scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            local = _local_layers(hf)
+            qpas = config.get("query_pre_attn_scalar")
             return cls(
                 model_type=model_type,
                 architecture=arch.architecture,
@@ -156,6 +197,10 @@ class ModelSpec:
                 attention_bias=bool(config.get("attention_bias", arch.qkv_bias)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 sliding_window=_window(hf),
+                local_window=hf.sliding_window if local else None,
+                local_layers=local,
+                attn_scale=float(qpas) ** -0.5 if qpas else None,
+                final_softcap=config.get("final_logit_softcapping"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LlmqError(f"config.json of this {model_type} model is missing or has a bad field: {e}") from None
@@ -177,11 +222,15 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
     def num_parameters(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) \
-            + (2 * self.head_dim if self.arch.qk_norm else 0)
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
+        norms = sum(self.head_dim if r in ("q_norm", "k_norm") else self.hidden_size for r in self.arch.norms)
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + emb + self.hidden_size
+        return self.num_layers * (attn + mlp + norms) + emb + self.hidden_size
+
+    def window_of(self, i: int) -> int | None:
+        """The attention window of layer i (None: full)."""
+        return self.local_window if i in self.local_layers else self.sliding_window
 
     def to_dict(self) -> dict:
         return asdict(self)

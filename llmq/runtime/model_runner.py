@@ -117,9 +117,14 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
     from transformers import AutoConfig
 
     spec = ModelSpec.from_config(config)
+    arch = spec.arch
 
     def norm(w: torch.Tensor | None) -> RMSNorm | None:
-        return RMSNorm(w.to(device=device, dtype=dtype), spec.rms_norm_eps) if w is not None else None
+        if w is None:
+            return None
+        if arch.norm_offset:  # (offset + w) once, in float32 as transformers adds it, then the compute dtype
+            w = w.float() + arch.norm_offset
+        return RMSNorm(w.to(device=device, dtype=dtype), spec.rms_norm_eps)
 
     def linear(parts: list[LinearWeights]):
         return build_linear(parts, dtype, device, int8_activations)
@@ -130,18 +135,26 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
 
     hf_config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in config.items()
                                                          if k not in ("quantization_config", "model_type")})
-    inv_freq, attn_scaling = rope_inv_freq(hf_config)
-    rotary = RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
+    def rotary_table(layer_type: str | None) -> RotaryEmbedding:
+        inv_freq, attn_scaling = rope_inv_freq(hf_config, arch.rotary, layer_type)
+        return RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
+
+    # the global layers' table (a model whose layers all slide looks the local one up for them, unused)
+    rotary = rotary_table(None if not arch.rotary else
+                          "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention")
+    local = (rotary_table("sliding_attention"), spec.local_window) if spec.local_layers else None
     layers = []
-    for lin, norms in zip(rw.layers, rw.norms):
+    for i, (lin, norms) in enumerate(zip(rw.layers, rw.norms)):
         o_bias, o = row_bias(lin["o_proj"])
         down_bias, down = row_bias(lin["down_proj"])
         w = LayerWeights(
             input_norm=norm(norms["attn_norm"]), qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
             o=linear([o]), o_bias=o_bias, post_norm=norm(norms["mlp_norm"]),
             gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias,
-            q_norm=norm(norms.get("q_norm")), k_norm=norm(norms.get("k_norm")))
-        layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc))
+            q_norm=norm(norms.get("q_norm")), k_norm=norm(norms.get("k_norm")),
+            attn_out_norm=norm(norms.get("attn_out_norm")), mlp_out_norm=norm(norms.get("mlp_out_norm")))
+        layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc, spec.attn_scale, arch.activation,
+                                   i in spec.local_layers))
         release_free_heap()
     head, table, scale = rw.lm_head, rw.embed.weight, None
     if rw.embed.qw is not None:  # INT8 rows and their scales, looked up as stored (a tied head is built from them)
@@ -152,8 +165,8 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         head = LinearWeights("lm_head", weight=table)
     else:  # looked up a few rows at a time: stays as stored (half the memory of a float32 copy at 16 bits)
         table = table.to(device=device)
-    model = CausalLM(table, layers, norm(rw.final_norm), linear([head]), rotary,
-                             spec.vocab_size, tpc, embed_start, scale)
+    model = CausalLM(table, layers, norm(rw.final_norm), linear([head]), rotary, spec.vocab_size, tpc, embed_start,
+                     scale, local, spec.hidden_size ** 0.5 if arch.embed_scale else None, spec.final_softcap)
     release_free_heap()
     return model.eval()
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from ...errors import LlmqError
 from .base import ATTN, LINEARS, MLP, SPLIT, Arch
+from .gemma3 import GEMMA3
 from .llama import LLAMA, MISTRAL, QWEN2
 from .qwen3 import QWEN3
 
-ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)}
 
 
 def supported() -> str:
@@ -24,5 +25,5 @@ def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
                         f"supports: {supported()}") from None
 
 
-__all__ = ["ARCHS", "ATTN", "Arch", "LINEARS", "LLAMA", "MISTRAL", "MLP", "QWEN2", "QWEN3", "SPLIT", "arch_for",
+__all__ = ["ARCHS", "ATTN", "Arch", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MLP", "QWEN2", "QWEN3", "SPLIT", "arch_for",
            "supported"]

@@ -28,7 +28,8 @@ _LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_laye
 # llama.cpp's tensor of each role (gguf-py's MODEL_TENSOR member names).
 _GGUF = {"q_proj": "ATTN_Q", "k_proj": "ATTN_K", "v_proj": "ATTN_V", "o_proj": "ATTN_OUT", "gate_proj": "FFN_GATE",
          "up_proj": "FFN_UP", "down_proj": "FFN_DOWN", "attn_norm": "ATTN_NORM", "mlp_norm": "FFN_NORM",
-         "q_norm": "ATTN_Q_NORM", "k_norm": "ATTN_K_NORM"}
+         "q_norm": "ATTN_Q_NORM", "k_norm": "ATTN_K_NORM", "attn_out_norm": "ATTN_POST_NORM",
+         "mlp_out_norm": "FFN_POST_NORM"}
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,17 @@ class Arch:
     # converter reorders the q and k rows of every head, and so does llmq's GGUF export
     gguf_permutes_qk: bool = False
     # which layers slide: "none" (none do), "all" (config.sliding_window, when set, for every layer), "layer_types"
-    # (the window applies where transformers' layer_types says sliding_attention)
+    # (one window for every layer, where transformers' layer_types says sliding_attention), "per_layer" (the
+    # layer_types' sliding layers use the window and their own rotary table, the others attend fully: Gemma 3)
     window: str = "none"
+    # the MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated gelu), and the config field
+    # and values that say so (others are refused)
+    activation: str = "silu"
+    activation_field: tuple[str, tuple[str, ...]] = ("hidden_act", ("silu", "swish"))
+    norm_offset: float = 0.0      # RMSNorm multiplies by (norm_offset + weight): Gemma stores w for a (1 + w) scale
+    embed_scale: bool = False     # token embeddings are multiplied by sqrt(hidden_size) (Gemma)
+    # transformers' rotary-embedding class when each layer type has its own table (Gemma 3); None: Llama's one table
+    rotary: str | None = None
     qkv_bias: bool = False        # attention_bias's default where config.json does not say
     # the legacy TensorRT-LLM checkpoint's config keys beyond the Llama ones; None: that checkpoint is not written
     trtllm_legacy: dict | None = None
@@ -59,6 +69,11 @@ class Arch:
     # linears one input feeds and engines fuse into one matmul: one quantization width each (mixed precision)
     units: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
                                           ("down_proj",))
+
+    @property
+    def post_norms(self) -> bool:
+        """Whether the attention and MLP outputs are normalized before the residual add (Gemma's four norms)."""
+        return "attn_out_norm" in self.norms
 
     @property
     def qk_norm(self) -> bool:

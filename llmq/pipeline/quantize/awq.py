@@ -77,9 +77,10 @@ def search_scales(x: torch.Tensor, x_mean: torch.Tensor, weights: list[torch.Ten
 
 @torch.no_grad()
 def fold_scales(layer: nn.Module, producer: str, consumers: tuple[str, ...], s: torch.Tensor,
-                num_heads: int, num_kv_heads: int) -> None:
+                num_heads: int, num_kv_heads: int, norm_offset: float = 0.0) -> None:
     """Multiply the consumers' input columns by s and divide the producer's output by s: the float function of the
-    layer is unchanged (exactly, in real arithmetic)."""
+    layer is unchanged (exactly, in real arithmetic). A norm scales by (norm_offset + w) (Arch.norm_offset), so that
+    sum is what is divided."""
     for c in consumers:
         lin = layer.get_submodule(c)
         lin.weight.mul_(s.to(lin.weight.dtype)[None, :])
@@ -92,7 +93,7 @@ def fold_scales(layer: nn.Module, producer: str, consumers: tuple[str, ...], s: 
         if prod.bias is not None:
             prod.bias.div_(rows.to(prod.bias.dtype))
     else:
-        prod.weight.div_(s.to(prod.weight.dtype))
+        prod.weight.add_(norm_offset).div_(s.to(prod.weight.dtype)).sub_(norm_offset)
 
 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
@@ -123,6 +124,6 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
         tie = (lambda v: tie_heads(v, *heads)) if producer == v_proj else None
         weights = [ctx.linears[c].weight.data.float() for c in consumers]
         s, _, _ = search_scales(x, x_mean, weights, *ctx.grid(first), o.symmetric, ctx.scale_dtype, tie)
-        fold_scales(ctx.layer, producer, consumers, s, *heads)
+        fold_scales(ctx.layer, producer, consumers, s, *heads, spec.arch.norm_offset)
     return {name: rtn.quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype)
             for name, lin in ctx.linears.items()}

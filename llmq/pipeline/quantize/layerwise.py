@@ -169,7 +169,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     arch = spec.arch
     source = source_tensors(model_dir)
     model_dtype = stored_dtype(model_dir)
-    model = skeleton(model_dir, model_dtype, device)
+    model = skeleton(model_dir, arch, model_dtype, device)
     embed = load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
     layers = model.get_submodule(arch.layers)
     widths = widths or {}
@@ -177,14 +177,14 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
                              ignore=(*opts.ignore, *(n for n, b in widths.items() if b == 16)))
 
     emitted: set[str] = set()
-    probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], {})
+    probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], [])
     quant_embed = None
     if opts.embedding == "int8":  # from here on the model looks tokens up in the INT8 table, as serve will
         quant_embed = quantize_weight(embed.weight, 8, 0, True, model_dtype)
         sink.linear(qformat.EMBEDDING, quant_embed)
         emitted.add(qformat.EMBEDDING + ".weight")
         embed.weight.data = quant_embed.dequantize(torch.float32).to(device)
-    calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device) if calib is not None else ([], {})
+    calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device) if calib is not None else ([], [])
     probe_q = (capture_layer0(model, arch, probe.samples, device)[0] if quant_embed is not None and probe is not None
                else [x.clone() for x in probe_src])
     drop(model, qformat.EMBEDDING)  # read again from the checkpoint when it is written
@@ -197,11 +197,12 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             prefix = arch.prefix(i)
             bar.update(task, description=f"{opts.method} w{opts.bits} layer {i + 1}/{len(layers)}")
             layer = load(layers[i], prefix, source, device).to(dtype=torch.float32)
-            probe_src = [layer(x, **probe_kw) for x in probe_src]
+            probe_src = [layer(x, **probe_kw[i]) for x in probe_src]
             linears = {n: m for n, m in layer.named_modules()
                        if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
             own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
-            ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x, calib_kw, own)
+            ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
+                               calib_kw[i] if calib_kw else {}, own)
             qws = method.quantize_layer(ctx)
             if set(qws) != set(linears):
                 raise LlmqError(f"method {opts.method} returned weights for {sorted(qws)} in layer {i}, "
@@ -220,9 +221,9 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
                 p.data = stored_p.float()
                 sink.dense(f"{prefix}.{name}", stored_p.cpu())
                 emitted.add(f"{prefix}.{name}")
-            probe_q = [layer(x, **probe_kw) for x in probe_q]
+            probe_q = [layer(x, **probe_kw[i]) for x in probe_q]
             if calib_x and i + 1 < len(layers):
-                calib_x = [layer(x, **calib_kw) for x in calib_x]
+                calib_x = [layer(x, **calib_kw[i]) for x in calib_x]
             layers[i] = nn.Module()  # drop the finished layer
             times.append(round(time.perf_counter() - t0, 3))
             bar.advance(task)

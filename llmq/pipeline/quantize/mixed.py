@@ -138,9 +138,9 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     arch, units = spec.arch, spec.arch.unit_paths()
     source = source_tensors(model_dir)
     dtype = stored_dtype(model_dir)
-    model = skeleton(model_dir, dtype, device)
+    model = skeleton(model_dir, arch, dtype, device)
     load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
-    hidden, kw = capture_layer0(model, arch, windows.samples, device)
+    hidden, kws = capture_layer0(model, arch, windows.samples, device)
     x = torch.cat(hidden)  # the windows as one batch: [windows, tokens, hidden]
     drop(model, qformat.EMBEDDING)
     layers = model.get_submodule(arch.layers)
@@ -154,7 +154,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
         task = bar.add_task("sensitivity: float pass", total=n)
         for j in range(n):
             entering.append(x.cpu())
-            x = layer(j)(x, **kw)
+            x = layer(j)(x, **kws[j])
             layers[j].to("meta")
             bar.advance(task)
         norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
@@ -175,7 +175,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
                     lin.weight.data = rtn.quantize_weight(w, b4, g4, opts.symmetric, dtype).dequantize()
                     err4 += float((lin.weight.data - w).pow(2).sum())
                     err8 += float((rtn.quantize_weight(w, 8, 0, opts.symmetric, dtype).dequantize() - w).pow(2).sum())
-                streams.append(lay(h_in, **kw))
+                streams.append(lay(h_in, **kws[i]))
                 for lin, w in zip(lins, kept):
                     lin.weight.data = w
                 out[(i, u)] = {"prefix": prefix, "mse_ratio": err8 / err4 if err4 else 0.0}
@@ -183,7 +183,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
             bar.advance(task)
             s = torch.cat(streams)  # every unit's perturbed states in one batch through the later layers
             for j in range(i + 1, n):
-                s = layer(j)(s, **kw)
+                s = layer(j)(s, **kws[j])
                 layers[j].to("meta")
                 bar.advance(task)
             for u, su in enumerate(s.chunk(k)):

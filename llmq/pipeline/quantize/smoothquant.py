@@ -42,12 +42,12 @@ def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alp
 
 def smooth_layer(weights: Mapping[str, torch.Tensor], act_absmax: Mapping[str, torch.Tensor], alpha: float,
                  num_heads: int, num_kv_heads: int, head_dim: int, mappings: list[tuple[str, bool, tuple[str, ...]]],
-                 v_proj: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                 v_proj: str, norm_offset: float = 0.0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Smooth one decoder layer. `weights`: its tensors under their names relative to the layer
     (input_layernorm.weight, self_attn.q_proj.weight, ... optional biases); `act_absmax`: per-input-channel absmax of
     each linear's input (keys "self_attn.q_proj" ... "mlp.down_proj"), measured on the unsmoothed layer;
     `mappings`: (producer, whether it is a norm, consumers), the family's Arch.feed_paths(); `v_proj`: its path,
-    whose factors are shared per GQA group.
+    whose factors are shared per GQA group; `norm_offset`: a norm scales by (norm_offset + w) (Arch.norm_offset).
     Returns the smoothed tensors (same keys and dtypes; computed in float64, exact in real arithmetic) and each
     linear's input factors s (its smoothed input is X / s)."""
     out = {k: v.double().clone() for k, v in weights.items()}
@@ -67,7 +67,7 @@ def smooth_layer(weights: Mapping[str, torch.Tensor], act_absmax: Mapping[str, t
             s = smoothing_factors(x, ws, alpha)
             div = s
         if is_norm:
-            out[f"{producer}.weight"] /= div
+            out[f"{producer}.weight"] = (out[f"{producer}.weight"] + norm_offset) / div - norm_offset
         else:
             out[f"{producer}.weight"] /= div[:, None]
             if f"{producer}.bias" in out:
@@ -115,7 +115,8 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
               if getattr(lin, p, None) is not None}
     params |= {f"{n}.weight": layer.get_submodule(n).weight for n, is_norm, _ in mappings if is_norm}
     new, factors = smooth_layer({k: p.data for k, p in params.items()}, absmax, opts.alpha, spec.num_heads,
-                                spec.num_kv_heads, spec.head_dim, mappings, spec.arch.path("v_proj"))
+                                spec.num_kv_heads, spec.head_dim, mappings, spec.arch.path("v_proj"),
+                                spec.arch.norm_offset)
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(new[k])

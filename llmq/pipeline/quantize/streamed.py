@@ -17,31 +17,53 @@ class _Captured(Exception):
     pass
 
 
+class _Recorder(nn.Module):
+    """Stands in for a decoder layer: records the keyword arguments the model passes it and hands the hidden states
+    on unchanged (the last one stops the forward: nothing after the layers has its weights)."""
+
+    def __init__(self, seen: list, last: bool):
+        super().__init__()
+        self.seen, self.last = seen, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.seen.append((hidden_states, kwargs))
+        if self.last:
+            raise _Captured
+        return hidden_states
+
+
 @torch.no_grad()
-def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device) -> tuple[list[torch.Tensor], dict]:
+def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device) -> tuple[list[torch.Tensor], list[dict]]:
     """The float32 hidden states entering decoder layer 0 for each window (all the same length), and the keyword
-    arguments the model passes every layer (position embeddings recomputed in float32)."""
-    got: list[tuple[torch.Tensor, dict]] = []
-
-    def hook(module, args, kwargs):
-        got.append((args[0] if args else kwargs["hidden_states"], kwargs))
-        raise _Captured
-
+    arguments the model passes each layer (its mask and position embeddings: a family may give layer types their
+    own; position embeddings recomputed in float32)."""
     body = model.get_submodule(arch.layers.rpartition(".")[0])
-    h = model.get_submodule(arch.layers)[0].register_forward_pre_hook(hook, with_kwargs=True)
+    layers = model.get_submodule(arch.layers)
+    real, seen = list(layers), []
+    for i in range(len(real)):
+        layers[i] = _Recorder(seen, last=i == len(real) - 1)
+    hidden = []
     try:
         for w in windows:
+            seen.clear()
             try:
                 body(input_ids=w[None].to(device), use_cache=False)
             except _Captured:
                 pass
+            hidden.append(seen[0][0].float())
     finally:
-        h.remove()
-    hidden = [x.float() for x, _ in got]
-    kwargs = {k: v for k, v in got[0][1].items() if k not in ("hidden_states", "past_key_values", "use_cache")}
-    if "position_embeddings" in kwargs:
-        kwargs["position_embeddings"] = tuple(t.float() for t in body.rotary_emb(hidden[0], kwargs["position_ids"]))
-    return hidden, kwargs
+        for i, layer in enumerate(real):
+            layers[i] = layer
+    types = getattr(model.config, "layer_types", None)
+    per_layer = []
+    for i, (_, kw) in enumerate(seen):
+        kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
+        if "position_embeddings" in kw:
+            extra = {"layer_type": types[i]} if arch.rotary else {}
+            kw["position_embeddings"] = tuple(t.float() for t in body.rotary_emb(hidden[0], kw["position_ids"],
+                                                                                  **extra))
+        per_layer.append(kw)
+    return hidden, per_layer
 
 
 def logits(h: torch.Tensor, head: torch.Tensor, rows: int = 16384) -> torch.Tensor:
@@ -75,7 +97,7 @@ def stored_dtype(model_dir: Path) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
 
-def skeleton(model_dir: Path, dtype: torch.dtype, device):
+def skeleton(model_dir: Path, arch: Arch, dtype: torch.dtype, device):
     """The model with every weight on the meta device (no memory), its rotary embedding real: modules get their
     tensors from the checkpoint one at a time (`load`), so the whole model is never in memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -85,6 +107,8 @@ def skeleton(model_dir: Path, dtype: torch.dtype, device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     rotary = model.model.rotary_emb
     model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+    if arch.embed_scale:  # transformers' scaled embedding keeps sqrt(hidden) in a buffer no checkpoint holds
+        model.get_submodule(qformat.EMBEDDING).embed_scale = torch.tensor(config.hidden_size ** 0.5, device=device)
     return model
 
 

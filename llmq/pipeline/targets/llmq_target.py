@@ -58,6 +58,7 @@ def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path) -> list[str]:
                     _put(writers[r], lw, arch.linear(i, role))
                 for name, t in norms.items():
                     writers[r].add(name, t)
+            del norms  # before the next layer's tensors are read
             scales = src.kv_scales(i)
             if scales is not None:
                 for r in range(plan.tp):

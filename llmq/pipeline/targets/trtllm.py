@@ -387,6 +387,7 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> d
                 w.put(r, f"{tp_}.post_layernorm.weight", norms["mlp_norm"].to(dtype))
                 if kv_s is not None:
                     w.put(r, f"{tp_}.attention.kv_cache_scaling_factor", kv_s)
+            del norms  # before the next layer's tensors are read
         embed = src.tensor(f"{qformat.EMBEDDING}.weight").to(dtype)
         for r in range(plan.tp):
             w.put(r, "transformer.vocab_embedding.weight", vocab_slice(embed, plan, r) if plan.parallel_embedding

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ...models.spec import attends
 from ..kv_cache import LayerKV
 from . import cpu_kernels
 from .rotary import apply_rotary
@@ -34,6 +35,27 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The step's metadata for the layers that attend over the last `window` positions only (Gemma 3's local layers,
+    beside global ones): the same slots and blocks, every mask also cut to the window (models.spec.attends)."""
+    dev = meta.slot_mapping.device
+    decode_mask = None
+    if meta.num_decode:
+        m = meta.decode_mask  # [Bd, 1, 1, S], True up to each decode's own position
+        decode_mask = m & attends(m.sum(-1, keepdim=True) - 1, torch.arange(m.shape[-1], device=dev), window)
+    prefills = []
+    for p in meta.prefills:
+        if p.mask is None:  # causal over its own fresh K/V, from position 0
+            rows = torch.arange(p.q_len, device=dev)
+            mask = attends(rows[:, None], rows[None, :], window) if p.q_len > window else None
+        else:
+            ctx = p.mask.shape[1]
+            rows, cols = torch.arange(ctx - p.q_len, ctx, device=dev), torch.arange(ctx, device=dev)
+            mask = p.mask & attends(rows[:, None], cols[None, :], window)
+        prefills.append(PrefillChunk(p.q_start, p.q_len, p.blocks, mask))
+    return AttentionMetadata(meta.slot_mapping, meta.num_decode, meta.decode_blocks, decode_mask, prefills)
 
 
 def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,

@@ -238,12 +238,13 @@ KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK, KIND_LOWBIT4_BF16, KIN
 def fused_layer_args(layer) -> tuple[tuple, int] | None:
     """(the constant arguments of a DecoderStack for a models.decoder.DecoderLayer, the most decodes a step may hold)
     when its four projections are layers with a kernel for decode batches (their `fused_spec`), on one
-    rank without row-parallel biases or q/k norms (the stack does not compute them); None for any other layer (it
-    runs op by op)."""
+    rank without row-parallel biases, q/k or output norms, GeGLU or a local window (the stack computes none of
+    them); None for any other layer (it runs op by op)."""
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     specs = [getattr(m, "fused_spec", lambda: None)() for m in linears]
     if not all(specs) or not usable(layer.input_norm.weight) or layer.tp.world > 1 or layer.o_bias is not None or \
-            layer.down_bias is not None or layer.q_norm is not None or layer.input_norm.eps != layer.post_norm.eps:
+            layer.down_bias is not None or layer.q_norm is not None or layer.attn_out_norm is not None or \
+            layer.activation != "silu" or layer.local or layer.input_norm.eps != layer.post_norm.eps:
         return None
     empty = torch.empty(0)
     tensors = [t for (_, ts, _, _), m in zip(specs, linears)

@@ -10,12 +10,20 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention_scaling) exactly as transformers computes them for this config."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+def rope_inv_freq(hf_config, rotary: str | None = None, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) exactly as transformers computes them for this config: Llama's one table, or
+    `layer_type`'s from the family's own rotary class (Arch.rotary, a dotted path) where each type has its own."""
+    if rotary is None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rot = LlamaRotaryEmbedding(config=hf_config)
-    return rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
+        rot = LlamaRotaryEmbedding(config=hf_config)
+        return rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
+    import importlib
+
+    module, _, name = rotary.rpartition(".")
+    rot = getattr(importlib.import_module(module), name)(config=hf_config)
+    return (getattr(rot, f"{layer_type}_inv_freq").detach().float().cpu(),
+            float(getattr(rot, f"{layer_type}_attention_scaling", 1.0)))
 
 
 class RotaryEmbedding(nn.Module):

@@ -19,7 +19,7 @@ from ..distributed import TPContext
 from ..host_memory import gather_weights
 from ..kv_cache import LayerKV
 from ..layers import cpu_kernels
-from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store
+from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store, windowed
 from ..layers.linear import LinearBase
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -39,18 +39,25 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     q_norm: RMSNorm | None = None  # over each query / key head before the rotary embedding (Arch.qk_norm)
     k_norm: RMSNorm | None = None
+    attn_out_norm: RMSNorm | None = None  # on the attention's and the MLP's outputs before the residual add
+    mlp_out_norm: RMSNorm | None = None   # (Arch.post_norms)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, w: LayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, tp: TPContext):
+    def __init__(self, w: LayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, tp: TPContext,
+                 scale: float | None = None, activation: str = "silu", local: bool = False):
+        """scale: the attention's softmax scale (None: head_dim ** -0.5); activation: Arch.activation; local: the
+        layer attends over ModelSpec.local_window with its own rotary table."""
         super().__init__()
         self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.qkv, self.o, self.gate_up, self.down = w.qkv, w.o, w.gate_up, w.down
         self.o_bias, self.down_bias = w.o_bias, w.down_bias
         self.q_norm, self.k_norm = w.q_norm, w.k_norm
+        self.attn_out_norm, self.mlp_out_norm = w.attn_out_norm, w.mlp_out_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.activation, self.local = activation, local
         self.tp = tp
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -73,25 +80,36 @@ class DecoderLayer(nn.Module):
             qkv = self._qk_normed(qkv)
         q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
         a = paged_attention(q, k, v, cache, meta, self.scale)
-        x = x + self._reduce(self.o(a.reshape(t, self.q_size)), self.o_bias)
-        gu = self.gate_up(self.post_norm(x))
-        if cpu_kernels.usable(gu) and gu.is_contiguous():
-            h = cpu_kernels.silu_mul(gu)
-        else:
+        h = self._reduce(self.o(a.reshape(t, self.q_size)), self.o_bias)
+        x = x + (self.attn_out_norm(h) if self.attn_out_norm is not None else h)
+        h = self._reduce(self.down(self._act(self.gate_up(self.post_norm(x)))), self.down_bias)
+        return x.add_(self.mlp_out_norm(h) if self.mlp_out_norm is not None else h)
+
+    def _act(self, gu: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the fused gate_up rows (SwiGLU or GeGLU)."""
+        if self.activation == "gelu_tanh":
             g, u = gu.chunk(2, dim=-1)
-            h = F.silu(g, inplace=True).mul_(u)  # gu is this layer's own buffer: reuse it
-        return x.add_(self._reduce(self.down(h), self.down_bias))
+            return F.gelu(g, approximate="tanh").mul_(u)
+        if cpu_kernels.usable(gu) and gu.is_contiguous():
+            return cpu_kernels.silu_mul(gu)
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g, inplace=True).mul_(u)  # gu is this layer's own buffer: reuse it
 
 
 class CausalLM(nn.Module):
     def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: LinearBase,
                  rotary: RotaryEmbedding, vocab_size: int, tp: TPContext, embed_vocab_start: int | None,
-                 embed_scale: torch.Tensor | None = None):
+                 embed_scale: torch.Tensor | None = None, local: tuple[RotaryEmbedding, int] | None = None,
+                 embed_mult: float | None = None, final_softcap: float | None = None):
+        """local: the rotary table and window of the layers marked local (ModelSpec.local_layers); embed_mult: the
+        factor on every embedding row (Arch.embed_scale); final_softcap: ModelSpec.final_softcap."""
         super().__init__()
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("embed_scale", embed_scale, persistent=False)  # [vocab, 1] for an INT8 table
         self.layers = nn.ModuleList(layers)
         self.norm, self.lm_head, self.rotary = norm, lm_head, rotary
+        self.rotary_local, self.local_window = local if local is not None else (None, None)
+        self.embed_mult, self.final_softcap = embed_mult, final_softcap
         self.vocab_size = vocab_size
         self.tp = tp
         self.embed_vocab_start = embed_vocab_start  # None: whole embedding table on every rank
@@ -114,7 +132,14 @@ class CausalLM(nn.Module):
             cpu_kernels.usable(caches[0].k) and all(c.observer is None for c in caches)
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[LayerKV],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
+        if self.rotary_local is not None:  # global and local layers, each kind with its rotary table and masks
+            kinds = {False: (rope, meta),
+                     True: (self.rotary_local.table(positions), windowed(meta, self.local_window))}
+            for layer, cache in zip(self.layers, caches):
+                layer_rope, layer_meta = kinds[layer.local]
+                x = layer(x, layer_rope, cache, layer_meta)
+            return x
         if not self._stacks_serve(caches, meta):
             for layer, cache in zip(self.layers, caches):
                 x = layer(x, rope, cache, meta)
@@ -150,11 +175,17 @@ class CausalLM(nn.Module):
         """Logits [len(logits_indices), vocab] in float32 on rank 0 (None on the other ranks). Callers choose the
         autograd mode: inference_mode eagerly, no_grad around the compiled decode step."""
         x = self._embed(input_ids)
+        if self.embed_mult is not None:  # in the rows' dtype, as transformers scales them
+            x = x * torch.tensor(self.embed_mult, dtype=x.dtype)
         rope = self.rotary.table(positions)
-        x = self._layers(x, rope, caches, meta)
+        x = self._layers(x, rope, caches, meta, positions)
         h = self.norm(x.index_select(0, logits_indices))
         logits = self.tp.gather_vocab(self.lm_head(h).float())
-        return logits[:, :self.vocab_size] if logits is not None else None
+        if logits is None:
+            return None
+        logits = logits[:, :self.vocab_size]
+        c = self.final_softcap
+        return logits if c is None else torch.tanh(logits / c) * c
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads on this rank (the embedding table only by lookup)."""
