@@ -22,7 +22,8 @@ from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, ScoreRequest
 
 REFERENCE = Path(__file__).parent / "data" / "engine_reference.pt"
 RECORD = os.environ.get("LLMQ_RECORD_ENGINE_REFERENCE") == "1"
-CFG = dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, max_model_len=128, kv_cache_memory=4 << 20)
+# 40 blocks of 4 tokens: chunked prefills beside decodes, and preemptions while five requests generate
+CFG = dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, max_model_len=128, kv_cache_memory=40 * 2048)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def models(tmp_path_factory):
     from tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("split")
-    return make_tiny_model(d / "target", seed=11), make_tiny_model(d / "draft", seed=12)
+    # the draft: the target's own weights, so drafts are accepted (greedy) or accepted at random (sampled)
+    return make_tiny_model(d / "target", seed=11), make_tiny_model(d / "draft", seed=11)
 
 
 def prompts():
@@ -69,6 +71,8 @@ def observe(target: Path, draft: Path) -> dict:
                 res = eng.generate(ps, params)
                 out[f"{name}/{kind}/tokens"] = [torch.tensor(r.output_token_ids) for r in res]
                 out[f"{name}/{kind}/logprobs"] = [lp_tensor(r.new_logprobs) for r in res]
+            if name != "plain":
+                assert eng.speculator.stats.num_accepted_tokens > 0, name
             if name == "plain":
                 out["prompt_logprobs"] = [eng.prompt_logprobs(p) for p in ps[1:3]]
                 shared = ps[2][:30]
