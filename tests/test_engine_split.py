@@ -114,3 +114,48 @@ def test_everything_is_bit_identical_to_the_engine_before_the_split(observed):
                 assert g.dtype == w.dtype and torch.equal(g, w), key
             else:
                 assert g.shape == w.shape and torch.allclose(g, w, rtol=0, atol=1e-5), key
+
+
+DEFAULT_REFERENCE = Path(__file__).parent / "data" / "engine_reference_default.json"
+
+
+def digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return f"{t.dtype} {tuple(t.shape)} " + hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.integration
+def test_default_model_is_bit_identical_to_the_engine_before_the_split(default_model):
+    """The same on SmolLM2-135M-Instruct (plain and n-gram decoding, prompt_logprobs, score), as sha256 digests of
+    the tensors (tests/data/engine_reference_default.json, recorded before the split)."""
+    import json
+
+    eng = LLMEngine(default_model.path, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
+                                                     max_model_len=256, kv_cache_memory=64 << 20,
+                                                     speculative="ngram", speculative_max_batch=None))
+    try:
+        tok = eng.tokenizer
+        texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+                 "one two three four one two three four one two"]
+        ps = [tok.encode(t) for t in texts]
+        res = eng.generate(ps, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2))
+        got = {f"greedy/{i}/tokens": torch.tensor(r.output_token_ids) for i, r in enumerate(res)}
+        got.update({f"greedy/{i}/logprobs": lp_tensor(r.new_logprobs) for i, r in enumerate(res)})
+        got["prompt_logprobs"] = eng.prompt_logprobs(ps[1])
+        reqs = [ScoreRequest(ps[0] + tok.encode(" Paris"), len(ps[0])),
+                ScoreRequest(ps[0] + tok.encode(" Rome"), len(ps[0])), ScoreRequest(ps[1], 3)]
+        scores = eng.score(reqs)
+        got["score/logprobs"] = torch.tensor([x for r in scores for x in r.logprobs], dtype=torch.float64)
+        got["score/greedy"] = torch.tensor([x for r in scores for x in r.greedy])
+    finally:
+        eng.shutdown()
+    observed = {"cpu": torch.backends.cpu.get_cpu_capability(),
+                "tokens": {k: v.tolist() for k, v in got.items() if k.endswith("tokens")},
+                "digests": {k: digest(v) for k, v in got.items()}}
+    if RECORD:
+        DEFAULT_REFERENCE.write_text(json.dumps(observed, indent=1) + "\n")
+    ref = json.loads(DEFAULT_REFERENCE.read_text())
+    assert observed["tokens"] == ref["tokens"]
+    if ref["cpu"] == observed["cpu"]:  # float bits are only comparable on the CPU capability they were recorded on
+        assert observed["digests"] == ref["digests"]
