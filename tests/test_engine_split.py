@@ -116,6 +116,14 @@ def test_everything_is_bit_identical_to_the_engine_before_the_split(observed):
                 assert g.shape == w.shape and torch.allclose(g, w, rtol=0, atol=1e-5), key
 
 
+
+def test_decodes_first_is_the_one_stable_step_order():
+    from llmq.runtime.scheduler import decodes_first
+
+    assert decodes_first(list("abcdef"), [5, 1, 3, 1, 1, 2]) == (list("bdeacf"), [1, 1, 1, 5, 3, 2])
+    assert decodes_first([], []) == ([], [])
+
+
 DEFAULT_REFERENCE = Path(__file__).parent / "data" / "engine_reference_default.json"
 
 

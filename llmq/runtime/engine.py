@@ -27,9 +27,6 @@ from .sequence import Sequence
 from .speculative import SpecStats, make_speculator, verify
 from .worker import ModelSource, Worker
 
-__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestMetrics", "RequestOutput", "ScoreOutput",
-           "ScoreRequest", "StepFailed"]
-
 
 @dataclass
 class RequestMetrics:

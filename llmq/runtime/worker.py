@@ -39,6 +39,8 @@ def available_memory(device: torch.device) -> int:
 
 @dataclass
 class ModelSource:
+    """What a model directory holds: a checkpoint, or a `build --target llmq` engine."""
+
     path: Path
     engine: EngineSpec | None  # the record of a `build --target llmq` engine
     weights_dir: Path  # the directory holding config.json (rank0/ for an engine)
