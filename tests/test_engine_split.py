@@ -5,8 +5,8 @@ what the engine computed before the split.
 Tokens are checked against independent paths where one exists (transformers' greedy decoding; plain decoding for
 speculation). Log-probs have no independent bit-exact path, so they are compared with tests/data/engine_reference.pt,
 recorded once by this module with the engine as it was before the split (LLMQ_RECORD_ENGINE_REFERENCE=1). Float
-arithmetic depends on the CPU's kernels: on a CPU of another capability than the recording's, floats are compared to
-1e-5 and tokens still exactly.
+arithmetic depends on the CPU's kernels (the engines here run on the CPU even where a GPU is present): on a CPU of
+another capability than the recording's, floats are compared to 1e-5 and tokens still exactly.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, ScoreRequest
 
 REFERENCE = Path(__file__).parent / "data" / "engine_reference.pt"
 RECORD = os.environ.get("LLMQ_RECORD_ENGINE_REFERENCE") == "1"
-# 40 blocks of 4 tokens: chunked prefills beside decodes, and preemptions while five requests generate
-CFG = dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, max_model_len=128, kv_cache_memory=40 * 2048)
+# 20 blocks of 4 tokens: chunked prefills beside decodes, and preemptions while five requests generate
+CFG = dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, max_model_len=64, kv_cache_memory=20 * 2048,
+           device="cpu")  # the references are CPU arithmetic
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def observe(target: Path, draft: Path) -> dict:
                 res = eng.generate(ps, params)
                 out[f"{name}/{kind}/tokens"] = [torch.tensor(r.output_token_ids) for r in res]
                 out[f"{name}/{kind}/logprobs"] = [lp_tensor(r.new_logprobs) for r in res]
+            assert eng.scheduler.num_preemptions > 0, name
             if name != "plain":
                 assert eng.speculator.stats.num_accepted_tokens > 0, name
             if name == "plain":
@@ -140,7 +142,7 @@ def test_default_model_is_bit_identical_to_the_engine_before_the_split(default_m
     import json
 
     eng = LLMEngine(default_model.path, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-                                                     max_model_len=256, kv_cache_memory=64 << 20,
+                                                     max_model_len=256, kv_cache_memory=64 << 20, device="cpu",
                                                      speculative="ngram", speculative_max_batch=None))
     try:
         tok = eng.tokenizer
