@@ -7,9 +7,10 @@ on rejection draw from the residual max(0, p - q), normalized), which leaves eac
 target's p (Leviathan et al. 2023; Chen et al. 2023). A proposer that returns no q proposes deterministically (q is
 a point mass).
 
-The engine appends a draft to the sequence only for the step that verifies it; rejected tokens' KV slots are
-dropped afterwards (the sequence's computed count never covers them, tail blocks holding only them are freed), and
-the prefix cache hashes a block only once it is computed and verified, so no rejected token enters a block key.
+A draft is appended to its sequence only for the step that verifies it (Scheduler.schedule asks the Speculator for
+it); rejected tokens' KV slots are dropped afterwards (the sequence's computed count never covers them, tail blocks
+holding only them are freed), and the prefix cache hashes a block only once it is computed and verified, so no
+rejected token enters a block key.
 """
 
 from __future__ import annotations
