@@ -95,16 +95,16 @@ def test_non_finite_logits_are_a_json_500_for_that_request(srv, monkeypatch):
     float values are not JSON compliant"), without them noise tokens and a 200. Now each such request fails with an
     OpenAI-style error body (in-band for a stream), and the server serves the next request."""
     eng = srv.fe.engine
-    real = eng._forward
+    real = eng.worker.forward
     for poison in (float("nan"), float("inf")):
-        monkeypatch.setattr(eng, "_forward", lambda step, v=poison: real(step) * 0 + v)
+        monkeypatch.setattr(eng.worker, "forward", lambda step, v=poison: real(step) * 0 + v)
         for extra in ({"logprobs": 2}, {}):
             r = _post(srv, {"prompt": "Hi", "max_tokens": 3, **extra})
             assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
             assert "logits are not finite" in r.json()["error"]["message"], r.text
         code, text = _consume(srv, {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1})
         assert code == 500 and "logits are not finite" in text, text
-    monkeypatch.setattr(eng, "_forward", real)
+    monkeypatch.setattr(eng.worker, "forward", real)
     assert _post(srv, {"prompt": "Hi", "max_tokens": 2, "logprobs": 2}).status_code == 200
     assert srv.fe.loop.healthy
     _idle(srv)
@@ -125,8 +125,8 @@ def test_drain_answers_what_still_runs_at_its_deadline(tiny):
                      limits=Limits(body_timeout=60)) as live:
         logging.getLogger("uvicorn.error").addHandler(handler)
         eng = live.fe.engine
-        real = eng._forward
-        eng._forward = lambda step: (time.sleep(0.05), real(step))[1]  # 100 tokens: 5 s, past the drain
+        real = eng.worker.forward
+        eng.worker.forward = lambda step: (time.sleep(0.05), real(step))[1]  # 100 tokens: 5 s, past the drain
         body = {"prompt": "Hi", "max_tokens": 100, "ignore_eos": True}
         lines, answers = [], []
 
@@ -192,7 +192,7 @@ def test_an_engine_that_cannot_step_is_fatal(tiny):
     from test_server import free_port
 
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20))
-    engine._forward = lambda step: 1 / 0
+    engine.worker.forward = lambda step: 1 / 0
     port, raised = free_port(), []
 
     def serve():
@@ -228,14 +228,14 @@ def test_shutdown_leaves_an_engine_stuck_in_a_step(tiny, monkeypatch):
     monkeypatch.setattr(engine_loop, "STOP_WAIT", 1.0)
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20))
     entered, release = threading.Event(), threading.Event()
-    real = engine._forward
+    real = engine.worker.forward
 
     def stuck(step):
         entered.set()
         release.wait()
         return real(step)
 
-    engine._forward = stuck
+    engine.worker.forward = stuck
     loop = engine_loop.EngineLoop(engine, ServerMetrics("tiny"))
     loop.start()
 

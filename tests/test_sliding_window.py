@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-import llmq.runtime.engine as engine_mod
+import llmq.runtime.worker as worker_mod
 from llmq.models.spec import attends
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
@@ -72,7 +72,7 @@ def test_decode_and_mixed_batches_past_the_window_match_transformers(mistral, mo
     """Every logits row the engine samples from (decodes alone, decodes beside prefill chunks) vs transformers."""
     rows: list[tuple[str, int, str]] = []  # (request, position of the last context token, kind of step)
     got: list[torch.Tensor] = []
-    real_prepare = engine_mod.prepare_step
+    real_prepare = worker_mod.prepare_step
 
     def recording_prepare(seqs, num_new, *args, **kw):
         kind = "decode" if all(n == 1 for n in num_new) else "mixed" if 1 in num_new else "prefill"
@@ -80,10 +80,10 @@ def test_decode_and_mixed_batches_past_the_window_match_transformers(mistral, mo
                     if s.num_computed_tokens + n == s.num_tokens)
         return real_prepare(seqs, num_new, *args, **kw)
 
-    monkeypatch.setattr(engine_mod, "prepare_step", recording_prepare)
+    monkeypatch.setattr(worker_mod, "prepare_step", recording_prepare)
     eng = LLMEngine(mistral, EngineConfig(max_num_batched_tokens=24, max_num_seqs=4, block_size=8))
-    real_forward = eng._forward
-    eng._forward = lambda step: got.append(real_forward(step)) or got[-1]
+    real_forward = eng.worker.forward
+    eng.worker.forward = lambda step: got.append(real_forward(step)) or got[-1]
     prompts = {"a": rand_ids(5, 1), "b": rand_ids(40, 2), "c": rand_ids(3, 3), "d": rand_ids(70, 4)}
     for rid, p in prompts.items():
         eng.add_request(rid, p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))

@@ -303,7 +303,7 @@ def test_draft_model_of_the_target_itself_is_always_accepted_and_identical(tiny)
     st = eng.speculator.stats
     assert st.num_draft_tokens > 60 and st.num_accepted_tokens == st.num_draft_tokens
     draft = eng.speculator.proposer
-    assert not draft.mirrors and draft.model.block_manager.num_used_blocks == 0  # finished requests' KV freed
+    assert not draft.mirrors and draft.worker.block_manager.num_used_blocks == 0  # finished requests' KV freed
     eng.shutdown()
 
 

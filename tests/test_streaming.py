@@ -263,7 +263,7 @@ def test_the_kv_budget_counts_packed_weights_as_stored(tmp_path, store, make_tin
     5.3 GB on disk, left no memory for any KV cache on a 24 GB machine.)"""
     from llmq.models.reader import CheckpointReader
     from llmq.runtime import EngineConfig, LLMEngine
-    from llmq.runtime import engine as engine_mod
+    from llmq.runtime import worker as worker_mod
 
     src = resolve_model(str(make_tiny_model(tmp_path / "m", hidden_size=256, intermediate_size=512)), store)
     q = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=64, probe_tokens=0), store, progress=False)
@@ -274,7 +274,7 @@ def test_the_kv_budget_counts_packed_weights_as_stored(tmp_path, store, make_tin
     packed = sum(math.prod(ckpt.tensors.info(n)[1]) * ckpt.tensors.info(n)[0].itemsize for n in ckpt.tensors
                  if n.endswith(("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")))
     assert ckpt.runtime_bytes(torch.float32) == dense + packed
-    monkeypatch.setattr(engine_mod, "available_memory", lambda device: 3 * files)
+    monkeypatch.setattr(worker_mod, "available_memory", lambda device: 3 * files)
     eng = LLMEngine(q.path, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_fraction=0.5))
     try:
         assert eng.num_blocks * eng.block_size >= 64
@@ -287,13 +287,13 @@ def test_kld_refuses_when_both_models_cannot_be_loaded(tmp_path, store, make_tin
     it says so in one line before loading the baseline (at 8B the bf16 baseline alone is 32 GB in float32)."""
     from llmq.evals.evaluate import _check_both_fit
     from llmq.models.reader import CheckpointReader
-    from llmq.runtime import engine as engine_mod
+    from llmq.runtime import worker as worker_mod
 
     src = resolve_model(str(make_tiny_model(tmp_path / "m")), store)
     q = quantize(src, QuantizeOptions(method="rtn", bits=8, probe_tokens=0), store, progress=False)
     need = sum(CheckpointReader(a.path).runtime_bytes(torch.float32) for a in (q, src))
-    monkeypatch.setattr(engine_mod, "available_memory", lambda device: need)
+    monkeypatch.setattr(worker_mod, "available_memory", lambda device: need)
     _check_both_fit(q, src)  # exactly enough
-    monkeypatch.setattr(engine_mod, "available_memory", lambda device: need - 1)
+    monkeypatch.setattr(worker_mod, "available_memory", lambda device: need - 1)
     with pytest.raises(LlmqError, match="loaded together: about .* GiB of weights"):
         _check_both_fit(q, src)

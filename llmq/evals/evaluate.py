@@ -73,7 +73,7 @@ def _check_both_fit(evaluated: Artifact, baseline: Artifact) -> None:
 
     from ..models import pick_device
     from ..models.reader import CheckpointReader
-    from ..runtime.engine import available_memory
+    from ..runtime.worker import available_memory
     from ..runtime.layers.linear import keeps_16bit_as
     from ..runtime.model_runner import compute_dtype_for
 

@@ -41,7 +41,7 @@ class BlockManager:
         """The prefix-cache keys of full blocks start..end-1 of token_ids (prev: block start-1's key).
 
         A key is (hash of the previous block's key, this block's tokens): the hash chain that makes equal keys
-        mean equal whole prefixes. Computed here only: match_prefix, commit and LLMEngine.score use it.
+        mean equal whole prefixes. Computed here only: match_prefix, commit and the scorer use it.
         """
         bs = self.block_size
         for i in range(start, end):
@@ -49,16 +49,18 @@ class BlockManager:
             yield key
             prev = key
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Attach the cached blocks of the longest cached prefix to a sequence with no blocks; returns its tokens.
+    def match_prefix(self, seq: Sequence, limit: int | None = None) -> int:
+        """Attach the cached blocks of the longest cached prefix (of its first `limit` tokens; None: all) to a
+        sequence with no blocks; returns its tokens.
 
-        At least one token is always left to compute, because the last prompt position's logits are needed.
+        At least one token (of the first `limit`) is always left to compute, because its logits are needed.
         """
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        for key in self.block_keys(seq.token_ids, (seq.num_tokens - 1) // bs):
+        end = seq.num_tokens if limit is None else limit
+        for key in self.block_keys(seq.token_ids, (end - 1) // bs):
             block = self.cached.get(key)
             if block is None:
                 break

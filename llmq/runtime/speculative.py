@@ -7,9 +7,10 @@ on rejection draw from the residual max(0, p - q), normalized), which leaves eac
 target's p (Leviathan et al. 2023; Chen et al. 2023). A proposer that returns no q proposes deterministically (q is
 a point mass).
 
-The engine appends a draft to the sequence only for the step that verifies it; rejected tokens' KV slots are
-dropped afterwards (the sequence's computed count never covers them, tail blocks holding only them are freed), and
-the prefix cache hashes a block only once it is computed and verified, so no rejected token enters a block key.
+A draft is appended to its sequence only for the step that verifies it (Scheduler.schedule asks the Speculator for
+it); rejected tokens' KV slots are dropped afterwards (the sequence's computed count never covers them, tail blocks
+holding only them are freed), and the prefix cache hashes a block only once it is computed and verified, so no
+rejected token enters a block key.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import torch
 
 from ..errors import LlmqError
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .sampling import logprob_entries, target_probs
+from .scheduler import decodes_first
 from .sequence import Sequence
+from .worker import ModelSource, Worker
 
 NGRAM_MAX = 4  # the longest suffix looked up; longer matches are tried first
 NGRAM_MIN = 2  # a single token's last occurrence predicts too little to be worth a verification
@@ -80,7 +84,8 @@ class NgramProposer:
 
 class DraftModelProposer:
     """A draft model with the target's tokenizer (a smaller sibling, or the target's own INT4 artifact) proposes
-    greedily, k decode steps of its own per engine step, batched over the speculating sequences.
+    greedily, k decode steps of its own per engine step, batched over the speculating sequences, on a worker of its
+    own (the draft model's runner, KV cache and blocks).
 
     It keeps a mirror sequence per request with a paged KV cache of its own (no prefix caching: rolled-back slots
     are rewritten in place). Each round it rolls the mirror back to the longest prefix the target kept, computes the
@@ -89,25 +94,27 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, path: str, engine):
-        from .engine import EngineConfig, LLMEngine
+    def __init__(self, path: str, target):
+        """A proposer for `target` (the LLMEngine it drafts for: its tokenizer, limits and device)."""
+        from ..models import load_tokenizer
 
-        c = engine.config
-        self.model = LLMEngine(path, EngineConfig(
-            max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=engine.max_model_len, block_size=engine.block_size, kv_cache_fraction=c.kv_cache_fraction,
-            enable_prefix_caching=False, device=str(engine.device), dtype=c.dtype))
-        if self.model.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
-            self.model.shutdown()
+        src = ModelSource.of(path)
+        if load_tokenizer(src.path).get_vocab() != target.tokenizer.get_vocab():
             raise LlmqError(f"draft model {path} has a different tokenizer than the target; speculative decoding "
                             "needs the same one")
-        self.vocab_size = engine.spec.vocab_size
+        c = target.config
+        self.worker = Worker(src, EngineConfig(
+            max_num_seqs=target.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=target.max_model_len, block_size=target.block_size, kv_cache_fraction=c.kv_cache_fraction,
+            enable_prefix_caching=False, device=str(target.device), dtype=c.dtype))
+        self.budget = c.max_num_batched_tokens
+        self.vocab_size = target.spec.vocab_size
         self.mirrors: dict[Sequence, Sequence] = {}  # target sequence -> the draft model's copy
 
     def collect(self) -> None:
         """Free the mirrors of finished requests."""
         for seq in [s for s in self.mirrors if s.is_finished]:
-            self.model.block_manager.release(self.mirrors.pop(seq))
+            self.worker.block_manager.release(self.mirrors.pop(seq))
 
     def _sync(self, seq: Sequence, k: int) -> Sequence | None:
         """The mirror of `seq`, rolled back to what both agree on, with blocks for k drafts (None: no blocks)."""
@@ -121,18 +128,13 @@ class DraftModelProposer:
             same += 1
         m.token_ids = list(seq.token_ids)
         m.num_computed_tokens = min(same, seq.num_tokens - 1)
-        return m if self.model.block_manager.allocate(m, seq.num_tokens + k) else None
+        return m if self.worker.block_manager.allocate(m, seq.num_tokens + k) else None
 
     def _run(self, mirrors: list[Sequence], sizes: list[int]) -> dict[Sequence, int]:
         """One forward of the draft model over `sizes` tokens of each mirror; the greedy next token of those that
         reach their end."""
-        from .model_runner import prepare_step
-
-        order = sorted(range(len(mirrors)), key=lambda i: sizes[i] != 1)
-        seqs, ns = [mirrors[i] for i in order], [sizes[i] for i in order]
-        step = prepare_step(seqs, ns, self.model.block_size, fresh_prefill_direct=self.model.kv_cache_dtype == "auto",
-                            window=self.model.spec.sliding_window)
-        logits = self.model._forward(step)
+        seqs, ns = decodes_first(mirrors, sizes)
+        logits = self.worker.run(seqs, ns)
         for m, n in zip(seqs, ns):
             m.num_computed_tokens += n
         done = [m for m, n in zip(seqs, ns) if m.num_computed_tokens == m.num_tokens]
@@ -142,7 +144,7 @@ class DraftModelProposer:
         mirrors = [self._sync(s, k) for s, k in zip(seqs, ks)]
         live = [(m, k) for m, k in zip(mirrors, ks) if m is not None]
         drafts: dict[Sequence, list[int]] = {m: [] for m, _ in live}
-        budget = self.model.config.max_num_batched_tokens
+        budget = self.budget
         pending = [m for m, _ in live]
         while pending:  # catch up on unseen tokens (chunked like a prefill), then the first draft token
             batch, sizes, left = [], [], budget
@@ -172,7 +174,7 @@ class DraftModelProposer:
         return out, None
 
     def close(self) -> None:
-        self.model.shutdown()
+        self.worker.shutdown()
 
 
 @dataclass
