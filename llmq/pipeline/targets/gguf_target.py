@@ -51,6 +51,9 @@ _LLAMA3_REGEX = _QWEN2_REGEX.replace(r"\p{N}|", r"\p{N}{1,3}|")
 def _refuse_unsupported(src: CheckpointReader, plan: ShardPlan) -> None:
     """One-line errors for what a GGUF file cannot say, before anything is written."""
     s = src.spec
+    if src.arch.norm_offset or s.local_layers:
+        raise LlmqError(f"--target gguf is not written for {s.architecture} by llmq yet (llama.cpp's "
+                        f"{src.arch.gguf_arch}: (1 + w) norms, local layers); use --target llmq or trtllm-hf")
     if plan.tp != 1:
         raise LlmqError(f"--target gguf writes one unsharded file; llama.cpp splits layers across devices itself "
                         f"(--split-mode); use --tp 1, not --tp {plan.tp}")
