@@ -99,3 +99,58 @@ def test_default_model_provenance_and_behaviour(default_model):
         nxt = model(ids).logits[0, -1].argmax().item()
     assert tok.decode([nxt]).strip() == "Paris"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
+
+
+def _rewrite(d, edit):
+    """Apply edit(state) to the checkpoint's tensors in place."""
+    from safetensors.torch import load_file, save_file
+
+    f = next(d.glob("*.safetensors"))
+    state = load_file(f)
+    edit(state)
+    save_file(state, f, metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.__setitem__("model.embed_tokens.weight", s["model.embed_tokens.weight"][:-1].clone()),
+     r"tensor model.embed_tokens.weight has shape \[319, 64\], but config.json gives \[320, 64\]"),
+    (lambda s: s.pop("model.layers.1.mlp.up_proj.weight"), r"tensor model.layers.1.mlp.up_proj.weight is missing"),
+    (lambda s: s.__setitem__("model.embed_tokens.weight", s["model.embed_tokens.weight"].to(torch.int8)),
+     r"tensor model.embed_tokens.weight is int8; an unquantized checkpoint stores floating-point weights"),
+    (lambda s: s.__setitem__("model.layers.0.self_attn.q_proj.weight",
+                             s["model.layers.0.self_attn.q_proj.weight"].flatten().clone()),
+     r"tensor model.layers.0.self_attn.q_proj.weight has shape \[4096\], but config.json gives \[64, 64\]"),
+    (lambda s: s.update({f"junk.{i}": torch.zeros(1) for i in range(2000)}),
+     r"unexpected tensor junk\.\d+: not part of a LlamaForCausalLM"),
+])
+def test_wrong_checkpoints_are_refused_at_import_naming_the_tensor(store, make_tiny_model, tmp_path, edit, message):
+    """Issue 36, item 5: shapes, names and dtypes are checked against the family's declaration once, at import, and
+    nothing reaches the store (quantize used to crash on them with a 50-line traceback)."""
+    d = _rewrite(make_tiny_model(tmp_path / "m"), edit)
+    with pytest.raises(LlmqError, match=rf"^{d}: {message}"):
+        resolve_model(str(d), store)
+    assert store.list() == []
+
+
+def test_a_full_disk_is_one_line_exit_2_and_leaves_nothing(tmp_path, make_tiny_model, monkeypatch):
+    """Issue 36, item 6: ENOSPC from any write of a stage (here the import's copy) was a 48-line traceback that left
+    an empty name directory in the store."""
+    import errno
+    import shutil
+
+    from click.testing import CliRunner
+
+    from llmq.cli.main import cli
+
+    d = make_tiny_model(tmp_path / "m")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", full)
+    store = tmp_path / "store"
+    r = CliRunner().invoke(cli, ["--store", str(store), "import", str(d)])
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: no space left on the device of ")
+    assert not store.exists() or not any(store.iterdir())

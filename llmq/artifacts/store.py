@@ -188,14 +188,26 @@ class ArtifactWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            return
+        if exc_type is None:
+            try:
+                self.artifact = self._commit()
+                return
+            except BaseException as e:
+                exc = e
+        self._discard()
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # anywhere in the stage: one line, nothing left
+            raise ArtifactError(f"no space left on the device of {self.store.root} while writing {self.name}; "
+                                "nothing was kept: free space, or point --store (LLMQ_STORE) elsewhere") from None
+        if exc_type is None:
+            raise exc
+
+    def _discard(self) -> None:
+        """Remove the staged files, and the name's directory where this writer was its only content."""
+        shutil.rmtree(self.dir, ignore_errors=True)
         try:
-            self.artifact = self._commit()
-        except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise
+            self.dir.parent.rmdir()
+        except OSError:
+            pass  # it holds other versions, or another writer's staging
 
     def _commit(self) -> Artifact:
         files, entries = {}, {}

@@ -17,7 +17,7 @@ from ..errors import LlmqError
 from .checkpoint import (INDEX_NAME, copy_tokenizer, load_state_dict, pickle_files, read_config, safetensors_files,
                          save_state_dict, write_json)
 from .default import DEFAULT, PACKAGED, packaged_gguf
-from .spec import SUPPORTED_ARCHITECTURES, ModelSpec
+from .spec import SUPPORTED_ARCHITECTURES, ModelSpec, check_tensors
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -86,6 +86,14 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
     if not st and not pickle_files(d):
         raise LlmqError(f"{d}: no model weights (*.safetensors) found")
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if st and "quantization_config" not in config:  # names, shapes and dtypes against the config, before any write
+        from .reader import LazyTensors
+
+        try:
+            lazy = LazyTensors(st)
+        except Exception as e:  # corrupt or truncated header
+            raise LlmqError(f"{d}: a *.safetensors file is not readable ({e})") from None
+        check_tensors(spec, {n: lazy.info(n) for n in lazy}, str(d))
     with store.create("model", name, config={"source": source, "architecture": spec.to_dict(), "dtype": dtype}) as w:
         if st:
             from safetensors import safe_open
@@ -96,6 +104,7 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
                         pass
                 except Exception as e:  # corrupt or truncated header
                     raise LlmqError(f"{f}: not a readable safetensors file ({e})") from None
+            for f in st:
                 shutil.copyfile(f, w.dir / f.name)
             if (d / INDEX_NAME).is_file():
                 shutil.copyfile(d / INDEX_NAME, w.dir / INDEX_NAME)

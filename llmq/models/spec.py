@@ -234,3 +234,38 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> None:
+    """Refuse, in one line naming the tensor, a dense checkpoint whose tensors are not exactly what `spec` declares:
+    a missing or extra tensor, a shape the config does not give, or a non-float dtype. `tensors`: name -> (dtype,
+    shape), from the files' headers (nothing is read)."""
+    from .arch.base import EMBEDDING, LINEARS, LM_HEAD
+
+    arch, h = spec.arch, spec.hidden_size
+    want = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
+    optional = {f"{LM_HEAD}.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        for role in LINEARS:
+            shape = spec.linear_shape(role)
+            want[f"{arch.linear(i, role)}.weight"] = shape
+            optional[f"{arch.linear(i, role)}.bias"] = shape[:1]
+        for role in arch.norms:
+            want[arch.norm(i, role)] = (spec.head_dim if role in ("q_norm", "k_norm") else h,)
+    if not spec.tie_word_embeddings:
+        want.update((k, optional.pop(k)) for k in [f"{LM_HEAD}.weight"])
+    for name in want.keys() - tensors.keys():
+        raise LlmqError(f"{where}: tensor {name} is missing ({spec.architecture}, {spec.num_layers} layers)")
+    for name, (dtype, shape) in tensors.items():
+        if name.endswith(".rotary_emb.inv_freq"):  # a buffer older checkpoints saved; transformers recomputes it
+            continue
+        expected = want.get(name, optional.get(name))
+        if expected is None:
+            raise LlmqError(f"{where}: unexpected tensor {name}: not part of a {spec.architecture} as its config.json "
+                            "describes it")
+        if tuple(shape) != tuple(expected):
+            raise LlmqError(f"{where}: tensor {name} has shape {list(shape)}, but config.json gives "
+                            f"{list(expected)}")
+        if not dtype.is_floating_point:
+            raise LlmqError(f"{where}: tensor {name} is {str(dtype).removeprefix('torch.')}; an unquantized "
+                            "checkpoint stores floating-point weights (quantize it with llmq instead)")
