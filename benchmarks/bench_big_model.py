@@ -134,7 +134,8 @@ class Sampler(threading.Thread):
             rss = anon = 0
             for p in self.tree():
                 try:
-                    st = dict(ln.split(":", 1) for ln in Path(f"/proc/{p}/status").read_text().splitlines() if ":" in ln)
+                    st = dict(ln.split(":", 1) for ln in Path(f"/proc/{p}/status").read_text().splitlines()
+                              if ":" in ln)
                 except OSError:
                     continue
                 rss += int(st.get("VmRSS", "0 kB").split()[0]) * 1024
@@ -297,7 +298,8 @@ def main() -> int:
             rep = sorted((store / name).glob("v*/report.json"))
             if rep:
                 row = json.loads(rep[-1].read_text())["offline"][0]
-                r.update(decode_tok_s=round(row["tokens_per_s"], 2), mbu=row["mbu"], weight_gib=row["weight_bytes"] / 2**30)
+                r.update(decode_tok_s=round(row["tokens_per_s"], 2), mbu=row["mbu"],
+                         weight_gib=row["weight_bytes"] / 2**30)
         if st in ("rtn", "gptq", "awq") and a.cleanup and st != "rtn" and name:
             shutil.rmtree(store / name, ignore_errors=True)
         results[st] = r

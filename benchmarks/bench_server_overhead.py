@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# this script's folder is on sys.path
+from bench_serve_throughput import runtime_concurrency, server_concurrency  # noqa: E402
+
 from llmq.artifacts import Store  # noqa: E402
 from llmq.models import resolve_model  # noqa: E402
 from llmq.runtime import EngineConfig, LLMEngine  # noqa: E402
 from llmq.runtime.server import EngineThread, create_app  # noqa: E402
-
-# this script's folder is on sys.path
-from bench_serve_throughput import runtime_concurrency, server_concurrency  # noqa: E402
 
 
 def main() -> None:

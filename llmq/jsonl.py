@@ -1,4 +1,5 @@
-"""JSONL files given by users (calibration text, benchmark prompts): one JSON value per line, errors naming file:line."""
+"""JSONL files given by users (calibration text, benchmark prompts): one JSON value per line, errors naming
+file:line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 import pytest
+from tiny import make_tiny_model as _make_tiny_model
 
 from llmq.artifacts import Store
-from tiny import make_tiny_model as _make_tiny_model
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import llmq_logits
 
 from llmq.cli.main import cli
 from llmq.errors import LlmqError
@@ -19,10 +20,10 @@ from llmq.models.sharding import split_rows
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
 from llmq.runtime.layers.bnb import LLMInt8Linear, NF4Linear
-from tiny import llmq_logits
 
 bnb = pytest.importorskip("bitsandbytes", reason="the bnb extra (pip install 'llmq[bnb]') is part of the test extra")
 from bitsandbytes.backends.default.ops import _dequantize_4bit_compute  # noqa: E402
+
 PROBE = {"probe_tokens": 256}
 
 

@@ -15,13 +15,24 @@ from safetensors.torch import load_file, save_file
 
 from llmq.errors import GateFailed, LlmqError
 from llmq.models import ModelSpec, resolve_model
-from llmq.pipeline.targets import BuildOptions, build_engine, make_plan
-from llmq.models.sharding import LinearWeights, split_cols, split_rows
 from llmq.models.reader import CheckpointReader
-from llmq.pipeline.targets.trtllm import (TRTLLM_KV_CACHE_QUANT_ALGOS, TRTLLM_QUANT_ALGOS, pack_int4_rows,
-                                        unpack_int4_rows, validate_config)
-from llmq.pipeline.targets.verify import (TOLERANCE, max_rel_error, reference_weights, run_plan, unsharded_plan,
-                                        verify_engine)
+from llmq.models.sharding import LinearWeights, split_cols, split_rows
+from llmq.pipeline.targets import BuildOptions, build_engine, make_plan
+from llmq.pipeline.targets.trtllm import (
+    TRTLLM_KV_CACHE_QUANT_ALGOS,
+    TRTLLM_QUANT_ALGOS,
+    pack_int4_rows,
+    unpack_int4_rows,
+    validate_config,
+)
+from llmq.pipeline.targets.verify import (
+    TOLERANCE,
+    max_rel_error,
+    reference_weights,
+    run_plan,
+    unsharded_plan,
+    verify_engine,
+)
 
 
 def spec(heads=4, kv=2, **kw) -> ModelSpec:
@@ -125,8 +136,9 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def tiny_sources(tmp_path_factory):
-    from llmq.artifacts import Store
     from tiny import make_tiny_model
+
+    from llmq.artifacts import Store
 
     root = tmp_path_factory.mktemp("build")
     store = Store(root / "store")
@@ -292,7 +304,8 @@ def test_cli_builds_and_refuses_clearly(cli, make_tiny_model, tmp_path):
     assert r.exit_code == 2 and "pipeline parallelism is not supported" in r.output
     r = CliRunner().invoke(cli, [*store, "build", str(d), "--tp", "2", "--verify", "--target", "trtllm"])
     assert r.exit_code == 0, r.output   # padding is the default: it is exact
-    assert "padded from 6 / 3 to 8 / 4 heads with zero heads (exact)" in r.output and "reference check: max relative error" in r.output
+    assert ("padded from 6 / 3 to 8 / 4 heads with zero heads (exact)" in r.output
+            and "reference check: max relative error" in r.output)
     assert "compile: checkpoint-only (tensorrt_llm is not installed" in r.output
 
 

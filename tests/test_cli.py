@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from llmq.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPELINE = ("quantize", "quantize-kv", "build", "eval", "serve", "bench", "run", "ls", "inspect", "lineage", "import", "verify")
+PIPELINE = ("quantize", "quantize-kv", "build", "eval", "serve", "bench", "run", "ls", "inspect", "lineage", "import",
+            "verify")
 
 
 def run(store, *args):
@@ -69,7 +70,8 @@ def test_verify_rehashes_everything_and_names_a_damaged_file(tmp_path):
     os.utime(f, ns=(0, 10**18))  # size and mtime as stamped: a load does not see it, verify does
     assert run(store.root, "inspect", "thing").exit_code == 0
     r = run(store.root, "verify", "thing/v1")
-    assert r.exit_code == 2 and r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n"
+    assert (r.exit_code == 2
+            and r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n")
     assert run(store.root, "verify", "nope").exit_code == 2
 
 

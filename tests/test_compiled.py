@@ -40,13 +40,13 @@ def _decode(path, compile: bool, kv: str = "auto") -> tuple[list, list]:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     import torch
+    from tiny import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
     from llmq.pipeline.quantize import QuantizeOptions, quantize
-    from tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("compiled")
     store = Store(root / "store")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny import byte_tokenizer
 
 from llmq.runtime.detokenize import IncrementalText
-from tiny import byte_tokenizer
 
 
 def metaspace_tokenizer():

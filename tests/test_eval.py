@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import make_tiny_model
 
 from llmq.artifacts import Store
 from llmq.cli.main import cli
 from llmq.errors import GateFailed, LlmqError
 from llmq.models import qformat, resolve_model
 from llmq.models.checkpoint import copy_tokenizer, load_state_dict, read_config, save_state_dict, write_json
-from tiny import make_tiny_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

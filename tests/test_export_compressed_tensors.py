@@ -99,11 +99,11 @@ KV_EXPECT = {("int8", "tensor"): (_args(8, strategy="tensor"), (1,)),
 def source(tmp_path_factory, request):
     """A tiny random model of each family stored in bf16 (as real checkpoints are, so scales are bf16), as a model
     artifact (Qwen3: the same shapes, with its per-head q/k norms)."""
+    from tiny import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
-    from tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("ct")
     path = make_tiny_model(d / "tiny", seed=5, model_type=request.param, head_dim=16)
@@ -358,8 +358,9 @@ def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line():
 
 
 def test_pyproject_pins_the_compressed_tensors_range_llmq_reads():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
     assert qformat.CT_REQUIREMENT in deps
@@ -390,12 +391,12 @@ def test_an_int8_lm_head_is_a_second_group_that_transformers_loads_and_llmq_comp
     """`--lm-head int8`: the output projection is a weight-only INT8 per-channel group of its own (a tied model is
     untied, its embedding table kept 16-bit for the lookup); transformers computes what llmq computes, and the
     probe counts the head's rounding."""
+    from tiny import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.quantize import QuantizeOptions, quantize
-    from tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", seed=7, tie_word_embeddings=tied)
     AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)

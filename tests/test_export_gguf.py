@@ -18,9 +18,9 @@ import torch
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
-from llmq.pipeline.targets import BuildOptions, build_engine
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize import QuantizeOptions, quantize
+from llmq.pipeline.targets import BuildOptions, build_engine
 
 gguf = pytest.importorskip("gguf")
 
@@ -119,8 +119,9 @@ TINY = {"llama-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(store, {(arch, scheme): (source artifact, gguf engine artifact)}) for both tiny models and every scheme."""
-    from llmq.artifacts import Store
     from tiny import make_tiny_model
+
+    from llmq.artifacts import Store
 
     root = tmp_path_factory.mktemp("gguf")
     store = Store(root / "store")

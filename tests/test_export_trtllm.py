@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import llmq_logits
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
-from llmq.pipeline.targets import BuildOptions, build_engine
-from llmq.pipeline.targets.trtllm import trtllm_requantize
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
-from tiny import llmq_logits
+from llmq.pipeline.targets import BuildOptions, build_engine
+from llmq.pipeline.targets.trtllm import trtllm_requantize
 
 DEFAULT_EXCLUDES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
                     "*shared_expert_gate"]
@@ -148,7 +148,8 @@ def read_as_trtllm(ckpt: Path, source_config: dict) -> dict[str, torch.Tensor]:
     sd = {"model.embed_tokens.weight": ranks[0]["transformer.vocab_embedding.weight"].float(),
           "model.norm.weight": ranks[0]["transformer.ln_f.weight"].float(),
           "lm_head.weight": torch.cat([_as_computed(st, "lm_head", cfg)[0] for st in ranks])[:cfg["vocab_size"]]}
-    kv_owner = list(range(tp)) if kv_p >= tp else [next(r for r in range(tp) if r * kv_p // tp == k) for k in range(kv_p)]
+    kv_owner = (list(range(tp)) if kv_p >= tp
+                else [next(r for r in range(tp) if r * kv_p // tp == k) for k in range(kv_p)])
     for i in range(cfg["num_hidden_layers"]):
         p, o = f"transformer.layers.{i}", f"model.layers.{i}"
         qkv = [_as_computed(st, f"{p}.attention.qkv", cfg) for st in ranks]
@@ -156,7 +157,8 @@ def read_as_trtllm(ckpt: Path, source_config: dict) -> dict[str, torch.Tensor]:
         for r, (w, b) in enumerate(qkv):
             w = w[:(hq + 2 * hkv) * d, :h]
             b = b[:(hq + 2 * hkv) * d] if b is not None else torch.zeros(w.shape[0])
-            for n, lo, hi in (("q", 0, hq * d), ("k", hq * d, (hq + hkv) * d), ("v", (hq + hkv) * d, (hq + 2 * hkv) * d)):
+            for n, lo, hi in (("q", 0, hq * d), ("k", hq * d, (hq + hkv) * d),
+                              ("v", (hq + hkv) * d, (hq + 2 * hkv) * d)):
                 if n == "q" or r in kv_owner:
                     parts[n].append((w[lo:hi], b[lo:hi]))
         for n, count in (("q", heads), ("k", kv), ("v", kv)):
@@ -166,7 +168,8 @@ def read_as_trtllm(ckpt: Path, source_config: dict) -> dict[str, torch.Tensor]:
         dense = [_as_computed(st, f"{p}.attention.dense", cfg)[0][:h, :hq * d] for st in ranks]
         sd[f"{o}.self_attn.o_proj.weight"] = torch.cat(dense, 1)[:, :heads * d]
         for hf, trt in (("gate_proj", "fc"), ("up_proj", "gate")):
-            sd[f"{o}.mlp.{hf}.weight"] = torch.cat([_as_computed(st, f"{p}.mlp.{trt}", cfg)[0][:inter, :h] for st in ranks])
+            sd[f"{o}.mlp.{hf}.weight"] = torch.cat([_as_computed(st, f"{p}.mlp.{trt}", cfg)[0][:inter, :h]
+                                                    for st in ranks])
         sd[f"{o}.mlp.down_proj.weight"] = torch.cat([_as_computed(st, f"{p}.mlp.proj", cfg)[0][:h, :inter]
                                                      for st in ranks], 1)
         sd[f"{o}.input_layernorm.weight"] = ranks[0][f"{p}.input_layernorm.weight"].float()
@@ -213,7 +216,8 @@ def test_trtllm_requantize_is_its_per_channel_grid_with_c_rounding():
 # ---- tiny models -----------------------------------------------------------------------------------------------------
 
 TINY = {"llama-gqa": {}, "qwen2-bias-odd-heads": {"model_type": "qwen2", "num_attention_heads": 6,
-                                                  "num_key_value_heads": 3, "hidden_size": 384, "intermediate_size": 256}}
+                                                  "num_key_value_heads": 3, "hidden_size": 384,
+                                                  "intermediate_size": 256}}
 SCHEMES = {"bf16": None, "w8a16": dict(bits=8),
            "awq": dict(bits=4, group_size=64), "awq-asym": dict(bits=4, group_size=64, symmetric=False),
            "awq-with-a-dense-layer": dict(bits=4, group_size=64, ignore=("lm_head", "model.layers.1.mlp.down_proj"))}
@@ -221,8 +225,9 @@ SCHEMES = {"bf16": None, "w8a16": dict(bits=8),
 
 @pytest.fixture(scope="module")
 def tiny_artifacts(tmp_path_factory):
-    from llmq.artifacts import Store
     from tiny import make_tiny_model
+
+    from llmq.artifacts import Store
 
     root = tmp_path_factory.mktemp("trt")
     store = Store(root / "store")
@@ -312,7 +317,7 @@ def test_the_reader_is_not_fooled_by_wrong_padding(tiny_artifacts, tmp_path):
         check_loads(ckpt)
 
 
-# ---- the default model (SmolLM2-135M: hidden 576, 9 / 3 heads) --------------------------------------------------------
+# ---- the default model (SmolLM2-135M: hidden 576, 9 / 3 heads) -------------------------------------------------------
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("scheme", "tp"), [("bf16", 2), ("w8a16", 2), ("awq", 2), ("awq", 1)])

@@ -17,13 +17,13 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tiny import llmq_logits
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
-from llmq.pipeline.targets import BuildOptions, build_engine
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
-from tiny import llmq_logits
+from llmq.pipeline.targets import BuildOptions, build_engine
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -118,14 +118,15 @@ def backend_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size=0),
-           "awq": dict(bits=4, group_size=64), "awq-with-a-dense-layer": dict(bits=4, group_size=64,
-                                                                          ignore=("lm_head", "model.layers.0.mlp.up_proj"))}
+           "awq": dict(bits=4, group_size=64),
+           "awq-with-a-dense-layer": dict(bits=4, group_size=64, ignore=("lm_head", "model.layers.0.mlp.up_proj"))}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text"])
 def arts(tmp_path_factory, request):
-    from llmq.artifacts import Store
     from tiny import make_tiny_model
+
+    from llmq.artifacts import Store
 
     root = tmp_path_factory.mktemp("trthf")
     store = Store(root / "store")

@@ -37,8 +37,8 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_declaration_names_exactly_the_checkpoint_tensors(models, family):
-    from llmq.models.reader import CheckpointReader
     from llmq.models import qformat
+    from llmq.models.reader import CheckpointReader
 
     ckpt = CheckpointReader(models[family])
     arch, spec = ckpt.arch, ckpt.spec
@@ -88,8 +88,9 @@ def test_runtime_equals_transformers(models, family, tp):
 def test_qwen3_q_k_norms_are_computed_not_ignored(models, tmp_path):
     """A Qwen3 whose q/k norm weights are scaled gives different logits in both transformers and llmq, equally: the
     runtime reads and applies them (a runtime that dropped them would equal the unscaled model instead)."""
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     d = shutil.copytree(models["qwen3"], tmp_path / "scaled")
     f = next(d.glob("*.safetensors"))
@@ -108,7 +109,8 @@ def test_qwen3_q_k_norms_are_computed_not_ignored(models, tmp_path):
 
 
 def test_an_undeclared_family_is_refused_naming_the_supported_ones():
-    with pytest.raises(LlmqError, match=r"^unsupported architecture 'Phi3ForCausalLM' .*Gemma3ForCausalLM \(gemma3_text\)"):
+    with pytest.raises(LlmqError,
+                       match=r"^unsupported architecture 'Phi3ForCausalLM' .*Gemma3ForCausalLM \(gemma3_text\)"):
         ModelSpec.from_config({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
 
 

@@ -72,7 +72,8 @@ def test_quantize_rtn_gptq_awq_then_eval_and_serve(gemma, ids):
     from llmq.runtime.server import create_app, make_server, server_config
 
     store, base = gemma
-    arts = {m: quantize(base, QuantizeOptions(method=m, **CALIB), store, progress=False) for m in ("rtn", "gptq", "awq")}
+    arts = {m: quantize(base, QuantizeOptions(method=m, **CALIB), store, progress=False)
+            for m in ("rtn", "gptq", "awq")}
     probes = {m: a.metrics["probe"] for m, a in arts.items()}
     assert all(math.isfinite(p["kld_mean"]) and 0 < p["kld_mean"] for p in probes.values())
     # calibration must pay on the real model: both calibrated methods under round-to-nearest's KLD

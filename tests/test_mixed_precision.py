@@ -16,11 +16,11 @@ from llmq.pipeline.quantize import QuantizeOptions, mixed
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from tiny import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
-    from tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("mixed")
     path = make_tiny_model(d / "tiny", seed=9, num_hidden_layers=3)

@@ -31,7 +31,8 @@ def _recipe_stage(stage: str):
 def _values(f, hint) -> list:
     """Values other than the default to set a field to; every choice, where there are choices."""
     default = default_of(f)
-    hint = next(a for a in typing.get_args(hint) if a is not type(None)) if type(None) in typing.get_args(hint) else hint
+    hint = (next(a for a in typing.get_args(hint) if a is not type(None)) if type(None) in typing.get_args(hint)
+            else hint)
     if f.metadata["choices"]:
         return [c for c in f.metadata["choices"] if c != default]
     if hint is bool:

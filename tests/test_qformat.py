@@ -1,4 +1,5 @@
-"""The compressed-tensors reader/writer: exact round trips, compressed-tensors' own decoder agrees, bad configs refused."""
+"""The compressed-tensors reader/writer: exact round trips, compressed-tensors' own decoder agrees, bad configs
+refused."""
 
 import pytest
 import torch

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from llmq.cli.main import cli
 from llmq.errors import LlmqError
-from llmq.models import qformat as qf, resolve_model
+from llmq.models import qformat as qf
+from llmq.models import resolve_model
 from llmq.models.load import load_tokenizer
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.kvcache import KVOptions, fake_quantize, quantize_kv
@@ -22,8 +23,9 @@ SMALL = dict(num_samples=6, seq_len=96, probe_tokens=384)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny model artifact and its store (module-scoped: quantize-kv runs are shared by the tests below)."""
-    from llmq.artifacts import Store
     from tiny import make_tiny_model
+
+    from llmq.artifacts import Store
 
     d = tmp_path_factory.mktemp("kv")
     store = Store(d / "store")

@@ -50,7 +50,8 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = next(line.strip() for line in ci.splitlines() if "python3 -m venv" in line and not line.startswith("#"))
     assert f"    {command}\n" in readme
-    assert readme.index("Set up and run the main job") < readme.index("Set up and pass the tests") < readme.index(command)
+    assert (readme.index("Set up and run the main job") < readme.index("Set up and pass the tests")
+            < readme.index(command))
 
 
 # --- finding the commands ---------------------------------------------------------------------------------------
@@ -174,7 +175,8 @@ def _parse(argv: list[str]) -> tuple[click.Command, click.Context]:
     ctx = cli.make_context("llmq", list(argv))
     cmd = cli
     while isinstance(cmd, click.Group):
-        rest = [*ctx._protected_args, *ctx.args] if hasattr(ctx, "_protected_args") else [*ctx.protected_args, *ctx.args]
+        rest = ([*ctx._protected_args, *ctx.args] if hasattr(ctx, "_protected_args")
+                else [*ctx.protected_args, *ctx.args])
         if not rest:
             break
         name, cmd, rest = cmd.resolve_command(ctx, rest)
@@ -274,7 +276,8 @@ def tiny_store(tmp_path_factory):
     return store, art
 
 
-STORE_RUNS = [c for c in LLMQ if not c.inline and any(w in STORE_COMMANDS for w in c.argv[1:3]) and "--help" not in c.argv]
+STORE_RUNS = [c for c in LLMQ
+              if not c.inline and any(w in STORE_COMMANDS for w in c.argv[1:3]) and "--help" not in c.argv]
 
 
 @pytest.mark.parametrize("command", STORE_RUNS, ids=str)

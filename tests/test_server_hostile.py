@@ -12,9 +12,9 @@ import time
 
 import httpx
 import pytest
+from test_server import live_server, wait_for
 
 from llmq.runtime import EngineConfig
-from test_server import live_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -186,10 +186,11 @@ def test_an_engine_that_cannot_step_is_fatal(tiny):
     `llmq serve` exits non-zero (and a supervisor restarts it) instead of living on as a 503 zombie."""
     import threading
 
+    from test_server import free_port
+
     from llmq.errors import LlmqError
     from llmq.runtime import LLMEngine
     from llmq.runtime.server import create_app, run_server
-    from test_server import free_port
 
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20))
     engine.worker.forward = lambda step: 1 / 0
@@ -221,9 +222,9 @@ def test_shutdown_leaves_an_engine_stuck_in_a_step(tiny, monkeypatch):
     import threading
 
     from llmq.runtime import LLMEngine
+    from llmq.runtime.sampling import SamplingParams
     from llmq.runtime.server import engine_loop
     from llmq.runtime.server.metrics import ServerMetrics
-    from llmq.runtime.sampling import SamplingParams
 
     monkeypatch.setattr(engine_loop, "STOP_WAIT", 1.0)
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, kv_cache_memory=1 << 20))

@@ -6,7 +6,8 @@ import torch
 from llmq.errors import LlmqError
 from llmq.models import qformat as qf
 from llmq.models.arch import LLAMA
-from llmq.pipeline.quantize import fp8, smoothquant as sq
+from llmq.pipeline.quantize import fp8
+from llmq.pipeline.quantize import smoothquant as sq
 from llmq.runtime.layers.linear import FP8Linear, W8A8Linear
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -164,9 +165,10 @@ def test_bad_parameters_are_refused():
 
 @pytest.fixture(scope="module")
 def tiny_source(tmp_path_factory):
+    from tiny import make_tiny_model
+
     from llmq.artifacts import Store
     from llmq.models import resolve_model
-    from tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("sq")
     store = Store(d / "store")

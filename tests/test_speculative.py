@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from llmq.errors import LlmqError
-from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
-from llmq.runtime import speculative
+from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, speculative
 from llmq.runtime.speculative import ngram_lookup
 
 
@@ -266,11 +265,11 @@ def test_eval_scores_are_the_same_with_speculation(tmp_path, monkeypatch):
     import json
 
     from click.testing import CliRunner
+    from tiny import make_tiny_model
 
     from llmq.artifacts import Store
     from llmq.cli.main import cli
     from llmq.models import resolve_model
-    from tiny import make_tiny_model
 
     monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
     store = Store(tmp_path / "store")
@@ -323,9 +322,8 @@ def test_a_different_draft_model_is_lossless(tmp_path, tiny):
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny):
-    from transformers import AutoTokenizer
-
     from tiny import make_tiny_model
+    from transformers import AutoTokenizer
 
     other = make_tiny_model(tmp_path / "d", seed=1)
     tok = AutoTokenizer.from_pretrained(other)

@@ -166,7 +166,8 @@ def test_quantize_holds_one_decoder_layer_at_a_time(tmp_path, store, make_tiny_m
     track = LayerTracker(monkeypatch)
     quantize(src, QuantizeOptions(method="gptq", bits=4, group_size=32, num_samples=4, seq_len=32, probe_tokens=64),
              store, progress=False)
-    layer_tensors = [n for n in TensorFile(next(src.path.glob("*.safetensors"))).keys() if n.startswith("model.layers.")]
+    layer_tensors = [n for n in TensorFile(next(src.path.glob("*.safetensors"))).keys()
+                     if n.startswith("model.layers.")]
     assert len(layer_tensors) == 4 * 9
     assert {n: track.reads.get(n) for n in layer_tensors} == {n: 1 for n in layer_tensors}
     assert track.violations == []

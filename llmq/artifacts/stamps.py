@@ -42,7 +42,8 @@ def key(st: os.stat_result) -> list[int]:
 
 
 def read(path: Path | None, artifact_id: str) -> dict[str, dict]:
-    """{rel: {"stat": key, "sha256": hex}} from the stamp at `path`; empty when absent, damaged or another artifact's."""
+    """{rel: {"stat": key, "sha256": hex}} from the stamp at `path`; empty when absent, damaged or another
+    artifact's."""
     if path is None:
         return {}
     try:

@@ -103,6 +103,7 @@ class Artifact:
     parents = property(lambda self: list(self.manifest["parents"]))
     config = property(lambda self: self.manifest.get("config", {}))
     metrics = property(lambda self: self.manifest.get("metrics", {}))
+    payload_bytes = property(lambda self: sum(f["size"] for f in self.manifest["files"].values()))
     ref = property(lambda self: f"{self.name}/v{self.version}")
 
     @classmethod
@@ -176,6 +177,7 @@ class ArtifactWriter:
     parents: list[str]
     config: dict
     command: str | None
+    needs: int = 0  # about how many bytes the payload will take: refused up front where the device has less
     metrics: dict = field(default_factory=dict)
     artifact: Artifact | None = None
 
@@ -184,6 +186,13 @@ class ArtifactWriter:
 
     def __enter__(self) -> "ArtifactWriter":
         _remove_abandoned_staging(self.dir.parent)
+        if self.needs:
+            existing = next(p for p in (self.dir, *self.dir.parents) if p.exists())
+            free = shutil.disk_usage(existing).free
+            if free < self.needs:
+                raise ArtifactError(f"{self.name} needs about {self.needs / 2**20:,.0f} MiB but the device of "
+                                    f"{self.store.root} has {free / 2**20:,.0f} MiB free: free space, or point --store "
+                                    "(LLMQ_STORE) elsewhere")
         self.dir.mkdir(parents=True)
         return self
 
@@ -251,10 +260,12 @@ class Store:
         return cls(path if path is not None else default_store_path())
 
     def create(self, kind: str, name: str, parents: list[str] | None = None, config: dict | None = None,
-               command: str | None = None) -> ArtifactWriter:
+               command: str | None = None, needs: int = 0) -> ArtifactWriter:
+        """The writer of the next version of `name`; `needs`: the payload's estimated bytes, checked against the free
+        space before anything is written (a long stage fails at its start, not after minutes)."""
         if kind not in mf.KINDS:
             raise ArtifactError(f"unknown artifact kind {kind!r} (kinds: {', '.join(mf.KINDS)})")
-        return ArtifactWriter(self, kind, validate_name(name), list(parents or []), dict(config or {}), command)
+        return ArtifactWriter(self, kind, validate_name(name), list(parents or []), dict(config or {}), command, needs)
 
     def versions(self, name: str) -> list[int]:
         d = self.root / name
@@ -284,7 +295,8 @@ class Store:
     def names(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name) and self.versions(p.name))
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and _NAME.match(p.name) and self.versions(p.name))
 
     def list(self, kind: str | None = None, damaged: list | None = None) -> list[Artifact]:
         """All artifacts, manifests read and checked but payloads not hashed (use resolve() for a verified one).
@@ -330,7 +342,8 @@ class Store:
             d = self.root / m["name"] / f"v{int(m['version'])}"
             if not d.is_dir():
                 have = ", ".join(f"v{v}" for v in self.versions(m["name"])) or "none"
-                raise ArtifactNotFound(f"no version v{m['version']} of {m['name']!r} in store {self.root} (have: {have})")
+                raise ArtifactNotFound(f"no version v{m['version']} of {m['name']!r} in store {self.root} "
+                                       f"(have: {have})")
             return Artifact.load(d, verify=verify, stamp=self._stamp_of(d))
         if _NAME.match(ref) and self.versions(ref):
             v = self.latest_version(ref)

@@ -54,6 +54,7 @@ def table(result: dict, name_a: str, name_b: str):
     for c in ("level", "metric", "A", "B", "B/A"):
         t.add_column(c, justify="right" if c in ("A", "B", "B/A") else "left")
     for r in result["rows"]:
-        fmt = (lambda v: "-" if v is None else f"{v:.4g}")
+        def fmt(v):
+            return "-" if v is None else f"{v:.4g}"
         t.add_row(r["level"], r["metric"], fmt(r["a"]), fmt(r["b"]), "-" if r["ratio"] is None else f"{r['ratio']:.3f}")
     return t

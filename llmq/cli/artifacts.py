@@ -39,7 +39,8 @@ def ls(ctx, kind, as_json):
     damaged = []
     arts = store.list(kind=kind, damaged=damaged)
     if as_json:
-        echo_json([{"ref": a.ref, "kind": a.kind, "id": a.id, "parents": a.parents, "created": a.manifest.get("created"),
+        echo_json([{"ref": a.ref, "kind": a.kind, "id": a.id, "parents": a.parents,
+                    "created": a.manifest.get("created"),
                     "size": _size(a), "path": str(a.path)} for a in arts]
                   + [{"ref": ref, "damaged": str(e)} for ref, e in damaged])
         return
@@ -113,7 +114,9 @@ def lineage(ctx, ref, as_json):
         return
     for depth, a in enumerate(chain):
         src = a.config.get("source")
-        extra = f"  source: {src.get('type')} {src.get('package', src.get('path', src.get('repo_id', '')))}" if src else ""
-        click.echo(f"{'  ' * depth}{'└─ ' if depth else ''}{a.ref} [{a.kind}] {a.id[:12]}  {a.manifest.get('command', '')}{extra}")
+        extra = (f"  source: {src.get('type')} {src.get('package', src.get('path', src.get('repo_id', '')))}"
+                 if src else "")
+        click.echo(f"{'  ' * depth}{'└─ ' if depth else ''}{a.ref} [{a.kind}] {a.id[:12]}  "
+                   f"{a.manifest.get('command', '')}{extra}")
     if chain[-1].parents:
         click.echo(f"{'  ' * len(chain)}└─ parent {chain[-1].parents[0][:12]} is not in this store")

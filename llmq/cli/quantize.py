@@ -7,7 +7,8 @@ import sys
 import click
 
 from ..models import source_artifact
-from ..pipeline.quantize import QuantizeOptions, quantize as run_quantize
+from ..pipeline.quantize import QuantizeOptions
+from ..pipeline.quantize import quantize as run_quantize
 from .common import echo_json, get_store, human_bytes
 from .options import stage_command
 
@@ -31,6 +32,7 @@ def quantize(ctx, model, opts, as_json):
         click.echo(f"  calibration: {cal['samples']} x {cal['seq_len']} tokens from {cal['source'][:80]}")
     if "probe" in m:
         p = m["probe"]
-        click.echo(f"  probe vs source ({p['tokens']} tokens): mean KLD {p['kld_mean']:.5f}, top-1 {100 * p['top1']:.2f}%")
+        click.echo(f"  probe vs source ({p['tokens']} tokens): mean KLD {p['kld_mean']:.5f}, "
+                   f"top-1 {100 * p['top1']:.2f}%")
     gpu = f", peak GPU memory {human_bytes(m['peak_device_bytes'])}" if "peak_device_bytes" in m else ""
     click.echo(f"  wall {m['wall_time_s']:.1f} s, peak RSS {human_bytes(m['peak_rss_bytes'])}{gpu}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 from ..errors import LlmqError
@@ -11,6 +10,7 @@ from ..options import SpeculativeOptions, parse_size
 from ..pipeline.targets.stage import KV_CHOICES
 from .common import get_store, human_bytes
 from .options import stage_options
+
 
 @click.command("serve")
 @click.argument("ref", required=False)
@@ -71,7 +71,8 @@ from .options import stage_options
 @click.pass_context
 def serve(ctx, ref, host, port, tp, kv_cache_memory, kv_cache_fraction, kv, max_batch_size,
           max_num_batched_tokens, max_seq_len, block_size, no_prefix_caching, dtype, device, compile_,
-          int8_activations, served_model_name, api_key, allowed_hosts, max_queue, max_stop_strings, max_stop_length, max_body_size,
+          int8_activations, served_model_name, api_key, allowed_hosts, max_queue, max_stop_strings, max_stop_length,
+          max_body_size,
           header_timeout, body_timeout, keep_alive_timeout, max_connections, drain_timeout, log_level, opts):
     """Serve REF (an engine, quantized or model artifact, or a model reference; default: the default model)."""
     from ..runtime import EngineConfig, LLMEngine

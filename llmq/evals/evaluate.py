@@ -73,9 +73,9 @@ def _check_both_fit(evaluated: Artifact, baseline: Artifact) -> None:
 
     from ..models import pick_device
     from ..models.reader import CheckpointReader
-    from ..runtime.worker import available_memory
     from ..runtime.layers.linear import keeps_16bit_as
     from ..runtime.model_runner import compute_dtype_for
+    from ..runtime.worker import available_memory
 
     device = torch.device(pick_device())
 

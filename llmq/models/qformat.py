@@ -38,7 +38,8 @@ import torch
 
 from .. import quant
 from ..errors import LlmqError
-from .arch.base import EMBEDDING, LM_HEAD
+from .arch.base import EMBEDDING as EMBEDDING  # re-exported: the stages name the table through qformat
+from .arch.base import LM_HEAD
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
@@ -86,7 +87,8 @@ class QuantArgs:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "QuantArgs":
-        return cls(num_bits=int(d["num_bits"]), type=str(d.get("type", "int")), symmetric=bool(d.get("symmetric", True)),
+        return cls(num_bits=int(d["num_bits"]), type=str(d.get("type", "int")),
+                   symmetric=bool(d.get("symmetric", True)),
                    strategy=str(d.get("strategy") or "tensor"), group_size=d.get("group_size"),
                    dynamic=bool(d.get("dynamic", False)))
 

@@ -17,8 +17,8 @@ import torch
 
 from ..errors import LlmqError
 from . import bnbformat, qformat
-from .checkpoint import read_config, safetensors_files
 from .arch import LINEARS
+from .checkpoint import read_config, safetensors_files
 from .spec import ModelSpec
 
 

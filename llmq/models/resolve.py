@@ -14,8 +14,16 @@ from pathlib import Path
 
 from ..artifacts import Artifact, ArtifactNotFound, Store
 from ..errors import LlmqError
-from .checkpoint import (INDEX_NAME, copy_tokenizer, load_state_dict, pickle_files, read_config, safetensors_files,
-                         save_state_dict, write_json)
+from .checkpoint import (
+    INDEX_NAME,
+    copy_tokenizer,
+    load_state_dict,
+    pickle_files,
+    read_config,
+    safetensors_files,
+    save_state_dict,
+    write_json,
+)
 from .default import DEFAULT, PACKAGED, packaged_gguf
 from .spec import SUPPORTED_ARCHITECTURES, ModelSpec, check_tensors
 
@@ -45,7 +53,8 @@ def _dir_fingerprint(d: Path) -> str:
 
 
 def _clean_config(config: dict, spec: ModelSpec, dtype: str) -> dict:
-    config = {k: v for k, v in config.items() if k not in ("quantization_config", "_name_or_path", "transformers_version")}
+    config = {k: v for k, v in config.items()
+              if k not in ("quantization_config", "_name_or_path", "transformers_version")}
     config["architectures"] = [spec.architecture]
     config["dtype"] = dtype
     config.pop("torch_dtype", None)
@@ -67,8 +76,8 @@ def import_gguf(gguf: Path, store: Store, name: str, source: dict) -> Artifact:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()
              if not (spec.tie_word_embeddings and k == "lm_head.weight")}
-    with store.create("model", name, config={"source": source, "architecture": spec.to_dict(),
-                                              "dtype": "bfloat16"}) as w:
+    with store.create("model", name, config={"source": source, "architecture": spec.to_dict(), "dtype": "bfloat16"},
+                      needs=sum(t.numel() for t in state.values()) * 2) as w:
         save_state_dict(state, w.dir)
         write_json(w.dir / "config.json", _clean_config(hf_config.to_dict(), spec, "bfloat16"))
         model.generation_config.save_pretrained(w.dir)
@@ -94,7 +103,8 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
         except Exception as e:  # corrupt or truncated header
             raise LlmqError(f"{d}: a *.safetensors file is not readable ({e})") from None
         check_tensors(spec, {n: lazy.info(n) for n in lazy}, str(d))
-    with store.create("model", name, config={"source": source, "architecture": spec.to_dict(), "dtype": dtype}) as w:
+    with store.create("model", name, config={"source": source, "architecture": spec.to_dict(), "dtype": dtype},
+                      needs=sum(f.stat().st_size for f in st)) as w:
         if st:
             from safetensors import safe_open
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
+
 import torch
 
 from ..errors import LlmqError
@@ -172,7 +173,8 @@ def group_index(cols: torch.Tensor, group: int, name: str) -> torch.Tensor:
     32-column head slices) it lies inside one group, whose scale the rank then keeps for its partial group."""
     if 0 < cols.numel() < group and bool((cols >= 0).all()):
         first = int(cols[0])
-        if torch.equal(cols, torch.arange(first, first + cols.numel())) and (first + cols.numel() - 1) // group == first // group:
+        if (torch.equal(cols, torch.arange(first, first + cols.numel()))
+                and (first + cols.numel() - 1) // group == first // group):
             return torch.tensor([first // group])
     if cols.numel() % group:
         raise LlmqError(f"{name}: a rank's {cols.numel()} input columns are not a whole number of "

@@ -177,7 +177,8 @@ class ModelSpec:
             hidden = int(config["hidden_size"])
             rope = (config.get("rope_parameters") or {})
             rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' table
-            rope_scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            rope_scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                                          else None)
             local = _local_layers(hf)
             qpas = config.get("query_pre_attn_scalar")
             return cls(

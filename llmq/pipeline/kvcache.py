@@ -6,9 +6,10 @@ is what the cache holds. The absolute maximum per layer and KV head gives scale 
 (fp8 e4m3), per tensor or per head, and the held-out error is measured with the runtime cache's own encode / decode
 (`llmq.quant`). Per-head scales pay only where heads differ in range, so `auto` measures the reconstruction error of
 both on held-out text and keeps per-head scales only when they cut it by a meaningful margin. The artifact is the input
-checkpoint (weights untouched) plus each attention module's `k_scale` / `v_scale` (Arch.attention_module) and a `kv_cache_scheme` in
-`quantization_config`; its quality (KLD / top-1 agreement of the model with the quantized cache against the same
-model with a full-precision cache, both through the runtime's paged path) is measured on the written artifact.
+checkpoint (weights untouched) plus each attention module's `k_scale` / `v_scale` (Arch.attention_module) and
+a `kv_cache_scheme` in `quantization_config`; its quality (KLD / top-1 agreement of the model with the
+quantized cache against the same model with a full-precision cache, both through the runtime's paged path) is
+measured on the written artifact.
 """
 
 from __future__ import annotations

@@ -15,17 +15,25 @@ from pathlib import Path
 from typing import Annotated, ClassVar, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model,
-                      model_validator)
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from ..artifacts import Artifact, ArtifactError, Store
 from ..bench.offline import OfflineOptions
 from ..errors import LlmqError
 from ..evals.runner import EvalOptions
 from ..options import default_of, user_fields
-from .targets import BuildOptions
 from .kv_options import KVOptions
 from .quantize import QuantizeOptions
+from .targets import BuildOptions
 
 STAGES = {"quantize": QuantizeOptions, "quantize_kv": KVOptions, "build": BuildOptions, "eval": EvalOptions,
           "bench": OfflineOptions}

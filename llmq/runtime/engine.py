@@ -22,7 +22,7 @@ from ..errors import LlmqError
 from .config import EngineConfig
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
-from .scorer import Scorer, ScoreOutput, ScoreRequest
+from .scorer import ScoreOutput, Scorer, ScoreRequest
 from .sequence import Sequence
 from .speculative import SpecStats, make_speculator, verify
 from .worker import ModelSource, Worker

@@ -177,8 +177,8 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
     """Logits [batch, seq, vocab] of a model split over `ranks`, every rank a thread of this process running the
     runtime's own modules and collectives (LocalTPContext): for checking shards as serve computes them, without
     spawning processes. Each row of `ids` is one sequence, all prefilled in one step."""
-    from .sequence import Sequence
     from .sampling import SamplingParams
+    from .sequence import Sequence
 
     spec, world = ModelSpec.from_config(config), len(ranks)
     b, t = ids.shape

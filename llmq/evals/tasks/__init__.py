@@ -37,8 +37,8 @@ CHUNK_BYTES = 512
 
 # the primary metric of each bundled task (the one that is reported, compared and gated)
 TASKS = {"llmq_arith_mc": "acc", "llmq_arith_gen": "exact_match", "llmq_gsm8k": "exact_match",
-         "llmq_code_nextline": "acc_norm", "llmq_code_greedy": "acc", "llmq_humaneval": "pass@1", "llmq_code_bpb": "bits_per_byte",
-         "llmq_ppl": "word_perplexity"}
+         "llmq_code_nextline": "acc_norm", "llmq_code_greedy": "acc", "llmq_humaneval": "pass@1",
+         "llmq_code_bpb": "bits_per_byte", "llmq_ppl": "word_perplexity"}
 GROUPS = {"math": ("llmq_arith_mc", "llmq_arith_gen", "llmq_gsm8k"),
           "code": ("llmq_code_nextline", "llmq_code_greedy", "llmq_humaneval", "llmq_code_bpb"),
           "ppl": ("llmq_ppl",)}

@@ -25,5 +25,5 @@ def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
                         f"supports: {supported()}") from None
 
 
-__all__ = ["ARCHS", "ATTN", "Arch", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MLP", "QWEN2", "QWEN3", "SPLIT", "arch_for",
-           "supported"]
+__all__ = ["ARCHS", "ATTN", "Arch", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MLP", "QWEN2", "QWEN3", "SPLIT",
+           "arch_for", "supported"]

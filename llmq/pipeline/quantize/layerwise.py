@@ -31,8 +31,17 @@ from ...runtime.loader import quantized_linear
 from .calib import TokenWindows
 from .mixed import width_grid
 from .rtn import quantize_weight
-from .streamed import (capture_layer0, drop, head_name, load, logits, progress_bar, skeleton, source_tensors,
-                       stored_dtype)
+from .streamed import (
+    capture_layer0,
+    drop,
+    head_name,
+    load,
+    logits,
+    progress_bar,
+    skeleton,
+    source_tensors,
+    stored_dtype,
+)
 
 
 class QuantLinear(nn.Module):

@@ -31,8 +31,17 @@ from ...models import ModelSpec, qformat
 from ...options import parse_size
 from . import rtn
 from .calib import TokenWindows
-from .streamed import (capture_layer0, drop, head_name, load, logits, progress_bar, skeleton, source_tensors,
-                       stored_dtype)
+from .streamed import (
+    capture_layer0,
+    drop,
+    head_name,
+    load,
+    logits,
+    progress_bar,
+    skeleton,
+    source_tensors,
+    stored_dtype,
+)
 
 WIDTHS = (4, 8, 16)
 SENSITIVITY_TOKENS = 1024   # calibration tokens the sensitivity pass scores (its cost is linear in them)

@@ -172,7 +172,8 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
     spec = ModelSpec.from_config(read_config(source.path))
     o = opts.resolved(tuple(_in_features(spec).values()))
     if o.group_size < 0:
-        raise LlmqError(f"--group-size must be a positive number of columns, or 0 / -1 for per channel; got {opts.group_size}")
+        raise LlmqError("--group-size must be a positive number of columns, or 0 / -1 for per channel; "
+                        f"got {opts.group_size}")
     if o.group_size:
         if o.per_tensor:
             raise LlmqError("--per-tensor and --group-size N exclude each other")
@@ -336,7 +337,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         else "")
     from ...models.checkpoint import ShardedWriter, copy_tokenizer
 
-    with store.create("quantized", name, parents=[source.id], command=command) as w, ShardedWriter(w.dir) as out:
+    with store.create("quantized", name, parents=[source.id], command=command, needs=source.payload_bytes) as w, \
+            ShardedWriter(w.dir) as out:  # never larger than its source
         plan = None
         if opts.target_bpw is not None:
             from ...models.load import pick_device

@@ -73,8 +73,14 @@ def logits(h: torch.Tensor, head: torch.Tensor, rows: int = 16384) -> torch.Tens
 
 def progress_bar(enabled: bool):
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("left"), TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled,

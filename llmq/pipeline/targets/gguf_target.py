@@ -34,8 +34,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as GT
 from gguf import MODEL_TENSOR as MT
+from gguf import GGMLQuantizationType as GT
 
 from ...errors import LlmqError
 from ...models.reader import CheckpointReader, LinearWeights

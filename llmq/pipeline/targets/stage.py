@@ -79,7 +79,7 @@ def _dtype_of(src: CheckpointReader) -> str:
 
 def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: str | None = None) -> Artifact:
     """Shard `source` for opts.tp ranks into a new engine artifact; optionally run the reference check first."""
-    from ...models.engine_spec import EngineSpec   # torch: imported here, so the CLI reads BuildOptions without it
+    from ...models.engine_spec import EngineSpec  # torch: imported here, so the CLI reads BuildOptions without it
     from ...models.reader import CheckpointReader
     from ...models.sharding import make_plan
 
@@ -98,7 +98,8 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
                       source={"id": source.id, "name": source.name, "kind": source.kind},
                       source_ids=[source.id, *source.parents], plan=plan)
     config = {"options": asdict(opts), "plan": plan.to_dict(), "kv_cache_dtype": kv, "max_seq_len": max_seq_len}
-    with store.create("engine", name, parents=[source.id], config=config, command=command) as w:
+    with store.create("engine", name, parents=[source.id], config=config, command=command,
+                      needs=source.payload_bytes) as w:  # the source's tensors, sliced (head padding adds little)
         if opts.target == "llmq":
             from .llmq_target import rank_config, write_llmq
 

@@ -213,7 +213,8 @@ def _stack_rows(parts: list[LinearWeights]) -> LinearWeights:
     if parts[0].qw is None:
         return LinearWeights("qkv", weight=torch.cat([p.weight for p in parts]), bias=bias)
     qws = [p.qw for p in parts]
-    cat = (lambda xs: None if xs[0] is None else torch.cat(xs))
+    def cat(xs):
+        return None if xs[0] is None else torch.cat(xs)
     fused = dataclasses.replace(qws[0], q=cat([q.q for q in qws]), scale=cat([q.scale for q in qws]),
                                 zero_point=cat([q.zero_point for q in qws]))
     return LinearWeights("qkv", qw=fused, bias=bias)
@@ -241,7 +242,8 @@ def _schemes(src: CheckpointReader) -> tuple[str | None, dict]:
         return None, {}
     if groups:
         if len(groups) > 1:
-            raise LlmqError(f"INT4 layers use different group sizes {sorted(groups)}; a TensorRT-LLM checkpoint has one")
+            raise LlmqError(f"INT4 layers use different group sizes {sorted(groups)}; "
+                            "a TensorRT-LLM checkpoint has one")
         return "W4A16_AWQ", {"group_size": int(groups.pop()), "has_zero_point": has_zero}
     return "W8A16", {}
 
@@ -363,8 +365,8 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> d
                         f"not {src.spec.architecture}; use --target trtllm-hf (TensorRT-LLM's PyTorch backend)")
     if src.spec.sliding_window is not None and src.spec.sliding_window < engine.max_seq_len:
         raise LlmqError(f"this model attends over a sliding window of {src.spec.sliding_window} tokens, which a "
-                        "TensorRT-LLM checkpoint cannot carry (it is a run-time setting there); use --target trtllm-hf, "
-                        "whose LLM-API options set max_attention_window")
+                        "TensorRT-LLM checkpoint cannot carry (it is a run-time setting there); "
+                        "use --target trtllm-hf, whose LLM-API options set max_attention_window")
     dtype_name = engine.dtype
     dtype = _DTYPES.get(dtype_name)
     if dtype is None:
@@ -445,7 +447,8 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
             scale = _unpad(state[f"{prefix}.weights_scaling_factor"], gshape, 1, f"{prefix}.weights_scaling_factor")
             zero = state.get(f"{prefix}.zero")
             zero = _unpad(zero.T, gshape, 0, f"{prefix}.zero").T if zero is not None else None
-            return LinearWeights(prefix, weight=_awq_dense(qint, scale.to(getattr(torch, cfg["dtype"])), zero), bias=bias)
+            return LinearWeights(prefix, weight=_awq_dense(qint, scale.to(getattr(torch, cfg["dtype"])), zero),
+                                 bias=bias)
         w = _unpad(w, shape, 0, f"{prefix}.weight")
         if as_target_computes and bits and requantized_at_load(f"{prefix}.weight", patterns):
             return LinearWeights(prefix, weight=trtllm_requantize(w, bits), bias=bias)

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
-from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
 from ...models import qformat
 from ...models.arch import arch_for
+from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import RankWeights, ShardPlan, head_rows, split_cols, split_rows
 from .trtllm import pack_int4_rows, unpack_int4_rows

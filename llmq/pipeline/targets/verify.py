@@ -81,7 +81,8 @@ def kv_scale_mismatches(ranks: list[RankWeights], src: CheckpointReader, plan: S
                 bad += 1
             elif target == "trtllm":
                 top = torch.maximum(want[0].float().max(), want[1].float().max())
-                bad += not (torch.equal(have[0].float().reshape(()), top) and torch.equal(have[1].float().reshape(()), top))
+                bad += not (torch.equal(have[0].float().reshape(()), top)
+                            and torch.equal(have[1].float().reshape(()), top))
             else:
                 bad += not all(torch.equal(h.float().reshape(-1), expected_kv_scale(w, plan, r).reshape(-1))
                                for h, w in zip(have, want))
@@ -114,9 +115,12 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
         from .trtllm import reference_dense, trtllm_rank_weights
 
         ranks, cfg = trtllm_rank_weights(engine_dir / meta.outputs["trtllm_checkpoint"], plan)
-        target_ranks, _ = trtllm_rank_weights(engine_dir / meta.outputs["trtllm_checkpoint"], plan, as_target_computes=True)
+        target_ranks, _ = trtllm_rank_weights(engine_dir / meta.outputs["trtllm_checkpoint"], plan,
+                                              as_target_computes=True)
         dtype = getattr(torch, cfg["dtype"])
-        dense = (lambda lw: reference_dense(lw, dtype))
+
+        def dense(lw):
+            return reference_dense(lw, dtype)
     elif meta.target == "trtllm-hf":   # one unsharded checkpoint the backend shards itself, heads padded for tp
         from .trtllm_hf import read_modelopt_checkpoint
 
