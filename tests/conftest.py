@@ -1,5 +1,5 @@
 import pytest
-from tiny import make_tiny_model as _make_tiny_model
+from helpers import make_tiny_model as _make_tiny_model
 
 from llmq.artifacts import Store
 

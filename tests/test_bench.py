@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 
@@ -15,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from helpers import free_port
 
 from llmq.bench import prompts as P
 from llmq.bench.loadgen import LoadGenerator, poisson_arrivals, probe
@@ -26,18 +26,12 @@ from llmq.errors import LlmqError
 TTFT, ITL = 0.05, 0.01
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(app):
     """Run an ASGI app with uvicorn in a thread; yield its base URL."""
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
@@ -104,7 +98,7 @@ def stand_in(tok, ttft=TTFT, itl=ITL, per_prompt_token=0.0, usage=True):
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from tiny import byte_tokenizer
+    from helpers import byte_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     byte_tokenizer().save_pretrained(d)
@@ -275,7 +269,7 @@ def test_time_limit_stops_loops_by_themselves(tok):
 
 
 def test_dead_or_wrong_endpoint_is_a_clear_error(server):
-    r = CliRunner().invoke(cli, ["bench", "--endpoint", f"http://127.0.0.1:{_free_port()}", "--no-save"])
+    r = CliRunner().invoke(cli, ["bench", "--endpoint", f"http://127.0.0.1:{free_port()}", "--no-save"])
     assert r.exit_code == 2 and "error: cannot reach" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["bench", "--endpoint", server + "/nothing-here", "--no-save"])
     assert r.exit_code == 2 and "OpenAI-compatible" in r.output

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import llmq_logits
+from helpers import llmq_logits
 
 from llmq.cli.main import cli
 from llmq.errors import LlmqError

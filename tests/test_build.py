@@ -136,7 +136,7 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def tiny_sources(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
 

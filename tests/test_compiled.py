@@ -40,7 +40,7 @@ def _decode(path, compile: bool, kv: str = "auto") -> tuple[list, list]:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     import torch
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny import byte_tokenizer
+from helpers import byte_tokenizer
 
 from llmq.runtime.detokenize import IncrementalText
 

@@ -24,7 +24,7 @@ IDS = [int(x) for x in torch.randint(0, 320, (40,), generator=torch.Generator().
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """{tied: (store, source, INT8-table artifact, same options with a 16-bit table)} for a tiny bf16 model."""
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store

@@ -29,7 +29,7 @@ CFG = dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, max_model_le
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     d = tmp_path_factory.mktemp("split")
     # the draft: the target's own weights, so drafts are accepted (greedy) or accepted at random (sampled)

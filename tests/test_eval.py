@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import make_tiny_model
+from helpers import make_tiny_model
 
 from llmq.artifacts import Store
 from llmq.cli.main import cli

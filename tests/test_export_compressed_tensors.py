@@ -99,7 +99,7 @@ KV_EXPECT = {("int8", "tensor"): (_args(8, strategy="tensor"), (1,)),
 def source(tmp_path_factory, request):
     """A tiny random model of each family stored in bf16 (as real checkpoints are, so scales are bf16), as a model
     artifact (Qwen3: the same shapes, with its per-head q/k norms)."""
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -391,7 +391,7 @@ def test_an_int8_lm_head_is_a_second_group_that_transformers_loads_and_llmq_comp
     """`--lm-head int8`: the output projection is a weight-only INT8 per-channel group of its own (a tied model is
     untied, its embedding table kept 16-bit for the lookup); transformers computes what llmq computes, and the
     probe counts the head's rounding."""
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store

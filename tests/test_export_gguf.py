@@ -119,7 +119,7 @@ TINY = {"llama-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(store, {(arch, scheme): (source artifact, gguf engine artifact)}) for both tiny models and every scheme."""
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import llmq_logits
 from safetensors.torch import load_file
-from tiny import llmq_logits
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
@@ -225,7 +225,7 @@ SCHEMES = {"bf16": None, "w8a16": dict(bits=8),
 
 @pytest.fixture(scope="module")
 def tiny_artifacts(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
 

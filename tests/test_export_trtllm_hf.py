@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import llmq_logits
 from safetensors.torch import load_file
-from tiny import llmq_logits
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
@@ -124,7 +124,7 @@ SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text"])
 def arts(tmp_path_factory, request):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
 

@@ -28,7 +28,7 @@ def test_every_declared_family_is_tested():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     root = tmp_path_factory.mktemp("families")
     return {t: make_tiny_model(root / t, seed=4, model_type=t, num_attention_heads=6, num_key_value_heads=2,

@@ -5,13 +5,11 @@ the tiny Gemma 3 of test_families covers tp 2 and every export contract."""
 from __future__ import annotations
 
 import math
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 import torch
+from helpers import live_server
 
 from llmq.artifacts import Store
 
@@ -68,8 +66,7 @@ def test_runtime_equals_transformers(gemma, ids):
 def test_quantize_rtn_gptq_awq_then_eval_and_serve(gemma, ids):
     from llmq.evals.evaluate import EvalSettings, run_eval
     from llmq.pipeline.quantize import QuantizeOptions, quantize
-    from llmq.runtime import EngineConfig, LLMEngine
-    from llmq.runtime.server import create_app, make_server, server_config
+    from llmq.runtime import EngineConfig
 
     store, base = gemma
     arts = {m: quantize(base, QuantizeOptions(method=m, **CALIB), store, progress=False)
@@ -84,23 +81,9 @@ def test_quantize_rtn_gptq_awq_then_eval_and_serve(gemma, ids):
     report = run_eval(store, gptq, base, EvalSettings(tasks=["kld"], limit=4, seed=0), []).report
     assert 0 < report["kld"]["mean"] < 5 and 0 < report["kld"]["top1"] < 100  # top-1 in percent
 
-    engine = LLMEngine(gptq.path, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = make_server(server_config(create_app(engine, served_model_name="gemma"), port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "uvicorn failed to start"
-            time.sleep(0.05)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+    with live_server(gptq.path, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20), name="gemma") as live:
+        r = httpx.post(f"{live.url}/v1/completions", timeout=120,
                        json={"model": "gemma", "prompt": ids, "max_tokens": 6, "temperature": 0})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["text"]
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        engine.shutdown()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["text"]

@@ -16,7 +16,7 @@ from llmq.pipeline.quantize import QuantizeOptions, mixed
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store

@@ -165,7 +165,7 @@ def test_kld_top1_against_direct_formula():
 # -- calibration data ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok():
-    from tiny import byte_tokenizer
+    from helpers import byte_tokenizer
 
     return byte_tokenizer()
 

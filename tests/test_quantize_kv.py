@@ -23,7 +23,7 @@ SMALL = dict(num_samples=6, seq_len=96, probe_tokens=384)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny model artifact and its store (module-scoped: quantize-kv runs are shared by the tests below)."""
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
 

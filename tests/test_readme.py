@@ -262,7 +262,7 @@ def test_commands_cover_every_stage_and_subcommand():
 
 @pytest.fixture(scope="module")
 def tiny_store(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model

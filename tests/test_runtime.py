@@ -32,7 +32,7 @@ def rand_prompts(lengths, seed=0, vocab=256):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("rt") / "tiny")
 

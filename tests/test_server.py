@@ -7,73 +7,23 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import free_port, live_server, wait_for
 
 from llmq.runtime import EngineConfig, LLMEngine
-from llmq.runtime.server import create_app, make_server, server_config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
-    def __init__(self, url: str, app, server):
-        self.url, self.app, self.server = url, app, server
-        self.fe = app.state.frontend
-
-    def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        key = self.fe.api_key
-        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).text
-        return {s.name + ("{" + s.labels["finished_reason"] + "}" if "finished_reason" in s.labels else ""): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-@contextmanager
-def live_server(model_dir, config: EngineConfig, drain: float = 30.0, **app_kw):
-    engine = LLMEngine(model_dir, config)
-    app = create_app(engine, served_model_name="tiny", **app_kw)
-    port = free_port()
-    server = make_server(server_config(app, port=port, log_level="warning", drain_timeout=drain))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "uvicorn failed to start"
-            time.sleep(0.02)
-        yield Live(f"http://127.0.0.1:{port}", app, server)
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        engine.shutdown()
-
-
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("srv") / "tiny", seed=5)
 

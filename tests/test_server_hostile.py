@@ -12,14 +12,14 @@ import time
 
 import httpx
 import pytest
-from test_server import live_server, wait_for
+from helpers import free_port, live_server, wait_for
 
 from llmq.runtime import EngineConfig
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("hostile") / "tiny", seed=5)
 
@@ -185,8 +185,6 @@ def test_an_engine_that_cannot_step_is_fatal(tiny):
     """Every forward pass failing (a dead TP worker, say): after a few, run_server stops and raises, so that
     `llmq serve` exits non-zero (and a supervisor restarts it) instead of living on as a 503 zombie."""
     import threading
-
-    from test_server import free_port
 
     from llmq.errors import LlmqError
     from llmq.runtime import LLMEngine

@@ -45,7 +45,7 @@ def test_window_convention_is_transformers():
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("swa") / "mistral", seed=5, model_type="mistral",
                            sliding_window=WINDOW)

@@ -165,7 +165,7 @@ def test_bad_parameters_are_refused():
 
 @pytest.fixture(scope="module")
 def tiny_source(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model

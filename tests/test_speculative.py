@@ -16,7 +16,7 @@ from llmq.runtime.speculative import ngram_lookup
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("spec") / "m", seed=3)
 
@@ -265,7 +265,7 @@ def test_eval_scores_are_the_same_with_speculation(tmp_path, monkeypatch):
     import json
 
     from click.testing import CliRunner
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     from llmq.artifacts import Store
     from llmq.cli.main import cli
@@ -309,7 +309,7 @@ def test_draft_model_of_the_target_itself_is_always_accepted_and_identical(tiny)
 def test_a_different_draft_model_is_lossless(tmp_path, tiny):
     """A draft that disagrees often (another random model): rejections at every position roll the draft's own
     cache back; greedy output stays plain greedy's and sampled output keeps its seeds' determinism."""
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
 
     other = make_tiny_model(tmp_path / "draft", seed=11, num_hidden_layers=1)
     ps = prompts(6, seed=6)
@@ -322,7 +322,7 @@ def test_a_different_draft_model_is_lossless(tmp_path, tiny):
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny):
-    from tiny import make_tiny_model
+    from helpers import make_tiny_model
     from transformers import AutoTokenizer
 
     other = make_tiny_model(tmp_path / "d", seed=1)

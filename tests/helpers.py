@@ -1,8 +1,12 @@
-"""Tiny random models of every supported family for unit tests: real checkpoints and tokenizers, made in a second,
-offline."""
+"""What the tests share: tiny random models of every supported family (real checkpoints and tokenizers, made in a
+second, offline), llmq's log-probs over an artifact, and a live `llmq serve` on a free port."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -62,3 +66,59 @@ def llmq_logits(source_dir, ids):
         return torch.stack([eng.prompt_logprobs(row.tolist()) for row in ids])
     finally:
         eng.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    def __init__(self, url: str, app, server):
+        self.url, self.app, self.server = url, app, server
+        self.fe = app.state.frontend
+
+    def client(self, api_key: str = "none", **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        key = self.fe.api_key
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).text
+        return {s.name + ("{" + s.labels["finished_reason"] + "}" if "finished_reason" in s.labels else ""): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@contextmanager
+def live_server(model_dir, config, drain: float = 30.0, name: str = "tiny", **app_kw):
+    """`llmq serve`'s app over model_dir with EngineConfig `config` on a free loopback port, for the with-block."""
+    from llmq.runtime import LLMEngine
+    from llmq.runtime.server import create_app, make_server, server_config
+
+    engine = LLMEngine(model_dir, config)
+    app = create_app(engine, served_model_name=name, **app_kw)
+    port = free_port()
+    server = make_server(server_config(app, port=port, log_level="warning", drain_timeout=drain))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "uvicorn failed to start"
+            time.sleep(0.02)
+        yield Live(f"http://127.0.0.1:{port}", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        engine.shutdown()
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
