@@ -229,10 +229,6 @@ class ModelSpec:
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + norms) + emb + self.hidden_size
 
-    def window_of(self, i: int) -> int | None:
-        """The attention window of layer i (None: full)."""
-        return self.local_window if i in self.local_layers else self.sliding_window
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -245,7 +241,8 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
 
     arch, h = spec.arch, spec.hidden_size
     want = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
-    optional = {f"{LM_HEAD}.weight": (spec.vocab_size, h)}
+    optional = {}
+    (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         for role in LINEARS:
             shape = spec.linear_shape(role)
@@ -253,8 +250,6 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
             optional[f"{arch.linear(i, role)}.bias"] = shape[:1]
         for role in arch.norms:
             want[arch.norm(i, role)] = (spec.head_dim if role in ("q_norm", "k_norm") else h,)
-    if not spec.tie_word_embeddings:
-        want.update((k, optional.pop(k)) for k in [f"{LM_HEAD}.weight"])
     for name in want.keys() - tensors.keys():
         raise LlmqError(f"{where}: tensor {name} is missing ({spec.architecture}, {spec.num_layers} layers)")
     for name, (dtype, shape) in tensors.items():

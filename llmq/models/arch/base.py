@@ -70,16 +70,6 @@ class Arch:
     units: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
                                           ("down_proj",))
 
-    @property
-    def post_norms(self) -> bool:
-        """Whether the attention and MLP outputs are normalized before the residual add (Gemma's four norms)."""
-        return "attn_out_norm" in self.norms
-
-    @property
-    def qk_norm(self) -> bool:
-        """Whether q and k are RMS-normalized per head before the rotary embedding (Qwen3)."""
-        return "q_norm" in self.norms
-
     def prefix(self, i: int) -> str:
         return f"{self.layers}.{i}"
 

@@ -37,10 +37,10 @@ class LayerWeights:
     gate_up: LinearBase
     down: LinearBase
     down_bias: torch.Tensor | None
-    q_norm: RMSNorm | None = None  # over each query / key head before the rotary embedding (Arch.qk_norm)
+    q_norm: RMSNorm | None = None  # over each query / key head before the rotary embedding (Qwen3, Gemma 3)
     k_norm: RMSNorm | None = None
     attn_out_norm: RMSNorm | None = None  # on the attention's and the MLP's outputs before the residual add
-    mlp_out_norm: RMSNorm | None = None   # (Arch.post_norms)
+    mlp_out_norm: RMSNorm | None = None   # (Gemma 3's four norms a layer)
 
 
 class DecoderLayer(nn.Module):
