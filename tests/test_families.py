@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmq.errors import LlmqError
-from llmq.models.arch import ARCHS, LINEARS
+from llmq.models.arch import ARCHS
 from llmq.models.spec import ModelSpec
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
@@ -18,7 +18,11 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_wor
             "qwen3": {"head_dim": 24},
             # local layers slide over 8 of the 40 scored tokens with their own rotary base, beside a global one
             "gemma3_text": {"head_dim": 24, "sliding_window": 8, "query_pre_attn_scalar": 20,
-                            "final_logit_softcapping": 5.0, "layer_types": ["sliding_attention", "full_attention"]}}
+                            "final_logit_softcapping": 5.0, "layer_types": ["sliding_attention", "full_attention"]},
+            # 8 experts of width 32, 2 a token (renormalized in one family, not in the other)
+            "qwen3_moe": {"head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "norm_topk_prob": False},
+            "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
@@ -46,13 +50,14 @@ def test_declaration_names_exactly_the_checkpoint_tensors(models, family):
     if not spec.tie_word_embeddings:
         declared.add(f"{qformat.LM_HEAD}.weight")
     for i in range(spec.num_layers):
-        declared |= {f"{n}.weight" for n in arch.linear_names(i)} | {arch.norm(i, r) for r in arch.norms}
+        declared |= {f"{n}.weight" for n in arch.linear_names(i, spec.num_experts)} | \
+            {arch.norm(i, r) for r in arch.norms}
         if spec.attention_bias:
             declared |= {f"{arch.linear(i, r)}.bias" for r in ("q_proj", "k_proj", "v_proj")}
     assert set(ckpt.tensors) == declared
     for i in range(spec.num_layers):  # and every declared linear has the shape the spec says
-        assert {r: ckpt.tensors.info(arch.linear(i, r) + ".weight")[1] for r in LINEARS} == \
-            {r: list(spec.linear_shape(r)) for r in LINEARS}
+        assert {r: ckpt.tensors.info(arch.linear(i, r) + ".weight")[1] for r in spec.roles()} == \
+            {r: list(spec.linear_shape(r)) for r in spec.roles()}
 
 
 def _transformers(path):

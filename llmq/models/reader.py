@@ -17,7 +17,6 @@ import torch
 
 from ..errors import LlmqError
 from . import bnbformat, qformat
-from .arch import LINEARS
 from .checkpoint import read_config, safetensors_files
 from .spec import ModelSpec
 
@@ -119,8 +118,8 @@ class CheckpointReader:
         return LinearWeights(name, weight=weight, qw=qw, bias=bias)
 
     def layer_linears(self, i: int) -> dict[str, LinearWeights]:
-        """Layer i's linears by role (q_proj ... down_proj)."""
-        return {r: self.linear(self.arch.linear(i, r)) for r in LINEARS}
+        """Layer i's linears by role (q_proj ... down_proj; router and experts.<e>.<role> in a MoE layer)."""
+        return {r: self.linear(self.arch.linear(i, r)) for r in self.spec.roles()}
 
     def layer_norms(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's norm weights by role (attn_norm, mlp_norm, and q_norm / k_norm where the family has them)."""

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import LlmqError
 from . import bnbformat
-from .arch import SPLIT
+from .arch import split_of
 from .reader import LinearWeights
 from .spec import ModelSpec
 
@@ -69,6 +69,7 @@ class ShardPlan:
     vocab_size: int
     padded_vocab_size: int    # multiple of tp; lm_head (and a parallel embedding) rows past vocab_size are zero
     parallel_embedding: bool
+    expert_size: int = 0      # a MoE layer's expert width, split like the MLP's (every rank holds every expert)
 
     @property
     def heads_per_rank(self) -> int:
@@ -112,6 +113,11 @@ class ShardPlan:
         n = self.intermediate_size // self.tp
         return torch.arange(rank * n, (rank + 1) * n)
 
+    def moe_rows(self, rank: int) -> torch.Tensor:
+        """Every expert's gate/up output rows of this rank; also its down_proj's input columns."""
+        n = self.expert_size // self.tp
+        return torch.arange(rank * n, (rank + 1) * n)
+
     def vocab_rows(self, rank: int) -> torch.Tensor:
         n = self.padded_vocab_size // self.tp
         idx = torch.arange(rank * n, (rank + 1) * n)
@@ -125,7 +131,7 @@ class ShardPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ShardPlan":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})  # engines built before a field: default
 
 
 def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embedding: bool = False) -> ShardPlan:
@@ -145,13 +151,15 @@ def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embe
         raise LlmqError(f"--tp {tp} does not divide this model's {heads} attention heads / {kv} KV heads "
                         f"(tp values that do: {', '.join(map(str, ok))}); drop --no-pad-heads to add zero heads "
                         f"(exact, {padded} heads / {kv_padded} KV heads)")
-    if spec.intermediate_size % tp:
+    if spec.num_experts and spec.expert_size % tp:
+        raise LlmqError(f"--tp {tp} does not divide the experts' MLP width {spec.expert_size}")
+    if not spec.num_experts and spec.intermediate_size % tp:
         raise LlmqError(f"--tp {tp} does not divide the MLP width {spec.intermediate_size}")
     padded_vocab = -(-spec.vocab_size // tp) * tp
     return ShardPlan(tp=tp, num_heads=heads, num_kv_heads=kv, head_dim=spec.head_dim, padded_heads=padded,
                      padded_kv_heads=kv_padded, intermediate_size=spec.intermediate_size,
                      hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, padded_vocab_size=padded_vocab,
-                     parallel_embedding=parallel_embedding)
+                     parallel_embedding=parallel_embedding, expert_size=spec.expert_size)
 
 
 def take(t: torch.Tensor, idx: torch.Tensor, dim: int, fill: float = 0) -> torch.Tensor:
@@ -235,10 +243,14 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
 
 
 def split_layer(full: dict[str, LinearWeights], plan: ShardPlan, rank: int) -> dict[str, LinearWeights]:
-    """One rank's slice of a layer's linears (by role), each split as arch.SPLIT says."""
-    index = {"q": plan.q_rows(rank), "kv": plan.kv_rows(rank), "mlp": plan.mlp_rows(rank)}
-    return {role: (split_rows if SPLIT[role][0] == "rows" else split_cols)(lw, index[SPLIT[role][1]])
-            for role, lw in full.items()}
+    """One rank's slice of a layer's linears (by role), each split as arch.split_of says (a router whole)."""
+    index = {"q": plan.q_rows(rank), "kv": plan.kv_rows(rank), "mlp": plan.mlp_rows(rank), "moe": plan.moe_rows(rank)}
+    cut = {"rows": split_rows, "cols": split_cols}
+    out = {}
+    for role, lw in full.items():
+        axis, which = split_of(role)
+        out[role] = lw if axis == "replicated" else cut[axis](lw, index[which])
+    return out
 
 
 def layer_slices(reader, plan: ShardPlan, i: int, ranks=None) -> list[dict[str, LinearWeights]]:

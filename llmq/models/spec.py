@@ -25,6 +25,9 @@ IMPLEMENTED = frozenset({
     "use_sliding_window", "max_window_layers",  # Qwen2/3: transformers turns them into layer_types, checked below
     "_sliding_window_pattern",  # Gemma 3: likewise
     "query_pre_attn_scalar", "final_logit_softcapping",  # Gemma 3: the attention scale, a tanh cap on the logits
+    # mixture of experts (Qwen3-MoE, Mixtral): how many experts, how many a token takes, their width, renormalizing
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers",  # Qwen3-MoE: which layers are sparse (all of them, checked below)
 })
 
 # Fields that do not change the logits of an inference forward, with the reason.
@@ -36,6 +39,8 @@ INERT = {
     "bos_token_id": "generation", "eos_token_id": "generation",
     "is_encoder_decoder": "unused", "chunk_size_feed_forward": "unused",
     "pretraining_tp": "numerics",  # slices the same matmuls in transformers 4; transformers 5 ignores it
+    "output_router_logits": "outputs", "router_aux_loss_coef": "training",
+    "router_jitter_noise": "training",  # Mixtral multiplies the router's input by noise in training mode only
 }
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # fixed frequencies, which the runtime tabulates once
@@ -90,6 +95,14 @@ def _activation_unsupported(field: str):
     return refuse
 
 
+def _dense_layers(c) -> bool:
+    """Whether a MoE config makes some layers dense (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)."""
+    if ARCHS[c.model_type].moe is None:
+        return False
+    step = getattr(c, "decoder_sparse_step", 1) or 1
+    return bool(getattr(c, "mlp_only_layers", None)) or step != 1
+
+
 # Fields the runtime implements for some values only: field -> (refuse(config), why).
 REFUSED = {
     "architectures": (lambda c: any(not a.endswith("ForCausalLM") for a in c.architectures or ()),
@@ -105,6 +118,8 @@ REFUSED = {
                                "the runtime's attention does not cap its scores"),
     "use_bidirectional_attention": (lambda c: bool(getattr(c, "use_bidirectional_attention", False)),
                                     "llmq runs causal attention"),
+    "mlp_only_layers": (_dense_layers, "llmq runs MoE models whose every layer is sparse"),
+    "decoder_sparse_step": (_dense_layers, "llmq runs MoE models whose every layer is sparse"),
 }
 
 
@@ -157,6 +172,10 @@ class ModelSpec:
     local_layers: tuple[int, ...] = ()
     attn_scale: float | None = None  # softmax scale of the attention scores; None: head_dim ** -0.5
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
+    num_experts: int = 0             # mixture of experts (Arch.moe): experts per layer (0: a dense MLP)
+    experts_per_token: int = 0
+    expert_size: int = 0             # an expert's MLP width
+    renormalize: bool = False        # the chosen experts' weights are scaled to sum to 1
 
     @classmethod
     def from_config(cls, config: dict | str | Path) -> "ModelSpec":
@@ -181,6 +200,11 @@ class ModelSpec:
                                                           else None)
             local = _local_layers(hf)
             qpas = config.get("query_pre_attn_scalar")
+            m = arch.moe
+            moe = {} if m is None else dict(
+                num_experts=int(getattr(hf, m.count_field)), experts_per_token=int(getattr(hf, m.top_k_field)),
+                expert_size=int(getattr(hf, m.width_field)),
+                renormalize=m.renormalize if isinstance(m.renormalize, bool) else bool(getattr(hf, m.renormalize)))
             return cls(
                 model_type=model_type,
                 architecture=arch.architecture,
@@ -202,6 +226,7 @@ class ModelSpec:
                 local_layers=local,
                 attn_scale=float(qpas) ** -0.5 if qpas else None,
                 final_softcap=config.get("final_logit_softcapping"),
+                **moe,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LlmqError(f"config.json of this {model_type} model is missing or has a bad field: {e}") from None
@@ -211,10 +236,18 @@ class ModelSpec:
         """The family's declaration: tensor names, fused groups, splits, export names."""
         return ARCHS[self.model_type]
 
+    def roles(self) -> tuple[str, ...]:
+        """A decoder layer's linear roles (Arch.roles with this model's experts)."""
+        return self.arch.roles(self.num_experts)
+
     def linear_shape(self, role: str) -> tuple[int, int]:
-        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj)."""
+        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>)."""
         h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.intermediate_size
+        if role == "router":
+            return self.num_experts, h
+        if role.startswith("experts."):
+            role, ff = role.rpartition(".")[2], self.expert_size
         return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ff, h),
                 "up_proj": (ff, h), "down_proj": (h, ff)}[role]
 
@@ -226,9 +259,13 @@ class ModelSpec:
         """KV-cache size of one token: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters, or (`active`) those one token computes with: its experts only in a MoE model."""
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.num_experts:
+            mlp = self.hidden_size * (self.num_experts + 3 * self.expert_size *
+                                      (self.experts_per_token if active else self.num_experts))
         norms = sum(self.norm_shape(r)[0] for r in self.arch.norms)
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + norms) + emb + self.hidden_size
@@ -241,14 +278,14 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
     """Refuse, in one line naming the tensor, a dense checkpoint whose tensors are not exactly what `spec` declares:
     a missing or extra tensor, a shape the config does not give, or a non-float dtype. `tensors`: name -> (dtype,
     shape), from the files' headers (nothing is read)."""
-    from .arch.base import EMBEDDING, LINEARS, LM_HEAD
+    from .arch.base import EMBEDDING, LM_HEAD
 
     arch, h = spec.arch, spec.hidden_size
     want = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
     optional = {}
     (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
-        for role in LINEARS:
+        for role in spec.roles():
             shape = spec.linear_shape(role)
             want[f"{arch.linear(i, role)}.weight"] = shape
             optional[f"{arch.linear(i, role)}.bias"] = shape[:1]

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import LlmqError
 from ..models import ModelSpec
+from ..models.arch import ROUTER, expert_role
 from ..models.engine_spec import EngineSpec
 from ..models.reader import CheckpointReader, LinearWeights
 from ..models.sharding import RankWeights, ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
@@ -32,7 +33,7 @@ from .layers.linear import keeps_16bit
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_inv_freq
 from .loader import build_linear
-from .models.decoder import CausalLM, DecoderLayer, LayerWeights
+from .models.decoder import CausalLM, DecoderLayer, LayerWeights, SparseMoE
 
 
 @dataclass
@@ -144,13 +145,21 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
                           "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention")
     local = (rotary_table("sliding_attention"), spec.local_window) if spec.local_layers else None
     layers = []
+    def mlp(lin: dict[str, LinearWeights]) -> dict:
+        """A layer's MLP modules: gate_up / down (row-parallel bias apart), or its experts."""
+        if not spec.num_experts:
+            down_bias, down = row_bias(lin["down_proj"])
+            return dict(gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias)
+        experts = [(linear([lin[expert_role(e, "gate_proj")], lin[expert_role(e, "up_proj")]]),
+                    linear([lin[expert_role(e, "down_proj")]])) for e in range(spec.num_experts)]
+        return dict(gate_up=None, down=None, down_bias=None,
+                    moe=SparseMoE(linear([lin[ROUTER]]), experts, spec.experts_per_token, spec.renormalize))
+
     for i, (lin, norms) in enumerate(zip(rw.layers, rw.norms)):
         o_bias, o = row_bias(lin["o_proj"])
-        down_bias, down = row_bias(lin["down_proj"])
         w = LayerWeights(
             input_norm=norm(norms["attn_norm"]), qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
-            o=linear([o]), o_bias=o_bias, post_norm=norm(norms["mlp_norm"]),
-            gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias,
+            o=linear([o]), o_bias=o_bias, post_norm=norm(norms["mlp_norm"]), **mlp(lin),
             q_norm=norm(norms.get("q_norm")), k_norm=norm(norms.get("k_norm")),
             attn_out_norm=norm(norms.get("attn_out_norm")), mlp_out_norm=norm(norms.get("mlp_out_norm")))
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc, spec.attn_scale, arch.activation,

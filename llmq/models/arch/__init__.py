@@ -4,12 +4,13 @@ its line in ARCHS and its tests; docs/extending.md walks through one."""
 from __future__ import annotations
 
 from ...errors import LlmqError
-from .base import ATTN, LINEARS, MLP, SPLIT, Arch
+from .base import ATTN, LINEARS, MLP, ROUTER, SPLIT, Arch, Experts, expert_role, split_of
 from .gemma3 import GEMMA3
 from .llama import LLAMA, MISTRAL, QWEN2
+from .moe import MIXTRAL, QWEN3_MOE
 from .qwen3 import QWEN3
 
-ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)}
+ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, QWEN3_MOE, MIXTRAL)}
 
 
 def supported() -> str:
@@ -25,5 +26,5 @@ def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
                         f"supports: {supported()}") from None
 
 
-__all__ = ["ARCHS", "ATTN", "Arch", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MLP", "QWEN2", "QWEN3", "SPLIT",
-           "arch_for", "supported"]
+__all__ = ["ARCHS", "ATTN", "Arch", "Experts", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MIXTRAL", "MLP", "QWEN2",
+           "QWEN3", "QWEN3_MOE", "ROUTER", "SPLIT", "arch_for", "expert_role", "split_of", "supported"]

@@ -19,6 +19,25 @@ LINEARS = ATTN + MLP
 SPLIT = {"q_proj": ("rows", "q"), "k_proj": ("rows", "kv"), "v_proj": ("rows", "kv"), "o_proj": ("cols", "q"),
          "gate_proj": ("rows", "mlp"), "up_proj": ("rows", "mlp"), "down_proj": ("cols", "mlp")}
 
+# A mixture-of-experts layer's linears beyond attention: the router (replicated on every rank and never quantized:
+# a rounded router picks other experts) and each expert's MLP, split like a dense MLP over its own width ("moe").
+ROUTER = "router"
+
+
+def expert_role(e: int, role: str) -> str:
+    """The role of expert e's linear `role` (gate_proj / up_proj / down_proj): "experts.<e>.<role>"."""
+    return f"experts.{e}.{role}"
+
+
+def split_of(role: str) -> tuple[str, str | None]:
+    """How a role splits across ranks (SPLIT's form; ("replicated", None) for the router)."""
+    if role == ROUTER:
+        return "replicated", None
+    if role.startswith("experts."):
+        return SPLIT[role.rpartition(".")[2]][0], "moe"
+    return SPLIT[role]
+
+
 # The embedding table and the output head: named so by every Hugging Face *ForCausalLM decoder llmq reads.
 EMBEDDING = "model.embed_tokens"
 LM_HEAD = "lm_head"
@@ -30,6 +49,25 @@ _GGUF = {"q_proj": "ATTN_Q", "k_proj": "ATTN_K", "v_proj": "ATTN_V", "o_proj": "
          "up_proj": "FFN_UP", "down_proj": "FFN_DOWN", "attn_norm": "ATTN_NORM", "mlp_norm": "FFN_NORM",
          "q_norm": "ATTN_Q_NORM", "k_norm": "ATTN_K_NORM", "attn_out_norm": "ATTN_POST_NORM",
          "mlp_out_norm": "FFN_POST_NORM"}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A sparse MoE MLP: `top_k` of `count` expert MLPs (SwiGLU each) per token, weighted by the router's softmax
+    over all experts, renormalized over the chosen ones where `renormalize` (True, or the config field saying so)."""
+
+    block: str                    # the MoE module in a checkpoint's layer
+    count_field: str              # config fields: number of experts, experts per token, an expert's MLP width
+    width_field: str
+    renormalize: bool | str       # always, or the config's boolean field
+    router: str = "gate"          # the router linear, inside the block
+    experts: str = "experts"      # the experts' list, inside the block
+    names: dict[str, str] = field(default_factory=lambda: {r: r for r in MLP})  # role -> an expert's linear
+    top_k_field: str = "num_experts_per_tok"
+    module: str | None = None     # the block's attribute in transformers' layer, where it differs from `block`
+    # llama.cpp's merged 3-D expert tensors (gguf-py MODEL_TENSOR members) of each role, and the router's
+    gguf: dict[str, str] = field(default_factory=lambda: {"gate_proj": "FFN_GATE_EXP", "up_proj": "FFN_UP_EXP",
+                                                          "down_proj": "FFN_DOWN_EXP", ROUTER: "FFN_GATE_INP"})
 
 
 @dataclass(frozen=True)
@@ -69,16 +107,29 @@ class Arch:
     # linears one input feeds and engines fuse into one matmul: one quantization width each (mixed precision)
     units: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
                                           ("down_proj",))
+    moe: Experts | None = None    # every layer's MLP is a mixture of experts (no dense MLP roles then)
 
     def prefix(self, i: int) -> str:
         return f"{self.layers}.{i}"
 
     def linear(self, i: int, role: str) -> str:
         """The module name of layer i's linear `role` (its tensors are <name>.weight, <name>.bias, ...)."""
-        return f"{self.prefix(i)}.{self.linears[role]}"
+        return f"{self.prefix(i)}.{self.path(role)}"
 
-    def linear_names(self, i: int) -> list[str]:
-        return [self.linear(i, r) for r in LINEARS]
+    def linear_names(self, i: int, experts: int = 0) -> list[str]:
+        return [self.linear(i, r) for r in self.roles(experts)]
+
+    def roles(self, experts: int = 0) -> tuple[str, ...]:
+        """A layer's linear roles: attention and the MLP, or attention, the router and each of `experts` experts'."""
+        if self.moe is None:
+            return LINEARS
+        return ATTN + (ROUTER,) + tuple(expert_role(e, r) for e in range(experts) for r in MLP)
+
+    def _expand(self, roles: tuple[str, ...], experts: int) -> list[tuple[str, ...]]:
+        """A group of dense MLP roles as it is in this family: once per expert in a MoE layer."""
+        if self.moe is None or not set(roles) & set(MLP):
+            return [roles]
+        return [tuple(expert_role(e, r) for r in roles) for e in range(experts)]
 
     def norm(self, i: int, role: str) -> str:
         """The tensor name of layer i's norm `role`."""
@@ -89,11 +140,35 @@ class Arch:
 
     def path(self, role: str) -> str:
         """A linear's or a norm's module path inside a layer."""
+        m = self.moe
+        if m is not None and role == ROUTER:
+            return f"{m.block}.{m.router}"
+        if m is not None and role.startswith("experts."):
+            _, e, r = role.split(".")
+            return f"{m.block}.{m.experts}.{e}.{m.names[r]}"
         return self.linears.get(role) or self.norms[role]
 
-    def feed_paths(self) -> list[tuple[str, bool, tuple[str, ...]]]:
-        """`feeds` as module paths inside a layer: (producer, whether it is a norm, consumers)."""
-        return [(self.path(p), p in self.norms, tuple(self.path(c) for c in cons)) for p, cons in self.feeds]
+    def feed_roles(self, experts: int = 0) -> list[tuple[str, tuple[str, ...]]]:
+        """`feeds` by role, a MoE layer's MLP norm feeding every expert's gate / up (and the router, whose weight then
+        carries the scale unquantized) and each expert's up feeding its down."""
+        out = []
+        for p, cons in self.feeds:
+            if self.moe is not None and p in MLP:
+                out += [(f[0], f[1:]) for f in self._expand((p, *cons), experts)]
+            elif self.moe is not None and set(cons) & set(MLP):
+                out.append((p, tuple(r for g in self._expand(cons, experts) for r in g) + (ROUTER,)))
+            else:
+                out.append((p, cons))
+        return out
 
-    def unit_paths(self) -> list[tuple[str, ...]]:
-        return [tuple(self.path(r) for r in unit) for unit in self.units]
+    def feed_paths(self, experts: int = 0) -> list[tuple[str, bool, tuple[str, ...]]]:
+        """`feeds` as module paths inside a layer: (producer, whether it is a norm, consumers)."""
+        return [(self.path(p), p in self.norms, tuple(self.path(c) for c in cons))
+                for p, cons in self.feed_roles(experts)]
+
+    def unit_roles(self, experts: int = 0) -> list[tuple[str, ...]]:
+        """`units` by role; a MoE layer's MLP units once per expert (the router is no unit: it stays 16-bit)."""
+        return [u for unit in self.units for u in self._expand(unit, experts)]
+
+    def unit_paths(self, experts: int = 0) -> list[tuple[str, ...]]:
+        return [tuple(self.path(r) for r in unit) for unit in self.unit_roles(experts)]

@@ -26,8 +26,10 @@ from torch import nn
 
 from ...errors import LlmqError
 from ...models import ModelSpec, qformat
+from ...models.arch import ROUTER
 from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
+from . import experts
 from .calib import TokenWindows
 from .mixed import width_grid
 from .rtn import quantize_weight
@@ -95,8 +97,9 @@ class LayerContext:
         hooks = [self.linears[n].register_forward_pre_hook(
             lambda m, args, n=n: fn(n, args[0].reshape(-1, args[0].shape[-1]).float())) for n in names]
         try:
-            for x in self.calib_inputs:
-                self.layer(x, **self.layer_kwargs)
+            with experts.every_expert(self.layer):  # a MoE layer's experts each see every token (experts.py)
+                for x in self.calib_inputs:
+                    self.layer(x, **self.layer_kwargs)
         finally:
             for h in hooks:
                 h.remove()
@@ -148,6 +151,12 @@ class LayerwiseResult:
     probe: dict | None
     layer_times: list[float]
     device: str
+    routed: list[list[int]] | None = None  # MoE, calibrated: per layer, the calibration tokens routed to each expert
+
+
+def routers(spec: ModelSpec) -> list[str]:
+    """The MoE routers' module names: kept 16-bit (a rounded router picks other experts), never calibrated."""
+    return [spec.arch.linear(i, ROUTER) for i in range(spec.num_layers)] if spec.num_experts else []
 
 
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
@@ -183,7 +192,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     layers = model.get_submodule(arch.layers)
     widths = widths or {}
     ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None, kv=None,
-                             ignore=(*opts.ignore, *(n for n, b in widths.items() if b == 16)))
+                             ignore=(*opts.ignore, *routers(spec), *(n for n, b in widths.items() if b == 16)))
 
     emitted: set[str] = set()
     probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], [])
@@ -199,6 +208,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     drop(model, qformat.EMBEDDING)  # read again from the checkpoint when it is written
 
     times: list[float] = []
+    routed: list[list[int]] = []
     with progress_bar(progress) as bar:
         task = bar.add_task(f"{opts.method} w{opts.bits}", total=len(layers))
         for i in range(len(layers)):
@@ -213,6 +223,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
                                calib_kw[i] if calib_kw else {}, own)
             qws = method.quantize_layer(ctx)
+            routed += [b.routed for b in experts.blocks(layer) if sum(b.routed)]
             if set(qws) != set(linears):
                 raise LlmqError(f"method {opts.method} returned weights for {sorted(qws)} in layer {i}, "
                                 f"expected {sorted(linears)}")
@@ -254,4 +265,4 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
         norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
         result_probe = _kl_chunks(probe_src, probe_q, norm, table, quant_head or (lambda h: logits(h, table)))
         result_probe["source"] = probe.source
-    return LayerwiseResult(result_probe, times, str(device))
+    return LayerwiseResult(result_probe, times, str(device), routed or None)

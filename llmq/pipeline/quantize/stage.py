@@ -156,8 +156,13 @@ class QuantizeOptions(Options):
 
 
 def _in_features(spec: ModelSpec) -> dict[str, int]:
-    return {"q_proj/k_proj/v_proj/gate_proj/up_proj": spec.hidden_size, "o_proj": spec.num_heads * spec.head_dim,
-            "down_proj": spec.intermediate_size}
+    """The decoder linears' input widths, each with the roles that have it ("q_proj/k_proj/...")."""
+    by_width: dict[int, list[str]] = {}
+    for role in spec.roles():
+        name = role.rpartition(".")[2]
+        if role != "router" and name not in by_width.setdefault(spec.linear_shape(role)[1], []):
+            by_width[spec.linear_shape(role)[1]].append(name)
+    return {"/".join(names): k for k, names in by_width.items()}
 
 
 def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, ModelSpec, object]:
@@ -316,6 +321,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     """Quantize `source` (a model artifact) and commit the quantized artifact."""
     from ...models import qformat
     from .calib import load_calibration, load_probe_text
+    from .experts import expert_coverage
     from .layerwise import run_layerwise
 
     t0 = time.perf_counter()
@@ -345,7 +351,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             from .mixed import plan as mixed_plan
 
             plan = mixed_plan(source.path, spec, opts, calib, pick_device(opts.device), progress)
-        sink = CheckpointSink(out, opts, tuple(plan.dense) if plan else ())
+        from .layerwise import routers
+
+        sink = CheckpointSink(out, opts, (*(plan.dense if plan else ()), *routers(spec)))
         result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,
                                progress=progress, widths=plan.bits if plan else None)
         out.close()
@@ -364,6 +372,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             "dense_modules": sorted(sink.dense_modules),
             "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},
             "calibration": calib.manifest() if calib is not None else None,
+            **({"expert_coverage": expert_coverage(result.routed, calib)} if spec.num_experts else {}),
             "probe": probe.manifest() if probe is not None else None,
             "source": {"id": source.id, "ref": source.ref},
         })

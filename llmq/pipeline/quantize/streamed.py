@@ -111,6 +111,11 @@ def skeleton(model_dir: Path, arch: Arch, dtype: torch.dtype, device):
     config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    if arch.moe is not None:  # one linear per expert, under the checkpoint's names
+        from .experts import install
+
+        with torch.device("meta"):
+            install(model, arch, config)
     rotary = model.model.rotary_emb
     model.model.rotary_emb = type(rotary)(config=model.config).to(device)
     if arch.embed_scale:  # transformers' scaled embedding keeps sqrt(hidden) in a buffer no checkpoint holds

@@ -239,7 +239,9 @@ def fused_layer_args(layer) -> tuple[tuple, int] | None:
     """(the constant arguments of a DecoderStack for a models.decoder.DecoderLayer, the most decodes a step may hold)
     when its four projections are layers with a kernel for decode batches (their `fused_spec`), on one
     rank without row-parallel biases, q/k or output norms, GeGLU or a local window (the stack computes none of
-    them); None for any other layer (it runs op by op)."""
+    them); None for any other layer, a mixture of experts' too (it runs op by op)."""
+    if layer.moe is not None:
+        return None
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     specs = [getattr(m, "fused_spec", lambda: None)() for m in linears]
     if not all(specs) or not usable(layer.input_norm.weight) or layer.tp.world > 1 or layer.o_bias is not None or \

@@ -25,18 +25,71 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 
 
+def glu(gu: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of fused gate_up rows [T, 2I] (SwiGLU or GeGLU); gu is the caller's own buffer, reused."""
+    if activation == "gelu_tanh":
+        g, u = gu.chunk(2, dim=-1)
+        return F.gelu(g, approximate="tanh").mul_(u)
+    if cpu_kernels.usable(gu) and gu.is_contiguous():
+        return cpu_kernels.silu_mul(gu)
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g, inplace=True).mul_(u)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP on one rank: the router (whole on every rank, so all agree on the routing) picks
+    top_k experts per token from its softmax, and only those experts run, on only their tokens, so a decode step
+    reads the chosen experts' weights and no others. Each expert is a SwiGLU MLP, its width split across ranks like a
+    dense MLP's; the weighted sum is this rank's partial output (the layer all-reduces it). `bytes_read` counts the
+    expert weight bytes the steps so far have read (what a memory-bandwidth figure divides)."""
+
+    def __init__(self, router: LinearBase, experts: list[tuple[LinearBase, LinearBase]], top_k: int,
+                 renormalize: bool):
+        super().__init__()
+        self.router, self.top_k, self.renormalize = router, top_k, renormalize
+        self.gate_up = nn.ModuleList(g for g, _ in experts)
+        self.down = nn.ModuleList(d for _, d in experts)
+        self.expert_bytes = [g.nbytes + d.nbytes for g, d in experts]
+        self.bytes_read = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # softmax in float32 over all experts, the top_k kept (renormalized where the family does), as transformers
+        probs = self.router(x).float().softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)   # token slots grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.down)).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[start:start + n]
+            start += n
+            rows = slots // self.top_k
+            y = self.down[e](glu(self.gate_up[e](x.index_select(0, rows)), "silu"))
+            out.index_add_(0, rows, y * weights.flatten()[slots, None])
+            self.bytes_read += self.expert_bytes[e]
+        return out
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer's modules on this rank (qkv and gate_up are fused column-parallel linears)."""
+    """One decoder layer's modules on this rank (qkv and gate_up are fused column-parallel linears; a MoE layer has
+    its experts in place of gate_up / down)."""
 
     input_norm: RMSNorm
     qkv: LinearBase
     o: LinearBase
     o_bias: torch.Tensor | None  # row-parallel bias: added once, after the all-reduce
     post_norm: RMSNorm
-    gate_up: LinearBase
-    down: LinearBase
+    gate_up: LinearBase | None
+    down: LinearBase | None
     down_bias: torch.Tensor | None
+    moe: SparseMoE | None = None
     q_norm: RMSNorm | None = None  # over each query / key head before the rotary embedding (Qwen3, Gemma 3)
     k_norm: RMSNorm | None = None
     attn_out_norm: RMSNorm | None = None  # on the attention's and the MLP's outputs before the residual add
@@ -54,6 +107,7 @@ class DecoderLayer(nn.Module):
         self.o_bias, self.down_bias = w.o_bias, w.down_bias
         self.q_norm, self.k_norm = w.q_norm, w.k_norm
         self.attn_out_norm, self.mlp_out_norm = w.attn_out_norm, w.mlp_out_norm
+        self.moe = w.moe
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
@@ -82,18 +136,10 @@ class DecoderLayer(nn.Module):
         a = paged_attention(q, k, v, cache, meta, self.scale)
         h = self._reduce(self.o(a.reshape(t, self.q_size)), self.o_bias)
         x = x + (self.attn_out_norm(h) if self.attn_out_norm is not None else h)
-        h = self._reduce(self.down(self._act(self.gate_up(self.post_norm(x)))), self.down_bias)
+        y = self.post_norm(x)
+        h = self.moe(y) if self.moe is not None else self.down(glu(self.gate_up(y), self.activation))
+        h = self._reduce(h, self.down_bias)
         return x.add_(self.mlp_out_norm(h) if self.mlp_out_norm is not None else h)
-
-    def _act(self, gu: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up of the fused gate_up rows (SwiGLU or GeGLU)."""
-        if self.activation == "gelu_tanh":
-            g, u = gu.chunk(2, dim=-1)
-            return F.gelu(g, approximate="tanh").mul_(u)
-        if cpu_kernels.usable(gu) and gu.is_contiguous():
-            return cpu_kernels.silu_mul(gu)
-        g, u = gu.chunk(2, dim=-1)
-        return F.silu(g, inplace=True).mul_(u)  # gu is this layer's own buffer: reuse it
 
 
 class CausalLM(nn.Module):
