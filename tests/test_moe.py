@@ -17,7 +17,8 @@ import torch
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
 
-SHAPES = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16),
+SHAPES = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16,
+                            norm_topk_prob=True),
           "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)}
 METHODS = {"rtn-w4g32": dict(method="rtn", bits=4, group_size=32), "gptq-w4g32": dict(method="gptq", bits=4,
                                                                                        group_size=32),
@@ -41,18 +42,27 @@ def _rank1_router(path) -> None:
     save_file(st, f, metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def source(tmp_path_factory, request):
+def _source(d, family, rank1: bool = False, bf16: bool = False):
+    """A tiny random MoE of `family` as a model artifact; `rank1`: with _rank1_router; `bf16`: stored in bf16 as
+    real checkpoints are (scales are then bf16 too, which GGUF's fp16 block scales hold exactly)."""
     from helpers import make_tiny_model
+    from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
-    d = tmp_path_factory.mktemp(request.param)
-    path = make_tiny_model(d / "tiny", seed=7, model_type=request.param, **SHAPES[request.param])
-    _rank1_router(path)
+    path = make_tiny_model(d / "tiny", seed=7, model_type=family, **SHAPES[family])
+    if rank1:
+        _rank1_router(path)
+    if bf16:
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
     store = Store(d / "store")
     return store, resolve_model(str(path), store)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def source(tmp_path_factory, request):
+    return _source(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +93,14 @@ def _logprobs(path, ids, **kw):
         return eng.prompt_logprobs(ids)
     finally:
         eng.shutdown()
+
+
+def _int4_kernel_off(monkeypatch):
+    """The runtime's INT4 layers on their exact dequantize path, not a bf16-activation kernel."""
+    from llmq.runtime.layers import linear
+
+    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)
+    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
 
 
 def _decompressed_dense(art, out):
@@ -131,10 +149,7 @@ def test_weight_only_moe_matches_transformers_on_the_decompressed_checkpoint(sou
                                                                              monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from llmq.runtime.layers import linear
-
-    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)  # the exact dequantize path, not a bf16 kernel
-    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
+    _int4_kernel_off(monkeypatch)
     art = quantized(name)
     hf = AutoModelForCausalLM.from_pretrained(_decompressed_dense(art, tmp_path / "dense"), dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(3))
@@ -166,10 +181,15 @@ def test_the_probe_records_what_the_runtime_computes(source, quantized, name):
     assert abs(acc.result()["kld_mean"] / recorded - 1) < (2e-3 if name in ("smoothquant", "fp8") else 5e-4)
 
 
-def test_calibration_reaches_experts_the_router_never_picks(source, quantized):
+@pytest.mark.parametrize("family", list(SHAPES))
+def test_calibration_reaches_experts_the_router_never_picks(tmp_path, family):
     """GPTQ's weights of an expert no calibration token is routed to come from a real Hessian (they differ from
     round-to-nearest's, which a GPTQ without inputs would give), and the manifest names it as never routed."""
-    gptq, plain = quantized("gptq-w4g32"), quantized("rtn-w4g32")
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = _source(tmp_path, family, rank1=True)
+    gptq, plain = (quantize(src, QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=0, **METHODS[m]), store,
+                            progress=False) for m in ("gptq-w4g32", "rtn-w4g32"))
     cov = gptq.config["expert_coverage"]
     assert cov["scheme"].startswith("every expert on every calibration token")
     routed0 = cov["routed_tokens"][0]
@@ -186,13 +206,13 @@ def test_calibration_reaches_experts_the_router_never_picks(source, quantized):
         assert not torch.equal(g[role].qw.q, r[role].qw.q)
 
 
-@pytest.mark.parametrize("name", ["gptq-w4g32", "fp8"])
+@pytest.mark.parametrize("name", ["gptq-w4g32", "awq-w4g32"])
 def test_a_quantized_moe_splits_over_two_ranks_as_it_runs_on_one(source, quantized, name):
     """`build --tp 2` cuts every expert's width in two (its verify step runs the shards against the unsharded
-    checkpoint in exact arithmetic), and the engine serves what the checkpoint computes on one rank, up to what
-    differs by design: the INT4 kernel's bf16 activations, FP8's per-token activation scales taken per rank over a
-    row-parallel layer's half of the inputs (1.4e-3 measured; a router sees such a change whole). A wrong split is
-    off by KLD ~1."""
+    checkpoint in exact arithmetic), and the engine serves what the checkpoint computes on one rank, up to the INT4
+    kernel's bf16 activations (a wrong split is off by KLD ~1). Activation-quantized schemes are left out of the
+    served comparison: their per-token scales are taken per rank over a row-parallel layer's half of the inputs, and
+    a router turns such a change into other experts (FP8: 0.84 top-1 agreement on this random model)."""
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     art = quantized(name)
@@ -201,6 +221,92 @@ def test_a_quantized_moe_splits_over_two_ranks_as_it_runs_on_one(source, quantiz
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     got = kld_top1(_logprobs(art.path, ids), _logprobs(built.path, ids))
     assert got["kld_mean"] < 1e-2 and got["top1"] >= 0.9, got
+
+
+def _model_from_gguf(path):
+    """transformers' model of a GGUF MoE file, built from the file alone: hyperparameters from its metadata, each
+    merged expert tensor dequantized by gguf-py and cut into transformers' fused expert parameters (llama.cpp's
+    `llama` architecture stores q / k rows pair-interleaved: put back in Hugging Face's order)."""
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    r = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta["general.architecture"]
+    g = lambda k: meta[f"{arch}.{k}"]  # noqa: E731
+    heads, kv, d = g("attention.head_count"), g("attention.head_count_kv"), g("rope.dimension_count")
+    t = {x.name: torch.from_numpy(np.array(gguf.quants.dequantize(x.data, x.tensor_type), dtype=np.float32))
+         .reshape([int(n) for n in reversed(x.shape)]) for x in r.tensors}
+    model_type = {"qwen3moe": "qwen3_moe", "llama": "mixtral"}[arch]
+    cfg = AutoConfig.for_model(model_type, vocab_size=t["token_embd.weight"].shape[0],
+                               hidden_size=g("embedding_length"), num_hidden_layers=g("block_count"),
+                               num_attention_heads=heads, num_key_value_heads=kv, head_dim=d,
+                               rms_norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base"),
+                               num_experts=g("expert_count"), num_experts_per_tok=g("expert_used_count"),
+                               intermediate_size=g("expert_feed_forward_length"),
+                               moe_intermediate_size=g("expert_feed_forward_length"), norm_topk_prob=True,
+                               tie_word_embeddings="output.weight" not in t)
+
+    def unpair(w, n):  # rows (2i, 2i + 1) of each head back to (i, i + d/2)
+        return w.reshape(n, d // 2, 2, -1).transpose(1, 2).reshape(n * d, -1) if arch == "llama" else w
+
+    state = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"]}
+    if "output.weight" in t:
+        state["lm_head.weight"] = t["output.weight"]
+    for i in range(cfg.num_hidden_layers):
+        b, m = f"blk.{i}.", f"model.layers.{i}."
+        state |= {m + "input_layernorm.weight": t[b + "attn_norm.weight"],
+                  m + "post_attention_layernorm.weight": t[b + "ffn_norm.weight"],
+                  m + "self_attn.q_proj.weight": unpair(t[b + "attn_q.weight"], heads),
+                  m + "self_attn.k_proj.weight": unpair(t[b + "attn_k.weight"], kv),
+                  m + "self_attn.v_proj.weight": t[b + "attn_v.weight"],
+                  m + "self_attn.o_proj.weight": t[b + "attn_output.weight"],
+                  m + "mlp.gate.weight": t[b + "ffn_gate_inp.weight"],
+                  m + "mlp.experts.gate_up_proj": torch.cat([t[b + "ffn_gate_exps.weight"],
+                                                             t[b + "ffn_up_exps.weight"]], dim=1),
+                  m + "mlp.experts.down_proj": t[b + "ffn_down_exps.weight"]}
+        if b + "attn_q_norm.weight" in t:
+            state |= {m + "self_attn.q_norm.weight": t[b + "attn_q_norm.weight"],
+                      m + "self_attn.k_norm.weight": t[b + "attn_k_norm.weight"]}
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model, meta, t
+
+
+@pytest.mark.parametrize("family", list(SHAPES))
+def test_gguf_export_merges_each_role_s_experts_into_one_3d_tensor(tmp_path, family, monkeypatch):
+    """llama.cpp's MoE layout: ffn_gate_inp (the router, dense), ffn_{gate,up,down}_exps [experts, out, in] with each
+    expert's blocks as its own matrix would have them; read back by gguf-py alone into transformers, the file
+    computes what llmq's runtime computes from the artifact."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, src = _source(tmp_path, family, bf16=True)
+    art = quantize(src, QuantizeOptions(probe_tokens=0, **METHODS["rtn-w4g32"]), store, progress=False)
+    built = build_engine(art, store, BuildOptions(target="gguf"))
+    meta_file = json.loads((built.path / "engine.json").read_text())["outputs"]["gguf"]
+    model, meta, t = _model_from_gguf(built.path / meta_file["file"])
+    ck = CheckpointReader(art.path)
+    s = ck.spec
+    arch = meta["general.architecture"]
+    assert meta[f"{arch}.expert_count"] == s.num_experts and meta[f"{arch}.expert_used_count"] == 2
+    assert meta_file["tensor_types"]["Q4_0"] == (4 + 3) * s.num_layers  # q, k, v, o and a merged tensor a role
+    lin = ck.layer_linears(1)
+    for role, name in (("down_proj", "ffn_down_exps"), ("up_proj", "ffn_up_exps")):
+        merged = t[f"blk.1.{name}.weight"]
+        assert tuple(merged.shape) == (s.num_experts, *s.linear_shape(f"experts.0.{role}"))
+        for e in range(s.num_experts):  # integers and (bf16) scales exact
+            assert torch.equal(merged[e], lin[f"experts.{e}.{role}"].dense(torch.float32))
+            assert not torch.equal(merged[e], lin[f"experts.{(e + 1) % s.num_experts}.{role}"].dense(torch.float32))
+    assert torch.equal(t["blk.1.ffn_gate_inp.weight"], lin["router"].weight.float())
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(9)).tolist()
+    with torch.no_grad():
+        got = model(torch.tensor([ids])).logits[0]
+    _int4_kernel_off(monkeypatch)
+    k = kld_top1(got, _logprobs(art.path, ids))
+    assert k["kld_mean"] < 1e-8 and k["top1"] == 1.0, k
 
 
 def test_a_moe_with_dense_layers_is_refused_naming_the_field():

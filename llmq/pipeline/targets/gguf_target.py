@@ -38,6 +38,7 @@ from gguf import MODEL_TENSOR as MT
 from gguf import GGMLQuantizationType as GT
 
 from ...errors import LlmqError
+from ...models.arch import MLP, expert_role
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import ShardPlan, split_rows
 
@@ -54,6 +55,9 @@ def _refuse_unsupported(src: CheckpointReader, plan: ShardPlan) -> None:
     if src.arch.norm_offset or s.local_layers:
         raise LlmqError(f"--target gguf is not written for {s.architecture} by llmq yet (llama.cpp's "
                         f"{src.arch.gguf_arch}: (1 + w) norms, local layers); use --target llmq or trtllm-hf")
+    if s.num_experts and not s.renormalize:
+        raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} renormalizes the chosen experts' weights, "
+                        "which this model's config (norm_topk_prob false) does not; use --target llmq")
     if plan.tp != 1:
         raise LlmqError(f"--target gguf writes one unsharded file; llama.cpp splits layers across devices itself "
                         f"(--split-mode); use --tp 1, not --tp {plan.tp}")
@@ -202,10 +206,29 @@ class _Tensors:
         if lw.bias is not None:
             self.dense(f"{name}.bias", lw.bias, force_f32=True)
 
+    def experts(self, name: str, lws: list[LinearWeights]) -> None:
+        """The experts' matrices of one role as llama.cpp's merged 3-D tensor [experts, out, in]: one GGML type for
+        all of them (each expert's blocks packed as its own matrix would be)."""
+        if any(lw.qw is None for lw in lws):
+            if not all(lw.qw is None for lw in lws):
+                raise LlmqError(f"{name}: some experts are quantized and some are not; a merged GGUF expert "
+                                "tensor has one type")
+            return self.dense(f"{name}.weight", torch.stack([lw.weight for lw in lws]))
+        qtypes = {block_type(lw.qw, lw.name) for lw in lws}
+        if len(qtypes) > 1:
+            raise LlmqError(f"{name}: experts in {sorted(t.name for t in qtypes)}; a merged GGUF expert tensor has "
+                            "one type")
+        (qtype,) = qtypes
+        self.writer.add_tensor(f"{name}.weight", np.stack([pack_blocks(lw.qw, qtype, self.rounding) for lw in lws]),
+                               raw_dtype=qtype)
+        self.types[qtype.name] += 1
+
 
 def gguf_name(role: str, arch, i: int) -> str:
-    """llama.cpp's name of layer i's tensor `role` (without .weight / .bias), from the family's declaration."""
-    return gguf.TENSOR_NAMES[MT[arch.gguf[role]]].format(bid=i)
+    """llama.cpp's name of layer i's tensor `role` (without .weight / .bias), from the family's declaration (a MoE
+    family's router and merged expert tensors from its Experts)."""
+    table = arch.moe.gguf if arch.moe is not None and role in arch.moe.gguf else arch.gguf
+    return gguf.TENSOR_NAMES[MT[table[role]]].format(bid=i)
 
 
 def _add_weights(tensors: _Tensors, src: CheckpointReader) -> None:
@@ -214,11 +237,17 @@ def _add_weights(tensors: _Tensors, src: CheckpointReader) -> None:
     for i in range(s.num_layers):
         for role, t in src.layer_norms(i).items():
             tensors.dense(f"{gguf_name(role, arch, i)}.weight", t, True)
-        for role, lw in src.layer_linears(i).items():
+        linears = src.layer_linears(i)
+        for role, lw in linears.items():
+            if role.startswith("experts."):
+                continue
             if arch.gguf_permutes_qk and role in ("q_proj", "k_proj"):
                 heads = s.num_heads if role == "q_proj" else s.num_kv_heads
                 lw = split_rows(lw, rope_rows(heads, s.head_dim))
             tensors.linear(gguf_name(role, arch, i), lw)
+        if s.num_experts:  # one merged tensor per expert role, experts in order
+            for role in MLP:
+                tensors.experts(gguf_name(role, arch, i), [linears[expert_role(e, role)] for e in range(s.num_experts)])
     tensors.dense(f"{names[MT.OUTPUT_NORM]}.weight", src.final_norm(), True)
     if src.has_lm_head() or not s.tie_word_embeddings:  # tied: llama.cpp reuses token_embd as the output
         tensors.linear(names[MT.OUTPUT], src.lm_head())
@@ -230,7 +259,11 @@ def _add_hparams(w, src: CheckpointReader, name: str) -> None:
     w.add_context_length(s.max_position_embeddings)
     w.add_embedding_length(s.hidden_size)
     w.add_block_count(s.num_layers)
-    w.add_feed_forward_length(s.intermediate_size)
+    w.add_feed_forward_length(s.intermediate_size)  # Mixtral's is its experts' width
+    if s.num_experts:
+        w.add_expert_count(s.num_experts)
+        w.add_expert_used_count(s.experts_per_token)
+        w.add_expert_feed_forward_length(s.expert_size)  # what qwen3moe reads the experts' width from
     w.add_head_count(s.num_heads)
     w.add_head_count_kv(s.num_kv_heads)
     if s.head_dim * s.num_heads != s.hidden_size:
