@@ -182,7 +182,7 @@ def test_calibration_sources(tmp_path, tok):
     one = calib.load_calibration(str(tmp_path / "a.txt"), tok, 1000, 32, 0)
     assert one.manifest()["samples"] == len(one.samples) == (len("alpha beta gamma " * 40)) // 32
     default = calib.load_calibration(None, tok, 8, 128, 0)
-    assert default.source.startswith("bundled:calib_en.txt+stdlib:") and default.tokens == 8 * 128
+    assert default.source.startswith("bundled:calib_en.txt+calib_chat.jsonl+stdlib:") and default.tokens == 8 * 128
     probe = calib.load_probe_text(tok, 1024)
     assert probe.tokens == 1024 and "probe_en.txt" in probe.source
 
@@ -193,6 +193,123 @@ def test_bad_calibration_files(tmp_path, tok, content, match):
     f.write_text(content)
     with pytest.raises(LlmqError, match=match):
         calib.load_calibration(str(f), tok, 4, 32, 0)
+
+
+# Qwen3's <think> block on the last assistant turn, its reasoning only when thinking is on; SmolLM3's mode flag
+THINKING_TEMPLATE = (
+    "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last %}<think>"
+    "{% if enable_thinking is not defined or enable_thinking %}{{ m.reasoning_content or '' }}{% endif %}</think>"
+    "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}")
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "two and two make four"}]
+
+
+def _thinking_tok():
+    from helpers import byte_tokenizer
+
+    t = byte_tokenizer()
+    t.chat_template = THINKING_TEMPLATE
+    return t
+
+
+def _texts(w: calib.TokenWindows, tok, domain: str) -> list[str]:
+    return [tok.decode(s) for s, d in zip(w.samples, w.domains) if d == domain]
+
+
+def test_default_calibration_mixes_chat_through_the_template_with_prose_and_code(tok):
+    import hashlib
+
+    from helpers import CHATML
+
+    bundled = (calib.DATA / calib.CALIB_CHAT).read_text().splitlines()
+    w = calib.load_calibration(None, tok, 16, 512, 0)   # byte tokens: a conversation is 300 to 1400 of them
+    m = w.manifest()
+    assert m["chat"] == {"conversations": len(bundled), "chat_template": True, "thinking": None,
+                         "template_sha256": hashlib.sha256(CHATML.encode()).hexdigest()}
+    assert m["domains"] == {"chat": 8 * 512, "code": 4 * 512, "prose": 4 * 512}   # 2 : 1 : 1
+    assert w.domains[:4] == ("chat", "prose", "code", "chat")   # interleaved, so a prefix keeps the mix
+    chat = _texts(w, tok, "chat")
+    assert all("<|im_start|>" in t for t in chat) and sum(t.startswith("<|im_start|>") for t in chat) >= 6  # of 8
+    assert not any("<|im_start|>" in t for t in _texts(w, tok, "code") + _texts(w, tok, "prose"))
+    again = calib.load_calibration(None, tok, 16, 512, 0)
+    assert [s.tolist() for s in again.samples] == [s.tolist() for s in w.samples] and again.manifest() == m
+    assert [s.tolist() for s in calib.load_calibration(None, tok, 16, 512, 1).samples] != [
+        s.tolist() for s in w.samples]
+    plain = calib.load_calibration(None, tok, 16, 512, 0, chat_template=False)
+    assert plain.manifest()["chat"] | {"conversations": 0} == {"conversations": 0, "chat_template": False,
+                                                                "template_sha256": None, "thinking": None}
+    assert plain.sha256 != w.sha256 and not any("<|im_start|>" in t for t in _texts(plain, tok, "chat"))
+    assert any("\nassistant: " in t for t in _texts(plain, tok, "chat"))
+
+
+def test_windows_start_where_a_document_starts_inside_the_window_before():
+    ids, starts = list(range(30)), [0, 5, 10]   # documents of 5, 5 and 20 tokens
+    assert [w[0] for w in calib._cut(ids, starts, 8)] == [0, 5, 10, 18]   # the 20-token one continues at 18
+    assert calib._cut(ids, [0], 8) == [ids[0:8], ids[8:16], ids[16:24]]
+
+
+def test_thinking_on_off_auto_for_a_template_with_the_switch():
+    t = _thinking_tok()
+    on, off = calib.ChatFormat.of(t, thinking="on"), calib.ChatFormat.of(t, thinking="off")
+    assert on.render(t, CONVERSATION) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2 + 2?"
+                                          "<|im_end|>\n<|im_start|>assistant\n<think>two and two make four"
+                                          "</think>4<|im_end|>\n", True)
+    assert off.render(t, CONVERSATION) == ("/no_think\n" + on.render(t, CONVERSATION)[0].replace(
+        "two and two make four", ""), False)
+    auto = calib.ChatFormat.of(t)
+    assert auto.render(t, CONVERSATION)[1] is True and auto.render(t, CONVERSATION[:2])[1] is False
+    rows = [json.loads(line)["messages"] for line in (calib.DATA / calib.CALIB_CHAT).read_text().splitlines()]
+    reasoning = [m["reasoning_content"][:24] for r in rows for m in r if "reasoning_content" in m]
+    runs = {k: calib.load_calibration(None, t, 1000, 512, 0, thinking=k) for k in ("auto", "on", "off")}  # all
+    n = len(rows)
+    assert 0 < len(reasoning) < n
+    assert {k: (r.manifest()["chat"]["thinking_on"], r.manifest()["chat"]["thinking_off"]) for k, r in runs.items()} \
+        == {"auto": (len(reasoning), n - len(reasoning)), "on": (n, 0), "off": (0, n)}
+    assert all(r.manifest()["chat"]["thinking"] == k for k, r in runs.items())
+    assert len({r.sha256 for r in runs.values()}) == 3   # the digest is of the rendered text
+    texts = {k: "".join(_texts(r, t, "chat")) for k, r in runs.items()}
+    found = {k: sum(x in texts[k] for x in reasoning) for k in runs}   # a few straddle two shuffled windows
+    assert found["off"] == 0 and found["on"] == found["auto"] >= len(reasoning) - 3
+    assert "<think></think>" in texts["auto"] and "<think></think>" in texts["off"]
+
+
+def test_thinking_is_refused_where_the_template_has_no_switch(tok):
+    with pytest.raises(LlmqError, match="--thinking on: the model's chat template has no thinking switch"):
+        calib.load_calibration(None, tok, 4, 32, 0, thinking="on")
+    bare = _thinking_tok()
+    bare.chat_template = None
+    with pytest.raises(LlmqError, match="--thinking off: no chat template is applied"):
+        calib.load_calibration(None, bare, 4, 32, 0, thinking="off")
+    assert calib.load_calibration(None, bare, 4, 32, 0).manifest()["chat"]["chat_template"] is False
+    with pytest.raises(LlmqError, match="--thinking on is a chat template setting"):
+        QuantizeOptions(bits=4, method="gptq", thinking="on", chat_template=False).check()
+
+
+def test_jsonl_conversations_are_rendered_through_the_template(tmp_path, tok):
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " * 6},
+                          {"role": "assistant", "content": f"answer {i} " * 6}]} for i in range(6)]
+    f = tmp_path / "chat.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows + [{"text": "plain row " * 30}]))
+    w = calib.load_calibration(str(f), tok, 100, 48, 0)
+    m = w.manifest()
+    assert set(m["domains"]) == {"chat", "text"} and m["chat"]["conversations"] == 6
+    chat = "".join(_texts(w, tok, "chat"))
+    assert "<|im_start|>user\nquestion 0 " in chat and "<|im_start|>assistant\nanswer" in chat
+    assert all("<|im_start|>" not in x for x in _texts(w, tok, "text"))
+    f.write_text(json.dumps({"messages": [{"role": "user"}]}))
+    with pytest.raises(LlmqError, match="chat.jsonl:1: .*\"messages\""):
+        calib.load_calibration(str(f), tok, 4, 32, 0)
+
+
+def test_a_template_without_system_turns_gets_the_system_prompt_in_the_first_user_turn(tok):
+    t = _thinking_tok()
+    t.chat_template = ("{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+                       "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    assert calib.ChatFormat.of(t).render(t, CONVERSATION) == ("[user] Be brief.\n\n2 + 2?\n[assistant] 4\n", None)
+    t.chat_template = "{{ raise_exception('never') }}"
+    with pytest.raises(LlmqError, match="cannot render a calibration conversation \\(never\\); --no-chat-template"):
+        calib.ChatFormat.of(t).render(t, CONVERSATION)
 
 
 def test_dataset_name_offline_is_a_clear_error(tok, monkeypatch):
@@ -244,6 +361,28 @@ def test_empty_calibration_and_already_quantized_sources_are_refused(store, tiny
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "already quantized" in res.output
     res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", str(tiny_source.path), "--bits", "5"])
     assert res.exit_code == 2 and res.output.startswith("error: --bits must be 4 or 8")
+
+
+def test_the_manifest_records_how_calibration_chats_were_rendered(store, tiny_model_dir):
+    import hashlib
+
+    from helpers import CHATML
+
+    cli_args = ["--store", str(store.root), "quantize", str(tiny_model_dir), "--bits", "4", "--method", "gptq"]
+    res = CliRunner().invoke(cli, cli_args + ["--thinking", "on"])   # the tiny model's ChatML has no switch
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "no thinking switch" in res.output
+    res = CliRunner().invoke(cli, cli_args[:-1] + ["rtn", "--thinking", "off"])
+    assert res.exit_code == 2 and "uses no calibration data; drop --thinking" in res.output
+    assert _quantized(store) == []
+    tok = _thinking_tok()
+    tok.save_pretrained(tiny_model_dir)
+    src = resolve_model(str(tiny_model_dir), store)
+    art = quantize(src, QuantizeOptions(bits=4, method="gptq", thinking="off", **FAST), store, progress=False)
+    m, n = art.config["calibration"], len((calib.DATA / calib.CALIB_CHAT).read_text().splitlines())
+    assert m["chat"] == {"conversations": n, "chat_template": True, "thinking": "off", "thinking_on": 0,
+                         "thinking_off": n, "template_sha256": hashlib.sha256(THINKING_TEMPLATE.encode()).hexdigest()}
+    assert m["domains"] == {"chat": 128, "code": 64, "prose": 64} and art.config["options"]["thinking"] == "off"
+    assert hashlib.sha256(CHATML.encode()).hexdigest() != m["chat"]["template_sha256"]
 
 
 def test_same_inputs_give_the_same_content_id(store, tiny_source):

@@ -64,6 +64,13 @@ def test_switches_still_take_yes_no(tmp_path):
     assert r.stages.build.pad_heads is False and r.stages.build.tp == 2
 
 
+def test_on_off_options_take_yaml_s_bare_on_and_off(tmp_path):
+    p = tmp_path / "r.yaml"
+    for word in ("on", "off"):   # YAML 1.1 reads both as booleans
+        p.write_text(f"name: x\nstages:\n  quantize: {{bits: 4, method: gptq, thinking: {word}}}\n")
+        assert load_recipe(p).stages.quantize.to_options().thinking == word
+
+
 def test_unreadable_recipes(tmp_path):
     with pytest.raises(LlmqError, match="recipe not found"):
         load_recipe(tmp_path / "missing.yaml")

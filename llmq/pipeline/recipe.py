@@ -72,6 +72,11 @@ def _no_bool(value):
     return value
 
 
+def _on_off(value):
+    """YAML 1.1 reads a bare on / off as true / false: an option whose choices are those words gets them back."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
 def _takes_bool(hint) -> bool:
     return hint is bool or bool in get_args(hint)
 
@@ -92,7 +97,8 @@ def _pydantic_field(f: dataclasses.Field, hint) -> tuple:
         bounds["default"] = f.default
     alias = AliasChoices(f.name, *meta["aliases"]) if meta["aliases"] else None
     if not switch:
-        hint = Annotated[hint, BeforeValidator(_no_bool)]
+        words = {"on", "off"} <= set(meta["choices"] or ())
+        hint = Annotated[hint, BeforeValidator(_on_off if words else _no_bool)]
     return hint, Field(min_length=meta["min_items"], validation_alias=alias, **bounds)
 
 

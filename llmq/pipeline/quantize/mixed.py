@@ -258,7 +258,7 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     costs, params = check(spec, opts)
     budget = opts.target_bpw * params / 8
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
-    windows = TokenWindows(calib.samples[:take], calib.source, calib.sha256, calib.seed)
+    windows = calib.head(take)
     sens = measure(model_dir, spec, opts, windows, device, progress)
     units = spec.arch.unit_paths()
     keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]

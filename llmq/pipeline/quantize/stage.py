@@ -35,6 +35,7 @@ DEFAULT_GROUPS = (128, 64, 32)
 WEIGHT_ONLY = ("rtn", "gptq", "awq")
 LM_HEAD_CHOICES = ("keep", "int8")
 EMBEDDING_CHOICES = ("keep", "int8")
+THINKING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,14 @@ class QuantizeOptions(Options):
     alpha: float | None = option(None, "SmoothQuant migration strength (default 0.5).", ge=0, le=1)
     activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
                               "calibration.", choices=ACTIVATION_SCHEMES)
-    calib: str | None = option(None, "Calibration text: .txt / .jsonl file, directory, or dataset name (network). "
-                               "Default: bundled offline text.", metavar="DATA")
+    calib: str | None = option(None, "Calibration data: .txt / .jsonl file (rows {\"text\"} or {\"messages\"}), "
+                               "directory, or dataset name (network). Default: bundled offline chat, prose and code.",
+                               metavar="DATA")
+    chat_template: bool = option(True, "Render calibration conversations through the model's chat template (plain "
+                                 "'role: text' turns without one).", flag="--chat-template/--no-chat-template")
+    thinking: str = option("auto", "Thinking in calibration conversations, for a chat template with an "
+                           "enable_thinking switch: auto = where a conversation carries reasoning; on / off = all.",
+                           choices=THINKING)
     num_samples: int = option(32, "Calibration windows.", ge=1, aliases=("calib_samples",))
     seq_len: int = option(256, "Tokens per calibration window.", ge=2)
     seed: int = option(0, "Seed for choosing calibration windows.")
@@ -116,6 +123,8 @@ class QuantizeOptions(Options):
                             "bnb-nf4")
         if self.int8_threshold is not None and self.method != "bnb-int8":
             raise LlmqError("--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
+        if self.thinking != "auto" and not self.chat_template:
+            raise LlmqError(f"--thinking {self.thinking} is a chat template setting; drop it or --no-chat-template")
         if self.max_size is not None:
             parse_size(self.max_size)
             if self.target_bpw is not None:
@@ -329,10 +338,14 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     from ...models.load import load_tokenizer
 
     calibrated = needs_calibration(method, opts) or opts.mixed
-    if opts.calib and not calibrated:
-        raise LlmqError(f"--calib: method {opts.method} with these options uses no calibration data; drop --calib")
+    given = [flag for flag, on in (("--calib", opts.calib), ("--thinking", opts.thinking != "auto"),
+                                   ("--no-chat-template", not opts.chat_template)) if on]
+    if given and not calibrated:
+        raise LlmqError(f"{' / '.join(given)}: method {opts.method} with these options uses no calibration data; "
+                        f"drop {' and '.join(given)}")
     tokenizer = load_tokenizer(source.path)
-    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed) if calibrated else None
+    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed, opts.chat_template,
+                             opts.thinking) if calibrated else None
     probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
 
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
