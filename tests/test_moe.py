@@ -320,3 +320,47 @@ def test_a_moe_with_dense_layers_is_refused_naming_the_field():
     with pytest.raises(LlmqError, match=r"^qwen3_moe config field mlp_only_layers=\[1\] is not supported: llmq runs "
                                         r"MoE models whose every layer is sparse"):
         ModelSpec.from_config({**cfg, "mlp_only_layers": [1]})
+
+
+def test_trtllm_hf_writes_the_moe_under_hugging_face_names_and_refuses_quantized_experts(source, quantized):
+    """The PyTorch backend's checkpoint is a Hugging Face one: transformers loads it as it is and computes the
+    source's logits (the split check runs it at tp 2). Its fused MoE takes no llmq expert scheme yet: refused in one
+    line, nothing written; the legacy checkpoint refuses a MoE family in one line too."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.errors import LlmqError
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, src = source
+    art = build_engine(src, store, BuildOptions(tp=2, target="trtllm-hf", verify=True))
+    assert art.metrics["verify"]["passed"]
+    hf = AutoModelForCausalLM.from_pretrained(art.path / "trtllm-hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = kld_top1(hf(ids).logits[0], _logprobs(src.path, ids[0].tolist()))
+    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    engines = len(store.list(kind="engine"))
+    with pytest.raises(LlmqError, match=r"^quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8"):
+        build_engine(quantized("gptq-w4g32"), store, BuildOptions(target="trtllm-hf"))
+    with pytest.raises(LlmqError, match=r"^--target trtllm writes the legacy .* use --target trtllm-hf"):
+        build_engine(src, store, BuildOptions(target="trtllm"))
+    assert len(store.list(kind="engine")) == engines
+
+
+def test_mixed_precision_gives_each_expert_its_own_units(source, quantized):
+    """--target-bpw treats every expert's gate/up and its down as units (the router is none: it stays 16-bit)."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = source
+    art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, target_bpw=6, num_samples=4, seq_len=64,
+                                        probe_tokens=0), store, progress=False)
+    units = art.config["mixed_precision"]["units"]
+    spec = CheckpointReader(src.path).spec
+    arch = spec.arch
+    layer0 = [tuple(u["modules"]) for u in units if u["layer"] == 0]
+    for e in range(spec.num_experts):
+        assert (arch.path(f"experts.{e}.gate_proj"), arch.path(f"experts.{e}.up_proj")) in layer0
+        assert (arch.path(f"experts.{e}.down_proj"),) in layer0
+    assert not any(arch.path("router") in u for u in layer0)
+    assert {u["bits"] for u in units} == {4, 8}
+    assert bool(torch.isfinite(_logprobs(art.path, list(range(40, 80)))).all())

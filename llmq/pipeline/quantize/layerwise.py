@@ -26,7 +26,6 @@ from torch import nn
 
 from ...errors import LlmqError
 from ...models import ModelSpec, qformat
-from ...models.arch import ROUTER
 from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
 from . import experts
@@ -154,10 +153,6 @@ class LayerwiseResult:
     routed: list[list[int]] | None = None  # MoE, calibrated: per layer, the calibration tokens routed to each expert
 
 
-def routers(spec: ModelSpec) -> list[str]:
-    """The MoE routers' module names: kept 16-bit (a rounded router picks other experts), never calibrated."""
-    return [spec.arch.linear(i, ROUTER) for i in range(spec.num_layers)] if spec.num_experts else []
-
 
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
                quant_head: Callable[[torch.Tensor], torch.Tensor]) -> dict:
@@ -192,7 +187,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     layers = model.get_submodule(arch.layers)
     widths = widths or {}
     ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None, kv=None,
-                             ignore=(*opts.ignore, *routers(spec), *(n for n, b in widths.items() if b == 16)))
+                             ignore=(*opts.ignore, *experts.routers(spec), *(n for n, b in widths.items() if b == 16)))
 
     emitted: set[str] = set()
     probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], [])

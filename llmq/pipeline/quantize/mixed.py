@@ -31,6 +31,7 @@ from ...models import ModelSpec, qformat
 from ...options import parse_size
 from . import rtn
 from .calib import TokenWindows
+from .experts import routers
 from .streamed import (
     capture_layer0,
     drop,
@@ -51,7 +52,7 @@ BUCKETS = 1 << 20           # most budget steps the knapsack tracks (beyond: cos
 
 def unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
     """[out, in] of each linear of each unit, in the family's Arch.units order."""
-    return [[spec.linear_shape(r) for r in unit] for unit in spec.arch.units]
+    return [[spec.linear_shape(r) for r in unit] for unit in spec.arch.unit_roles(spec.num_experts)]
 
 
 def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
@@ -144,7 +145,7 @@ class _Scorer:
 def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True) -> dict:
     """Per unit (layer, index into Arch.units): its 4-bit KLD (alone, RTN) and the 8 / 4-bit weight MSE ratio."""
 
-    arch, units = spec.arch, spec.arch.unit_paths()
+    arch, units = spec.arch, spec.arch.unit_paths(spec.num_experts)
     source = source_tensors(model_dir)
     dtype = stored_dtype(model_dir)
     model = skeleton(model_dir, arch, dtype, device)
@@ -218,7 +219,8 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     from ...models.reader import LazyTensors
 
     tensors = LazyTensors(safetensors_files(model_dir))
-    linears = {f"{n}.weight" for i in range(spec.num_layers) for n in spec.arch.linear_names(i)}
+    linears = {f"{n}.weight" for i in range(spec.num_layers) for n in spec.arch.linear_names(i, spec.num_experts)} \
+        - {f"{r}.weight" for r in routers(spec)}
     table, head = f"{qformat.EMBEDDING}.weight", f"{qformat.LM_HEAD}.weight"
     int8 = {table: opts.embedding == "int8", head: opts.lm_head == "int8"}
 
@@ -260,7 +262,7 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
     windows = calib.head(take)
     sens = measure(model_dir, spec, opts, windows, device, progress)
-    units = spec.arch.unit_paths()
+    units = spec.arch.unit_paths(spec.num_experts)
     keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
     losses = np.array([[sens[k]["kld"], sens[k]["kld"] * sens[k]["mse_ratio"], 0.0] for k in keys])
     picks = choose(losses, costs, int(budget))

@@ -364,7 +364,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             from .mixed import plan as mixed_plan
 
             plan = mixed_plan(source.path, spec, opts, calib, pick_device(opts.device), progress)
-        from .layerwise import routers
+        from .experts import routers
 
         sink = CheckpointSink(out, opts, (*(plan.dense if plan else ()), *routers(spec)))
         result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
-from ...models import qformat
-from ...models.arch import arch_for
+from ...models import ModelSpec, qformat
 from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import RankWeights, ShardPlan, head_rows, split_cols, split_rows
@@ -93,6 +92,10 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
         raise LlmqError("an INT8 KV cache is not loaded by TensorRT-LLM's PyTorch backend (it ignores "
                         "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`, or use "
                         "--target trtllm")
+    if src.spec.num_experts and (src.bnb is not None or (src.qconfig is not None and src.qconfig.weights)):
+        raise LlmqError("quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8 experts, none of which "
+                        "llmq writes yet; build the unquantized MoE for trtllm-hf, or use --target llmq, gguf or the "
+                        "compressed-tensors artifact (vLLM)")
     q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
     algos, groups, dense = set(), set(), []
     out.mkdir(parents=True)
@@ -169,11 +172,12 @@ def read_modelopt_checkpoint(path: Path):
             return LinearWeights(name, weight=w, bias=bias)
         return LinearWeights(name, weight=ints * scale[:, None], bias=bias)
 
-    arch = arch_for(cfg["model_type"])
+    spec = ModelSpec.from_config(cfg)
+    arch = spec.arch
     layers, norms, kv = [], [], []
     for i in range(cfg["num_hidden_layers"]):
         attn = arch.attention_module(i)
-        layers.append({role: lin(arch.linear(i, role)) for role in arch.linears})
+        layers.append({role: lin(arch.linear(i, role)) for role in spec.roles()})
         norms.append({role: st[arch.norm(i, role)].float() for role in arch.norms})
         kv.append((st[f"{attn}.k_scale"], st[f"{attn}.v_scale"]) if f"{attn}.k_scale" in st else None)
     embed = LinearWeights(qformat.EMBEDDING, weight=st[f"{qformat.EMBEDDING}.weight"].float())
