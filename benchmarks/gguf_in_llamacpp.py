@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -68,11 +69,11 @@ def distributions(bin_dir: Path, gguf: Path, art: Path, text: Path, ctx: int, th
                 top += t.float().tolist()
         finally:
             engine.shutdown()
-    final = [ln for ln in out.splitlines() if "Final estimate" in ln]
+    final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
     return {"ctx": ctx, "chunks": base.n_chunk, "scored": len(kl), "add_bos": add_bos,
             "kld_mean": sum(kl) / len(kl), "kld_max": max(kl), "top1": sum(top) / len(top),
             "ppl_llama_cpp": math.exp(sum(nll_cpp) / len(nll_cpp)), "ppl_llmq": math.exp(sum(nll) / len(nll)),
-            "llama_perplexity_says": final[0].split("I ", 1)[-1] if final else None}
+            "llama_perplexity_final_estimate": [float(final[1]), float(final[2])] if final else None}
 
 
 def server_checks(bin_dir: Path, gguf: Path, art: Path, text: Path, threads: int, port: int, n: int) -> dict:

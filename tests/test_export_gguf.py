@@ -94,13 +94,14 @@ def gguf_file(engine_art) -> Path:
     return engine_art.path / meta["outputs"]["gguf"]["file"]
 
 
-def _bf16(d: Path) -> Path:
-    """Store the tiny model in bf16, llmq's dtype."""
+def _bf16(d: Path, random_norms: bool = False) -> Path:
+    """Store the tiny model in bf16, llmq's dtype; random_norms: norm weights drawn from [-0.5, 0.5] (transformers
+    initialises them to one value), so that each norm's values matter."""
     from safetensors.torch import load_file, save_file
 
-    st = d / "model.safetensors"
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(st).items()}, str(st),
-              metadata={"format": "pt"})
+    st, g = d / "model.safetensors", torch.Generator().manual_seed(0)
+    save_file({k: (torch.rand(v.shape, generator=g) - 0.5 if random_norms and k.endswith("norm.weight") else v)
+               .to(torch.bfloat16).contiguous() for k, v in load_file(st).items()}, str(st), metadata={"format": "pt"})
     cfg = json.loads((d / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
     cfg.pop("torch_dtype", None)
@@ -608,7 +609,7 @@ def gemma(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-gemma3")
     store = Store(root / "store")
     path = make_tiny_model(root / "gemma3", seed=7, tokenizer=gemma_tokenizer(), **GEMMA)
-    model = resolve_model(str(_bf16(path)), store)
+    model = resolve_model(str(_bf16(path, random_norms=True)), store)
     built = {}
     for scheme in GEMMA_SCHEMES:
         qopts = SCHEMES[scheme][0]

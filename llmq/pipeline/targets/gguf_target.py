@@ -12,17 +12,20 @@ The integers are always exact. d is exact whenever s is an fp16 number: every fp
 some Q4_1 mins (2% of the blocks on the tiny test model) move by half an fp16 ulp, at most 1/128 of a quantization
 step. Every re-rounding is counted in the returned record.
 What no block format holds is refused with the way out: groups that are not a multiple of 32 columns, INT8 with zero
-points, FP8, W8A8 (llama.cpp quantizes activations its own way), calibrated KV-cache scales, sliding windows and
-RoPE scaling. Dense weights keep the source dtype; norms and biases are F32, as llama.cpp's converter writes them.
-An INT8 embedding table (`quantize --embedding int8`, one scale per row) is Q8_0 like any INT8 per-channel matrix; a
-tied model's output is that same token_embd, as llama.cpp reads it.
+points, FP8, W8A8 (llama.cpp quantizes activations its own way), calibrated KV-cache scales, one sliding window on
+every layer (Mistral, Qwen) and RoPE scaling. Dense weights keep the source dtype; norms and biases are F32, as
+llama.cpp's converter writes them. An INT8 embedding table (`quantize --embedding int8`, one scale per row) is Q8_0
+like any INT8 per-channel matrix; a tied model's output is that same token_embd, as llama.cpp reads it.
 
 Each family's declaration (llmq.models.arch) names its llama.cpp architecture and tensors. llama.cpp's `llama`
 architecture (Llama, Mistral) applies RoPE to adjacent pairs (2i, 2i+1) of a head where Hugging Face rotates
 (i, i + d/2), so the q and k rows of every head are reordered, scales and zero points with their rows (Arch.
 gguf_permutes_qk); `qwen2` and `qwen3` use the Hugging Face pairing (qwen2 keeps the q/k/v biases, qwen3 adds its
-per-head q/k norms as attn_q_norm / attn_k_norm). The tokenizer (byte-level BPE), its special token
-ids and the chat template come from the artifact's tokenizer files.
+per-head q/k norms as attn_q_norm / attn_k_norm). llama.cpp's `gemma3` takes Gemma 3's four norms a layer as the
+(1 + w) it multiplies by, scales the embeddings by sqrt(hidden) itself, reads which layers slide (a per-layer
+pattern), their window and their rotary base from keys, and fixes the query scale from the shapes, so a
+query_pre_attn_scalar that differs moves into the q norm. The tokenizer (byte-level BPE, or Gemma's SentencePiece-style
+BPE with byte fallback), its special token ids and the chat template come from the artifact's tokenizer files.
 """
 
 from __future__ import annotations
