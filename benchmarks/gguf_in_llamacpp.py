@@ -57,26 +57,25 @@ def distributions(bin_dir: Path, gguf: Path, art: Path, text: Path, ctx: int, th
             tok = engine.tokenizer
             ids = tok.encode(text.read_text(encoding="utf-8"), add_special_tokens=False)
             add_bos = base.add_bos(ids, tok.bos_token_id)   # raises unless llama.cpp's tokens are llmq's
-            kl, top, nll_cpp, nll = [], [], [], []
+            kl, top, nll = [], [], []
             for i, c in enumerate(chunks(ids, ctx, add_bos, tok.bos_token_id)):
                 lp = engine.prompt_logprobs(c)[sl].double()
-                b = torch.from_numpy(base.logprobs(i)).double()
-                nxt = torch.tensor(c[sl.start + 1:])[:, None]
-                nll += (-lp.gather(1, nxt)[:, 0]).tolist()
-                nll_cpp += (-b.gather(1, nxt)[:, 0]).tolist()
+                nll += (-lp.gather(1, torch.tensor(c[sl.start + 1:])[:, None])[:, 0]).tolist()
                 a, t = kld_vs_base(base.logprobs(i), lp)
                 kl += a.tolist()
                 top += t.float().tolist()
         finally:
             engine.shutdown()
-    final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)
+    final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", out)   # the base file clips log-probs
     return {"ctx": ctx, "chunks": base.n_chunk, "scored": len(kl), "add_bos": add_bos,
             "kld_mean": sum(kl) / len(kl), "kld_max": max(kl), "top1": sum(top) / len(top),
-            "ppl_llama_cpp": math.exp(sum(nll_cpp) / len(nll_cpp)), "ppl_llmq": math.exp(sum(nll) / len(nll)),
-            "llama_perplexity_final_estimate": [float(final[1]), float(final[2])] if final else None}
+            "ppl_llama_cpp": float(final[1]), "ppl_llama_cpp_stderr": float(final[2]),
+            "ppl_llmq": math.exp(sum(nll) / len(nll))}
 
 
 def server_checks(bin_dir: Path, gguf: Path, art: Path, text: Path, threads: int, port: int, n: int) -> dict:
+    import torch
+
     from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
     server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-c", "1024",
@@ -98,6 +97,7 @@ def server_checks(bin_dir: Path, gguf: Path, art: Path, text: Path, threads: int
         differ = [s[:40] for s in cases
                   if _post(url + "/tokenize", {"content": s, "add_special": True})["tokens"] != tok(s).input_ids]
         same = agree = total = 0
+        gap = 0.0   # at a disagreement: llmq's log-prob of its own top-1 minus that of llama.cpp's token
         for p in PROMPTS:
             cpp = [t["id"] for t in _post(url + "/completion", {"prompt": p, "n_predict": n, "temperature": 0,
                                                                  "n_probs": 1, "cache_prompt": False})[
@@ -105,7 +105,10 @@ def server_checks(bin_dir: Path, gguf: Path, art: Path, text: Path, threads: int
             ids = tok(p).input_ids
             mine = engine.generate([ids], SamplingParams(max_tokens=len(cpp), temperature=0.0))[0].output_token_ids
             lp = engine.prompt_logprobs(ids + cpp)
-            agree += sum(int(lp[len(ids) - 1 + j].argmax()) == t for j, t in enumerate(cpp))
+            rows = lp[len(ids) - 1:len(ids) - 1 + len(cpp)].double()
+            hit = rows.argmax(-1) == torch.tensor(cpp)
+            agree += int(hit.sum())
+            gap = max([gap] + (rows.max(-1).values - rows[torch.arange(len(cpp)), cpp])[~hit].tolist())
             total += len(cpp)
             same += mine == cpp
     finally:
@@ -115,7 +118,7 @@ def server_checks(bin_dir: Path, gguf: Path, art: Path, text: Path, threads: int
         server.wait(30)
     return {"tokenize_identical": f"{len(cases) - len(differ)}/{len(cases)}", "tokenize_differ": differ,
             "greedy_identical": f"{same}/{len(PROMPTS)} ({n} tokens each)",
-            "teacher_forced_top1": f"{agree}/{total}"}
+            "teacher_forced_top1": f"{agree}/{total}", "max_logprob_gap_where_top1_differs": gap}
 
 
 def main() -> int:
