@@ -32,14 +32,32 @@ def byte_tokenizer():
                                    pad_token="<|endoftext|>", unk_token=None, chat_template=CHATML)
 
 
-def make_tiny_model(path: Path, seed: int = 0, **overrides) -> Path:
+def gemma_tokenizer():
+    """A Gemma-shaped tokenizer (transformers' GemmaTokenizer: BPE over characters with byte fallback, spaces as
+    ▁, BOS added) of 276 tokens: Gemma's specials, a user-defined "\n", the 256 <0xNN> bytes, a few characters
+    and the merges of "▁the" and "abc"; "bc" merges before "ab" though its id is higher (merge order need not
+    follow ids)."""
+    from tokenizers import AddedToken
+    from transformers import GemmaTokenizer
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "\n"]
+                                        + [f"<0x{b:02X}>" for b in range(256)]
+                                        + ["▁", "a", "b", "c", "e", "h", "t", "ab", "bc", "th", "▁t", "he",
+                                           "▁th", "▁the"])}
+    merges = [("b", "c"), ("a", "b"), ("▁", "t"), ("t", "h"), ("▁t", "h"), ("▁th", "e"), ("h", "e")]
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
+    tok.add_tokens([AddedToken("\n", normalized=False)])
+    return tok
+
+
+def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> Path:
     """Save a random model (Llama unless model_type says another family; 2 layers, hidden 64, 4 heads / 2 KV heads
-    by default) with a byte tokenizer to `path`."""
+    by default) with `tokenizer` (default: the byte tokenizer) to `path`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type = overrides.pop("model_type", "llama")
-    tok = byte_tokenizer()
+    tok = tokenizer or byte_tokenizer()
     cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
                tie_word_embeddings=False, initializer_range=0.1, bos_token_id=tok.bos_token_id,

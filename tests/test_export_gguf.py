@@ -10,6 +10,8 @@ RoPE undone on q/k) and runs transformers on what it read; its logits must match
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -92,18 +94,24 @@ def gguf_file(engine_art) -> Path:
     return engine_art.path / meta["outputs"]["gguf"]["file"]
 
 
-def _bf16_with_a_merge(d: Path) -> Path:
-    """Store the tiny model in bf16 (llmq's dtype) and give its byte tokenizer one BPE merge, as real ones have."""
+def _bf16(d: Path, random_norms: bool = False) -> Path:
+    """Store the tiny model in bf16, llmq's dtype; random_norms: norm weights drawn from [-0.5, 0.5] (transformers
+    initialises them to one value), so that each norm's values matter."""
     from safetensors.torch import load_file, save_file
 
-    st = d / "model.safetensors"
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(st).items()}, str(st),
-              metadata={"format": "pt"})
+    st, g = d / "model.safetensors", torch.Generator().manual_seed(0)
+    save_file({k: (torch.rand(v.shape, generator=g) - 0.5 if random_norms and k.endswith("norm.weight") else v)
+               .to(torch.bfloat16).contiguous() for k, v in load_file(st).items()}, str(st), metadata={"format": "pt"})
     cfg = json.loads((d / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
     cfg.pop("torch_dtype", None)
     (d / "config.json").write_text(json.dumps(cfg))
-    tok = json.loads((d / "tokenizer.json").read_text())
+    return d
+
+
+def _bf16_with_a_merge(d: Path) -> Path:
+    """The tiny model in bf16, its byte tokenizer given one BPE merge, as real ones have."""
+    tok = json.loads((_bf16(d) / "tokenizer.json").read_text())
     tok["model"]["vocab"]["\u0120t"] = 259
     tok["model"]["merges"] = [["\u0120", "t"]]
     (d / "tokenizer.json").write_text(json.dumps(tok))
@@ -577,3 +585,190 @@ def test_cli_target_gguf_writes_one_file_and_refuses_tp2_in_one_line(tiny):
     assert json.loads(r.output)["config"]["options"]["target"] == "gguf"
     files = list((store.root / "cli-gguf").rglob("*.gguf"))
     assert len(files) == 1 and files[0].name.endswith(".Q4_0.gguf")
+
+
+# ---------------------------------------------------------------- (f) Gemma 3: llama.cpp's `gemma3`
+# Three layers, the middle one global: a pattern llama.cpp's default (five local to one global) would get wrong; a
+# local rotary base of its own; query_pre_attn_scalar 20 where llama.cpp scales by head_dim 32 (q wider than the
+# residual, as in Gemma 3 270M); a logit cap.
+GEMMA = dict(model_type="gemma3_text", num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=20,
+             final_logit_softcapping=5.0, tie_word_embeddings=True,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+GEMMA_SCHEMES = ("bf16", "w4-g32")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """{scheme: (source artifact, gguf engine artifact)} for a tiny Gemma 3 with a Gemma-shaped tokenizer."""
+    from helpers import gemma_tokenizer, make_tiny_model
+
+    from llmq.artifacts import Store
+
+    root = tmp_path_factory.mktemp("gguf-gemma3")
+    store = Store(root / "store")
+    path = make_tiny_model(root / "gemma3", seed=7, tokenizer=gemma_tokenizer(), **GEMMA)
+    model = resolve_model(str(_bf16(path, random_norms=True)), store)
+    built = {}
+    for scheme in GEMMA_SCHEMES:
+        qopts = SCHEMES[scheme][0]
+        src = model if qopts is None else quantize(model, QuantizeOptions(method="rtn", **qopts), store,
+                                                   progress=False)
+        built[scheme] = (src, build_engine(src, store, BuildOptions(target="gguf")))
+    return built
+
+
+GEMMA_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+@pytest.mark.parametrize("scheme", GEMMA_SCHEMES)
+def test_gemma3_file_meets_llama_cpp_gemma3_contract(gemma, scheme):
+    """llama.cpp's gemma3 loader (src/models/gemma3.cpp): its keys, its tensors and shapes, and the norms stored as
+    the (1 + w) it multiplies by, the q norm also carrying query_pre_attn_scalar^-1/2 over llama.cpp's
+    head_dim^-1/2."""
+    src, art = gemma[scheme]
+    cfg = json.loads((src.path / "config.json").read_text())
+    r = gguf.GGUFReader(gguf_file(art))
+    assert _field(r, "general.architecture")[1] == "gemma3"
+    want = {"block_count": 3, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "attention.key_length": 32, "attention.value_length": 32,
+            "rope.dimension_count": 32, "attention.sliding_window": 8, "context_length": 512}
+    for k, v in want.items():
+        assert _field(r, f"gemma3.{k}") == (UINT32, v), k
+    pattern = r.fields["gemma3.attention.sliding_window_pattern"]
+    assert pattern.types == [ARRAY, BOOL] and pattern.contents() == [True, False, True]
+    for k, v in {"rope.freq_base": 10000.0, "rope.freq_base_swa": 100.0, "final_logit_softcapping": 5.0,
+                 "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"]}.items():
+        assert _field(r, f"gemma3.{k}")[0] == FLOAT32 and _field(r, f"gemma3.{k}")[1] == pytest.approx(v), k
+
+    tensors = {t.name: t for t in r.tensors}
+    shapes = {"token_embd.weight": (64, cfg["vocab_size"]), "output_norm.weight": (64,)}
+    for i in range(3):
+        b = f"blk.{i}."
+        shapes |= {b + n + ".weight": (32,) if n in ("attn_q_norm", "attn_k_norm") else (64,) for n in GEMMA_NAMES}
+        shapes |= {b + "attn_q.weight": (64, 128), b + "attn_k.weight": (64, 64), b + "attn_v.weight": (64, 64),
+                   b + "attn_output.weight": (128, 64), b + "ffn_gate.weight": (64, 128),
+                   b + "ffn_up.weight": (64, 128), b + "ffn_down.weight": (128, 64)}
+    assert {n: tuple(int(x) for x in t.shape) for n, t in tensors.items()} == shapes   # tied: no output.weight
+
+    s = CheckpointReader(src.path)
+    q_factor = 20 ** -0.5 / 32 ** -0.5
+    for name, t in tensors.items():
+        if not name.endswith("norm.weight"):
+            continue
+        assert t.tensor_type == GGML_TYPE_ID["F32"], name
+        hf = "model.norm.weight" if name == "output_norm.weight" else \
+            f"model.layers.{name.split('.')[1]}.{GEMMA_NAMES[name.split('.')[2]]}.weight"
+        want = s.tensor(hf).float().numpy() + 1
+        np.testing.assert_allclose(t.data, want * q_factor if "attn_q_norm" in name else want, rtol=1e-6,
+                                   err_msg=name)
+    if scheme != "bf16":
+        assert assert_bit_exact(src.path, gguf_file(art))["linears"] == 21   # GeGLU's gate/up/down as llama's
+
+
+def llama_cpp_gemma3_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's gemma3 graph (src/models/gemma3.cpp) over the file alone, in float64: embeddings times
+    sqrt(n_embd); per layer RMSNorm by the stored weight, q/k norms, NEOX RoPE with the sliding layers' own base,
+    queries times 1/sqrt(head_dim), the window on the layers the pattern marks, post-attention norm, GELU(gate) * up,
+    post-FFN norm; the final norm, the tied table and the logit cap."""
+    r = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("gemma3.")}
+    g = lambda k: meta[f"gemma3.{k}"]  # noqa: E731
+    w = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
+                                  .reshape([int(x) for x in reversed(t.shape)])) for t in r.tensors}
+    e, heads, kv, d, eps = g("embedding_length"), g("attention.head_count"), g("attention.head_count_kv"), \
+        g("attention.key_length"), g("attention.layer_norm_rms_epsilon")
+    n, pos = len(ids), torch.arange(len(ids), dtype=torch.float64)
+
+    def norm(x, weight):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rope(x, base):   # NEOX: dimension i turns with i + d/2
+        ang = pos[:, None, None] * base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        a, b = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()], dim=-1)
+
+    x = w["token_embd.weight"][ids] * math.sqrt(e)
+    for i in range(g("block_count")):
+        p = lambda name: w[f"blk.{i}.{name}.weight"]  # noqa: E731
+        local = g("attention.sliding_window_pattern")[i]
+        h = norm(x, p("attn_norm"))
+        q = norm((h @ p("attn_q").T).view(n, heads, d), p("attn_q_norm"))
+        k = norm((h @ p("attn_k").T).view(n, kv, d), p("attn_k_norm"))
+        v = (h @ p("attn_v").T).view(n, kv, d)
+        base = g("rope.freq_base_swa") if local else g("rope.freq_base")
+        q, k = rope(q, base) * d ** -0.5, rope(k, base)
+        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        dist = pos[:, None] - pos[None, :]
+        masked = (dist < 0) | ((dist >= g("attention.sliding_window")) if local else False)
+        att = torch.einsum("thd,uhd->htu", q, k).masked_fill(masked, float("-inf")).softmax(-1)
+        o = torch.einsum("htu,uhd->thd", att, v).reshape(n, heads * d) @ p("attn_output").T
+        x = x + norm(o, p("post_attention_norm"))
+        h = norm(x, p("ffn_norm"))
+        f = (torch.nn.functional.gelu(h @ p("ffn_gate").T, approximate="tanh") * (h @ p("ffn_up").T)) @ \
+            p("ffn_down").T
+        x = x + norm(f, p("post_ffw_norm"))
+    logits = norm(x, w["output_norm.weight"]) @ w.get("output.weight", w["token_embd.weight"]).T
+    cap = g("final_logit_softcapping")
+    return (cap * torch.tanh(logits / cap)).log_softmax(-1)
+
+
+@pytest.mark.parametrize("scheme", GEMMA_SCHEMES)
+def test_gemma3_file_computes_in_llama_cpp_what_llmq_computes(gemma, scheme):
+    """llama.cpp's gemma3 forward over the file equals transformers' Gemma 3 over the artifact in float32 (the
+    file is exact) and llmq's runtime (its kernels' rounding); 40 tokens cross the 8-token window."""
+    src, art = gemma[scheme]
+    ids = TOKENS[:40]
+    got = llama_cpp_gemma3_logprobs(gguf_file(art), ids)
+    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), ids), got) <= 1e-6
+    assert mean_kld(runtime_logprobs(src.path, ids), got) <= 1e-3
+
+
+def llama_cpp_spm_tokenize(r, text: str) -> list[int]:
+    """llama.cpp's SentencePiece tokenizer (src/llama-vocab.cpp, llm_tokenizer_spm) over the file's vocabulary:
+    BOS when add_bos_token; user-defined tokens matched whole in the raw text; spaces as \u2581 (no prefix space
+    when add_space_prefix is off); then the adjacent pair whose joined token scores highest is joined (leftmost on
+    ties) until none is a token; a character that is no token is spelled as its <0xNN> bytes."""
+    tokens = _field(r, "tokenizer.ggml.tokens")[1]
+    scores, types = _field(r, "tokenizer.ggml.scores")[1], _field(r, "tokenizer.ggml.token_type")[1]
+    ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    assert not _field(r, "tokenizer.ggml.add_space_prefix")[1]
+    out = [_field(r, "tokenizer.ggml.bos_token_id")[1]] if _field(r, "tokenizer.ggml.add_bos_token")[1] else []
+    user = sorted((t for t, ty in zip(tokens, types) if ty == 4), key=len, reverse=True)
+    for piece in re.split("(" + "|".join(map(re.escape, user)) + ")", text) if user else [text]:
+        if piece in user:
+            out.append(ids[piece])
+            continue
+        syms = list(piece.replace(" ", "\u2581"))
+        while True:
+            pairs = [(scores[ids[a + b]], -j) for j, (a, b) in enumerate(zip(syms, syms[1:])) if a + b in ids]
+            if not pairs:
+                break
+            j = -max(pairs)[1]
+            syms[j:j + 2] = [syms[j] + syms[j + 1]]
+        for sym in syms:
+            out += [ids[sym]] if sym in ids else [ids[f"<0x{b:02X}>"] for b in sym.encode()]
+    return out
+
+
+def test_gemma3_tokenizer_is_sentencepiece_that_llama_cpp_splits_as_the_source(gemma):
+    """tokenizer.ggml.model "llama" with scores in merge order (not id order: "bc" before "ab"), <0xNN> tokens BYTE,
+    specials CONTROL, "\\n" USER_DEFINED, padding rows UNUSED; llama.cpp's algorithm over the file gives the source
+    tokenizer's ids."""
+    from llmq.models.load import load_tokenizer
+
+    src, art = gemma["bf16"]
+    r = gguf.GGUFReader(gguf_file(art))
+    assert _field(r, "tokenizer.ggml.model")[1] == "llama" and "tokenizer.ggml.merges" not in r.fields
+    tokens, types = _field(r, "tokenizer.ggml.tokens")[1], _field(r, "tokenizer.ggml.token_type")[1]
+    assert len(tokens) == len(types) == 320
+    kinds = {i: ("BYTE" if t.startswith("<0x") else "CONTROL" if i < 5 else "USER_DEFINED" if t == "\n" else
+                 "NORMAL") for i, t in enumerate(tokens[:276])}
+    assert [gguf.TokenType(t).name for t in types] == [kinds[i] for i in range(276)] + ["UNUSED"] * 44
+    assert [_field(r, f"tokenizer.ggml.{k}_token_id")[1] for k in ("bos", "eos", "unknown", "padding")] == [2, 1, 3, 0]
+    tok = load_tokenizer(src.path)
+    for text in ["the abc", " the\n\nabc bc ab", "éabcthe  the", "\nhe"]:
+        assert llama_cpp_spm_tokenize(r, text) == tok(text).input_ids, text

@@ -128,12 +128,3 @@ def test_legacy_trtllm_checkpoint_refuses_qwen3_in_one_line(models, store):
                                         r"trtllm-hf"):
         build_engine(src, store, BuildOptions(target="trtllm"))
 
-
-def test_gguf_export_refuses_gemma3_in_one_line(models, store):
-    from llmq.models import resolve_model
-    from llmq.pipeline.targets import BuildOptions, build_engine
-
-    src = resolve_model(str(models["gemma3_text"]), store)
-    with pytest.raises(LlmqError, match=r"^--target gguf is not written for Gemma3ForCausalLM by llmq yet"):
-        build_engine(src, store, BuildOptions(target="gguf"))
-    assert store.list(kind="engine") == []  # nothing half-written

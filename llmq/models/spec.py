@@ -170,6 +170,7 @@ class ModelSpec:
     sliding_window: int | None      # the window every layer uses (None: full attention)
     local_window: int | None = None  # Arch.window "per_layer": the window of the layers in local_layers
     local_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # the rotary base of the layers in local_layers (their own table)
     attn_scale: float | None = None  # softmax scale of the attention scores; None: head_dim ** -0.5
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     num_experts: int = 0             # mixture of experts (Arch.moe): experts per layer (0: a dense MLP)
@@ -224,6 +225,7 @@ class ModelSpec:
                 sliding_window=_window(hf),
                 local_window=hf.sliding_window if local else None,
                 local_layers=local,
+                local_rope_theta=float(hf.rope_parameters["sliding_attention"]["rope_theta"]) if local else None,
                 attn_scale=float(qpas) ** -0.5 if qpas else None,
                 final_softcap=config.get("final_logit_softcapping"),
                 **moe,

@@ -12,22 +12,26 @@ The integers are always exact. d is exact whenever s is an fp16 number: every fp
 some Q4_1 mins (2% of the blocks on the tiny test model) move by half an fp16 ulp, at most 1/128 of a quantization
 step. Every re-rounding is counted in the returned record.
 What no block format holds is refused with the way out: groups that are not a multiple of 32 columns, INT8 with zero
-points, FP8, W8A8 (llama.cpp quantizes activations its own way), calibrated KV-cache scales, sliding windows and
-RoPE scaling. Dense weights keep the source dtype; norms and biases are F32, as llama.cpp's converter writes them.
-An INT8 embedding table (`quantize --embedding int8`, one scale per row) is Q8_0 like any INT8 per-channel matrix; a
-tied model's output is that same token_embd, as llama.cpp reads it.
+points, FP8, W8A8 (llama.cpp quantizes activations its own way), calibrated KV-cache scales, one sliding window on
+every layer (Mistral, Qwen) and RoPE scaling. Dense weights keep the source dtype; norms and biases are F32, as
+llama.cpp's converter writes them. An INT8 embedding table (`quantize --embedding int8`, one scale per row) is Q8_0
+like any INT8 per-channel matrix; a tied model's output is that same token_embd, as llama.cpp reads it.
 
 Each family's declaration (llmq.models.arch) names its llama.cpp architecture and tensors. llama.cpp's `llama`
 architecture (Llama, Mistral) applies RoPE to adjacent pairs (2i, 2i+1) of a head where Hugging Face rotates
 (i, i + d/2), so the q and k rows of every head are reordered, scales and zero points with their rows (Arch.
 gguf_permutes_qk); `qwen2` and `qwen3` use the Hugging Face pairing (qwen2 keeps the q/k/v biases, qwen3 adds its
-per-head q/k norms as attn_q_norm / attn_k_norm). The tokenizer (byte-level BPE), its special token
-ids and the chat template come from the artifact's tokenizer files.
+per-head q/k norms as attn_q_norm / attn_k_norm). llama.cpp's `gemma3` takes Gemma 3's four norms a layer as the
+(1 + w) it multiplies by, scales the embeddings by sqrt(hidden) itself, reads which layers slide (a per-layer
+pattern), their window and their rotary base from keys, and fixes the query scale from the shapes, so a
+query_pre_attn_scalar that differs moves into the q norm. The tokenizer (byte-level BPE, or Gemma's SentencePiece-style
+BPE with byte fallback), its special token ids and the chat template come from the artifact's tokenizer files.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -47,14 +51,12 @@ BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 b
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_REGEX = _QWEN2_REGEX.replace(r"\p{N}|", r"\p{N}{1,3}|")
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")   # SentencePiece's byte-fallback pieces
 
 
 def _refuse_unsupported(src: CheckpointReader, plan: ShardPlan) -> None:
     """One-line errors for what a GGUF file cannot say, before anything is written."""
     s = src.spec
-    if src.arch.norm_offset or s.local_layers:
-        raise LlmqError(f"--target gguf is not written for {s.architecture} by llmq yet (llama.cpp's "
-                        f"{src.arch.gguf_arch}: (1 + w) norms, local layers); use --target llmq or trtllm-hf")
     if s.num_experts and not s.renormalize:
         raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} renormalizes the chosen experts' weights, "
                         "which this model's config (norm_topk_prob false) does not; use --target llmq")
@@ -231,12 +233,37 @@ def gguf_name(role: str, arch, i: int) -> str:
     return gguf.TENSOR_NAMES[MT[table[role]]].format(bid=i)
 
 
+def llama_cpp_attention_scale(spec) -> float:
+    """The factor llama.cpp's `gemma3` multiplies queries by, which it derives from the shapes and reads from no key
+    (src/models/gemma3.cpp): 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for its 62-layer (27B) model. Every other
+    architecture llmq writes scales by 1/sqrt(head_dim) too."""
+    if spec.arch.gguf_arch == "gemma3" and spec.num_layers == 62:
+        return (spec.hidden_size / spec.num_heads) ** -0.5
+    return spec.head_dim ** -0.5
+
+
+def query_norm_factor(src: CheckpointReader) -> float:
+    """What the q norm's weight is multiplied by so that llama.cpp's fixed query scale gives the source's attention
+    scale (query_pre_attn_scalar^-1/2): the q norm feeds only the scaled scores, so the ratio moves into it exactly
+    (up to its float32 rounding). 1 where the two agree, as on every released Gemma 3."""
+    s = src.spec
+    factor = (s.attn_scale or s.head_dim ** -0.5) / llama_cpp_attention_scale(s)
+    if factor != 1 and "q_norm" not in src.arch.norms:
+        raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} scales attention by "
+                        f"{llama_cpp_attention_scale(s):.6g}, this model by {s.attn_scale:.6g}; use --target llmq")
+    return factor
+
+
 def _add_weights(tensors: _Tensors, src: CheckpointReader) -> None:
+    """Every tensor under llama.cpp's name. A family whose RMSNorm scales by (offset + w) (Gemma) gets the norms
+    stored as offset + w in float32, the weight llama.cpp's graph multiplies by, as its converter writes them."""
     names, s, arch = gguf.TENSOR_NAMES, src.spec, src.arch
+    q_factor = query_norm_factor(src)
     tensors.linear(names[MT.TOKEN_EMBD], src.embedding())   # an INT8 table: Q8_0, as llama.cpp's own
     for i in range(s.num_layers):
         for role, t in src.layer_norms(i).items():
-            tensors.dense(f"{gguf_name(role, arch, i)}.weight", t, True)
+            t = t.float() + arch.norm_offset
+            tensors.dense(f"{gguf_name(role, arch, i)}.weight", t * q_factor if role == "q_norm" else t, True)
         linears = src.layer_linears(i)
         for role, lw in linears.items():
             if role.startswith("experts."):
@@ -248,7 +275,7 @@ def _add_weights(tensors: _Tensors, src: CheckpointReader) -> None:
         if s.num_experts:  # one merged tensor per expert role, experts in order
             for role in MLP:
                 tensors.experts(gguf_name(role, arch, i), [linears[expert_role(e, role)] for e in range(s.num_experts)])
-    tensors.dense(f"{names[MT.OUTPUT_NORM]}.weight", src.final_norm(), True)
+    tensors.dense(f"{names[MT.OUTPUT_NORM]}.weight", src.final_norm().float() + arch.norm_offset, True)
     if src.has_lm_head() or not s.tie_word_embeddings:  # tied: llama.cpp reuses token_embd as the output
         tensors.linear(names[MT.OUTPUT], src.lm_head())
 
@@ -273,6 +300,12 @@ def _add_hparams(w, src: CheckpointReader, name: str) -> None:
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.rms_norm_eps)
     w.add_vocab_size(s.vocab_size)
+    if s.local_layers:  # which layers slide, stated per layer (llama.cpp's default is Gemma 3's five to one)
+        w.add_sliding_window(s.local_window)
+        w.add_sliding_window_pattern([i in s.local_layers for i in range(s.num_layers)])
+        w.add_rope_freq_base_swa(s.local_rope_theta)
+    if s.final_softcap:
+        w.add_final_logit_softcapping(s.final_softcap)
 
 
 def pre_tokenizer_name(tok: dict) -> str | None:
@@ -294,10 +327,12 @@ def pre_tokenizer_name(tok: dict) -> str | None:
 
 
 def _token_list(tok: dict, vocab_size: int) -> tuple[list[str], list[int]]:
-    """Every id's token text and llama.cpp token type; ids past the tokenizer (embedding padding) are UNUSED."""
+    """Every id's token text and llama.cpp token type; ids past the tokenizer (embedding padding) are UNUSED. With
+    byte fallback, the <0xNN> tokens are BYTE: llama.cpp spells unknown characters with them and decodes them."""
     TT = gguf.TokenType
     text = {i: t for t, i in tok["model"]["vocab"].items()}
-    types = {i: TT.NORMAL for i in text}
+    types = {i: TT.BYTE if tok["model"].get("byte_fallback") and _BYTE_TOKEN.fullmatch(t) else TT.NORMAL
+             for i, t in text.items()}
     for a in tok.get("added_tokens") or []:
         text[a["id"]] = a["content"]
         types[a["id"]] = TT.CONTROL if a.get("special") else TT.USER_DEFINED
@@ -305,6 +340,38 @@ def _token_list(tok: dict, vocab_size: int) -> tuple[list[str], list[int]]:
         raise LlmqError(f"tokenizer has token id {max(text)} but the model's vocabulary is {vocab_size}")
     return ([text.get(i, f"[PAD{i}]") for i in range(vocab_size)],
             [int(types.get(i, TT.UNUSED)) for i in range(vocab_size)])
+
+
+def tokenizer_model(tok: dict) -> str | None:
+    """llama.cpp's tokenizer.ggml.model for a tokenizer.json it reproduces: "gpt2" for byte-level BPE; "llama"
+    (SentencePiece) for BPE over characters with byte fallback where spaces are spelled ▁ and nothing is
+    prepended (Gemma's shape: llama.cpp's add_space_prefix off); else None."""
+    model, decoder, norm = tok.get("model") or {}, tok.get("decoder") or {}, tok.get("normalizer") or {}
+    if model.get("type") != "BPE":
+        return None
+    if not model.get("byte_fallback") and decoder.get("type") == "ByteLevel":
+        return "gpt2"
+    pre = tok.get("pre_tokenizer")
+    spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    if model.get("byte_fallback") and norm == spaces and \
+            [d.get("type") for d in decoder.get("decoders") or ()] == ["Replace", "ByteFallback", "Fuse"] and \
+            decoder["decoders"][0].get("pattern") == {"String": "▁"} and \
+            (pre is None or (pre.get("type"), pre.get("pattern")) == ("Split", {"String": " "})):  # no-op: no spaces
+        return "llama"                                                                           # are left
+    return None
+
+
+def merge_scores(tok: dict, tokens: list[str]) -> list[float]:
+    """tokenizer.ggml.scores for llama.cpp's SentencePiece tokenizer, which repeatedly joins the adjacent pair whose
+    joined token scores highest, where a BPE tokenizer.json joins the pair whose merge ranks first: minus the rank of
+    the first merge that makes a token gives the same order. Tokens no merge makes (characters, bytes, added tokens)
+    score below every merge."""
+    merges = tok["model"].get("merges") or ()
+    first: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        first.setdefault(a + b, r)
+    return [-float(first.get(t, len(merges))) for t in tokens]
 
 
 def _adds_special(tokenizer_json: Path, bos: int | None, eos: int | None) -> tuple[bool, bool]:
@@ -316,22 +383,28 @@ def _adds_special(tokenizer_json: Path, bos: int | None, eos: int | None) -> tup
 
 
 def _add_tokenizer(w, src: CheckpointReader) -> dict:
-    """Vocabulary, merges, special ids, BOS/EOS behaviour and chat template; returns what was written."""
+    """Vocabulary (with merges for BPE, merge-order scores for SentencePiece), special ids, BOS/EOS behaviour and
+    chat template; returns what was written."""
     path = src.path / "tokenizer.json"
     if not path.is_file():
-        raise LlmqError(f"{src.path}: --target gguf needs tokenizer.json (a byte-level BPE tokenizer)")
+        raise LlmqError(f"{src.path}: --target gguf needs tokenizer.json (a byte-level BPE or SentencePiece-style "
+                        "tokenizer)")
     tok = json.loads(path.read_text(encoding="utf-8"))
-    model, decoder = tok.get("model") or {}, tok.get("decoder") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder.get("type") != "ByteLevel":
-        raise LlmqError("--target gguf writes byte-level BPE tokenizers (GPT-2 style) only; this one is "
-                        f"{model.get('type')} with a {decoder.get('type')} decoder")
+    kind = tokenizer_model(tok)
+    if kind is None:
+        model, decoder = tok.get("model") or {}, tok.get("decoder") or {}
+        raise LlmqError("--target gguf writes byte-level BPE (GPT-2 style) and Gemma-style SentencePiece BPE "
+                        f"tokenizers only; this one is {model.get('type')} with a {decoder.get('type')} decoder")
     tokens, types = _token_list(tok, src.spec.vocab_size)
-    special = gguf.SpecialVocab(src.path, load_merges=True, n_vocab=src.spec.vocab_size)
-    pre = pre_tokenizer_name(tok)
-    w.add_tokenizer_model("gpt2")
+    special = gguf.SpecialVocab(src.path, load_merges=kind == "gpt2", n_vocab=src.spec.vocab_size)
+    pre = pre_tokenizer_name(tok) if kind == "gpt2" else "default"   # SentencePiece has no pre-tokenizer
+    w.add_tokenizer_model(kind)
     w.add_tokenizer_pre(pre or "default")
     w.add_token_list(tokens)
     w.add_token_types(types)
+    if kind == "llama":
+        w.add_token_scores(merge_scores(tok, tokens))
+        w.add_add_space_prefix(False)
     ids = special.special_token_ids
     add_bos, add_eos = _adds_special(path, ids.get("bos"), ids.get("eos"))
     special.add_special_token = {}   # decided by encoding above, not from config heuristics
@@ -342,10 +415,10 @@ def _add_tokenizer(w, src: CheckpointReader) -> dict:
     if pre is None:
         warnings.append("pre-tokenizer not one llama.cpp knows: written as 'default', so llama.cpp may split "
                         "text differently from the source tokenizer (token ids given directly are unaffected)")
-    if not special.merges:
+    if kind == "gpt2" and not special.merges:
         warnings.append("the tokenizer has no BPE merges; llama.cpp refuses a BPE vocabulary without "
                         "tokenizer.ggml.merges")
-    return {"model": "gpt2", "pre": pre or "default", "tokens": len(tokens), "merges": len(special.merges),
+    return {"model": kind, "pre": pre or "default", "tokens": len(tokens), "merges": len(special.merges),
             "special_token_ids": dict(ids), "add_bos": add_bos, "add_eos": add_eos,
             "chat_template": special.chat_template is not None, "warnings": warnings}
 
