@@ -177,8 +177,8 @@ def test_the_probe_records_what_the_runtime_computes(source, quantized, name):
     assert recorded > 1e-5  # the quantization is visible
     # float32 op orders differ between the probe's transformers layers and the runtime's; where activations are
     # rounded (the INT4 kernel's bf16 inputs, FP8 / INT8 per-token scales) a rare one rounds the other way: 1.0e-4
-    # relative measured on Mixtral's GPTQ model, 7.5e-4 on its FP8 one
-    assert abs(acc.result()["kld_mean"] / recorded - 1) < (2e-3 if name in ("smoothquant", "fp8") else 5e-4)
+    # relative measured on Mixtral's GPTQ model, 7.5e-4 on its FP8 one, 2.5e-3 on its SmoothQuant one (KLD 5e-4)
+    assert abs(acc.result()["kld_mean"] / recorded - 1) < (1e-2 if name in ("smoothquant", "fp8") else 5e-4)
 
 
 @pytest.mark.parametrize("family", list(SHAPES))
@@ -364,3 +364,32 @@ def test_mixed_precision_gives_each_expert_its_own_units(source, quantized):
     assert not any(arch.path("router") in u for u in layer0)
     assert {u["bits"] for u in units} == {4, 8}
     assert bool(torch.isfinite(_logprobs(art.path, list(range(40, 80)))).all())
+
+
+def test_llmq_run_takes_a_tiny_qwen3_moe_through_every_stage(tmp_path, monkeypatch):
+    """The recipe runner, end to end on a MoE: GPTQ with its expert coverage, an INT8 KV cache, a verified tp 2
+    engine, eval with gates, through the CLI."""
+    import yaml
+    from click.testing import CliRunner
+
+    from llmq.cli.main import cli
+    from llmq.pipeline.recipe import load_recipe
+    from llmq.pipeline.runner import run_recipe
+
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    store, src = _source(tmp_path, "qwen3_moe")
+    recipe = {"name": "moe", "model": str(src.path), "seed": 1, "stages": {
+        "quantize": {"method": "gptq", "bits": 4, "group_size": 32, "num_samples": 4, "seq_len": 64},
+        "quantize-kv": {"kv": "int8", "num_samples": 4, "seq_len": 64},
+        "build": {"tp": 2, "kv": "int8", "verify": True},
+        "eval": {"tasks": ["math", "kld"], "limit": 3, "gate": "math>=-1000,kld<=1"}}}
+    p = tmp_path / "moe.yaml"
+    p.write_text(yaml.safe_dump(recipe))
+    r = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(p)])
+    assert r.exit_code == 0, r.output
+    assert "recipe moe" in r.output and "KLD" in r.output
+    again = run_recipe(load_recipe(p), store)   # what the CLI ran, every stage reused
+    assert [x.status for x in again.stages] == ["reused"] * 4 and not again.failed_gates
+    q, kv, engine, report = (x.artifact for x in again.stages)
+    assert q.config["expert_coverage"]["scheme"].startswith("every expert")
+    assert engine.metrics["verify"]["passed"] and engine.parents == [kv.id]

@@ -59,6 +59,13 @@ class SparseMoE(nn.Module):
         if self.renormalize:
             weights /= weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
+        if x.shape[0] == 1:  # one token (a batch-1 decode step): its experts in turn (in expert order, as the
+            out = torch.zeros_like(x)  # grouped path and transformers sum them), no grouping or scatter
+            for j in chosen[0].argsort().tolist():
+                e = int(chosen[0, j])
+                out.add_(self.down[e](glu(self.gate_up[e](x), "silu")) * weights[0, j])
+                self.bytes_read += self.expert_bytes[e]
+            return out
         out = torch.zeros_like(x)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)   # token slots grouped by expert
