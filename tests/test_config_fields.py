@@ -11,7 +11,8 @@ from llmq.models import ModelSpec
 from llmq.models.spec import IMPLEMENTED, INERT, REFUSED
 
 CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config, "gemma3_text": transformers.Gemma3TextConfig}
+           "qwen3": transformers.Qwen3Config, "gemma3_text": transformers.Gemma3TextConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
@@ -52,6 +53,9 @@ def test_lists_cover_exactly_the_fields_of_the_supported_configs():
     ("llama", {"layer_types": ["sliding_attention", "sliding_attention"]}, "layer_types"),
     ("mistral", {"sliding_window": 0}, "sliding_window"),
     ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_unimplemented_values_are_refused_naming_the_field(model_type, overrides, field):
     with pytest.raises(LlmqError, match=rf"^{model_type} config field {field}=\S.* is not supported: [^\n]+$"):

@@ -4,6 +4,7 @@ the tiny Gemma 3 of test_families covers tp 2 and every export contract."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -66,6 +67,7 @@ def test_runtime_equals_transformers(gemma, ids):
 def test_quantize_rtn_gptq_awq_then_eval_and_serve(gemma, ids):
     from llmq.evals.evaluate import EvalSettings, run_eval
     from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
     from llmq.runtime import EngineConfig
 
     store, base = gemma
@@ -80,6 +82,9 @@ def test_quantize_rtn_gptq_awq_then_eval_and_serve(gemma, ids):
     gptq = arts["gptq"]
     report = run_eval(store, gptq, base, EvalSettings(tasks=["kld"], limit=4, seed=0), []).report
     assert 0 < report["kld"]["mean"] < 5 and 0 < report["kld"]["top1"] < 100  # top-1 in percent
+    built = build_engine(gptq, store, BuildOptions(target="gguf"))
+    gguf = json.loads((built.path / "engine.json").read_text())["outputs"]["gguf"]
+    assert gguf["architecture"] == "gemma3" and gguf["file_type"] == "Q4_0"
 
     with live_server(gptq.path, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20), name="gemma") as live:
         r = httpx.post(f"{live.url}/v1/completions", timeout=120,
@@ -87,3 +92,25 @@ def test_quantize_rtn_gptq_awq_then_eval_and_serve(gemma, ids):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["text"]
+
+
+def test_llmq_run_takes_it_through_a_recipe(gemma, tmp_path, monkeypatch):
+    """`llmq run` end to end on the real model: GPTQ (chat-templated calibration), an INT8 KV cache, a verified
+    engine, eval's KLD under a gate."""
+    import yaml
+    from click.testing import CliRunner
+
+    from llmq.cli.main import cli
+
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    store, _ = gemma
+    recipe = {"name": "gemma", "model": "gemma3-270m", "seed": 0, "stages": {
+        "quantize": {"method": "gptq", **{k: v for k, v in CALIB.items() if k != "probe_tokens"}},
+        "quantize-kv": {"kv": "int8", "num_samples": 2, "seq_len": 64},
+        "build": {"tp": 1, "kv": "int8", "verify": True},
+        "eval": {"tasks": ["kld"], "limit": 4, "gate": "kld<=5"}}}
+    p = tmp_path / "gemma.yaml"
+    p.write_text(yaml.safe_dump(recipe))
+    r = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(p)])
+    assert r.exit_code == 0, r.output
+    assert "recipe gemma" in r.output and "KLD" in r.output

@@ -25,9 +25,9 @@ IMPLEMENTED = frozenset({
     "use_sliding_window", "max_window_layers",  # Qwen2/3: transformers turns them into layer_types, checked below
     "_sliding_window_pattern",  # Gemma 3: likewise
     "query_pre_attn_scalar", "final_logit_softcapping",  # Gemma 3: the attention scale, a tanh cap on the logits
-    # mixture of experts (Qwen3-MoE, Mixtral): how many experts, how many a token takes, their width, renormalizing
-    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers",  # Qwen3-MoE: which layers are sparse (all of them, checked below)
+    # mixture of experts (Qwen3-MoE, Mixtral): how many experts (config.json's num_experts is transformers'
+    # num_local_experts), how many a token takes, their width, renormalizing
+    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
 })
 
 # Fields that do not change the logits of an inference forward, with the reason.
@@ -95,12 +95,13 @@ def _activation_unsupported(field: str):
     return refuse
 
 
-def _dense_layers(c) -> bool:
-    """Whether a MoE config makes some layers dense (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)."""
-    if ARCHS[c.model_type].moe is None:
-        return False
-    step = getattr(c, "decoder_sparse_step", 1) or 1
-    return bool(getattr(c, "mlp_only_layers", None)) or step != 1
+def _dense_layers(field: str):
+    """Refuses a MoE config whose `field` makes some layers dense (Qwen3-MoE's mlp_only_layers, decoder_sparse_step
+    other than 1)."""
+    def refuse(c) -> bool:
+        value = getattr(c, field, None)
+        return ARCHS[c.model_type].moe is not None and bool(value) and value != (1 if field.endswith("step") else [])
+    return refuse
 
 
 # Fields the runtime implements for some values only: field -> (refuse(config), why).
@@ -118,8 +119,8 @@ REFUSED = {
                                "the runtime's attention does not cap its scores"),
     "use_bidirectional_attention": (lambda c: bool(getattr(c, "use_bidirectional_attention", False)),
                                     "llmq runs causal attention"),
-    "mlp_only_layers": (_dense_layers, "llmq runs MoE models whose every layer is sparse"),
-    "decoder_sparse_step": (_dense_layers, "llmq runs MoE models whose every layer is sparse"),
+    "mlp_only_layers": (_dense_layers("mlp_only_layers"), "llmq runs MoE models whose every layer is sparse"),
+    "decoder_sparse_step": (_dense_layers("decoder_sparse_step"), "llmq runs MoE models whose every layer is sparse"),
 }
 
 
