@@ -393,3 +393,54 @@ def test_llmq_run_takes_a_tiny_qwen3_moe_through_every_stage(tmp_path, monkeypat
     q, kv, engine, report = (x.artifact for x in again.stages)
     assert q.config["expert_coverage"]["scheme"].startswith("every expert")
     assert engine.metrics["verify"]["passed"] and engine.parents == [kv.id]
+
+
+def _fake_quantized_cache(kv: str, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """A transformers attention implementation that rounds K and V as a quantized cache stores them (int8:
+    round(x / s) on [-128, 127]; fp8: x / s saturated to +-448 in e4m3), with each layer's stored scales (per tensor
+    or per KV head), before sdpa: the reference for what a quantized cache computes, written from the format's
+    definition rather than through llmq's runtime."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounded(x, scale):
+        s = scale.float().reshape(1, -1, 1, 1) if scale.numel() > 1 else scale.float().reshape(())
+        if kv == "int8":
+            return (x / s).round().clamp(-128, 127) * s
+        return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+
+    def attention(module, query, key, value, attention_mask, **kw):
+        k_scale, v_scale = scales[module.layer_idx]
+        return sdpa_attention_forward(module, query, rounded(key, k_scale), rounded(value, v_scale),
+                                      attention_mask, **kw)
+
+    name = f"llmq_test_{kv}_cache"
+    AttentionInterface.register(name, attention)
+    return name
+
+
+@pytest.mark.parametrize("kv,granularity", [("int8", "head"), ("fp8", "tensor")])
+def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, granularity):
+    """quantize-kv on a MoE: what the runtime computes from the artifact equals transformers' MoE with K / V rounded
+    by the stored scales as they enter attention. (transformers 5.23's own compressed-tensors loader cannot load a
+    MoE: it fails turning the per-expert tensors into its 3-D parameters.)"""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+
+    store, src = source
+    art = quantize_kv(src, store, KVOptions(kv=kv, granularity=granularity, num_samples=4, seq_len=64,
+                                            probe_tokens=128), show_progress=False)
+    ck = CheckpointReader(art.path)
+    scales = [ck.kv_scales(i) for i in range(ck.spec.num_layers)]
+    assert ck.kv_cache_dtype() == kv and all(sc is not None for sc in scales)
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()(ids).logits[0]
+        ref = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32,
+                                                   attn_implementation=_fake_quantized_cache(kv, scales)
+                                                   ).eval()(ids).logits[0]
+    got = _logprobs(art.path, ids[0].tolist())
+    assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
+    k = kld_top1(ref, got)
+    assert k["kld_mean"] < 1e-7 and k["top1"] == 1.0, k
