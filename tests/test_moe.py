@@ -142,6 +142,14 @@ def test_every_expert_is_quantized_and_the_router_stays_16_bit(source, quantized
         experts = [r for r in lin if r.startswith("experts.")]
         assert len(experts) == 3 * spec.num_experts
         assert all(lin[r].qw is not None for r in experts + ["q_proj", "o_proj"])
+    if name == "rtn-w4g32":  # vLLM's FusedMoE loader (make_expert_params_mapping) takes each expert's tensors as
+        names = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}[spec.model_type]
+        block = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}[spec.model_type]
+        for e in range(spec.num_experts):  # <layer>.<block>.experts.<e>.<checkpoint name>.<compressed tensor>
+            for n in names:
+                prefix = f"model.layers.1.{block}.experts.{e}.{n}."
+                assert {k[len(prefix):] for k in ck.tensors if k.startswith(prefix)} == \
+                    {"weight_packed", "weight_scale", "weight_shape"}
 
 
 @pytest.mark.parametrize("name", WEIGHT_ONLY)
