@@ -36,6 +36,9 @@ INERT = {
     "bos_token_id": "generation", "eos_token_id": "generation",
     "is_encoder_decoder": "unused", "chunk_size_feed_forward": "unused",
     "pretraining_tp": "numerics",  # slices the same matmuls in transformers 4; transformers 5 ignores it
+    "resid_pdrop": "training", "embd_pdrop": "training",  # Phi-3's dropouts
+    # Phi-3: the pretraining length, which transformers reads only for LongRoPE (refused under rope_parameters)
+    "original_max_position_embeddings": "rope",
 }
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # fixed frequencies, which the runtime tabulates once
@@ -212,7 +215,11 @@ class ModelSpec:
         return ARCHS[self.model_type]
 
     def linear_shape(self, role: str) -> tuple[int, int]:
-        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj)."""
+        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj), or of a stored fused group (Arch.fused:
+        its roles' rows stacked)."""
+        if role in self.arch.fused:
+            shapes = [self.linear_shape(r) for r in self.arch.fused[role][1]]
+            return sum(n for n, _ in shapes), shapes[0][1]
         h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.intermediate_size
         return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ff, h),
@@ -241,17 +248,17 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
     """Refuse, in one line naming the tensor, a dense checkpoint whose tensors are not exactly what `spec` declares:
     a missing or extra tensor, a shape the config does not give, or a non-float dtype. `tensors`: name -> (dtype,
     shape), from the files' headers (nothing is read)."""
-    from .arch.base import EMBEDDING, LINEARS, LM_HEAD
+    from .arch.base import EMBEDDING, LM_HEAD
 
     arch, h = spec.arch, spec.hidden_size
     want = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
     optional = {}
     (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
-        for role in LINEARS:
-            shape = spec.linear_shape(role)
-            want[f"{arch.linear(i, role)}.weight"] = shape
-            optional[f"{arch.linear(i, role)}.bias"] = shape[:1]
+        for name, path in arch.stored_linears().items():
+            shape = spec.linear_shape(name)
+            want[f"{arch.prefix(i)}.{path}.weight"] = shape
+            optional[f"{arch.prefix(i)}.{path}.bias"] = shape[:1]
         for role in arch.norms:
             want[arch.norm(i, role)] = spec.norm_shape(role)
     for name in want.keys() - tensors.keys():

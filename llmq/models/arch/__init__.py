@@ -7,9 +7,10 @@ from ...errors import LlmqError
 from .base import ATTN, LINEARS, MLP, SPLIT, Arch
 from .gemma3 import GEMMA3
 from .llama import LLAMA, MISTRAL, QWEN2
+from .phi3 import PHI3
 from .qwen3 import QWEN3
 
-ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)}
+ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3)}
 
 
 def supported() -> str:
@@ -25,5 +26,5 @@ def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
                         f"supports: {supported()}") from None
 
 
-__all__ = ["ARCHS", "ATTN", "Arch", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MLP", "QWEN2", "QWEN3", "SPLIT",
+__all__ = ["ARCHS", "ATTN", "Arch", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MLP", "PHI3", "QWEN2", "QWEN3", "SPLIT",
            "arch_for", "supported"]

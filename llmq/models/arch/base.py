@@ -29,7 +29,7 @@ _LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_laye
 _GGUF = {"q_proj": "ATTN_Q", "k_proj": "ATTN_K", "v_proj": "ATTN_V", "o_proj": "ATTN_OUT", "gate_proj": "FFN_GATE",
          "up_proj": "FFN_UP", "down_proj": "FFN_DOWN", "attn_norm": "ATTN_NORM", "mlp_norm": "FFN_NORM",
          "q_norm": "ATTN_Q_NORM", "k_norm": "ATTN_K_NORM", "attn_out_norm": "ATTN_POST_NORM",
-         "mlp_out_norm": "FFN_POST_NORM"}
+         "mlp_out_norm": "FFN_POST_NORM", "qkv_proj": "ATTN_QKV", "gate_up_proj": "FFN_UP"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,12 @@ class Arch:
     layers: str = "model.layers"
     attention: str = "self_attn"  # the attention module of a layer (KV-cache scales are stored under it)
     linears: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_LINEARS))  # role -> path in a layer
+    # linears the checkpoint stores fused, as Phi-3 does: group -> (path in a layer, its roles in row order). The
+    # reader cuts them into their roles (the runtime, the plan and the targets work on roles); quantization runs
+    # transformers' layer, so it quantizes, and the artifact stores, the group as one linear. `feeds` and `units`
+    # name the group where its roles cannot be told apart. llmq's own rank directories store the roles apart under
+    # `linears`' paths
+    fused: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     norms: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_NORMS))  # role -> path in a layer
     gguf: dict[str, str] = field(default_factory=lambda: dict(_GGUF))
     # (producer, consumers): the producer's output is the consumers' input, so a per-channel factor can move from one
@@ -77,8 +83,25 @@ class Arch:
         """The module name of layer i's linear `role` (its tensors are <name>.weight, <name>.bias, ...)."""
         return f"{self.prefix(i)}.{self.linears[role]}"
 
+    def stored_linears(self) -> dict[str, str]:
+        """The linears of a layer as the checkpoint (and transformers' layer) holds them: name (a role, or a fused
+        group) -> path in the layer."""
+        grouped = {r for _, roles in self.fused.values() for r in roles}
+        return {g: path for g, (path, _) in self.fused.items()} | \
+            {r: p for r, p in self.linears.items() if r not in grouped}
+
     def linear_names(self, i: int) -> list[str]:
-        return [self.linear(i, r) for r in LINEARS]
+        """Layer i's linears' module names as the checkpoint stores them."""
+        return [f"{self.prefix(i)}.{p}" for p in self.stored_linears().values()]
+
+    def role_modules(self, module: str) -> list[str]:
+        """The role linears a full module name holds: a stored fused group's roles' names, else the module itself
+        (for what names modules when the roles are stored apart)."""
+        for path, roles in self.fused.values():
+            if module.endswith("." + path):
+                base = module[:-len(path)]
+                return [base + self.linears[r] for r in roles]
+        return [module]
 
     def norm(self, i: int, role: str) -> str:
         """The tensor name of layer i's norm `role`."""
@@ -88,8 +111,8 @@ class Arch:
         return f"{self.prefix(i)}.{self.attention}"
 
     def path(self, role: str) -> str:
-        """A linear's or a norm's module path inside a layer."""
-        return self.linears.get(role) or self.norms[role]
+        """A linear's (a role's or a fused group's) or a norm's module path inside a layer."""
+        return self.linears.get(role) or (self.fused[role][0] if role in self.fused else self.norms[role])
 
     def feed_paths(self) -> list[tuple[str, bool, tuple[str, ...]]]:
         """`feeds` as module paths inside a layer: (producer, whether it is a norm, consumers)."""
