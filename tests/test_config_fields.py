@@ -12,7 +12,8 @@ from llmq.models.spec import IMPLEMENTED, INERT, REFUSED
 
 CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "gemma3_text": transformers.Gemma3TextConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
+           "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "mixtral": transformers.MixtralConfig}
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
@@ -56,6 +57,12 @@ def test_lists_cover_exactly_the_fields_of_the_supported_configs():
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    # Phi-3 128k / 3.5: LongRoPE (short and long factors per frequency), as their config.json spells it
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+              "max_position_embeddings": 1024, "original_max_position_embeddings": 256}, "rope_parameters"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "rope_parameters"),
+    ("phi3", {"hidden_act": "gelu_new"}, "hidden_act"),
 ])
 def test_unimplemented_values_are_refused_naming_the_field(model_type, overrides, field):
     with pytest.raises(LlmqError, match=rf"^{model_type} config field {field}=\S.* is not supported: [^\n]+$"):
@@ -77,6 +84,9 @@ def test_unimplemented_values_are_refused_naming_the_field(model_type, overrides
     ("qwen3", {}, None),
     ("gemma3_text", {}, None),  # its window is per layer (ModelSpec.local_window), not every layer's
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
+    ("phi3", {}, None),
+    ("phi3", {"sliding_window": 16, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "original_max_position_embeddings": 64},
+     16),  # every layer slides; dropouts and the LongRoPE-only length change nothing at inference
 ])
 def test_implemented_values_are_accepted_with_transformers_window(model_type, overrides, window):
     assert ModelSpec.from_config(config(model_type, **overrides)).sliding_window == window

@@ -1,8 +1,9 @@
 """`llmq build --target gguf` against llama.cpp's loader contract, and an independent reader of the file.
 
 The contract below is written from llama.cpp's GGUF documentation (docs/gguf.md in ggml), ggml's type enum and
-block layouts (ggml.h, ggml-common.h) and its model loader (src/llama-model.cpp: which tensors the `llama` and
-`qwen2` architectures create and with which shapes; src/llama-vocab.cpp: the tokenizer keys). The reader applies
+block layouts (ggml.h, ggml-common.h) and its model loader (src/llama-model.cpp and src/models/: which tensors the
+`llama`, `qwen2`, `qwen3` and `phi3` architectures create and with which shapes; src/llama-vocab.cpp: the tokenizer
+keys). The reader applies
 llama.cpp's semantics to the file (the block formats through the `gguf` package's dequantizer, `llama`'s adjacent-pair
 RoPE undone on q/k) and runs transformers on what it read; its logits must match llmq's runtime on the artifact.
 """
@@ -67,10 +68,13 @@ def expected_tensors(arch: str, c: dict) -> dict[str, tuple[tuple[int, ...], str
     for i in range(c["num_hidden_layers"]):
         b = f"blk.{i}."
         out |= {b + "attn_norm.weight": ((e,), "norm"), b + "ffn_norm.weight": ((e,), "norm"),
-                b + "attn_q.weight": ((e, q), "linear"), b + "attn_k.weight": ((e, kv), "linear"),
-                b + "attn_v.weight": ((e, kv), "linear"), b + "attn_output.weight": ((q, e), "linear"),
-                b + "ffn_gate.weight": ((e, f), "linear"), b + "ffn_up.weight": ((e, f), "linear"),
-                b + "ffn_down.weight": ((f, e), "linear")}
+                b + "attn_output.weight": ((q, e), "linear"), b + "ffn_down.weight": ((f, e), "linear")}
+        if arch == "phi3":  # llama.cpp's phi3: q/k/v as one attn_qkv, gate and up as one ffn_up of 2 x n_ff rows
+            out |= {b + "attn_qkv.weight": ((e, q + 2 * kv), "linear"), b + "ffn_up.weight": ((e, 2 * f), "linear")}
+            continue
+        out |= {b + "attn_q.weight": ((e, q), "linear"), b + "attn_k.weight": ((e, kv), "linear"),
+                b + "attn_v.weight": ((e, kv), "linear"), b + "ffn_gate.weight": ((e, f), "linear"),
+                b + "ffn_up.weight": ((e, f), "linear")}
         if arch == "qwen2":
             out |= {b + "attn_q.bias": ((q,), "norm"), b + "attn_k.bias": ((kv,), "norm"),
                     b + "attn_v.bias": ((kv,), "norm")}
@@ -121,7 +125,8 @@ def _bf16_with_a_merge(d: Path) -> Path:
 TINY = {"llama-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
         "qwen2-bias-tied": dict(model_type="qwen2", tie_word_embeddings=True),
         # head_dim 32 with hidden 64 and 4 heads: q is wider than the residual, as in Qwen3's releases
-        "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True)}
+        "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+        "phi3-fused": dict(model_type="phi3")}
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +156,7 @@ def test_file_meets_llama_cpp_loader_contract(tiny, arch, scheme):
     src, art = built[arch, scheme]
     cfg = json.loads((src.path / "config.json").read_text())
     r = gguf.GGUFReader(gguf_file(art))
-    a = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3") else "llama"
+    a = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3", "phi3") else "llama"
     assert _field(r, "GGUF.version")[1] == 3
     for key, vtype in REQUIRED_KEYS.items():
         assert r.fields[key.format(arch=a)].types[0] == vtype, key
@@ -237,11 +242,22 @@ HF_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "po
             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output.weight": "self_attn.o_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
             "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+# llama.cpp's phi3 holds what Phi-3 itself stores fused: attn_qkv (q, k, v rows) and ffn_up (gate, then up rows)
+PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", **HF_NAMES, "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 
 def read_gguf(path: Path, unpair: bool = True):
     """(transformers model, metadata) from a GGUF file alone, the way llama.cpp reads it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     r = gguf.GGUFReader(path)
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
@@ -253,24 +269,25 @@ def read_gguf(path: Path, unpair: bool = True):
                intermediate_size=g("feed_forward_length"), num_hidden_layers=g("block_count"),
                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=g("rope.dimension_count"),
                rms_norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base"),
-               max_position_embeddings=g("context_length"), tie_word_embeddings="output.weight" not in names)
+               max_position_embeddings=g("context_length"), tie_word_embeddings="output.weight" not in names,
+               pad_token_id=None)  # a padding row changes no logits (Phi-3's default, 32000, is past this vocab)
     if f"{arch}.attention.key_length" in meta:
         cfg["head_dim"] = g("attention.key_length")
     model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+                 "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}[arch]
     state = {}
     for t in r.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape)])
         if arch == "llama" and unpair and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpair_rope_rows(w, heads if "attn_q" in t.name else kv_heads)
-        state[_hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))
+        state[_hf_name(t.name, arch)] = torch.from_numpy(np.array(w, dtype=np.float32))
     model = model_cls[1](model_cls[0](**cfg)).float().eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg["tie_word_embeddings"] else set())
     return model, meta
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str = "llama") -> str:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -278,7 +295,7 @@ def _hf_name(name: str) -> str:
     if name == "output.weight":
         return "lm_head.weight"
     _, i, rest = name.split(".", 2)
-    for g, hf in HF_NAMES.items():
+    for g, hf in (PHI3_NAMES if arch == "phi3" else HF_NAMES).items():
         if rest.startswith(g):
             return f"model.layers.{i}.{hf}{rest[len(g):]}"
     raise AssertionError(f"unexpected tensor {name}")
@@ -423,7 +440,8 @@ def assert_bit_exact(src_path: Path, gguf_path: Path) -> dict:
     s = CheckpointReader(src_path)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
     to_file = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "qkv_proj": "attn_qkv",
+               "gate_up_proj": "ffn_up"}
     stats = {"linears": 0, "weights": 0, "blocks": 0, "scales_not_exact": 0, "mins_rerounded": 0}
     for i in range(s.spec.num_layers):
         for name in s.arch.linear_names(i):
@@ -450,7 +468,8 @@ def test_integers_and_scales_read_back_bit_exact(tiny, arch, scheme):
     _, built = tiny
     src, art = built[arch, scheme]
     stats = assert_bit_exact(src.path, gguf_file(art))
-    assert stats["linears"] == 14 and stats["scales_not_exact"] == 0   # bf16 scales are fp16 numbers here
+    linears = 8 if arch.startswith("phi3") else 14   # two layers of Phi-3's 4 stored linears, or of 7
+    assert stats["linears"] == linears and stats["scales_not_exact"] == 0   # bf16 scales are fp16 numbers here
     rounding = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]["rounding"]
     assert rounding["scales_rerounded_to_fp16"] == 0 and rounding["blocks"] == stats["blocks"]
     assert rounding["q4_1_mins_rerounded_to_fp16"] == stats["mins_rerounded"]

@@ -4,8 +4,10 @@ tensorrt_llm cannot be installed here, so this is a contract written from that b
 `_torch/model_config.py` reads `hf_quant_config.json`'s "quantization" section; `_torch/modules/linear.py`'s
 WeightOnlyQuantLinearMethod takes `weight` int8 [out, in] (INT4: [out/2, in], two rows a byte) and
 `weight_scale` [out] and computes q * scale; W4A16_AWQ_LinearMethod takes `weight` int8 [out/2, in] and
-`weight_scale` [out, in/group], reads `pre_quant_scale` for its un-fused layers unconditionally, and runs without
-zero points; `load_weight_shard` splits row-parallel tensors along their last dimension, and heads must divide tp.
+`weight_scale` [out, in/group], reads `pre_quant_scale` for the layers it loads whole unconditionally, and runs
+without zero points; `load_weight_shard` splits row-parallel tensors along their last dimension, and heads must divide
+tp. `_torch/models/modeling_phi3.py` loads Phi-3's stored `qkv_proj` and `gate_up_proj` whole (WeightMode.VANILLA),
+under those names.
 """
 
 from __future__ import annotations
@@ -25,9 +27,20 @@ from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
 from llmq.pipeline.targets import BuildOptions, build_engine
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+WHOLE = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}  # what each family's loader loads whole
+                                                                       # (default ROW_PARALLEL): AWQ's pre_quant_scale
+
+
+def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of each linear of a layer under the family's Hugging Face names."""
+    h, d, ff = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    if cfg["model_type"] == "phi3":
+        return {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q), "mlp.gate_up_proj": (2 * ff, h),
+                "mlp.down_proj": (h, ff)}
+    return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q), "mlp.gate_proj": (ff, h), "mlp.up_proj": (ff, h), "mlp.down_proj": (h, ff)}
 
 
 def check_loads(ckpt: Path, tp: int) -> dict:
@@ -45,14 +58,7 @@ def check_loads(ckpt: Path, tp: int) -> dict:
     st = {}
     for f in ckpt.glob("*.safetensors"):
         st |= load_file(str(f))
-    d = cfg["head_dim"]
-    dims = {"self_attn.q_proj": (cfg["num_attention_heads"] * d, cfg["hidden_size"]),
-            "self_attn.k_proj": (cfg["num_key_value_heads"] * d, cfg["hidden_size"]),
-            "self_attn.v_proj": (cfg["num_key_value_heads"] * d, cfg["hidden_size"]),
-            "self_attn.o_proj": (cfg["hidden_size"], cfg["num_attention_heads"] * d),
-            "mlp.gate_proj": (cfg["intermediate_size"], cfg["hidden_size"]),
-            "mlp.up_proj": (cfg["intermediate_size"], cfg["hidden_size"]),
-            "mlp.down_proj": (cfg["hidden_size"], cfg["intermediate_size"])}
+    dims, whole = linear_shapes(cfg), WHOLE.get(cfg["model_type"], ROW_PARALLEL)
     for i in range(cfg["num_hidden_layers"]):
         for lin, (out, inn) in dims.items():
             name = f"model.layers.{i}.{lin}"
@@ -69,7 +75,7 @@ def check_loads(ckpt: Path, tp: int) -> dict:
             else:
                 g = q["group_size"]
                 assert tuple(w.shape) == (out // 2, inn) and tuple(s.shape) == (out, inn // g), name
-                if lin.endswith(ROW_PARALLEL):
+                if lin.rsplit(".", 1)[1] in whole:
                     assert torch.equal(st[f"{name}.pre_quant_scale"].float(), torch.ones(inn)), name
                     assert (inn // g) % tp == 0, f"{name}: its scale columns do not split over {tp} ranks"
         if q.get("kv_cache_quant_algo") == "FP8":
@@ -106,7 +112,7 @@ def backend_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
         st |= load_file(str(f))
     sd = {k: v.float() for k, v in st.items() if not k.endswith(("_scale", "pre_quant_scale")) or "norm" in k}
     for i in range(cfg["num_hidden_layers"]):
-        for lin in LINEARS:
+        for lin in linear_shapes(cfg):
             name = f"model.layers.{i}.{lin}"
             sd[f"{name}.weight"] = _dequant(st, name, q)
     model = AutoModelForCausalLM.from_config(
@@ -122,7 +128,7 @@ SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size
            "awq-with-a-dense-layer": dict(bits=4, group_size=64, ignore=("lm_head", "model.layers.0.mlp.up_proj"))}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text", "phi3"])
 def arts(tmp_path_factory, request):
     from helpers import make_tiny_model
 
@@ -133,7 +139,12 @@ def arts(tmp_path_factory, request):
     model = resolve_model(str(make_tiny_model(root / "m", num_attention_heads=6, num_key_value_heads=3,
                                               hidden_size=384, intermediate_size=256, tie_word_embeddings=True,
                                               head_dim=64, model_type=request.param)), store)
-    return store, {k: model if q is None else quantize(model, QuantizeOptions(method="rtn", **q), store, progress=False)
+    def opts(q: dict) -> QuantizeOptions:
+        if request.param == "phi3" and "ignore" in q:  # its up rows are part of the stored gate_up_proj
+            q = {**q, "ignore": tuple(n.replace("mlp.up_proj", "mlp.gate_up_proj") for n in q["ignore"])}
+        return QuantizeOptions(method="rtn", **q)
+
+    return store, {k: model if q is None else quantize(model, opts(q), store, progress=False)
                    for k, q in SCHEMES.items()}
 
 
@@ -141,6 +152,11 @@ def arts(tmp_path_factory, request):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_checkpoint_loads_and_computes_what_llmq_evaluated(arts, scheme, tp):
     store, a = arts
+    if tp > 1 and json.loads((a[scheme].path / "config.json").read_text())["model_type"] == "phi3":
+        # the backend's Phi-3 loads qkv_proj / gate_up_proj whole and would cut them by rows across ranks
+        with pytest.raises(LlmqError, match=r"^--target trtllm-hf: .* fused qkv_proj, gate_up_proj whole .*--tp 1"):
+            build_engine(a[scheme], store, BuildOptions(tp=tp, target="trtllm-hf"))
+        return
     art = build_engine(a[scheme], store, BuildOptions(tp=tp, target="trtllm-hf", verify=True))
     ckpt = art.path / "trtllm-hf"
     cfg = check_loads(ckpt, tp)

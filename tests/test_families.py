@@ -22,7 +22,9 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_wor
             # 8 experts of width 32, 2 a token (renormalized in one family, not in the other)
             "qwen3_moe": {"head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                           "norm_topk_prob": False},
-            "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}}
+            "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+            # fused qkv_proj / gate_up_proj, read by role; every layer slides over 8 of the 40 scored tokens
+            "phi3": {"sliding_window": 8}}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
@@ -55,8 +57,11 @@ def test_declaration_names_exactly_the_checkpoint_tensors(models, family):
         if spec.attention_bias:
             declared |= {f"{arch.linear(i, r)}.bias" for r in ("q_proj", "k_proj", "v_proj")}
     assert set(ckpt.tensors) == declared
+    stored = arch.stored_linears(spec.num_experts)
     for i in range(spec.num_layers):  # and every declared linear has the shape the spec says
-        assert {r: ckpt.tensors.info(arch.linear(i, r) + ".weight")[1] for r in spec.roles()} == \
+        assert {n: ckpt.tensors.info(f"{arch.prefix(i)}.{p}.weight")[1] for n, p in stored.items()} == \
+            {n: list(spec.linear_shape(n)) for n in stored}
+        assert {r: list(lw.shape) for r, lw in ckpt.layer_linears(i).items()} == \
             {r: list(spec.linear_shape(r)) for r in spec.roles()}
 
 
@@ -115,16 +120,61 @@ def test_qwen3_q_k_norms_are_computed_not_ignored(models, tmp_path):
 
 def test_an_undeclared_family_is_refused_naming_the_supported_ones():
     with pytest.raises(LlmqError,
-                       match=r"^unsupported architecture 'Phi3ForCausalLM' .*Gemma3ForCausalLM \(gemma3_text\)"):
-        ModelSpec.from_config({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
+                       match=r"^unsupported architecture 'Olmo2ForCausalLM' .*Phi3ForCausalLM \(phi3\)"):
+        ModelSpec.from_config({"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]})
 
 
-def test_legacy_trtllm_checkpoint_refuses_qwen3_in_one_line(models, store):
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_legacy_trtllm_checkpoint_refuses_qwen3_and_phi3_in_one_line(models, store, family):
     from llmq.models import resolve_model
     from llmq.pipeline.targets import BuildOptions, build_engine
 
-    src = resolve_model(str(models["qwen3"]), store)
-    with pytest.raises(LlmqError, match=r"^--target trtllm writes the legacy .* not Qwen3ForCausalLM; use --target "
-                                        r"trtllm-hf"):
+    src = resolve_model(str(models[family]), store)
+    with pytest.raises(LlmqError, match=rf"^--target trtllm writes the legacy .* not {ARCHS[family].architecture}; "
+                                        r"use --target trtllm-hf"):
         build_engine(src, store, BuildOptions(target="trtllm"))
 
+
+
+@pytest.mark.parametrize("quant", [dict(method="rtn", bits=4, group_size=32, target_bpw=6),
+                                   dict(method="fp8", bits=8, activations="static", per_tensor=True)],
+                         ids=["rtn-mixed", "fp8-static-tensor"])
+def test_phi3_fused_groups_are_cut_into_roles_for_llmq_rank_directories(models, store, quant):
+    """A quantized Phi-3 stores qkv_proj / gate_up_proj fused (mixed precision names the groups; FP8 per tensor has
+    one scale and one input scale for the group); `build --target llmq --tp 2` writes each rank's q / k / v and
+    gate / up apart, names them so in its quantization config, and the shards compute the unsharded model."""
+    from llmq.models import resolve_model
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    src = resolve_model(str(models["phi3"]), store)
+    art = quantize(src, QuantizeOptions(num_samples=4, seq_len=32, probe_tokens=0, **quant), store, progress=False)
+    stored = CheckpointReader(art.path)
+    assert "model.layers.0.self_attn.qkv_proj.weight_scale" in stored.tensors
+    if "target_bpw" in quant:  # the groups get different widths: named in the config by their stored names
+        assert len({u["bits"] for u in art.config["mixed_precision"]["units"]}) > 1
+    eng = build_engine(art, store, BuildOptions(tp=2, target="llmq", verify=True))
+    assert eng.metrics["verify"]["passed"]
+    rank = CheckpointReader(eng.path / "rank0")
+    names = {k.rsplit(".", 1)[0] for k in rank.tensors if k.startswith("model.layers.0.")}
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"} <= names
+    assert not {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"} & names
+    for role, lw in rank.layer_linears(0).items():  # each role read with the scheme the group was stored with
+        group = "qkv_proj" if role in ("q_proj", "k_proj", "v_proj") else \
+            "gate_up_proj" if role in ("gate_proj", "up_proj") else role
+        want = stored.linear(f"model.layers.0.{stored.arch.path(group)}").qw
+        assert (lw.qw.scheme, lw.qw.bits) == (want.scheme, want.bits) if want is not None else lw.qw is None, role
+
+
+@pytest.mark.parametrize("method", ["bnb-nf4", "bnb-int8"])
+def test_phi3_bitsandbytes_is_refused_in_one_line_before_any_work(models, store, method):
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    src = resolve_model(str(models["phi3"]), store)
+    bits = 4 if method == "bnb-nf4" else 8
+    with pytest.raises(LlmqError, match=rf"^--method {method}: Phi3ForCausalLM stores qkv_proj, gate_up_proj fused "
+                                        r"and llmq does not cut bitsandbytes packings [^\n]+$"):
+        quantize(src, QuantizeOptions(method=method, bits=bits), store, progress=False)
+    assert store.list(kind="quantized") == []

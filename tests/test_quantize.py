@@ -112,7 +112,7 @@ def test_gptq_zeroes_columns_that_never_see_input():
 
 
 @pytest.mark.parametrize("heads,kv_heads,model_type", [(4, 2, "llama"), (6, 2, "qwen2"), (4, 4, "llama"),
-                                                       (6, 2, "qwen3"), (4, 2, "gemma3_text")])
+                                                       (6, 2, "qwen3"), (4, 2, "gemma3_text"), (6, 2, "phi3")])
 def test_awq_folding_leaves_the_float_model_unchanged(tmp_path, make_tiny_model, heads, kv_heads, model_type):
     from transformers import AutoModelForCausalLM
 

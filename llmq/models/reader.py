@@ -43,6 +43,22 @@ class LinearWeights:
         return self.weight.to(dtype) if self.qw is None else self.qw.dequantize(dtype)
 
 
+def split_group(lw: LinearWeights, spec: ModelSpec, group: str, i: int) -> dict[str, LinearWeights]:
+    """A stored fused linear of layer i (Arch.fused `group`) as its roles' linears, cut by output rows at the sizes
+    `spec` gives; quantized ones are cut in their unpacked form, scales and zero points with their rows."""
+    from .sharding import split_rows  # the one row slicer; sharding reads LinearWeights from here
+
+    out, start = {}, 0
+    for role in spec.arch.fused[group][1]:
+        n = spec.linear_shape(role)[0]
+        out[role] = dataclasses.replace(split_rows(lw, torch.arange(start, start + n)),
+                                        name=spec.arch.linear(i, role))
+        start += n
+    if start != lw.out_features:
+        raise LlmqError(f"{lw.name} has {lw.out_features} rows; its config gives {start}")
+    return out
+
+
 class LazyTensors(Mapping):
     """name -> tensor over every *.safetensors file of a directory, each tensor read from disk when asked for and
     kept by nobody but the caller (see `safetensors_io`: no file is mapped into memory)."""
@@ -118,8 +134,15 @@ class CheckpointReader:
         return LinearWeights(name, weight=weight, qw=qw, bias=bias)
 
     def layer_linears(self, i: int) -> dict[str, LinearWeights]:
-        """Layer i's linears by role (q_proj ... down_proj; router and experts.<e>.<role> in a MoE layer)."""
-        return {r: self.linear(self.arch.linear(i, r)) for r in self.spec.roles()}
+        """Layer i's linears by role (q_proj ... down_proj; router and experts.<e>.<role> in a MoE layer); a group
+        stored fused (Arch.fused) is cut into its roles, a group stored apart (llmq's rank directories) is read by
+        role."""
+        parts: dict[str, LinearWeights] = {}
+        for group, (path, _) in self.arch.fused.items():
+            name = f"{self.arch.prefix(i)}.{path}"
+            if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:
+                parts |= split_group(self.linear(name), self.spec, group, i)
+        return {r: parts[r] if r in parts else self.linear(self.arch.linear(i, r)) for r in self.spec.roles()}
 
     def layer_norms(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's norm weights by role (attn_norm, mlp_norm, and q_norm / k_norm where the family has them)."""

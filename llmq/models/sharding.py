@@ -227,6 +227,35 @@ def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:
     return LinearWeights(lw.name, qw=sliced, bias=bias)
 
 
+def join_rows(parts: list[LinearWeights], name: str) -> LinearWeights:
+    """Column-parallel linears as one, their output rows stacked (split_rows' inverse): a group written fused as its
+    family stores it (Arch.fused). Quantized parts share their scheme and any per-tensor or input scale, as the parts
+    of one quantized matrix do."""
+    bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]) \
+        if any(p.bias is not None for p in parts) else None
+    if all(p.qw is None for p in parts):
+        return LinearWeights(name, weight=torch.cat([p.weight for p in parts]), bias=bias)
+    for p in parts:
+        _check_sliceable(p)
+    qws = [p.qw for p in parts]
+
+    def shared(t: torch.Tensor | None, other: torch.Tensor | None) -> bool:
+        return (t is None) == (other is None) and (t is None or t.numel() > 1 or torch.equal(t, other))
+
+    a = qws[0]
+    if any(q is None or q.scheme != a.scheme or q.bits != a.bits or not shared(q.scale, a.scale)
+           or not shared(q.input_scale, a.input_scale) for q in qws):
+        raise LlmqError(f"{name}: its parts {', '.join(p.name for p in parts)} are quantized differently and cannot "
+                        "be stored as one linear")
+
+    def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return ts[0] if ts[0] is None or ts[0].numel() == 1 else torch.cat(ts)
+
+    qw = dataclasses.replace(a, q=torch.cat([q.q for q in qws]), scale=cat([q.scale for q in qws]),
+                             zero_point=cat([q.zero_point for q in qws]))
+    return LinearWeights(name, qw=qw, bias=bias)
+
+
 def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
     """Row-parallel slice: keep input columns `cols`. The bias stays whole: it is added once after the all-reduce."""
     if lw.qw is None:

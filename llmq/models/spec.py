@@ -41,6 +41,9 @@ INERT = {
     "pretraining_tp": "numerics",  # slices the same matmuls in transformers 4; transformers 5 ignores it
     "output_router_logits": "outputs", "router_aux_loss_coef": "training",
     "router_jitter_noise": "training",  # Mixtral multiplies the router's input by noise in training mode only
+    "resid_pdrop": "training", "embd_pdrop": "training",  # Phi-3's dropouts
+    # Phi-3: the pretraining length, which transformers reads only for LongRoPE (refused under rope_parameters)
+    "original_max_position_embeddings": "rope",
 }
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # fixed frequencies, which the runtime tabulates once
@@ -244,7 +247,11 @@ class ModelSpec:
         return self.arch.roles(self.num_experts)
 
     def linear_shape(self, role: str) -> tuple[int, int]:
-        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>)."""
+        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>), or of a
+        stored fused group (Arch.fused: its roles' rows stacked)."""
+        if role in self.arch.fused:
+            shapes = [self.linear_shape(r) for r in self.arch.fused[role][1]]
+            return sum(n for n, _ in shapes), shapes[0][1]
         h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.intermediate_size
         if role == "router":
@@ -288,10 +295,10 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
     optional = {}
     (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
-        for role in spec.roles():
-            shape = spec.linear_shape(role)
-            want[f"{arch.linear(i, role)}.weight"] = shape
-            optional[f"{arch.linear(i, role)}.bias"] = shape[:1]
+        for name, path in arch.stored_linears(spec.num_experts).items():
+            shape = spec.linear_shape(name)
+            want[f"{arch.prefix(i)}.{path}.weight"] = shape
+            optional[f"{arch.prefix(i)}.{path}.bias"] = shape[:1]
         for role in arch.norms:
             want[arch.norm(i, role)] = spec.norm_shape(role)
     for name in want.keys() - tensors.keys():

@@ -8,9 +8,10 @@ from .base import ATTN, LINEARS, MLP, ROUTER, SPLIT, Arch, Experts, expert_role,
 from .gemma3 import GEMMA3
 from .llama import LLAMA, MISTRAL, QWEN2
 from .moe import MIXTRAL, QWEN3_MOE
+from .phi3 import PHI3
 from .qwen3 import QWEN3
 
-ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, QWEN3_MOE, MIXTRAL)}
+ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL)}
 
 
 def supported() -> str:
@@ -26,5 +27,5 @@ def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
                         f"supports: {supported()}") from None
 
 
-__all__ = ["ARCHS", "ATTN", "Arch", "Experts", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MIXTRAL", "MLP", "QWEN2",
-           "QWEN3", "QWEN3_MOE", "ROUTER", "SPLIT", "arch_for", "expert_role", "split_of", "supported"]
+__all__ = ["ARCHS", "ATTN", "Arch", "Experts", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MIXTRAL", "MLP", "PHI3",
+           "QWEN2", "QWEN3", "QWEN3_MOE", "ROUTER", "SPLIT", "arch_for", "expert_role", "split_of", "supported"]

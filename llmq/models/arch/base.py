@@ -48,7 +48,7 @@ _LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_laye
 _GGUF = {"q_proj": "ATTN_Q", "k_proj": "ATTN_K", "v_proj": "ATTN_V", "o_proj": "ATTN_OUT", "gate_proj": "FFN_GATE",
          "up_proj": "FFN_UP", "down_proj": "FFN_DOWN", "attn_norm": "ATTN_NORM", "mlp_norm": "FFN_NORM",
          "q_norm": "ATTN_Q_NORM", "k_norm": "ATTN_K_NORM", "attn_out_norm": "ATTN_POST_NORM",
-         "mlp_out_norm": "FFN_POST_NORM"}
+         "mlp_out_norm": "FFN_POST_NORM", "qkv_proj": "ATTN_QKV", "gate_up_proj": "FFN_UP"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,12 @@ class Arch:
     layers: str = "model.layers"
     attention: str = "self_attn"  # the attention module of a layer (KV-cache scales are stored under it)
     linears: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_LINEARS))  # role -> path in a layer
+    # linears the checkpoint stores fused, as Phi-3 does: group -> (path in a layer, its roles in row order). The
+    # reader cuts them into their roles (the runtime, the plan and the targets work on roles); quantization runs
+    # transformers' layer, so it quantizes, and the artifact stores, the group as one linear. `feeds` and `units`
+    # name the group where its roles cannot be told apart. llmq's own rank directories store the roles apart under
+    # `linears`' paths
+    fused: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     norms: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_NORMS))  # role -> path in a layer
     gguf: dict[str, str] = field(default_factory=lambda: dict(_GGUF))
     # (producer, consumers): the producer's output is the consumers' input, so a per-channel factor can move from one
@@ -116,9 +122,6 @@ class Arch:
         """The module name of layer i's linear `role` (its tensors are <name>.weight, <name>.bias, ...)."""
         return f"{self.prefix(i)}.{self.path(role)}"
 
-    def linear_names(self, i: int, experts: int = 0) -> list[str]:
-        return [self.linear(i, r) for r in self.roles(experts)]
-
     def roles(self, experts: int = 0) -> tuple[str, ...]:
         """A layer's linear roles: attention and the MLP, or attention, the router and each of `experts` experts'."""
         if self.moe is None:
@@ -131,6 +134,26 @@ class Arch:
             return [roles]
         return [tuple(expert_role(e, r) for r in roles) for e in range(experts)]
 
+    def stored_linears(self, experts: int = 0) -> dict[str, str]:
+        """The linears of a layer as the checkpoint (and transformers' layer) holds them: name (a role, or a fused
+        group) -> path in the layer."""
+        grouped = {r for _, roles in self.fused.values() for r in roles}
+        return {g: path for g, (path, _) in self.fused.items()} | \
+            {r: self.path(r) for r in self.roles(experts) if r not in grouped}
+
+    def linear_names(self, i: int, experts: int = 0) -> list[str]:
+        """Layer i's linears' module names as the checkpoint stores them."""
+        return [f"{self.prefix(i)}.{p}" for p in self.stored_linears(experts).values()]
+
+    def role_modules(self, module: str) -> list[str]:
+        """The role linears a full module name holds: a stored fused group's roles' names, else the module itself
+        (for what names modules when the roles are stored apart)."""
+        for path, roles in self.fused.values():
+            if module.endswith("." + path):
+                base = module[:-len(path)]
+                return [base + self.linears[r] for r in roles]
+        return [module]
+
     def norm(self, i: int, role: str) -> str:
         """The tensor name of layer i's norm `role`."""
         return f"{self.prefix(i)}.{self.norms[role]}.weight"
@@ -139,14 +162,14 @@ class Arch:
         return f"{self.prefix(i)}.{self.attention}"
 
     def path(self, role: str) -> str:
-        """A linear's or a norm's module path inside a layer."""
+        """A linear's (a role's or a fused group's) or a norm's module path inside a layer."""
         m = self.moe
         if m is not None and role == ROUTER:
             return f"{m.block}.{m.router}"
         if m is not None and role.startswith("experts."):
             _, e, r = role.split(".")
             return f"{m.block}.{m.experts}.{e}.{m.names[r]}"
-        return self.linears.get(role) or self.norms[role]
+        return self.linears.get(role) or (self.fused[role][0] if role in self.fused else self.norms[role])
 
     def feed_roles(self, experts: int = 0) -> list[tuple[str, tuple[str, ...]]]:
         """`feeds` by role, a MoE layer's MLP norm feeding every expert's gate / up (and the router, whose weight then

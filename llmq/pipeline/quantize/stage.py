@@ -185,6 +185,10 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
     o = opts.resolved(tuple(_in_features(spec).values()))
+    if spec.arch.fused and opts.method.startswith("bnb-"):  # every reader cuts a fused group into its roles by rows
+        raise LlmqError(f"--method {opts.method}: {spec.architecture} stores {', '.join(spec.arch.fused)} fused and "
+                        "llmq does not cut bitsandbytes packings into their roles; use rtn, gptq, awq, smoothquant or "
+                        "fp8")
     if o.group_size < 0:
         raise LlmqError("--group-size must be a positive number of columns, or 0 / -1 for per channel; "
                         f"got {opts.group_size}")

@@ -21,11 +21,14 @@ Each family's declaration (llmq.models.arch) names its llama.cpp architecture an
 architecture (Llama, Mistral) applies RoPE to adjacent pairs (2i, 2i+1) of a head where Hugging Face rotates
 (i, i + d/2), so the q and k rows of every head are reordered, scales and zero points with their rows (Arch.
 gguf_permutes_qk); `qwen2` and `qwen3` use the Hugging Face pairing (qwen2 keeps the q/k/v biases, qwen3 adds its
-per-head q/k norms as attn_q_norm / attn_k_norm). llama.cpp's `gemma3` takes Gemma 3's four norms a layer as the
-(1 + w) it multiplies by, scales the embeddings by sqrt(hidden) itself, reads which layers slide (a per-layer
-pattern), their window and their rotary base from keys, and fixes the query scale from the shapes, so a
-query_pre_attn_scalar that differs moves into the q norm. The tokenizer (byte-level BPE, or Gemma's SentencePiece-style
-BPE with byte fallback), its special token ids and the chat template come from the artifact's tokenizer files.
+per-head q/k norms as attn_q_norm / attn_k_norm), and so does `phi3`, which reads q/k/v fused as attn_qkv and gate /
+up fused as ffn_up (gate rows first: its SwiGLU gates with the first half), as Phi-3 stores them. llama.cpp's `gemma3`
+takes Gemma 3's four norms a layer as the (1 + w) it multiplies by, scales the embeddings by sqrt(hidden) itself,
+reads which layers slide (a per-layer pattern), their window and their rotary base from keys, and fixes the query
+scale from the shapes, so a query_pre_attn_scalar that differs moves into the q norm. A mixture of experts gets
+llama.cpp's router (ffn_gate_inp) and one merged 3-D tensor per expert role. The tokenizer (byte-level BPE, or
+Gemma's SentencePiece-style BPE with byte fallback), its special token ids and the chat template come from the
+artifact's tokenizer files.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from gguf import GGMLQuantizationType as GT
 from ...errors import LlmqError
 from ...models.arch import MLP, expert_role
 from ...models.reader import CheckpointReader, LinearWeights
-from ...models.sharding import ShardPlan, split_rows
+from ...models.sharding import ShardPlan, join_rows, split_rows
 
 BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 block
 # tokenizer.json pre-tokenizers llama.cpp reproduces, by the name it knows them under (src/llama-vocab.cpp).
@@ -264,17 +267,19 @@ def _add_weights(tensors: _Tensors, src: CheckpointReader) -> None:
         for role, t in src.layer_norms(i).items():
             t = t.float() + arch.norm_offset
             tensors.dense(f"{gguf_name(role, arch, i)}.weight", t * q_factor if role == "q_norm" else t, True)
-        linears = src.layer_linears(i)
-        for role, lw in linears.items():
+        lin = src.layer_linears(i)
+        if arch.gguf_permutes_qk:
+            lin |= {r: split_rows(lin[r], rope_rows(heads, s.head_dim))
+                    for r, heads in (("q_proj", s.num_heads), ("k_proj", s.num_kv_heads))}
+        for group, (_, roles) in arch.fused.items():  # llama.cpp's phi3 reads them fused (attn_qkv, ffn_up)
+            lin[group] = join_rows([lin.pop(r) for r in roles], gguf_name(group, arch, i))
+        for role, lw in lin.items():
             if role.startswith("experts."):
                 continue
-            if arch.gguf_permutes_qk and role in ("q_proj", "k_proj"):
-                heads = s.num_heads if role == "q_proj" else s.num_kv_heads
-                lw = split_rows(lw, rope_rows(heads, s.head_dim))
             tensors.linear(gguf_name(role, arch, i), lw)
         if s.num_experts:  # one merged tensor per expert role, experts in order
             for role in MLP:
-                tensors.experts(gguf_name(role, arch, i), [linears[expert_role(e, role)] for e in range(s.num_experts)])
+                tensors.experts(gguf_name(role, arch, i), [lin[expert_role(e, role)] for e in range(s.num_experts)])
     tensors.dense(f"{names[MT.OUTPUT_NORM]}.weight", src.final_norm().float() + arch.norm_offset, True)
     if src.has_lm_head() or not s.tie_word_embeddings:  # tied: llama.cpp reuses token_embd as the output
         tensors.linear(names[MT.OUTPUT], src.lm_head())

@@ -1,7 +1,8 @@
 """`--target llmq`: one Hugging Face-style directory per rank, in the source's own compressed-tensors packing.
 
 rank{r}/config.json is the source config with the engine's head counts (padded ones when --pad-heads was needed)
-and an explicit head_dim; rank{r}/model.safetensors holds that rank's slices under the source's tensor names, so
+and an explicit head_dim; rank{r}/model.safetensors holds that rank's slices under the source's tensor names (a
+group the source stores fused, Phi-3's qkv_proj, by its roles: a rank's q, k and v rows are cut differently), so
 the runtime's quantized layers read them exactly as they read an unsharded quantized artifact. lm_head.weight is
 always written (tied embeddings are untied: its rows are split, the embedding's are not unless parallel); an INT8
 table (`quantize --embedding int8`) is written, sliced and named in the config the same way.
@@ -30,15 +31,22 @@ def _put(out: ShardedWriter, lw: LinearWeights, name: str) -> None:
 
 def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
     """The source config with this engine's head counts, untied; a tied INT8 table's head becomes its own INT8
-    lm_head, named in the quantization config."""
+    lm_head, named in the quantization config, and modules named by a fused group are named by its roles."""
     cfg = copy.deepcopy(src.config)
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
                head_dim=plan.head_dim, tie_word_embeddings=False)
     qc = src.qconfig
+    if qc is None or qc.weights is None:
+        return cfg
+    roles = src.arch.role_modules  # a group stored fused (Phi-3's qkv_proj) is written by role here
+    modules = {r: args for m, args in qc.modules.items() for r in roles(m)}
+    ignore = [r for m in qc.ignore for r in roles(m)]
     if src.embedding_quantized() and qformat.LM_HEAD not in qc.modules:
-        cfg["quantization_config"] = qformat.quantization_config(
-            qc.weights, qc.input_activations, ignore=[m for m in qc.ignore if m != qformat.LM_HEAD], kv=qc.kv,
-            modules={**qc.modules, qformat.LM_HEAD: qc.modules[qformat.EMBEDDING]})
+        modules[qformat.LM_HEAD] = qc.modules[qformat.EMBEDDING]
+        ignore = [m for m in ignore if m != qformat.LM_HEAD]
+    if modules != dict(qc.modules) or ignore != list(qc.ignore):
+        cfg["quantization_config"] = qformat.quantization_config(qc.weights, qc.input_activations, ignore=ignore,
+                                                                 kv=qc.kv, modules=modules)
     return cfg
 
 

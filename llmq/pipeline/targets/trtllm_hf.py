@@ -7,13 +7,18 @@ translates. What its linear methods load (`_torch/modules/linear.py`), per layer
 - W8A16 (`WeightOnlyQuantLinearMethod`): `weight` int8 [out, in] = llmq's integers, `weight_scale` [out]; W4A16 the
   same with two rows per byte ([out/2, in], row 2j in the low nibble). Dequantization is q * scale, so symmetric
   per-channel integers arrive unchanged.
-- W4A16_AWQ (`W4A16_AWQ_LinearMethod`): `weight` int8 [out/2, in], `weight_scale` [out, in/group]; its un-fused
-  layers (o_proj, down_proj) read `pre_quant_scale` [in] unconditionally, written as ones (llmq folds nothing into
-  the activations). The kernel is called without zero points: asymmetric weights cannot be represented.
+- W4A16_AWQ (`W4A16_AWQ_LinearMethod`): `weight` int8 [out/2, in], `weight_scale` [out, in/group]; the layers it
+  loads as one matrix (o_proj, down_proj, and Phi-3's stored qkv_proj / gate_up_proj: `load_weights_vanilla`) read
+  `pre_quant_scale` [in] unconditionally, written as ones (llmq folds nothing into the activations). The kernel is
+  called without zero points: asymmetric weights cannot be represented.
 - FP8 KV cache: scalar `k_scale` / `v_scale` per attention layer, `kv_cache_quant_algo` FP8. An INT8 KV cache is
   not something this backend loads (`kv_cache_config.dtype: int8` is ignored), so it is refused.
 Heads are padded for the tensor-parallel size with zero heads (the backend asserts heads % tp == 0); the padded
 checkpoint is an ordinary Hugging Face model with more heads that computes exactly what the source computes.
+Tensor names are the source family's Hugging Face names: a group its checkpoint stores fused (Phi-3's qkv_proj,
+gate_up_proj) is written fused, its padded roles' rows stacked, as the backend's Phi-3 model loads it. That model loads
+those groups whole (`WeightMode.VANILLA`), so with tp > 1 it would cut them by rows across q / k / v and gate / up:
+a family with fused groups is written for tp 1 only.
 """
 
 from __future__ import annotations
@@ -25,15 +30,17 @@ from pathlib import Path
 import torch
 
 from ...errors import LlmqError
-from ...models import ModelSpec, qformat
+from ...models import qformat
 from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
-from ...models.reader import CheckpointReader, LinearWeights
-from ...models.sharding import RankWeights, ShardPlan, head_rows, split_cols, split_rows
+from ...models.reader import CheckpointReader, LinearWeights, split_group
+from ...models.sharding import RankWeights, ShardPlan, head_rows, join_rows, split_cols, split_rows
+from ...models.spec import ModelSpec
 from .trtllm import pack_int4_rows, unpack_int4_rows
 
 DIR = "trtllm-hf"
 MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field set this writer follows
-UNFUSED = ("o_proj", "down_proj")   # the AWQ layers whose loader reads pre_quant_scale unconditionally
+# the linears the backend fuses from separate tensors; every other one it loads whole, reading AWQ's pre_quant_scale
+BACKEND_FUSES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 def modelopt_algo(qw) -> str:
@@ -59,8 +66,8 @@ def _full_rows(plan: ShardPlan, which: str) -> torch.Tensor:
     return head_rows([k if k < plan.num_kv_heads else None for k in range(plan.padded_kv_heads)], plan.head_dim)
 
 
-def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype) -> tuple[dict, str | None]:
-    """The HF tensors of one linear and its algorithm (None: dense)."""
+def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype, whole: bool) -> tuple[dict, str | None]:
+    """The HF tensors of one linear and its algorithm (None: dense); `whole`: the backend loads it as one matrix."""
     out = {f"{name}.bias": lw.bias.to(dtype)} if lw.bias is not None else {}
     if lw.qw is None:
         return out | {f"{name}.weight": lw.weight.to(dtype)}, None
@@ -68,7 +75,7 @@ def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype) -> tuple[d
     q = qw.q.to(torch.int8)
     out[f"{name}.weight"] = q if algo == "W8A16" else pack_int4_rows(q)
     out[f"{name}.weight_scale"] = (qw.scale.reshape(-1) if algo != "W4A16_AWQ" else qw.scale).to(dtype)
-    if algo == "W4A16_AWQ" and name.endswith(UNFUSED):
+    if algo == "W4A16_AWQ" and whole:
         out[f"{name}.pre_quant_scale"] = torch.ones(q.shape[1], dtype=dtype)
     return out, algo
 
@@ -96,18 +103,24 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
         raise LlmqError("quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8 experts, none of which "
                         "llmq writes yet; build the unquantized MoE for trtllm-hf, or use --target llmq, gguf or the "
                         "compressed-tensors artifact (vLLM)")
+    arch = src.arch
+    if arch.fused and plan.tp > 1:
+        raise LlmqError(f"--target trtllm-hf: TensorRT-LLM's PyTorch backend loads {src.spec.architecture}'s fused "
+                        f"{', '.join(arch.fused)} whole and would cut them across q / k / v and gate / up with tp > 1; "
+                        "build with --tp 1 (the backend shards it itself), or use --target llmq")
     q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
     algos, groups, dense = set(), set(), []
     out.mkdir(parents=True)
     with ShardedWriter(out) as state:  # each tensor written as it is made: one layer in memory at most
-        arch = src.arch
         for i in range(src.spec.num_layers):
             lin = src.layer_linears(i)
             lin |= {"q_proj": split_rows(lin["q_proj"], q_rows), "k_proj": split_rows(lin["k_proj"], kv_rows),
                     "v_proj": split_rows(lin["v_proj"], kv_rows), "o_proj": split_cols(lin["o_proj"], q_rows)}
-            for role, lw in lin.items():
-                name = arch.linear(i, role)
-                tensors, algo = _linear_tensors(name, lw, dtype)
+            for group, (path, roles) in arch.fused.items():  # as the family stores it
+                lin[group] = join_rows([lin.pop(r) for r in roles], f"{arch.prefix(i)}.{path}")
+            for key, path in arch.stored_linears(src.spec.num_experts).items():
+                lw, name = lin[key], f"{arch.prefix(i)}.{path}"
+                tensors, algo = _linear_tensors(name, lw, dtype, key not in BACKEND_FUSES)
                 for k, t in tensors.items():
                     state.add(k, t)
                 if algo is None:
@@ -177,7 +190,11 @@ def read_modelopt_checkpoint(path: Path):
     layers, norms, kv = [], [], []
     for i in range(cfg["num_hidden_layers"]):
         attn = arch.attention_module(i)
-        layers.append({role: lin(arch.linear(i, role)) for role in spec.roles()})
+        layer = {}
+        for key, path in arch.stored_linears(spec.num_experts).items():
+            lw = lin(f"{arch.prefix(i)}.{path}")
+            layer |= split_group(lw, spec, key, i) if key in arch.fused else {key: lw}
+        layers.append(layer)
         norms.append({role: st[arch.norm(i, role)].float() for role in arch.norms})
         kv.append((st[f"{attn}.k_scale"], st[f"{attn}.v_scale"]) if f"{attn}.k_scale" in st else None)
     embed = LinearWeights(qformat.EMBEDDING, weight=st[f"{qformat.EMBEDDING}.weight"].float())
