@@ -28,19 +28,30 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def format_size(n: int) -> str:
+    """parse_size's inverse for what --help shows: 8388608 -> '8MiB'."""
+    for unit in ("tib", "gib", "mib", "kib"):
+        if n and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit[0].upper()}iB"
+    return str(n)
+
+
 def option(default=dataclasses.MISSING, help: str = "", *, choices: tuple | None = None, aliases: tuple[str, ...] = (),
            flag: str | None = None, switches: dict | None = None, metavar: str | None = None,
-           min_items: int | None = None, internal: bool = False, **bounds):
+           min_items: int | None = None, internal: bool = False, size: bool = False, envvar: str | None = None,
+           **bounds):
     """A dataclass field that is a stage option.
 
     choices / bounds (ge, gt, le, lt; on every item of a list): the recipe's constraints, and check()'s, which every
     stage runs first (string choices are also the CLI's click.Choice); aliases: former names, still accepted as
     hidden flags and recipe keys; flag: the CLI spelling when it is not --NAME (e.g.
-    "--sym/--asym"); switches: hidden flags that set a value ({"--per-head": "head"}); internal: a knob for code and
-    tests that is neither a flag nor a recipe key."""
+    "--sym/--asym", "--max-batch-size"); switches: hidden flags that set a value ({"--per-head": "head"}); internal:
+    a knob for code and tests that is neither a flag nor a recipe key; size: an int of bytes that the command line
+    spells as a size (parse_size); envvar: the environment variable the flag defaults to."""
     assert set(bounds) <= set(BOUNDS), bounds
     meta = {"help": help, "choices": choices, "aliases": aliases, "flag": flag, "switches": switches or {},
-            "metavar": metavar, "min_items": min_items, "internal": internal, "bounds": bounds}
+            "metavar": metavar, "min_items": min_items, "internal": internal, "size": size, "envvar": envvar,
+            "bounds": bounds}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -58,7 +69,8 @@ def default_of(f: dataclasses.Field):
 
 
 def flag_of(f: dataclasses.Field) -> str:
-    return "--" + f.name.replace("_", "-")
+    """The command-line spelling of a field: its declared flag (the first of "--on/--off"), else --NAME."""
+    return (f.metadata.get("flag") or "--" + f.name.replace("_", "-")).split("/")[0]
 
 
 class Options:

@@ -179,7 +179,7 @@ def test_an_option_has_one_name_across_commands():
     serve = cli.commands["serve"]  # the spellings serve had before it took build's names still work
     argv = ["--kv-cache-dtype", "fp8", "--max-num-seqs", "3", "--max-model-len", "9"]
     params = serve.make_context("serve", argv).params
-    assert (params["kv"], params["max_batch_size"], params["max_seq_len"]) == ("fp8", 3, 9)
+    assert (params["kv_cache_dtype"], params["max_num_seqs"], params["max_model_len"]) == ("fp8", 3, 9)
 
 
 def test_bench_subcommands_and_the_spellings_before_them():

@@ -12,6 +12,8 @@ def test_spec_reads_gqa_and_refuses_unknown(tiny_model_dir):
     spec = ModelSpec.from_config(tiny_model_dir)
     assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (2, 64, 4, 2, 16)
     assert spec.kv_bytes_per_token(2) == 2 * 2 * 2 * 16 * 2
+    # a rank holds its share of the KV heads, at least one (tp 4 replicates the 2 KV heads)
+    assert spec.kv_bytes_per_token(1, tp=2) == spec.kv_bytes_per_token(1, tp=4) == 2 * 2 * 1 * 16 * 1
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
     with pytest.raises(LlmqError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):

@@ -5,12 +5,14 @@ import typing
 
 import click
 import pytest
+from click.testing import CliRunner
 from pydantic import ValidationError
 
 from llmq.cli.main import cli
 from llmq.errors import LlmqError
-from llmq.options import default_of, user_fields
+from llmq.options import default_of, flag_of, user_fields
 from llmq.pipeline.recipe import STAGE_ORDER, STAGES, Stages
+from llmq.runtime.config import EngineConfig, Limits, ServerOptions
 
 COMMANDS = {"quantize": ("quantize",), "quantize_kv": ("quantize-kv",), "build": ("build",), "eval": ("eval",),
             "bench": ("bench", "offline")}
@@ -101,3 +103,62 @@ def test_cli_recipe_and_stage_options_agree(stage):
 
 def test_every_recipe_stage_has_its_command():
     assert set(COMMANDS) == set(STAGE_ORDER) == set(Stages.model_fields)
+
+
+SERVE = (EngineConfig, ServerOptions, Limits)
+
+
+def test_serve_flags_are_the_runtime_settings():
+    """`llmq serve`'s flags are EngineConfig's, ServerOptions' and Limits' fields and nothing else: each under its
+    declared flag with its help and choices, defaulting to the dataclass's default; every setting, under its flag or
+    a former one, reaches the field."""
+    cmd = _command(("serve",))
+    options = [p for p in cmd.params if isinstance(p, click.Option)]
+    shown = {p.name: p for p in options if not p.hidden}
+    fields = {f.name: (cls, f) for cls in SERVE for f in user_fields(cls)}
+    assert set(shown) == set(fields) and {f.name for f in user_fields(EngineConfig)} >= {
+        "max_num_seqs", "kv_cache_memory", "enable_prefix_caching", "speculative"}
+    defaults = cmd.make_context("serve", []).params
+    assert [cls(**{f.name: defaults[f.name] for f in user_fields(cls)}) for cls in SERVE] == [cls() for cls in SERVE]
+    for name, (cls, f) in fields.items():
+        opt = shown[name]
+        assert (opt.opts[0], opt.help) == (flag_of(f), f.metadata["help"]) and defaults[name] == default_of(f)
+        if f.metadata["choices"]:
+            assert tuple(opt.type.choices) == f.metadata["choices"]
+        spellings = [p for p in options if p.name == name]
+        assert len(spellings) == 1 + len(f.metadata["aliases"])
+        for value in _values(f, typing.get_type_hints(cls)[name]):
+            for p in spellings:
+                assert getattr(_from_cli(cmd, cls, _argv(p, value)), name) == value, (p.opts, value)
+    # the spellings the flags have beyond their field names
+    params = cmd.make_context("serve", ["--no-prefix-caching", "--kv", "fp8", "--max-seq-len", "9",
+                                        "--max-body-size", "1KiB", "--kv-cache-memory", "2MiB"]).params
+    assert (params["enable_prefix_caching"], params["kv_cache_dtype"], params["max_model_len"],
+            params["max_body_bytes"], params["kv_cache_memory"]) == (False, "fp8", 9, 1024, 2 << 20)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
+    (["--kv-cache-fraction", "1.5"], "--kv-cache-fraction must be <= 1, got 1.5"),
+    (["--kv-cache-memory", "1GiB", "--kv-cache-fraction", "0.5"], "give --kv-cache-memory or --kv-cache-fraction"),
+    (["--kv-cache-memory", "lots"], "cannot read 'lots' as a size"),
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0, got -1"),
+    (["--max-stop-length", "-1"], "--max-stop-length must be >= 0, got -1"),
+    (["--keep-alive-timeout", "0"], "--keep-alive-timeout must be > 0"),
+    (["--max-connections", "0"], "--max-connections must be >= 1"),
+])
+def test_serve_refuses_a_bad_setting_in_one_line_before_loading(tmp_path, argv, message):
+    r = CliRunner().invoke(cli, ["--store", str(tmp_path), "serve", "no-such-model", *argv])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and r.output.startswith("error: ") and message in r.output
+
+
+def test_code_that_builds_an_engine_config_gets_the_same_checks(tiny_model_dir):
+    from llmq.runtime import LLMEngine
+
+    for cfg, message in [(EngineConfig(block_size=0), "--block-size must be >= 1"),
+                         (EngineConfig(kv_cache_dtype="int4"), "--kv 'int4': use one of auto, int8, fp8"),
+                         (EngineConfig(speculative="ngram", speculative_max_batch=-1), "--speculative-max-batch")]:
+        with pytest.raises(LlmqError, match=message):
+            LLMEngine(tiny_model_dir, cfg)
+    assert LLMEngine(tiny_model_dir, EngineConfig(kv_cache_fraction=0.01, device="cpu")).num_blocks >= 1

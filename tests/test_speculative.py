@@ -140,7 +140,7 @@ def test_backs_off_when_more_sequences_run_than_the_limit(tiny):
 def test_bad_speculative_settings_are_refused(tiny):
     with pytest.raises(LlmqError, match="speculative"):
         LLMEngine(tiny, EngineConfig(speculative="bigram"))
-    with pytest.raises(LlmqError, match="num_speculative_tokens"):
+    with pytest.raises(LlmqError, match="--num-speculative-tokens must be >= 1"):
         LLMEngine(tiny, EngineConfig(speculative="ngram", num_speculative_tokens=0))
 
 

@@ -9,7 +9,7 @@ import typing
 
 import click
 
-from ..options import default_of, flag_of, user_fields
+from ..options import default_of, flag_of, format_size, parse_size, user_fields
 
 
 class CommaList(click.ParamType):
@@ -26,6 +26,15 @@ class CommaList(click.ParamType):
             return [self.item(x.strip()) for x in value.split(",") if x.strip()]
         except ValueError:
             self.fail(f"expected comma-separated {self.item.__name__} values, got {value!r}", param, ctx)
+
+
+class Size(click.ParamType):
+    """`512MiB` -> 536870912 bytes; an unreadable size is parse_size's one-line error."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, int) else parse_size(value)
 
 
 def _base(hint):
@@ -46,6 +55,8 @@ def _params(f, hint) -> list[tuple[tuple, dict]]:
     else:
         if meta["choices"] and all(isinstance(c, str) for c in meta["choices"]):
             typ = click.Choice(meta["choices"])
+        elif meta["size"]:
+            typ = Size()
         elif typing.get_origin(kind) is list:
             typ = CommaList(typing.get_args(kind)[0])
         else:
@@ -53,8 +64,11 @@ def _params(f, hint) -> list[tuple[tuple, dict]]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if isinstance(default, list):
             default = ",".join(map(str, default))  # shown as typed; CommaList parses it
+        elif meta["size"] and default is not None:
+            default = format_size(default)  # shown as typed; Size parses it
         params = [((flag_of(f), f.name), dict(type=typ, default=default, required=required,
-                                              show_default=default is not None, metavar=meta["metavar"]))]
+                                              show_default=default is not None, metavar=meta["metavar"],
+                                              envvar=meta["envvar"]))]
         hidden = [(f"--{a.replace('_', '-')}", dict(type=typ)) for a in meta["aliases"]]
     params[0][1]["help"] = meta["help"]
     params += [((decl, f.name), dict(attrs, hidden=True)) for decl, attrs in hidden]
@@ -62,8 +76,9 @@ def _params(f, hint) -> list[tuple[tuple, dict]]:
     return params
 
 
-def stage_options(cls):
-    """Give a click command every option of `cls`; the command receives them as one `opts=cls(...)` argument.
+def stage_options(cls, arg: str = "opts"):
+    """Give a click command every option of `cls`; the command receives them as one `opts=cls(...)` argument (named
+    `arg`: a command taking several options classes names each).
 
     Former names stay as hidden flags that fill the same option (an explicit flag wins over a default)."""
     hints = typing.get_type_hints(cls)
@@ -72,7 +87,7 @@ def stage_options(cls):
     def decorate(fn):
         @functools.wraps(fn)
         def command(*args, **kwargs):
-            return fn(*args, opts=cls(**{f.name: kwargs.pop(f.name) for f in fields}), **kwargs)
+            return fn(*args, **{arg: cls(**{f.name: kwargs.pop(f.name) for f in fields}), **kwargs})
 
         for f in reversed(fields):
             for decls, attrs in reversed(_params(f, hints[f.name])):

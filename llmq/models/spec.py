@@ -265,9 +265,11 @@ class ModelSpec:
         """The weight shape of a decoder layer's norm `role`: per head for q / k norms, else the residual width."""
         return (self.head_dim if role in ("q_norm", "k_norm") else self.hidden_size,)
 
-    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
-        """KV-cache size of one token: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+    def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
+        """KV-cache size of one token on one of `tp` ranks: 2 x layers x KV heads x head_dim x bytes per element (a
+        rank holds its share of the KV heads, at least one). The one place this is computed: the worker sizes its
+        cache with it, serve and the benchmarks report with it."""
+        return 2 * self.num_layers * max(self.num_kv_heads // tp, 1) * self.head_dim * bytes_per_element
 
     def num_parameters(self, active: bool = False) -> int:
         """All parameters, or (`active`) those one token computes with: its experts only in a MoE model."""

@@ -14,8 +14,7 @@ import torch
 
 from .. import quant
 from ..errors import LlmqError
-
-KV_DTYPES = ("auto", "int8", "fp8")
+from .config import KV_DTYPES
 
 
 def kv_element_bytes(kv_dtype: str, compute_dtype: torch.dtype) -> int:

@@ -292,11 +292,7 @@ class Speculator:
 
 
 def make_speculator(cfg, engine) -> Speculator:
-    """The engine's speculator from its EngineConfig: an n-gram proposer, or a draft model."""
-    if cfg.num_speculative_tokens < 1:
-        raise LlmqError(f"num_speculative_tokens must be >= 1, got {cfg.num_speculative_tokens}")
-    if cfg.speculative_max_batch is not None and cfg.speculative_max_batch < 0:
-        raise LlmqError(f"speculative_max_batch must be >= 0, got {cfg.speculative_max_batch}")
+    """The engine's speculator from its EngineConfig (checked by the worker): an n-gram proposer, or a draft model."""
     if cfg.speculative == "ngram":
         proposer = NgramProposer()
     elif Path(cfg.speculative).is_dir():

@@ -22,7 +22,7 @@ from ..models.sharding import make_plan
 from .block_manager import BlockManager
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
-from .kv_cache import KV_DTYPES, kv_element_bytes
+from .kv_cache import kv_element_bytes
 from .layers.linear import keeps_16bit_as
 from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
 from .sequence import Sequence
@@ -60,8 +60,6 @@ class ModelSource:
 
 
 def kv_cache_dtype_for(requested: str, ckpt: CheckpointReader, engine: EngineSpec | None) -> str:
-    if requested not in KV_DTYPES:
-        raise LlmqError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}; got {requested!r}")
     have = (engine.kv_cache_dtype if engine else None) or ckpt.kv_cache_dtype() or "auto"
     if requested == "auto":
         return have
@@ -77,6 +75,7 @@ def kv_cache_dtype_for(requested: str, ckpt: CheckpointReader, engine: EngineSpe
 
 class Worker:
     def __init__(self, src: ModelSource, cfg: EngineConfig):
+        cfg.check()  # the bounds and choices its flags declare, for code that builds one as for `llmq serve`
         self.config = cfg
         self.path = src.path
         ckpt = CheckpointReader(src.weights_dir)
@@ -106,8 +105,6 @@ class Worker:
         if cfg.compile and self.tp > 1:
             raise LlmqError("--compile compiles the decode step of one rank; use it with tp 1 (tensor-parallel "
                             "ranks run eagerly)")
-        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1 or block_size < 1:
-            raise LlmqError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         self.block_size = block_size
         # an engine's max_batch_size is a build-time cap, like TensorRT-LLM's
         self.max_num_seqs = min(cfg.max_num_seqs, engine.max_batch_size) if engine else cfg.max_num_seqs
@@ -147,19 +144,15 @@ class Worker:
     def _num_blocks(self, ckpt: CheckpointReader, dtype: torch.dtype, sliced: bool) -> int:
         """KV-cache blocks per rank; `sliced`: ckpt is already one rank's share (an engine's rank0)."""
         cfg = self.config
-        heads_per_rank = max(self.spec.num_kv_heads // self.tp, 1)
-        per_token = 2 * self.spec.num_layers * heads_per_rank * self.spec.head_dim * kv_element_bytes(
-            self.kv_cache_dtype, dtype)
+        per_token = self.spec.kv_bytes_per_token(kv_element_bytes(self.kv_cache_dtype, dtype), self.tp)
         block_bytes = per_token * self.block_size
         if cfg.kv_cache_memory is not None:
             budget = int(cfg.kv_cache_memory)
         else:
-            if not 0 < cfg.kv_cache_fraction <= 1:
-                raise LlmqError(f"kv_cache_fraction must be in (0, 1], got {cfg.kv_cache_fraction}")
             kept = functools.partial(keeps_16bit_as, dtype=dtype, device=self.device)
             free = available_memory(self.device) - ckpt.runtime_bytes(dtype, kept) // (1 if sliced else self.tp)
             # never more than every sequence slot filled to the context length
-            budget = min(int(max(free, 0) * cfg.kv_cache_fraction),
+            budget = min(int(max(free, 0) * cfg.kv_fraction),
                          self.max_num_seqs * self.max_model_len * per_token + block_bytes)
         num_blocks = budget // block_bytes
         min_blocks = -(-self.max_model_len // self.block_size)

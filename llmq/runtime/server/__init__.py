@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ...errors import LlmqError
-from .app import Limits, create_app
+from ..config import Limits
+from .app import create_app
 from .engine_loop import EngineLoop, EngineThread
 
 __all__ = ["EngineLoop", "EngineThread", "Limits", "create_app", "make_server", "run_server", "server_config"]

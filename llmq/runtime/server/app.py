@@ -14,7 +14,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from ... import __version__
 from ...errors import LlmqError
+from ..config import Limits
 from ..engine import LLMEngine, RequestOutput
 from ..sampling import SamplingParams
 from .browser import BrowserGuard
@@ -45,20 +46,6 @@ class APIError(Exception):
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for and one client may hold, so that none can stall the event loop, the engine or
-    the server for the others (the connection limits: connections.py)."""
-
-    max_stop_strings: int = 16  # also the most stop_token_ids
-    max_stop_chars: int = 1024
-    max_body_bytes: int = 8 << 20
-    header_timeout: float = 10.0  # seconds for a request's headers, from its first byte
-    body_timeout: float = 30.0  # seconds for its body, from its headers
-    keep_alive_timeout: float = 5.0  # seconds a connection may sit idle between requests
-    max_connections: int = 1024  # open at once; more are closed as they arrive
 
 
 def artifact_ref(path: Path) -> str | None:
