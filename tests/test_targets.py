@@ -14,6 +14,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from llmq.errors import GateFailed, LlmqError
 from llmq.models import resolve_model
@@ -98,3 +99,27 @@ def test_target_choices_come_from_the_registry_and_each_module_declares_its_line
         BuildOptions(target="gguf", verify=True).check()
     with pytest.raises(LlmqError, match="unknown build target 'nope'"):
         registry.target("nope")
+
+
+def test_each_targets_kv_scale_convention_counts_what_a_rank_holds_wrongly():
+    from llmq.models import ModelSpec
+    from llmq.models.sharding import make_plan
+    from llmq.pipeline.targets.trtllm import kv_scale_is_the_largest
+    from llmq.pipeline.targets.verify import kv_scale_mismatches
+
+    cfg = dict(model_type="llama", num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128, vocab_size=320)
+    plan = make_plan(ModelSpec.from_config(cfg), 2)
+    k, v = torch.tensor([0.5, 2.0]), torch.tensor([1.0, 0.25])   # per KV head; rank r holds KV head r
+    src = types.SimpleNamespace(spec=types.SimpleNamespace(num_layers=1), kv_scales=lambda i: (k, v))
+    unscaled = types.SimpleNamespace(spec=src.spec, kv_scales=lambda i: None)
+    rank = lambda *kv: types.SimpleNamespace(kv_scales=[kv] if kv else [])  # noqa: E731
+    sliced = [rank(k[:1], v[:1]), rank(k[1:], v[1:])]
+    assert kv_scale_mismatches(sliced, src, plan) == 0                     # llmq's: K and V, sliced by head
+    assert kv_scale_mismatches(sliced[::-1], src, plan) == 2               # each rank holds the other's heads
+    assert kv_scale_mismatches([rank(), sliced[1]], src, plan) == 1        # missing
+    assert kv_scale_mismatches(sliced, unscaled, plan) == 2                # scales the source does not have
+    top = torch.tensor([2.0])                                              # TensorRT-LLM's: the largest of K and V
+    assert kv_scale_mismatches([rank(top, top)] * 2, src, plan, kv_scale_is_the_largest) == 0
+    assert kv_scale_mismatches(sliced, src, plan, kv_scale_is_the_largest) == 2
+    assert kv_scale_mismatches([rank(top, top)] * 2, unscaled, plan, kv_scale_is_the_largest) == 0

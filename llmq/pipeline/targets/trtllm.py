@@ -324,7 +324,7 @@ def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool
     return ranks, cfg
 
 
-def _kv_scales_match(have, want, plan: ShardPlan, rank: int) -> bool:
+def kv_scale_is_the_largest(have, want, plan: ShardPlan, rank: int) -> bool:
     """One scale for K and V: both must be the larger of the source's (anything where it has none)."""
     if want is None:
         return True
@@ -340,7 +340,7 @@ def read_back(engine_dir: Path, engine) -> ReadBack:
     computes, _ = trtllm_rank_weights(ckpt, engine.plan, as_target_computes=True)
     dtype = getattr(torch, cfg["dtype"])
     return ReadBack(ranks=ranks, plan=engine.plan, computes=computes, dense=lambda lw: reference_dense(lw, dtype),
-                    kv_matches=_kv_scales_match)
+                    kv_matches=kv_scale_is_the_largest)
 
 
 TARGET = ExportTarget("trtllm", write=write_trtllm, read_back=read_back, refuse=refuse)
