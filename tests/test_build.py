@@ -18,7 +18,7 @@ from llmq.models import ModelSpec, resolve_model
 from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import LinearWeights, split_cols, split_rows
 from llmq.pipeline.targets import BuildOptions, build_engine, make_plan
-from llmq.pipeline.targets.trtllm import (
+from llmq.pipeline.targets.trtllm_loader import (
     TRTLLM_KV_CACHE_QUANT_ALGOS,
     TRTLLM_QUANT_ALGOS,
     pack_int4_rows,

@@ -26,7 +26,7 @@ from llmq.models import resolve_model
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
 from llmq.pipeline.targets import BuildOptions, build_engine
-from llmq.pipeline.targets.trtllm import trtllm_requantize
+from llmq.pipeline.targets.trtllm_loader import trtllm_requantize
 
 DEFAULT_EXCLUDES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
                     "*shared_expert_gate"]

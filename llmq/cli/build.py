@@ -30,8 +30,8 @@ def build(ctx, ref, opts, as_json):
                + (f", padded from {plan['num_heads']} / {plan['num_kv_heads']} to {plan['padded_heads']} / "
                   f"{plan['padded_kv_heads']} heads with zero heads (exact)"
                   if plan["padded_heads"] != plan["num_heads"] else ""))
-    if opts.target in ("trtllm", "trtllm-hf"):
-        c = m["compile"]
+    c = m["compile"]
+    if c["status"] != "not-applicable":   # a target with a compile step after its checkpoint
         click.echo(f"  compile: {c['status']}" + (f" ({c['reason']})" if "reason" in c else "")
                    + (f"; serve with (in {art.path}): {c['serve_command']}" if "serve_command" in c else ""))
     if "verify" in m:

@@ -15,6 +15,7 @@ from ..artifacts import Artifact, Store
 from ..errors import LlmqError
 from ..models import resolve_model
 from .recipe import STAGE_ORDER, Recipe, StageCache, stage_key
+from .targets.registry import NATIVE
 
 
 @dataclass
@@ -54,7 +55,7 @@ def _quantize_kv(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifac
 def _build(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
     from .targets import build_engine
 
-    suffix = "" if cfg.target == "llmq" else f"-{cfg.target}"
+    suffix = "" if cfg.target == NATIVE else f"-{cfg.target}"
     return build_engine(parent, store, cfg.to_options(name=f"{recipe.name}-tp{cfg.tp}{suffix}"))
 
 
@@ -81,7 +82,7 @@ ADAPTERS: dict[str, Callable] = {"quantize": _quantize, "quantize_kv": _quantize
 def _feeds_next(stage: str, cfg) -> bool:
     """Whether a stage's artifact is the input of the stages after it. eval and bench only read theirs, and a
     TensorRT-LLM checkpoint is for TensorRT-LLM: eval and bench after it read the build's source instead."""
-    return stage in ("quantize", "quantize_kv") or (stage == "build" and cfg.target == "llmq")
+    return stage in ("quantize", "quantize_kv") or (stage == "build" and cfg.target == NATIVE)
 
 
 def _key(stage: str, parent: Artifact, cfg, recipe: Recipe) -> str:

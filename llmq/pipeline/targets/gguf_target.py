@@ -48,6 +48,7 @@ from ...errors import LlmqError
 from ...models.arch import MLP, expert_role
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import ShardPlan, join_rows, split_rows
+from .registry import ExportTarget, TargetResult
 
 BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 block
 # tokenizer.json pre-tokenizers llama.cpp reproduces, by the name it knows them under (src/llama-vocab.cpp).
@@ -57,9 +58,9 @@ _LLAMA3_REGEX = _QWEN2_REGEX.replace(r"\p{N}|", r"\p{N}{1,3}|")
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")   # SentencePiece's byte-fallback pieces
 
 
-def _refuse_unsupported(src: CheckpointReader, plan: ShardPlan) -> None:
+def refuse(src: CheckpointReader, engine) -> None:
     """One-line errors for what a GGUF file cannot say, before anything is written."""
-    s = src.spec
+    s, plan = src.spec, engine.plan
     if s.num_experts and not s.renormalize:
         raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} renormalizes the chosen experts' weights, "
                         "which this model's config (norm_topk_prob false) does not; use --target llmq")
@@ -438,9 +439,8 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
         dense_dtype, ("F32", int(F.ALL_F32)))
 
 
-def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dict:
-    """Write `<source>.<type>.gguf` under `out`; returns the engine.json fields: file, types, re-rounding."""
-    _refuse_unsupported(src, plan)
+def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> TargetResult:
+    """Write `<source>.<type>.gguf` under `out`; the record says its file, types and what was re-rounded."""
     arch = src.arch.gguf_arch
     source_name = engine.source["name"]
     w = gguf.GGUFWriter(None, arch, use_temp_file=True)
@@ -456,6 +456,11 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dic
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return {"gguf": {"file": fname, "architecture": arch, "file_type": ftype_name,
-                     "tensor_types": dict(sorted(tensors.types.items())), "rounding": tensors.rounding.record(),
-                     "tokenizer": tokenizer}}
+    return TargetResult({"gguf": {"file": fname, "architecture": arch, "file_type": ftype_name,
+                                  "tensor_types": dict(sorted(tensors.types.items())),
+                                  "rounding": tensors.rounding.record(), "tokenizer": tokenizer}})
+
+
+TARGET = ExportTarget("gguf", write=write_gguf, read_back=None, refuse=refuse, no_verify=(
+    "--verify runs the tensor-parallel reference check, which a single GGUF file has no use for; drop --verify "
+    "(the GGUF writer packs llmq's integers as they are and records what it re-rounds)"))

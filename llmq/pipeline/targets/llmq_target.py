@@ -17,6 +17,8 @@ from ...models import qformat
 from ...models.checkpoint import ShardedWriter, write_json
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows
+from .registry import ExportTarget, ReadBack, TargetResult
+from .verify import exact, reference_weights
 
 
 def _put(out: ShardedWriter, lw: LinearWeights, name: str) -> None:
@@ -50,9 +52,9 @@ def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
     return cfg
 
 
-def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path) -> list[str]:
-    """Write rank0..rank{tp-1} under `out`, each tensor to its rank's files as soon as it is sliced; returns the rank
-    directory names."""
+def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> TargetResult:
+    """Write rank0..rank{tp-1} under `out`, each tensor to its rank's files as soon as it is sliced; the record
+    names the rank directories and the quantization config every rank carries."""
     names = [f"rank{r}" for r in range(plan.tp)]
     for d in names:
         (out / d).mkdir(parents=True)
@@ -87,7 +89,17 @@ def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path) -> list[str]:
         for w in writers:
             w.abort()
         raise
+    config = rank_config(src, plan)
     for w, d in zip(writers, names):
         w.close()
-        write_json(out / d / "config.json", rank_config(src, plan))
-    return names
+        write_json(out / d / "config.json", config)
+    return TargetResult(outputs={}, ranks=names, quantization=config.get("quantization_config"))
+
+
+def read_llmq(engine_dir: Path, engine) -> ReadBack:
+    """A rank directory is itself a (sliced) checkpoint: each is read as the runtime reads the source."""
+    return ReadBack(ranks=[reference_weights(CheckpointReader(engine_dir / d), exact) for d in engine.ranks],
+                    plan=engine.plan, foreign=False)
+
+
+TARGET = ExportTarget("llmq", write=write_llmq, read_back=read_llmq)

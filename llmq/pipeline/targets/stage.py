@@ -1,4 +1,5 @@
-"""The build stage: (model or quantized artifact, options) -> engine artifact, written atomically."""
+"""The build stage: (model or quantized artifact, options) -> engine artifact, written atomically by the target the
+registry names (`registry.py`: its refusals, its writer, its reader for --verify)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
 from ...models.checkpoint import copy_tokenizer
 from ...options import Options, option
+from .registry import NATIVE, TARGETS, target
 
 if TYPE_CHECKING:
     from ...models.reader import CheckpointReader
 
-TARGETS = ("llmq", "trtllm", "trtllm-hf", "gguf")
 KV_CHOICES = ("auto", "int8", "fp8")
 
 
@@ -22,9 +23,8 @@ KV_CHOICES = ("auto", "int8", "fp8")
 class BuildOptions(Options):
     tp: int = option(1, "Tensor-parallel ranks: 1, 2, 4 or 8.", choices=(1, 2, 4, 8))
     pp: int = option(1, "Pipeline-parallel stages (only 1 today).", ge=1)
-    target: str = option("llmq", "llmq: rank shards for the bundled runtime; trtllm: a TensorRT-LLM checkpoint (+ "
-                         "engines); trtllm-hf: a ModelOpt-style HF checkpoint for TensorRT-LLM's PyTorch backend "
-                         "(trtllm-serve); gguf: one .gguf file for llama.cpp / Ollama.", choices=TARGETS)
+    target: str = option(NATIVE, "; ".join(f"{t.name}: {t.help}" for t in TARGETS.values()) + ".",
+                         choices=tuple(TARGETS))
     max_batch_size: int = option(64, "Sequences in a batch.", ge=1, aliases=("max_num_seqs",))
     max_seq_len: int | None = option(None, "Context length (default: the model's positions, at most 4096).", ge=1,
                                      aliases=("max_model_len",))
@@ -39,10 +39,7 @@ class BuildOptions(Options):
 
     def check(self) -> None:
         super().check()
-        if self.target == "gguf" and self.verify:
-            raise LlmqError("--verify runs the tensor-parallel reference check, which a single GGUF file has no use "
-                            "for; drop --verify (the GGUF writer packs llmq's integers as they are and records what "
-                            "it re-rounds)")
+        target(self.target).check_options(self)
         if self.pp != 1:
             raise LlmqError(f"--pp {self.pp}: pipeline parallelism is not supported yet; use --pp 1")
 
@@ -52,10 +49,6 @@ def _check(opts: BuildOptions, src: CheckpointReader) -> None:
     if opts.max_seq_len and opts.max_seq_len > src.spec.max_position_embeddings:
         raise LlmqError(f"--max-seq-len {opts.max_seq_len} exceeds the model's {src.spec.max_position_embeddings} "
                         "positions")
-    if opts.target in ("trtllm", "trtllm-hf") and src.embedding_quantized():
-        raise LlmqError(f"--target {opts.target}: this artifact's embedding table is INT8 (quantize --embedding int8) "
-                        "and TensorRT-LLM holds the embedding in the model dtype, where the dequantized rows would be "
-                        "re-rounded; use --target llmq or gguf, or quantize without --embedding int8")
 
 
 def kv_cache_dtype(requested: str, src: CheckpointReader) -> str:
@@ -92,46 +85,32 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
     kv = kv_cache_dtype(opts.kv, src)
     max_seq_len = opts.max_seq_len or min(src.spec.max_position_embeddings, 4096)
-    name = opts.name or f"{source.name}-tp{opts.tp}" + ("" if opts.target == "llmq" else f"-{opts.target}")
+    name = opts.name or f"{source.name}-tp{opts.tp}" + ("" if opts.target == NATIVE else f"-{opts.target}")
     spec = EngineSpec(target=opts.target, tp=opts.tp, pp=opts.pp, max_batch_size=opts.max_batch_size,
                       max_seq_len=max_seq_len, kv_cache_dtype=kv, block_size=opts.block_size, dtype=_dtype_of(src),
                       source={"id": source.id, "name": source.name, "kind": source.kind},
                       source_ids=[source.id, *source.parents], plan=plan)
+    export = target(opts.target)
+    export.refuse(src, spec)
     config = {"options": asdict(opts), "plan": plan.to_dict(), "kv_cache_dtype": kv, "max_seq_len": max_seq_len}
     with store.create("engine", name, parents=[source.id], config=config, command=command,
                       needs=source.payload_bytes) as w:  # the source's tensors, sliced (head padding adds little)
-        if opts.target == "llmq":
-            from .llmq_target import rank_config, write_llmq
-
-            spec = replace(spec, ranks=write_llmq(src, plan, w.dir),
-                           quantization=rank_config(src, plan).get("quantization_config"))  # as in every rank's
-        elif opts.target == "gguf":
-            from .gguf_target import write_gguf
-
-            spec = replace(spec, outputs=write_gguf(src, plan, w.dir, spec))
-        elif opts.target == "trtllm":
-            from .trtllm import write_trtllm
-
-            out = write_trtllm(src, plan, w.dir / "trtllm", spec)
-            spec = replace(spec, ranks=out.pop("ranks"), quantization=out.pop("quantization"), outputs=out)
-        else:
-            from .trtllm_hf import DIR, write_trtllm_hf
-
-            spec = replace(spec, outputs=write_trtllm_hf(src, plan, w.dir / DIR, spec))
+        result = export.write(src, plan, w.dir, spec)
+        spec = replace(spec, ranks=result.ranks, quantization=result.quantization, outputs=result.outputs)
         copy_tokenizer(source.path, w.dir)
         if (source.path / "generation_config.json").is_file():
             shutil.copyfile(source.path / "generation_config.json", w.dir / "generation_config.json")
         spec.write(w.dir)
         w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*")
                                         if p.suffix in (".safetensors", ".gguf")),
-                         compile=spec.outputs.get("compile", {"status": "not-applicable"}))
+                         compile=result.compile)
         if opts.verify:
             from .verify import verify_engine
 
-            result = verify_engine(w.dir, source.path)
-            w.metrics["verify"] = result
-            if not result["passed"]:
-                raise GateFailed(f"reference check failed: max relative error {result['max_rel_error']:.3g} > "
-                                 f"{result['tolerance']:g} (tp={opts.tp}, target={opts.target}); nothing written")
+            checked = verify_engine(w.dir, source.path)
+            w.metrics["verify"] = checked
+            if not checked["passed"]:
+                raise GateFailed(f"reference check failed: max relative error {checked['max_rel_error']:.3g} > "
+                                 f"{checked['tolerance']:g} (tp={opts.tp}, target={opts.target}); nothing written")
     return w.artifact
 

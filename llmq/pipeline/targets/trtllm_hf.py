@@ -24,6 +24,7 @@ a family with fused groups is written for tp 1 only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -35,7 +36,8 @@ from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
 from ...models.reader import CheckpointReader, LinearWeights, split_group
 from ...models.sharding import RankWeights, ShardPlan, head_rows, join_rows, split_cols, split_rows
 from ...models.spec import ModelSpec
-from .trtllm import pack_int4_rows, unpack_int4_rows
+from .registry import ExportTarget, ReadBack, TargetResult
+from .trtllm_loader import pack_int4_rows, refuse_int8_embedding, unpack_int4_rows
 
 DIR = "trtllm-hf"
 MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field set this writer follows
@@ -89,13 +91,10 @@ def hf_quant_config(algos: set[str], group_size: int | None, kv_algo: str | None
     return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": q}
 
 
-def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> dict:
-    """Write the padded Hugging Face checkpoint, hf_quant_config.json and the LLM-API options under `out`."""
-    from .compile import write_llm_api_options
-
-    dtype = getattr(torch, engine.dtype)
-    kv = engine.kv_cache_dtype
-    if kv == "int8":
+def refuse(src: CheckpointReader, engine) -> None:
+    """What this backend cannot load, refused before anything is written."""
+    refuse_int8_embedding(src, "trtllm-hf")
+    if engine.kv_cache_dtype == "int8":
         raise LlmqError("an INT8 KV cache is not loaded by TensorRT-LLM's PyTorch backend (it ignores "
                         "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`, or use "
                         "--target trtllm")
@@ -103,11 +102,20 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
         raise LlmqError("quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8 experts, none of which "
                         "llmq writes yet; build the unquantized MoE for trtllm-hf, or use --target llmq, gguf or the "
                         "compressed-tensors artifact (vLLM)")
-    arch = src.arch
-    if arch.fused and plan.tp > 1:
+    if src.arch.fused and engine.tp > 1:
         raise LlmqError(f"--target trtllm-hf: TensorRT-LLM's PyTorch backend loads {src.spec.architecture}'s fused "
-                        f"{', '.join(arch.fused)} whole and would cut them across q / k / v and gate / up with tp > 1; "
-                        "build with --tp 1 (the backend shards it itself), or use --target llmq")
+                        f"{', '.join(src.arch.fused)} whole and would cut them across q / k / v and gate / up with "
+                        "tp > 1; build with --tp 1 (the backend shards it itself), or use --target llmq")
+
+
+def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engine) -> TargetResult:
+    """Write the padded Hugging Face checkpoint, hf_quant_config.json and the LLM-API options under `DIR`."""
+    from .compile import write_llm_api_options
+
+    out = engine_dir / DIR
+    dtype = getattr(torch, engine.dtype)
+    kv = engine.kv_cache_dtype
+    arch = src.arch
     q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
     algos, groups, dense = set(), set(), []
     out.mkdir(parents=True)
@@ -156,8 +164,8 @@ def write_trtllm_hf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -
         write_json(out / "hf_quant_config.json", qcfg)
     copy_tokenizer(src.path, out)
     window = src.spec.sliding_window if (src.spec.sliding_window or engine.max_seq_len) < engine.max_seq_len else None
-    return {"trtllm_hf_checkpoint": DIR, "hf_quant_config": qcfg,
-            "compile": write_llm_api_options(out, engine, attention_window=window)}
+    return TargetResult({"trtllm_hf_checkpoint": DIR, "hf_quant_config": qcfg,
+                         "compile": write_llm_api_options(out, engine, attention_window=window)})
 
 
 def read_modelopt_checkpoint(path: Path):
@@ -200,3 +208,12 @@ def read_modelopt_checkpoint(path: Path):
     embed = LinearWeights(qformat.EMBEDDING, weight=st[f"{qformat.EMBEDDING}.weight"].float())
     return RankWeights(embed=embed, layers=layers, norms=norms, final_norm=st[f"{arch.final_norm}.weight"].float(),
                        lm_head=lin(qformat.LM_HEAD), kv_scales=kv)
+
+
+def read_back(engine_dir: Path, engine) -> ReadBack:
+    """One unsharded checkpoint that the backend shards itself, heads padded for tp: checked as one rank."""
+    plan = dataclasses.replace(engine.plan, tp=1, padded_vocab_size=engine.plan.vocab_size, parallel_embedding=False)
+    return ReadBack(ranks=[read_modelopt_checkpoint(engine_dir / engine.outputs["trtllm_hf_checkpoint"])], plan=plan)
+
+
+TARGET = ExportTarget("trtllm-hf", write=write_trtllm_hf, read_back=read_back, refuse=refuse)

@@ -1,11 +1,12 @@
 """Reference check of an engine's rank shards, without a GPU.
 
-Each target's reader turns what it wrote into per-rank weights as that target computes with them (llmq's ranks as
-the runtime loads them, TensorRT-LLM's dequantized by its rules); the runtime's own modules then run them the way
-tensor parallelism does — every rank a thread with its heads and MLP columns, the all-reduce and vocabulary gather
-between them (runtime.model_runner.score_in_process) — and the logits are compared with the unsharded source's,
-run by the same modules. A wrong split (heads out of order, a KV head on the wrong rank, scales cut on the wrong
-axis) is off by orders of magnitude more than the reduction-order noise the tolerance allows.
+Each target's reader (its `read_back`, found through the registry) turns what it wrote into per-rank weights as that
+target computes with them (llmq's ranks as the runtime loads them, TensorRT-LLM's dequantized by its rules); the
+runtime's own modules then run them the way tensor parallelism does — every rank a thread with its heads and MLP
+columns, the all-reduce and vocabulary gather between them (runtime.model_runner.score_in_process) — and the logits
+are compared with the unsharded source's, run by the same modules. A wrong split (heads out of order, a KV head on
+the wrong rank, scales cut on the wrong axis) is off by orders of magnitude more than the reduction-order noise the
+tolerance allows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ...models.engine_spec import EngineSpec
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import RankWeights, ShardPlan
 from ...runtime.model_runner import rank_weights, score_in_process
+from .registry import TARGETS, target
 
 TOLERANCE = 1e-4   # max |logits - reference| / max |reference|; float32 reduction-order noise is ~1e-6
 
@@ -66,27 +68,21 @@ def expected_kv_scale(scale: torch.Tensor, plan: ShardPlan, rank: int) -> torch.
     return torch.stack([per_head[h] if h is not None else torch.ones_like(per_head[0]) for h in heads]).reshape(-1)
 
 
-def kv_scale_mismatches(ranks: list[RankWeights], src: CheckpointReader, plan: ShardPlan, target: str) -> int:
+def kv_scales_match(have, want, plan: ShardPlan, rank: int) -> bool:
+    """llmq's convention: rank `rank` keeps the source's K and V scales (per-head ones sliced), and none where the
+    source has none."""
+    if want is None:
+        return have is None
+    return have is not None and all(torch.equal(h.float().reshape(-1), expected_kv_scale(w, plan, rank).reshape(-1))
+                                    for h, w in zip(have, want))
+
+
+def kv_scale_mismatches(ranks: list[RankWeights], src: CheckpointReader, plan: ShardPlan, matches=kv_scales_match
+                        ) -> int:
     """(layer, rank) pairs whose stored KV-cache scales are missing or differ from the source's, for KV-quantized
-    engines. The llmq target keeps K and V scales (per-head ones sliced); TensorRT-LLM keeps one: their maximum."""
-    bad = 0
-    for i in range(src.spec.num_layers):
-        want = src.kv_scales(i)
-        for r, rk in enumerate(ranks):
-            have = rk.kv_scales[i] if i < len(rk.kv_scales) else None
-            if want is None:
-                bad += have is not None and target == "llmq"
-                continue
-            if have is None:
-                bad += 1
-            elif target == "trtllm":
-                top = torch.maximum(want[0].float().max(), want[1].float().max())
-                bad += not (torch.equal(have[0].float().reshape(()), top)
-                            and torch.equal(have[1].float().reshape(()), top))
-            else:
-                bad += not all(torch.equal(h.float().reshape(-1), expected_kv_scale(w, plan, r).reshape(-1))
-                               for h, w in zip(have, want))
-    return bad
+    engines, judged by the target's convention `matches(have, want, plan, rank)`."""
+    return sum(not matches(rk.kv_scales[i] if i < len(rk.kv_scales) else None, src.kv_scales(i), plan, r)
+               for i in range(src.spec.num_layers) for r, rk in enumerate(ranks))
 
 
 def max_rel_error(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -104,40 +100,26 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
 
     engine_dir, source_dir = Path(engine_dir), Path(source_dir)
     meta = EngineSpec.read(engine_dir)
-    plan = meta.plan
     src = CheckpointReader(source_dir)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.spec.vocab_size, (batch, seq_len), generator=gen)
-    target_ranks = None   # where the target re-rounds at load: what it computes, unlike what it stores
-    if meta.target == "llmq":   # a rank directory is itself a (sliced) checkpoint, read like the source
-        ranks, dense = [reference_weights(CheckpointReader(engine_dir / d), exact) for d in meta.ranks], exact
-    elif meta.target == "trtllm":
-        from .trtllm import reference_dense, trtllm_rank_weights
-
-        ranks, cfg = trtllm_rank_weights(engine_dir / meta.outputs["trtllm_checkpoint"], plan)
-        target_ranks, _ = trtllm_rank_weights(engine_dir / meta.outputs["trtllm_checkpoint"], plan,
-                                              as_target_computes=True)
-        dtype = getattr(torch, cfg["dtype"])
-
-        def dense(lw):
-            return reference_dense(lw, dtype)
-    elif meta.target == "trtllm-hf":   # one unsharded checkpoint the backend shards itself, heads padded for tp
-        from .trtllm_hf import read_modelopt_checkpoint
-
-        ranks, dense = [read_modelopt_checkpoint(engine_dir / meta.outputs["trtllm_hf_checkpoint"])], exact
-        plan = dataclasses.replace(plan, tp=1, padded_vocab_size=plan.vocab_size, parallel_embedding=False)
-    else:
+    if meta.target not in TARGETS:
         raise LlmqError(f"{engine_dir}: unknown engine target {meta.target!r}")
+    export = target(meta.target)
+    if export.read_back is None:
+        raise LlmqError(f"{engine_dir}: {export.no_verify}")
+    back = export.read_back(engine_dir, meta)
     with torch.no_grad():
-        ref = run_plan([reference_weights(src, dense)], unsharded_plan(src), src.config, ids)
-        out = run_plan(ranks, plan, src.config, ids)
-        target = {}
-        if meta.target != "llmq":   # what the target computes vs what llmq evaluated (its runtime, fast kernels)
+        ref = run_plan([reference_weights(src, back.dense or exact)], unsharded_plan(src), src.config, ids)
+        out = run_plan(back.ranks, back.plan, src.config, ids)
+        measured = {}
+        if back.foreign:   # what the target computes vs what llmq evaluated (its runtime, fast kernels)
             evaluated = run_plan([reference_weights(src)], unsharded_plan(src), src.config, ids)
-            k = kld_top1(evaluated, run_plan(target_ranks or ranks, plan, src.config, ids))
-            target = {"target_kld": k["kld_mean"], "target_top1": k["top1"]}
+            k = kld_top1(evaluated, run_plan(back.computes or back.ranks, back.plan, src.config, ids))
+            measured = {"target_kld": k["kld_mean"], "target_top1": k["top1"]}
     err = max_rel_error(out, ref)
-    kv_bad = kv_scale_mismatches(ranks, src, plan, meta.target) if meta.kv_cache_dtype != "auto" else 0
-    return {"target": meta.target, "tp": plan.tp, "max_rel_error": err, "tolerance": tolerance,
+    kv_bad = (kv_scale_mismatches(back.ranks, src, back.plan, back.kv_matches or kv_scales_match)
+              if meta.kv_cache_dtype != "auto" else 0)
+    return {"target": meta.target, "tp": back.plan.tp, "max_rel_error": err, "tolerance": tolerance,
             "kv_scale_mismatches": kv_bad, "passed": err <= tolerance and kv_bad == 0,
-            "tokens": batch * seq_len, "seed": seed, **target}
+            "tokens": batch * seq_len, "seed": seed, **measured}
