@@ -18,17 +18,18 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from bench_serve_throughput import batch1_decode  # noqa: E402
+
 from llmq.bench.hw import read_bandwidth  # noqa: E402
-from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from llmq.runtime.models.decoder import SparseMoE  # noqa: E402
+from llmq.runtime import EngineConfig  # noqa: E402
 
 
 def write_model(path: Path, layers: int, experts: int, hidden: int, width: int, top_k: int) -> Path:
@@ -72,31 +73,17 @@ def write_model(path: Path, layers: int, experts: int, hidden: int, width: int, 
     return path
 
 
-def decode(path: Path, steps: int, peak_bw: float) -> dict:
-    engine = LLMEngine(path, EngineConfig(max_num_seqs=1, max_model_len=512))
+def decode(path: Path, steps: int, peak_bw: float, experts: int, top_k: int) -> dict:
+    """bench_serve_throughput's batch-1 decode (its bytes a step reads count the routed experts the runtime's
+    SparseMoE read), and the same step time over every expert's bytes: at batch 1 a step reads top_k of each layer's
+    experts, all of one shape, so every expert is expert_bytes x experts / top_k."""
     prompt = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1)).tolist()
-    engine.add_request("d", prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
-    while engine.requests["d"].num_computed_tokens < len(prompt):
-        engine.step()
-    engine.step()
-    model = engine.runner.model
-    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    all_experts = sum(sum(m.expert_bytes) for m in moes)
-    read0 = sum(m.bytes_read for m in moes)
-    seq = engine.requests["d"]
-    ctx0 = seq.num_computed_tokens
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = (time.perf_counter() - t) / steps
-    experts = (sum(m.bytes_read for m in moes) - read0) / steps
-    kv = engine.spec.kv_bytes_per_token(engine.runner.dtype.itemsize) * (ctx0 + seq.num_computed_tokens) / 2
-    rest = model.weight_bytes() - all_experts   # attention, routers, norms, head: read whole every step
-    engine.shutdown()
-    active = rest + experts + kv
-    return {"step_ms": dt * 1e3, "active_bytes": active, "expert_bytes_per_step": experts,
-            "all_expert_bytes": all_experts, "mbu_active": active / dt / peak_bw,
-            "mbu_if_dense": (rest + all_experts + kv) / dt / peak_bw}
+    r = batch1_decode(path, prompt, steps, peak_bw, EngineConfig(max_num_seqs=1, max_model_len=512))
+    all_experts = r["expert_bytes"] * experts / top_k
+    active = r["weight_bytes"] + r["kv_bytes"]
+    return {"step_ms": r["step_ms"], "active_bytes": active, "expert_bytes_per_step": r["expert_bytes"],
+            "all_expert_bytes": all_experts, "mbu_active": r["mbu"],
+            "mbu_if_dense": (active - r["expert_bytes"] + all_experts) / (r["step_ms"] / 1e3) / peak_bw}
 
 
 def main() -> None:
@@ -128,7 +115,7 @@ def main() -> None:
               f"{args.experts} experts (width {args.width}, hidden {args.hidden}), {args.top_k} a token")
         results = {}
         for name, path in variants.items():
-            runs = [decode(path, args.steps, bw) for _ in range(args.repeats)]
+            runs = [decode(path, args.steps, bw, args.experts, args.top_k) for _ in range(args.repeats)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             results[name] = med
             print(f"{name:14s} step {med['step_ms']:7.2f} ms  active {med['active_bytes'] / 1e6:7.1f} MB "

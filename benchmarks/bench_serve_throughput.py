@@ -169,8 +169,8 @@ def batch1_decode(path: Path, prompt: list[int], steps: int, peak_bw: float, con
         engine.step()
     for _ in range(3):
         engine.step()
-    seq = engine.requests["d"]
-    ctx0 = seq.num_computed_tokens
+    seq, model = engine.requests["d"], engine.runner.model
+    ctx0, experts0 = seq.num_computed_tokens, model.expert_bytes_read()
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -179,10 +179,11 @@ def batch1_decode(path: Path, prompt: list[int], steps: int, peak_bw: float, con
     spec = engine.spec
     kv_elem = 1 if engine.kv_cache_dtype in ("int8", "fp8") else engine.runner.dtype.itemsize
     kv_bytes = spec.kv_bytes_per_token(kv_elem) * ctx
-    weight_bytes = engine.runner.model.weight_bytes()
+    expert_bytes = (model.expert_bytes_read() - experts0) / steps   # the routed experts a step read (MoE)
+    weight_bytes = model.weight_bytes() + expert_bytes
     engine.shutdown()
     return {"tokens_per_s": 1 / dt, "step_ms": dt * 1e3, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
-            "mbu": (weight_bytes + kv_bytes) / dt / peak_bw}
+            "expert_bytes": expert_bytes, "mbu": (weight_bytes + kv_bytes) / dt / peak_bw}
 
 
 def quantized_variants(source, store: Store) -> dict[str, Path]:

@@ -452,3 +452,30 @@ def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, 
     assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
     k = kld_top1(ref, got)
     assert k["kld_mean"] < 1e-7 and k["top1"] == 1.0, k
+
+
+def test_a_decode_step_counts_the_experts_it_read_not_every_expert(source):
+    """What MBU divides: weight_bytes() is what every step reads (no expert in it) and a batch-1 decode step adds
+    exactly its top_k experts a layer to expert_bytes_read()."""
+    from llmq.runtime import SamplingParams
+    from llmq.runtime.layers.linear import LinearBase
+    from llmq.runtime.layers.norm import RMSNorm
+    from llmq.runtime.models.decoder import SparseMoE
+
+    eng = _engine(source[1].path)
+    try:
+        model, spec = eng.runner.model, eng.spec
+        moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        per_expert = moes[0].expert_bytes[0]
+        assert all(b == per_expert for m in moes for b in m.expert_bytes)  # one shape and scheme
+        everything = sum(m.nbytes for m in model.modules() if isinstance(m, LinearBase)) + \
+            sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, RMSNorm))
+        assert model.weight_bytes() == everything - spec.num_layers * spec.num_experts * per_expert
+        eng.add_request("d", list(range(30, 50)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        while eng.requests["d"].num_computed_tokens < 20:
+            eng.step()
+        before = model.expert_bytes_read()
+        eng.step()
+        assert model.expert_bytes_read() - before == spec.num_layers * spec.experts_per_token * per_expert
+    finally:
+        eng.shutdown()

@@ -38,8 +38,9 @@ class OfflineResult:
 
 
 def _compute_params(spec) -> int:
-    """Parameters a token multiplies through: an untied input embedding is a lookup, not a matmul."""
-    return spec.num_parameters() - (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size)
+    """Parameters a token multiplies through: an untied input embedding is a lookup, not a matmul; a mixture of
+    experts' chosen experts only."""
+    return spec.num_parameters(active=True) - (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
     try:
         spec = engine.spec
         kv_per_token = spec.kv_bytes_per_token(kv_element_bytes(engine.kv_cache_dtype, engine.runner.dtype))
-        weight_bytes = engine.runner.model.weight_bytes() * engine.tp
+        model = engine.runner.model
+        weight_bytes = model.weight_bytes()   # read every step; a MoE's routed experts are counted as read below
         flops_per_token = 2 * _compute_params(spec)
         peak_bw, peak_fl = (hw["read_bandwidth"], peak_flops(hw, engine.runner.dtype)) if hw else (None, None)
         rng = np.random.default_rng(seed)
@@ -131,15 +133,17 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
             while any(s.first_token_time is None for s in seqs):
                 engine.step()
             prefill = time.perf_counter() - t0
-            times, kv, made = [], [], 0
+            times, kv, made, experts = [], [], 0, 0
             # only steps in which all B sequences decode (a sequence prefilled a step early finishes a step early)
             while not any(s.is_finished for s in seqs) and time.perf_counter() < deadline:
                 context = sum(s.num_tokens for s in seqs)  # the KV each new token attends to
+                read0 = model.expert_bytes_read()
                 t = time.perf_counter()
                 made += sum(len(o.new_token_ids) for o in engine.step())
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize(engine.device)
                 times.append(time.perf_counter() - t)
+                experts += model.expert_bytes_read() - read0
                 kv.append(context * kv_per_token)
             for rid in ids:
                 engine.abort_request(rid)
@@ -149,9 +153,10 @@ def sweep(path: str | Path, batch_sizes: list[int], input_len: int, output_len: 
             step = float(np.mean(times))
             kv_mean = float(np.mean(kv))
             per_step = made / len(times) if engine.speculator else b  # speculation emits a variable number
-            rates.append(((weight_bytes + kv_mean) / step, flops_per_token * per_step / step))
+            read = (weight_bytes + experts // len(times)) * engine.tp   # every rank reads its slice alike
+            rates.append(((read + kv_mean) / step, flops_per_token * per_step / step))
             results.append(OfflineResult(b, len(times), step * 1e3, float(np.median(times)) * 1e3, per_step / step,
-                                         prefill, weight_bytes, kv_mean, None, None))  # MBU / MFU: once all known
+                                         prefill, read, kv_mean, None, None))  # MBU / MFU: once all known
             if progress:
                 progress(results[-1])
         notes = []

@@ -241,7 +241,14 @@ class CausalLM(nn.Module):
         return logits if c is None else torch.tanh(logits / c) * c
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads on this rank (the embedding table only by lookup)."""
-        total = sum(m.nbytes for m in self.modules() if isinstance(m, LinearBase))
+        """Bytes of weights every decode step reads on this rank (the embedding table only by lookup). A mixture of
+        experts' experts are read as routed, so they are not in it: expert_bytes_read() counts what the steps read."""
+        experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoE)
+                   for m in (*moe.gate_up.modules(), *moe.down.modules())}
+        total = sum(m.nbytes for m in self.modules() if isinstance(m, LinearBase) and id(m) not in experts)
         norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
         return total + norms
+
+    def expert_bytes_read(self) -> int:
+        """Expert weight bytes the steps so far have read on this rank (SparseMoE.bytes_read; 0 without experts)."""
+        return sum(m.bytes_read for m in self.modules() if isinstance(m, SparseMoE))
