@@ -17,13 +17,14 @@ from llmq.models.arch import LLAMA
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
 
-COMMON = dict(method="rtn", bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=256)
+COMMON = dict(method="rtn", bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=256, scales="amax")
 IDS = [int(x) for x in torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(3))]
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """{tied: (store, source, INT8-table artifact, same options with a 16-bit table)} for a tiny bf16 model."""
+    """{tied: (store, source, INT8-table artifact, same options with a 16-bit table)} for a tiny bf16 model; "grouped":
+    the tied model's table in groups of 32 (llama.cpp's Q8_0 blocks) with searched scales."""
     from helpers import make_tiny_model
     from transformers import AutoModelForCausalLM
 
@@ -40,6 +41,8 @@ def made(tmp_path_factory):
         src = resolve_model(str(path), store)
         out[tied] = (store, src, quantize(src, QuantizeOptions(embedding="int8", **COMMON), store, progress=False),
                      quantize(src, QuantizeOptions(**COMMON), store, progress=False))
+    grouped = QuantizeOptions(embedding="int8", int8_group_size=32, **dict(COMMON, scales="search"))
+    out["grouped"] = (*out[True][:2], quantize(out[True][1], grouped, out[True][0], progress=False), out[True][3])
     return out
 
 
@@ -113,7 +116,30 @@ def test_the_table_is_int8_per_row_in_its_own_group_and_the_file_shrinks(made, t
     assert art.metrics["bf16_bytes"] == plain.metrics["bf16_bytes"]
 
 
-@pytest.mark.parametrize("tied", [True, False])
+def test_a_grouped_table_stores_q8_0_blocks_with_searched_scales(made):
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, src, art, _ = made["grouped"]
+    ck = CheckpointReader(art.path)
+    groups = {tuple(g["targets"]): g["weights"] for g in ck.config["quantization_config"]["config_groups"].values()}
+    assert groups[(qformat.EMBEDDING,)]["strategy"] == "group" and groups[(qformat.EMBEDDING,)]["group_size"] == 32
+    qw, table = ck.embedding().qw, CheckpointReader(src.path).tensor("model.embed_tokens.weight").float()
+    assert qw.scale.shape == (table.shape[0], table.shape[1] // 32)
+    assert torch.equal(_decompressed_table(ck), qw.dequantize(torch.float32))
+    # groups of 32 with searched scales: less rounding error than one absmax scale per row
+    per_row = CheckpointReader(made[True][2].path).embedding().qw.dequantize(torch.float32)
+    assert float((qw.dequantize(torch.float32) - table).pow(2).sum()) < 0.8 * float((per_row - table).pow(2).sum())
+    eng = build_engine(art, store, BuildOptions(target="gguf"))
+    import gguf
+
+    (embd,) = [t for t in gguf.GGUFReader(next(eng.path.glob("*.gguf"))).tensors if t.name == "token_embd.weight"]
+    assert embd.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    back = torch.from_numpy(gguf.quants.dequantize(embd.data, embd.tensor_type).copy()).reshape(table.shape)
+    scale16 = qw.scale.to(torch.float16).float().repeat_interleave(32, 1)  # GGUF's fp16 block scales
+    assert torch.equal(back.float(), qw.q.float() * scale16)
+
+
+@pytest.mark.parametrize("tied", [True, False, "grouped"])
 def test_the_runtime_computes_the_dequantized_reference(made, tied, monkeypatch):
     from llmq.runtime.layers import linear
 

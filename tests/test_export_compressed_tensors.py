@@ -311,9 +311,11 @@ def test_the_quantize_probe_measures_what_the_runtime_computes(source, quantized
     # 256), where an FP8 activation rounds the other way after transformers' attention and the runtime's: 1.6e-4.
     # Qwen3's W8A8 (calibrated on the chat / prose / code mix): the per-position KLDs agree to a median 1.8e-9, but
     # one INT8 activation at position 121 of 256 rounds the other way and 16 later positions attending to it move
-    # (up to 5.7e-5): 2.1e-3 relative
-    flips = {("qwen3", "fp8"): 1e-4, ("phi3", "fp8"): 3e-4, ("qwen3", "smoothquant"): 3e-3}.get((_family(src), name),
-                                                                                             1e-5)
+    # (up to 5.7e-5): 2.1e-3 relative. INT4 with searched scales: the bf16-activation kernel rounds its inputs to
+    # bfloat16, and a float32 difference between the probe's transformers layers and the runtime's moves an input
+    # across a bfloat16 rounding boundary here and there: 5.0e-5 relative on the Llama model
+    flips = {("qwen3", "fp8"): 1e-4, ("phi3", "fp8"): 3e-4, ("qwen3", "smoothquant"): 3e-3}.get(
+        (_family(src), name), 1e-4 if name == "rtn-w4g32" else 1e-5)
     assert abs(runtime_kld() / recorded - 1) < flips
     if name == "rtn-w4g32":
         _int4_kernel_off(monkeypatch)

@@ -130,7 +130,7 @@ def test_what_target_bpw_cannot_honour_is_refused_before_any_work(tiny):
     assert not any("bpw4.4" in str(p) for p in store.root.rglob("*"))  # nothing left behind
 
 
-@pytest.mark.parametrize("extra", [{}, {"embedding": "int8"}])
+@pytest.mark.parametrize("extra", [{}, {"embedding": "int8"}, {"embedding": "int8", "int8_group_size": 32}])
 def test_max_size_spends_what_the_file_leaves_and_never_passes_it(tiny, extra):
     """`--max-size`: the budget is the size less everything outside the decoder linears, priced as stored (here a
     bf16 or an INT8 table); the file is at most that size, and the room above a plain 4-bit file buys 8-bit units."""
@@ -148,6 +148,9 @@ def test_max_size_spends_what_the_file_leaves_and_never_passes_it(tiny, extra):
     # nothing but the headers' allowance (256 bytes an entry, real ones are ~100) and less than one more unit's
     # upgrade is left unspent
     assert limit - art.metrics["size_bytes"] < 256 * 100 + 4 * 64 * 128
+    eight = {k: v for k, v in art.config["scheme_per_module"].items() if v.startswith("W8")}
+    want = f"W8A16-group{extra['int8_group_size']}-sym" if "int8_group_size" in extra else "W8A16-channel-sym"
+    assert eight and set(eight.values()) == {want}  # the 8-bit units and the table: per channel, or Q8_0's groups
 
 
 def test_a_max_size_below_the_4_bit_floor_is_refused_before_any_work(tiny):

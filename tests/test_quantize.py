@@ -66,6 +66,75 @@ def test_rtn_matches_hand_reference(bits, group, symmetric):
     assert bool((err <= qw.scale.float().view(24, -1, 1) * 0.5 + 1e-7).all())
 
 
+def _group_errors(w: torch.Tensor, qw, group: int, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-group squared rounding error of qw against w, in float64 (weighted per input column if importance)."""
+    e = (qw.dequantize(torch.float64) - w.double()).pow(2)
+    if importance is not None:
+        e = e * importance.double()
+    return e.view(w.shape[0], -1, group).sum(-1)
+
+
+def _brute_force_errors(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """The least per-group squared error over 2,000 signed scales +-amax / t, t = qmax - 1.5 .. 16 (float64, symmetric
+    grid): what an exhaustive search finds."""
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    wg = w.double().view(w.shape[0], -1, group)
+    amax = wg.abs().amax(-1, keepdim=True)
+    best = torch.full(amax.shape, float("inf"), dtype=torch.float64)
+    for f in torch.linspace(1 / (qmax - 1.5), 1 / 16, 1000, dtype=torch.float64):
+        for sign in (1, -1):
+            s = sign * amax * f
+            q = torch.round(wg / s).clamp(qmin, qmax)
+            best = torch.minimum(best, (q * s - wg).pow(2).sum(-1, keepdim=True))
+    return best[..., 0]
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 32)])
+def test_searched_scales_use_the_whole_signed_grid_and_never_lose_to_amax(bits, group):
+    w = torch.randn(64, 128) * 0.05  # fresh weights every run
+    w[torch.rand(w.shape) < 0.01] *= 6  # heavy tails, as in LLM weights
+    amax = rtn.quantize_weight(w, bits, group, True, torch.float32)
+    searched = rtn.quantize_weight(w, bits, group, True, torch.float32, search=True)
+    e_amax, e_search = _group_errors(w, amax, group), _group_errors(w, searched, group)
+    assert bool((e_search <= e_amax * (1 + 1e-6)).all())  # amax's grid is a candidate and refitting never hurts
+    assert float(e_search.sum()) < 0.9 * float(e_amax.sum())
+    assert int(searched.q.min()) == -(1 << (bits - 1)) and bool((searched.scale < 0).any())  # both ends of the grid
+    # stored in bf16, the integers are the nearest ones for the stored scale
+    b = rtn.quantize_weight(w, bits, group, True, torch.bfloat16, search=True)
+    s = b.scale.float().repeat_interleave(group, -1)
+    assert torch.equal(b.q.float(), torch.round(w / s).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1))
+
+
+@pytest.mark.parametrize("group", [32, 16])
+def test_searched_4bit_scales_come_within_3_percent_of_an_exhaustive_search(group):
+    w = torch.randn(64, 128) * 0.05
+    w[torch.rand(w.shape) < 0.01] *= 6
+    e_best = float(_brute_force_errors(w, 4, group).sum())
+    searched = rtn.quantize_weight(w, 4, group, True, torch.float32, search=True)
+    amax = rtn.quantize_weight(w, 4, group, True, torch.float32)
+    assert float(_group_errors(w, searched, group).sum()) <= 1.03 * e_best
+    assert float(_group_errors(w, amax, group).sum()) > 1.2 * e_best  # what the amax rule misses
+
+
+def test_searched_scales_follow_the_importance_they_are_given():
+    w = torch.randn(48, 64) * 0.05
+    imp = torch.rand(64) ** 4 * 100  # a few columns matter far more than the rest
+    plain = rtn.quantize_weight(w, 4, 32, True, torch.float32, search=True)
+    weighted = rtn.quantize_weight(w, 4, 32, True, torch.float32, search=True, importance=imp)
+    assert float(_group_errors(w, weighted, 32, imp).sum()) < 0.95 * float(_group_errors(w, plain, 32, imp).sum())
+    assert float(_group_errors(w, weighted, 32).sum()) > float(_group_errors(w, plain, 32).sum())
+
+
+@pytest.mark.parametrize("group", [16, 0])
+def test_searched_asymmetric_scales_never_lose_to_amax(group):
+    w = torch.randn(32, 64) * 0.05 + 0.02
+    w[torch.rand(w.shape) < 0.02] *= 8
+    amax = rtn.quantize_weight(w, 4, group, False, torch.bfloat16)
+    searched = rtn.quantize_weight(w, 4, group, False, torch.bfloat16, search=True)
+    e_amax, e_search = _group_errors(w, amax, group or 64), _group_errors(w, searched, group or 64)
+    assert bool((e_search <= e_amax).all()) and float(e_search.sum()) < 0.97 * float(e_amax.sum())
+
+
 def _correlated_inputs(gen, t, k):
     mix = torch.randn(k, k, generator=gen) / k ** 0.5 + torch.eye(k)
     x = torch.randn(t, k, generator=gen) @ mix
@@ -86,6 +155,19 @@ def test_gptq_cuts_layer_output_error_vs_rtn(group, symmetric, act_order):
     assert err(g) < 0.75 * err(r)
     assert g.q.shape == w.shape and int(g.q.min()) >= -8 and int(g.q.max()) <= 7
     assert g.scale.shape == r.scale.shape and (g.zero_point is None) == symmetric
+
+
+@pytest.mark.parametrize("group,symmetric,act_order,bar", [(16, True, False, 0.8), (16, True, True, 0.8),
+                                                           (0, True, False, 0.8), (16, False, True, 0.97)])
+def test_gptq_with_searched_scales_cuts_output_error_vs_amax_scales(group, symmetric, act_order, bar):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))  # fresh data every run
+    x, w = _correlated_inputs(gen, 1024, 64), torch.randn(48, 64, generator=gen) * 0.1
+    h = 2 * x.T @ x / x.shape[0]
+    ref = x.double() @ w.double().T
+    err = lambda qw: float((x.double() @ qw.dequantize(torch.float64).T - ref).pow(2).sum())  # noqa: E731
+    amax = gptq.gptq_quantize(w, h, 4, group, symmetric, torch.bfloat16, act_order=act_order)
+    searched = gptq.gptq_quantize(w, h, 4, group, symmetric, torch.bfloat16, act_order=act_order, search=True)
+    assert err(searched) < bar * err(amax)
 
 
 def test_gptq_act_order_keeps_group_scales_in_original_column_order():
@@ -333,7 +415,10 @@ def _quantized(store):
     (dict(bits=3), "4 or 8"), (dict(bits=4, group_size=48), "does not divide"),
     (dict(bits=8, method="smoothquant", group_size=0), None), (dict(bits=4, method="rtn", act_order=True), "GPTQ"),
     (dict(bits=4, method="gptq", damp=0), "damp"), (dict(bits=4, method="awq", per_tensor=True), "per tensor"),
-    (dict(bits=4, method="gptq", per_tensor=True), "not per tensor")])
+    (dict(bits=4, method="gptq", per_tensor=True), "not per tensor"),
+    (dict(bits=8, method="fp8", scales="amax"), "--scales is the integer scale rule"),
+    (dict(bits=4, int8_group_size=32), "--int8-group-size sets the groups"),
+    (dict(bits=4, embedding="int8", int8_group_size=48), "--int8-group-size 48 does not divide")])
 def test_bad_options_are_refused_before_any_work(store, tiny_source, opts, match):
     if match is None:  # a method that exists but does not take these bits: refused by its BITS
         opts = dict(opts, bits=4)

@@ -167,7 +167,8 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         release_free_heap()
     head, table, scale = rw.lm_head, rw.embed.weight, None
     if rw.embed.qw is not None:  # INT8 rows and their scales, looked up as stored (a tied head is built from them)
-        table, scale = rw.embed.qw.q.to(device), rw.embed.qw.scale.float().reshape(-1, 1).to(device)
+        qw = rw.embed.qw  # a scale per row, or per group of columns
+        table, scale = qw.q.to(device), qw.scale.float().reshape(qw.q.shape[0], -1).to(device)
     elif head.weight is table:  # tied: one table shared with the head's weight, as stored where the head computes
         table = table.to(device)  # from that (keeps_16bit), else in the compute dtype
         table = table if keeps_16bit(table, dtype) else table.to(dtype)

@@ -12,8 +12,10 @@ the checkpoint is a plain quantized model with no extra tensors:
   each KV channel feeds `num_heads / num_kv_heads` o_proj input channels, so s is tied across those copies;
 - up_proj -> down_proj: up_proj's output rows are divided by s (silu(gate) * up is linear in up).
 Row scaling of a producer that is itself quantized per output row (channel or group) does not change its own
-rounding error, so the four groups are searched independently on the float layer and folded together. The paper's
-second step (clipping search of the weight range) is not done here.
+rounding error, so the four groups are searched independently on the float layer and folded together. The search
+over alpha rounds with amax scales (cheap); the final weights, with `--scales search`, get rtn.grid_params' searched
+scales weighted by each column's mean squared input after folding, mean(x^2) / s^2 — the paper's second step
+(a clipping search of the weight range) in its error-minimising form.
 """
 
 from __future__ import annotations
@@ -111,21 +113,26 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     groups = [(p, cons) for p, cons in feeds if not ctx.dense(cons[0])]  # --target-bpw's 16-bit units: no scales
     firsts = [cons[0] for _, cons in groups]
     sums: dict[str, torch.Tensor] = {}
+    squares: dict[str, torch.Tensor] = {}
     kept: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
     per_sample = max(1, SEARCH_TOKENS // max(len(ctx.calib_inputs), 1))
 
     def fn(name: str, x: torch.Tensor) -> None:
         sums[name] = sums[name] + x.abs().sum(0) if name in sums else x.abs().sum(0)
+        squares[name] = squares[name] + x.pow(2).sum(0) if name in squares else x.pow(2).sum(0)
         idx = torch.linspace(0, x.shape[0] - 1, min(per_sample, x.shape[0]), device=x.device).round().long()
         kept[name].append(x[idx].clone())
 
     ctx.collect(firsts, fn)
     tokens = max(ctx.num_tokens, 1)
+    importance: dict[str, torch.Tensor] = {}
     for (producer, consumers), first in zip(groups, firsts):
         x, x_mean = torch.cat(kept[first]), sums[first] / tokens
         tie = (lambda v: tie_heads(v, *heads)) if producer == v_proj else None
         weights = [ctx.linears[c].weight.data.float() for c in consumers if c != router]
         s, _, _ = search_scales(x, x_mean, weights, *ctx.grid(first), o.symmetric, ctx.scale_dtype, tie)
         fold_scales(ctx.layer, producer, consumers, s, *heads, spec.arch.norm_offset)
-    return {name: rtn.quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype)
+        importance.update({c: squares[first] / tokens / s.pow(2) for c in consumers})
+    return {name: rtn.quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype,
+                                      search=o.search, importance=importance.get(name))
             for name, lin in ctx.linears.items()}

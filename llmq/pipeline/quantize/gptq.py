@@ -10,6 +10,8 @@ most go first, while there is the most freedom left to compensate). Its group sc
 column order from the weight before any update ("static groups"), so the checkpoint needs no g_idx permutation
 tensor: column c always belongs to group c // group_size, as compressed-tensors and the runtime read it.
 Without act-order a group's scale is taken from the updated weights when its first column comes up, as in the paper.
+With `--scales search` each group's scale minimises its rounding error weighted by diag(H) (each column's mean
+squared input: the importance the output error gives it), rtn.grid_params' search.
 """
 
 from __future__ import annotations
@@ -50,21 +52,23 @@ def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, symmetric: bool,
                   scale_dtype: torch.dtype, damp: float = 0.01, act_order: bool = False,
-                  consume: bool = False) -> qformat.QuantizedWeight:
+                  consume: bool = False, search: bool = False) -> qformat.QuantizedWeight:
     """GPTQ-quantized QuantizedWeight of w [out, in] given the input Hessian h [in, in]; with `consume` h is used
-    as scratch (the caller's last use of it: one [in, in] copy less)."""
+    as scratch (the caller's last use of it: one [in, in] copy less); `search`: searched scales (module docstring)."""
     W = w.detach().float().clone()
     H = h.detach() if consume and h.dtype == torch.float32 else h.detach().float().clone()
     n, k = W.shape
     g = group_size if group_size > 0 else k
-    dead = torch.diag(H) == 0
+    importance = torch.diag(H).clone()
+    dead = importance == 0
     H[dead, dead] = 1
     W[:, dead] = 0
     ngroups = k // g
     scale = torch.empty(n, ngroups, device=W.device)
     zero = None if symmetric else torch.empty(n, ngroups, device=W.device)
     if act_order or g == k:  # static: every group's grid from the weight as it is now, in original column order
-        s, z = rtn.grid_params(rtn.group_view(W, g), bits, symmetric, scale_dtype)
+        s, z = rtn.grid_params(rtn.group_view(W, g), bits, symmetric, scale_dtype, search,
+                               rtn.group_view(importance.view(1, k), g))
         scale[:] = s[..., 0]
         if zero is not None:
             zero[:] = z[..., 0]
@@ -86,7 +90,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
             col = i1 + j
             gi = group_of[col]
             if lazy_groups and col % g == 0:
-                s, z = rtn.grid_params(W1[:, j:j + g], bits, symmetric, scale_dtype)
+                s, z = rtn.grid_params(W1[:, j:j + g], bits, symmetric, scale_dtype, search,
+                                       importance[col:col + g])
                 scale[:, gi] = s[:, 0]
                 if zero is not None:
                     zero[:, gi] = z[:, 0]
@@ -112,7 +117,7 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
         h = hessians.pop(name)
         last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
         out[name] = gptq_quantize(lin.weight.data, h, *ctx.grid(name), o.symmetric, ctx.scale_dtype,
-                                  damp=o.damp, act_order=o.act_order, consume=last)
+                                  damp=o.damp, act_order=o.act_order, consume=last, search=o.search)
         del h
         lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj
     return out

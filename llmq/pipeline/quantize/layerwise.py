@@ -193,7 +193,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], [])
     quant_embed = None
     if opts.embedding == "int8":  # from here on the model looks tokens up in the INT8 table, as serve will
-        quant_embed = quantize_weight(embed.weight, 8, 0, True, model_dtype)
+        quant_embed = quantize_weight(embed.weight, 8, opts.int8_group_size, True, model_dtype, search=opts.search)
         sink.linear(qformat.EMBEDDING, quant_embed)
         emitted.add(qformat.EMBEDDING + ".weight")
         embed.weight.data = quant_embed.dequantize(torch.float32).to(device)
@@ -247,7 +247,8 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     tied = head != f"{qformat.LM_HEAD}.weight"
     quant_head = QuantLinear(quant_embed, None, device) if quant_embed is not None and tied else None
     if opts.lm_head == "int8" and quant_head is None:
-        qw = quantize_weight(source[head].to(device=device, dtype=torch.float32), 8, 0, True, model_dtype)
+        qw = quantize_weight(source[head].to(device=device, dtype=torch.float32), 8, opts.int8_group_size, True,
+                             model_dtype, search=opts.search)
         sink.linear(qformat.LM_HEAD, qw)
         emitted.add(qformat.LM_HEAD + ".weight")
         quant_head = QuantLinear(qw, None, device)

@@ -8,10 +8,11 @@ Its sensitivity is measured, not guessed: the mean KLD of the model's next-token
 is rounded to the 4-bit grid (RTN, the options' group size), on calibration windows (never the probe's held-out
 text). On SmolLM2-135M the single-layer KLDs add up to the KLD of rounding all of them (0.48 summed, 0.47 at once),
 so the KLD of a choice is estimated as the sum of its units' losses, and choosing is a knapsack: minimise the summed
-loss under the byte budget, solved exactly by dynamic programming over budget buckets. At 8 bits (per channel) a
-unit's loss is its 4-bit loss scaled by the ratio of the two grids' weight mean-squared errors (KLD is quadratic in
-a small perturbation); at 16 bits it is 0. B counts every byte of the decoder layers' linears (integers, scales,
-zero points) per weight; the embedding and lm_head are outside it (`--embedding` / `--lm-head` decide them).
+loss under the byte budget, solved exactly by dynamic programming over budget buckets. At 8 bits (per channel, or
+groups of --int8-group-size) a unit's loss is its 4-bit loss scaled by the ratio of the two grids' weight
+mean-squared errors (KLD is quadratic in a small perturbation); at 16 bits it is 0. B counts every byte of the
+decoder layers' linears (integers, scales, zero points) per weight; the embedding and lm_head are outside it
+(`--embedding` / `--lm-head` decide them).
 
 The measurement streams like the quantizer: the float model's hidden states entering each layer are kept (tokens x
 hidden per layer), and each layer's units are measured by running the later layers, read from the checkpoint one at
@@ -56,17 +57,17 @@ def unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
 
 
 def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
-    """Bytes a [n, k] linear takes in the checkpoint at `bits` (8: per channel; 16: dense)."""
+    """Bytes a [n, k] linear takes in the checkpoint at `bits` (group_size 0: per channel; 16: dense)."""
     if bits == 16:
         return 2 * n * k
-    groups = k // group_size if bits == 4 and group_size else 1
+    groups = k // group_size if group_size else 1
     zeros = 0 if symmetric else n * groups * bits // 8
     return n * k * bits // 8 + n * groups * scale_bytes + zeros
 
 
 def width_grid(bits: int, opts) -> tuple[int, int]:
-    """(bits, group_size) of a linear at `bits`: the options' grid at their own width, per channel at 8."""
-    return (bits, opts.group_size) if bits == opts.bits else (bits, 0)
+    """(bits, group_size) of a linear at `bits`: the options' grid at their own width, --int8-group-size at 8."""
+    return (bits, opts.group_size) if bits == opts.bits else (bits, opts.int8_group_size if bits == 8 else 0)
 
 
 def choose(losses: np.ndarray, costs: np.ndarray, budget: int) -> list[int]:
@@ -182,9 +183,11 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
                 kept = [lin.weight.data for lin in lins]
                 err4 = err8 = 0.0  # summed squared weight errors of the unit at 4 and at 8 bits
                 for lin, w in zip(lins, kept):
-                    lin.weight.data = rtn.quantize_weight(w, b4, g4, opts.symmetric, dtype).dequantize()
+                    lin.weight.data = rtn.quantize_weight(w, b4, g4, opts.symmetric, dtype,
+                                                           search=opts.search).dequantize()
                     err4 += float((lin.weight.data - w).pow(2).sum())
-                    err8 += float((rtn.quantize_weight(w, 8, 0, opts.symmetric, dtype).dequantize() - w).pow(2).sum())
+                    w8 = rtn.quantize_weight(w, *width_grid(8, opts), opts.symmetric, dtype, search=opts.search)
+                    err8 += float((w8.dequantize() - w).pow(2).sum())
                 streams.append(lay(h_in, **kws[i]))
                 for lin, w in zip(lins, kept):
                     lin.weight.data = w
@@ -213,8 +216,8 @@ def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
 
 def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     """The --target-bpw that fills a --max-size file: the bytes left once every tensor outside the decoder linears
-    is priced as it will be stored (an INT8 table or head: a byte per weight and a scale per row), less each linear's
-    16-byte weight_shape and an upper bound on the safetensors header, per decoder-linear weight."""
+    is priced as it will be stored (an INT8 table or head: a byte per weight and a scale per row or group), less each
+    linear's 16-byte weight_shape and an upper bound on the safetensors header, per decoder-linear weight."""
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors
 
@@ -226,7 +229,7 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
 
     def int8_rows(name: str) -> int:  # packed integers, a scale per row (stored dtype), weight_shape
         dtype, (rows, cols) = tensors.info(name)
-        return linear_bytes(rows, cols, 8, 0, True, dtype.itemsize) + 16
+        return linear_bytes(rows, cols, 8, opts.int8_group_size, True, dtype.itemsize) + 16
 
     fixed, entries = 0, 0
     for name in tensors:

@@ -36,6 +36,7 @@ WEIGHT_ONLY = ("rtn", "gptq", "awq")
 LM_HEAD_CHOICES = ("keep", "int8")
 EMBEDDING_CHOICES = ("keep", "int8")
 THINKING = ("auto", "on", "off")
+SCALE_RULES = ("search", "amax")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class QuantizeOptions(Options):
                                     "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
                                     "SmolLM2), per channel at 8 bits; bnb-nf4: its block size, default 64.")
     symmetric: bool = option(True, "Symmetric or zero-point grid.", flag="--sym/--asym")
+    scales: str | None = option(None, "Integer scales (rtn / gptq / awq): search = per group the scale with the "
+                                "least squared rounding error over the whole signed grid, weighted by calibration "
+                                "statistics where the method has them; amax = max|w| / qmax (compressed-tensors' "
+                                "observer rule). Default: search.", choices=SCALE_RULES)
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
     act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
     damp: float = option(0.01, "GPTQ: damping, fraction of mean diag(H).", gt=0, lt=1)
@@ -89,6 +94,10 @@ class QuantizeOptions(Options):
     max_size: str | None = option(None, "Mixed precision for a file-size budget (e.g. 105MB, 100MiB): the "
                                   "--target-bpw that what is left fills, once the embedding, head, norms and headers "
                                   "are priced as they will be stored; the file is at most this size.", metavar="SIZE")
+    int8_group_size: int = option(0, "Input columns per scale of the 8-bit weights that --target-bpw / --max-size, "
+                                  "--embedding int8 and --lm-head int8 make: 0 = per output channel (what TensorRT-LLM "
+                                  "loads), 32 = llama.cpp's Q8_0 block, which the GGUF target then stores exactly "
+                                  "instead of repeating a row's scale in every block.", ge=0)
     ignore: tuple[str, ...] = option(("lm_head",), internal=True)
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
@@ -110,6 +119,9 @@ class QuantizeOptions(Options):
             widths = " or ".join(map(str, method.BITS))
             raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
                             "bits only)")
+        if self.scales is not None and self.method not in WEIGHT_ONLY:
+            raise LlmqError(f"--scales is the integer scale rule of {', '.join(WEIGHT_ONLY)}; {self.method} has its "
+                            "own")
         if self.alpha is not None and self.method != "smoothquant":
             raise LlmqError("--alpha is SmoothQuant's migration strength; use it with --method smoothquant")
         if self.act_order and self.method != "gptq":
@@ -123,6 +135,10 @@ class QuantizeOptions(Options):
                             "bnb-nf4")
         if self.int8_threshold is not None and self.method != "bnb-int8":
             raise LlmqError("--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
+        if self.int8_group_size and not (self.mixed or self.embedding == "int8" or self.lm_head == "int8"):
+            raise LlmqError("--int8-group-size sets the groups of the 8-bit weights that --target-bpw / --max-size, "
+                            "--embedding int8 and --lm-head int8 make; give one of those (for --bits 8 use "
+                            "--group-size)")
         if self.thinking != "auto" and not self.chat_template:
             raise LlmqError(f"--thinking {self.thinking} is a chat template setting; drop it or --no-chat-template")
         if self.max_size is not None:
@@ -152,12 +168,19 @@ class QuantizeOptions(Options):
         bnb = {"compute_dtype": self.compute_dtype or "float32"} if self.method == "bnb-nf4" else (
             {"int8_threshold": 6.0 if self.int8_threshold is None else self.int8_threshold}
             if self.method == "bnb-int8" else {})
-        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), alpha=alpha, **bnb)
+        scales = self.scales or ("search" if self.method in WEIGHT_ONLY else None)
+        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), alpha=alpha,
+                                   scales=scales, **bnb)
 
     @property
     def ignored(self) -> tuple[str, ...]:
         """The modules left dense: `ignore`, less lm_head when it is quantized."""
         return tuple(m for m in self.ignore if not (m == "lm_head" and self.lm_head != "keep"))
+
+    @property
+    def search(self) -> bool:
+        """Whether integer scales are searched (--scales search), after `resolved()`."""
+        return self.scales == "search"
 
     @property
     def strategy(self) -> str:
@@ -198,6 +221,14 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         bad = {k: v for k, v in _in_features(spec).items() if v % o.group_size}
         if bad:
             raise LlmqError(f"--group-size {o.group_size} does not divide the input features of "
+                            + ", ".join(f"{k} ({v})" for k, v in bad.items()))
+    if o.int8_group_size:
+        widths = {**(_in_features(spec) if o.mixed else {}), **({"embedding": spec.hidden_size}
+                                                                 if o.embedding == "int8" else {}),
+                  **({"lm_head": spec.hidden_size} if o.lm_head == "int8" else {})}
+        bad = {k: v for k, v in widths.items() if v % o.int8_group_size}
+        if bad:
+            raise LlmqError(f"--int8-group-size {o.int8_group_size} does not divide the input features of "
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
     if hasattr(method, "validate"):
         method.validate(o, spec)

@@ -209,10 +209,12 @@ class CausalLM(nn.Module):
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The table's rows of `ids` in the compute dtype (the norm's): a 16-bit table as stored, whose values the cast
-        reproduces exactly; an INT8 one times its row scales in float32, then cast (as quantize's probe computes)."""
+        reproduces exactly; an INT8 one times its row's scales (one, or one per group of columns) in float32, then
+        cast (as quantize's probe computes)."""
         rows = F.embedding(ids, self.embed)
         if self.embed_scale is not None:
-            rows = rows.float() * F.embedding(ids, self.embed_scale)
+            s = F.embedding(ids, self.embed_scale)  # [..., groups]
+            rows = (rows.float().unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
         return rows.to(self.norm.weight.dtype)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
