@@ -23,6 +23,9 @@ windowed as llama-perplexity does (-c 512: chunks of 512 tokens, the second half
   F16's base file with llama.cpp's own formula. That formula applied to llmq bf16 is the check that the two references
   agree (the base file stores log-probs to 16 bits, so a perfect match reads about 1e-6, not 0).
   bits/weight = file bytes x 8 / parameters (a GGUF includes its tokenizer; llmq: its safetensors).
+  --gguf-exports: every llmq variant is also written as GGUF (`llmq build --target gguf`) and that file is scored by
+  llama-perplexity --kl-divergence like llama.cpp's own quantizations: the quality a llama.cpp user of the export
+  gets, beside what llmq's runtime computes from the artifact.
 
     python benchmarks/bench_vs_llamacpp.py --llama-cpp /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
         --converter-pythonpath /tmp/llamacpp/pydeps [--rounds 3] [--threads 1 2] [--json OUT]
@@ -195,22 +198,42 @@ def heldout_text(names: list[str]) -> tuple[str, list[dict]]:
     return "\n\n".join(texts), info
 
 
-def llama_quality(lc: LlamaCpp, gg: dict, text_file: Path, base_file: Path, n_ctx: int, threads: int) -> dict:
+def llama_quality(lc: LlamaCpp, f16: Path, models: dict[str, Path], text_file: Path, base_file: Path, n_ctx: int,
+                  threads: int) -> dict:
+    """llama-perplexity --kl-divergence of each GGUF in `models` against F16's base log-probs (written first)."""
     from llmq.bench.llamacpp import parse_kld_output
 
     ppl = [lc.tool("llama-perplexity"), "-c", str(n_ctx), "-t", str(threads), "--kl-divergence-base"]
     if not base_file.is_file():
         tmp = base_file.with_suffix(".tmp")
         print("llama-perplexity: F16 base log-probs ...", flush=True)
-        run(ppl[:-1] + ["-m", str(gg["F16"]), "-f", str(text_file), "--kl-divergence-base", str(tmp)],
+        run(ppl[:-1] + ["-m", str(f16), "-f", str(text_file), "--kl-divergence-base", str(tmp)],
             "llama-perplexity (base)")
         tmp.replace(base_file)
     out = {}
-    for t in GGUF_TYPES:
+    for t, path in models.items():
         print(f"llama-perplexity --kl-divergence {t} ...", flush=True)
-        out[t] = parse_kld_output(run(ppl + [str(base_file), "-m", str(gg[t]), "--kl-divergence"],
+        out[t] = parse_kld_output(run(ppl + [str(base_file), "-m", str(path), "--kl-divergence"],
                                       f"llama-perplexity --kl-divergence ({t})"))
     return out
+
+
+def gguf_exports(arts: dict, store) -> tuple[dict[str, Path], dict[str, str]]:
+    """Each llmq variant's `llmq build --target gguf` file (reused from the store when built before), and the
+    one-line reasons of the variants GGUF cannot hold."""
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    files, refused = {}, {}
+    for label, art in arts.items():
+        if label == "bf16":
+            continue
+        try:
+            eng = build_engine(art, store, BuildOptions(target="gguf"))
+        except LlmqError as e:
+            refused[label] = str(e)
+            continue
+        files[label] = next(eng.path.glob("*.gguf"))
+    return files, refused
 
 
 def llmq_quality(paths: dict[str, Path], base, text: str, threads: int, int8_activations: bool = False
@@ -290,7 +313,8 @@ def print_quality(rows: list[dict], info: dict, files: list[dict]) -> None:
           f"half of each scored, BOS {'added' if info['add_bos'] else 'not added'}; text: "
           f"{', '.join(Path(f['file']).name for f in files)} from the Python stdlib)")
     print("reference: llama.cpp GGUFs vs F16 (llama-perplexity --kl-divergence); llmq variants vs llmq bf16 (exact); "
-          "'vs F16': llmq against F16's base file by llama.cpp's formula")
+          "'vs F16': llmq against F16's base file by llama.cpp's formula; '(GGUF)': llmq's export of the variant, "
+          "run and scored by llama.cpp like its own files")
     print(f"{'model':<48} {'file MB':>8} {'bits/w':>6} {'PPL':>7} {'mean KLD':>9} {'±':>8} {'top-1 %':>7} "
           f"{'/Q4_K_M':>7} {'vs F16 KLD':>10} {'top-1 %':>7}")
     q4km = next(r["kld"] for r in rows if r["model"] == "llama.cpp Q4_K_M")
@@ -330,6 +354,9 @@ def main() -> int:
     ap.add_argument("--int8-activations", action="store_true",
                     help="also run llmq's quantized variants with int8 activations (EngineConfig.int8_activations: "
                          "llama.cpp's Q8_0 arithmetic), beside the default 16-bit activations")
+    ap.add_argument("--gguf-exports", action="store_true",
+                    help="also export every llmq variant with `llmq build --target gguf` and score the file in "
+                         "llama.cpp (llama-perplexity --kl-divergence), beside llmq's runtime on the artifact")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -396,7 +423,8 @@ def bench(lc: LlamaCpp, args) -> int:
         text_file = work / f"heldout-{digest}.txt"
         text_file.write_text(text, encoding="utf-8")
         base_file = work / f"F16-{digest}-c{args.ctx}.kld"
-        lq = llama_quality(lc, gg, text_file, base_file, args.ctx, max(args.threads))
+        lq = llama_quality(lc, gg["F16"], {t: gg[t] for t in GGUF_TYPES}, text_file, base_file, args.ctx,
+                           max(args.threads))
         base = KldBase(base_file)
         mq, info = llmq_quality(paths, base, text, max(args.threads), args.int8_activations)
         params = ModelSpec.from_config(model.path / "config.json").num_parameters()
@@ -405,6 +433,13 @@ def bench(lc: LlamaCpp, args) -> int:
         rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in
                                                      paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
                   **r} for k, r in mq.items()]
+        if args.gguf_exports:
+            files, refused = gguf_exports(arts, store)
+            le = llama_quality(lc, gg["F16"], files, text_file, base_file, args.ctx, max(args.threads))
+            rows += [{"model": f"llmq {k} (GGUF)", "bytes": files[k].stat().st_size, **le[k]}
+                     for k in files]
+            for k, why in refused.items():
+                print(f"llmq {k}: no GGUF export ({why})")
         for r in rows:
             r["bpw"] = r["bytes"] * 8 / params
         results["quality"] = {"rows": rows, "heldout": files, "parameters": params, **info,
