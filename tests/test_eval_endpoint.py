@@ -33,8 +33,7 @@ def setup(tmp_path_factory):
     """A store with a tiny model and its INT4 RTN artifact, the latter served by `llmq serve` on a free port."""
     root = tmp_path_factory.mktemp("eval-endpoint")
     store = Store(root / "store")
-    # a short context keeps the KLD's one-request-per-position probe of `llmq serve` to a few hundred requests
-    base = resolve_model(str(make_tiny_model(root / "base", seed=0, max_position_embeddings=160)), store)
+    base = resolve_model(str(make_tiny_model(root / "base", seed=0, max_position_embeddings=1024)), store)
     cand = make_rtn(store, base, 4, "tiny-rtn4")
     with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny") as live:
         yield store, base, cand, live
@@ -59,7 +58,7 @@ def test_endpoint_lm_generates_and_ranks_as_in_process(setup):
     lm = _endpoint_lm(live, store, cand)
     ours = LlmqLM(cand.path, engine_config=EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20))
     try:
-        assert lm.max_length == ours.max_length == 160  # from /v1/models' max_model_len
+        assert lm.max_length == ours.max_length - 1 == 1023  # from /v1/models' max_model_len
         assert lm.shape == "logprobs" and not lm.scores_prompts  # llmq serve: next-token logprobs, no echo
         with pytest.raises(LlmqError, match="scoring given text refused: .* next-token logprobs only"):
             lm.loglikelihood([req("1 + 1 =", " 2")])
@@ -231,7 +230,7 @@ def _shape_server(flavor: str, lm):
 
     def answer(path: str, body: dict):
         if path == "/v1/models":
-            return {"data": [{"id": "m", "max_model_len": 160}]}
+            return {"data": [{"id": "m", "max_model_len": 161}]}
         ids = body["prompt"]
         lp = lm.full_logprobs(ids).double()
         top = [(t.tolist(), v.tolist()) for v, t in (lp[j].topk(body.get("prompt_logprobs") or body.get("logprobs")
@@ -295,7 +294,8 @@ def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
     from llmq.evals.lm import LlmqLM
 
     _, _, cand, _ = setup
-    ours = LlmqLM(cand.path, engine_config=EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20))
+    # the context the fake server reports (161) less the token a prompt-logprobs request generates
+    ours = LlmqLM(cand.path, max_length=160, engine_config=EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20))
     rng = random.Random(11)
     try:
         with _shape_server(flavor, ours) as url:
@@ -313,7 +313,8 @@ def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
             got, want = lm.loglikelihood(reqs), ours.loglikelihood(reqs)
             assert [g for _, g in got] == [g for _, g in want]
             assert [x for x, _ in got] == pytest.approx([x for x, _ in want], abs=1e-5)
-            rolling = [req(rand_text(rng, 200))]  # longer than the context: several windows
+            assert lm.max_length == 160
+            rolling = [req(rand_text(rng, 400))]  # longer than the context: several windows
             assert lm.loglikelihood_rolling(rolling) == pytest.approx(ours.loglikelihood_rolling(rolling), abs=1e-4)
     finally:
         ours.close()

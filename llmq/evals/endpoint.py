@@ -33,7 +33,8 @@ class EndpointLM(EvalLM):
 
     def __init__(self, ep: Endpoint, tokenizer, seed: int = 0, progress: ProgressFn | None = None,
                  max_length: int = DEFAULT_MAX_LENGTH, timeout: float = 60.0):
-        super().__init__(tokenizer, min(max_length, ep.max_model_len or max_length), seed, progress)
+        # one token short of the server's context: a request for prompt logprobs still generates a token
+        super().__init__(tokenizer, min(max_length, (ep.max_model_len or max_length + 1) - 1), seed, progress)
         self.ep, self.timeout = ep, timeout
         self.shape = self._detect()  # None: the server returns no token-id logprobs
 
@@ -145,34 +146,38 @@ class EndpointLM(EvalLM):
         return (f"{what} refused: {self.ep.base} {got} (tried vLLM's prompt_logprobs, echo + logprobs, logprobs with "
                 "return_tokens_as_token_ids, llama-server's n_probs)")
 
-    def _positions(self, tokens: list[int], k: int) -> list[dict[int, float]]:
-        """{token id: logprob} of the distribution after each of tokens[:-1] (its top k; for a prompt shape also the
-        next token's own entry)."""
-        if self.shape in PROMPT_SHAPES:
-            path, body = self._body(self.shape, tokens, k)
-            out = self._parse(self.shape, self._post_all(path, [body], progress=False)[0], tokens)
-        elif self.shape is not None:
-            reqs = [self._body(self.shape, tokens[:i], k) for i in range(1, len(tokens))]
-            answers = self._post_all(reqs[0][0], [b for _, b in reqs], progress=False) if reqs else []
-            out = [e for a in answers for e in (self._parse(self.shape, a, []) or [None])]
-        else:
-            raise LlmqError(self.refusal("logprobs"))
-        if out is None or len(out) != len(tokens) - 1 or not all(out):
+    def _prompts(self, prompts: list[list[int]], k: int, progress: bool = False) -> list[list[dict[int, float]]]:
+        """For a prompt shape, one request a prompt: {token id: logprob} of the distribution before each of its tokens
+        after the first (its top k and that token's own entry)."""
+        reqs = [self._body(self.shape, ids, k) for ids in prompts]
+        answers = self._post_all(reqs[0][0], [b for _, b in reqs], progress) if reqs else []
+        return [self._checked(self._parse(self.shape, a, ids), len(ids) - 1) for a, ids in zip(answers, prompts)]
+
+    def _checked(self, out: list | None, n: int) -> list[dict[int, float]]:
+        if out is None or len(out) != n or not all(out):
             raise LlmqError(f"{self.ep.base} answered logprobs in an unexpected shape ({self.shape})")
         return out
+
+    def _positions(self, tokens: list[int], k: int) -> list[dict[int, float]]:
+        """{token id: logprob} of the distribution after each of tokens[:-1], its top k at least."""
+        if self.shape in PROMPT_SHAPES:
+            return self._prompts([tokens], k)[0]
+        if self.shape is None:
+            raise LlmqError(self.refusal("logprobs"))
+        reqs = [self._body(self.shape, tokens[:i], k) for i in range(1, len(tokens))]
+        answers = self._post_all(reqs[0][0], [b for _, b in reqs], progress=False) if reqs else []
+        return self._checked([e for a in answers for e in (self._parse(self.shape, a, []) or [None])], len(reqs))
 
     # -- EvalLM's hooks -----------------------------------------------------------------------------------------------
     def score(self, items: list[ScoreRequest]) -> list[Score]:
         if not self.scores_prompts:
             raise LlmqError(self.refusal("scoring given text"))
         out = []
-        for it in items:
-            pos = self._positions(it.token_ids, 1)
-            lps = [pos[j - 1] for j in range(it.start, len(it.token_ids))]
+        for it, pos in zip(items, self._prompts([it.token_ids for it in items], 1, progress=True)):
+            lps = pos[it.start - 1:]
             targets = it.token_ids[it.start:]
             out.append(Score(sum(lp[t] for lp, t in zip(lps, targets)),
                              all(max(lp, key=lp.get) == t for lp, t in zip(lps, targets))))
-            self.progress(0, 1)
         return out
 
     def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[str]:
