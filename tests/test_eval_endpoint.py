@@ -150,8 +150,8 @@ def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
     finally:
         lm.close()
         ref.close()
-    for key in ("mean", "p99", "max", "rest_mass"):
-        assert kb[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+    for key in ("mean", "p99", "max", "rest_mass"):  # float32 noise: the server computes each position's prefix apart
+        assert kb[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     md = (store.resolve(b["artifact"]["ref"]).path / "report.md").read_text()
     assert f"tiny at {live.url}" in md and "From top-20 logprobs" in md
     assert "llmq_arith_mc (they score given text) refused: " in md
@@ -202,14 +202,16 @@ def _fake(kind: str):
 
 @pytest.mark.parametrize("kind,message", [
     ("dead", "cannot reach"), ("html", "did not return an OpenAI model list"),
-    ("models", "did not answer a JSON object"), ("hang", "cannot reach .*ReadTimeout")])
+    ("models", "did not answer a JSON object"), ("hang", "cannot reach .*ReadTimeout"),
+    ("both", "give REF or --endpoint URL, not both")])
 def test_bad_endpoints_fail_in_one_line(setup, kind, message):
     store, base, _, _ = setup
     args = ["--store", str(store.root), "eval", "--tasks", "math", "--limit", "1", "--baseline", base.ref,
             "--timeout", "1"]
     t = time.monotonic()
-    if kind == "dead":
-        out = CliRunner().invoke(cli, [*args, "--endpoint", f"http://127.0.0.1:{free_port()}"])
+    if kind in ("dead", "both"):
+        ref = [base.ref] if kind == "both" else []
+        out = CliRunner().invoke(cli, [*args, *ref, "--endpoint", f"http://127.0.0.1:{free_port()}"])
     else:
         with _fake(kind) as url:
             out = CliRunner().invoke(cli, [*args, "--endpoint", url])
@@ -225,8 +227,8 @@ def _shape_server(flavor: str, lm):
     """A server answering in one documented logprobs shape from `lm`'s in-process distributions, on a free port:
     `vllm` (/v1/completions with prompt_logprobs: [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...], the
     prompt token's own entry first), `echo` (OpenAI's legacy echo + logprobs, tokens named "token_id:N", the prompt
-    token's logprob in token_logprobs only), `llama` (llama-server: /v1/completions refuses echo and logprobs here;
-    /completion with n_probs answers completion_probabilities)."""
+    token's logprob in token_logprobs only), `llama` (llama-server: /v1/completions answers echo with a 500 and
+    refuses logprobs here; /completion with n_probs answers completion_probabilities)."""
 
     def answer(path: str, body: dict):
         if path == "/v1/models":
@@ -239,6 +241,8 @@ def _shape_server(flavor: str, lm):
             ts, vs = top[-1]
             entries = [{"id": t, "token": "?", "bytes": [], "logprob": v} for t, v in zip(ts, vs)]
             return {"content": "?", "completion_probabilities": [dict(entries[0], top_logprobs=entries)]}
+        if flavor == "llama" and body.get("echo"):
+            return 500  # llama-server's "Only no echo is supported" is a runtime_error: a server error
         if flavor == "vllm" and path == "/v1/completions" and body.get("prompt_logprobs"):
             def entry(j, tok):
                 own = {str(tok): {"logprob": float(lp[j - 1, tok]), "rank": int((lp[j - 1] > lp[j - 1, tok]).sum()) + 1,
@@ -257,8 +261,9 @@ def _shape_server(flavor: str, lm):
 
     class H(http.server.BaseHTTPRequestHandler):
         def _reply(self, data):
-            body = json.dumps(data if data is not None else {"error": {"message": "not supported"}}).encode()
-            self.send_response(200 if data is not None else 400)
+            status = 200 if isinstance(data, dict) else data or 400
+            body = json.dumps(data if status == 200 else {"error": {"message": "not supported"}}).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

@@ -41,7 +41,8 @@ class EndpointLM(EvalLM):
     # -- HTTP --------------------------------------------------------------------------------------------------------
     async def _post(self, client, path: str, body: dict, strict: bool = True) -> dict | None:
         """The JSON answer; a one-line LlmqError for a transport failure, a timeout, a non-JSON answer, or (strict) an
-        error status; None for an error status when not strict (a capability the server lacks)."""
+        error status; None for an error status when not strict: a capability the server lacks (llama-server answers
+        `echo` with a 500)."""
         import httpx
 
         url = self.ep.base + path
@@ -50,7 +51,7 @@ class EndpointLM(EvalLM):
         except httpx.HTTPError as e:
             raise LlmqError(f"{url}: {type(e).__name__}: {e or 'no answer'} (timeout {self.timeout:g} s)") from None
         if r.status_code != 200:
-            if strict or r.status_code >= 500:
+            if strict:
                 raise LlmqError(f"{url} answered HTTP {r.status_code}: {error_message(r.content)}")
             return None
         try:
