@@ -29,6 +29,8 @@ CONCURRENCY = 8
 
 
 class EndpointLM(EvalLM):
+    """lm-eval's LM over an endpoint; `shape`: the first logprobs shape it answered (None: none)."""
+
     top_k = TOP_K
 
     def __init__(self, ep: Endpoint, tokenizer, seed: int = 0, progress: ProgressFn | None = None,
@@ -62,8 +64,9 @@ class EndpointLM(EvalLM):
             raise LlmqError(f"{url} did not answer a JSON object; is this an OpenAI-compatible endpoint?")
         return data
 
-    def _post_all(self, path: str, bodies: list[dict], progress: bool = True) -> list[dict]:
-        """Every body, CONCURRENCY at a time, answers in order."""
+    def _post_all(self, path: str, bodies: list[dict], progress: bool = True, strict: bool = True
+                  ) -> list[dict | None]:
+        """Every body, CONCURRENCY at a time, answers in order (see _post for `strict`)."""
         import httpx
 
         async def run():
@@ -71,21 +74,12 @@ class EndpointLM(EvalLM):
             async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0))) as c:
                 async def one(body):
                     async with gate:
-                        out = await self._post(c, path, body)
+                        out = await self._post(c, path, body, strict)
                     if progress:
                         self.progress(0, 1)
                     return out
 
                 return await asyncio.gather(*map(one, bodies))
-
-        return asyncio.run(run())
-
-    def _try(self, path: str, body: dict) -> dict | None:
-        import httpx
-
-        async def run():
-            async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0))) as c:
-                return await self._post(c, path, body, strict=False)
 
         return asyncio.run(run())
 
@@ -131,7 +125,7 @@ class EndpointLM(EvalLM):
         probe = [self.prefix_token_id] + self.encode("1 + 1 = 2")[:3]
         for shape in ("prompt_logprobs", "echo", "logprobs", "n_probs"):
             path, body = self._body(shape, probe, 1)
-            data = self._try(path, body)
+            data = self._post_all(path, [body], progress=False, strict=False)[0]
             if data is not None and self._parse(shape, data, probe):
                 return shape
         return None
