@@ -51,6 +51,13 @@ def _endpoint_lm(live, store, cand):
     return lm
 
 
+def _same_top(top, ids, full):
+    """The endpoint's top-k is the in-process top-k: the same values, and each named token has its value in-process
+    (within float32 noise: near-ties may swap places)."""
+    torch.testing.assert_close(top, full.topk(top.shape[1]).values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full.gather(1, ids), top, atol=1e-5, rtol=0)
+
+
 def test_endpoint_lm_generates_and_ranks_as_in_process(setup):
     from llmq.evals.lm import LlmqLM
 
@@ -69,9 +76,8 @@ def test_endpoint_lm_generates_and_ranks_as_in_process(setup):
         assert lm.generate_until(reqs) == want and any(want)  # the same token ids in, the same text out
         w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 40))
         top, ids = lm.top_logprobs(w)
-        ref_top, ref_ids = ours.full_logprobs(w)[:-1].double().topk(lm.top_k)
-        assert top.shape == (len(w) - 1, 20) and torch.equal(ids, ref_ids)
-        torch.testing.assert_close(top, ref_top, atol=1e-5, rtol=0)
+        assert top.shape == ids.shape == (len(w) - 1, 20)
+        _same_top(top, ids, ours.full_logprobs(w)[:-1].double())
     finally:
         ours.close()
 
@@ -150,8 +156,9 @@ def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
     finally:
         lm.close()
         ref.close()
-    for key in ("mean", "p99", "max", "rest_mass"):  # float32 noise: the server computes each position's prefix apart
-        assert kb[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # float32 noise (~1e-6 a logprob): the server computes each position's prefix apart, in batches that vary
+    for key in ("mean", "p99", "max", "rest_mass"):
+        assert kb[key] == pytest.approx(want[key], rel=1e-3, abs=1e-5), key
     md = (store.resolve(b["artifact"]["ref"]).path / "report.md").read_text()
     assert f"tiny at {live.url}" in md and "From top-20 logprobs" in md
     assert "llmq_arith_mc (they score given text) refused: " in md
@@ -308,8 +315,7 @@ def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
             assert lm.shape == shape and lm.scores_prompts == (shape != "n_probs")
             w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 30))
             top, ids = lm.top_logprobs(w)
-            ref_top, ref_ids = ours.full_logprobs(w)[:-1].double().topk(20)
-            assert torch.equal(ids, ref_ids) and torch.allclose(top, ref_top)
+            _same_top(top, ids, ours.full_logprobs(w)[:-1].double())
             reqs = [req(rand_text(rng, rng.randint(1, 30)), rand_text(rng, rng.randint(1, 6))) for _ in range(6)]
             if not lm.scores_prompts:
                 with pytest.raises(LlmqError, match="next-token probabilities only"):
