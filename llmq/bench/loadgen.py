@@ -29,6 +29,7 @@ class Endpoint:
     model: str
     root: str | None = None  # what /v1/models says the model was loaded from (a path for llmq and vLLM)
     api_key: str | None = None
+    max_model_len: int | None = None  # the context /v1/models reports (llmq and vLLM do)
 
     @property
     def headers(self) -> dict:
@@ -74,11 +75,13 @@ async def probe(url: str, model: str | None, api_key: str | None = None, timeout
         model = next(iter(served))
     elif model not in served:
         raise LlmqError(f"{base} does not serve model {model!r}; it serves: {', '.join(served)}")
-    root = served[model].get("root")
-    return Endpoint(base, model, root if isinstance(root, str) else None, api_key)
+    root, max_len = served[model].get("root"), served[model].get("max_model_len")
+    return Endpoint(base, model, root if isinstance(root, str) else None, api_key,
+                    max_len if isinstance(max_len, int) and max_len > 0 else None)
 
 
-def _message(body: bytes) -> str:
+def error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body (else the body's start), for a one-line error."""
     try:
         err = json.loads(body)
         err = err.get("error", err) if isinstance(err, dict) else err
@@ -148,7 +151,7 @@ class LoadGenerator:
             async with client.stream("POST", url, json=body, headers=self.endpoint.headers,
                                      timeout=self.request_timeout) as resp:
                 if resp.status_code != 200:
-                    rec.error = f"HTTP {resp.status_code}: {_message(await resp.aread())}"
+                    rec.error = f"HTTP {resp.status_code}: {error_message(await resp.aread())}"
                     rec.end = time.perf_counter() - t0
                     return
                 async for line in resp.aiter_lines():
@@ -162,7 +165,7 @@ class LoadGenerator:
                     if not isinstance(chunk, dict):
                         raise ValueError(f"unexpected stream event {data[:80]!r}")
                     if "error" in chunk:
-                        rec.error = f"in-stream error: {_message(data.encode())}"
+                        rec.error = f"in-stream error: {error_message(data.encode())}"
                         break
                     text = self._content(chunk)
                     if text:

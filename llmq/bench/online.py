@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from ..artifacts import ArtifactError, Store
+from ..artifacts import Artifact, ArtifactError, Store
 from ..errors import LlmqError
 from . import prompts as P
 from .loadgen import Endpoint, LoadGenerator, probe
@@ -81,17 +81,23 @@ def find_tokenizer(ep: Endpoint, explicit: str | None, store: Store | None):
     return None
 
 
-def parent_ids(ep: Endpoint, store: Store | None) -> list[str]:
-    """The served artifact's id, when the endpoint serves an llmq artifact of this store (lineage)."""
+def served_artifact(ep: Endpoint, store: Store | None) -> Artifact | None:
+    """The artifact of this store the endpoint serves, when it serves one (llmq reports `name/vN` as `root`)."""
     if store is None:
-        return []
+        return None
     for ref in (ep.root, ep.model):
         if ref:
             try:
-                return [store.resolve(ref, verify=False).id]
+                return store.resolve(ref, verify=False)
             except (ArtifactError, OSError):
                 continue
-    return []
+    return None
+
+
+def parent_ids(ep: Endpoint, store: Store | None) -> list[str]:
+    """The served artifact's id, for a report's lineage."""
+    art = served_artifact(ep, store)
+    return [art.id] if art is not None else []
 
 
 def run_online(s: OnlineSettings, store: Store | None = None, warn: Callable[[str], None] = print,

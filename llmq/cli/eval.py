@@ -23,15 +23,23 @@ def _progress_console():
 
 @stage_command("eval", EvalOptions, "Print the report as JSON.")
 def eval_(ctx, ref, opts, as_json):
-    """Evaluate REF (default: the default model) on offline task groups, against a baseline, and gate on it."""
-    from ..evals.evaluate import pick_baseline, run_eval
+    """Evaluate REF (default: the default model), or the model an OpenAI-compatible server serves (--endpoint), on
+    offline task groups, against a baseline, and gate on it."""
+    from ..evals.evaluate import Served, pick_baseline, run_eval
     from ..evals.gate import enforce, parse_gates
     from ..evals.report import markdown
 
     opts.check()
     gates = parse_gates(opts.gate)
     store = get_store(ctx)
-    art = source_artifact(ref, store)
+    settings = opts.settings(store)
+    if opts.endpoint:
+        if ref:
+            raise LlmqError("give REF or --endpoint URL, not both")
+        evaluated = Served.connect(opts.endpoint, opts.model, opts.api_key, opts.timeout, store)
+        art = evaluated.artifact
+    else:
+        evaluated = art = source_artifact(ref, store)
     console, prog = _progress_console()
     base = pick_baseline(store, art, opts.baseline)
     if base is not None and not opts.baseline:
@@ -53,7 +61,7 @@ def eval_(ctx, ref, opts, as_json):
         return update
 
     with prog:
-        outcome = run_eval(store, art, base, opts.settings(store), gates, progress, name=opts.name)
+        outcome = run_eval(store, evaluated, base, settings, gates, progress, name=opts.name)
     report = outcome.report
     if as_json:
         echo_json({**report, "artifact": {"ref": outcome.artifact.ref, "id": outcome.artifact.id,

@@ -65,7 +65,8 @@ def evaluate_gate(g: Gate, report: dict) -> GateResult:
             return GateResult(g, None, "kld was not computed (add kld to --tasks and give a baseline)", False)
         v = kld[KLD_NAMES[g.name]]
         unit = "points" if g.name == "top1" else "nats/token"
-        return GateResult(g, v, f"{g.name} = {v:.4g} {unit}", _OPS[g.op](v, g.threshold))
+        bound = f" (from top-{kld['top_k']} logprobs: a lower bound)" if kld.get("top_k") and g.name != "top1" else ""
+        return GateResult(g, v, f"{g.name} = {v:.4g} {unit}{bound}", _OPS[g.op](v, g.threshold))
     name = ALIASES.get(g.name, g.name)
     d = report.get("deltas", {}).get(name)
     if d is None:

@@ -3,6 +3,9 @@
 For every position of every window, KL(P_base || P_eval) = sum_v p_base(v) (log p_base(v) - log p_eval(v)).
 Reported: the mean (with its standard error), the 99th percentile, top-1 agreement (argmax equal, in points) and
 both models' perplexities over the same tokens. It works even where a small model's task accuracy is at chance.
+
+An evaluated model behind an endpoint gives only its top-k log-probabilities per position (`lm.top_k` set): then
+the KL is taken over k + 1 outcomes (`topk_token_kl`) and the report says so.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from ..errors import LlmqError
 from .compare import mean_stderr
 
 WINDOW = 512
+# the least mass the rest of the vocabulary keeps beyond an evaluated top-k: a server's float32 top-k of a confident
+# position can sum to 1 or a hair above, which would make any baseline mass left outside it an infinite KL
+REST_FLOOR = 1e-7
 
 
 def token_kl(lp_eval: torch.Tensor, lp_base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +39,23 @@ def token_kl(lp_eval: torch.Tensor, lp_base: torch.Tensor) -> tuple[torch.Tensor
     return kl, lp_e.argmax(-1) == lp_b.argmax(-1)
 
 
+def topk_token_kl(top_eval: torch.Tensor, ids_eval: torch.Tensor, lp_base: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_kl from the evaluated model's top-k only ([T, k] log-probabilities, descending, and their token ids)
+    against the baseline's full [T, vocab]: the KL over k + 1 outcomes, those k tokens and one bin for the rest of the
+    vocabulary holding each model's remaining mass (the evaluated model's floored at REST_FLOOR). Merging outcomes
+    never raises a KL divergence (log-sum inequality), so this is a lower bound on the full-vocabulary KL, equal to
+    it when the rest holds no mass; top-1 agreement is exact. Also returns the evaluated rest mass per position."""
+    if ids_eval.numel() and int(ids_eval.max()) >= lp_base.shape[-1]:
+        raise LlmqError(f"the evaluated model names token {int(ids_eval.max())}, past the baseline's vocabulary of "
+                        f"{lp_base.shape[-1]}")
+    lp_e, lp_b = top_eval.double(), lp_base.double().gather(1, ids_eval)
+    rest_e = (-lp_e.logsumexp(-1).clamp_max(0).expm1()).clamp_min(REST_FLOOR)
+    rest_b = (-lp_b.logsumexp(-1).clamp_max(0).expm1()).clamp_min(0)
+    kl, _ = token_kl(torch.cat([lp_e, rest_e.log()[:, None]], 1), torch.cat([lp_b, rest_b.log()[:, None]], 1))
+    return kl, ids_eval[:, 0] == lp_base.argmax(-1), rest_e
+
+
 def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], None] | None = None) -> dict:
     progress = progress or (lambda todo, done: None)
     windows = []
@@ -43,24 +66,36 @@ def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], Non
         size = min(WINDOW, lm.max_length, base.max_length)
         windows += [ids[i:i + size] for i in range(0, len(ids) - 1, size - 1) if len(ids[i:i + size]) > 1]
     progress(len(windows), 0)
-    kls, agree, nll_e, nll_b = [], [], 0.0, 0.0
+    k = getattr(lm, "top_k", None)  # None: full distributions
+    kls, agree, rest, nll_e, nll_b = [], [], [], 0.0, 0.0
     for w in windows:
-        lp_e = lm.full_logprobs(w).double()
-        lp_b = base.full_logprobs(w).double()
-        if lp_e.shape != lp_b.shape:
-            raise LlmqError(f"vocabularies differ: {lp_e.shape[-1]} vs {lp_b.shape[-1]} entries")
-        kl, same = token_kl(lp_e[:-1], lp_b[:-1])  # the last position predicts past the window
+        lp_b = base.full_logprobs(w).double()[:-1]  # the last position predicts past the window
+        tgt = torch.tensor(w[1:])
+        nll_b -= float(lp_b.gather(1, tgt[:, None]).sum())
+        if k:
+            top, ids = lm.top_logprobs(w)
+            kl, same, left = topk_token_kl(top, ids, lp_b)
+            rest += left.tolist()
+        else:
+            lp_e = lm.full_logprobs(w).double()[:-1]
+            if lp_e.shape != lp_b.shape:
+                raise LlmqError(f"vocabularies differ: {lp_e.shape[-1]} vs {lp_b.shape[-1]} entries")
+            kl, same = token_kl(lp_e, lp_b)
+            nll_e -= float(lp_e.gather(1, tgt[:, None]).sum())
         kls += kl.tolist()
         agree += same.float().tolist()
-        tgt = torch.tensor(w[1:])
-        nll_e -= float(lp_e[:-1].gather(1, tgt[:, None]).sum())
-        nll_b -= float(lp_b[:-1].gather(1, tgt[:, None]).sum())
         progress(0, 1)
     if not kls:
         raise LlmqError("kld: no tokens to compare")
     mean, se = mean_stderr(kls)
     top1, top1_se = mean_stderr(agree)
     n = len(kls)
-    return {"mean": mean, "stderr": se, "p99": float(torch.tensor(kls).quantile(0.99)), "max": max(kls),
-            "top1": 100 * top1, "top1_stderr": 100 * top1_se, "tokens": n,
-            "ppl": math.exp(nll_e / n), "ppl_baseline": math.exp(nll_b / n)}
+    out = {"mean": mean, "stderr": se, "p99": float(torch.tensor(kls).quantile(0.99)), "max": max(kls),
+           "top1": 100 * top1, "top1_stderr": 100 * top1_se, "tokens": n,
+           "ppl": None if k else math.exp(nll_e / n), "ppl_baseline": math.exp(nll_b / n), "top_k": k}
+    if k:
+        out.update(rest_mass=sum(rest) / n, exact=f"top1 and ppl_baseline are exact; mean, stderr, p99 and max are "
+                   f"over the evaluated model's top-{k} tokens plus one bin for the rest of the vocabulary (each "
+                   f"model's remaining mass; on average {sum(rest) / n:.3f} of the evaluated model's): a lower bound "
+                   "on the full-vocabulary KL; the evaluated perplexity is not known")
+    return out

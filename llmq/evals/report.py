@@ -21,7 +21,11 @@ def _fmt(v, unit: str | None = None) -> str:
 
 def markdown(report: dict) -> str:
     ev, base = report["evaluated"], report.get("baseline")
-    ref = lambda a: f"{a['name']} ({a['id'][:12]})"  # noqa: E731
+    def ref(a: dict) -> str:
+        if a.get("kind") == "endpoint":
+            return f"{a['name']} at {a['url']}" + (f" ({a['id'][:12]})" if a.get("id") else "")
+        return f"{a['name']} ({a['id'][:12]})"
+
     lines = [f"# llmq eval: {ref(ev)}" + (f" vs {ref(base)}" if base else ""), ""]
     s = report["settings"]
     lines += [f"backend `{s['backend']}`, limit {s['limit']}, seed {s['seed']}, lm-eval {report.get('lm_eval')}, "
@@ -47,9 +51,16 @@ def markdown(report: dict) -> str:
         lines.append(cell)
     if report.get("kld"):
         k = report["kld"]
-        lines += ["", f"KL divergence vs baseline over {k['tokens']} tokens: mean {k['mean']:.4f} ± {k['stderr']:.4f}, "
-                      f"p99 {k['p99']:.4f}, top-1 agreement {k['top1']:.1f} ± {k['top1_stderr']:.1f} points; "
-                      f"perplexity {k['ppl']:.3f} vs {k['ppl_baseline']:.3f} on the same tokens."]
+        line = (f"KL divergence vs baseline over {k['tokens']} tokens: mean {k['mean']:.4f} ± {k['stderr']:.4f}, "
+                f"p99 {k['p99']:.4f}, top-1 agreement {k['top1']:.1f} ± {k['top1_stderr']:.1f} points; ")
+        if k.get("top_k"):
+            line += f"baseline perplexity {k['ppl_baseline']:.3f}. From top-{k['top_k']} logprobs: {k['exact']}."
+        else:
+            line += (f"perplexity {k['ppl']:.3f} vs {k['ppl_baseline']:.3f} on the same tokens (exact: full "
+                     "distributions).")
+        lines += ["", line]
+    if report.get("refused"):
+        lines += [""] + [f"{r}." for r in report["refused"]]
     if report.get("gates"):
         lines += ["", "| gate | value | result |", "|---|---|---|"]
         lines += [f"| `{g['gate']}` | {g['what']} | {'pass' if g['passed'] else '**FAIL**'} |" for g in report["gates"]]
@@ -69,15 +80,15 @@ def summary_metrics(report: dict) -> dict:
     return m
 
 
-def write_report(store: Store, report: dict, evaluated: Artifact, baseline: Artifact | None,
-                 command: str | None, name: str | None = None, run_metrics: dict | None = None) -> Artifact:
-    """Commit `report` (deterministic: same settings, same bytes, same id); `run_metrics` (wall time, where the
-    baseline's scores came from) go to the manifest's metrics only, which are not part of the content id."""
-    parents = [evaluated.id] + ([baseline.id] if baseline is not None else [])
+def write_report(store: Store, report: dict, parents: list[str], name: str, command: str | None,
+                 run_metrics: dict | None = None) -> Artifact:
+    """Commit `report` (deterministic: same settings, same bytes, same id) as `name`, child of `parents` (the evaluated
+    artifact, when there is one, then the baseline); `run_metrics` (wall time, where the baseline's scores came from)
+    go to the manifest's metrics only, which are not part of the content id."""
+    base = report.get("baseline")
     config = {"scores_key": report["scores_key"], "settings": report["settings"],
-              "baseline": baseline.id if baseline is not None else None}
-    with store.create("eval-report", name or f"{evaluated.name}-eval", parents=parents, config=config,
-                      command=command) as w:
+              "baseline": base["id"] if base else None}
+    with store.create("eval-report", name, parents=parents, config=config, command=command) as w:
         (w.dir / REPORT_JSON).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
         (w.dir / REPORT_MD).write_text(markdown(report))
         w.metrics.update(summary_metrics(report), **(run_metrics or {}))

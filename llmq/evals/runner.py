@@ -34,7 +34,7 @@ class EvalSettings:
     tasks: list[str]  # as requested: groups (math, code, ppl, kld) and/or lm-eval task names
     limit: int | None = DEFAULT_LIMIT
     seed: int = DEFAULT_SEED
-    backend: str = "llmq"
+    backend: str = "llmq"  # llmq, hf, or endpoint (an OpenAI-compatible server)
     allow_code_execution: bool = False
     lm_tasks: list[str] = field(default_factory=list)  # expanded lm-eval task names (filled by plan())
     kld: bool = False
@@ -66,6 +66,12 @@ class EvalOptions(SpeculativeOptions):
                                         "llmq's sandbox.")
     seed: int = option(DEFAULT_SEED, "Seed for task data, few-shot order and sampling.")
     name: str | None = option(None, "Eval-report artifact name (default: <evaluated artifact>-eval).")
+    endpoint: str | None = option(None, "Evaluate the model an OpenAI-compatible server serves at URL instead of REF "
+                                  "(tasks through /v1/completions, kld and scoring through its logprobs).",
+                                  metavar="URL")
+    model: str | None = option(None, "Model id to request from --endpoint (default: the only one it serves).")
+    api_key: str | None = option(None, "Bearer key for --endpoint (env LLMQ_API_KEY).", envvar="LLMQ_API_KEY")
+    timeout: float = option(60.0, "Seconds to wait for each answer of --endpoint.", gt=0)
 
     def check(self) -> None:
         """Besides bounds: every gate judges a score these tasks produce (a typo fails before the run, not after), and
@@ -86,8 +92,11 @@ class EvalOptions(SpeculativeOptions):
         """What the task runner reads; `store` resolves a --speculative draft REF."""
         if self.speculative and self.backend != "llmq":
             raise LlmqError("--speculative runs in the bundled runtime: use it with --backend llmq")
+        if self.endpoint and (self.speculative or self.backend != "llmq"):
+            raise LlmqError("--endpoint evaluates what the server computes: --backend and --speculative do not apply")
         return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),
-                            seed=self.seed, backend=self.backend, allow_code_execution=self.allow_code_execution,
+                            seed=self.seed, backend="endpoint" if self.endpoint else self.backend,
+                            allow_code_execution=self.allow_code_execution,
                             speculative=self.engine_fields(store) if self.speculative else {})
 
 
@@ -173,6 +182,28 @@ def summarize(task: str, results: dict, samples: list[dict]) -> dict:
     return out
 
 
+def _task_manager(ts: TaskSet, names: list[str]):
+    from lm_eval.tasks import TaskManager
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # indexing lm-eval's own ~15k task configs takes minutes on a small CPU: only when a task needs it
+    external = any(t not in ts.available for t in names)
+    tm = TaskManager(include_path=str(ts.include_path), include_defaults=external)
+    unknown = [t for t in names if t not in tm.all_tasks]
+    if unknown:
+        raise LlmqError(f"unknown task(s): {', '.join(unknown)} (bundled: math, code, ppl, kld; or an lm-eval task)")
+    return tm
+
+
+def scoring_tasks(ts: TaskSet, names: list[str]) -> list[str]:
+    """The tasks among `names` that score given text (loglikelihood, multiple choice, rolling), not generate it."""
+    if not names:
+        return []
+    _quiet()
+    tasks = _task_manager(ts, names).load(names)["tasks"]
+    return [n for n in names if getattr(tasks.get(n), "OUTPUT_TYPE", "generate_until") != "generate_until"]
+
+
 def run_lm_tasks(lm, ts: TaskSet, settings: EvalSettings) -> dict:
     """{"tasks": {name: score}, "groups": {...}, "lm_eval": version} for the lm-eval part of the settings."""
     if not settings.lm_tasks:
@@ -180,15 +211,8 @@ def run_lm_tasks(lm, ts: TaskSet, settings: EvalSettings) -> dict:
     _quiet()
     from lm_eval import __version__ as lm_eval_version
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    # indexing lm-eval's own ~15k task configs takes minutes on a small CPU: only when a task needs it
-    external = any(t not in ts.available for t in settings.lm_tasks)
-    tm = TaskManager(include_path=str(ts.include_path), include_defaults=external)
-    unknown = [t for t in settings.lm_tasks if t not in tm.all_tasks]
-    if unknown:
-        raise LlmqError(f"unknown task(s): {', '.join(unknown)} (bundled: math, code, ppl, kld; or an lm-eval task)")
+    tm = _task_manager(ts, settings.lm_tasks)
     s = settings.seed
     res = simple_evaluate(model=lm, tasks=list(settings.lm_tasks), task_manager=tm, limit=settings.limit,
                           log_samples=True, bootstrap_iters=0, random_seed=s, numpy_random_seed=s,

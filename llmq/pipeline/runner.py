@@ -65,6 +65,8 @@ def _eval(parent: Artifact, cfg, store: Store, recipe: Recipe) -> Artifact:
     from ..evals.evaluate import pick_baseline, run_eval
 
     opts = cfg.to_options(seed=recipe.seed)
+    if opts.endpoint:
+        raise LlmqError("a recipe's eval stage evaluates the artifact before it; endpoint is `llmq eval`'s")
     return run_eval(store, parent, pick_baseline(store, parent, opts.baseline), opts.settings(store), gates=[],
                     name=opts.name).artifact
 

@@ -1,0 +1,207 @@
+"""An OpenAI-compatible server as lm-eval's `LM` (`llmq eval --endpoint URL`): the deployed model, not our runtime.
+
+Generation sends the token ids the in-process backends feed (same truncation, max tokens, stop strings, greedy
+sampling, per-request seeds) to /v1/completions, so a server running the same model answers the same text. Scoring
+and KL divergence read the logprobs the server returns, in the first of these shapes it accepts (`PROMPT_SHAPES`):
+- `prompt_logprobs`: vLLM's extension, log p of every prompt token and the top k in one request;
+- `echo`: the OpenAI legacy `echo` + `logprobs` (with vLLM's `return_tokens_as_token_ids`, so tokens come as ids);
+- `logprobs`: next-token logprobs only (`llmq serve`; `logprobs` + `return_tokens_as_token_ids`): one request per
+  position, its top k;
+- `n_probs`: llama-server's native /completion with `n_probs` (it refuses `echo`): likewise, one request a position.
+The first two score given text exactly (loglikelihood tasks); the last two cannot, and those tasks are refused.
+Every shape gives only the top k (servers cap k at 20), so KL divergence is the top-k form (kld.topk_token_kl).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from ..bench.loadgen import Endpoint, error_message
+from ..errors import LlmqError
+from ..runtime import ScoreRequest
+from .lm import DEFAULT_MAX_LENGTH, EvalLM, ProgressFn, Score
+
+TOP_K = 20  # the most OpenAI's API, vLLM's default max_logprobs and `llmq serve` return
+PROMPT_SHAPES = ("prompt_logprobs", "echo")  # shapes that give the logprobs of given tokens
+CONCURRENCY = 8
+
+
+class EndpointLM(EvalLM):
+    """lm-eval's LM over an endpoint; `shape`: the first logprobs shape it answered (None: none)."""
+
+    top_k = TOP_K
+
+    def __init__(self, ep: Endpoint, tokenizer, seed: int = 0, progress: ProgressFn | None = None,
+                 max_length: int = DEFAULT_MAX_LENGTH, timeout: float = 60.0):
+        # one token short of the server's context: a request for prompt logprobs still generates a token
+        super().__init__(tokenizer, min(max_length, (ep.max_model_len or max_length + 1) - 1), seed, progress)
+        self.ep, self.timeout = ep, timeout
+        self.shape = self._detect()  # None: the server returns no token-id logprobs
+
+    # -- HTTP --------------------------------------------------------------------------------------------------------
+    async def _post(self, client, path: str, body: dict, strict: bool = True) -> dict | None:
+        """The JSON answer; a one-line LlmqError for a transport failure, a timeout, a non-JSON answer, or (strict) an
+        error status; None for an error status when not strict: a capability the server lacks (llama-server answers
+        `echo` with a 500)."""
+        import httpx
+
+        url = self.ep.base + path
+        try:
+            r = await client.post(url, json=body, headers=self.ep.headers)
+        except httpx.HTTPError as e:
+            raise LlmqError(f"{url}: {type(e).__name__}: {e or 'no answer'} (timeout {self.timeout:g} s)") from None
+        if r.status_code != 200:
+            if strict:
+                raise LlmqError(f"{url} answered HTTP {r.status_code}: {error_message(r.content)}")
+            return None
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise LlmqError(f"{url} did not answer a JSON object; is this an OpenAI-compatible endpoint?")
+        return data
+
+    def _post_all(self, path: str, bodies: list[dict], progress: bool = True, strict: bool = True
+                  ) -> list[dict | None]:
+        """Every body, CONCURRENCY at a time, answers in order (see _post for `strict`)."""
+        import httpx
+
+        async def run():
+            gate = asyncio.Semaphore(CONCURRENCY)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0))) as c:
+                async def one(body):
+                    async with gate:
+                        out = await self._post(c, path, body, strict)
+                    if progress:
+                        self.progress(0, 1)
+                    return out
+
+                return await asyncio.gather(*map(one, bodies))
+
+        return asyncio.run(run())
+
+    # -- what the server gives ---------------------------------------------------------------------------------------
+    def _body(self, shape: str, tokens: list[int], k: int) -> tuple[str, dict]:
+        """The request for `shape` over prompt `tokens`, asking for the top k."""
+        if shape == "n_probs":  # llama-server's own API; temperature < 0: greedy, probabilities from a plain softmax
+            return "/completion", {"prompt": tokens, "n_predict": 1, "n_probs": k, "temperature": -1,
+                                   "cache_prompt": True}
+        body = {"model": self.ep.model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0}
+        if shape == "prompt_logprobs":
+            body["prompt_logprobs"] = k
+        else:
+            body.update(logprobs=k, return_tokens_as_token_ids=True, echo=shape == "echo")
+        return "/v1/completions", body
+
+    def _parse(self, shape: str, data: dict, tokens: list[int]) -> list[dict[int, float]] | None:
+        """{token id: logprob} per position: for a prompt shape, the distributions before tokens[1:], each with that
+        token's own entry; else the one distribution after the prompt. None when the answer lacks that shape."""
+        n = len(tokens)
+        try:
+            if shape == "n_probs":
+                top = data["completion_probabilities"][0]["top_logprobs"]  # [{"id", "token", "logprob", ...}]
+                return [{int(e["id"]): float(e["logprob"]) for e in top}]
+            choice = data["choices"][0]
+            if shape == "prompt_logprobs":  # [None, {"<id>": {"logprob": x, "rank": r, "decoded_token": s}}, ...]
+                lps = choice["prompt_logprobs"]
+                if not isinstance(lps, list) or len(lps) < n:
+                    return None
+                return [{int(t): float(v["logprob"] if isinstance(v, dict) else v) for t, v in e.items()}
+                        for e in lps[1:n]]
+            lp = choice["logprobs"]
+            if shape == "echo":  # the prompt's tokens first: token_logprobs [None, x1, ...], top_logprobs alike
+                if len(lp["top_logprobs"]) < n or len(lp["token_logprobs"]) < n:
+                    return None
+                return [{**{_token_id(t): float(v) for t, v in lp["top_logprobs"][j].items()},
+                         tokens[j]: float(lp["token_logprobs"][j])} for j in range(1, n)]
+            return [{_token_id(t): float(v) for t, v in lp["top_logprobs"][0].items()}]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            return None
+
+    def _detect(self) -> str | None:
+        probe = [self.prefix_token_id] + self.encode("1 + 1 = 2")[:3]
+        for shape in ("prompt_logprobs", "echo", "logprobs", "n_probs"):
+            path, body = self._body(shape, probe, 1)
+            data = self._post_all(path, [body], progress=False, strict=False)[0]
+            if data is not None and self._parse(shape, data, probe):
+                return shape
+        return None
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether the server gives the logprobs of given tokens (loglikelihood tasks need them)."""
+        return self.shape in PROMPT_SHAPES
+
+    def refusal(self, what: str) -> str:
+        got = {None: "returns no logprobs named by token id", "logprobs": "returns next-token logprobs only",
+               "n_probs": "returns next-token probabilities only (n_probs)"}.get(self.shape, self.shape)
+        return (f"{what} refused: {self.ep.base} {got} (tried vLLM's prompt_logprobs, echo + logprobs, logprobs with "
+                "return_tokens_as_token_ids, llama-server's n_probs)")
+
+    def _prompts(self, prompts: list[list[int]], k: int, progress: bool = False) -> list[list[dict[int, float]]]:
+        """For a prompt shape, one request a prompt: {token id: logprob} of the distribution before each of its tokens
+        after the first (its top k and that token's own entry)."""
+        reqs = [self._body(self.shape, ids, k) for ids in prompts]
+        answers = self._post_all(reqs[0][0], [b for _, b in reqs], progress) if reqs else []
+        return [self._checked(self._parse(self.shape, a, ids), len(ids) - 1) for a, ids in zip(answers, prompts)]
+
+    def _checked(self, out: list | None, n: int) -> list[dict[int, float]]:
+        if out is None or len(out) != n or not all(out):
+            raise LlmqError(f"{self.ep.base} answered logprobs in an unexpected shape ({self.shape})")
+        return out
+
+    def _positions(self, tokens: list[int], k: int) -> list[dict[int, float]]:
+        """{token id: logprob} of the distribution after each of tokens[:-1], its top k at least."""
+        if self.shape in PROMPT_SHAPES:
+            return self._prompts([tokens], k)[0]
+        if self.shape is None:
+            raise LlmqError(self.refusal("logprobs"))
+        reqs = [self._body(self.shape, tokens[:i], k) for i in range(1, len(tokens))]
+        answers = self._post_all(reqs[0][0], [b for _, b in reqs], progress=False) if reqs else []
+        return self._checked([e for a in answers for e in (self._parse(self.shape, a, []) or [None])], len(reqs))
+
+    # -- EvalLM's hooks -----------------------------------------------------------------------------------------------
+    def score(self, items: list[ScoreRequest]) -> list[Score]:
+        if not self.scores_prompts:
+            raise LlmqError(self.refusal("scoring given text"))
+        out = []
+        for it, pos in zip(items, self._prompts([it.token_ids for it in items], 1, progress=True)):
+            lps = pos[it.start - 1:]
+            targets = it.token_ids[it.start:]
+            out.append(Score(sum(lp[t] for lp, t in zip(lps, targets)),
+                             all(max(lp, key=lp.get) == t for lp, t in zip(lps, targets))))
+        return out
+
+    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[str]:
+        bodies = [{"model": self.ep.model, "prompt": ids, "max_tokens": n, "temperature": t, "seed": self.seed + i,
+                   **({"stop": s} if s else {})}
+                  for i, (ids, n, s, t) in enumerate(zip(prompts, max_tokens, stops, temperatures))]
+        texts = []
+        for data in self._post_all("/v1/completions", bodies):
+            try:
+                texts.append(str(data["choices"][0]["text"]))
+            except (KeyError, IndexError, TypeError):
+                raise LlmqError(f"{self.ep.base}/v1/completions answered without choices[0].text; is this an "
+                                "OpenAI-compatible endpoint?") from None
+        return texts
+
+    def top_logprobs(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T-1, k] log-probabilities, descending, [T-1, k] token ids): the top k after each of tokens[:-1]."""
+        rows = [sorted(p.items(), key=lambda kv: -kv[1])[:self.top_k] for p in self._positions(tokens, self.top_k)]
+        if any(len(r) < self.top_k for r in rows):
+            raise LlmqError(f"{self.ep.base} returned fewer than the {self.top_k} top logprobs asked for")
+        return (torch.tensor([[v for _, v in r] for r in rows], dtype=torch.float64),
+                torch.tensor([[t for t, _ in r] for r in rows], dtype=torch.int64))
+
+    def close(self) -> None:
+        pass
+
+
+def _token_id(name: str) -> int:
+    """N of "token_id:N" (return_tokens_as_token_ids); a token named by its text cannot be placed in the vocabulary."""
+    if not name.startswith("token_id:"):
+        raise ValueError(name)
+    return int(name[len("token_id:"):])

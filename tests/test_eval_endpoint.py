@@ -1,0 +1,331 @@
+"""`llmq eval --endpoint URL`: the same tasks and KLD through a live `llmq serve` as in-process, and one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import random
+import re
+import shlex
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import free_port, live_server, make_tiny_model
+from test_eval import make_rtn, rand_text, req
+
+from llmq.artifacts import Store
+from llmq.cli.main import cli
+from llmq.errors import LlmqError
+from llmq.models import resolve_model
+from llmq.runtime import EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A store with a tiny model and its INT4 RTN artifact, the latter served by `llmq serve` on a free port."""
+    root = tmp_path_factory.mktemp("eval-endpoint")
+    store = Store(root / "store")
+    base = resolve_model(str(make_tiny_model(root / "base", seed=0, max_position_embeddings=1024)), store)
+    cand = make_rtn(store, base, 4, "tiny-rtn4")
+    with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny") as live:
+        yield store, base, cand, live
+
+
+def _endpoint_lm(live, store, cand):
+    from llmq.evals.endpoint import EndpointLM
+    from llmq.evals.evaluate import Served, _endpoint_lm
+    from llmq.evals.runner import EvalSettings
+
+    served = Served.connect(live.url, None, None, 30.0, store)
+    assert served.artifact.id == cand.id  # found through /v1/models' root
+    lm = _endpoint_lm(store, EvalSettings(tasks=["math"]), served, lambda todo, done: None, None)
+    assert isinstance(lm, EndpointLM)
+    return lm
+
+
+def _same_top(top, ids, full):
+    """The endpoint's top-k is the in-process top-k: the same values, and each named token has its value in-process
+    (within float32 noise: near-ties may swap places)."""
+    torch.testing.assert_close(top, full.topk(top.shape[1]).values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full.gather(1, ids), top, atol=1e-5, rtol=0)
+
+
+def test_endpoint_lm_generates_and_ranks_as_in_process(setup):
+    from llmq.evals.lm import LlmqLM
+
+    store, _, cand, live = setup
+    lm = _endpoint_lm(live, store, cand)
+    ours = LlmqLM(cand.path, engine_config=EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20))
+    try:
+        assert lm.max_length == ours.max_length - 1 == 1023  # from /v1/models' max_model_len
+        assert lm.shape == "logprobs" and not lm.scores_prompts  # llmq serve: next-token logprobs, no echo
+        with pytest.raises(LlmqError, match="scoring given text refused: .* next-token logprobs only"):
+            lm.loglikelihood([req("1 + 1 =", " 2")])
+        rng = random.Random(5)
+        reqs = [req(rand_text(rng, rng.randint(5, 60)), {"until": ["=", "\n\n"], "max_gen_toks": rng.randint(1, 12)})
+                for _ in range(12)]
+        want = ours.generate_until(reqs)
+        assert lm.generate_until(reqs) == want and any(want)  # the same token ids in, the same text out
+        w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 40))
+        top, ids = lm.top_logprobs(w)
+        assert top.shape == ids.shape == (len(w) - 1, 20)
+        _same_top(top, ids, ours.full_logprobs(w)[:-1].double())
+    finally:
+        ours.close()
+
+
+def test_topk_kl_is_a_lower_bound_and_exact_at_full_k():
+    from llmq.evals.kld import token_kl, topk_token_kl
+
+    g = torch.Generator().manual_seed(0)
+    lp_e = (torch.randn(30, 50, generator=g, dtype=torch.float64) * 2).log_softmax(-1)
+    lp_b = (lp_e + torch.randn(30, 50, generator=g, dtype=torch.float64) * 0.5).log_softmax(-1)
+    full, same_full = token_kl(lp_e, lp_b)
+    for k in (1, 5, 20, 50):
+        top, ids = lp_e.topk(k)
+        kl, same, rest = topk_token_kl(top, ids, lp_b)
+        assert torch.equal(same, same_full)  # top-1 agreement is exact at any k
+        assert (kl <= full + 1e-12).all()
+        torch.testing.assert_close(rest, (1 - top.exp().sum(-1)).clamp_min(1e-7))
+    torch.testing.assert_close(kl, full)  # k = vocabulary: the full KL
+    # by hand, k = 1: bins {argmax_e, rest}
+    top, ids = lp_e.topk(1)
+    pe, pb = top[:, 0].exp(), lp_b.gather(1, ids)[:, 0].exp()
+    want = pb * (pb / pe).log() + (1 - pb) * ((1 - pb) / (1 - pe)).log()
+    torch.testing.assert_close(topk_token_kl(top, ids, lp_b)[0], want)
+
+
+def _report(out) -> dict:
+    return json.loads(out[out.index("{"):out.rindex("}") + 1])
+
+
+def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
+    from llmq.evals.kld import kl_divergence
+    from llmq.evals.lm import LlmqLM
+    from llmq.evals.runner import EvalSettings, kld_texts, plan
+
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    store, base, cand, live = setup
+    # the command docs/eval.md shows, at this server, and the same without --endpoint URL on the served artifact
+    doc = next(x for x in (ROOT / "docs" / "eval.md").read_text().splitlines() if x.startswith("llmq eval --endpoint"))
+    argv = shlex.split(doc, comments=True)[2:]
+    i = argv.index("--endpoint")
+    assert argv[i + 1] == "http://127.0.0.1:8000" and "kld" in argv[argv.index("--tasks") + 1]
+    common = ["--json", *argv[:i], *argv[i + 2:]]
+    run = CliRunner()
+    inproc = run.invoke(cli, ["--store", str(store.root), "eval", cand.ref, *common])
+    assert inproc.exit_code == 0, inproc.output
+    via = run.invoke(cli, ["--store", str(store.root), "eval", "--endpoint", live.url, *common])
+    assert via.exit_code == 0, via.output
+    a, b = _report(inproc.output), _report(via.output)
+    assert b["evaluated"] == {"name": "tiny", "id": cand.id, "kind": "endpoint", "url": live.url,
+                              "logprobs": "logprobs"}
+    assert b["baseline"]["id"] == base.id  # the served artifact's lineage gives the default baseline
+    assert b["settings"]["backend"] == "endpoint"
+    # task scores: the generation task identical; the scoring tasks refused in one line, not run
+    assert b["scores"]["tasks"]["llmq_arith_gen"] == a["scores"]["tasks"]["llmq_arith_gen"]
+    assert "llmq_arith_mc" not in b["scores"]["tasks"] and "llmq_arith_mc" in a["scores"]["tasks"]
+    assert len(b["refused"]) == 1 and b["refused"][0].startswith("llmq_arith_mc (they score given text) refused: ")
+    # KLD: top-1 and the baseline's perplexity exact; the KL from top-20 is what the in-process model's own top-20
+    # gives, a lower bound on the full KL
+    ka, kb = a["kld"], b["kld"]
+    assert a["kld"]["top_k"] is None and kb["top_k"] == 20 and kb["ppl"] is None and "lower bound" in kb["exact"]
+    assert kb["tokens"] == ka["tokens"] and kb["top1"] == ka["top1"]
+    assert kb["ppl_baseline"] == pytest.approx(ka["ppl_baseline"], rel=1e-9)
+    assert 0 < kb["mean"] <= ka["mean"]
+
+    class Top20(LlmqLM):
+        top_k = 20
+
+        def top_logprobs(self, tokens):
+            return self.full_logprobs(tokens)[:-1].double().topk(self.top_k)
+
+    limit = int(argv[argv.index("--limit") + 1])
+    texts = kld_texts(plan(EvalSettings(tasks=["kld"], limit=limit)), limit)
+    lm, ref = Top20(cand.path), LlmqLM(base.path)
+    try:
+        want = kl_divergence(lm, ref, texts)
+    finally:
+        lm.close()
+        ref.close()
+    # float32 noise (~1e-6 a logprob): the server computes each position's prefix apart, in batches that vary
+    for key in ("mean", "p99", "max", "rest_mass"):
+        assert kb[key] == pytest.approx(want[key], rel=1e-3, abs=1e-5), key
+    md = (store.resolve(b["artifact"]["ref"]).path / "report.md").read_text()
+    assert f"tiny at {live.url}" in md and "From top-20 logprobs" in md
+    assert "llmq_arith_mc (they score given text) refused: " in md
+
+
+@contextmanager
+def _fake(kind: str):
+    """A server on a free port that is no OpenAI endpoint: `html` answers every GET / POST with a web page, `models`
+    lists a model but answers completions with a page, `hang` accepts connections and never answers."""
+    port = free_port()
+    if kind == "hang":
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        sock.listen(8)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            sock.close()
+        return
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def _send(self, body: bytes, ctype: str):
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if kind == "models" and self.path == "/v1/models":
+                return self._send(b'{"data": [{"id": "m", "max_model_len": 64}]}', "application/json")
+            self._send(b"<html>hello</html>", "text/html")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send(b"<html>hello</html>", "text/html")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("dead", "cannot reach"), ("html", "did not return an OpenAI model list"),
+    ("models", "did not answer a JSON object"), ("hang", "cannot reach .*ReadTimeout"),
+    ("both", "give REF or --endpoint URL, not both")])
+def test_bad_endpoints_fail_in_one_line(setup, kind, message):
+    store, base, _, _ = setup
+    args = ["--store", str(store.root), "eval", "--tasks", "math", "--limit", "1", "--baseline", base.ref,
+            "--timeout", "1"]
+    t = time.monotonic()
+    if kind in ("dead", "both"):
+        ref = [base.ref] if kind == "both" else []
+        out = CliRunner().invoke(cli, [*args, *ref, "--endpoint", f"http://127.0.0.1:{free_port()}"])
+    else:
+        with _fake(kind) as url:
+            out = CliRunner().invoke(cli, [*args, "--endpoint", url])
+    assert time.monotonic() - t < 20
+    assert out.exit_code == 2, out.output
+    lines = out.output.strip().splitlines()
+    assert lines[-1].startswith("error: ") and len([x for x in lines if x.startswith("error")]) == 1
+    assert re.search(message, lines[-1]), lines[-1]
+
+
+@contextmanager
+def _shape_server(flavor: str, lm):
+    """A server answering in one documented logprobs shape from `lm`'s in-process distributions, on a free port:
+    `vllm` (/v1/completions with prompt_logprobs: [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...], the
+    prompt token's own entry first), `echo` (OpenAI's legacy echo + logprobs, tokens named "token_id:N", the prompt
+    token's logprob in token_logprobs only), `llama` (llama-server: /v1/completions answers echo with a 500 and
+    refuses logprobs here; /completion with n_probs answers completion_probabilities)."""
+
+    def answer(path: str, body: dict):
+        if path == "/v1/models":
+            return {"data": [{"id": "m", "max_model_len": 161}]}
+        ids = body["prompt"]
+        lp = lm.full_logprobs(ids).double()
+        top = [(t.tolist(), v.tolist()) for v, t in (lp[j].topk(body.get("prompt_logprobs") or body.get("logprobs")
+                                                                 or body.get("n_probs") or 1) for j in range(len(ids)))]
+        if flavor == "llama" and path == "/completion" and body.get("n_probs"):
+            ts, vs = top[-1]
+            entries = [{"id": t, "token": "?", "bytes": [], "logprob": v} for t, v in zip(ts, vs)]
+            return {"content": "?", "completion_probabilities": [dict(entries[0], top_logprobs=entries)]}
+        if flavor == "llama" and body.get("echo"):
+            return 500  # llama-server's "Only no echo is supported" is a runtime_error: a server error
+        if flavor == "vllm" and path == "/v1/completions" and body.get("prompt_logprobs"):
+            def entry(j, tok):
+                own = {str(tok): {"logprob": float(lp[j - 1, tok]), "rank": int((lp[j - 1] > lp[j - 1, tok]).sum()) + 1,
+                                  "decoded_token": "?"}}
+                ts, vs = top[j - 1]
+                return {**own, **{str(t): {"logprob": v, "rank": r + 1, "decoded_token": "?"}
+                                  for r, (t, v) in enumerate(zip(ts, vs))}}
+            return {"choices": [{"text": "?", "prompt_logprobs": [None] + [entry(j, t) for j, t in enumerate(ids) if j],
+                                 "logprobs": None}]}
+        if flavor == "echo" and path == "/v1/completions" and body.get("echo") and body["return_tokens_as_token_ids"]:
+            tops = [None] + [{f"token_id:{t}": v for t, v in zip(*top[j - 1])} for j in range(1, len(ids))]
+            return {"choices": [{"text": "?", "logprobs": {
+                "tokens": [f"token_id:{t}" for t in ids], "text_offset": list(range(len(ids))), "top_logprobs": tops,
+                "token_logprobs": [None] + [float(lp[j - 1, ids[j]]) for j in range(1, len(ids))]}}]}
+        return None
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def _reply(self, data):
+            status = 200 if isinstance(data, dict) else data or 400
+            body = json.dumps(data if status == 200 else {"error": {"message": "not supported"}}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._reply(answer(self.path, {}))
+
+        def do_POST(self):
+            self._reply(answer(self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+
+        def log_message(self, *a):
+            pass
+
+    class Server(http.server.HTTPServer):  # one request at a time: the engine is not shared across threads
+        request_queue_size = 64
+
+    port = free_port()
+    srv = Server(("127.0.0.1", port), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("flavor,shape", [("vllm", "prompt_logprobs"), ("echo", "echo"), ("llama", "n_probs")])
+def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
+    """vLLM's prompt_logprobs and echo + logprobs score given text exactly (what loglikelihood tasks need), all three
+    give the top-k of every position."""
+    from llmq.bench.loadgen import probe
+    from llmq.evals.endpoint import EndpointLM
+    from llmq.evals.lm import LlmqLM
+
+    _, _, cand, _ = setup
+    # the context the fake server reports (161) less the token a prompt-logprobs request generates
+    ours = LlmqLM(cand.path, max_length=160, engine_config=EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20))
+    rng = random.Random(11)
+    try:
+        with _shape_server(flavor, ours) as url:
+            lm = EndpointLM(asyncio.run(probe(url, None)), ours.tokenizer, timeout=30)
+            assert lm.shape == shape and lm.scores_prompts == (shape != "n_probs")
+            w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 30))
+            top, ids = lm.top_logprobs(w)
+            _same_top(top, ids, ours.full_logprobs(w)[:-1].double())
+            reqs = [req(rand_text(rng, rng.randint(1, 30)), rand_text(rng, rng.randint(1, 6))) for _ in range(6)]
+            if not lm.scores_prompts:
+                with pytest.raises(LlmqError, match="next-token probabilities only"):
+                    lm.loglikelihood(reqs)
+                return
+            got, want = lm.loglikelihood(reqs), ours.loglikelihood(reqs)
+            assert [g for _, g in got] == [g for _, g in want]
+            assert [x for x, _ in got] == pytest.approx([x for x, _ in want], abs=1e-5)
+            assert lm.max_length == 160
+            rolling = [req(rand_text(rng, 400))]  # longer than the context: several windows
+            assert lm.loglikelihood_rolling(rolling) == pytest.approx(ours.loglikelihood_rolling(rolling), abs=1e-4)
+    finally:
+        ours.close()
