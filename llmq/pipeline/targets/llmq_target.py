@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ...models import qformat
 from ...models.checkpoint import ShardedWriter, write_json
-from ...models.reader import CheckpointReader, LinearWeights
+from ...models.linear_weights import LinearWeights
+from ...models.reader import CheckpointReader
 from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows
 from .registry import ExportTarget, ReadBack, TargetResult
 from .verify import exact, reference_weights
