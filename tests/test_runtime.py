@@ -230,6 +230,39 @@ def test_bad_requests_raise_clear_errors(tiny):
         eng.add_request("d", [1, 2, 3], GREEDY)
 
 
+def test_weight_bytes_counts_every_stored_weight_once(tiny, store):
+    """What MBU divides. A float checkpoint: its tensors' bytes but the embedding table (looked up, not read whole).
+    Per-tensor INT8: q/k/v (and gate/up) cannot share one scale, so each group loads as a ConcatLinear of its parts,
+    and the count must equal the stored linears loaded one by one, not add the group to its parts."""
+    from safetensors.torch import load_file
+
+    from llmq.models import resolve_model
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.runtime.loader import ConcatLinear, build_linear
+
+    def loaded(path):
+        eng = LLMEngine(path, EngineConfig(kv_cache_memory=8 << 20))
+        try:
+            return eng.runner.model
+        finally:
+            eng.shutdown()
+
+    stored = load_file(tiny / "model.safetensors")
+    assert loaded(tiny).weight_bytes() == sum(t.numel() * t.element_size() for k, t in stored.items()
+                                              if k != "model.embed_tokens.weight")  # float32, served in float32
+
+    art = quantize(resolve_model(str(tiny), store), QuantizeOptions(method="rtn", bits=8, per_tensor=True,
+                                                                    probe_tokens=0), store, progress=False)
+    model, ck = loaded(art.path), CheckpointReader(art.path)
+    assert any(isinstance(m, ConcatLinear) for m in model.modules())
+    layers = range(ck.spec.num_layers)
+    linears = [lw for i in layers for lw in ck.layer_linears(i).values()] + [ck.lm_head()]
+    norms = [w for i in layers for w in ck.layer_norms(i).values()] + [ck.final_norm()]
+    assert model.weight_bytes() == sum(build_linear([lw], torch.float32, "cpu").nbytes for lw in linears) + \
+        sum(w.numel() * w.element_size() for w in norms)
+
+
 def test_in_memory_tensor_parallelism_pads_heads_like_build(tmp_path, make_tiny_model):
     """6 query / 3 KV heads at tp 2: the runtime slices with the build stage's plan (padded to 8 / 4, exact)."""
     d = make_tiny_model(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
