@@ -263,6 +263,18 @@ def test_weight_bytes_counts_every_stored_weight_once(tiny, store):
         sum(w.numel() * w.element_size() for w in norms)
 
 
+def test_an_engine_built_for_another_target_is_refused(tiny, tmp_path):
+    from llmq.models import ModelSpec
+    from llmq.models.engine_spec import EngineSpec
+    from llmq.models.sharding import make_plan
+
+    EngineSpec(target="gguf", tp=1, pp=1, max_batch_size=1, max_seq_len=64, kv_cache_dtype="auto", block_size=16,
+               dtype="float32", source={}, source_ids=[], plan=make_plan(ModelSpec.from_config(tiny), 1)
+               ).write(tmp_path)
+    with pytest.raises(LlmqError, match="is a 'gguf' engine; the bundled runtime loads `llmq build --target llmq`"):
+        LLMEngine(tmp_path, EngineConfig())
+
+
 def test_in_memory_tensor_parallelism_pads_heads_like_build(tmp_path, make_tiny_model):
     """6 query / 3 KV heads at tp 2: the runtime slices with the build stage's plan (padded to 8 / 4, exact)."""
     d = make_tiny_model(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
 from ...models.checkpoint import copy_tokenizer
+from ...models.engine_spec import NATIVE
 from ...options import Options, option
-from .registry import NATIVE, TARGETS, target
+from .registry import TARGETS, target
 
 if TYPE_CHECKING:
     from ...models.reader import CheckpointReader
