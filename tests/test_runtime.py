@@ -6,23 +6,12 @@ import random
 
 import pytest
 import torch
+from helpers import hf_greedy
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, ScoreRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-def hf_greedy(model_dir, prompts, max_new):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
-        outs.append(g[0, len(p):].tolist())
-    return outs
 
 
 def rand_prompts(lengths, seed=0, vocab=256):
