@@ -20,6 +20,24 @@ def tiny_model_dir(tmp_path):
     return _make_tiny_model(tmp_path / "tiny")
 
 
+@pytest.fixture(scope="module")
+def quantized(source, request):
+    """name -> the artifact `llmq quantize` writes from the module's `source` fixture ((store, model artifact)) with
+    the module's QUANTIZE[name] options, on a short calibration; made once per module, on first use."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = source
+    table, made = request.module.QUANTIZE, {}
+
+    def get(name):
+        if name not in made:
+            opts = QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=request.module.PROBE_TOKENS, **table[name])
+            made[name] = quantize(src, opts, store, progress=False)
+        return made[name]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory):
     """The embedded default model (SmolLM2-135M-Instruct) imported into a session store; ~30 s the first time."""

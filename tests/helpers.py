@@ -1,5 +1,6 @@
 """What the tests share: tiny random models of every supported family (real checkpoints and tokenizers, made in a
-second, offline), llmq's log-probs over an artifact, and a live `llmq serve` on a free port."""
+second, offline), llmq's runtime and transformers over them (log-probs, logits, greedy outputs), and a live
+`llmq serve` on a free port. KL divergence is llmq's own (`llmq.pipeline.quantize.probe.kld_top1`)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,58 @@ def llmq_logits(source_dir, ids):
         return torch.stack([eng.prompt_logprobs(row.tolist()) for row in ids])
     finally:
         eng.shutdown()
+
+
+def small_engine(path, **config):
+    """An LLMEngine over a tiny model: an 8 MiB KV cache and no prefix caching (every prompt computed whole), unless
+    `config` (EngineConfig fields) says otherwise. The caller shuts it down."""
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    return LLMEngine(path, EngineConfig(**({"kv_cache_memory": 8 << 20, "enable_prefix_caching": False} | config)))
+
+
+def runtime_logprobs(path, ids, **config):
+    """llmq's runtime's log-probs [len(ids), vocab] (float32) of one prompt, on a small_engine(path, **config)."""
+    eng = small_engine(path, **config)
+    try:
+        return eng.prompt_logprobs(list(ids))
+    finally:
+        eng.shutdown()
+
+
+def int4_kernel_off(monkeypatch):
+    """llmq's INT4 layers on their exact dequantize path instead of a bf16-activation kernel (PyTorch's tinygemm or
+    llmq's lowbit_linear_bf16), for comparisons at float32 rounding."""
+    from llmq.runtime.layers import linear
+
+    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)
+    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
+
+
+def hf_model(model_dir):
+    """transformers' model of a checkpoint, in float32, for inference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logits(model_dir, ids: list[int]):
+    """transformers' float32 logits [len(ids), vocab] of one prompt."""
+    import torch
+
+    with torch.no_grad():
+        return hf_model(model_dir)(torch.tensor([ids])).logits[0]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy continuations, exactly max_new tokens each (EOS ignored)."""
+    import torch
+
+    hf = hf_model(model_dir)
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
+                            )[0, len(p):].tolist() for p in prompts]
 
 
 def free_port() -> int:

@@ -15,7 +15,8 @@ from llmq.cli.main import cli
 from llmq.errors import LlmqError
 from llmq.models import bnbformat, resolve_model
 from llmq.models.checkpoint import load_state_dict, read_config
-from llmq.models.reader import CheckpointReader, LinearWeights
+from llmq.models.linear_weights import LinearWeights
+from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import split_rows
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1

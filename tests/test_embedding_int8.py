@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import int4_kernel_off, runtime_logprobs
 
 from llmq.errors import LlmqError
 from llmq.models import qformat
@@ -75,16 +76,6 @@ def _reference_logprobs(src_path, art_path, ids) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
 
 
-def _runtime_logprobs(path, ids) -> torch.Tensor:
-    from llmq.runtime import EngineConfig, LLMEngine
-
-    engine = LLMEngine(path, EngineConfig(kv_cache_memory=8 << 20, enable_prefix_caching=False))
-    try:
-        return engine.prompt_logprobs(ids).double()
-    finally:
-        engine.shutdown()
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_table_is_int8_per_row_in_its_own_group_and_the_file_shrinks(made, tied):
     store, src, art, plain = made[tied]
@@ -141,13 +132,10 @@ def test_a_grouped_table_stores_q8_0_blocks_with_searched_scales(made):
 
 @pytest.mark.parametrize("tied", [True, False, "grouped"])
 def test_the_runtime_computes_the_dequantized_reference(made, tied, monkeypatch):
-    from llmq.runtime.layers import linear
-
     _, src, art, _ = made[tied]
-    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)   # the exact INT4 path: no bf16-activation
-    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)   # kernel, PyTorch's or llmq's
+    int4_kernel_off(monkeypatch)
     ref = _reference_logprobs(src.path, art.path, IDS)
-    got = _runtime_logprobs(art.path, IDS)
+    got = runtime_logprobs(art.path, IDS)
     assert kld_top1(ref, got)["kld_mean"] < 1e-9
     # the check sees the table's rounding: the 16-bit source table is measurably not what runs
     plain = _reference_logprobs(src.path, made[tied][3].path, IDS)
@@ -163,7 +151,7 @@ def test_the_probe_counts_the_table_and_matches_the_runtime(made):
     windows = [w.tolist() for w in load_probe_text(load_tokenizer(src.path), COMMON["probe_tokens"]).samples]
     acc = ProbeAccumulator()
     for w in windows:
-        acc.add(_runtime_logprobs(src.path, w), _runtime_logprobs(art.path, w))
+        acc.add(runtime_logprobs(src.path, w), runtime_logprobs(art.path, w))
     # within the float32 noise that the INT4 kernel's bf16 activations amplify (5e-5 here with a 16-bit table too),
     # and far from the same layers' probe with the 16-bit table (1.6e-3 away)
     recorded = art.metrics["probe"]["kld_mean"]

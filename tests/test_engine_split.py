@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import hf_greedy
 
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, ScoreRequest
 
@@ -41,15 +42,6 @@ def prompts():
     out = [[rng.randrange(256) for _ in range(n)] for n in (3, 17, 41, 9)]
     out.append(list(range(40, 52)) * 3)  # repetitive: the n-gram proposer has something to copy
     return out
-
-
-def hf_greedy(model_dir, ps, max_new):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
-                            )[0, len(p):].tolist() for p in ps]
 
 
 def lp_tensor(logprobs):

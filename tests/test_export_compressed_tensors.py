@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hf_model, int4_kernel_off, runtime_logprobs, small_engine
 
 from llmq.models import qformat
 from llmq.models.reader import CheckpointReader
@@ -91,6 +92,7 @@ EXPECT = {
                           _args(8, type="float", strategy="tensor"), _args(8, type="float", strategy="tensor"),
                           FP8_TENSOR),
 }
+QUANTIZE = {name: e[0] for name, e in EXPECT.items()}  # the `quantized` fixture's (conftest) artifacts
 # kv type, granularity -> kv_cache_scheme and the shape of every k_scale / v_scale
 KV_EXPECT = {("int8", "tensor"): (_args(8, strategy="tensor"), (1,)),
              ("int8", "head"): (_args(8, strategy="attn_head"), (KV_HEADS, 1, 1)),
@@ -120,30 +122,12 @@ def ids():
     return torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(11))
 
 
-@pytest.fixture(scope="module")
-def quantized(source):
-    """name -> the artifact `llmq quantize` writes for EXPECT[name] (made once per module, kernels as shipped)."""
-    from llmq.pipeline.quantize import QuantizeOptions, quantize
-
-    store, src = source
-    made = {}
-
-    def get(name):
-        if name not in made:
-            opts = QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=PROBE_TOKENS, **EXPECT[name][0])
-            made[name] = quantize(src, opts, store, progress=False)
-        return made[name]
-
-    return get
-
-
 def _transformers(path):
     """transformers' model of a checkpoint in float32, after one forward (compressed-tensors decompresses then)."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = hf_model(path)
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
     return model
@@ -169,16 +153,6 @@ def _decompressed(art, source):
             stored["weight_scale"] = stored["weight_scale"].float()
             model.get_submodule(prefix).weight.data = compressor.decompress(stored, scheme)["weight"].float()
     return model
-
-
-def _llmq_logprobs(path, ids):
-    from llmq.runtime import EngineConfig, LLMEngine
-
-    engine = LLMEngine(path, EngineConfig(kv_cache_memory=8 << 20, enable_prefix_caching=False))
-    try:
-        return engine.prompt_logprobs(ids[0].tolist())
-    finally:
-        engine.shutdown()
 
 
 def _check_format(art, fmt, weights, acts, tensors):
@@ -225,26 +199,17 @@ def _linear_gaps(art, hf, ids) -> dict[str, float]:
     return gaps
 
 
-def _int4_kernel_off(monkeypatch):
-    """llmq's INT4 layers on their exact dequantize path instead of a bf16-activation kernel (PyTorch's tinygemm or
-    llmq's lowbit_linear_bf16)."""
-    from llmq.runtime.layers import linear
-
-    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)
-    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
-
-
 @pytest.mark.parametrize("name", [n for n, e in EXPECT.items() if e[3] is None])
 def test_weight_only_schemes_match_transformers(source, quantized, ids, name, monkeypatch):
     opts, fmt, weights, acts, tensors = EXPECT[name]
     art = quantized(name)
     _check_format(art, fmt, weights, acts, tensors)
-    _int4_kernel_off(monkeypatch)
+    int4_kernel_off(monkeypatch)
     hf = _transformers(art.path) if weights["symmetric"] else _decompressed(art, source)
     assert max(_linear_gaps(art, hf, ids).values()) < 1e-5
     with torch.no_grad():
         ref = hf(ids).logits[0]
-    got = kld_top1(ref, _llmq_logprobs(art.path, ids))
+    got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
     assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
 
 
@@ -275,7 +240,7 @@ def test_activation_quantized_schemes_match_transformers(quantized, ids, name, m
     assert max(_linear_gaps(art, hf, ids).values()) < 1e-5
     with torch.no_grad():
         ref = hf(ids).logits[0]
-    got = kld_top1(ref, _llmq_logprobs(art.path, ids))
+    got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
     # float32 rounding, amplified where it flips a quantized activation: on the Gemma model (embeddings scaled by
     # sqrt(hidden), four norms a layer) FP8 flips moved it 1.9e-4; the scheme itself costs this model ~2.5e-3
     bound = 1e-3 if _family(quantized(name)) == "gemma3_text" and name.startswith("fp8") else 1e-4
@@ -289,14 +254,12 @@ def test_the_quantize_probe_measures_what_the_runtime_computes(source, quantized
     from llmq.models.load import load_tokenizer
     from llmq.pipeline.quantize.calib import load_probe_text
     from llmq.pipeline.quantize.probe import ProbeAccumulator
-    from llmq.runtime import EngineConfig, LLMEngine
 
     art, src = quantized(name), source[1]
     windows = [w.tolist() for w in load_probe_text(load_tokenizer(src.path), PROBE_TOKENS).samples]
 
     def runtime_kld():
-        cfg = EngineConfig(kv_cache_memory=8 << 20, enable_prefix_caching=False)
-        base, quant = LLMEngine(src.path, cfg), LLMEngine(art.path, cfg)
+        base, quant = small_engine(src.path), small_engine(art.path)
         acc = ProbeAccumulator()
         for w in windows:
             acc.add(base.prompt_logprobs(w), quant.prompt_logprobs(w))
@@ -318,7 +281,7 @@ def test_the_quantize_probe_measures_what_the_runtime_computes(source, quantized
         (_family(src), name), 1e-4 if name == "rtn-w4g32" else 1e-5)
     assert abs(runtime_kld() / recorded - 1) < flips
     if name == "rtn-w4g32":
-        _int4_kernel_off(monkeypatch)
+        int4_kernel_off(monkeypatch)
         assert abs(runtime_kld() / recorded - 1) > 1e-3  # exact arithmetic is measurably not what was recorded
 
 
@@ -340,7 +303,7 @@ def test_kv_cache_schemes_match_transformers(source, ids, kv, granularity):
     hf = _transformers(art.path)
     with torch.no_grad():
         ref = hf(ids).logits[0]
-    got = kld_top1(ref, _llmq_logprobs(art.path, ids))
+    got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
     bound = 1e-8
     if _family(src) == "gemma3_text":  # its four (1 + w) norms a layer, in float32 op orders that differ from
         bound = 1e-6                  # transformers', move a K / V value across an FP8 step now and then (1.6e-7
@@ -390,11 +353,11 @@ def test_an_installed_compressed_tensors_outside_the_range_is_a_clear_error(monk
 
 
 def _assert_transformers_computes_what_llmq_computes(art, ids, monkeypatch):
-    _int4_kernel_off(monkeypatch)
+    int4_kernel_off(monkeypatch)
     hf = _transformers(art.path)
     with torch.no_grad():
         ref = hf(ids).logits[0]
-    got = kld_top1(ref, _llmq_logprobs(art.path, ids))
+    got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
     assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
 
 

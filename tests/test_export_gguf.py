@@ -18,11 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import runtime_logprobs
 
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize import QuantizeOptions, quantize
+from llmq.pipeline.quantize.probe import kld_top1
 from llmq.pipeline.targets import BuildOptions, build_engine
 
 gguf = pytest.importorskip("gguf")
@@ -320,20 +322,9 @@ def exact_artifact_model(src_path: Path):
     return model
 
 
-def runtime_logprobs(artifact_path: Path, ids: list[int]) -> torch.Tensor:
-    from llmq.runtime import EngineConfig, LLMEngine
-
-    return LLMEngine(artifact_path, EngineConfig(max_num_batched_tokens=256)).prompt_logprobs(ids).double()
-
-
 def reader_logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
-
-
-def mean_kld(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
-    """Mean over positions of KL(P || Q), P being llmq's runtime."""
-    return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
 
 
 TOKENS = [int(x) for x in torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(0))]
@@ -346,10 +337,11 @@ def test_reader_reproduces_llmq_runtime_logits(tiny, arch, scheme):
     src, art = built[arch, scheme]
     model, _ = read_gguf(gguf_file(art))
     got = reader_logprobs(model, TOKENS)
-    assert mean_kld(runtime_logprobs(src.path, TOKENS), got) <= 1e-3   # runtime INT4 kernels take bf16 activations
+    # the runtime's INT4 kernels take bf16 activations
+    assert kld_top1(runtime_logprobs(src.path, TOKENS), got)["kld_mean"] <= 1e-3
     # The file itself is exact: the artifact computed in float32 gives the same distribution (Q4_1: up to the
     # fp16 rounding of its mins).
-    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), TOKENS), got) <= 1e-6
+    assert kld_top1(reader_logprobs(exact_artifact_model(src.path), TOKENS), got)["kld_mean"] <= 1e-6
 
 
 def test_reader_would_catch_llama_rope_rows_left_in_hugging_face_order(tiny):
@@ -357,7 +349,7 @@ def test_reader_would_catch_llama_rope_rows_left_in_hugging_face_order(tiny):
     _, built = tiny
     src, art = built["llama-gqa", "w4-g32"]
     model, _ = read_gguf(gguf_file(art), unpair=False)
-    assert mean_kld(runtime_logprobs(src.path, TOKENS), reader_logprobs(model, TOKENS)) > 1e-2
+    assert kld_top1(runtime_logprobs(src.path, TOKENS), reader_logprobs(model, TOKENS))["kld_mean"] > 1e-2
 
 
 def _rope_adjacent_pairs(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -503,7 +495,7 @@ def test_mixed_precision_gives_each_tensor_its_own_block_type_and_the_same_logit
     for name, bits in chosen.items():
         assert types[f"{name}.weight"] == GGML_TYPE_ID[{4: "Q4_0", 8: "Q8_0", 16: "BF16"}[bits]], name
     got = reader_logprobs(read_gguf(gguf_file(art))[0], TOKENS)
-    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), TOKENS), got) <= 1e-6
+    assert kld_top1(reader_logprobs(exact_artifact_model(src.path), TOKENS), got)["kld_mean"] <= 1e-6
 
 
 @pytest.mark.parametrize("arch", list(TINY))
@@ -524,7 +516,7 @@ def test_an_int8_embedding_table_is_q8_0_token_embd_read_back_exact(tiny, arch):
     used = qw.q.abs().amax(1).numpy() > 0   # an all-zero (padding) row's tiny scale is no fp16 number: it reads 0
     assert (blocks["d"].astype(np.float32) == qw.scale.float().numpy())[used].all()   # the row scale, every block
     got = reader_logprobs(read_gguf(gguf_file(art))[0], TOKENS)
-    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), TOKENS), got) <= 1e-6
+    assert kld_top1(reader_logprobs(exact_artifact_model(src.path), TOKENS), got)["kld_mean"] <= 1e-6
 
 
 # ---------------------------------------------------------------- (d) refusals
@@ -582,8 +574,9 @@ def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(defa
             "fibonacci(n - 2)\nOnce upon a time, in a small village, there lived an old baker.")
     ids = load_tokenizer(src.path).encode(text)
     got = reader_logprobs(read_gguf(gguf_file(art))[0], ids)
-    kld = mean_kld(runtime_logprobs(src.path, ids), got)
-    exact = mean_kld(reader_logprobs(exact_artifact_model(src.path), ids), got)
+    # a KV cache sized from free memory: one 4096-token sequence of this model needs more than small_engine's 8 MiB
+    kld = kld_top1(runtime_logprobs(src.path, ids, kv_cache_memory=None), got)["kld_mean"]
+    exact = kld_top1(reader_logprobs(exact_artifact_model(src.path), ids), got)["kld_mean"]
     print(f"default GPTQ w4g32: {stats}; over {len(ids)} tokens the reader's KLD vs llmq's runtime is {kld:.3g}, "
           f"vs the artifact in float32 {exact:.3g}")
     assert kld <= 1e-3 and exact <= 1e-6
@@ -742,8 +735,8 @@ def test_gemma3_file_computes_in_llama_cpp_what_llmq_computes(gemma, scheme):
     src, art = gemma[scheme]
     ids = TOKENS[:40]
     got = llama_cpp_gemma3_logprobs(gguf_file(art), ids)
-    assert mean_kld(reader_logprobs(exact_artifact_model(src.path), ids), got) <= 1e-6
-    assert mean_kld(runtime_logprobs(src.path, ids), got) <= 1e-3
+    assert kld_top1(reader_logprobs(exact_artifact_model(src.path), ids), got)["kld_mean"] <= 1e-6
+    assert kld_top1(runtime_logprobs(src.path, ids), got)["kld_mean"] <= 1e-3
 
 
 def llama_cpp_spm_tokenize(r, text: str) -> list[int]:

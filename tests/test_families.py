@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hf_model
 
 from llmq.errors import LlmqError
 from llmq.models.arch import ARCHS
@@ -65,12 +66,6 @@ def test_declaration_names_exactly_the_checkpoint_tensors(models, family):
             {r: list(spec.linear_shape(r)) for r in spec.roles()}
 
 
-def _transformers(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_runtime_equals_transformers(models, family, tp):
@@ -78,7 +73,7 @@ def test_runtime_equals_transformers(models, family, tp):
     gen = torch.Generator().manual_seed(tp)
     ids = torch.randint(0, 256, (40,), generator=gen).tolist()
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 23)]
-    hf = _transformers(path)
+    hf = hf_model(path)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)
         want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
@@ -111,8 +106,8 @@ def test_qwen3_q_k_norms_are_computed_not_ignored(models, tmp_path):
     save_file(st, f, metadata={"format": "pt"})
     ids = list(range(40, 80))
     with torch.no_grad():
-        ref = _transformers(d)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
-        plain = _transformers(models["qwen3"])(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        ref = hf_model(d)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        plain = hf_model(models["qwen3"])(torch.tensor([ids])).logits[0].double().log_softmax(-1)
     got = LLMEngine(d, EngineConfig(max_model_len=128, kv_cache_memory=32 << 20)).prompt_logprobs(ids).double()
     assert float((ref.exp() * (ref - plain)).sum(-1).mean()) > 1e-3   # the norms matter
     assert float((ref.exp() * (ref - got)).sum(-1).mean()) <= 1e-6

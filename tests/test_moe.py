@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from helpers import int4_kernel_off, runtime_logprobs, small_engine
 
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
@@ -20,10 +21,10 @@ from llmq.pipeline.quantize.probe import kld_top1
 SHAPES = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16,
                             norm_topk_prob=True),
           "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)}
-METHODS = {"rtn-w4g32": dict(method="rtn", bits=4, group_size=32), "gptq-w4g32": dict(method="gptq", bits=4,
-                                                                                       group_size=32),
-           "awq-w4g32": dict(method="awq", bits=4, group_size=32), "smoothquant": dict(method="smoothquant", bits=8),
-           "fp8": dict(method="fp8", bits=8)}
+QUANTIZE = {"rtn-w4g32": dict(method="rtn", bits=4, group_size=32),
+            "gptq-w4g32": dict(method="gptq", bits=4, group_size=32),
+            "awq-w4g32": dict(method="awq", bits=4, group_size=32), "smoothquant": dict(method="smoothquant", bits=8),
+            "fp8": dict(method="fp8", bits=8)}  # the `quantized` fixture's (conftest) artifacts
 WEIGHT_ONLY = ("rtn-w4g32", "gptq-w4g32", "awq-w4g32")
 PROBE_TOKENS = 256
 NEVER = (2, 3, 4, 5)  # the experts the rank-1 router below never picks
@@ -65,44 +66,6 @@ def source(tmp_path_factory, request):
     return _source(tmp_path_factory.mktemp(request.param), request.param)
 
 
-@pytest.fixture(scope="module")
-def quantized(source):
-    from llmq.pipeline.quantize import QuantizeOptions, quantize
-
-    store, src = source
-    made = {}
-
-    def get(name):
-        if name not in made:
-            opts = QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=PROBE_TOKENS, **METHODS[name])
-            made[name] = quantize(src, opts, store, progress=False)
-        return made[name]
-
-    return get
-
-
-def _engine(path, **kw):
-    from llmq.runtime import EngineConfig, LLMEngine
-
-    return LLMEngine(path, EngineConfig(kv_cache_memory=8 << 20, enable_prefix_caching=False, **kw))
-
-
-def _logprobs(path, ids, **kw):
-    eng = _engine(path, **kw)
-    try:
-        return eng.prompt_logprobs(ids)
-    finally:
-        eng.shutdown()
-
-
-def _int4_kernel_off(monkeypatch):
-    """The runtime's INT4 layers on their exact dequantize path, not a bf16-activation kernel."""
-    from llmq.runtime.layers import linear
-
-    monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)
-    monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
-
-
 def _decompressed_dense(art, out):
     """The quantized checkpoint as a dense one: every quantized linear decompressed by compressed-tensors' own
     compressor (scales in float32), everything else as stored, no quantization_config."""
@@ -128,7 +91,7 @@ def _decompressed_dense(art, out):
     return out
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", list(QUANTIZE))
 def test_every_expert_is_quantized_and_the_router_stays_16_bit(source, quantized, name):
     art = quantized(name)
     ck = CheckpointReader(art.path)
@@ -157,17 +120,17 @@ def test_weight_only_moe_matches_transformers_on_the_decompressed_checkpoint(sou
                                                                              monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    _int4_kernel_off(monkeypatch)
+    int4_kernel_off(monkeypatch)
     art = quantized(name)
     hf = AutoModelForCausalLM.from_pretrained(_decompressed_dense(art, tmp_path / "dense"), dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = hf.eval()(ids).logits[0]
-    got = kld_top1(ref, _logprobs(art.path, ids[0].tolist()))
+    got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
     assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", list(QUANTIZE))
 def test_the_probe_records_what_the_runtime_computes(source, quantized, name):
     from llmq.models.load import load_tokenizer
     from llmq.pipeline.quantize.calib import load_probe_text
@@ -175,7 +138,7 @@ def test_the_probe_records_what_the_runtime_computes(source, quantized, name):
 
     art, src = quantized(name), source[1]
     windows = [w.tolist() for w in load_probe_text(load_tokenizer(src.path), PROBE_TOKENS).samples]
-    base, quant = _engine(src.path), _engine(art.path)
+    base, quant = small_engine(src.path), small_engine(art.path)
     acc = ProbeAccumulator()
     for w in windows:
         acc.add(base.prompt_logprobs(w), quant.prompt_logprobs(w))
@@ -196,7 +159,7 @@ def test_calibration_reaches_experts_the_router_never_picks(tmp_path, family):
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
     store, src = _source(tmp_path, family, rank1=True)
-    gptq, plain = (quantize(src, QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=0, **METHODS[m]), store,
+    gptq, plain = (quantize(src, QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=0, **QUANTIZE[m]), store,
                             progress=False) for m in ("gptq-w4g32", "rtn-w4g32"))
     cov = gptq.config["expert_coverage"]
     assert cov["scheme"].startswith("every expert on every calibration token")
@@ -227,7 +190,7 @@ def test_a_quantized_moe_splits_over_two_ranks_as_it_runs_on_one(source, quantiz
     built = build_engine(art, source[0], BuildOptions(tp=2, verify=True))
     assert built.metrics["verify"]["max_rel_error"] < 1e-5
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()
-    got = kld_top1(_logprobs(art.path, ids), _logprobs(built.path, ids))
+    got = kld_top1(runtime_logprobs(art.path, ids), runtime_logprobs(built.path, ids))
     assert got["kld_mean"] < 1e-2 and got["top1"] >= 0.9, got
 
 
@@ -292,7 +255,7 @@ def test_gguf_export_merges_each_role_s_experts_into_one_3d_tensor(tmp_path, fam
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     store, src = _source(tmp_path, family, bf16=True)
-    art = quantize(src, QuantizeOptions(probe_tokens=0, **METHODS["rtn-w4g32"]), store, progress=False)
+    art = quantize(src, QuantizeOptions(probe_tokens=0, **QUANTIZE["rtn-w4g32"]), store, progress=False)
     built = build_engine(art, store, BuildOptions(target="gguf"))
     meta_file = json.loads((built.path / "engine.json").read_text())["outputs"]["gguf"]
     model, meta, t = _model_from_gguf(built.path / meta_file["file"])
@@ -312,8 +275,8 @@ def test_gguf_export_merges_each_role_s_experts_into_one_3d_tensor(tmp_path, fam
     ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(9)).tolist()
     with torch.no_grad():
         got = model(torch.tensor([ids])).logits[0]
-    _int4_kernel_off(monkeypatch)
-    k = kld_top1(got, _logprobs(art.path, ids))
+    int4_kernel_off(monkeypatch)
+    k = kld_top1(got, runtime_logprobs(art.path, ids))
     assert k["kld_mean"] < 1e-8 and k["top1"] == 1.0, k
 
 
@@ -345,7 +308,7 @@ def test_trtllm_hf_writes_the_moe_under_hugging_face_names_and_refuses_quantized
     hf = AutoModelForCausalLM.from_pretrained(art.path / "trtllm-hf", dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        got = kld_top1(hf(ids).logits[0], _logprobs(src.path, ids[0].tolist()))
+        got = kld_top1(hf(ids).logits[0], runtime_logprobs(src.path, ids[0].tolist()))
     assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
     engines = len(store.list(kind="engine"))
     with pytest.raises(LlmqError, match=r"^quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8"):
@@ -371,7 +334,7 @@ def test_mixed_precision_gives_each_expert_its_own_units(source, quantized):
         assert (arch.path(f"experts.{e}.down_proj"),) in layer0
     assert not any(arch.path("router") in u for u in layer0)
     assert {u["bits"] for u in units} == {4, 8}
-    assert bool(torch.isfinite(_logprobs(art.path, list(range(40, 80)))).all())
+    assert bool(torch.isfinite(runtime_logprobs(art.path, list(range(40, 80)))).all())
 
 
 def test_llmq_run_takes_a_tiny_qwen3_moe_through_every_stage(tmp_path, monkeypatch):
@@ -448,7 +411,7 @@ def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, 
         ref = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32,
                                                    attn_implementation=_fake_quantized_cache(kv, scales)
                                                    ).eval()(ids).logits[0]
-    got = _logprobs(art.path, ids[0].tolist())
+    got = runtime_logprobs(art.path, ids[0].tolist())
     assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
     k = kld_top1(ref, got)
     assert k["kld_mean"] < 1e-7 and k["top1"] == 1.0, k
@@ -462,7 +425,7 @@ def test_a_decode_step_counts_the_experts_it_read_not_every_expert(source):
     from llmq.runtime.layers.norm import RMSNorm
     from llmq.runtime.models.decoder import SparseMoE
 
-    eng = _engine(source[1].path)
+    eng = small_engine(source[1].path)
     try:
         model, spec = eng.runner.model, eng.spec
         moes = [m for m in model.modules() if isinstance(m, SparseMoE)]

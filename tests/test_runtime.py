@@ -6,23 +6,12 @@ import random
 
 import pytest
 import torch
+from helpers import hf_greedy
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, ScoreRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-def hf_greedy(model_dir, prompts, max_new):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
-        outs.append(g[0, len(p):].tolist())
-    return outs
 
 
 def rand_prompts(lengths, seed=0, vocab=256):
@@ -228,6 +217,51 @@ def test_bad_requests_raise_clear_errors(tiny):
     eng.add_request("d", [1, 2, 3], GREEDY)
     with pytest.raises(LlmqError, match="in use"):
         eng.add_request("d", [1, 2, 3], GREEDY)
+
+
+def test_weight_bytes_counts_every_stored_weight_once(tiny, store):
+    """What MBU divides. A float checkpoint: its tensors' bytes but the embedding table (looked up, not read whole).
+    Per-tensor INT8: q/k/v (and gate/up) cannot share one scale, so each group loads as a ConcatLinear of its parts,
+    and the count must equal the stored linears loaded one by one, not add the group to its parts."""
+    from safetensors.torch import load_file
+
+    from llmq.models import resolve_model
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.runtime.loader import ConcatLinear, build_linear
+
+    def loaded(path):
+        eng = LLMEngine(path, EngineConfig(kv_cache_memory=8 << 20))
+        try:
+            return eng.runner.model
+        finally:
+            eng.shutdown()
+
+    stored = load_file(tiny / "model.safetensors")
+    assert loaded(tiny).weight_bytes() == sum(t.numel() * t.element_size() for k, t in stored.items()
+                                              if k != "model.embed_tokens.weight")  # float32, served in float32
+
+    art = quantize(resolve_model(str(tiny), store), QuantizeOptions(method="rtn", bits=8, per_tensor=True,
+                                                                    probe_tokens=0), store, progress=False)
+    model, ck = loaded(art.path), CheckpointReader(art.path)
+    assert any(isinstance(m, ConcatLinear) for m in model.modules())
+    layers = range(ck.spec.num_layers)
+    linears = [lw for i in layers for lw in ck.layer_linears(i).values()] + [ck.lm_head()]
+    norms = [w for i in layers for w in ck.layer_norms(i).values()] + [ck.final_norm()]
+    assert model.weight_bytes() == sum(build_linear([lw], torch.float32, "cpu").nbytes for lw in linears) + \
+        sum(w.numel() * w.element_size() for w in norms)
+
+
+def test_an_engine_built_for_another_target_is_refused(tiny, tmp_path):
+    from llmq.models import ModelSpec
+    from llmq.models.engine_spec import EngineSpec
+    from llmq.models.sharding import make_plan
+
+    EngineSpec(target="gguf", tp=1, pp=1, max_batch_size=1, max_seq_len=64, kv_cache_dtype="auto", block_size=16,
+               dtype="float32", source={}, source_ids=[], plan=make_plan(ModelSpec.from_config(tiny), 1)
+               ).write(tmp_path)
+    with pytest.raises(LlmqError, match="is a 'gguf' engine; the bundled runtime loads `llmq build --target llmq`"):
+        LLMEngine(tmp_path, EngineConfig())
 
 
 def test_in_memory_tensor_parallelism_pads_heads_like_build(tmp_path, make_tiny_model):

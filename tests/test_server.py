@@ -102,9 +102,9 @@ def test_openai_client_completions_and_chat(srv, tiny):
 
 def test_stream_text_deltas_hold_back_unstable_text():
     """Streamed text never shows what may still change: a partial stop string or an unfinished UTF-8 character."""
-    from llmq.runtime.server.app import _TextDeltas
+    from llmq.runtime.server.streaming import TextDeltas
 
-    d = _TextDeltas(["END", "x"])
+    d = TextDeltas(["END", "x"])
     steps = [("ab", False), ("abE", False), ("abEN", False), ("abENd", False), ("abENd\ufffd", False),
              ("abENdé", False), ("abENdéEN", False), ("abENdé", True)]
     got = [d(text, fin) for text, fin in steps]

@@ -162,7 +162,7 @@ def test_an_unread_answer_holds_each_token_once(srv):
     read a stream pinned memory growing as the square of its tokens (issue 36, item 11: ~100 MB at 4,096). Now
     what waits in a request's queue is each token once (the last output carries the whole answer)."""
     from llmq.runtime.sampling import SamplingParams
-    from llmq.runtime.server.app import output_view
+    from llmq.runtime.server.streaming import output_view
 
     n = 120
     for stream in (True, False):
@@ -281,9 +281,9 @@ def test_stop_string_limits_and_no_event_loop_stall(srv):
 
 
 def test_text_deltas_are_linear_in_the_stop_length():
-    from llmq.runtime.server.app import _TextDeltas
+    from llmq.runtime.server.streaming import TextDeltas
 
-    d = _TextDeltas(["a" * 200_000 + "b"])  # today's quadratic hold-back: 10 s
+    d = TextDeltas(["a" * 200_000 + "b"])  # today's quadratic hold-back: 10 s
     t0 = time.monotonic()
     text = ""
     for _ in range(20):
@@ -696,7 +696,7 @@ def test_schema_driven_fuzzing(srv):
 def test_models_root_is_the_artifact_ref_not_its_path(store, make_tiny_model, tmp_path):
     """/v1/models' root names a store artifact as name/vN (a client with the same store finds its tokenizer)."""
     from llmq.models import resolve_model
-    from llmq.runtime.server.app import artifact_ref
+    from llmq.runtime.server.frontend import artifact_ref
 
     art = resolve_model(str(make_tiny_model(tmp_path / "m")), store)
     assert artifact_ref(art.path) == art.ref and str(store.root) not in art.ref

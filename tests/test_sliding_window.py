@@ -6,27 +6,14 @@ import random
 
 import pytest
 import torch
+from helpers import hf_logits
 
 import llmq.runtime.worker as worker_mod
 from llmq.models.spec import attends
+from llmq.pipeline.quantize.probe import kld_top1
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
 WINDOW = 16
-
-
-def kld_top1(ref_logits: torch.Tensor, got_logprobs: torch.Tensor) -> tuple[float, float]:
-    """Mean KL(ref || got) and top-1 agreement over rows of next-token distributions."""
-    ref = ref_logits.float().log_softmax(-1)
-    kl = (ref.exp() * (ref - got_logprobs)).sum(-1)
-    return float(kl.mean()), float((ref.argmax(-1) == got_logprobs.argmax(-1)).float().mean())
-
-
-def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
 
 
 def rand_ids(n: int, seed: int) -> list[int]:
@@ -55,8 +42,8 @@ def mistral(tmp_path_factory):
 def test_prefill_past_the_window_matches_transformers(mistral, budget):
     ids = rand_ids(70, seed=7)
     eng = LLMEngine(mistral, EngineConfig(max_num_batched_tokens=budget, block_size=8))
-    kld, top1 = kld_top1(hf_logits(mistral, ids), eng.prompt_logprobs(ids))
-    assert kld <= 1e-5 and top1 == 1.0, (kld, top1)
+    k = kld_top1(hf_logits(mistral, ids), eng.prompt_logprobs(ids))
+    assert k["kld_mean"] <= 1e-5 and k["top1"] == 1.0, k
 
 
 def test_qwen2_all_layers_sliding_matches_transformers(tmp_path, make_tiny_model):
@@ -64,8 +51,8 @@ def test_qwen2_all_layers_sliding_matches_transformers(tmp_path, make_tiny_model
                         max_window_layers=0)
     ids = rand_ids(50, seed=8)
     eng = LLMEngine(d, EngineConfig(max_num_batched_tokens=20, block_size=8))
-    kld, top1 = kld_top1(hf_logits(d, ids), eng.prompt_logprobs(ids))
-    assert kld <= 1e-5 and top1 == 1.0, (kld, top1)
+    k = kld_top1(hf_logits(d, ids), eng.prompt_logprobs(ids))
+    assert k["kld_mean"] <= 1e-5 and k["top1"] == 1.0, k
 
 
 def test_decode_and_mixed_batches_past_the_window_match_transformers(mistral, monkeypatch):
@@ -95,8 +82,8 @@ def test_decode_and_mixed_batches_past_the_window_match_transformers(mistral, mo
     ref_rows = torch.stack([ref[rid][pos] for rid, pos, _ in rows])
     got_rows = torch.cat(got).log_softmax(-1)
     assert {k for _, p, k in rows if p >= WINDOW} == {"decode", "mixed"}
-    kld, top1 = kld_top1(ref_rows, got_rows)
-    assert kld <= 1e-5 and top1 == 1.0, (kld, top1)
+    k = kld_top1(ref_rows, got_rows)
+    assert k["kld_mean"] <= 1e-5 and k["top1"] == 1.0, k
 
 
 def test_eval_scoring_applies_the_window(mistral):

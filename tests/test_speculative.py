@@ -239,8 +239,8 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny, histograms, monk
 
 def test_server_reports_vllm_spec_decode_metrics(tiny):
     import httpx
+    from helpers import live_server
     from prometheus_client.parser import text_string_to_metric_families
-    from test_server import live_server
 
     prompt = list(range(30, 50)) * 3
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

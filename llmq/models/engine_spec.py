@@ -7,11 +7,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import LlmqError
-from .sharding import ShardPlan
+
+if TYPE_CHECKING:
+    from .sharding import ShardPlan
 
 FORMAT = "llmq-engine"
+NATIVE = "llmq"   # the target the bundled runtime loads: build's default, named without a suffix
 VERSION = 2   # 2: typed record; target-specific fields under "outputs" (1 had them at the top level)
 
 
@@ -32,12 +36,19 @@ class EngineSpec:
     quantization: dict | None = None                  # the weights' quantization_config, as the ranks carry it
     outputs: dict = field(default_factory=dict)       # what the target's writer recorded (checkpoint dir, compile...)
 
+    @property
+    def native(self) -> bool:
+        """Whether the bundled runtime loads this engine (the other targets' engines run elsewhere)."""
+        return self.target == NATIVE
+
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {"format": FORMAT, "format_version": VERSION, **d, "plan": self.plan.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "engine.json") -> "EngineSpec":
+        from .sharding import ShardPlan  # here, not above: the build registry imports NATIVE without torch
+
         if d.get("format") != FORMAT:
             raise LlmqError(f"{where}: not an llmq engine record (format {d.get('format')!r})")
         if d.get("format_version") != VERSION:

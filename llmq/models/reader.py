@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,36 +17,14 @@ import torch
 from ..errors import LlmqError
 from . import bnbformat, qformat
 from .checkpoint import read_config, safetensors_files
+from .linear_weights import LinearWeights
+from .sharding import split_rows
 from .spec import ModelSpec
-
-
-@dataclass
-class LinearWeights:
-    """One linear layer of a checkpoint: a dense weight [out, in] or a quantized one (a qformat QuantizedWeight or a
-    bnbformat weight), plus an optional bias."""
-
-    name: str
-    weight: torch.Tensor | None = None
-    qw: qformat.QuantizedWeight | bnbformat.NF4Weight | bnbformat.Int8Weight | None = None
-    bias: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape) if self.weight is not None else tuple(self.qw.shape)
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    def dense(self, dtype=torch.float32) -> torch.Tensor:
-        return self.weight.to(dtype) if self.qw is None else self.qw.dequantize(dtype)
 
 
 def split_group(lw: LinearWeights, spec: ModelSpec, group: str, i: int) -> dict[str, LinearWeights]:
     """A stored fused linear of layer i (Arch.fused `group`) as its roles' linears, cut by output rows at the sizes
     `spec` gives; quantized ones are cut in their unpacked form, scales and zero points with their rows."""
-    from .sharding import split_rows  # the one row slicer; sharding reads LinearWeights from here
-
     out, start = {}, 0
     for role in spec.arch.fused[group][1]:
         n = spec.linear_shape(role)[0]

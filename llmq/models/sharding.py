@@ -27,7 +27,7 @@ import torch
 from ..errors import LlmqError
 from . import bnbformat
 from .arch import split_of
-from .reader import LinearWeights
+from .linear_weights import LinearWeights
 from .spec import ModelSpec
 
 SUPPORTED_TP = (1, 2, 4, 8)

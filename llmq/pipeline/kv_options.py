@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..options import Options, option
+from ..runtime.config import KV_QUANTIZED
 
-KV_TYPES = ("int8", "fp8")   # their grids live in llmq.quant, with the runtime's cache arithmetic
 GRANULARITIES = ("auto", "tensor", "head")
 
 
 @dataclass(frozen=True)
 class KVOptions(Options):
-    kv: str = option(help="KV-cache element type.", choices=KV_TYPES, aliases=("kv_cache_dtype",))
+    kv: str = option(help="KV-cache element type.", choices=KV_QUANTIZED, aliases=("kv_cache_dtype",))
     granularity: str = option("auto", "auto: per head only where it cuts the held-out reconstruction error by >= 10%; "
                               "head: one scale per KV head and layer; tensor: one per layer for K and for V.",
                               choices=GRANULARITIES,

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from ..artifacts import Artifact, Store
 from ..errors import LlmqError
 from ..models import resolve_model
+from ..models.engine_spec import NATIVE
 from .recipe import STAGE_ORDER, Recipe, StageCache, stage_key
-from .targets.registry import NATIVE
 
 
 @dataclass

@@ -11,7 +11,8 @@ from ..options import Options, SpeculativeOptions, option
 
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_FRACTION = 0.25
-KV_DTYPES = ("auto", "int8", "fp8")
+KV_QUANTIZED = ("int8", "fp8")   # cache element types with scales (`llmq quantize-kv`); their grids live in llmq.quant
+KV_DTYPES = ("auto", *KV_QUANTIZED)  # what serve, build and the recipes accept: auto is the compute dtype
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import LlmqError
 from ..models import bnbformat
-from ..models.reader import LinearWeights
+from ..models.linear_weights import LinearWeights
 from .layers.linear import DenseLinear, FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, LinearBase, W8A8Linear
 
 

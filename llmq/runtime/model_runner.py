@@ -21,7 +21,8 @@ from ..errors import LlmqError
 from ..models import ModelSpec
 from ..models.arch import ROUTER, expert_role
 from ..models.engine_spec import EngineSpec
-from ..models.reader import CheckpointReader, LinearWeights
+from ..models.linear_weights import LinearWeights
+from ..models.reader import CheckpointReader
 from ..models.sharding import RankWeights, ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
 from ..models.spec import attends
 from .compiled import compile_decode

@@ -52,7 +52,7 @@ class ModelSource:
             raise LlmqError(f"{path}: not a model directory (resolve references to an artifact path first)")
         if (path / "engine.json").is_file():
             engine = EngineSpec.read(path)
-            if engine.target != "llmq":
+            if not engine.native:
                 raise LlmqError(f"{path} is a {engine.target!r} engine; the bundled runtime loads "
                                 "`llmq build --target llmq` engines (or the quantized / model artifact itself)")
             return cls(path, engine, path / "rank0")

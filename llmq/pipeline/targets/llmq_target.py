@@ -15,7 +15,9 @@ from pathlib import Path
 
 from ...models import qformat
 from ...models.checkpoint import ShardedWriter, write_json
-from ...models.reader import CheckpointReader, LinearWeights
+from ...models.engine_spec import NATIVE
+from ...models.linear_weights import LinearWeights
+from ...models.reader import CheckpointReader
 from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows
 from .registry import ExportTarget, ReadBack, TargetResult
 from .verify import exact, reference_weights
@@ -102,4 +104,4 @@ def read_llmq(engine_dir: Path, engine) -> ReadBack:
                     plan=engine.plan, foreign=False)
 
 
-TARGET = ExportTarget("llmq", write=write_llmq, read_back=read_llmq)
+TARGET = ExportTarget(NATIVE, write=write_llmq, read_back=read_llmq)

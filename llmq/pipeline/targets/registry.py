@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ...errors import LlmqError
+from ...models.engine_spec import NATIVE
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -32,13 +33,12 @@ class TargetLine:
 
 
 TARGETS: dict[str, TargetLine] = {line.name: line for line in (
-    TargetLine("llmq", ".llmq_target", "rank shards for the bundled runtime"),
+    TargetLine(NATIVE, ".llmq_target", "rank shards for the bundled runtime"),
     TargetLine("trtllm", ".trtllm", "a TensorRT-LLM checkpoint (+ engines)"),
     TargetLine("trtllm-hf", ".trtllm_hf", "a ModelOpt-style HF checkpoint for TensorRT-LLM's PyTorch backend "
                                           "(trtllm-serve)"),
     TargetLine("gguf", ".gguf_target", "one .gguf file for llama.cpp / Ollama"),
 )}
-NATIVE = "llmq"   # the bundled runtime's engine: the default, named without a suffix, the one eval and bench load
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
 from ...models.checkpoint import copy_tokenizer
+from ...models.engine_spec import NATIVE
 from ...options import Options, option
-from .registry import NATIVE, TARGETS, target
+from ...runtime.config import KV_DTYPES
+from .registry import TARGETS, target
 
 if TYPE_CHECKING:
     from ...models.reader import CheckpointReader
-
-KV_CHOICES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class BuildOptions(Options):
     max_batch_size: int = option(64, "Sequences in a batch.", ge=1, aliases=("max_num_seqs",))
     max_seq_len: int | None = option(None, "Context length (default: the model's positions, at most 4096).", ge=1,
                                      aliases=("max_model_len",))
-    kv: str = option("auto", "KV-cache dtype; int8/fp8 use the scales from `llmq quantize-kv`.", choices=KV_CHOICES,
+    kv: str = option("auto", "KV-cache dtype; int8/fp8 use the scales from `llmq quantize-kv`.", choices=KV_DTYPES,
                      aliases=("kv_cache_dtype",))
     block_size: int = option(16, "Paged KV-cache block size (tokens).", ge=1)
     pad_heads: bool = option(True, "Pad head counts tp does not divide with zero heads (exact); --no-pad-heads "

@@ -19,7 +19,8 @@ import torch
 
 from ...errors import LlmqError
 from ...models import qformat
-from ...models.reader import CheckpointReader, LinearWeights
+from ...models.linear_weights import LinearWeights
+from ...models.reader import CheckpointReader
 from ...models.sharding import RankWeights, ShardPlan, layer_slices, split_rows, vocab_slice
 from .registry import ExportTarget, ReadBack, TargetResult
 from .trtllm_loader import (

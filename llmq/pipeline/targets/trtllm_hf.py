@@ -33,7 +33,8 @@ import torch
 from ...errors import LlmqError
 from ...models import qformat
 from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
-from ...models.reader import CheckpointReader, LinearWeights, split_group
+from ...models.linear_weights import LinearWeights
+from ...models.reader import CheckpointReader, split_group
 from ...models.sharding import RankWeights, ShardPlan, head_rows, join_rows, split_cols, split_rows
 from ...models.spec import ModelSpec
 from .registry import ExportTarget, ReadBack, TargetResult

@@ -18,7 +18,8 @@ import torch
 
 from ...errors import LlmqError
 from ...models.engine_spec import EngineSpec
-from ...models.reader import CheckpointReader, LinearWeights
+from ...models.linear_weights import LinearWeights
+from ...models.reader import CheckpointReader
 from ...models.sharding import RankWeights, ShardPlan
 from ...runtime.model_runner import rank_weights, score_in_process
 from .registry import TARGETS, target

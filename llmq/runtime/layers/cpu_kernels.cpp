@@ -1014,7 +1014,7 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
 // in the order models/llama.py's DecoderLayer and linear.py's layers run them, without a trip through Python between
 // them (eagerly ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the
 // layers' constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its
-// bias (empty when none); kinds (cpu_kernels.py's KIND_*): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz];
+// bias (empty when none); kinds (cpu_kernels.py's Kind): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz];
 // 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5:
 // lowbit_linear_bf16 INT4 / INT8 [codes, s, -]; 2-5 take and give bfloat16 (the layers' default arithmetic);
 // 6: dense16_linear [w, -, -].

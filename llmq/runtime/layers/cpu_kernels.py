@@ -49,9 +49,11 @@ layers keep PyTorch's operations (one warning); LLMQ_CPU_KERNELS=0 keeps them to
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -231,8 +233,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale)
 
 
-# DecoderStack's linear kinds (see the .cpp)
-KIND_LOWBIT4, KIND_LOWBIT8, KIND_INT4PACK, KIND_INT8PACK, KIND_LOWBIT4_BF16, KIND_LOWBIT8_BF16, KIND_DENSE16 = range(7)
+class Kind(enum.IntEnum):
+    """The kernel a DecoderStack runs for one linear: the integers cpu_kernels.cpp's `project` switches on."""
+
+    LOWBIT4 = 0        # lowbit_linear INT4 [codes, s, sz]
+    LOWBIT8 = 1        # lowbit_linear INT8 [codes, s, sz]
+    INT4PACK = 2       # PyTorch's INT4 kernel [packed, scales_zeros]
+    INT8PACK = 3       # PyTorch's INT8 kernel [q, scales]
+    LOWBIT4_BF16 = 4   # lowbit_linear_bf16 INT4 [codes, s]
+    LOWBIT8_BF16 = 5   # lowbit_linear_bf16 INT8 [codes, s]
+    DENSE16 = 6        # dense16_linear [w]
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """How a DecoderStack computes one linear of a decode batch, as the layer's own forward does there (a layer's
+    `fused_spec`): the kernel, its weight tensors (at most three), the group size (0: per channel) and the most rows
+    the kernel takes at once."""
+
+    kind: Kind
+    tensors: tuple[torch.Tensor, ...]
+    group: int = 0
+    max_rows: int = 1 << 30
 
 
 def fused_layer_args(layer) -> tuple[tuple, int] | None:
@@ -249,11 +271,11 @@ def fused_layer_args(layer) -> tuple[tuple, int] | None:
             layer.activation != "silu" or layer.local or layer.input_norm.eps != layer.post_norm.eps:
         return None
     empty = torch.empty(0)
-    tensors = [t for (_, ts, _, _), m in zip(specs, linears)
-               for t in (*ts, *[empty] * (3 - len(ts)), m.bias if m.bias is not None else empty)]
+    tensors = [t for s, m in zip(specs, linears)
+               for t in (*s.tensors, *[empty] * (3 - len(s.tensors)), m.bias if m.bias is not None else empty)]
     args = (layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, tensors,
-            [kind for kind, *_ in specs], [group for _, _, group, _ in specs])
-    return args, min(rows for *_, rows in specs)
+            [int(s.kind) for s in specs], [s.group for s in specs])
+    return args, min(s.max_rows for s in specs)
 
 
 def decoder_stack(fused: list[tuple]):

@@ -43,6 +43,7 @@ from torch import nn
 
 from ... import quant
 from . import cpu_kernels
+from .cpu_kernels import FusedLinear, Kind
 
 
 class LinearBase(nn.Module):
@@ -99,9 +100,9 @@ class DenseLinear(LinearBase):
         n = self.out_features * self.in_features * self.dtype_bytes
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
-    def fused_spec(self) -> tuple | None:
-        """(kind, tensors, group, most rows) for a cpu_kernels DecoderStack: what forward runs on a decode batch."""
-        return (cpu_kernels.KIND_DENSE16, (self.weight,), 0, 1 << 30) if self.dense16 else None
+    def fused_spec(self) -> FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
+        return FusedLinear(Kind.DENSE16, (self.weight,)) if self.dense16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -213,12 +214,12 @@ class Int8WeightOnlyLinear(LinearBase):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(_kernel_input(x, self._kdtype), self.q, self.kscale)
 
-    def fused_spec(self) -> tuple | None:
-        """(kind, tensors, group, most rows) for a cpu_kernels DecoderStack: what forward runs on a decode batch."""
+    def fused_spec(self) -> FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
         if self.lowbit:
             return _lowbit_spec(self)
         if self.kernel and self.q.device.type == "cpu":
-            return cpu_kernels.KIND_INT8PACK, (self.q, self.kscale), 0, self.max_kernel_rows
+            return FusedLinear(Kind.INT8PACK, (self.q, self.kscale), 0, self.max_kernel_rows)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,12 +267,13 @@ class Int4WeightOnlyLinear(LinearBase):
             for name in ("w_packed", "scales_zeros"):
                 self._buffers.pop(name, None)
 
-    def fused_spec(self) -> tuple | None:
-        """(kind, tensors, group, most rows) for a cpu_kernels DecoderStack: what forward runs on a decode batch."""
+    def fused_spec(self) -> FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
         if self.lowbit:
             return _lowbit_spec(self)
         if self.packed and self.w_packed.device.type == "cpu":
-            return cpu_kernels.KIND_INT4PACK, (self.w_packed, self.scales_zeros), self.group_size, self.max_kernel_rows
+            return FusedLinear(Kind.INT4PACK, (self.w_packed, self.scales_zeros), self.group_size,
+                               self.max_kernel_rows)
         return None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -312,15 +314,14 @@ def _lowbit(layer: LinearBase, q: torch.Tensor, scale: torch.Tensor, zero: torch
     return bits, group, int8_activations
 
 
-def _lowbit_spec(layer: LinearBase) -> tuple:
+def _lowbit_spec(layer: LinearBase) -> FusedLinear:
     """fused_spec of a layer on llmq's low-bit kernels: any number of rows (INT8 with 16-bit activations: as many as
     its product a row at a time takes)."""
     bits, group, a8 = layer.lowbit
     if not a8:
-        kind = cpu_kernels.KIND_LOWBIT4_BF16 if bits == 4 else cpu_kernels.KIND_LOWBIT8_BF16
-        return kind, (layer.lb_codes, layer.lb_s), group, 1 << 30 if bits == 4 else layer.max_kernel_rows
-    kind = cpu_kernels.KIND_LOWBIT4 if bits == 4 else cpu_kernels.KIND_LOWBIT8
-    return kind, (layer.lb_codes, layer.lb_s, layer.lb_sz), group, 1 << 30
+        return FusedLinear(Kind.LOWBIT4_BF16 if bits == 4 else Kind.LOWBIT8_BF16, (layer.lb_codes, layer.lb_s), group,
+                           1 << 30 if bits == 4 else layer.max_kernel_rows)
+    return FusedLinear(Kind.LOWBIT4 if bits == 4 else Kind.LOWBIT8, (layer.lb_codes, layer.lb_s, layer.lb_sz), group)
 
 
 def _lowbit_mm(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ vocabulary of lm_head is split across ranks and rank 0 gathers the full logits.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -245,11 +246,17 @@ class CausalLM(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of weights every decode step reads on this rank (the embedding table only by lookup). A mixture of
         experts' experts are read as routed, so they are not in it: expert_bytes_read() counts what the steps read."""
-        experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoE)
-                   for m in (*moe.gate_up.modules(), *moe.down.modules())}
-        total = sum(m.nbytes for m in self.modules() if isinstance(m, LinearBase) and id(m) not in experts)
+        def linears(module: nn.Module) -> Iterator[LinearBase]:
+            for child in module.children():
+                if isinstance(child, LinearBase):  # not descended: a ConcatLinear's nbytes already holds its parts'
+                    yield child
+                elif isinstance(child, SparseMoE):
+                    yield child.router
+                else:
+                    yield from linears(child)
+
         norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
-        return total + norms
+        return sum(m.nbytes for m in linears(self)) + norms
 
     def expert_bytes_read(self) -> int:
         """Expert weight bytes the steps so far have read on this rank (SparseMoE.bytes_read; 0 without experts)."""

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies and the error body.
+"""OpenAI-compatible request bodies, the error body and the exception that carries one to the client.
 
 Field names follow the OpenAI API. Unknown fields are ignored (as OpenAI does), but known fields are validated
 strictly: a string where a number belongs is a 400, not a silent coercion. `top_k`, `ignore_eos`,
@@ -76,3 +76,17 @@ class ChatCompletionRequest(SamplingFields):
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """A request answered with an OpenAI-style error body and `status` (the app's exception handler sends it)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 naming the offending field (`param`)."""
+    return APIError(400, message, param=param, code=code)

@@ -1,0 +1,157 @@
+"""The per-app state of the HTTP front end (the engine loop, the handlers' tokenizer, limits) and what the handlers
+ask of it: checks that turn a bad request into a 400 before it costs the engine anything, SamplingParams from a
+body, submission with 429 / 503 for a full or closed queue, and OpenAI's logprob shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ...errors import LlmqError
+from ..config import Limits
+from ..engine import LLMEngine
+from ..sampling import SamplingParams
+from .engine_loop import EngineLoop, EngineThread, NotAccepting, QueueFull
+from .metrics import ServerMetrics
+from .protocol import APIError, SamplingFields, bad_request
+
+
+def artifact_ref(path: Path) -> str | None:
+    """`name/vN` of an artifact directory (`<store>/<name>/v<N>/llmq.json`): what /v1/models reports as `root`, so a
+    client with the same store finds the model (and its tokenizer) without the server showing its filesystem."""
+    if (path / "llmq.json").is_file() and path.name[1:].isdigit() and path.name.startswith("v"):
+        return f"{path.parent.name}/{path.name}"
+    return None
+
+
+class Frontend:
+    """Per-app state: the engine loop, the tokenizer the handlers use, limits."""
+
+    def __init__(self, engine: LLMEngine, name: str, api_key: str | None, max_queue: int,
+                 thread: EngineThread | None, limits: Limits):
+        from ...models import load_tokenizer
+
+        self.engine = engine
+        self.name = name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(name)
+        self.loop = EngineLoop(engine, self.metrics, max_queue=max_queue, thread=thread)
+        # a tokenizer of our own: the engine thread decodes with its tokenizer while handlers encode
+        self.tokenizer = load_tokenizer(engine.path)
+        self.max_model_len = engine.max_model_len
+        self.root = artifact_ref(engine.path) or name
+        self.vocab_size = engine.spec.vocab_size
+        self.created = int(time.time())
+        self.limits = limits
+        self._token_text: dict[int, str] = {}
+        # a text of more characters than this holds more tokens than the context: its longest token's characters
+        # (bytes, for byte-level vocabularies) times the context
+        self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
+        # tokenizing and templating run here, off the event loop (the tokenizer releases the GIL); one thread, so
+        # requests never use the tokenizer at once
+        self.text_thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenize")
+        self.waiting: set[asyncio.Queue] = set()  # the output queues of the requests being answered
+
+    def cut(self) -> None:
+        """The drain's deadline: every request still waiting for its output gets NotAccepting (a 503, or for a
+        stream an error event and [DONE]) and ends."""
+        for q in list(self.waiting):
+            q.put_nowait(NotAccepting("the server shut down before this request finished (--drain-timeout)"))
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.text_thread, fn, *args)
+
+    def token_text(self, token: int) -> str:
+        s = self._token_text.get(token)
+        if s is None:
+            s = self._token_text[token] = self.tokenizer.decode([token])
+        return s
+
+    # -- request preparation ----------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.name):
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.",
+                           param="model", code="model_not_found")
+
+    def check_chars(self, n: int, param: str) -> None:
+        """A 400 for text too long for the context whatever its tokens, before tokenizing it (megabytes of text
+        take seconds and hundreds of MB to tokenize)."""
+        if n > self.max_prompt_chars:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the {param} has "
+                              f"{n} characters, more than that many tokens hold.", param, "context_length_exceeded")
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise bad_request("the prompt is empty", "prompt")
+        if len(ids) >= self.max_model_len:  # first: the range check below reads every id
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                              f"{len(ids)} tokens.", "prompt", "context_length_exceeded")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        return ids
+
+    def params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default_max: int | None,
+               logprobs: int | None) -> SamplingParams:
+        if body.n != 1:
+            raise bad_request("only n=1 is supported", "n")
+        lim = self.limits
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stop) > lim.max_stop_strings or any(len(x) > lim.max_stop_chars for x in stop):
+            raise bad_request(f"at most {lim.max_stop_strings} stop strings of at most {lim.max_stop_chars} characters",
+                              "stop")
+        if len(body.stop_token_ids or []) > lim.max_stop_strings:
+            raise bad_request(f"at most {lim.max_stop_strings} stop_token_ids", "stop_token_ids")
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = room if default_max is None else min(default_max, room)
+        elif max_tokens > room:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                              "for the completion).", "max_tokens", "context_length_exceeded")
+        try:
+            temperature = 1.0 if body.temperature is None else body.temperature
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                  top_k=-1 if body.top_k in (None, 0) else body.top_k,
+                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
+                                  stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                                  logprobs=logprobs)
+        except LlmqError as e:
+            raise bad_request(str(e)) from None
+
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, view=None) -> asyncio.Queue:
+        try:
+            return self.loop.submit(rid, ids, params, asyncio.get_running_loop(), view)
+        except QueueFull as e:
+            self.metrics.rejected("queue_full")
+            raise APIError(429, f"{e}; retry later", "rate_limit_exceeded", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except NotAccepting as e:
+            self.metrics.rejected("unavailable")
+            raise APIError(503, str(e), "service_unavailable", code="unavailable") from None
+
+    # -- response pieces ---------------------------------------------------------------------------------------------
+    def completion_logprobs(self, lps: list[dict[int, float]], tokens: list[int], offset: int, as_ids: bool) -> dict:
+        name = (lambda t: f"token_id:{t}") if as_ids else self.token_text
+        texts = [self.token_text(t) for t in tokens]
+        offsets = []
+        for s in texts:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": [name(t) for t in tokens], "token_logprobs": [lp[t] for lp, t in zip(lps, tokens)],
+                # as vLLM: the top n plus the sampled token (so logprobs=0 still names it)
+                "top_logprobs": [{name(k): v for k, v in _top(lp, len(lp))} for lp in lps],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, lps: list[dict[int, float]], tokens: list[int], n: int, as_ids: bool) -> dict:
+        def entry(t, v):
+            s = self.token_text(t)
+            return {"token": f"token_id:{t}" if as_ids else s, "logprob": v, "bytes": list(s.encode())}
+
+        return {"content": [dict(entry(t, lp[t]), top_logprobs=[entry(k, v) for k, v in _top(lp, n)])
+                            for lp, t in zip(lps, tokens)]}
+
+
+def _top(lp: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:n]
