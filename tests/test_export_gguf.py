@@ -35,6 +35,7 @@ GGML_TYPE_ID = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 BLOCK_BYTES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
 # GGUF value types (gguf.md): what llama.cpp's typed key reader accepts for each key.
 UINT32, FLOAT32, BOOL, STRING, ARRAY, INT32 = 4, 6, 7, 8, 9, 5
+GT_F32 = 0
 REQUIRED_KEYS = {
     "general.architecture": STRING, "general.file_type": UINT32, "general.quantization_version": UINT32,
     "{arch}.context_length": UINT32, "{arch}.embedding_length": UINT32, "{arch}.block_count": UINT32,
@@ -520,6 +521,54 @@ def test_an_int8_embedding_table_is_q8_0_token_embd_read_back_exact(tiny, arch):
 
 
 # ---------------------------------------------------------------- (d) refusals
+@pytest.mark.parametrize("arch", ["llama-gqa", "phi3-fused"])
+def test_gptq_artifacts_carry_llama_cpps_importance_matrix_of_their_calibration(tiny, arch):
+    """GPTQ keeps each linear's mean squared input; the GGUF target writes them as llama-imatrix's GGUF file (the
+    loader contract of common/imatrix-loader.cpp: `<tensor>.in_sum2` and `<tensor>.counts`, F32, under the model
+    file's tensor names; datasets, chunk count and size) and its values are the inputs' statistics, computed here
+    independently for layer 0 with transformers on the same calibration windows."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.models.load import load_tokenizer
+    from llmq.pipeline.quantize.calib import load_calibration
+
+    store, built = tiny
+    model = built[arch, "bf16"][0]
+    opts = QuantizeOptions(method="gptq", bits=4, group_size=32, num_samples=4, seq_len=32, probe_tokens=0)
+    art = quantize(model, opts, store, progress=False)
+    eng = build_engine(art, store, BuildOptions(target="gguf"))
+    record = json.loads((eng.path / "engine.json").read_text())["outputs"]["gguf"]["imatrix"]
+    r = gguf.GGUFReader(eng.path / record["file"])
+    assert _field(r, "general.type")[1] == "imatrix" and _field(r, "imatrix.chunk_count")[1] == 4
+    assert _field(r, "imatrix.chunk_size")[1] == 32 and _field(r, "imatrix.datasets")[0] == ARRAY
+    t = {x.name: x for x in r.tensors}
+    linears = {x.name for x in gguf.GGUFReader(gguf_file(eng)).tensors if x.name.startswith("blk.")
+               and x.name.endswith(".weight") and len(x.shape) == 2}
+    assert {n.removesuffix(".in_sum2") for n in t if n.endswith(".in_sum2")} == linears
+    assert all(t[f"{n}.in_sum2"].tensor_type == t[f"{n}.counts"].tensor_type == GT_F32 for n in linears)
+    tokens = 4 * 32
+    assert record["tokens"] == tokens
+    assert all(float(np.asarray(t[f"{n}.counts"].data).reshape(-1)[0]) == tokens for n in linears)
+    # layer 0's inputs, independently: the float model's attention norm and MLP norm outputs on the same windows
+    windows = load_calibration(None, load_tokenizer(model.path), 4, 32, opts.seed, True, "auto").samples
+    hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    seen: dict[str, list[torch.Tensor]] = {"attn": [], "mlp": []}
+    layer = hf.model.layers[0]
+    layer.input_layernorm.register_forward_hook(lambda m, a, out: seen["attn"].append(out.reshape(-1, out.shape[-1])))
+    layer.post_attention_layernorm.register_forward_hook(
+        lambda m, a, out: seen["mlp"].append(out.reshape(-1, out.shape[-1])))
+    with torch.no_grad():
+        for w in windows:
+            hf(w[None])
+    qkv = "blk.0.attn_qkv.weight" if arch == "phi3-fused" else "blk.0.attn_k.weight"
+    for name, key in ((qkv, "attn"), ("blk.0.ffn_up.weight", "mlp")):
+        want = torch.cat(seen[key]).double().pow(2).mean(0)
+        got = torch.from_numpy(np.asarray(t[f"{name}.in_sum2"].data, np.float64).reshape(-1)) / tokens
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    rtn = built[arch, "w4-g32"][1]  # round-to-nearest has no calibration: no file
+    assert json.loads((rtn.path / "engine.json").read_text())["outputs"]["gguf"]["imatrix"] is None
+
+
 def _one_line_refusal(store, src, opts, *words):
     """build_engine raises one LlmqError line naming the way out, and leaves no engine behind."""
     before = len(list(store.root.rglob("engine.json")))

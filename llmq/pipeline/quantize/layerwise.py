@@ -32,6 +32,7 @@ from . import experts
 from .calib import TokenWindows
 from .mixed import width_grid
 from .rtn import quantize_weight
+from .stage import WEIGHT_ONLY
 from .streamed import (
     capture_layer0,
     drop,
@@ -151,7 +152,17 @@ class LayerwiseResult:
     layer_times: list[float]
     device: str
     routed: list[list[int]] | None = None  # MoE, calibrated: per layer, the calibration tokens routed to each expert
+    importance: dict[str, torch.Tensor] | None = None  # weight-only, calibrated: each linear's mean squared input
 
+
+
+def mean_squares(ctx: LayerContext) -> dict[str, torch.Tensor]:
+    """{full name: mean over the calibration tokens of each input column squared} of the layer's linears, before the
+    method changes them: llama.cpp's importance matrix (what `llama-imatrix` collects), from llmq's calibration."""
+    sums: dict[str, torch.Tensor] = {}
+    ctx.collect(list(ctx.linears), lambda n, x: sums.__setitem__(n, sums[n] + x.pow(2).sum(0) if n in sums
+                                                                 else x.pow(2).sum(0)))
+    return {f"{ctx.prefix}.{n}": (s / max(ctx.num_tokens, 1)).cpu() for n, s in sums.items()}
 
 
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
@@ -204,6 +215,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
 
     times: list[float] = []
     routed: list[list[int]] = []
+    importance: dict[str, torch.Tensor] = {}
     with progress_bar(progress) as bar:
         task = bar.add_task(f"{opts.method} w{opts.bits}", total=len(layers))
         for i in range(len(layers)):
@@ -217,6 +229,8 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
                                calib_kw[i] if calib_kw else {}, own)
+            if calib_x and opts.method in WEIGHT_ONLY:
+                importance.update(mean_squares(ctx))
             qws = method.quantize_layer(ctx)
             routed += [b.routed for b in experts.blocks(layer) if sum(b.routed)]
             if set(qws) != set(linears):
@@ -261,4 +275,4 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
         norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
         result_probe = _kl_chunks(probe_src, probe_q, norm, table, quant_head or (lambda h: logits(h, table)))
         result_probe["source"] = probe.source
-    return LayerwiseResult(result_probe, times, str(device), routed or None)
+    return LayerwiseResult(result_probe, times, str(device), routed or None, importance or None)

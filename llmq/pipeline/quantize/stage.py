@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ...artifacts import Artifact, Store
 from ...errors import LlmqError
-from ...models import ModelSpec
+from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
 from ...options import Options, option, parse_size
 from .methods import METHODS, load_method
@@ -405,6 +405,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,
                                progress=progress, widths=plan.bits if plan else None)
         out.close()
+        if result.importance:
+            importance.write(w.dir, result.importance, calib.source, calib.tokens, len(calib.samples),
+                             len(calib.samples[0]))
         config = dict(read_config(source.path))
         config["quantization_config"], fmt = sink.quantization_config()
         if qformat.LM_HEAD in sink.outside:

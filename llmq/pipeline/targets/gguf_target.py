@@ -45,6 +45,7 @@ from gguf import MODEL_TENSOR as MT
 from gguf import GGMLQuantizationType as GT
 
 from ...errors import LlmqError
+from ...models import importance
 from ...models.arch import MLP, expert_role
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import ShardPlan, join_rows, split_rows
@@ -456,9 +457,58 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    imatrix = write_imatrix(src, out / f"{source_name}.imatrix.gguf")
     return TargetResult({"gguf": {"file": fname, "architecture": arch, "file_type": ftype_name,
                                   "tensor_types": dict(sorted(tensors.types.items())),
-                                  "rounding": tensors.rounding.record(), "tokenizer": tokenizer}})
+                                  "rounding": tensors.rounding.record(), "tokenizer": tokenizer,
+                                  "imatrix": imatrix}})
+
+
+def imatrix_entries(src: CheckpointReader, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{llama.cpp tensor name: mean squared input [matrices, in]} of the linears `stats` has: one matrix per
+    tensor, one per expert for a merged expert tensor; a fused group (Phi-3's attn_qkv) under its fused name."""
+    arch, s = src.arch, src.spec
+    out: dict[str, torch.Tensor] = {}
+    for i in range(s.num_layers):
+        fused = {r: g for g, (_, roles) in arch.fused.items() for r in roles}
+        for role in s.roles():
+            if role.startswith("experts."):
+                continue
+            group = fused.get(role)
+            key = f"{arch.prefix(i)}.{arch.fused[group][0]}" if group else arch.linear(i, role)
+            if key in stats:
+                out[f"{gguf_name(group or role, arch, i)}.weight"] = stats[key].float().view(1, -1)
+        for role in MLP if s.num_experts else ():
+            keys = [arch.linear(i, expert_role(e, role)) for e in range(s.num_experts)]
+            if all(k in stats for k in keys):
+                out[f"{gguf_name(role, arch, i)}.weight"] = torch.stack([stats[k].float() for k in keys])
+    return out
+
+
+def write_imatrix(src: CheckpointReader, path: Path) -> dict | None:
+    """llama.cpp's importance-matrix file, as `llama-imatrix` writes it (GGUF: `<tensor>.in_sum2` sums of squared
+    inputs [matrices, in] and `<tensor>.counts` [matrices, 1], F32; general.type imatrix, the datasets, chunk count
+    and size), from the calibration statistics `llmq quantize` kept: `llama-quantize --imatrix` then quantizes with
+    llmq's calibration. None when the artifact has none (round-to-nearest, or not a quantized artifact)."""
+    got = importance.read(src.path)
+    if got is None:
+        return None
+    stats, meta = got
+    entries = imatrix_entries(src, stats)
+    tokens = meta["tokens"]
+    w = gguf.GGUFWriter(None, src.arch.gguf_arch, use_temp_file=True)
+    w.add_type("imatrix")
+    w.add_array("imatrix.datasets", [f"llmq quantize calibration: {meta['source']}"])
+    w.add_uint32("imatrix.chunk_count", meta["windows"])
+    w.add_uint32("imatrix.chunk_size", meta["window"])
+    for name, mean in sorted(entries.items()):
+        w.add_tensor(f"{name}.in_sum2", (mean.double() * tokens).float().numpy())
+        w.add_tensor(f"{name}.counts", np.full((mean.shape[0], 1), tokens, np.float32))
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"file": path.name, "tensors": len(entries), "tokens": tokens, "windows": meta["windows"]}
 
 
 TARGET = ExportTarget("gguf", write=write_gguf, read_back=None, refuse=refuse, no_verify=(
