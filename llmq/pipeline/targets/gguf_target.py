@@ -81,6 +81,8 @@ def refuse(src: CheckpointReader, engine) -> None:
 
 def block_type(qw, name: str):
     """The GGML block format that holds this quantized weight exactly, or an LlmqError with the way out."""
+    if qw.fp4:
+        raise LlmqError(f"{name}: {qw.scheme} weights are not written to GGUF by llmq yet; use --target llmq")
     if qw.is_float:
         raise LlmqError(f"{name}: FP8 weights have no GGUF block format; quantize to INT8/INT4 or build the "
                         "dense model and use llama-quantize")
