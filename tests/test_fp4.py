@@ -305,3 +305,35 @@ def test_cli_quantize_then_eval(source, tmp_path, monkeypatch):
     rep = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
     assert math.isfinite(rep["kld"]["mean"]) and rep["kld"]["mean"] > 0
 
+
+# -- GGUF --------------------------------------------------------------------------------------------------------------
+def test_gguf_mxfp4_reads_back_bit_exact_and_nvfp4_is_refused(tmp_path):
+    """MXFP4 weights become GGUF MXFP4 blocks that gguf-py's dequantizer (the NumPy twin of llama.cpp's) reads back
+    as exactly llmq's values, so the file computes what the artifact does; NVFP4 has no exact GGUF form."""
+    import gguf
+    from test_export_gguf import _bf16, exact_artifact_model, gguf_file, read_gguf, reader_logprobs
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(_bf16(make_tiny_model(tmp_path / "tiny", seed=7))), store)
+    art = quantize(src, QuantizeOptions(method="mxfp4", probe_tokens=0), store, progress=False)
+    eng = build_engine(art, store, BuildOptions(target="gguf"))
+    r = gguf.GGUFReader(gguf_file(eng))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert sum(v == "MXFP4" for v in types.values()) == 14 and types["blk.0.attn_q.weight"] == "MXFP4"
+    assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    model, _ = read_gguf(gguf_file(eng))
+    want = exact_artifact_model(art.path)
+    got_state, want_state = model.state_dict(), want.state_dict()
+    for k in want_state:
+        if k.endswith("_proj.weight"):
+            assert torch.equal(got_state[k], want_state[k]), k
+    ids = [int(x) for x in torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(SEED))]
+    assert torch.equal(reader_logprobs(model, ids), reader_logprobs(want, ids))
+    nv = quantize(src, QuantizeOptions(method="nvfp4", probe_tokens=0), store, progress=False)
+    with pytest.raises(LlmqError, match="global scale has no place in GGUF"):
+        build_engine(nv, store, BuildOptions(target="gguf"))

@@ -6,7 +6,10 @@ weights are w = (q - z) * s per group of g input columns, so a group of g = 32k 
 scale, and the mapping is
 - INT8 symmetric -> Q8_0: the integers as they are, d = s;
 - INT4 symmetric -> Q4_0: n = q + 8, d = s;
-- INT4 asymmetric -> Q4_1: n = q + 8, d = s, m = -(8 + z) * s.
+- INT4 asymmetric -> Q4_1: n = q + 8, d = s, m = -(8 + z) * s;
+- MXFP4 -> MXFP4: the E8M0 exponent byte and the E2M1 codes (GGUF's kvalues are the same codes, doubled, with the
+  exponent halved), weight j in the low nibble of byte j and j + 16 in the high one; every bit carried over.
+NVFP4 is refused: GGUF's NVFP4 block (an unsigned E4M3 scale per 16 weights) has no per-tensor global scale.
 The integers are always exact. d is exact whenever s is an fp16 number: every fp16 scale, and every bf16 scale from
 2^-17 to 65504 (float32 scales are re-rounded). m = -(8 + z) * s can need 12 significant bits where fp16 has 11, so
 some Q4_1 mins (2% of the blocks on the tiny test model) move by half an fp16 ulp, at most 1/128 of a quantization
@@ -81,8 +84,12 @@ def refuse(src: CheckpointReader, engine) -> None:
 
 def block_type(qw, name: str):
     """The GGML block format that holds this quantized weight exactly, or an LlmqError with the way out."""
+    if qw.fp4 == "mxfp4":
+        return GT.MXFP4
     if qw.fp4:
-        raise LlmqError(f"{name}: {qw.scheme} weights are not written to GGUF by llmq yet; use --target llmq")
+        raise LlmqError(f"{name}: NVFP4's per-tensor global scale has no place in GGUF's NVFP4 blocks (an E4M3 scale "
+                        "per 16 weights, nothing per tensor), so its values cannot be carried exactly; use --method "
+                        "mxfp4 or --target llmq")
     if qw.is_float:
         raise LlmqError(f"{name}: FP8 weights have no GGUF block format; quantize to INT8/INT4 or build the "
                         "dense model and use llama-quantize")
@@ -156,6 +163,9 @@ def _nibbles(n: torch.Tensor) -> torch.Tensor:
 def pack_blocks(qw, qtype, rounding: Rounding) -> np.ndarray:
     """The GGUF bytes [out, in/32 * block bytes] of one quantized weight, its integers carried over unchanged."""
     n, k = qw.q.shape
+    if qtype == GT.MXFP4:   # llmq's E8M0 exponent and E2M1 codes are GGUF's, byte for byte
+        e = qw.scale.reshape(n, k // BLOCK, 1)
+        return torch.cat([e, _nibbles(qw.q.reshape(n, k // BLOCK, BLOCK))], dim=-1).reshape(n, -1).numpy()
     q = qw.q.to(torch.int16).reshape(n, k // BLOCK, BLOCK)
     s = _per_block(qw.scale, n, k)
     d = _fp16_bytes(rounding.to_fp16(s, s, "scale"))
@@ -437,6 +447,8 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
     for t in ("Q4_1", "Q4_0", "Q8_0"):
         if types.get(t):
             return t, int(getattr(F, f"MOSTLY_{t}"))
+    if types.get("MXFP4"):   # llama.cpp's one MXFP4 file type, named for GPT-OSS's experts
+        return "MXFP4", int(F.MOSTLY_MXFP4_MOE)
     return {"bfloat16": ("BF16", int(F.MOSTLY_BF16)), "float16": ("F16", int(F.MOSTLY_F16))}.get(
         dense_dtype, ("F32", int(F.ALL_F32)))
 
