@@ -265,6 +265,25 @@ def test_fused_nvfp4_projections_keep_their_own_global_scales(quantized):
     assert (layer(x).double() - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_tp2_build_splits_fp4_weights_and_passes_the_reference_check(source, quantized, method):
+    """`build --tp 2`: codes and block scales are cut with their rows / columns (16- and 32-column blocks never
+    straddle a rank), each rank keeps NVFP4's global scales, and the sharded engine reproduces the unsharded one."""
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    eng = build_engine(quantized(method), source[0], BuildOptions(target="llmq", tp=2, verify=True))
+    assert eng.metrics["verify"]["passed"] and eng.metrics["verify"]["max_rel_error"] < 1e-5
+
+
+def test_the_kv_budget_counts_fp4_weights_as_the_runtime_holds_them(source, quantized):
+    """runtime_bytes (what the KV-cache budget subtracts) prices an FP4 linear at the bfloat16 / compute-dtype weight
+    the runtime holds, not at its packed nibbles: as much as the source model, plus the block scales."""
+    for compute in (torch.float32, torch.bfloat16):
+        src = CheckpointReader(source[1].path).runtime_bytes(compute)
+        for method in ("nvfp4", "mxfp4"):
+            assert src < CheckpointReader(quantized(method).path).runtime_bytes(compute) < 1.05 * src
+
+
 @pytest.mark.parametrize("args, match", [
     (["--method", "nvfp4", "--bits", "8"], "quantizes to 4 bits, not 8"),
     (["--method", "nvfp4", "--group-size", "32"], "blocks of 16 input columns"),
