@@ -356,3 +356,14 @@ def test_gguf_mxfp4_reads_back_bit_exact_and_nvfp4_is_refused(tmp_path):
     nv = quantize(src, QuantizeOptions(method="nvfp4", probe_tokens=0), store, progress=False)
     with pytest.raises(LlmqError, match="global scale has no place in GGUF"):
         build_engine(nv, store, BuildOptions(target="gguf"))
+
+
+def test_fp4_checkpoints_llmq_cannot_compute_are_refused_on_read(quantized):
+    """An NVFP4 checkpoint with 4-bit activations (llm-compressor's NVFP4 W4A4) is refused, not served as W4A16."""
+    ck = CheckpointReader(quantized("nvfp4").path)
+    cfg = json.loads(json.dumps(ck.config))
+    group = cfg["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"] = {**group["weights"], "dynamic": "local"}
+    qc = qformat.parse_quantization_config(cfg)
+    with pytest.raises(LlmqError, match="quantized activations"):
+        qformat.read_linear(ck.tensors, "model.layers.0.mlp.up_proj", qc)

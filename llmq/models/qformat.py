@@ -48,6 +48,7 @@ from .arch.base import LM_HEAD
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 FP4_FORMATS = {"nvfp4": (quant.NVFP4_BLOCK, "nvfp4-pack-quantized"),   # format: (block size, compressed-tensors name)
                "mxfp4": (quant.MXFP4_BLOCK, "mxfp4-pack-quantized")}
+FP4_NAMES = {name for _, name in FP4_FORMATS.values()}
 CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
 CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
 
@@ -304,7 +305,11 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
 
     w, a = scheme
     scale = _get(tensors, f"{name}.weight_scale")
-    if w.fp4:
+    if w.fp4 or qconfig.format in FP4_NAMES:
+        if w.fp4 is None or a is not None:
+            raise LlmqError(f"{name}: {qconfig.format} with {w.group_size}-weight groups"
+                            f"{' and quantized activations' if a else ''} is not read by llmq (NVFP4: 16, MXFP4: 32, "
+                            "weight-only)")
         return _read_fp4(tensors, name, w, scale)
     zero = None
     if qconfig.format == "pack-quantized":
