@@ -1,5 +1,6 @@
 """NVFP4 and MXFP4 weights: the arithmetic against an independent float64 reference, the compressed-tensors checkpoint
-against compressed-tensors' own decompressor, and the runtime against a float64 dequantize-then-matmul model.
+against compressed-tensors' own decompressor, the runtime against a float64 dequantize-then-matmul model, the GGUF
+export against gguf-py's dequantizer.
 
 The reference below is written from the formats' definitions (the OCP MX spec, compressed-tensors' NVFP4 scale
 rules), by enumeration in NumPy float64, sharing nothing with `llmq.quant`. Inputs are fresh random numbers each run
@@ -326,36 +327,68 @@ def test_cli_quantize_then_eval(source, tmp_path, monkeypatch):
 
 
 # -- GGUF --------------------------------------------------------------------------------------------------------------
-def test_gguf_mxfp4_reads_back_bit_exact_and_nvfp4_is_refused(tmp_path):
-    """MXFP4 weights become GGUF MXFP4 blocks that gguf-py's dequantizer (the NumPy twin of llama.cpp's) reads back
-    as exactly llmq's values, so the file computes what the artifact does; NVFP4 has no exact GGUF form."""
-    import gguf
-    from test_export_gguf import _bf16, exact_artifact_model, gguf_file, read_gguf, reader_logprobs
+@pytest.fixture(scope="module")
+def gguf_built(tmp_path_factory):
+    """{method: (artifact, GGUF engine)} from one tiny bf16 Llama."""
+    from test_export_gguf import _bf16
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
 
-    store = Store(tmp_path / "store")
-    src = resolve_model(str(_bf16(make_tiny_model(tmp_path / "tiny", seed=7))), store)
-    art = quantize(src, QuantizeOptions(method="mxfp4", probe_tokens=0), store, progress=False)
-    eng = build_engine(art, store, BuildOptions(target="gguf"))
+    d = tmp_path_factory.mktemp("fp4-gguf")
+    store = Store(d / "store")
+    src = resolve_model(str(_bf16(make_tiny_model(d / "tiny", seed=7))), store)
+    out = {}
+    for method in ("nvfp4", "mxfp4"):
+        art = quantize(src, QuantizeOptions(method=method, probe_tokens=0), store, progress=False)
+        out[method] = art, build_engine(art, store, BuildOptions(target="gguf"))
+    return out
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_gguf_fp4_blocks_read_back_bit_exact(gguf_built, method):
+    """Every FP4 linear is a GGUF NVFP4 / MXFP4 tensor that gguf-py's dequantizer (the NumPy twin of llama.cpp's)
+    reads back as exactly llmq's E2M1 x block-scale values; NVFP4's global scale is the `.scale` tensor llama.cpp
+    multiplies the output by, 1 / g in float32."""
+    import gguf
+    from test_export_gguf import _hf_name, _unpair_rope_rows, gguf_file
+
+    art, eng = gguf_built[method]
+    ck = CheckpointReader(art.path)
     r = gguf.GGUFReader(gguf_file(eng))
-    types = {t.name: t.tensor_type.name for t in r.tensors}
-    assert sum(v == "MXFP4" for v in types.values()) == 14 and types["blk.0.attn_q.weight"] == "MXFP4"
-    assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    tensors = {t.name: t for t in r.tensors}
+    blocks = [t for t in r.tensors if t.tensor_type.name == method.upper()]
+    assert len(blocks) == 14
+    want_ftype = gguf.LlamaFileType.MOSTLY_NVFP4 if method == "nvfp4" else gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    assert r.fields["general.file_type"].contents() == int(want_ftype)
+    for t in blocks:
+        qw = ck.linear(_hf_name(t.name)[:-len(".weight")]).qw
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(qw.shape)
+        if t.name.endswith(("attn_q.weight", "attn_k.weight")):   # llama.cpp's RoPE pairs rows (2i, 2i + 1)
+            w = _unpair_rope_rows(w, 4 if "attn_q" in t.name else 2)
+        assert np.array_equal(w, quant.dequantize_fp4(qw.q, qw.scale).numpy()), t.name
+        scale = tensors.get(t.name.replace(".weight", ".scale"))
+        if method == "mxfp4":
+            assert scale is None
+        else:
+            assert scale.tensor_type.name == "F32"
+            assert scale.data.tolist() == [(1 / qw.global_scale.double()).float().item()]
+    rounding = json.loads((eng.path / "engine.json").read_text())["outputs"]["gguf"]["rounding"]
+    assert rounding["nvfp4_global_scales_as_float32_reciprocals"] == (14 if method == "nvfp4" else 0)
+    assert rounding["max_global_scale_rel_error"] <= 2 ** -24
+
+
+def test_gguf_mxfp4_file_computes_what_the_artifact_does(gguf_built):
+    """A reader built from the GGUF file alone gives the artifact's own exactly dequantized model's logits."""
+    from test_export_gguf import exact_artifact_model, gguf_file, read_gguf, reader_logprobs
+
+    art, eng = gguf_built["mxfp4"]
     model, _ = read_gguf(gguf_file(eng))
     want = exact_artifact_model(art.path)
-    got_state, want_state = model.state_dict(), want.state_dict()
-    for k in want_state:
-        if k.endswith("_proj.weight"):
-            assert torch.equal(got_state[k], want_state[k]), k
     ids = [int(x) for x in torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(SEED))]
     assert torch.equal(reader_logprobs(model, ids), reader_logprobs(want, ids))
-    nv = quantize(src, QuantizeOptions(method="nvfp4", probe_tokens=0), store, progress=False)
-    with pytest.raises(LlmqError, match="global scale has no place in GGUF"):
-        build_engine(nv, store, BuildOptions(target="gguf"))
 
 
 def test_fp4_checkpoints_llmq_cannot_compute_are_refused_on_read(quantized):
