@@ -228,6 +228,25 @@ def test_checkpoint_is_what_compressed_tensors_decompresses(quantized, method):
 
 
 @pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_transformers_loads_the_checkpoint_with_llmqs_weights(quantized, method):
+    """transformers' compressed-tensors loader reads the checkpoint and holds exactly llmq's weights (in bfloat16:
+    compressed-tensors decompresses FP4 to bfloat16, and transformers 5.23 cannot then run the model in float32)."""
+    from transformers import AutoModelForCausalLM
+
+    art = quantized(method)
+    ck = CheckpointReader(art.path)
+    qc = qformat.parse_quantization_config(ck.config)
+    model = AutoModelForCausalLM.from_pretrained(art.path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert len(names) == 14
+    for name in names:
+        want = qformat.read_linear(ck.tensors, name, qc).dequantize(torch.bfloat16)
+        assert torch.equal(model.get_submodule(name).weight.data, want), name
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
 def test_runtime_equals_a_float64_dequantize_then_matmul_model(source, quantized, method):
     """llmq's runtime over the checkpoint against transformers in float64 with every linear's weight set to llmq's
     dequantized values (exact in float64): equal up to float32 summation error. The probe measured the same."""
