@@ -272,6 +272,33 @@ def test_runtime_equals_a_float64_dequantize_then_matmul_model(source, quantized
     assert 0 < art.metrics["probe"]["kld_mean"] < 1
 
 
+@pytest.mark.parametrize("family, method", [("phi3", "nvfp4"), ("gemma3_text", "mxfp4"), ("qwen3", "nvfp4")])
+def test_other_families_compute_the_float64_reference_too(tmp_path, family, method):
+    """Phi-3's stored-fused q/k/v (one tensor, one global scale), Gemma 3's and Qwen3's layers: the runtime over the
+    FP4 checkpoint against the float64 dequantize-then-matmul model."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store = Store(tmp_path / "store")
+    path = make_tiny_model(tmp_path / family, seed=5, model_type=family, head_dim=16)
+    art = quantize(resolve_model(str(path), store), QuantizeOptions(method=method, probe_tokens=0), store,
+                   progress=False)
+    ck = CheckpointReader(art.path)
+    qc = qformat.parse_quantization_config(ck.config)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    for name, mod in ref.named_modules():
+        qw = qformat.read_linear(ck.tensors, name, qc) if isinstance(mod, torch.nn.Linear) else None
+        if qw is not None:
+            mod.weight.data = qw.dequantize().double()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(SEED))
+    with torch.no_grad():
+        want = torch.log_softmax(ref(ids).logits.double(), -1)[0]
+    assert (llmq_logits(art.path, ids)[0].double() - want).abs().max().item() < 2e-5, f"seed {SEED}"
+
+
 def test_fused_nvfp4_projections_keep_their_own_global_scales(quantized):
     """q/k/v are fused into one layer only where their global scales agree; otherwise each keeps its own."""
     from llmq.runtime.loader import build_linear
