@@ -153,6 +153,30 @@ def test_mxfp4_matches_the_ocp_rule_and_the_float64_reference():
     assert quant.mxfp4_quantize(edge)[1].item() == 127 + 1 - 2
 
 
+def test_values_times_block_scales_are_exact_in_bfloat16_so_the_runtime_layer_is_exact():
+    """The runtime holds E2M1 x block scale as a bfloat16 weight: lossless for every code and every finite E4M3 scale
+    (and every E8M0 scale a float32 weight can need); in float32 the layer equals the float64 reference to float32
+    rounding, in bfloat16 to bfloat16 rounding."""
+    from llmq.pipeline.quantize.fp4 import quantize_weight
+    from llmq.runtime.layers.fp4 import FP4Linear
+
+    codes = torch.arange(16, dtype=torch.uint8).repeat(127, 1).repeat_interleave(16, 1)   # [127, 256]
+    e4m3 = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(127, 1).expand(127, 16)
+    v = quant.dequantize_fp4(codes, e4m3.contiguous())
+    assert torch.equal(v.to(torch.bfloat16).float(), v)
+    e8m0 = torch.arange(0, 253, 2, dtype=torch.uint8).reshape(127, 1).expand(127, 8).contiguous()  # 2^-127..2^125
+    v = quant.dequantize_fp4(codes, e8m0)
+    assert torch.isfinite(v).all() and torch.equal(v.to(torch.bfloat16).float(), v)
+    w = _weight(n=48, k=64)
+    x = torch.from_numpy(np.random.default_rng(SEED).standard_normal((5, 64)).astype(np.float32))
+    for fmt in ("nvfp4", "mxfp4"):
+        qw = quantize_weight(w, fmt)
+        want = x.double() @ qw.dequantize().double().T
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+            got = FP4Linear(qw, None, dtype, "cpu")(x.to(dtype)).double()
+            assert ((got - want).abs().max() / want.abs().max()).item() < tol, (fmt, dtype, f"seed {SEED}")
+
+
 # -- the checkpoint ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
