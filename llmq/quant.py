@@ -18,7 +18,11 @@ saturating at 6. NVFP4: 16 values a block, an E4M3 block scale rounded (half to 
 one FP32 global scale g = 448 * 6 / amax per tensor that *divides*: real = q * (scale / g), with scale / g computed
 in float32, as compressed-tensors' weight_global_scale does (ModelOpt's weight_scale_2 is its reciprocal, a
 multiplier). MXFP4: 32 values a block, an E8M0 scale 2^(e - 127) with e - 127 = floor(log2 block_amax) - 2 (the OCP MX
-rule: the block's largest magnitude lands in [4, 8), above 6 it saturates), no global scale.
+rule: the block's largest magnitude lands in [4, 8), above 6 it saturates), no global scale. Other producers choose
+differently where the choice leaves the meaning of stored numbers unchanged: llm-compressor's MX observer rounds a
+block amax whose mantissa is >= 1.75 up to the next power of two before taking the exponent (fewer saturated values),
+and gguf-py's NumPy MXFP4 quantizer breaks ties toward the smaller magnitude; every reader decodes the same exponent
+and code alike, and llmq's exports carry its own.
 bitsandbytes' two schemes (`llmq quantize --method bnb-nf4 / bnb-int8`) keep bitsandbytes' own conventions, since
 its checkpoints are read by transformers, vLLM and TGI with its kernels: 4-bit codes looked up in a 16-entry table
 (NF4) times one absmax per block of the flattened weight; LLM.int8's rows scaled by SCB / 127 and its activations
