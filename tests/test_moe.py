@@ -24,8 +24,9 @@ SHAPES = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermedia
 QUANTIZE = {"rtn-w4g32": dict(method="rtn", bits=4, group_size=32),
             "gptq-w4g32": dict(method="gptq", bits=4, group_size=32),
             "awq-w4g32": dict(method="awq", bits=4, group_size=32), "smoothquant": dict(method="smoothquant", bits=8),
-            "fp8": dict(method="fp8", bits=8)}  # the `quantized` fixture's (conftest) artifacts
-WEIGHT_ONLY = ("rtn-w4g32", "gptq-w4g32", "awq-w4g32")
+            "fp8": dict(method="fp8", bits=8), "nvfp4": dict(method="nvfp4"),
+            "mxfp4": dict(method="mxfp4")}  # the `quantized` fixture's (conftest) artifacts
+WEIGHT_ONLY = ("rtn-w4g32", "gptq-w4g32", "awq-w4g32", "mxfp4")   # (NVFP4 decompresses to bf16, rounded: not here)
 PROBE_TOKENS = 256
 NEVER = (2, 3, 4, 5)  # the experts the rank-1 router below never picks
 

@@ -1,4 +1,4 @@
-"""`llmq quantize`: weights to INT8 / INT4 / FP8 with RTN, GPTQ, AWQ, SmoothQuant (W8A8) or FP8."""
+"""`llmq quantize`: weights to INT8 / INT4 / FP8 / FP4 with RTN, GPTQ, AWQ, SmoothQuant (W8A8), FP8, NVFP4 or MXFP4."""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ On disk it is what compressed-tensors calls
   dimension), `weight_scale`, `weight_shape`, and for asymmetric weights `weight_zero_point` packed along the outputs;
 - "int-quantized" (W8A8): `weight` int8, `weight_scale` [out, 1], `input_scale` when activations are static;
 - "float-quantized" (FP8 E4M3): `weight` float8_e4m3fn, `weight_scale`, `input_scale` when activations are static;
+- "nvfp4-pack-quantized" (NVFP4, weight-only): `weight_packed` uint8 (two E2M1 codes a byte, the first in the low
+  nibble), `weight_scale` float8_e4m3fn per 16 inputs, `weight_global_scale` float32 [1] (a divisor: `llmq.quant`);
+- "mxfp4-pack-quantized" (MXFP4, weight-only): `weight_packed` as NVFP4's, `weight_scale` uint8 E8M0 exponents per
+  32 inputs;
 and `config.json` → `quantization_config` built from compressed-tensors' own pydantic models, so a config they reject
 is never written, stamped with the compressed-tensors `version` that wrote it (as compressed-tensors itself does).
 llmq writes and reads the format of the releases in [CT_MIN, CT_MAX) (pyproject.toml pins the same range): vLLM's
@@ -41,7 +45,10 @@ from ..errors import LlmqError
 from .arch.base import EMBEDDING as EMBEDDING  # re-exported: the stages name the table through qformat
 from .arch.base import LM_HEAD
 
-FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+FP4_FORMATS = {"nvfp4": (quant.NVFP4_BLOCK, "nvfp4-pack-quantized"),   # format: (block size, compressed-tensors name)
+               "mxfp4": (quant.MXFP4_BLOCK, "mxfp4-pack-quantized")}
+FP4_NAMES = {name for _, name in FP4_FORMATS.values()}
 CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
 CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
 
@@ -67,7 +74,8 @@ def compressed_tensors_version() -> str:
 @dataclass(frozen=True)
 class QuantArgs:
     """How one tensor kind (weights, input activations, KV cache) is quantized; mirrors compressed-tensors'
-    QuantizationArgs. strategy: tensor | channel | group | token | attn_head."""
+    QuantizationArgs. strategy: tensor | channel | group | tensor_group (NVFP4's groups under a global scale) | token
+    | attn_head."""
 
     num_bits: int
     type: str = "int"              # int | float
@@ -76,6 +84,13 @@ class QuantArgs:
     group_size: int | None = None
     dynamic: bool = False
 
+    @property
+    def fp4(self) -> str | None:
+        """"nvfp4" / "mxfp4" for FP4 weights (told apart by their block size), else None."""
+        if self.type != "float" or self.num_bits != 4:
+            return None
+        return next((f for f, (block, _) in FP4_FORMATS.items() if block == self.group_size), None)
+
     def to_ct(self):
         from compressed_tensors.quantization import QuantizationArgs
 
@@ -83,6 +98,8 @@ class QuantArgs:
                   dynamic=self.dynamic)
         if self.group_size is not None:
             kw["group_size"] = self.group_size
+        if self.fp4:  # the scale dtype is what tells compressed-tensors' MX path from NVFP4's
+            kw["scale_dtype"] = quant.FP8 if self.fp4 == "nvfp4" else torch.uint8
         return QuantizationArgs(**kw)
 
     @classmethod
@@ -133,7 +150,9 @@ class QConfig:
 class QuantizedWeight:
     """One linear's weight as integers q (signed, [-2^(b-1), 2^(b-1)-1]; or float8_e4m3fn for FP8) of shape
     [out, in] and scale / zero_point of shape [1] (tensor), [out, 1] (channel) or [out, in/g] (group).
-    Real weight = (q - zero_point) * scale. input_scale: static activation scale [1]; dynamic: per-token scales."""
+    Real weight = (q - zero_point) * scale. input_scale: static activation scale [1]; dynamic: per-token scales.
+    FP4 (NVFP4 / MXFP4): q holds uint8 E2M1 codes, one per weight; scale the E4M3 (NVFP4) or E8M0 (MXFP4, uint8)
+    block scales [out, in/g]; global_scale NVFP4's float32 [1] divisor (real weight: `llmq.quant.dequantize_fp4`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -143,10 +162,18 @@ class QuantizedWeight:
     symmetric: bool
     input_scale: torch.Tensor | None = None
     dynamic: bool = False
+    global_scale: torch.Tensor | None = None
 
     @property
     def is_float(self) -> bool:
         return self.q.dtype == torch.float8_e4m3fn
+
+    @property
+    def fp4(self) -> str | None:
+        """"nvfp4" (E4M3 block scales) / "mxfp4" (E8M0 ones) for FP4 codes, else None."""
+        if self.q.dtype != torch.uint8:
+            return None
+        return "mxfp4" if self.scale.dtype == torch.uint8 else "nvfp4"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -164,6 +191,8 @@ class QuantizedWeight:
 
     @property
     def scheme(self) -> str:
+        if self.fp4:
+            return f"{self.fp4.upper()}A16"   # compressed-tensors' preset names
         kind = "FP8" if self.is_float else f"W{self.bits}A{self.activation_bits or 16}"
         detail = f"group{self.group_size}" if self.strategy == "group" else self.strategy
         sym = "" if self.is_float else ("-sym" if self.symmetric else "-asym")
@@ -171,10 +200,24 @@ class QuantizedWeight:
         return f"{kind}-{detail}{sym}{act}"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.fp4:
+            return quant.dequantize_fp4(self.q, self.scale, self.global_scale, dtype)
         return quant.dequantize(self.q, self.scale, self.zero_point, dtype)
 
 
 def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
+    if weights.type == "float" and weights.num_bits == 4:
+        if weights.fp4 is None or input_activations is not None:
+            raise LlmqError(f"FP4 weights in groups of {weights.group_size}"
+                            f"{' with quantized activations' if input_activations else ''} have no compressed-tensors "
+                            "format llmq writes (NVFP4: groups of 16, MXFP4: groups of 32, weight-only)")
+        from compressed_tensors.config import CompressionFormat
+
+        fmt = FP4_FORMATS[weights.fp4][1]
+        if fmt not in {f.value for f in CompressionFormat}:
+            raise LlmqError(f"the installed compressed-tensors {compressed_tensors_version()} has no {fmt!r} format; "
+                            f"pip install -U '{CT_REQUIREMENT}'")
+        return fmt
     if weights.type == "float":
         return "float-quantized"
     return "pack-quantized" if input_activations is None else "int-quantized"
@@ -262,6 +305,12 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
 
     w, a = scheme
     scale = _get(tensors, f"{name}.weight_scale")
+    if w.fp4 or qconfig.format in FP4_NAMES:
+        if w.fp4 is None or a is not None:
+            raise LlmqError(f"{name}: {qconfig.format} with {w.group_size}-weight groups"
+                            f"{' and quantized activations' if a else ''} is not read by llmq (NVFP4: 16, MXFP4: 32, "
+                            "weight-only)")
+        return _read_fp4(tensors, name, w, scale)
     zero = None
     if qconfig.format == "pack-quantized":
         shape = torch.Size(_get(tensors, f"{name}.weight_shape").tolist())
@@ -289,11 +338,30 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
                            dynamic=bool(a and a.dynamic))
 
 
+def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scale: torch.Tensor) -> QuantizedWeight:
+    packed = _get(tensors, f"{name}.weight_packed")
+    block = FP4_FORMATS[w.fp4][0]
+    want = quant.FP8 if w.fp4 == "nvfp4" else torch.uint8
+    n, k = packed.shape[0], 2 * packed.shape[-1]
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or scale.dtype != want or tuple(scale.shape) != (n, k // block):
+        raise LlmqError(f"{name}: {w.fp4.upper()} tensors weight_packed {packed.dtype} {tuple(packed.shape)} and "
+                        f"weight_scale {scale.dtype} {tuple(scale.shape)} do not fit; expected uint8 [out, in / 2] and "
+                        f"{want} [out, in / {block}]")
+    g = _get(tensors, f"{name}.weight_global_scale").float().reshape(1) if w.fp4 == "nvfp4" else None
+    return QuantizedWeight(q=quant.unpack_fp4(packed), scale=scale, zero_point=None, bits=4, group_size=block,
+                           symmetric=True, global_scale=g)
+
+
 def write_linear(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized linear, in the format its scheme implies."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     out = {f"{name}.weight_scale": qw.scale.contiguous()}
+    if qw.fp4:
+        out[f"{name}.weight_packed"] = quant.pack_fp4(qw.q).contiguous()
+        if qw.global_scale is not None:
+            out[f"{name}.weight_global_scale"] = qw.global_scale.float().reshape(1).contiguous()
+        return out
     weight_only = qw.input_scale is None and not qw.dynamic
     if not qw.is_float and weight_only:
         out[f"{name}.weight_packed"] = pack_to_int32(qw.q.to(torch.int8).contiguous(), qw.bits)

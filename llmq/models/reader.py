@@ -157,6 +157,12 @@ class CheckpointReader:
         for name in self.tensors:
             dtype, shape = self.tensors.info(name)
             numel = math.prod(shape)
+            if name.endswith(".weight_packed") and self._fp4(name.rsplit(".", 1)[0]):
+                # an FP4 layer holds its E2M1 x block-scale values as a bfloat16 weight (runtime.layers.fp4)
+                full = (shape[0], 2 * shape[1])
+                kept16 = kept is not None and kept(torch.bfloat16, full)
+                total += 2 * numel * (2 if kept16 else max(compute_dtype.itemsize, 2))
+                continue
             wide = dtype.is_floating_point and dtype.itemsize > 1 and not name.endswith(("_scale", "_zero_point")) \
                 and not (kept is not None and kept(dtype, tuple(shape)))
             total += numel * (max(compute_dtype.itemsize, dtype.itemsize) if wide else dtype.itemsize)
@@ -166,6 +172,10 @@ class CheckpointReader:
             if not self.has_lm_head():  # the tied head packs its own copy of the table (codes, 16-bit scales)
                 total += math.prod(self.tensors.info(f"{qformat.EMBEDDING}.weight_packed")[1]) * 4 + scales * 2
         return total
+
+    def _fp4(self, module: str) -> bool:
+        scheme = self.qconfig.scheme_of(module) if self.qconfig is not None else None
+        return scheme is not None and scheme[0].fp4 is not None
 
     def has_lm_head(self) -> bool:
         return any(k.startswith(f"{qformat.LM_HEAD}.") for k in self.tensors)

@@ -229,8 +229,8 @@ def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:
 
 def join_rows(parts: list[LinearWeights], name: str) -> LinearWeights:
     """Column-parallel linears as one, their output rows stacked (split_rows' inverse): a group written fused as its
-    family stores it (Arch.fused). Quantized parts share their scheme and any per-tensor or input scale, as the parts
-    of one quantized matrix do."""
+    family stores it (Arch.fused). Quantized parts share their scheme and any per-tensor, input or (NVFP4) global
+    scale, as the parts of one quantized matrix do."""
     bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]) \
         if any(p.bias is not None for p in parts) else None
     if all(p.qw is None for p in parts):
@@ -244,7 +244,7 @@ def join_rows(parts: list[LinearWeights], name: str) -> LinearWeights:
 
     a = qws[0]
     if any(q is None or q.scheme != a.scheme or q.bits != a.bits or not shared(q.scale, a.scale)
-           or not shared(q.input_scale, a.input_scale) for q in qws):
+           or not shared(q.input_scale, a.input_scale) or not shared(q.global_scale, a.global_scale) for q in qws):
         raise LlmqError(f"{name}: its parts {', '.join(p.name for p in parts)} are quantized differently and cannot "
                         "be stored as one linear")
 

@@ -29,6 +29,10 @@ def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device, 
         from .layers.bnb import LLMInt8Linear, NF4Linear
 
         return (NF4Linear if isinstance(qw, bnbformat.NF4Weight) else LLMInt8Linear)(qw, bias, dtype, device)
+    if getattr(qw, "fp4", None):
+        from .layers.fp4 import FP4Linear
+
+        return FP4Linear(qw, bias, dtype, device)
     to = lambda t: t.to(device) if t is not None else None  # noqa: E731
     q, scale, zero, bias = to(qw.q), to(qw.scale), to(qw.zero_point), to(bias)
     inp = to(getattr(qw, "input_scale", None))
@@ -66,6 +70,8 @@ def _fusable(parts: list[LinearWeights]) -> bool:
         return False
     if a.scale.numel() == 1 and any(not torch.equal(p.qw.scale, a.scale) for p in parts):
         return False  # one per-tensor scale each: cannot share a single scale
+    if a.global_scale is not None and any(not torch.equal(p.qw.global_scale, a.global_scale) for p in parts):
+        return False  # NVFP4: a global scale each
     ins = [getattr(p.qw, "input_scale", None) for p in parts]
     return all(i is None for i in ins) or all(i is not None and torch.equal(i, ins[0]) for i in ins)
 

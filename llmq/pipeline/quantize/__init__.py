@@ -1,5 +1,5 @@
-"""`llmq quantize`: weights to INT8 / INT4 / FP8, one decoder layer at a time, written in compressed-tensors format
-(bitsandbytes' NF4 / LLM.int8: in bitsandbytes' own serialized form, `llmq.models.bnbformat`).
+"""`llmq quantize`: weights to INT8 / INT4 / FP8 / FP4, one decoder layer at a time, written in compressed-tensors
+format (bitsandbytes' NF4 / LLM.int8: in bitsandbytes' own serialized form, `llmq.models.bnbformat`).
 
 Methods are plug-ins. Adding one is adding one module `llmq/pipeline/quantize/<name>.py` and its name to
 `METHODS` (methods.py); the stage (stage.py) and the layer-by-layer engine (layerwise.py) do everything else:

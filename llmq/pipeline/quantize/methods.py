@@ -7,7 +7,7 @@ from types import ModuleType
 
 from ...errors import LlmqError
 
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "bnb-nf4", "bnb-int8")
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "nvfp4", "mxfp4", "bnb-nf4", "bnb-int8")
 PACKAGE = __name__.rsplit(".", 1)[0]
 
 

@@ -50,7 +50,8 @@ class QuantizeOptions(Options):
     bits: int | None = option(None, "Weight bits: 4 or 8 (default: 8, or the only width the method has).",
                               choices=(4, 8))
     method: str = option("rtn", "rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; "
-                         "fp8: FP8 E4M3; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / LLM.int8 (needs llmq[bnb]).",
+                         "fp8: FP8 E4M3; nvfp4 / mxfp4: FP4 weight-only, round-to-nearest; bnb-nf4 / bnb-int8: "
+                         "bitsandbytes' NF4 / LLM.int8 (needs llmq[bnb]).",
                          choices=METHODS)
     group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 bits "
                                     "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
@@ -161,6 +162,8 @@ class QuantizeOptions(Options):
         g = self.group_size
         if g is None and self.method == "bnb-nf4":
             g = BNB_BLOCKSIZE
+        if g is None:  # a format with a fixed block (nvfp4, mxfp4)
+            g = getattr(load_method(self.method), "GROUP_SIZE", None)
         if g is None:
             fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
             g = fits[0] if bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
@@ -251,10 +254,12 @@ def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qforma
     """The compressed-tensors (weights, input_activations) arguments that describe one quantized weight."""
     from ...models import qformat
 
-    kind = "float" if qw.is_float else "int"
+    kind = "float" if qw.is_float or qw.fp4 else "int"
     strategy = "group" if qw.group_size else qw.strategy  # a group as wide as the row has a [out, 1] scale too
+    if qw.fp4 == "nvfp4":
+        strategy = "tensor_group"  # compressed-tensors' name for groups under a global scale
     weights = qformat.QuantArgs(num_bits=qw.bits, type=kind, symmetric=qw.symmetric, strategy=strategy,
-                                group_size=qw.group_size if strategy == "group" else None)
+                                group_size=qw.group_size if strategy in ("group", "tensor_group") else None)
     if qw.input_scale is None and not qw.dynamic:
         return weights, None
     acts = qformat.QuantArgs(num_bits=8, type=kind, symmetric=True, strategy="token" if qw.dynamic else "tensor",

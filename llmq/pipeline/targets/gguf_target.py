@@ -6,7 +6,13 @@ weights are w = (q - z) * s per group of g input columns, so a group of g = 32k 
 scale, and the mapping is
 - INT8 symmetric -> Q8_0: the integers as they are, d = s;
 - INT4 symmetric -> Q4_0: n = q + 8, d = s;
-- INT4 asymmetric -> Q4_1: n = q + 8, d = s, m = -(8 + z) * s.
+- INT4 asymmetric -> Q4_1: n = q + 8, d = s, m = -(8 + z) * s;
+- MXFP4 -> MXFP4: the E8M0 exponent byte and the E2M1 codes (GGUF's kvalues are the same codes, doubled, with the
+  exponent halved), weight j in the low nibble of byte j and j + 16 in the high one; every bit carried over;
+- NVFP4 -> NVFP4 (64 weights: four E4M3 scale bytes, then 8 bytes per 16 weights, weight j in the low nibble and
+  j + 8 in the high one), codes and block scales carried over; the per-tensor global scale, which GGUF's block has no
+  room for, goes into the `<tensor>.scale` F32 [1] ([experts] for merged experts) that llama.cpp multiplies the
+  matmul's output by: 1 / g rounded to float32 (llmq divides by g), the one re-rounding, counted in the record.
 The integers are always exact. d is exact whenever s is an fp16 number: every fp16 scale, and every bf16 scale from
 2^-17 to 65504 (float32 scales are re-rounded). m = -(8 + z) * s can need 12 significant bits where fp16 has 11, so
 some Q4_1 mins (2% of the blocks on the tiny test model) move by half an fp16 ulp, at most 1/128 of a quantization
@@ -51,7 +57,8 @@ from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import ShardPlan, join_rows, split_rows
 from .registry import ExportTarget, TargetResult
 
-BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 block
+BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 / MXFP4 block
+NVFP4_SUPER = 64                              # weights per GGUF NVFP4 block (four 16-weight scale blocks)
 # tokenizer.json pre-tokenizers llama.cpp reproduces, by the name it knows them under (src/llama-vocab.cpp).
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -82,6 +89,13 @@ def refuse(src: CheckpointReader, engine) -> None:
 
 def block_type(qw, name: str):
     """The GGML block format that holds this quantized weight exactly, or an LlmqError with the way out."""
+    if qw.fp4 == "mxfp4":
+        return GT.MXFP4
+    if qw.fp4:
+        if qw.q.shape[1] % NVFP4_SUPER:
+            raise LlmqError(f"{name}: {qw.q.shape[1]} input columns do not fill GGUF's {NVFP4_SUPER}-weight NVFP4 "
+                            "blocks; use --target llmq")
+        return GT.NVFP4
     if qw.is_float:
         raise LlmqError(f"{name}: FP8 weights have no GGUF block format; quantize to INT8/INT4 or build the "
                         "dense model and use llama-quantize")
@@ -118,6 +132,15 @@ class Rounding:
         self.max_scale_rel = 0.0
         self.mins = 0
         self.max_min_steps = 0.0
+        self.global_scales = 0
+        self.max_global_rel = 0.0
+
+    def reciprocal(self, g: torch.Tensor) -> torch.Tensor:
+        """NVFP4's global divisor g as the float32 multiplier 1 / g that llama.cpp's `.scale` tensor is."""
+        r = (1 / g.double()).float()
+        self.global_scales += g.numel()
+        self.max_global_rel = max(self.max_global_rel, float((r.double() * g.double() - 1).abs().max()))
+        return r
 
     def to_fp16(self, v: torch.Tensor, step: torch.Tensor, kind: str) -> torch.Tensor:
         """v rounded to fp16 (refused where it overflows); counts the values that changed."""
@@ -139,7 +162,9 @@ class Rounding:
     def record(self) -> dict:
         return {"integers": "exact", "blocks": self.blocks,
                 "scales_rerounded_to_fp16": self.scales, "max_scale_rel_error": self.max_scale_rel,
-                "q4_1_mins_rerounded_to_fp16": self.mins, "max_min_error_in_steps": self.max_min_steps}
+                "q4_1_mins_rerounded_to_fp16": self.mins, "max_min_error_in_steps": self.max_min_steps,
+                "nvfp4_global_scales_as_float32_reciprocals": self.global_scales,
+                "max_global_scale_rel_error": self.max_global_rel}
 
 
 def _fp16_bytes(h: torch.Tensor) -> torch.Tensor:
@@ -155,6 +180,14 @@ def _nibbles(n: torch.Tensor) -> torch.Tensor:
 def pack_blocks(qw, qtype, rounding: Rounding) -> np.ndarray:
     """The GGUF bytes [out, in/32 * block bytes] of one quantized weight, its integers carried over unchanged."""
     n, k = qw.q.shape
+    if qtype == GT.MXFP4:   # llmq's E8M0 exponent and E2M1 codes are GGUF's, byte for byte
+        e = qw.scale.reshape(n, k // BLOCK, 1)
+        return torch.cat([e, _nibbles(qw.q.reshape(n, k // BLOCK, BLOCK))], dim=-1).reshape(n, -1).numpy()
+    if qtype == GT.NVFP4:   # E4M3 scale bytes are GGUF's UE4M3 for these (non-negative) scales
+        c = qw.q.reshape(n, k // NVFP4_SUPER, 4, 16)
+        nib = (c[..., :8] | (c[..., 8:] << 4)).reshape(n, k // NVFP4_SUPER, 32)
+        d = qw.scale.view(torch.uint8).reshape(n, k // NVFP4_SUPER, 4)
+        return torch.cat([d, nib], dim=-1).reshape(n, -1).numpy()
     q = qw.q.to(torch.int16).reshape(n, k // BLOCK, BLOCK)
     s = _per_block(qw.scale, n, k)
     d = _fp16_bytes(rounding.to_fp16(s, s, "scale"))
@@ -210,6 +243,7 @@ class _Tensors:
             qtype = block_type(lw.qw, lw.name)
             self.writer.add_tensor(f"{name}.weight", pack_blocks(lw.qw, qtype, self.rounding), raw_dtype=qtype)
             self.types[qtype.name] += 1
+            self._global_scale(name, [lw])
         if lw.bias is not None:
             self.dense(f"{name}.bias", lw.bias, force_f32=True)
 
@@ -229,6 +263,13 @@ class _Tensors:
         self.writer.add_tensor(f"{name}.weight", np.stack([pack_blocks(lw.qw, qtype, self.rounding) for lw in lws]),
                                raw_dtype=qtype)
         self.types[qtype.name] += 1
+        self._global_scale(name, lws)
+
+    def _global_scale(self, name: str, lws: list[LinearWeights]) -> None:
+        """NVFP4's global scales as llama.cpp's optional `<name>.scale` (one per matrix, [1] or [experts])."""
+        if getattr(lws[0].qw, "global_scale", None) is not None:
+            g = torch.cat([lw.qw.global_scale.float().reshape(1) for lw in lws])
+            self.dense(f"{name}.scale", self.rounding.reciprocal(g), force_f32=True)
 
 
 def gguf_name(role: str, arch, i: int) -> str:
@@ -436,6 +477,10 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
     for t in ("Q4_1", "Q4_0", "Q8_0"):
         if types.get(t):
             return t, int(getattr(F, f"MOSTLY_{t}"))
+    if types.get("NVFP4"):
+        return "NVFP4", int(F.MOSTLY_NVFP4)
+    if types.get("MXFP4"):   # llama.cpp's one MXFP4 file type, named for GPT-OSS's experts
+        return "MXFP4", int(F.MOSTLY_MXFP4_MOE)
     return {"bfloat16": ("BF16", int(F.MOSTLY_BF16)), "float16": ("F16", int(F.MOSTLY_F16))}.get(
         dense_dtype, ("F32", int(F.ALL_F32)))
 

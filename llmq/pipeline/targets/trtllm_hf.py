@@ -48,7 +48,7 @@ BACKEND_FUSES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 def modelopt_algo(qw) -> str:
     """The hf_quant_config quant_algo of one llmq quantized weight, or an LlmqError with the way out."""
-    if qw.q.dtype.is_floating_point or qw.input_scale is not None or qw.dynamic:
+    if qw.q.dtype.is_floating_point or getattr(qw, "fp4", None) or qw.input_scale is not None or qw.dynamic:
         raise LlmqError(f"{qw.scheme} weights are not written for TensorRT-LLM's PyTorch backend by llmq yet; "
                         "use --target llmq (or quantize to INT4 / INT8 weight-only)")
     if not qw.symmetric:

@@ -69,6 +69,9 @@ def _weight_only(qw) -> bool:
 
 def quant_algo_for(qw) -> str:
     """The TensorRT-LLM algorithm that serves one of our quantized weights, or an LlmqError saying why none does."""
+    if getattr(qw, "fp4", None):
+        raise LlmqError(f"{qw.scheme} artifacts are not written as a TensorRT-LLM checkpoint by llmq yet; use --target "
+                        "llmq")
     if qw.q.dtype.is_floating_point:
         raise LlmqError("FP8 artifacts cannot be written as a TensorRT-LLM checkpoint by llmq yet "
                         "(TensorRT-LLM needs one scale for the fused qkv); use --target llmq or --target trtllm-hf")

@@ -1,0 +1,38 @@
+"""What the FP4 methods (nvfp4.py, mxfp4.py) share: round-to-nearest onto the E2M1 grid in the format's blocks,
+weight-only (W4A16). The arithmetic is `llmq.quant`'s; the block size is the format's, so --group-size may only
+repeat it."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import quant
+from ...errors import LlmqError
+from ...models import qformat
+
+
+def validate(opts, fmt: str) -> None:
+    block = qformat.FP4_FORMATS[fmt][0]
+    flag = f"--method {fmt}"
+    if opts.group_size != block:
+        raise LlmqError(f"{flag} has blocks of {block} input columns (the format's); drop --group-size "
+                        f"{opts.group_size or 0}")
+    if opts.per_tensor or not opts.symmetric:
+        raise LlmqError(f"{flag} is symmetric with one scale per block of {block}: drop --per-tensor / --asym")
+    if opts.activations != "dynamic":
+        raise LlmqError(f"{flag} is weight-only (W4A16) in llmq so far: activations stay 16-bit; drop --activations")
+
+
+def quantize_weight(w: torch.Tensor, fmt: str) -> qformat.QuantizedWeight:
+    """Round-to-nearest FP4 QuantizedWeight of w [out, in]."""
+    if fmt == "nvfp4":
+        codes, scale, g = quant.nvfp4_quantize(w.float())
+    else:
+        (codes, scale), g = quant.mxfp4_quantize(w.float()), None
+    return qformat.QuantizedWeight(q=codes.cpu(), scale=scale.cpu(), zero_point=None, bits=4,
+                                   group_size=qformat.FP4_FORMATS[fmt][0], symmetric=True,
+                                   global_scale=g.cpu() if g is not None else None)
+
+
+def quantize_layer(ctx, fmt: str) -> dict[str, qformat.QuantizedWeight]:
+    return {n: quantize_weight(lin.weight.data, fmt) for n, lin in ctx.linears.items()}
