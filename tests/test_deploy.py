@@ -57,7 +57,7 @@ def test_sizing_of_the_default_model_like_spec_and_refusals():
         choose(load, "l40s", across_nodes, 1, 1)
     with pytest.raises(LlmqError, match="tp 2, pp 1.*does not divide this model's 9 attention heads"):
         choose(load, "h100", across_nodes, 2, 1)
-    with pytest.raises(LlmqError, match="no layout fits on H100 80GB GPUs.*lower --max-model-len"):
+    with pytest.raises(LlmqError, match="no layout fits on H100 80GB GPUs.*lower --max-seq-len"):
         choose(Load(spec, weights, 2, 8192, 10**6), "h100", across_nodes, None, None)
     with pytest.raises(LlmqError, match="no layout with --gpus-per-node 1 fits.*smallest that fits is --gpu l40s "
                                         "--gpus-per-node 2 --nodes 1$"):
@@ -73,19 +73,18 @@ def arts(tmp_path_factory):
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
-    from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     root = tmp_path_factory.mktemp("deploy")
     store = Store(root / "store")
     model = resolve_model(str(make_tiny_model(root / "tiny")), store)
-    int4 = quantize(model, QuantizeOptions(bits=4, group_size=64, probe_tokens=0, num_samples=2, seq_len=16), store,
-                    progress=False)
-    fp8kv = quantize_kv(int4, store, KVOptions(kv="fp8", granularity="tensor", num_samples=2, seq_len=32,
-                                               probe_tokens=64), show_progress=False)
+    # dense weights with calibrated FP8 KV-cache scales: a quantized artifact (no weight quantization, which would
+    # build the runtime's C++ kernels; the engines read either through the same quantization_config)
+    fp8kv = quantize_kv(model, store, KVOptions(kv="fp8", granularity="tensor", num_samples=2, seq_len=32,
+                                                probe_tokens=64, name="tiny-kvfp8"), show_progress=False)
     gguf = build_engine(model, store, BuildOptions(target="gguf"))
     trt = build_engine(fp8kv, store, BuildOptions(target="trtllm-hf"))
-    return store, {"model": model, "int4": int4, "fp8kv": fp8kv, "gguf": gguf, "trt": trt}
+    return store, {"model": model, "fp8kv": fp8kv, "gguf": gguf, "trt": trt}
 
 
 def _deployed(arts, src: str, **kw) -> tuple[dict, str]:
@@ -102,11 +101,11 @@ def _flags(run: str) -> set[str]:
 
 
 def test_vllm_one_node_and_several(arts):
-    rec, readme = _deployed(arts, "int4", engine="vllm")
+    rec, _ = _deployed(arts, "model", engine="vllm")
     assert [s["run"] for s in rec["steps"]] == [
-        f"vllm serve $MODEL_DIR --served-model-name {arts[1]['int4'].name} --tensor-parallel-size 1 "
-        "--max-model-len 512 --max-num-seqs 32 --gpu-memory-utilization 0.9 --host 0.0.0.0 --port 8000"]
-    assert "no --quantization flag" in readme and rec["sizing"]["gpus_per_node"] == 1
+        "vllm serve $MODEL_DIR --served-model-name tiny --tensor-parallel-size 1 --max-model-len 512 "
+        "--max-num-seqs 32 --gpu-memory-utilization 0.9 --host 0.0.0.0 --port 8000"]
+    assert rec["sizing"]["gpus_per_node"] == 1 and rec["kv_cache_dtype"] == "auto"
     rec, readme = _deployed(arts, "fp8kv", engine="vllm", gpus_per_node=2, nodes=2)
     head, workers, serve = rec["steps"]
     assert (head["run"], workers) == ("ray start --head --port 6379", {
@@ -125,7 +124,7 @@ def test_sglang_one_node_and_several(arts):
     assert only["run"].startswith("python -m sglang.launch_server --model-path $MODEL_DIR --served-model-name tiny "
                                   "--tp-size 2 --context-length 512") and "--nnodes" not in only["run"]
     assert "--kv-cache-dtype" not in only["run"]   # no calibrated FP8 scales in a dense model
-    rec, _ = _deployed(arts, "fp8kv", engine="sglang", gpus_per_node=2, nodes=2, max_model_len=256,
+    rec, _ = _deployed(arts, "fp8kv", engine="sglang", gpus_per_node=2, nodes=2, max_seq_len=256,
                        max_concurrency=8)
     assert [s["where"] for s in rec["steps"]] == ["node 0", "node 1"]
     for r, s in enumerate(rec["steps"]):
@@ -166,7 +165,7 @@ def test_llama_server_one_node(arts):
 @pytest.mark.parametrize("engine,src,message", [
     ("vllm", "gguf", r"is a gguf engine; vLLM loads a model or quantized artifact .*: deploy tiny, the artifact"),
     ("sglang", "trt", r"is a trtllm-hf engine; SGLang loads a model or quantized artifact"),
-    ("trtllm", "int4", r"is a quantized artifact; trtllm-serve .*run `llmq build tiny-rtn\S* --target trtllm-hf`"),
+    ("trtllm", "fp8kv", r"is a quantized artifact; trtllm-serve .*run `llmq build tiny-kvfp8 --target trtllm-hf`"),
     ("trtllm", "gguf", r"is a gguf engine; .*run `llmq build tiny --target trtllm-hf`"),
     ("llama.cpp", "model", r"is a model artifact; llama-server loads a GGUF file: run `llmq build tiny --target gguf`"),
     ("llama.cpp", "trt", r"is a trtllm-hf engine; .*run `llmq build tiny\S* --target gguf`"),
@@ -209,6 +208,10 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, tmp_path):
     run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang",
                                    "--gpus-per-node", "1", "--nodes", "1", "--max-concurrency", "10000000"])
     assert run.exit_code == 2 and run.output.count("\n") == 1 and run.output.startswith("error: --gpu h100 ")
-    run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang"])
+    run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang",
+                                   "--max-model-len", "256"])   # vLLM's spelling of --max-seq-len
     assert run.exit_code == 0, run.output
     assert "| H100 80GB | 1 x 1 | 1 x 1 |" in run.output and "on the node: python -m sglang.launch_server" in run.output
+    assert "--context-length 256 " in run.output
+    with pytest.raises(LlmqError, match="^--max-seq-len 513 exceeds the model's 512 positions$"):
+        deploy(a["model"], store, DeployOptions(engine="vllm", max_seq_len=513))

@@ -160,7 +160,7 @@ def _launch_vllm(m: Loadable, s: Sizing, o: dict) -> Launch:
     serve = _cmd("vllm", "serve", m.path, ("--served-model-name", o["served_name"]),
                  ("--tensor-parallel-size", s.tp), ("--pipeline-parallel-size", s.pp if s.nodes > 1 else None),
                  ("--distributed-executor-backend", "ray" if s.nodes > 1 else None),
-                 ("--max-model-len", o["max_model_len"]), ("--max-num-seqs", o["max_concurrency"]),
+                 ("--max-model-len", o["max_seq_len"]), ("--max-num-seqs", o["max_concurrency"]),
                  ("--gpu-memory-utilization", MEMORY_FRACTION), ("--kv-cache-dtype", "fp8" if m.kv_fp8 else None),
                  ("--host", "0.0.0.0"), ("--port", 8000))
     if s.nodes == 1:
@@ -178,7 +178,7 @@ def _launch_sglang(m: Loadable, s: Sizing, o: dict) -> Launch:
                     ("--served-model-name", o["served_name"]), ("--tp-size", s.tp),
                     ("--pp-size", s.pp if multi else None), ("--nnodes", s.nodes if multi else None),
                     ("--node-rank", rank), ("--dist-init-addr", f"{HEAD}:5000" if multi else None),
-                    ("--context-length", o["max_model_len"]), ("--max-running-requests", o["max_concurrency"]),
+                    ("--context-length", o["max_seq_len"]), ("--max-running-requests", o["max_concurrency"]),
                     ("--mem-fraction-static", MEMORY_FRACTION), ("--kv-cache-dtype", "fp8_e4m3" if m.kv_fp8 else None),
                     ("--host", "0.0.0.0"), ("--port", 30000))
     if s.nodes == 1:
@@ -194,7 +194,7 @@ def _launch_trtllm(m: Loadable, s: Sizing, o: dict) -> Launch:
 
     files = {TRTLLM_OPTIONS: yaml.safe_dump({"kv_cache_config": {"dtype": "fp8"}})} if m.kv_fp8 else {}
     serve = ["trtllm-serve", m.path, ("--backend", "pytorch"), ("--tp_size", s.tp), ("--pp_size", s.pp),
-             ("--max_batch_size", o["max_concurrency"]), ("--max_seq_len", o["max_model_len"]),
+             ("--max_batch_size", o["max_concurrency"]), ("--max_seq_len", o["max_seq_len"]),
              ("--kv_cache_free_gpu_memory_fraction", MEMORY_FRACTION),
              ("--extra_llm_api_options", f"$DEPLOY_DIR/{TRTLLM_OPTIONS}" if files else None),
              ("--host", "0.0.0.0"), ("--port", 8000)]
@@ -207,7 +207,7 @@ def _launch_trtllm(m: Loadable, s: Sizing, o: dict) -> Launch:
 
 def _launch_llama(m: Loadable, s: Sizing, o: dict) -> Launch:
     return Launch([Step("the node", _cmd(
-        "llama-server", ("-m", m.path), ("-c", o["max_model_len"] * o["max_concurrency"]),
+        "llama-server", ("-m", m.path), ("-c", o["max_seq_len"] * o["max_concurrency"]),
         ("-np", o["max_concurrency"]), ("-t", o["threads"]), ("-ngl", 999),
         ("--split-mode", "layer" if s.pp > 1 else None), ("--host", "0.0.0.0"), ("--port", 8080)))])
 

@@ -134,7 +134,7 @@ def choose(load: Load, gpu: str, to_ranks, gpus_per_node: int | None, nodes: int
         raise LlmqError(f"{s.flags} does not fit: {gib(s.need)} per GPU (weights {gib(s.weights)} + KV cache "
                         f"{gib(s.kv_cache)} + margin {gib(s.margin)}) > {gib(s.usable)} usable on one "
                         f"{GPUS[gpu].label}; " + (f"the smallest layout that fits is {other.flags}" if other else
-                                                  "no layout fits: lower --max-model-len or --max-concurrency"))
+                                                  "no layout fits: lower --max-seq-len or --max-concurrency"))
     s = smallest(load, gpu, to_ranks, gpus_per_node, nodes)
     if s is None:
         fixed = " ".join(f"--{k} {v}" for k, v in (("gpus-per-node", gpus_per_node), ("nodes", nodes)) if v)
@@ -142,7 +142,7 @@ def choose(load: Load, gpu: str, to_ranks, gpus_per_node: int | None, nodes: int
         raise LlmqError(f"no layout {('with ' + fixed + ' ') if fixed else ''}fits on {GPUS[gpu].label} GPUs "
                         f"(at most {GPUS_PER_NODE[-1]} per node, {MAX_NODES} nodes); "
                         + (f"the smallest that fits is {other.flags}" if other else
-                           "lower --max-model-len or --max-concurrency, or quantize the weights"))
+                           "lower --max-seq-len or --max-concurrency, or quantize the weights"))
     return s
 
 

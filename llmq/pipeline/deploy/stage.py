@@ -20,7 +20,8 @@ class DeployOptions(Options):
     gpus_per_node: int | None = option(None, "GPUs per node: 1, 2, 4 or 8 (default: the fewest that fit).",
                                        choices=(1, 2, 4, 8))
     nodes: int | None = option(None, "Nodes (default: the fewest that fit).", ge=1)
-    max_model_len: int | None = option(None, "Tokens per sequence (default: the model's positions).", ge=1)
+    max_seq_len: int | None = option(None, "Tokens per sequence (default: the model's positions).", ge=1,
+                                     aliases=("max_model_len",))
     max_concurrency: int = option(32, "Sequences served at once.", ge=1)
     threads: int | None = option(None, "llama-server's CPU threads (default: llama.cpp's choice).", ge=1)
     name: str | None = option(None, "Deploy artifact name (default: <source>-<engine>).")
@@ -33,18 +34,18 @@ def deploy(source: Artifact, store: Store, opts: DeployOptions, command: str | N
     engine = ENGINES[opts.engine]
     model = engine.load(source, store)
     positions = model.spec.max_position_embeddings
-    if opts.max_model_len and opts.max_model_len > positions:
-        raise LlmqError(f"--max-model-len {opts.max_model_len} exceeds the model's {positions} positions")
-    context = opts.max_model_len or positions
+    if opts.max_seq_len and opts.max_seq_len > positions:
+        raise LlmqError(f"--max-seq-len {opts.max_seq_len} exceeds the model's {positions} positions")
+    context = opts.max_seq_len or positions
     load = Load(model.spec, model.weight_bytes, 1 if model.kv_fp8 else 2, context, opts.max_concurrency)
     sizing = choose(load, opts.gpu, engine.to_ranks, opts.gpus_per_node, opts.nodes)
     others = {g: smallest(load, g, engine.to_ranks) for g in GPUS}
-    launch = engine.launch(model, sizing, {"served_name": source.name, "max_model_len": context,
+    launch = engine.launch(model, sizing, {"served_name": source.name, "max_seq_len": context,
                                            "max_concurrency": opts.max_concurrency, "threads": opts.threads})
     table = [*sizing_table([sizing]), "", "The smallest layout that fits, per GPU kind:", "",
              *sizing_table([s for s in others.values() if s])]
     record = {"engine": engine.name, "source": {"id": source.id, "ref": source.ref, "kind": source.kind},
-              "model": model.model or ".", "max_model_len": context, "max_concurrency": opts.max_concurrency,
+              "model": model.model or ".", "max_seq_len": context, "max_concurrency": opts.max_concurrency,
               "kv_cache_dtype": "fp8" if model.kv_fp8 else "auto", "sizing": sizing.to_dict(),
               "smallest_per_gpu": {g: s.to_dict() if s else None for g, s in others.items()},
               "steps": [asdict(s) for s in launch.steps], "files": sorted(launch.files), "notes": list(model.notes),
@@ -91,7 +92,7 @@ def readme(source: Artifact, label: str, model: Loadable, sizing: Sizing, launch
               f"`llmq bench serve --endpoint {url}`.",
               "", "## Sizing", "",
               f"Per GPU: weights ({model.weight_bytes / 2**30:.2f} GiB in all, split over tp x pp ranks) + KV cache "
-              f"({record['max_concurrency']} sequences x {record['max_model_len']} tokens, "
+              f"({record['max_concurrency']} sequences x {record['max_seq_len']} tokens, "
               f"{'FP8' if model.kv_fp8 else '16-bit'}) + {gib(ACTIVATION_MARGIN)} margin for activations and CUDA "
               f"graphs, against {MEMORY_FRACTION:.0%} of the GPU's memory.", "",
               *record["table"],
