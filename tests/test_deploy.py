@@ -189,7 +189,7 @@ def test_every_flag_is_one_the_engine_parses(arts):
         assert used == set(FLAGS[engine]["flags"]), engine
 
 
-def test_written_through_the_store_and_nothing_left_on_failure(arts, tmp_path):
+def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch):
     from click.testing import CliRunner
 
     from llmq.cli.main import cli
@@ -205,6 +205,15 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, tmp_path):
         deploy(a["model"], store, DeployOptions(engine="vllm", name="nofit", gpus_per_node=1, nodes=1,
                                                 max_concurrency=10**7))
     assert sorted(p.name for p in store.root.iterdir()) == before and store.versions("nofit") == []
+
+    def broken(*_):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("llmq.pipeline.deploy.stage.readme", broken)   # a failure while the files are written
+    with pytest.raises(OSError, match="disk gone"):
+        deploy(a["model"], store, DeployOptions(engine="vllm", name="halfway"))
+    assert sorted(p.name for p in store.root.iterdir()) == before
+    monkeypatch.undo()
     run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang",
                                    "--gpus-per-node", "1", "--nodes", "1", "--max-concurrency", "10000000"])
     assert run.exit_code == 2 and run.output.count("\n") == 1 and run.output.startswith("error: --gpu h100 ")

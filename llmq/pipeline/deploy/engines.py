@@ -84,8 +84,8 @@ def _hf_checkpoint(art: Artifact, model: str = "", kv_fp8: bool | None = None, n
 
     src = CheckpointReader(art.path / model)
     if src.embedding_quantized():
-        raise LlmqError(f"{art.ref} stores an INT8 embedding table (quantize --embedding int8), which vLLM / SGLang "
-                        "do not load; quantize again without --embedding int8")
+        raise LlmqError(f"{art.ref} stores an INT8 embedding table (quantize --embedding int8), which the serving "
+                        "engines do not load; quantize again without --embedding int8")
     kv = src.kv_cache_dtype()
     notes = list(notes)
     if kv == "int8":
