@@ -29,7 +29,7 @@ UNSEALED_KEYS = frozenset({"digest", "created"})
 # Metrics that measure the writing run (time, memory), not the artifact: the digest leaves them out (see above).
 RUN_MEASUREMENTS = frozenset({"wall_time_s", "wall_s", "layer_times_s", "seconds_by_request_type", "peak_rss_bytes",
                               "peak_device_bytes"})
-KINDS = ("model", "quantized", "engine", "eval-report", "bench-report")
+KINDS = ("model", "quantized", "engine", "eval-report", "bench-report", "deploy")
 _REQUIRED = ("schema", "kind", "name", "version", "id", "parents", "files")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _TRACKED_PACKAGES = ("llmq", "torch", "transformers", "compressed-tensors", "safetensors", "lm_eval", "tensorrt_llm")

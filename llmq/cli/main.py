@@ -10,6 +10,7 @@ from ..errors import LlmqError
 from .artifacts import import_, inspect, lineage, ls
 from .bench import bench
 from .build import build
+from .deploy import deploy_
 from .eval import eval_
 from .quantize import quantize
 from .quantize_kv import quantize_kv
@@ -40,7 +41,7 @@ def cli(ctx, store):
     ctx.obj["store"] = store
 
 
-for _cmd in (import_, ls, inspect, lineage, quantize, quantize_kv, build, eval_, serve, bench, run):
+for _cmd in (import_, ls, inspect, lineage, quantize, quantize_kv, build, deploy_, eval_, serve, bench, run):
     cli.add_command(_cmd)
 cli.add_command(verify)
 

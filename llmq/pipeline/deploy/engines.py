@@ -1,0 +1,227 @@
+"""The four serving engines `llmq deploy` writes for: what each loads, how it spreads over GPUs and nodes, and its
+launch commands. Each engine is one `Engine` below; the stage looks them up in ENGINES and never branches on a name.
+
+Flags are emitted only where the artifact supports them: an FP8 KV cache only with calibrated FP8 scales (an
+uncalibrated one would run with scale 1.0, sglang#18818); never `--quantization` for a compressed-tensors checkpoint
+(the engines read its quantization_config; forcing a method is how "unknown quantization method" happens).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from ...errors import LlmqError
+from .sizing import MEMORY_FRACTION
+
+if TYPE_CHECKING:
+    from ...artifacts import Artifact, Store
+    from ...models.spec import ModelSpec
+    from .sizing import Sizing
+
+MODEL_DIR = "$MODEL_DIR"   # the source artifact's directory, copied to the same path on every node
+HEAD = "$HEAD_IP"          # node 0's address, reachable from the other nodes
+
+
+@dataclass(frozen=True)
+class Loadable:
+    """What an engine will load from an artifact."""
+
+    model: str               # the path it loads, under the source artifact's directory ("" for the directory)
+    spec: ModelSpec
+    weight_bytes: int        # all ranks together
+    kv_fp8: bool             # calibrated FP8 KV-cache scales the engine will apply
+    notes: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> str:
+        return f"{MODEL_DIR}/{self.model}" if self.model else MODEL_DIR
+
+
+@dataclass(frozen=True)
+class Step:
+    where: str   # which machine(s) run it
+    run: str     # the command line
+
+
+@dataclass(frozen=True)
+class Launch:
+    steps: list[Step]
+    files: dict[str, str] = field(default_factory=dict)   # name -> text, written into the deploy artifact
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    label: str
+    load: Callable[[Artifact, Store], Loadable]
+    # (gpus per node, nodes) -> (tp, pp), or None where the engine does not run that layout
+    to_ranks: Callable[[int, int], tuple[int, int] | None]
+    launch: Callable[[Loadable, Sizing, dict], Launch]   # dict: the deploy options that reach the command line
+    checked: str                                          # how its flag names were checked
+    port: int
+
+
+def _cmd(*parts) -> str:
+    """A command line from words and (flag, value) pairs; a None value drops its flag."""
+    words = []
+    for p in parts:
+        if isinstance(p, tuple):
+            if p[1] is not None:
+                words += [p[0]] + ([] if p[1] is True else [str(p[1])])
+        else:
+            words.append(p)
+    return " ".join(w if w.startswith("$") else shlex.quote(w) for w in words)
+
+
+def _hf_checkpoint(art: Artifact, model: str = "", kv_fp8: bool | None = None, notes=()) -> Loadable:
+    """A Hugging Face checkpoint under `art` (dense, compressed-tensors or bitsandbytes): its stored bytes, its KV
+    scales."""
+    import torch
+
+    from ...models.reader import CheckpointReader
+
+    src = CheckpointReader(art.path / model)
+    if src.embedding_quantized():
+        raise LlmqError(f"{art.ref} stores an INT8 embedding table (quantize --embedding int8), which the serving "
+                        "engines do not load; quantize again without --embedding int8")
+    kv = src.kv_cache_dtype()
+    notes = list(notes)
+    if kv == "int8":
+        notes.append("the artifact's INT8 KV-cache scales are not used: these engines have no INT8 KV cache; the "
+                     "cache is sized and run in 16 bits")
+    if src.qconfig is not None and src.qconfig.weights is not None:
+        notes.append("weights pre-quantized (compressed-tensors): no --quantization flag, the engine reads the "
+                     "checkpoint's quantization_config")
+    return Loadable(model, src.spec, src.runtime_bytes(torch.bfloat16), kv == "fp8" if kv_fp8 is None else kv_fp8,
+                    tuple(notes))
+
+
+def _what(art: Artifact, engine) -> str:
+    return f"a {engine.target} engine" if engine else f"{'an' if art.kind[0] in 'aeiou' else 'a'} {art.kind} artifact"
+
+
+def _engine_spec(art: Artifact):
+    from ...models.engine_spec import EngineSpec
+
+    return EngineSpec.read(art.path)
+
+
+def _hf_artifact(engine: str):
+    """vLLM and SGLang load a model or quantized artifact as it is."""
+    def load(art: Artifact, store: Store) -> Loadable:
+        if art.kind not in ("model", "quantized"):
+            spec = _engine_spec(art) if art.kind == "engine" else None
+            raise LlmqError(f"{art.ref} is {_what(art, spec)}; {engine} loads a model or quantized artifact (a Hugging "
+                            "Face checkpoint)" + (f": deploy {spec.source['name']}, the artifact it was built from"
+                                                  if spec else ""))
+        return _hf_checkpoint(art)
+    return load
+
+
+def _load_trtllm(art: Artifact, store: Store) -> Loadable:
+    """trtllm-serve's PyTorch backend loads a dense checkpoint or `llmq build --target trtllm-hf`'s."""
+    if art.kind == "model":
+        return _hf_checkpoint(art)
+    engine = _engine_spec(art) if art.kind == "engine" else None
+    if engine is None or engine.target != "trtllm-hf":
+        raise LlmqError(f"{art.ref} is {_what(art, engine)}; trtllm-serve loads a dense model or a trtllm-hf engine: "
+                        f"run `llmq build {engine.source['name'] if engine else art.name} --target trtllm-hf`")
+    return _hf_checkpoint(art, engine.outputs["trtllm_hf_checkpoint"], kv_fp8=engine.kv_cache_dtype == "fp8",
+                          notes=["quantization and KV-cache scheme from the checkpoint's hf_quant_config.json"])
+
+
+def _load_gguf(art: Artifact, store: Store) -> Loadable:
+    """llama-server loads `llmq build --target gguf`'s file; the model's shape is its source's config."""
+    from ...models.spec import ModelSpec
+
+    engine = _engine_spec(art) if art.kind == "engine" else None
+    if engine is None or engine.target != "gguf":
+        raise LlmqError(f"{art.ref} is {_what(art, engine)}; llama-server loads a GGUF file: run "
+                        f"`llmq build {engine.source['name'] if engine else art.name} --target gguf`")
+    gguf = engine.outputs["gguf"]["file"]
+    spec = ModelSpec.from_config(store.by_id(engine.source["id"]).path)
+    return Loadable(gguf, spec, (art.path / gguf).stat().st_size, kv_fp8=False,
+                    notes=("llama.cpp keeps the KV cache in f16 (its default -ctk / -ctv)",))
+
+
+def _across_nodes(g: int, n: int) -> tuple[int, int]:
+    """Tensor parallel within a node, pipeline parallel across nodes (the engines' multi-node advice)."""
+    return g, n
+
+
+def _one_node(g: int, n: int) -> tuple[int, int] | None:
+    """llama.cpp: one node, its GPUs splitting the layers (--split-mode layer), no tensor parallelism."""
+    return (1, g) if n == 1 else None
+
+
+def _launch_vllm(m: Loadable, s: Sizing, o: dict) -> Launch:
+    serve = _cmd("vllm", "serve", m.path, ("--served-model-name", o["served_name"]),
+                 ("--tensor-parallel-size", s.tp), ("--pipeline-parallel-size", s.pp if s.nodes > 1 else None),
+                 ("--distributed-executor-backend", "ray" if s.nodes > 1 else None),
+                 ("--max-model-len", o["max_seq_len"]), ("--max-num-seqs", o["max_concurrency"]),
+                 ("--gpu-memory-utilization", MEMORY_FRACTION), ("--kv-cache-dtype", "fp8" if m.kv_fp8 else None),
+                 ("--host", "0.0.0.0"), ("--port", 8000))
+    if s.nodes == 1:
+        return Launch([Step("the node", serve)])
+    workers = "node 1" if s.nodes == 2 else f"nodes 1..{s.nodes - 1}"
+    return Launch([Step("node 0", "ray start --head --port 6379"),
+                   Step(workers, f"ray start --address {HEAD}:6379 --block"),
+                   Step("node 0, once `ray status` shows every GPU", serve)])
+
+
+def _launch_sglang(m: Loadable, s: Sizing, o: dict) -> Launch:
+    def node(rank: int | None) -> str:
+        multi = rank is not None
+        return _cmd("python", "-m", "sglang.launch_server", ("--model-path", m.path),
+                    ("--served-model-name", o["served_name"]), ("--tp-size", s.tp),
+                    ("--pp-size", s.pp if multi else None), ("--nnodes", s.nodes if multi else None),
+                    ("--node-rank", rank), ("--dist-init-addr", f"{HEAD}:5000" if multi else None),
+                    ("--context-length", o["max_seq_len"]), ("--max-running-requests", o["max_concurrency"]),
+                    ("--mem-fraction-static", MEMORY_FRACTION), ("--kv-cache-dtype", "fp8_e4m3" if m.kv_fp8 else None),
+                    ("--host", "0.0.0.0"), ("--port", 30000))
+    if s.nodes == 1:
+        return Launch([Step("the node", node(None))])
+    return Launch([Step(f"node {r}", node(r)) for r in range(s.nodes)])
+
+
+TRTLLM_OPTIONS = "trtllm-llm-api-options.yaml"
+
+
+def _launch_trtllm(m: Loadable, s: Sizing, o: dict) -> Launch:
+    import yaml
+
+    files = {TRTLLM_OPTIONS: yaml.safe_dump({"kv_cache_config": {"dtype": "fp8"}})} if m.kv_fp8 else {}
+    serve = ["trtllm-serve", m.path, ("--backend", "pytorch"), ("--tp_size", s.tp), ("--pp_size", s.pp),
+             ("--max_batch_size", o["max_concurrency"]), ("--max_seq_len", o["max_seq_len"]),
+             ("--kv_cache_free_gpu_memory_fraction", MEMORY_FRACTION),
+             ("--extra_llm_api_options", f"$DEPLOY_DIR/{TRTLLM_OPTIONS}" if files else None),
+             ("--host", "0.0.0.0"), ("--port", 8000)]
+    if s.nodes == 1:
+        return Launch([Step("the node", _cmd(*serve))], files)
+    hosts = ",".join(f"$NODE{r}:{s.gpus_per_node}" for r in range(s.nodes))
+    return Launch([Step("node 0 (one MPI world; passwordless ssh to every node, same paths everywhere)",
+                        _cmd("mpirun", ("-H", hosts), ("-n", s.tp * s.pp), "trtllm-llmapi-launch", *serve))], files)
+
+
+def _launch_llama(m: Loadable, s: Sizing, o: dict) -> Launch:
+    return Launch([Step("the node", _cmd(
+        "llama-server", ("-m", m.path), ("-c", o["max_seq_len"] * o["max_concurrency"]),
+        ("-np", o["max_concurrency"]), ("-t", o["threads"]), ("-ngl", 999),
+        ("--split-mode", "layer" if s.pp > 1 else None), ("--host", "0.0.0.0"), ("--port", 8080)))])
+
+
+_WHEEL = ("flag names checked against the argument parser source of the {} wheel (`pip download --no-deps {}`; "
+          "tests/data/deploy_engine_flags.json, tests/test_deploy.py)")
+ENGINES = {e.name: e for e in (
+    Engine("vllm", "vLLM", _hf_artifact("vLLM"), _across_nodes, _launch_vllm, _WHEEL.format("vllm 0.33.0", "vllm"),
+           8000),
+    Engine("sglang", "SGLang", _hf_artifact("SGLang"), _across_nodes, _launch_sglang,
+           _WHEEL.format("sglang 0.5.23", "sglang"), 30000),
+    Engine("trtllm", "TensorRT-LLM", _load_trtllm, _across_nodes, _launch_trtllm,
+           "flag names from TensorRT-LLM's trtllm-serve documentation (tensorrt_llm is not installable here)", 8000),
+    Engine("llama.cpp", "llama.cpp", _load_gguf, _one_node, _launch_llama,
+           "flag names checked against llama.cpp's argument table (common/arg.cpp) in the source the llama-cpp-python "
+           "0.3.36 sdist vendors (tests/data/deploy_engine_flags.json, tests/test_deploy.py)", 8080),
+)}

@@ -1,0 +1,226 @@
+"""`llmq deploy`: the sizing arithmetic against hand computations, refusals (layouts that cannot fit, artifacts an
+engine cannot load), every engine's commands on one node and several, their flag names against the engines' own
+argument parsers (tests/data/deploy_engine_flags.json), and the deploy artifact written through the store."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from llmq.errors import LlmqError
+from llmq.models.spec import ModelSpec
+from llmq.pipeline.deploy import ENGINES, DeployOptions, deploy
+from llmq.pipeline.deploy.sizing import ACTIVATION_MARGIN, MEMORY_FRACTION, Load, choose, size, smallest
+
+FLAGS = json.loads((Path(__file__).parent / "data" / "deploy_engine_flags.json").read_text())
+H100_USABLE = int(81559 * 2**20 * 0.9)
+TINY = dict(model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+# SmolLM2-135M-Instruct, the default model: 30 layers, 9 query / 3 KV heads of 64, tied embeddings
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+across_nodes, one_node = ENGINES["vllm"].to_ranks, ENGINES["llama.cpp"].to_ranks
+
+
+def test_sizing_of_a_tiny_model_by_hand():
+    spec = ModelSpec.from_config(TINY)
+    load = Load(spec, weight_bytes=1_000_001, kv_element_bytes=2, context=512, concurrency=32)
+    one = size(load, "h100", 1, 1, 1, 1)
+    # KV: K and V x 2 layers x 2 KV heads x 16 x 2 bytes = 256 bytes a token, x 512 tokens x 32 sequences
+    assert (one.weights, one.kv_cache, one.margin) == (1_000_001, 256 * 512 * 32, ACTIVATION_MARGIN)
+    assert one.usable == H100_USABLE and MEMORY_FRACTION == 0.9
+    four = size(load, "h100", 2, 2, 2, 2)
+    # tp 2: one KV head a rank; pp 2: one layer a stage -> 2 x 1 x 1 x 16 x 2 = 64 bytes a token; weights / 4 rounded up
+    assert (four.weights, four.kv_cache) == (250_001, 64 * 512 * 32)
+    assert four.need == 250_001 + 64 * 512 * 32 + ACTIVATION_MARGIN and four.fits
+
+
+def test_sizing_of_the_default_model_like_spec_and_refusals():
+    spec = ModelSpec.from_config(SMOLLM2)
+    weights = spec.num_parameters() * 2   # bf16
+    load = Load(spec, weights, 2, context=8192, concurrency=256)
+    # 2 x 30 layers x 3 KV heads x 64 x 2 bytes = 23040 bytes a token; x 8192 x 256 = 45 GiB > an L40S's 40.5 usable
+    one = size(load, "l40s", 1, 1, 1, 1)
+    assert one.kv_cache == 23040 * 8192 * 256 == 45 * 2**30 and not one.fits
+    # tp 2 does not divide 9 heads (the engines pad nothing), so the next layout is 2 pipeline stages on 2 nodes
+    best = smallest(load, "l40s", across_nodes)
+    assert (best.gpus_per_node, best.nodes, best.tp, best.pp) == (1, 2, 1, 2)
+    assert best.kv_cache == 23040 // 2 * 8192 * 256 and best.weights == -(-weights // 2)
+    # llama.cpp splits layers over one node's GPUs instead
+    assert (lambda s: (s.gpus_per_node, s.nodes, s.tp, s.pp))(smallest(load, "l40s", one_node)) == (2, 1, 1, 2)
+    assert (lambda s: (s.gpus_per_node, s.nodes))(choose(load, "h100", across_nodes, None, None)) == (1, 1)
+    with pytest.raises(LlmqError, match=r"--gpu l40s --gpus-per-node 1 --nodes 1 does not fit: 47\.\d+ GiB per GPU"
+                                        r".*smallest layout that fits is --gpu l40s --gpus-per-node 1 --nodes 2$"):
+        choose(load, "l40s", across_nodes, 1, 1)
+    with pytest.raises(LlmqError, match="tp 2, pp 1.*does not divide this model's 9 attention heads"):
+        choose(load, "h100", across_nodes, 2, 1)
+    with pytest.raises(LlmqError, match="no layout fits on H100 80GB GPUs.*lower --max-seq-len"):
+        choose(Load(spec, weights, 2, 8192, 10**6), "h100", across_nodes, None, None)
+    with pytest.raises(LlmqError, match="no layout with --gpus-per-node 1 fits.*smallest that fits is --gpu l40s "
+                                        "--gpus-per-node 2 --nodes 1$"):
+        choose(load, "l40s", one_node, 1, None)   # llama.cpp: one node, so more GPUs on it
+
+
+# --- the stage, on real artifacts of a tiny model -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    from helpers import make_tiny_model
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    root = tmp_path_factory.mktemp("deploy")
+    store = Store(root / "store")
+    model = resolve_model(str(make_tiny_model(root / "tiny")), store)
+    # dense weights with calibrated FP8 KV-cache scales: a quantized artifact (no weight quantization, which would
+    # build the runtime's C++ kernels; the engines read either through the same quantization_config)
+    fp8kv = quantize_kv(model, store, KVOptions(kv="fp8", granularity="tensor", num_samples=2, seq_len=32,
+                                                probe_tokens=64, name="tiny-kvfp8"), show_progress=False)
+    gguf = build_engine(model, store, BuildOptions(target="gguf"))
+    trt = build_engine(fp8kv, store, BuildOptions(target="trtllm-hf"))
+    return store, {"model": model, "fp8kv": fp8kv, "gguf": gguf, "trt": trt}
+
+
+def _deployed(arts, src: str, **kw) -> tuple[dict, str]:
+    store, a = arts
+    art = deploy(a[src], store, DeployOptions(**kw))
+    return json.loads(art.file("deploy.json").read_text()), art.file("README.md").read_text()
+
+
+def _flags(run: str) -> set[str]:
+    """The flags of the engine's own program in a command line (not mpirun's, nor python's -m)."""
+    for program in ("trtllm-llmapi-launch", "sglang.launch_server"):
+        run = run.split(program)[-1]
+    return {w for w in shlex.split(run) if w.startswith("-")}
+
+
+def test_vllm_one_node_and_several(arts):
+    rec, _ = _deployed(arts, "model", engine="vllm")
+    assert [s["run"] for s in rec["steps"]] == [
+        "vllm serve $MODEL_DIR --served-model-name tiny --tensor-parallel-size 1 --max-model-len 512 "
+        "--max-num-seqs 32 --gpu-memory-utilization 0.9 --host 0.0.0.0 --port 8000"]
+    assert rec["sizing"]["gpus_per_node"] == 1 and rec["kv_cache_dtype"] == "auto"
+    rec, readme = _deployed(arts, "fp8kv", engine="vllm", gpus_per_node=2, nodes=2)
+    head, workers, serve = rec["steps"]
+    assert (head["run"], workers) == ("ray start --head --port 6379", {
+        "where": "node 1", "run": "ray start --address $HEAD_IP:6379 --block"})
+    assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 --distributed-executor-backend ray" in serve["run"]
+            and "--kv-cache-dtype fp8 " in serve["run"]) and (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (2, 2)
+    assert "Set `HEAD_IP` to node 0's address." in readme
+    with pytest.raises(LlmqError, match=r"^--gpus-per-node 2 --nodes 3 \(tp 2, pp 3\): 3 pipeline stages exceed the "
+                                        "model's 2 layers$"):
+        _deployed(arts, "fp8kv", engine="vllm", gpus_per_node=2, nodes=3)
+
+
+def test_sglang_one_node_and_several(arts):
+    rec, _ = _deployed(arts, "model", engine="sglang", gpus_per_node=2, nodes=1)
+    (only,) = rec["steps"]
+    assert only["run"].startswith("python -m sglang.launch_server --model-path $MODEL_DIR --served-model-name tiny "
+                                  "--tp-size 2 --context-length 512") and "--nnodes" not in only["run"]
+    assert "--kv-cache-dtype" not in only["run"]   # no calibrated FP8 scales in a dense model
+    rec, _ = _deployed(arts, "fp8kv", engine="sglang", gpus_per_node=2, nodes=2, max_seq_len=256,
+                       max_concurrency=8)
+    assert [s["where"] for s in rec["steps"]] == ["node 0", "node 1"]
+    for r, s in enumerate(rec["steps"]):
+        assert (f"--tp-size 2 --pp-size 2 --nnodes 2 --node-rank {r} --dist-init-addr $HEAD_IP:5000 "
+                "--context-length 256 --max-running-requests 8 --mem-fraction-static 0.9 --kv-cache-dtype fp8_e4m3"
+                in s["run"])
+
+
+def test_trtllm_one_node_and_several(arts):
+    store, a = arts
+    rec, _ = _deployed(arts, "model", engine="trtllm")
+    assert rec["steps"][0]["run"] == (
+        "trtllm-serve $MODEL_DIR --backend pytorch --tp_size 1 --pp_size 1 --max_batch_size 32 --max_seq_len 512 "
+        "--kv_cache_free_gpu_memory_fraction 0.9 --host 0.0.0.0 --port 8000") and rec["files"] == []
+    art = deploy(a["trt"], store, DeployOptions(engine="trtllm", gpus_per_node=2, nodes=2))
+    rec = json.loads(art.file("deploy.json").read_text())
+    (step,) = rec["steps"]
+    assert step["run"].startswith("mpirun -H $NODE0:2,$NODE1:2 -n 4 trtllm-llmapi-launch trtllm-serve "
+                                  "$MODEL_DIR/trtllm-hf --backend pytorch --tp_size 2 --pp_size 2")
+    assert "--extra_llm_api_options $DEPLOY_DIR/trtllm-llm-api-options.yaml" in step["run"]
+    assert art.file("trtllm-llm-api-options.yaml").read_text() == "kv_cache_config:\n  dtype: fp8\n"
+
+
+def test_llama_server_one_node(arts):
+    rec, _ = _deployed(arts, "gguf", engine="llama.cpp", max_concurrency=4, threads=8)
+    gguf = arts[1]["gguf"]
+    (step,) = rec["steps"]
+    # llama-server's -c is the context of all slots together: 512 tokens x 4 slots
+    assert step["run"] == (f"llama-server -m $MODEL_DIR/{rec['model']} -c 2048 -np 4 -t 8 -ngl 999 --host 0.0.0.0 "
+                           "--port 8080") and rec["model"].endswith(".gguf")
+    assert rec["sizing"]["weights"] == (gguf.path / rec["model"]).stat().st_size
+    rec, _ = _deployed(arts, "gguf", engine="llama.cpp", gpus_per_node=2, nodes=1)
+    assert "--split-mode layer" in rec["steps"][0]["run"] and (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (1, 2)
+    with pytest.raises(LlmqError, match="^--gpus-per-node 1 --nodes 2: this engine runs on one node here$"):
+        _deployed(arts, "gguf", engine="llama.cpp", gpus_per_node=1, nodes=2)
+
+
+@pytest.mark.parametrize("engine,src,message", [
+    ("vllm", "gguf", r"is a gguf engine; vLLM loads a model or quantized artifact .*: deploy tiny, the artifact"),
+    ("sglang", "trt", r"is a trtllm-hf engine; SGLang loads a model or quantized artifact"),
+    ("trtllm", "fp8kv", r"is a quantized artifact; trtllm-serve .*run `llmq build tiny-kvfp8 --target trtllm-hf`"),
+    ("trtllm", "gguf", r"is a gguf engine; .*run `llmq build tiny --target trtllm-hf`"),
+    ("llama.cpp", "model", r"is a model artifact; llama-server loads a GGUF file: run `llmq build tiny --target gguf`"),
+    ("llama.cpp", "trt", r"is a trtllm-hf engine; .*run `llmq build tiny\S* --target gguf`"),
+])
+def test_refuses_what_the_engine_cannot_load(arts, engine, src, message):
+    with pytest.raises(LlmqError, match=message):
+        _deployed(arts, src, engine=engine)
+
+
+def test_every_flag_is_one_the_engine_parses(arts):
+    """The flags each engine's commands use, on one node and several, are those found in its own argument parser."""
+    cases = {"vllm": "fp8kv", "sglang": "fp8kv", "trtllm": "trt", "llama.cpp": "gguf"}
+    for engine, src in cases.items():
+        used = set()
+        for g, n in ((1, 1), (2, 1)) if engine == "llama.cpp" else ((1, 1), (2, 2)):
+            rec, _ = _deployed(arts, src, engine=engine, gpus_per_node=g, nodes=n, threads=4)
+            for step in rec["steps"]:
+                run = step["run"]
+                if not run.startswith("ray "):   # Ray's own CLI, not the engine's
+                    used |= _flags(run)
+        assert used == set(FLAGS[engine]["flags"]), engine
+
+
+def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch):
+    from click.testing import CliRunner
+
+    from llmq.cli.main import cli
+
+    store, a = arts
+    art = deploy(a["fp8kv"], store, DeployOptions(engine="vllm", name="dep"))
+    assert art.kind == "deploy" and art.parents == [a["fp8kv"].id] and set(art.manifest["files"]) == {
+        "README.md", "deploy.json"}
+    art.verify(full=True)
+    assert store.resolve("dep").id == art.id
+    before = sorted(p.name for p in store.root.iterdir())
+    with pytest.raises(LlmqError, match="does not fit"):
+        deploy(a["model"], store, DeployOptions(engine="vllm", name="nofit", gpus_per_node=1, nodes=1,
+                                                max_concurrency=10**7))
+    assert sorted(p.name for p in store.root.iterdir()) == before and store.versions("nofit") == []
+
+    def broken(*_):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("llmq.pipeline.deploy.stage.readme", broken)   # a failure while the files are written
+    with pytest.raises(OSError, match="disk gone"):
+        deploy(a["model"], store, DeployOptions(engine="vllm", name="halfway"))
+    assert sorted(p.name for p in store.root.iterdir()) == before
+    monkeypatch.undo()
+    run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang",
+                                   "--gpus-per-node", "1", "--nodes", "1", "--max-concurrency", "10000000"])
+    assert run.exit_code == 2 and run.output.count("\n") == 1 and run.output.startswith("error: --gpu h100 ")
+    run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang",
+                                   "--max-model-len", "256"])   # vLLM's spelling of --max-seq-len
+    assert run.exit_code == 0, run.output
+    assert "| H100 80GB | 1 x 1 | 1 x 1 |" in run.output and "on the node: python -m sglang.launch_server" in run.output
+    assert "--context-length 256 " in run.output
+    with pytest.raises(LlmqError, match="^--max-seq-len 513 exceeds the model's 512 positions$"):
+        deploy(a["model"], store, DeployOptions(engine="vllm", max_seq_len=513))
