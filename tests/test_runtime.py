@@ -207,7 +207,7 @@ def test_bad_requests_raise_clear_errors(tiny):
     with pytest.raises(LlmqError, match="empty"):
         eng.add_request("c", [], GREEDY)
     with pytest.raises(LlmqError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(LlmqError, match="quantize-kv"):
         LLMEngine(tiny, EngineConfig(kv_cache_dtype="int8"))
     with pytest.raises(LlmqError, match="KV-cache budget"):
