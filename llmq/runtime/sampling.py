@@ -106,20 +106,22 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], params: list[Sampli
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if rows:
         lsm = logits.index_select(0, torch.tensor(rows, device=logits.device)).log_softmax(-1)
-        for j, e in zip(rows, _entries(lsm, [tokens[i] for i in rows], [params[i].logprobs for i in rows])):
-            out[j] = e
+        for i, e in zip(rows, _entries(lsm, [tokens[i] for i in rows], [params[i].logprobs for i in rows])):
+            out[i] = e
     return out
 
 
 def _entries(lsm: torch.Tensor, tokens: list[int], ns: list[int]) -> list[dict[int, float]]:
-    """Per row of log-probabilities: {token: logprob} of its token first, then its top n (past the vocabulary: all)."""
+    """Per row of log-probabilities: {token: logprob} of its token first, then its top n (past the vocabulary: all);
+    read back to the host in one transfer each, not one a value (a GPU sync each)."""
+    own = lsm.gather(1, torch.tensor(tokens, device=lsm.device)[:, None])[:, 0].tolist()
+    k = min(max(ns, default=0), lsm.shape[-1])
+    vals, ids = (x.tolist() for x in lsm.topk(k, -1)) if k else ([], [])
     out = []
     for j, (t, n) in enumerate(zip(tokens, ns)):
-        entry = {t: float(lsm[j, t])}
-        if n:
-            vals, ids = lsm[j].topk(min(n, lsm.shape[-1]))
-            for k, v in zip(ids.tolist(), vals.tolist()):
-                entry.setdefault(k, v)
+        entry = {t: own[j]}
+        for tok, v in zip(ids[j][:n], vals[j][:n]) if n else ():
+            entry.setdefault(tok, v)
         out.append(entry)
     return out
 
