@@ -30,12 +30,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A store with a tiny model and its INT4 RTN artifact, the latter served by `llmq serve` on a free port."""
+    """A store with a tiny model and its INT4 RTN artifact, the latter served by `llmq serve` on a free port, giving
+    whole distributions (--max-logprobs -1)."""
+    from llmq.runtime.server import Limits
+
     root = tmp_path_factory.mktemp("eval-endpoint")
     store = Store(root / "store")
     base = resolve_model(str(make_tiny_model(root / "base", seed=0, max_position_embeddings=1024)), store)
     cand = make_rtn(store, base, 4, "tiny-rtn4")
-    with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny") as live:
+    with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny",
+                     limits=Limits(max_logprobs=-1)) as live:
         yield store, base, cand, live
 
 
@@ -58,7 +62,7 @@ def _same_top(top, ids, full):
     torch.testing.assert_close(full.gather(1, ids), top, atol=1e-5, rtol=0)
 
 
-def test_endpoint_lm_generates_and_ranks_as_in_process(setup):
+def test_endpoint_lm_generates_and_scores_as_in_process(setup):
     from llmq.evals.lm import LlmqLM
 
     store, _, cand, live = setup
@@ -66,20 +70,81 @@ def test_endpoint_lm_generates_and_ranks_as_in_process(setup):
     ours = LlmqLM(cand.path, engine_config=EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20))
     try:
         assert lm.max_length == ours.max_length - 1 == 1023  # from /v1/models' max_model_len
-        assert lm.shape == "logprobs" and not lm.scores_prompts  # llmq serve: next-token logprobs, no echo
-        with pytest.raises(LlmqError, match="scoring given text refused: .* next-token logprobs only"):
-            lm.loglikelihood([req("1 + 1 =", " 2")])
+        # llmq serve: vLLM's prompt_logprobs, the whole vocabulary at -1
+        assert lm.shape == "prompt_logprobs" and lm.scores_prompts and lm.top_k is None
         rng = random.Random(5)
         reqs = [req(rand_text(rng, rng.randint(5, 60)), {"until": ["=", "\n\n"], "max_gen_toks": rng.randint(1, 12)})
                 for _ in range(12)]
         want = ours.generate_until(reqs)
         assert lm.generate_until(reqs) == want and any(want)  # the same token ids in, the same text out
+        pairs = [req(rand_text(rng, rng.randint(1, 40)), rand_text(rng, rng.randint(1, 8))) for _ in range(8)]
+        got, want = lm.loglikelihood(pairs), ours.loglikelihood(pairs)
+        assert [g for _, g in got] == [g for _, g in want]
+        assert [x for x, _ in got] == pytest.approx([x for x, _ in want], abs=1e-4)
         w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 40))
-        top, ids = lm.top_logprobs(w)
-        assert top.shape == ids.shape == (len(w) - 1, 20)
-        _same_top(top, ids, ours.full_logprobs(w)[:-1].double())
+        full = lm.logprobs_before(w)
+        assert full.shape == (len(w) - 1, 320)
+        torch.testing.assert_close(full, ours.full_logprobs(w)[:-1].double(), atol=1e-5, rtol=0)
     finally:
         ours.close()
+
+
+def _complete(live, **body) -> dict:
+    import httpx
+
+    r = httpx.post(f"{live.url}/v1/completions", json={"temperature": 0, **body}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0] | {"usage": r.json()["usage"]}
+
+
+def test_echo_and_prompt_logprobs_are_the_engines_prompt_logprobs(setup):
+    """`echo` + `logprobs` and vLLM's `prompt_logprobs` answer LLMEngine.prompt_logprobs of the served artifact (float
+    noise: the server batches and chunks differently), in OpenAI's and vLLM's shapes."""
+    from llmq.runtime import LLMEngine
+
+    _, _, cand, live = setup
+    eng = LLMEngine(cand.path, EngineConfig(max_num_seqs=2, kv_cache_memory=8 << 20))
+    try:
+        text = "The quick brown fox jumps over the lazy dog, twice: 1 + 1 = 2."
+        ids = eng.tokenizer.encode(text)
+        want = eng.prompt_logprobs(ids).double()[:-1]  # the distributions before ids[1:]
+    finally:
+        eng.shutdown()
+    tgt = torch.tensor(ids[1:])[:, None]
+    own = want.gather(1, tgt)[:, 0]
+
+    echo = _complete(live, prompt=text, echo=True, logprobs=5, max_tokens=0, return_tokens_as_token_ids=True)
+    lp = echo["logprobs"]
+    assert echo["text"] == text and echo["finish_reason"] == "length" and echo["usage"]["completion_tokens"] == 0
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids] and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:], dtype=torch.float64), own, atol=1e-5, rtol=0)
+    for j, top in enumerate(lp["top_logprobs"][1:]):
+        vals, top_ids = want[j].topk(5)
+        assert {int(k.split(":")[1]) for k in top} == set(top_ids.tolist()) | {ids[j + 1]}
+        assert max(top.values()) == pytest.approx(float(vals[0]), abs=1e-5)
+
+    vllm = _complete(live, prompt=ids, prompt_logprobs=3, max_tokens=2, logprobs=1)
+    plp = vllm["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None and len(vllm["logprobs"]["tokens"]) == 2
+    for j, entry in enumerate(plp[1:]):
+        first = next(iter(entry))
+        assert int(first) == ids[j + 1]  # the prompt token's own entry first, then the top 3
+        assert entry[first]["rank"] == int((want[j] >= own[j]).sum())
+        assert entry[first]["decoded_token"] == live.app.state.frontend.token_text(ids[j + 1])
+        top = sorted(((v["rank"], int(k), v["logprob"]) for k, v in entry.items() if v["rank"] <= 3))[:3]
+        assert [r for r, _, _ in top] == [1, 2, 3] and [t for _, t, _ in top] == want[j].topk(3).indices.tolist()
+        assert entry[first]["logprob"] == pytest.approx(float(own[j]), abs=1e-5)
+
+    # echo with a completion: the prompt's tokens, then the generated ones exactly as without echo
+    plain = _complete(live, prompt=ids, max_tokens=4, logprobs=2, ignore_eos=True)
+    both = _complete(live, prompt=ids, max_tokens=4, logprobs=2, ignore_eos=True, echo=True)
+    assert both["text"] == eng.tokenizer.decode(ids) + plain["text"]
+    n = len(ids)
+    assert both["logprobs"]["tokens"][n:] == plain["logprobs"]["tokens"]
+    assert both["logprobs"]["token_logprobs"][n:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
+    assert both["logprobs"]["token_logprobs"][1:n] == pytest.approx(own.tolist(), abs=1e-5)
 
 
 def test_topk_kl_is_a_lower_bound_and_exact_at_full_k():
@@ -108,10 +173,6 @@ def _report(out) -> dict:
 
 
 def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
-    from llmq.evals.kld import kl_divergence
-    from llmq.evals.lm import LlmqLM
-    from llmq.evals.runner import EvalSettings, kld_texts, plan
-
     monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
     store, base, cand, live = setup
     # the command docs/eval.md shows, at this server, and the same without --endpoint URL on the served artifact
@@ -127,41 +188,22 @@ def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
     assert via.exit_code == 0, via.output
     a, b = _report(inproc.output), _report(via.output)
     assert b["evaluated"] == {"name": "tiny", "id": cand.id, "kind": "endpoint", "url": live.url,
-                              "logprobs": "logprobs"}
+                              "logprobs": "prompt_logprobs"}
     assert b["baseline"]["id"] == base.id  # the served artifact's lineage gives the default baseline
     assert b["settings"]["backend"] == "endpoint"
-    # task scores: the generation task identical; the scoring tasks refused in one line, not run
-    assert b["scores"]["tasks"]["llmq_arith_gen"] == a["scores"]["tasks"]["llmq_arith_gen"]
-    assert "llmq_arith_mc" not in b["scores"]["tasks"] and "llmq_arith_mc" in a["scores"]["tasks"]
-    assert len(b["refused"]) == 1 and b["refused"][0].startswith("llmq_arith_mc (they score given text) refused: ")
-    # KLD: top-1 and the baseline's perplexity exact; the KL from top-20 is what the in-process model's own top-20
-    # gives, a lower bound on the full KL
+    # task scores identical: the generation task by its text, the multiple-choice one by the prompt log-probs
+    assert "llmq_arith_mc" in b["scores"]["tasks"] and not b.get("refused")
+    assert b["scores"]["tasks"] == a["scores"]["tasks"]
+    # KLD exact (the server gives whole distributions): the same figures within float32 noise (~1e-6 a logprob; the
+    # server computes each window in batches and chunks of its own)
     ka, kb = a["kld"], b["kld"]
-    assert a["kld"]["top_k"] is None and kb["top_k"] == 20 and kb["ppl"] is None and "lower bound" in kb["exact"]
+    assert ka["top_k"] is None and kb["top_k"] is None and "exact" not in kb
     assert kb["tokens"] == ka["tokens"] and kb["top1"] == ka["top1"]
     assert kb["ppl_baseline"] == pytest.approx(ka["ppl_baseline"], rel=1e-9)
-    assert 0 < kb["mean"] <= ka["mean"]
-
-    class Top20(LlmqLM):
-        top_k = 20
-
-        def top_logprobs(self, tokens):
-            return self.full_logprobs(tokens)[:-1].double().topk(self.top_k)
-
-    limit = int(argv[argv.index("--limit") + 1])
-    texts = kld_texts(plan(EvalSettings(tasks=["kld"], limit=limit)), limit)
-    lm, ref = Top20(cand.path), LlmqLM(base.path)
-    try:
-        want = kl_divergence(lm, ref, texts)
-    finally:
-        lm.close()
-        ref.close()
-    # float32 noise (~1e-6 a logprob): the server computes each position's prefix apart, in batches that vary
-    for key in ("mean", "p99", "max", "rest_mass"):
-        assert kb[key] == pytest.approx(want[key], rel=1e-3, abs=1e-5), key
+    for key in ("mean", "p99", "max", "ppl"):
+        assert kb[key] == pytest.approx(ka[key], rel=1e-3, abs=1e-5), key
     md = (store.resolve(b["artifact"]["ref"]).path / "report.md").read_text()
-    assert f"tiny at {live.url}" in md and "From top-20 logprobs" in md
-    assert "llmq_arith_mc (they score given text) refused: " in md
+    assert f"tiny at {live.url}" in md and "From top-" not in md and "refused" not in md
 
 
 @contextmanager
@@ -240,6 +282,8 @@ def _shape_server(flavor: str, lm):
     def answer(path: str, body: dict):
         if path == "/v1/models":
             return {"data": [{"id": "m", "max_model_len": 161}]}
+        if -1 in (body.get("prompt_logprobs"), body.get("logprobs")):
+            return None  # the whole vocabulary: above these servers' --max-logprobs
         ids = body["prompt"]
         lp = lm.full_logprobs(ids).double()
         top = [(t.tolist(), v.tolist()) for v, t in (lp[j].topk(body.get("prompt_logprobs") or body.get("logprobs")
@@ -300,7 +344,7 @@ def _shape_server(flavor: str, lm):
 @pytest.mark.parametrize("flavor,shape", [("vllm", "prompt_logprobs"), ("echo", "echo"), ("llama", "n_probs")])
 def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
     """vLLM's prompt_logprobs and echo + logprobs score given text exactly (what loglikelihood tasks need), all three
-    give the top-k of every position."""
+    give the top-k of every position (these servers refuse k = -1, so the KL would be the top-k form)."""
     from llmq.bench.loadgen import probe
     from llmq.evals.endpoint import EndpointLM
     from llmq.evals.lm import LlmqLM
@@ -312,7 +356,7 @@ def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
     try:
         with _shape_server(flavor, ours) as url:
             lm = EndpointLM(asyncio.run(probe(url, None)), ours.tokenizer, timeout=30)
-            assert lm.shape == shape and lm.scores_prompts == (shape != "n_probs")
+            assert lm.shape == shape and lm.scores_prompts == (shape != "n_probs") and lm.top_k == 20
             w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 30))
             top, ids = lm.top_logprobs(w)
             _same_top(top, ids, ours.full_logprobs(w)[:-1].double())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -87,6 +88,18 @@ def test_preemption_under_tiny_kv_budget(tiny, reference):
     assert got == ref
     st = eng.stats()
     assert st.num_preemptions > 0 and st.kv_blocks_used == 0
+    # prompt log-probabilities collected across chunks and preemptions, the first prompt's blocks in the prefix cache
+    # (they must be computed again, for their logits), are the scorer's; the outputs are unchanged
+    eng.generate([prompts[6]], GREEDY)
+    order = [6, *range(len(prompts))]
+    outs = eng.generate([prompts[i] for i in order], dataclasses.replace(GREEDY, prompt_logprobs=2))
+    assert [o.output_token_ids for o in outs] == [ref[i] for i in order]
+    assert eng.stats().num_preemptions > st.num_preemptions
+    for p, o in zip([prompts[i] for i in order], outs):
+        entries = o.prompt_logprobs.entries
+        assert len(entries) == len(p) - 1 and all(len(e) in (2, 3) for e in entries)
+        want = eng.prompt_logprobs(p)[:-1].gather(1, torch.tensor(p[1:], dtype=torch.long)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([e[t] for e, t in zip(entries, p[1:])]), want, atol=1e-5, rtol=0)
 
 
 def test_blocks_return_to_zero_after_soak_with_aborts(tiny):
@@ -207,7 +220,7 @@ def test_bad_requests_raise_clear_errors(tiny):
     with pytest.raises(LlmqError, match="empty"):
         eng.add_request("c", [], GREEDY)
     with pytest.raises(LlmqError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(LlmqError, match="quantize-kv"):
         LLMEngine(tiny, EngineConfig(kv_cache_dtype="int8"))
     with pytest.raises(LlmqError, match="KV-cache budget"):

@@ -669,6 +669,40 @@ def test_hostile_soak(srv):
           f"RSS {grown:+.0f} MiB")
 
 
+def test_echo_and_prompt_logprobs_misuse_is_a_one_line_400(srv):
+    """echo / prompt_logprobs where they cannot be answered (a stream, the chat route, max_tokens 0 without them) or
+    past --max-logprobs (20 here, so -1 too) are a one-line 400 naming the field, never a 500; a long prompt whose
+    blocks the prefix cache holds still gets every position's log-probabilities, computed in budget-sized chunks."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for body, route, param in [
+            ({"prompt": "Hi", "echo": True, "stream": True}, "completions", "echo"),
+            ({"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "completions", "prompt_logprobs"),
+            ({"prompt": "Hi", "prompt_logprobs": 21}, "completions", "prompt_logprobs"),
+            ({"prompt": "Hi", "prompt_logprobs": -1}, "completions", "prompt_logprobs"),
+            ({"prompt": "Hi", "prompt_logprobs": 10**30}, "completions", "prompt_logprobs"),
+            ({"prompt": "Hi", "prompt_logprobs": "3"}, "completions", "prompt_logprobs"),
+            ({"prompt": "Hi", "echo": True, "logprobs": 21}, "completions", "logprobs"),
+            ({"prompt": "Hi", "echo": True, "logprobs": -2}, "completions", "logprobs"),
+            ({"prompt": "Hi", "max_tokens": 0}, "completions", "max_tokens"),
+            ({"prompt": "Hi", "max_tokens": -1, "echo": True}, "completions", "max_tokens"),
+            ({**chat, "echo": True}, "chat/completions", "echo"),
+            ({**chat, "prompt_logprobs": 2}, "chat/completions", "prompt_logprobs"),
+            ({**chat, "logprobs": True, "top_logprobs": 21}, "chat/completions", "top_logprobs")]:
+        r = _post(srv, body, route)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "\n" not in err["message"], (body, err)
+    ids = [(7 * i) % 250 + 3 for i in range(150)]  # past the 64-token step budget; 18 full blocks of 8
+    assert _post(srv, {"prompt": ids, "max_tokens": 1}).status_code == 200  # its blocks now in the prefix cache
+    bodies = [{"prompt": ids, "max_tokens": 0, "prompt_logprobs": k} for k in (0, 20)]
+    answers = [_post(srv, b).json()["choices"][0]["prompt_logprobs"] for b in bodies]
+    for plp, k in zip(answers, (0, 20)):
+        assert len(plp) == len(ids) and plp[0] is None
+        assert all(str(t) in e and len(e) in (max(k, 1), k + 1) for t, e in zip(ids[1:], plp[1:]))
+    assert [e[str(t)] for t, e in zip(ids[1:], answers[0][1:])] == [e[str(t)] for t, e in zip(ids[1:], answers[1][1:])]
+    _idle(srv)
+
+
 def test_schema_driven_fuzzing(srv):
     """Schemathesis generates requests from /openapi.json (a bounded number per operation): none may be a 5xx."""
     schemathesis = pytest.importorskip("schemathesis")

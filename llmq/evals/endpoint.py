@@ -5,11 +5,12 @@ sampling, per-request seeds) to /v1/completions, so a server running the same mo
 and KL divergence read the logprobs the server returns, in the first of these shapes it accepts (`PROMPT_SHAPES`):
 - `prompt_logprobs`: vLLM's extension, log p of every prompt token and the top k in one request;
 - `echo`: the OpenAI legacy `echo` + `logprobs` (with vLLM's `return_tokens_as_token_ids`, so tokens come as ids);
-- `logprobs`: next-token logprobs only (`llmq serve`; `logprobs` + `return_tokens_as_token_ids`): one request per
-  position, its top k;
+- `logprobs`: next-token logprobs only (`logprobs` + `return_tokens_as_token_ids`): one request per position, its
+  top k;
 - `n_probs`: llama-server's native /completion with `n_probs` (it refuses `echo`): likewise, one request a position.
 The first two score given text exactly (loglikelihood tasks); the last two cannot, and those tasks are refused.
-Every shape gives only the top k (servers cap k at 20), so KL divergence is the top-k form (kld.topk_token_kl).
+Servers cap k (at 20 by default), so KL divergence is the top-k form (kld.topk_token_kl), unless a prompt shape
+answers k = -1 with the whole vocabulary (vLLM's and `llmq serve`'s `--max-logprobs -1`): then it is exact.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ CONCURRENCY = 8
 
 
 class EndpointLM(EvalLM):
-    """lm-eval's LM over an endpoint; `shape`: the first logprobs shape it answered (None: none)."""
+    """lm-eval's LM over an endpoint; `shape`: the first logprobs shape it answered (None: none); `top_k`: how many
+    logprobs a position gives, None where the server gives whole distributions."""
 
-    top_k = TOP_K
+    top_k: int | None = TOP_K
 
     def __init__(self, ep: Endpoint, tokenizer, seed: int = 0, progress: ProgressFn | None = None,
                  max_length: int = DEFAULT_MAX_LENGTH, timeout: float = 60.0):
@@ -39,6 +41,8 @@ class EndpointLM(EvalLM):
         super().__init__(tokenizer, min(max_length, (ep.max_model_len or max_length + 1) - 1), seed, progress)
         self.ep, self.timeout = ep, timeout
         self.shape = self._detect()  # None: the server returns no token-id logprobs
+        if self.shape in PROMPT_SHAPES and self._whole_vocabulary():
+            self.top_k = None
 
     # -- HTTP --------------------------------------------------------------------------------------------------------
     async def _post(self, client, path: str, body: dict, strict: bool = True) -> dict | None:
@@ -130,6 +134,14 @@ class EndpointLM(EvalLM):
                 return shape
         return None
 
+    def _whole_vocabulary(self) -> bool:
+        """Whether the server answers k = -1 with every token of the vocabulary at every position."""
+        probe = [self.prefix_token_id] + self.encode("1 + 1 = 2")[:3]
+        path, body = self._body(self.shape, probe, -1)
+        data = self._post_all(path, [body], progress=False, strict=False)[0]
+        rows = None if data is None else self._parse(self.shape, data, probe)
+        return bool(rows) and all(len(r) >= len(self.tokenizer) for r in rows)
+
     @property
     def scores_prompts(self) -> bool:
         """Whether the server gives the logprobs of given tokens (loglikelihood tasks need them)."""
@@ -187,6 +199,17 @@ class EndpointLM(EvalLM):
                 raise LlmqError(f"{self.ep.base}/v1/completions answered without choices[0].text; is this an "
                                 "OpenAI-compatible endpoint?") from None
         return texts
+
+    def logprobs_before(self, tokens: list[int]) -> torch.Tensor:
+        """[T-1, vocab]: the whole distributions the server gives (top_k None) before each of tokens[1:]."""
+        rows = self._positions(tokens, -1)
+        vocab = len(rows[0])
+        if any(len(r) != vocab for r in rows):
+            raise LlmqError(f"{self.ep.base} answered distributions of different sizes for k = -1")
+        out = torch.empty(len(rows), vocab, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            out[i, list(r)] = torch.tensor(list(r.values()), dtype=torch.float64)
+        return out
 
     def top_logprobs(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """([T-1, k] log-probabilities, descending, [T-1, k] token ids): the top k after each of tokens[:-1]."""

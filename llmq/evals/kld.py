@@ -4,7 +4,7 @@ For every position of every window, KL(P_base || P_eval) = sum_v p_base(v) (log 
 Reported: the mean (with its standard error), the 99th percentile, top-1 agreement (argmax equal, in points) and
 both models' perplexities over the same tokens. It works even where a small model's task accuracy is at chance.
 
-An evaluated model behind an endpoint gives only its top-k log-probabilities per position (`lm.top_k` set): then
+An evaluated model behind an endpoint may give only its top-k log-probabilities per position (`lm.top_k` set): then
 the KL is taken over k + 1 outcomes (`topk_token_kl`) and the report says so.
 """
 
@@ -69,7 +69,7 @@ def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], Non
     k = getattr(lm, "top_k", None)  # None: full distributions
     kls, agree, rest, nll_e, nll_b = [], [], [], 0.0, 0.0
     for w in windows:
-        lp_b = base.full_logprobs(w).double()[:-1]  # the last position predicts past the window
+        lp_b = base.logprobs_before(w).double()
         tgt = torch.tensor(w[1:])
         nll_b -= float(lp_b.gather(1, tgt[:, None]).sum())
         if k:
@@ -77,7 +77,7 @@ def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], Non
             kl, same, left = topk_token_kl(top, ids, lp_b)
             rest += left.tolist()
         else:
-            lp_e = lm.full_logprobs(w).double()[:-1]
+            lp_e = lm.logprobs_before(w).double()
             if lp_e.shape != lp_b.shape:
                 raise LlmqError(f"vocabularies differ: {lp_e.shape[-1]} vs {lp_b.shape[-1]} entries")
             kl, same = token_kl(lp_e, lp_b)

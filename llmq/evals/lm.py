@@ -59,6 +59,10 @@ class EvalLM(LM):
         """[T, vocab] log-softmax of the next-token distribution after each of tokens (T <= max_length)."""
         raise NotImplementedError
 
+    def logprobs_before(self, tokens: list[int]) -> torch.Tensor:
+        """[T-1, vocab]: the distributions before each of tokens[1:] (what KLD compares; all an endpoint gives)."""
+        return self.full_logprobs(tokens)[:-1]
+
     # -- tokenization --------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

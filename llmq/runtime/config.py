@@ -83,6 +83,9 @@ class Limits(Options):
                                    ge=0)
     max_stop_chars: int = option(1024, "Longest stop string in characters; longer get 400.", flag="--max-stop-length",
                                  ge=0)
+    max_logprobs: int = option(20, "Most log-probabilities per position one request may ask for (logprobs, "
+                               "top_logprobs, prompt_logprobs); -1: the whole vocabulary, which a request asks for as "
+                               "-1 (as vLLM's --max-logprobs).", ge=-1)
     max_body_bytes: int = option(8 << 20, "Largest request body; larger get 413.", flag="--max-body-size", size=True,
                                  ge=0)
     header_timeout: float = option(10.0, "Seconds a client has to send a request's headers; slower connections are "

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LlmqError
 from .config import EngineConfig
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import PromptLogprobs, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .scorer import ScoreOutput, Scorer, ScoreRequest
 from .sequence import Sequence
@@ -47,6 +47,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: PromptLogprobs | None = None  # on a request's first output, where its params asked for them
 
 
 class StepFailed(RuntimeError):
@@ -143,17 +144,29 @@ class LLMEngine:
         out = self.scheduler.schedule(self.speculator)
         if not len(out):
             return []
-        samplers, rows, spec_rows, wanted = out.logits_rows()
+        samplers, rows, spec_rows, prompt_rows, wanted = out.logits_rows()
+        chosen = bool(out.drafts or prompt_rows)  # else the runner's default rows: the samplers' last positions
         try:
-            logits = self.worker.run(out.seqs, out.num_new_tokens, rows=wanted if out.drafts else None)
+            logits = self.worker.run(out.seqs, out.num_new_tokens, rows=wanted if chosen else None)
         except Exception as e:
             self.scheduler.take_back_drafts(out)
             raise StepFailed([], {seq.request_id: self._fail(seq, e) for seq in out.seqs}, True) from e
-        if out.drafts:
+        for seq, idx in prompt_rows:  # the prompt's distributions, from this same forward pass
+            p0 = seq.next_prompt_logprob
+            seq.prompt_logprobs.add(logits[idx], seq.token_ids[p0 + 1:p0 + 1 + len(idx)], seq.params.prompt_logprobs)
+        if chosen:
             spec_logits, logits = logits[spec_rows], logits[rows]
         self.scheduler.computed(out)
         outputs, failed = [], {}
         now = time.monotonic()
+        prompt_only = [s for s in samplers if s.params.max_tokens == 0]
+        for seq in prompt_only:  # max_tokens 0: the prompt alone (its prompt_logprobs), nothing sampled
+            self.scheduler.finish(seq, "length")
+            seq.finished_time = now
+            outputs.append(self._output(seq))
+        if prompt_only:
+            keep = [i for i, s in enumerate(samplers) if s.params.max_tokens]
+            samplers, logits = [samplers[i] for i in keep], logits[keep]
         if samplers:
             for seq, picked in zip(samplers, self._sample(logits, samplers)):
                 try:
@@ -213,18 +226,20 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output_token_ids[seq.num_emitted:]
         new_lp = seq.logprobs[seq.num_emitted:] if seq.params.logprobs is not None else None
+        first = seq.num_emitted == 0  # only a max_tokens 0 request's output brings no token, and it is its last
         seq.num_emitted = seq.num_output_tokens
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, new, new_lp, list(seq.output_token_ids), seq.text, seq.is_finished,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                             RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time))
+                             RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time),
+                             seq.prompt_logprobs if first else None)
 
     # -- offline helpers --------------------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[RequestOutput]:
         """Run prompts to completion (alongside any requests already in flight); final outputs in input order,
-        their new_token_ids / new_logprobs covering the whole completion."""
+        their new_token_ids / new_logprobs covering the whole completion, with their prompt_logprobs."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise LlmqError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
@@ -235,14 +250,18 @@ class LLMEngine:
         wanted = set(ids)
         final: dict[str, RequestOutput] = {}
         logprobs: dict[str, list] = {r: [] for r in ids}
+        prompt: dict[str, PromptLogprobs] = {}
         while len(final) < len(ids):
             for out in self.step():
                 if out.request_id not in wanted:
                     continue
                 logprobs[out.request_id].extend(out.new_logprobs or [])
+                if out.prompt_logprobs is not None:
+                    prompt[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     out.new_token_ids = list(out.output_token_ids)
                     out.new_logprobs = logprobs[out.request_id] if out.new_logprobs is not None else None
+                    out.prompt_logprobs = prompt.get(out.request_id)
                     final[out.request_id] = out
         return [final[r] for r in ids]
 

@@ -25,13 +25,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token's
+    prompt_logprobs: int | None = None  # top-N logprobs before each prompt token after the first (PromptLogprobs)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise LlmqError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:  # 0: the prompt's KV (and prompt_logprobs)
+            raise LlmqError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
         if not 0 <= self.temperature < float("inf"):
             raise LlmqError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature < MIN_TEMPERATURE:
@@ -42,8 +43,10 @@ class SamplingParams:
             raise LlmqError(f"top_k must be -1 (off) or a positive integer up to {TOP_K_MAX}, got {self.top_k}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise LlmqError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise LlmqError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):  # counts past the vocabulary mean all of it
+            n = getattr(self, name)
+            if n is not None and not (isinstance(n, int) and n >= 0):
+                raise LlmqError(f"{name} must be a non-negative integer, got {n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -103,15 +106,41 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], params: list[Sampli
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if rows:
         lsm = logits.index_select(0, torch.tensor(rows, device=logits.device)).log_softmax(-1)
-        for j, i in enumerate(rows):
-            entry = {tokens[i]: float(lsm[j, tokens[i]])}
-            n = params[i].logprobs
-            if n:
-                vals, ids = lsm[j].topk(n)
-                for t, v in zip(ids.tolist(), vals.tolist()):
-                    entry.setdefault(t, v)
-            out[i] = entry
+        for i, e in zip(rows, _entries(lsm, [tokens[i] for i in rows], [params[i].logprobs for i in rows])):
+            out[i] = e
     return out
+
+
+def _entries(lsm: torch.Tensor, tokens: list[int], ns: list[int]) -> list[dict[int, float]]:
+    """Per row of log-probabilities: {token: logprob} of its token first, then its top n (past the vocabulary: all);
+    read back to the host in one transfer each, not one a value (a GPU sync each)."""
+    own = lsm.gather(1, torch.tensor(tokens, device=lsm.device)[:, None])[:, 0].tolist()
+    k = min(max(ns, default=0), lsm.shape[-1])
+    vals, ids = (x.tolist() for x in lsm.topk(k, -1)) if k else ([], [])
+    out = []
+    for j, (t, n) in enumerate(zip(tokens, ns)):
+        entry = {t: own[j]}
+        for tok, v in zip(ids[j][:n], vals[j][:n]) if n else ():
+            entry.setdefault(tok, v)
+        out.append(entry)
+    return out
+
+
+@dataclass
+class PromptLogprobs:
+    """The distributions before a prompt's tokens after the first (vLLM's prompt_logprobs), filled as its prefill
+    chunks run: per position, {token: logprob} of the prompt token there and the top n, and that token's rank in
+    the whole vocabulary (1 = most likely; tokens tied with it count, as in vLLM)."""
+
+    entries: list[dict[int, float]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+    def add(self, logits: torch.Tensor, tokens: list[int], n: int) -> None:
+        """Append the positions whose logits are the rows of `logits`, before `tokens`."""
+        lsm = logits.float().log_softmax(-1)
+        own = lsm.gather(1, torch.tensor(tokens, device=lsm.device)[:, None])
+        self.ranks += (lsm >= own).sum(-1).tolist()
+        self.entries += _entries(lsm, tokens, [n] * len(tokens))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]

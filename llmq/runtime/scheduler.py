@@ -47,20 +47,27 @@ class SchedulerOutput:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def logits_rows(self) -> tuple[list[Sequence], list[int], list[int], list[int]]:
-        """The positions whose logits the step needs, a sampler's last and a verification's every one: (the
-        sequences that sample, their rows, the verifications' rows, the flat token position of every row)."""
-        samplers, rows, spec_rows, wanted, q0 = [], [], [], [], 0
+    def logits_rows(self) -> tuple[list[Sequence], list[int], list[int], list[tuple[Sequence, list[int]]], list[int]]:
+        """The positions whose logits the step needs, a sampler's last, a verification's every one and the prompt
+        positions a sequence asked log-probabilities for: (the sequences that sample, their rows, the verifications'
+        rows, per sequence collecting prompt log-probabilities its rows (Sequence.next_prompt_logprob onwards), the
+        flat token position of every row)."""
+        samplers, rows, spec_rows, prompt_rows, wanted, q0 = [], [], [], [], [], 0
         for seq, n in zip(self.seqs, self.num_new_tokens):
+            st, p0 = seq.num_computed_tokens, seq.next_prompt_logprob
             if seq in self.drafts:
                 spec_rows.extend(range(len(wanted), len(wanted) + n))
                 wanted.extend(range(q0, q0 + n))
-            elif seq.num_computed_tokens + n == seq.num_tokens:
-                samplers.append(seq)
-                rows.append(len(wanted))
-                wanted.append(q0 + n - 1)
+            else:
+                if p0 is not None and (ps := range(max(st, p0), min(st + n, seq.num_prompt_tokens - 1))):
+                    prompt_rows.append((seq, list(range(len(wanted), len(wanted) + len(ps)))))
+                    wanted.extend(q0 + p - st for p in ps)
+                if st + n == seq.num_tokens:
+                    samplers.append(seq)
+                    rows.append(len(wanted))
+                    wanted.append(q0 + n - 1)
             q0 += n
-        return samplers, rows, spec_rows, wanted
+        return samplers, rows, spec_rows, prompt_rows, wanted
 
 
 class Scheduler:
@@ -141,7 +148,8 @@ class Scheduler:
                 budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.admit(seq, budget)
+            p0 = seq.next_prompt_logprob  # the positions still to score are computed, not read from the cache
+            cached = self.admit(seq, budget, None if p0 is None else p0 + 1)
             if cached is None:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

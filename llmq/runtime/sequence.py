@@ -8,7 +8,7 @@ from enum import Enum, auto
 import torch
 
 from .detokenize import IncrementalText
-from .sampling import SamplingParams
+from .sampling import PromptLogprobs, SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -42,6 +42,7 @@ class Sequence:
         self.text = ""  # the output's text so far (detokenizer's), cut at a stop string
         self.detokenizer = IncrementalText(len(prompt_ids))
         self.logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs = PromptLogprobs() if params.prompt_logprobs is not None else None
         self.num_emitted = 0  # output tokens already returned by step()
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -58,6 +59,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def next_prompt_logprob(self) -> int | None:
+        """The first position whose distribution prompt_logprobs still lacks (the prompt's last, which samples,
+        excluded); None when none is lacking. Positions from here must be computed, not read from the prefix cache."""
+        if self.prompt_logprobs is None:
+            return None
+        p = len(self.prompt_logprobs.ranks)
+        return p if p < self.num_prompt_tokens - 1 else None
 
     @property
     def is_finished(self) -> bool:

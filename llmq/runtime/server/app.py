@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import __version__
 from ..config import Limits
 from ..engine import LLMEngine, RequestOutput
+from ..sampling import PromptLogprobs
 from .browser import BrowserGuard
 from .engine_loop import EngineThread
 from .frontend import Frontend
@@ -123,10 +124,15 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def completions(request: Request):
         body = await read_body(CompletionRequest, request, fe.limits.max_body_bytes)
         fe.check_model(body.model)
-        for field, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
-                           ("best_of", body.best_of not in (None, 1))):
+        for field, bad in (("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, 1)),
+                           ("echo", body.echo and body.stream),
+                           ("prompt_logprobs", body.prompt_logprobs is not None and body.stream)):
             if bad:
-                raise bad_request(f"{field} is not supported", field)
+                raise bad_request(f"{field} is not supported" + (" with stream" if body.stream else ""), field)
+        if body.max_tokens == 0 and not (body.echo or body.prompt_logprobs is not None):
+            raise bad_request("max_tokens: 0 asks for the prompt alone: give echo or prompt_logprobs", "max_tokens")
+        n_lp = fe.check_logprobs(body.logprobs, "logprobs")
+        n_plp = fe.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         p = body.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
             if len(p) != 1:
@@ -134,26 +140,37 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             p = p[0]
         if isinstance(p, str):
             fe.check_chars(len(p), "prompt")
-            p = await fe.off_loop(fe.tokenizer.encode, p)
-        ids = fe.check_ids(list(p))
-        params = fe.params(body, len(ids), body.max_tokens, 16, body.logprobs)
+            ids = fe.check_ids(list(await fe.off_loop(fe.tokenizer.encode, p)))
+        else:
+            ids = fe.check_ids(list(p))
+            if body.echo:
+                p = await fe.off_loop(fe.tokenizer.decode, ids)
+        # echo with logprobs N scores the prompt's tokens as the generated ones: the engine's prompt_logprobs, the
+        # top N or K of both asked
+        wants = [k for k in (n_plp, n_lp if body.echo else None) if k is not None]
+        params = fe.params(body, len(ids), body.max_tokens, 16, n_lp, max(wants) if wants else None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(text: str, out: RequestOutput, offset: int, final: bool) -> dict:
             lp = None
-            if body.logprobs is not None and out.new_logprobs:
-                lp = fe.completion_logprobs(out.new_logprobs, out.new_token_ids, offset, as_ids)
+            if n_lp is not None and out.new_logprobs:
+                lp = fe.completion_logprobs(out.new_logprobs, out.new_token_ids, offset, as_ids, n_lp)
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.name,
                     "choices": [{"index": 0, "text": text, "logprobs": lp,
                                  "finish_reason": out.finish_reason if final else None}]}
 
-        def full(out: RequestOutput, lps: list, toks: list[int]) -> dict:
-            lp = None if body.logprobs is None else fe.completion_logprobs(lps, toks, 0, as_ids)
+        def full(out: RequestOutput, lps: list, toks: list[int], prompt: PromptLogprobs | None) -> dict:
+            """The whole answer; with echo the prompt's text and tokens first (OpenAI's legacy semantics)."""
+            if body.echo:
+                lps, toks = ([None, *prompt.entries] if n_lp is not None else []) + lps, ids + toks
+            choice = {"index": 0, "text": p + out.text if body.echo else out.text, "finish_reason": out.finish_reason,
+                      "logprobs": None if n_lp is None else fe.completion_logprobs(lps, toks, 0, as_ids, n_lp)}
+            if n_plp is not None:
+                choice["prompt_logprobs"] = fe.prompt_logprobs(ids, prompt, n_plp)
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.name,
-                    "choices": [{"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": lp}],
-                    "usage": usage(out)}
+                    "choices": [choice], "usage": usage(out)}
 
         return await respond(fe, request, rid, ids, params, body.stream, include_usage, chunk, None, full)
 
@@ -161,6 +178,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def chat(request: Request):
         body = await read_body(ChatCompletionRequest, request, fe.limits.max_body_bytes)
         fe.check_model(body.model)
+        for field, bad in (("echo", body.echo), ("prompt_logprobs", body.prompt_logprobs is not None)):
+            if bad:
+                raise bad_request(f"{field} is supported on /v1/completions only", field)
         if not getattr(fe.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
         if len(body.messages) > fe.max_model_len:  # every template spends a token or more on each message
@@ -178,7 +198,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
         ids = fe.check_ids(await fe.off_loop(template))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        n_top = (body.top_logprobs or 0) if body.logprobs else None
+        n_top = (fe.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.logprobs else None
         params = fe.params(body, len(ids), max_tokens, None, n_top)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids
@@ -197,7 +217,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
         first = dict(base(), choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                        "finish_reason": None}])
-        def full(out: RequestOutput, lps: list, toks: list[int]) -> dict:
+        def full(out: RequestOutput, lps: list, toks: list[int], prompt: PromptLogprobs | None) -> dict:
             lp = None if n_top is None else fe.chat_logprobs(lps, toks, n_top, as_ids)
             return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},

@@ -12,7 +12,7 @@ from pathlib import Path
 from ...errors import LlmqError
 from ..config import Limits
 from ..engine import LLMEngine
-from ..sampling import SamplingParams
+from ..sampling import PromptLogprobs, SamplingParams
 from .engine_loop import EngineLoop, EngineThread, NotAccepting, QueueFull
 from .metrics import ServerMetrics
 from .protocol import APIError, SamplingFields, bad_request
@@ -92,8 +92,17 @@ class Frontend:
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return ids
 
+    def check_logprobs(self, n: int | None, param: str) -> int | None:
+        """A log-probability count within --max-logprobs, -1 (the whole vocabulary) resolved; else a 400."""
+        cap = self.limits.max_logprobs
+        if n is None or (n != -1 and n <= cap) or cap == -1:
+            return self.vocab_size if n == -1 else n
+        asked = "the whole vocabulary (-1)" if n == -1 else f"{n} log-probabilities per position"
+        bound = "--max-logprobs -1" if n == -1 else f"at most {cap} (--max-logprobs)"
+        raise bad_request(f"{param}: {asked} asked for; this server gives {bound}", param)
+
     def params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default_max: int | None,
-               logprobs: int | None) -> SamplingParams:
+               logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         if body.n != 1:
             raise bad_request("only n=1 is supported", "n")
         lim = self.limits
@@ -116,7 +125,7 @@ class Frontend:
                                   top_k=-1 if body.top_k in (None, 0) else body.top_k,
                                   top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
                                   stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except LlmqError as e:
             raise bad_request(str(e)) from None
 
@@ -132,17 +141,34 @@ class Frontend:
             raise APIError(503, str(e), "service_unavailable", code="unavailable") from None
 
     # -- response pieces ---------------------------------------------------------------------------------------------
-    def completion_logprobs(self, lps: list[dict[int, float]], tokens: list[int], offset: int, as_ids: bool) -> dict:
+    def completion_logprobs(self, lps: list[dict[int, float] | None], tokens: list[int], offset: int, as_ids: bool,
+                            n: int) -> dict:
+        """OpenAI's legacy logprobs over `tokens`, each with its {token: logprob} entry (None: the echoed prompt's
+        first token, which has no distribution before it): that token's logprob and, as vLLM, the top n plus it."""
         name = (lambda t: f"token_id:{t}") if as_ids else self.token_text
-        texts = [self.token_text(t) for t in tokens]
         offsets = []
-        for s in texts:
+        for t in tokens:
             offsets.append(offset)
-            offset += len(s)
-        return {"tokens": [name(t) for t in tokens], "token_logprobs": [lp[t] for lp, t in zip(lps, tokens)],
-                # as vLLM: the top n plus the sampled token (so logprobs=0 still names it)
-                "top_logprobs": [{name(k): v for k, v in _top(lp, len(lp))} for lp in lps],
-                "text_offset": offsets}
+            offset += len(self.token_text(t))
+        tops = [None if lp is None else {name(k): v for k, v in _top(lp, n)} | {name(t): lp[t]}
+                for lp, t in zip(lps, tokens)]
+        return {"tokens": [name(t) for t in tokens],
+                "token_logprobs": [None if lp is None else lp[t] for lp, t in zip(lps, tokens)],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_logprobs(self, ids: list[int], plp: PromptLogprobs, n: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob, rank, decoded_token}} of
+        that token (its rank in the vocabulary) and of the top n (ranks 1..n)."""
+        def entry(v: float, rank: int, t: int) -> dict:
+            return {"logprob": v, "rank": rank, "decoded_token": self.token_text(t)}
+
+        out: list[dict | None] = [None]
+        for t, lp, rank in zip(ids[1:], plp.entries, plp.ranks):
+            d = {t: entry(lp[t], rank, t)}
+            for r, (k, v) in enumerate(_top(lp, n), 1):
+                d.setdefault(k, entry(v, r, k))
+            out.append(d)
+        return out
 
     def chat_logprobs(self, lps: list[dict[int, float]], tokens: list[int], n: int, as_ids: bool) -> dict:
         def entry(t, v):

@@ -2,7 +2,8 @@
 
 Field names follow the OpenAI API. Unknown fields are ignored (as OpenAI does), but known fields are validated
 strictly: a string where a number belongs is a 400, not a silent coercion. `top_k`, `ignore_eos`,
-`stop_token_ids` and `return_tokens_as_token_ids` are vLLM-style extensions.
+`stop_token_ids`, `return_tokens_as_token_ids` and `prompt_logprobs` are vLLM-style extensions. A log-probability
+count of -1 asks for the whole vocabulary; the server's `Limits.max_logprobs` bounds every count.
 """
 
 from __future__ import annotations
@@ -39,9 +40,14 @@ class SamplingFields(_Body):
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's extension)
 
 
+LogprobCount = Annotated[int, Field(ge=-1)]
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: the prompt alone, with echo or prompt_logprobs
+    logprobs: LogprobCount | None = None
+    prompt_logprobs: LogprobCount | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -70,7 +76,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: LogprobCount | None = None
+    echo: bool = False  # vLLM's chat extensions that /v1/completions alone supports here: refused when given
+    prompt_logprobs: int | None = None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

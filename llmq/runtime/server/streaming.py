@@ -142,8 +142,9 @@ def output_view(stream: bool, stop: list[str]):
 
 async def respond(fe: Frontend, request: Request, rid: str, ids: list[int], params: SamplingParams, stream: bool,
                   include_usage: bool, chunk, first: dict | None, full):
-    """Run one request: a whole JSON body, or an SSE stream (`first`, then `chunk(...)`s, usage, [DONE]). A stream's
-    outputs arrive as (output, text delta) pairs, the deltas worked out on the engine thread."""
+    """Run one request: a whole JSON body (`full(last output, logprobs, tokens, the first output's prompt_logprobs)`),
+    or an SSE stream (`first`, then `chunk(...)`s, usage, [DONE]). A stream's outputs arrive as (output, text delta)
+    pairs, the deltas worked out on the engine thread."""
     q = fe.submit(rid, ids, params, output_view(stream, params.stop))
     fe.waiting.add(q)
 
@@ -158,14 +159,14 @@ async def respond(fe: Frontend, request: Request, rid: str, ids: list[int], para
         if out is None:
             return Response(status_code=499)
         if not stream:
-            lps, toks = list(out.new_logprobs or []), list(out.new_token_ids)
+            lps, toks, prompt = list(out.new_logprobs or []), list(out.new_token_ids), out.prompt_logprobs
             while not out.finished:
                 out = await _next_output(q)
                 if out is None:
                     return Response(status_code=499)
                 lps += out.new_logprobs or []
                 toks += out.new_token_ids
-            return JSONResponse(full(out, lps, toks))
+            return JSONResponse(full(out, lps, toks, prompt))
 
         async def events() -> AsyncIterator[str]:
             offset, (o, text) = 0, out
