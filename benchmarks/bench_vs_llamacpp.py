@@ -434,10 +434,9 @@ def bench(lc: LlamaCpp, args) -> int:
                                                      paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
                   **r} for k, r in mq.items()]
         if args.gguf_exports:
-            files, refused = gguf_exports(arts, store)
-            le = llama_quality(lc, gg["F16"], files, text_file, base_file, args.ctx, max(args.threads))
-            rows += [{"model": f"llmq {k} (GGUF)", "bytes": files[k].stat().st_size, **le[k]}
-                     for k in files]
+            exports, refused = gguf_exports(arts, store)
+            le = llama_quality(lc, gg["F16"], exports, text_file, base_file, args.ctx, max(args.threads))
+            rows += [{"model": f"llmq {k} (GGUF)", "bytes": exports[k].stat().st_size, **le[k]} for k in exports]
             for k, why in refused.items():
                 print(f"llmq {k}: no GGUF export ({why})")
         for r in rows:
