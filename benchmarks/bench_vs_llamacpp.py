@@ -25,7 +25,8 @@ windowed as llama-perplexity does (-c 512: chunks of 512 tokens, the second half
   bits/weight = file bytes x 8 / parameters (a GGUF includes its tokenizer; llmq: its safetensors).
   --gguf-exports: every llmq variant is also written as GGUF (`llmq build --target gguf`) and that file is scored by
   llama-perplexity --kl-divergence like llama.cpp's own quantizations: the quality a llama.cpp user of the export
-  gets, beside what llmq's runtime computes from the artifact.
+  gets, beside what llmq's runtime computes from the artifact; a calibrated variant's importance matrix (written
+  beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M of F16, scored the same way.
 
     python benchmarks/bench_vs_llamacpp.py --llama-cpp /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
         --converter-pythonpath /tmp/llamacpp/pydeps [--rounds 3] [--threads 1 2] [--json OUT]
@@ -218,12 +219,12 @@ def llama_quality(lc: LlamaCpp, f16: Path, models: dict[str, Path], text_file: P
     return out
 
 
-def gguf_exports(arts: dict, store) -> tuple[dict[str, Path], dict[str, str]]:
-    """Each llmq variant's `llmq build --target gguf` file (reused from the store when built before), and the
-    one-line reasons of the variants GGUF cannot hold."""
+def gguf_exports(arts: dict, store) -> tuple[dict[str, Path], dict[str, Path], dict[str, str]]:
+    """Each llmq variant's `llmq build --target gguf` file, the importance matrices written beside the calibrated
+    ones, and the one-line reasons of the variants GGUF cannot hold."""
     from llmq.pipeline.targets import BuildOptions, build_engine
 
-    files, refused = {}, {}
+    files, imatrices, refused = {}, {}, {}
     for label, art in arts.items():
         if label == "bf16":
             continue
@@ -232,8 +233,28 @@ def gguf_exports(arts: dict, store) -> tuple[dict[str, Path], dict[str, str]]:
         except LlmqError as e:
             refused[label] = str(e)
             continue
-        files[label] = next(eng.path.glob("*.gguf"))
-    return files, refused
+        out = json.loads((eng.path / "engine.json").read_text())["outputs"]["gguf"]
+        files[label] = eng.path / out["file"]
+        if out.get("imatrix"):
+            imatrices[label] = eng.path / out["imatrix"]["file"]
+    return files, imatrices, refused
+
+
+def imatrix_quants(lc: LlamaCpp, f16: Path, imatrices: dict[str, Path], work: Path, threads: int) -> dict[str, Path]:
+    """llama-quantize's Q4_K_M of F16 with each llmq importance matrix (`--imatrix`): llama.cpp's own recipe, guided
+    by llmq's calibration; cached in `work` by the matrix file's content."""
+    out = {}
+    for label, imx in imatrices.items():
+        digest = hashlib.sha256(imx.read_bytes()).hexdigest()[:16]
+        path = work / f"model-Q4_K_M-imatrix-{digest}.gguf"
+        if not path.is_file():
+            tmp = path.with_suffix(".tmp")
+            print(f"llama-quantize --imatrix ({label}) Q4_K_M ...", flush=True)
+            run([lc.tool("llama-quantize"), "--imatrix", str(imx), str(f16), str(tmp), "Q4_K_M", str(threads)],
+                "llama-quantize --imatrix")
+            tmp.replace(path)
+        out[f"Q4_K_M + llmq {label} imatrix"] = path
+    return out
 
 
 def llmq_quality(paths: dict[str, Path], base, text: str, threads: int, int8_activations: bool = False
@@ -434,9 +455,12 @@ def bench(lc: LlamaCpp, args) -> int:
                                                      paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
                   **r} for k, r in mq.items()]
         if args.gguf_exports:
-            exports, refused = gguf_exports(arts, store)
+            exports, imatrices, refused = gguf_exports(arts, store)
             le = llama_quality(lc, gg["F16"], exports, text_file, base_file, args.ctx, max(args.threads))
             rows += [{"model": f"llmq {k} (GGUF)", "bytes": exports[k].stat().st_size, **le[k]} for k in exports]
+            guided = imatrix_quants(lc, gg["F16"], imatrices, work, max(args.threads))
+            lg = llama_quality(lc, gg["F16"], guided, text_file, base_file, args.ctx, max(args.threads))
+            rows += [{"model": f"llama.cpp {k}", "bytes": guided[k].stat().st_size, **lg[k]} for k in guided]
             for k, why in refused.items():
                 print(f"llmq {k}: no GGUF export ({why})")
         for r in rows:

@@ -8,6 +8,8 @@ compute that model; transformers and TensorRT-LLM, which cannot hold a quantized
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import int4_kernel_off, runtime_logprobs
@@ -123,7 +125,8 @@ def test_a_grouped_table_stores_q8_0_blocks_with_searched_scales(made):
     eng = build_engine(art, store, BuildOptions(target="gguf"))
     import gguf
 
-    (embd,) = [t for t in gguf.GGUFReader(next(eng.path.glob("*.gguf"))).tensors if t.name == "token_embd.weight"]
+    file = eng.path / json.loads((eng.path / "engine.json").read_text())["outputs"]["gguf"]["file"]
+    (embd,) = [t for t in gguf.GGUFReader(file).tensors if t.name == "token_embd.weight"]
     assert embd.tensor_type == gguf.GGMLQuantizationType.Q8_0
     back = torch.from_numpy(gguf.quants.dequantize(embd.data, embd.tensor_type).copy()).reshape(table.shape)
     scale16 = qw.scale.to(torch.float16).float().repeat_interleave(32, 1)  # GGUF's fp16 block scales
