@@ -6,8 +6,10 @@ under their own directory so that no checkpoint reader takes them for weights.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FILE = Path("calibration") / "importance.safetensors"
 
