@@ -52,9 +52,11 @@ from llmq.errors import LlmqError  # noqa: E402
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")
 VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int8-rtn-emb8",
             "int4-rtn-g64-emb8", "int4-gptq-g64-act", "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5",
-            "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75")
+            "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75", "int4-rtn-g32-emb8",
+            "int8-rtn-g32-emb8g32")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
-# emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size
+# emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
+# g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter)
 PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q8_0", "int8-rtn-emb8"),
          ("Q4_0", "int4-rtn-g64"), ("Q4_0", "int4-rtn-g64-head8"), ("Q4_0", "int4-rtn-g64-emb8"))  # same class
 HELDOUT = ("copy.py", "abc.py")  # stdlib files in none of llmq's calibration / probe / eval sets (checked below)
@@ -76,7 +78,9 @@ def variant_options() -> dict:
                                QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
                                                embedding="int8"),
                                QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
-                                               embedding="int8", target_bpw=5.75))))
+                                               embedding="int8", target_bpw=5.75),
+                               QuantizeOptions(bits=4, group_size=32, embedding="int8"),
+                               QuantizeOptions(bits=8, group_size=32, embedding="int8", int8_group_size=32))))
 
 
 def quantized(source, opts, store):
