@@ -78,7 +78,8 @@ def test_sensitivity_is_the_kld_of_rounding_that_unit_alone(tiny):
         lins = [model.get_submodule(f"{spec.arch.prefix(i)}.{n}") for n in units[u]]
         kept = [lin.weight.data.clone() for lin in lins]
         for lin in lins:
-            lin.weight.data = rtn.quantize_weight(lin.weight.data, 4, 32, True, torch.bfloat16).dequantize()
+            lin.weight.data = rtn.quantize_weight(lin.weight.data, 4, 32, True, torch.bfloat16,
+                                                  search=opts.search).dequantize()
         with torch.no_grad():
             want = kld_top1(ref, model(ids).logits[:, half:])["kld_mean"]
         for lin, w in zip(lins, kept):

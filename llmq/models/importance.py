@@ -12,27 +12,31 @@ if TYPE_CHECKING:
     import torch
 
 FILE = Path("calibration") / "importance.safetensors"
+META = Path("calibration") / "importance.json"  # beside it, not in its header: safetensors orders metadata at random
 
 
 def write(artifact_dir: Path, importance: dict[str, torch.Tensor], source: str, tokens: int, windows: int,
           window: int) -> None:
     """Save {linear name: mean x^2 [in]} (float32) with the calibration source, token count and windows they were
     averaged over."""
+    import json
+
     from safetensors.torch import save_file
 
     path = artifact_dir / FILE
     path.parent.mkdir(exist_ok=True)
-    save_file({k: v.float().contiguous() for k, v in sorted(importance.items())}, str(path),
-              metadata={"source": source, "tokens": str(tokens), "windows": str(windows), "window": str(window)})
+    save_file({k: v.float().contiguous() for k, v in sorted(importance.items())}, str(path))
+    (artifact_dir / META).write_text(json.dumps({"source": source, "tokens": tokens, "windows": windows,
+                                                 "window": window}, sort_keys=True))
 
 
 def read(artifact_dir: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
     """(importance, {"source", "tokens", "windows", "window"}) of an artifact, or None when it has none."""
-    from safetensors import safe_open
+    import json
+
+    from safetensors.torch import load_file
 
     path = artifact_dir / FILE
     if not path.is_file():
         return None
-    with safe_open(str(path), "pt") as f:
-        meta = {k: v if k == "source" else int(v) for k, v in (f.metadata() or {}).items()}
-        return {k: f.get_tensor(k) for k in f.keys()}, meta
+    return load_file(str(path)), json.loads((artifact_dir / META).read_text())
