@@ -96,7 +96,9 @@ def test_nvfp4_matches_the_float64_reference():
     w = _weight()
     codes, scale, g = quant.nvfp4_quantize(w)
     wd = w.double().numpy()
-    g_ref = np.float32(2688.0) / np.float32(np.abs(wd).max())   # float32 division: the stored global scale
+    # the stored global scale: 2688 / amax as compressed-tensors' generate_gparam computes it, a number over a float32
+    # tensor, which PyTorch evaluates as the tensor's float32 reciprocal times the number
+    g_ref = (np.float32(1.0) / np.float32(np.abs(wd).max())) * np.float32(2688.0)
     assert g.dtype == torch.float32 and g.shape == (1,) and g.item() == g_ref, f"seed {SEED}"
     blocks = wd.reshape(w.shape[0], -1, 16)
     s_ref = E4M3[_nearest_ref(np.abs(blocks).max(-1) * np.float64(g_ref) / 6, E4M3)]
