@@ -67,8 +67,9 @@ def test_e2m1_rounding_is_nearest_half_to_even_and_saturates():
     assert got[-1] == 8 and got[-2] == 0   # -1e-9 keeps its sign (code 8, "-0"); -0.0 is +0 as packed
     from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
-    np.testing.assert_array_equal(quant.e2m1_values(torch.from_numpy(got)).numpy(),
-                                  cast_to_fp4(torch.from_numpy(x.astype(np.float32))).numpy(), err_msg=f"seed {SEED}")
+    x32 = torch.from_numpy(x.astype(np.float32))  # the same values for both: a float64 value a hair off a tie is one
+    np.testing.assert_array_equal(quant.e2m1_values(quant.e2m1_codes(x32)).numpy(),  # in float32 (seed 355)
+                                  cast_to_fp4(x32).numpy(), err_msg=f"seed {SEED}")
 
 
 def test_e4m3_rounding_from_float64_is_one_rounding():
