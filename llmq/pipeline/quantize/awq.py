@@ -113,17 +113,16 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     groups = [(p, cons) for p, cons in feeds if not ctx.dense(cons[0])]  # --target-bpw's 16-bit units: no scales
     firsts = [cons[0] for _, cons in groups]
     sums: dict[str, torch.Tensor] = {}
-    squares: dict[str, torch.Tensor] = {}
     kept: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
     per_sample = max(1, SEARCH_TOKENS // max(len(ctx.calib_inputs), 1))
 
     def fn(name: str, x: torch.Tensor) -> None:
         sums[name] = sums[name] + x.abs().sum(0) if name in sums else x.abs().sum(0)
-        squares[name] = squares[name] + x.pow(2).sum(0) if name in squares else x.pow(2).sum(0)
         idx = torch.linspace(0, x.shape[0] - 1, min(per_sample, x.shape[0]), device=x.device).round().long()
         kept[name].append(x[idx].clone())
 
     ctx.collect(firsts, fn)
+    squares = ctx.mean_squares()  # of the layer as it came: taken before any folding below
     tokens = max(ctx.num_tokens, 1)
     importance: dict[str, torch.Tensor] = {}
     for (producer, consumers), first in zip(groups, firsts):
@@ -132,7 +131,7 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
         weights = [ctx.linears[c].weight.data.float() for c in consumers if c != router]
         s, _, _ = search_scales(x, x_mean, weights, *ctx.grid(first), o.symmetric, ctx.scale_dtype, tie)
         fold_scales(ctx.layer, producer, consumers, s, *heads, spec.arch.norm_offset)
-        importance.update({c: squares[first] / tokens / s.pow(2) for c in consumers})
+        importance.update({c: squares[first] / s.pow(2) for c in consumers})
     return {name: rtn.quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype,
                                       search=o.search, importance=importance.get(name))
             for name, lin in ctx.linears.items()}

@@ -30,9 +30,9 @@ from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
 from . import experts
 from .calib import TokenWindows
+from .methods import WEIGHT_ONLY
 from .mixed import width_grid
 from .rtn import quantize_weight
-from .stage import WEIGHT_ONLY
 from .streamed import (
     capture_layer0,
     drop,
@@ -76,6 +76,7 @@ class LayerContext:
     calib_inputs: list[torch.Tensor] = field(default_factory=list)
     layer_kwargs: dict = field(default_factory=dict)
     widths: dict[str, int] = field(default_factory=dict)  # --target-bpw: each linear's bits (16: kept dense)
+    _squares: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def grid(self, name: str) -> tuple[int, int]:
         """(bits, group_size) of linear `name`: the options' grid, or 8 bits per channel where --target-bpw chose 8."""
@@ -129,6 +130,17 @@ class LayerContext:
             h *= 2.0 / n
         return {name: acc[shared.get(name, name)] for name in names}
 
+    def mean_squares(self) -> dict[str, torch.Tensor]:
+        """{name: mean over the calibration tokens of each input column squared} of the layer's linears as they came,
+        before the method changes them (one pass, kept): llama.cpp's importance matrix (what `llama-imatrix`
+        collects), from llmq's calibration; AWQ weights its scale search with it."""
+        if self._squares is None:
+            sums: dict[str, torch.Tensor] = {}
+            self.collect(list(self.linears), lambda n, x: sums.__setitem__(n, sums[n] + x.pow(2).sum(0) if n in sums
+                                                                           else x.pow(2).sum(0)))
+            self._squares = {n: s / max(self.num_tokens, 1) for n, s in sums.items()}
+        return self._squares
+
     def input_absmax(self, names) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         self.collect(names, lambda n, x: out.__setitem__(n, torch.maximum(out[n], x.abs().amax(0)) if n in out
@@ -154,15 +166,6 @@ class LayerwiseResult:
     routed: list[list[int]] | None = None  # MoE, calibrated: per layer, the calibration tokens routed to each expert
     importance: dict[str, torch.Tensor] | None = None  # weight-only, calibrated: each linear's mean squared input
 
-
-
-def mean_squares(ctx: LayerContext) -> dict[str, torch.Tensor]:
-    """{full name: mean over the calibration tokens of each input column squared} of the layer's linears, before the
-    method changes them: llama.cpp's importance matrix (what `llama-imatrix` collects), from llmq's calibration."""
-    sums: dict[str, torch.Tensor] = {}
-    ctx.collect(list(ctx.linears), lambda n, x: sums.__setitem__(n, sums[n] + x.pow(2).sum(0) if n in sums
-                                                                 else x.pow(2).sum(0)))
-    return {f"{ctx.prefix}.{n}": (s / max(ctx.num_tokens, 1)).cpu() for n, s in sums.items()}
 
 
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
@@ -230,7 +233,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
                                calib_kw[i] if calib_kw else {}, own)
             if calib_x and opts.method in WEIGHT_ONLY:
-                importance.update(mean_squares(ctx))
+                importance.update({f"{prefix}.{n}": s.cpu() for n, s in ctx.mean_squares().items()})
             qws = method.quantize_layer(ctx)
             routed += [b.routed for b in experts.blocks(layer) if sum(b.routed)]
             if set(qws) != set(linears):

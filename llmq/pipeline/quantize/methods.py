@@ -7,6 +7,7 @@ from types import ModuleType
 
 from ...errors import LlmqError
 
+WEIGHT_ONLY = ("rtn", "gptq", "awq")  # the integer weight-only methods: --scales, --embedding / --lm-head int8, mixed
 METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "nvfp4", "mxfp4", "bnb-nf4", "bnb-int8")
 PACKAGE = __name__.rsplit(".", 1)[0]
 

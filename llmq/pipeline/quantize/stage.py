@@ -23,7 +23,7 @@ from ...errors import LlmqError
 from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
 from ...options import Options, option, parse_size
-from .methods import METHODS, load_method
+from .methods import METHODS, WEIGHT_ONLY, load_method
 
 if TYPE_CHECKING:
     from ...models import qformat
@@ -32,7 +32,6 @@ ACTIVATION_SCHEMES = ("dynamic", "static")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 BNB_BLOCKSIZE = 64  # bitsandbytes' and transformers' 4-bit block size
 DEFAULT_GROUPS = (128, 64, 32)
-WEIGHT_ONLY = ("rtn", "gptq", "awq")
 LM_HEAD_CHOICES = ("keep", "int8")
 EMBEDDING_CHOICES = ("keep", "int8")
 THINKING = ("auto", "on", "off")

@@ -514,8 +514,8 @@ def imatrix_entries(src: CheckpointReader, stats: dict[str, torch.Tensor]) -> di
     tensor, one per expert for a merged expert tensor; a fused group (Phi-3's attn_qkv) under its fused name."""
     arch, s = src.arch, src.spec
     out: dict[str, torch.Tensor] = {}
+    fused = {r: g for g, (_, roles) in arch.fused.items() for r in roles}
     for i in range(s.num_layers):
-        fused = {r: g for g, (_, roles) in arch.fused.items() for r in roles}
         for role in s.roles():
             if role.startswith("experts."):
                 continue
