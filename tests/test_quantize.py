@@ -96,7 +96,9 @@ def test_searched_scales_use_the_whole_signed_grid_and_never_lose_to_amax(bits, 
     amax = rtn.quantize_weight(w, bits, group, True, torch.float32)
     searched = rtn.quantize_weight(w, bits, group, True, torch.float32, search=True)
     e_amax, e_search = _group_errors(w, amax, group), _group_errors(w, searched, group)
-    assert bool((e_search <= e_amax * (1 + 1e-6)).all())  # amax's grid is a candidate and refitting never hurts
+    # amax's grid is a candidate and refitting never hurts, up to what float32 resolves of the residuals the search
+    # compares: at 8 bits a group's error is ~1e-5 of its weights' energy, so ties are decided within ~1e-5 of it
+    assert bool((e_search <= e_amax * (1 + (1e-6 if bits == 4 else 1e-4))).all())
     assert float(e_search.sum()) < 0.9 * float(e_amax.sum())
     assert int(searched.q.min()) == -(1 << (bits - 1)) and bool((searched.scale < 0).any())  # both ends of the grid
     # stored in bf16, the integers are the nearest ones for the stored scale

@@ -79,16 +79,18 @@ def _searched_symmetric(w: torch.Tensor, imp: torch.Tensor, bits: int, scale_dty
     qmin, qmax = quant.int_range(bits)
     m = w.gather(-1, w.abs().argmax(-1, keepdim=True))  # the signed extreme
     m = torch.where(m == 0, torch.ones_like(m), m)
-    best_s, best_score = m / qmax, torch.full_like(m, -1.0)
+    best_s, best_err = m / qmax, torch.full_like(m, float("inf"))
     for t in [qmax] + [end * (1 + r) for end in (qmin, qmax) for r in RATIOS]:
         s = m / t
         q = quant.round_int(w, s, bits=bits)
         wq = imp * q
         sum_xq, sum_qq = (wq * w).sum(-1, keepdim=True), (wq * q).sum(-1, keepdim=True)
         fit = torch.where(sum_qq > 0, sum_xq / sum_qq.clamp_min(1e-30), s)
-        score = torch.where(sum_qq > 0, sum_xq * sum_xq / sum_qq.clamp_min(1e-30), torch.zeros_like(s))
-        better = score > best_score  # the error is sum(imp * w^2) - score at the refitted scale
-        best_s, best_score = torch.where(better, fit, best_s), torch.where(better, score, best_score)
+        # the error itself, not sum(imp * w^2) - sum_xq^2 / sum_qq: at 8 bits that difference of two near-equal
+        # float32 sums is mostly rounding, and chose candidates worse than amax's
+        err = (imp * (w - fit * q).pow(2)).sum(-1, keepdim=True)
+        better = err < best_err
+        best_s, best_err = torch.where(better, fit, best_s), torch.where(better, err, best_err)
     return _stored(best_s, scale_dtype), None
 
 
