@@ -22,7 +22,6 @@ from test_eval import make_rtn, rand_text, req
 
 from llmq.artifacts import Store
 from llmq.cli.main import cli
-from llmq.errors import LlmqError
 from llmq.models import resolve_model
 from llmq.runtime import EngineConfig
 
@@ -277,7 +276,8 @@ def _shape_server(flavor: str, lm):
     `vllm` (/v1/completions with prompt_logprobs: [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...], the
     prompt token's own entry first), `echo` (OpenAI's legacy echo + logprobs, tokens named "token_id:N", the prompt
     token's logprob in token_logprobs only), `llama` (llama-server: /v1/completions answers echo with a 500 and
-    refuses logprobs here; /completion with n_probs answers completion_probabilities)."""
+    refuses logprobs here; /completion with n_probs answers completion_probabilities, the generated token first: the
+    one a logit_bias forces, with its unbiased logprob)."""
 
     def answer(path: str, body: dict):
         if path == "/v1/models":
@@ -291,7 +291,11 @@ def _shape_server(flavor: str, lm):
         if flavor == "llama" and path == "/completion" and body.get("n_probs"):
             ts, vs = top[-1]
             entries = [{"id": t, "token": "?", "bytes": [], "logprob": v} for t, v in zip(ts, vs)]
-            return {"content": "?", "completion_probabilities": [dict(entries[0], top_logprobs=entries)]}
+            made = entries[0]  # greedy, unless a logit bias forces a token: its logprob is still the raw model's
+            for t, bias in body.get("logit_bias", []):
+                if bias > 100:
+                    made = {"id": t, "token": "?", "bytes": [], "logprob": float(lp[-1, t])}
+            return {"content": "?", "completion_probabilities": [dict(made, top_logprobs=entries)]}
         if flavor == "llama" and body.get("echo"):
             return 500  # llama-server's "Only no echo is supported" is a runtime_error: a server error
         if flavor == "vllm" and path == "/v1/completions" and body.get("prompt_logprobs"):
@@ -343,8 +347,9 @@ def _shape_server(flavor: str, lm):
 
 @pytest.mark.parametrize("flavor,shape", [("vllm", "prompt_logprobs"), ("echo", "echo"), ("llama", "n_probs")])
 def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
-    """vLLM's prompt_logprobs and echo + logprobs score given text exactly (what loglikelihood tasks need), all three
-    give the top-k of every position (these servers refuse k = -1, so the KL would be the top-k form)."""
+    """All three score given text exactly (what loglikelihood tasks need): vLLM's prompt_logprobs and echo + logprobs
+    a prompt at a time, llama-server's n_probs a token at a time, each forced by a logit bias; all three give the
+    top-k of every position (these servers refuse k = -1, so the KL would be the top-k form)."""
     from llmq.bench.loadgen import probe
     from llmq.evals.endpoint import EndpointLM
     from llmq.evals.lm import LlmqLM
@@ -356,20 +361,50 @@ def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
     try:
         with _shape_server(flavor, ours) as url:
             lm = EndpointLM(asyncio.run(probe(url, None)), ours.tokenizer, timeout=30)
-            assert lm.shape == shape and lm.scores_prompts == (shape != "n_probs") and lm.top_k == 20
+            assert lm.shape == shape and lm.scores_prompts and lm.top_k == 20
             w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 30))
             top, ids = lm.top_logprobs(w)
             _same_top(top, ids, ours.full_logprobs(w)[:-1].double())
             reqs = [req(rand_text(rng, rng.randint(1, 30)), rand_text(rng, rng.randint(1, 6))) for _ in range(6)]
-            if not lm.scores_prompts:
-                with pytest.raises(LlmqError, match="next-token probabilities only"):
-                    lm.loglikelihood(reqs)
-                return
             got, want = lm.loglikelihood(reqs), ours.loglikelihood(reqs)
             assert [g for _, g in got] == [g for _, g in want]
             assert [x for x, _ in got] == pytest.approx([x for x, _ in want], abs=1e-5)
             assert lm.max_length == 160
             rolling = [req(rand_text(rng, 400))]  # longer than the context: several windows
-            assert lm.loglikelihood_rolling(rolling) == pytest.approx(ours.loglikelihood_rolling(rolling), abs=1e-4)
+            # a token a forward (n_probs) sums float32 rounding of 400 forwards of different lengths: 1e-6 relative
+            tol = {"rel": 1e-5} if shape == "n_probs" else {"abs": 1e-4}
+            assert lm.loglikelihood_rolling(rolling) == pytest.approx(ours.loglikelihood_rolling(rolling), **tol)
     finally:
         ours.close()
+
+
+def test_deploy_verify_agrees_with_in_process_and_catches_a_different_model(setup, tmp_path, monkeypatch):
+    """`llmq deploy verify`: against a server giving only its top 20 logprobs (the default --max-logprobs), llmq's own
+    KL of the served artifact is taken from its top 20 the same way, so the two agree to float noise; verifying
+    another artifact (8-bit) against the same server fails on kld, with exit 1."""
+    from llmq.runtime.server import Limits
+
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    store, base, cand, _ = setup
+    run = CliRunner()
+    dep = run.invoke(cli, ["--store", str(store.root), "deploy", cand.ref, "--engine", "vllm", "--json"])
+    assert dep.exit_code == 0, dep.output
+    deployed = _report(dep.output)["name"]
+    args = ["--tasks", "kld,math", "--limit", "8", "--json"]
+    with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny",
+                     limits=Limits(max_logprobs=20)) as top20:
+        ok = run.invoke(cli, ["--store", str(store.root), "deploy", "verify", deployed, "--endpoint", top20.url, *args])
+        other = make_rtn(store, base, 8, "tiny-rtn8")
+        bad = run.invoke(cli, ["--store", str(store.root), "deploy", "verify", other.ref, "--endpoint", top20.url,
+                               *args])
+    assert ok.exit_code == 0, ok.output
+    result = _report(ok.output)
+    assert result["source"]["id"] == cand.id and result["agree"] and not result["refused"]
+    got = {f["figure"]: f for f in result["figures"]}
+    assert {"kld", "top1", "llmq_arith_mc"} <= set(got)
+    assert got["kld"]["endpoint"] == pytest.approx(got["kld"]["in_process"], rel=1e-3)
+    assert got["top1"]["difference"] == 0 and got["llmq_arith_mc"]["difference"] == 0
+    reports = [store.resolve(result["reports"][k]).file("report.json") for k in ("endpoint", "in_process")]
+    assert [json.loads(r.read_text())["kld"]["top_k"] for r in reports] == [20, 20]
+    assert bad.exit_code == 1, bad.output
+    assert "does not compute what llmq evaluated" in bad.output and "kld" in bad.output.splitlines()[-1]

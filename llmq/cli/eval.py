@@ -21,6 +21,24 @@ def _progress_console():
     return console, prog
 
 
+def progress_factory(prog):
+    """One rich bar per phase: phase name -> (todo, done) callback."""
+    bars = {}
+
+    def progress(phase: str):
+        def update(todo: int, done: int):
+            if phase not in bars:
+                bars[phase] = prog.add_task(phase, total=0)
+            t = bars[phase]
+            if todo:
+                prog.update(t, total=prog.tasks[t].total + todo)
+            if done:
+                prog.advance(t, done)
+        return update
+
+    return progress
+
+
 @stage_command("eval", EvalOptions, "Print the report as JSON.")
 def eval_(ctx, ref, opts, as_json):
     """Evaluate REF (default: the default model), or the model an OpenAI-compatible server serves (--endpoint), on
@@ -47,21 +65,8 @@ def eval_(ctx, ref, opts, as_json):
     if gates and base is None:
         raise LlmqError("--gate compares against a baseline: pass --baseline REF")
 
-    bars = {}
-
-    def progress(phase: str):
-        def update(todo: int, done: int):
-            if phase not in bars:
-                bars[phase] = prog.add_task(phase, total=0)
-            t = bars[phase]
-            if todo:
-                prog.update(t, total=prog.tasks[t].total + todo)
-            if done:
-                prog.advance(t, done)
-        return update
-
     with prog:
-        outcome = run_eval(store, evaluated, base, settings, gates, progress, name=opts.name)
+        outcome = run_eval(store, evaluated, base, settings, gates, progress_factory(prog), name=opts.name)
     report = outcome.report
     if as_json:
         echo_json({**report, "artifact": {"ref": outcome.artifact.ref, "id": outcome.artifact.id,

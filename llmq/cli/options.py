@@ -97,10 +97,10 @@ def stage_options(cls, arg: str = "opts"):
     return decorate
 
 
-def stage_command(name: str, cls, json_help: str, arg: str = "ref", group=click):
+def stage_command(name: str, cls, json_help: str, arg: str = "ref", group=click, hidden: bool = False):
     """A stage's command (on `group`, a click group or click itself): an optional REF argument, every option of `cls`
     and --json; the function receives (ctx, ref, opts, as_json)."""
     def wrap(fn):
         fn = click.option("--json", "as_json", is_flag=True, help=json_help)(click.pass_context(fn))
-        return group.command(name)(click.argument(arg, required=False)(stage_options(cls)(fn)))
+        return group.command(name, hidden=hidden)(click.argument(arg, required=False)(stage_options(cls)(fn)))
     return wrap

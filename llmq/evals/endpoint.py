@@ -8,7 +8,10 @@ and KL divergence read the logprobs the server returns, in the first of these sh
 - `logprobs`: next-token logprobs only (`logprobs` + `return_tokens_as_token_ids`): one request per position, its
   top k;
 - `n_probs`: llama-server's native /completion with `n_probs` (it refuses `echo`): likewise, one request a position.
-The first two score given text exactly (loglikelihood tasks); the last two cannot, and those tasks are refused.
+The first two score given text exactly (loglikelihood tasks). llama-server does too, a token a request: a `logit_bias`
+forces the scored token to be the one generated, and the logprob it reports for the generated token comes from the
+raw logits, before the sampler's bias (tools/server's populate_token_probs); the `logprobs` shape cannot, and its
+scoring tasks are refused.
 Servers cap k (at 20 by default), so KL divergence is the top-k form (kld.topk_token_kl), unless a prompt shape
 answers k = -1 with the whole vocabulary (vLLM's and `llmq serve`'s `--max-logprobs -1`): then it is exact.
 """
@@ -26,6 +29,7 @@ from .lm import DEFAULT_MAX_LENGTH, EvalLM, ProgressFn, Score
 
 TOP_K = 20  # the most OpenAI's API, vLLM's default max_logprobs and `llmq serve` return
 PROMPT_SHAPES = ("prompt_logprobs", "echo")  # shapes that give the logprobs of given tokens
+FORCE_BIAS = 1e4  # a logit bias no other token's logit can beat: the token generated is the one scored
 CONCURRENCY = 8
 
 
@@ -145,11 +149,11 @@ class EndpointLM(EvalLM):
     @property
     def scores_prompts(self) -> bool:
         """Whether the server gives the logprobs of given tokens (loglikelihood tasks need them)."""
-        return self.shape in PROMPT_SHAPES
+        return self.shape in PROMPT_SHAPES or self.shape == "n_probs"
 
     def refusal(self, what: str) -> str:
-        got = {None: "returns no logprobs named by token id", "logprobs": "returns next-token logprobs only",
-               "n_probs": "returns next-token probabilities only (n_probs)"}.get(self.shape, self.shape)
+        got = {None: "returns no logprobs named by token id",
+               "logprobs": "returns next-token logprobs only"}.get(self.shape, self.shape)
         return (f"{what} refused: {self.ep.base} {got} (tried vLLM's prompt_logprobs, echo + logprobs, logprobs with "
                 "return_tokens_as_token_ids, llama-server's n_probs)")
 
@@ -176,9 +180,35 @@ class EndpointLM(EvalLM):
         return self._checked([e for a in answers for e in (self._parse(self.shape, a, []) or [None])], len(reqs))
 
     # -- EvalLM's hooks -----------------------------------------------------------------------------------------------
+    def _forced(self, items: list[ScoreRequest]) -> list[Score]:
+        """llama-server scoring: one /completion a scored token, its prefix as the prompt (the server's prompt cache
+        keeps the prefix) and that token forced by a logit bias; its reported logprob is the raw model's."""
+        jobs = [(it.token_ids[:j], it.token_ids[j]) for it in items for j in range(it.start, len(it.token_ids))]
+        bodies = [{"prompt": ids, "n_predict": 1, "n_probs": 1, "temperature": -1, "cache_prompt": True,
+                   "logit_bias": [[tok, FORCE_BIAS]]} for ids, tok in jobs]
+        answers = iter(self._post_all("/completion", bodies, progress=False))
+        out = []
+        for it in items:
+            logprob, greedy = 0.0, True
+            for tok in it.token_ids[it.start:]:
+                try:
+                    got = next(answers)["completion_probabilities"][0]
+                    gid, lp, top = int(got["id"]), float(got["logprob"]), int(got["top_logprobs"][0]["id"])
+                except (KeyError, IndexError, TypeError, ValueError):
+                    raise LlmqError(f"{self.ep.base}/completion answered n_probs in an unexpected shape") from None
+                if gid != tok:
+                    raise LlmqError(f"{self.ep.base} ignored logit_bias (generated token {gid}, forced {tok}): it "
+                                    "cannot score given text this way")
+                logprob, greedy = logprob + lp, greedy and top == tok
+            out.append(Score(logprob, greedy))
+            self.progress(0, 1)
+        return out
+
     def score(self, items: list[ScoreRequest]) -> list[Score]:
         if not self.scores_prompts:
             raise LlmqError(self.refusal("scoring given text"))
+        if self.shape == "n_probs":
+            return self._forced(items)
         out = []
         for it, pos in zip(items, self._prompts([it.token_ids for it in items], 1, progress=True)):
             lps = pos[it.start - 1:]

@@ -163,6 +163,7 @@ def run_eval(store: Store, evaluated: Artifact | Served, baseline: Artifact | No
         lm = _endpoint_lm(store, settings, evaluated, progress(evaluated.endpoint.base), baseline)
     else:
         lm = _lm(settings, evaluated, progress(f"{evaluated.ref}"), settings.speculative)
+        lm.top_k = settings.kld_top_k
     refused: list[str] = []
     try:
         if served:

@@ -5,7 +5,8 @@ Reported: the mean (with its standard error), the 99th percentile, top-1 agreeme
 both models' perplexities over the same tokens. It works even where a small model's task accuracy is at chance.
 
 An evaluated model behind an endpoint may give only its top-k log-probabilities per position (`lm.top_k` set): then
-the KL is taken over k + 1 outcomes (`topk_token_kl`) and the report says so.
+the KL is taken over k + 1 outcomes (`topk_token_kl`) and the report says so; an in-process model can be scored the
+same way (`--kld-top-k`), which is how a deployment is compared with llmq's own evaluation.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], Non
         size = min(WINDOW, lm.max_length, base.max_length)
         windows += [ids[i:i + size] for i in range(0, len(ids) - 1, size - 1) if len(ids[i:i + size]) > 1]
     progress(len(windows), 0)
-    k = getattr(lm, "top_k", None)  # None: full distributions
+    k = lm.top_k  # None: full distributions
     kls, agree, rest, nll_e, nll_b = [], [], [], 0.0, 0.0
     for w in windows:
         lp_b = base.logprobs_before(w).double()

@@ -32,7 +32,11 @@ class Score:
 
 
 class EvalLM(LM):
-    """The backend-independent half: request → token items, results → lm-eval's answers."""
+    """The backend-independent half: request → token items, results → lm-eval's answers. `top_k`: None when KL
+    divergence reads whole distributions, else how many of the top logprobs a position gives (what an endpoint
+    returns; set on an in-process model, the KL is computed the same top-k way, to compare with an endpoint's)."""
+
+    top_k: int | None = None
 
     def __init__(self, tokenizer, max_length: int, seed: int = 0, progress: ProgressFn | None = None):
         super().__init__()
@@ -62,6 +66,10 @@ class EvalLM(LM):
     def logprobs_before(self, tokens: list[int]) -> torch.Tensor:
         """[T-1, vocab]: the distributions before each of tokens[1:] (what KLD compares; all an endpoint gives)."""
         return self.full_logprobs(tokens)[:-1]
+
+    def top_logprobs(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T-1, k] log-probabilities, descending, [T-1, k] token ids): the top k before each of tokens[1:]."""
+        return self.logprobs_before(tokens).double().topk(self.top_k, dim=-1)
 
     # -- tokenization --------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

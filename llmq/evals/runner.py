@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import LlmqError
 from ..models import cache_dir
-from ..options import SpeculativeOptions, option
+from ..options import Options, SpeculativeOptions, option
 from .compare import group_scores, mean_stderr, ratio_stderr
 from .gate import ALIASES, KLD_NAMES, parse_gates
 from .sandbox import require_sandbox
@@ -38,6 +38,7 @@ class EvalSettings:
     allow_code_execution: bool = False
     lm_tasks: list[str] = field(default_factory=list)  # expanded lm-eval task names (filled by plan())
     kld: bool = False
+    kld_top_k: int | None = None  # score the evaluated model's KL from its top k only, as an endpoint's (kld.py)
     # EngineConfig's speculative fields for the evaluated model: lossless, so not part of scores_key
     speculative: dict = field(default_factory=dict)
 
@@ -72,6 +73,9 @@ class EvalOptions(SpeculativeOptions):
     model: str | None = option(None, "Model id to request from --endpoint (default: the only one it serves).")
     api_key: str | None = option(None, "Bearer key for --endpoint (env LLMQ_API_KEY).", envvar="LLMQ_API_KEY")
     timeout: float = option(60.0, "Seconds to wait for each answer of --endpoint.", gt=0)
+    kld_top_k: int | None = option(None, "Take REF's KL divergence from its top K logprobs plus one bin for the "
+                                   "rest, as an endpoint's is (to compare the two); default: whole distributions.",
+                                   ge=1, metavar="K")
 
     def check(self) -> None:
         """Besides bounds: every gate judges a score these tasks produce (a typo fails before the run, not after), and
@@ -94,10 +98,30 @@ class EvalOptions(SpeculativeOptions):
             raise LlmqError("--speculative runs in the bundled runtime: use it with --backend llmq")
         if self.endpoint and (self.speculative or self.backend != "llmq"):
             raise LlmqError("--endpoint evaluates what the server computes: --backend and --speculative do not apply")
+        if self.endpoint and self.kld_top_k:
+            raise LlmqError("--kld-top-k shapes REF's in-process KL; an endpoint's is from the top k it returns")
         return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),
                             seed=self.seed, backend="endpoint" if self.endpoint else self.backend,
-                            allow_code_execution=self.allow_code_execution,
+                            allow_code_execution=self.allow_code_execution, kld_top_k=self.kld_top_k,
                             speculative=self.engine_fields(store) if self.speculative else {})
+
+
+@dataclass(frozen=True)
+class VerifyOptions(Options):
+    """What `llmq deploy verify` asks for (evals/deployed.py)."""
+
+    endpoint: str = option(help="The deployment's OpenAI-compatible URL.", metavar="URL")
+    model: str | None = option(None, "Model id to request (default: the only one it serves).")
+    api_key: str | None = option(None, "Bearer key for the endpoint (env LLMQ_API_KEY).", envvar="LLMQ_API_KEY")
+    timeout: float = option(60.0, "Seconds to wait for each answer.", gt=0)
+    tasks: list[str] = option(["kld", "code", "math"], "Comma-separated: what both sides run (as llmq eval's "
+                              "--tasks).", min_items=1)
+    limit: int | None = option(None, f"Items per task (default {DEFAULT_LIMIT}; 0 = all).", ge=0)
+    seed: int = option(DEFAULT_SEED, "Seed for task data, few-shot order and sampling.")
+
+    def settings(self) -> EvalSettings:
+        return EvalSettings(tasks=list(self.tasks), seed=self.seed, backend="endpoint",
+                            limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None))
 
 
 def task_cache_dir() -> Path:

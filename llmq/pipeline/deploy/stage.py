@@ -50,12 +50,12 @@ def deploy(source: Artifact, store: Store, opts: DeployOptions, command: str | N
               "smallest_per_gpu": {g: s.to_dict() if s else None for g, s in others.items()},
               "steps": [asdict(s) for s in launch.steps], "files": sorted(launch.files), "notes": list(model.notes),
               "checked": engine.checked, "port": engine.port, "table": table}
-    with store.create("deploy", opts.name or f"{source.name}-{engine.name}", parents=[source.id],
-                      config={"options": asdict(opts)}, command=command) as w:
-        for name, text in launch.files.items():
-            (w.dir / name).write_text(text)
+    name = opts.name or f"{source.name}-{engine.name}"
+    with store.create("deploy", name, parents=[source.id], config={"options": asdict(opts)}, command=command) as w:
+        for file, text in launch.files.items():
+            (w.dir / file).write_text(text)
         (w.dir / "deploy.json").write_text(json.dumps(record, indent=2) + "\n")
-        (w.dir / "README.md").write_text(readme(source, engine.label, model, sizing, launch, record))
+        (w.dir / "README.md").write_text(readme(source, name, engine.label, model, sizing, launch, record))
         w.metrics.update(gpus=sizing.gpus_per_node * sizing.nodes, tp=sizing.tp, pp=sizing.pp,
                          gib_per_gpu=round(sizing.need / 2**30, 3))
     return w.artifact
@@ -72,7 +72,8 @@ def sizing_table(rows: list[Sizing]) -> list[str]:
     return out
 
 
-def readme(source: Artifact, label: str, model: Loadable, sizing: Sizing, launch: Launch, record: dict) -> str:
+def readme(source: Artifact, name: str, label: str, model: Loadable, sizing: Sizing, launch: Launch,
+           record: dict) -> str:
     runs = " ".join(s.run for s in launch.steps)
     needs = ([f"`{HEAD[1:]}` to node 0's address"] if HEAD in runs else []) + \
         ([f"`NODE0`..`NODE{sizing.nodes - 1}` to the nodes' host names"] if "$NODE0" in runs else [])
@@ -87,9 +88,10 @@ def readme(source: Artifact, label: str, model: Loadable, sizing: Sizing, launch
     for step in launch.steps:
         lines += [f"On {step.where}:", "", "```sh", step.run, "```", ""]
     url = f"http://HOST:{record['port']}"
-    lines += [f"It serves the OpenAI API on port {record['port']} of node 0 (HOST). Check what it computes against "
-              f"what llmq evaluated with `llmq eval --endpoint {url} --baseline {source.ref}` and its speed with "
-              f"`llmq bench serve --endpoint {url}`.",
+    lines += [f"It serves the OpenAI API on port {record['port']} of node 0 (HOST). Check that it computes what llmq "
+              f"evaluated with `llmq deploy verify {name} --endpoint {url}` (the same tasks and KL divergence, through "
+              f"the endpoint and in llmq, compared within their 95% intervals; exit 1 when they differ) and its speed "
+              f"with `llmq bench serve --endpoint {url}`.",
               "", "## Sizing", "",
               f"Per GPU: weights ({model.weight_bytes / 2**30:.2f} GiB in all, split over tp x pp ranks) + KV cache "
               f"({record['max_concurrency']} sequences x {record['max_seq_len']} tokens, "
