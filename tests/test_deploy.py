@@ -1,6 +1,7 @@
 """`llmq deploy`: the sizing arithmetic against hand computations, refusals (layouts that cannot fit, artifacts an
 engine cannot load), every engine's commands on one node and several, their flag names against the engines' own
-argument parsers (tests/data/deploy_engine_flags.json), and the deploy artifact written through the store."""
+argument parsers (tests/data/deploy_engine_flags.json), vLLM's KServe and Ray Serve files against KServe's CRD schema
+and Ray's models (tests/data/deploy_serving_schemas.json), and the deploy artifact written through the store."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llmq.errors import LlmqError
 from llmq.models.spec import ModelSpec
-from llmq.pipeline.deploy import ENGINES, DeployOptions, deploy
+from llmq.pipeline.deploy import ENGINES, GPUS, DeployOptions, deploy
+from llmq.pipeline.deploy.manifests import KSERVE_FILE, RAY_FILE
 from llmq.pipeline.deploy.sizing import ACTIVATION_MARGIN, MEMORY_FRACTION, Load, choose, size, smallest
 
-FLAGS = json.loads((Path(__file__).parent / "data" / "deploy_engine_flags.json").read_text())
+DATA = Path(__file__).parent / "data"
+FLAGS = json.loads((DATA / "deploy_engine_flags.json").read_text())
+SCHEMAS = json.loads((DATA / "deploy_serving_schemas.json").read_text())
 H100_USABLE = int(81559 * 2**20 * 0.9)
 TINY = dict(model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
@@ -110,8 +115,9 @@ def test_vllm_one_node_and_several(arts):
     head, workers, serve = rec["steps"]
     assert (head["run"], workers) == ("ray start --head --port 6379", {
         "where": "node 1", "run": "ray start --address $HEAD_IP:6379 --block"})
-    assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 --distributed-executor-backend ray" in serve["run"]
-            and "--kv-cache-dtype fp8 " in serve["run"]) and (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (2, 2)
+    assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 " in serve["run"]
+            and "--kv-cache-dtype fp8 --distributed-executor-backend ray " in serve["run"])
+    assert (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (2, 2)
     assert "Set `HEAD_IP` to node 0's address." in readme
     with pytest.raises(LlmqError, match=r"^--gpus-per-node 2 --nodes 3 \(tp 2, pp 3\): 3 pipeline stages exceed the "
                                         "model's 2 layers$"):
@@ -189,6 +195,101 @@ def test_every_flag_is_one_the_engine_parses(arts):
         assert used == set(FLAGS[engine]["flags"]), engine
 
 
+def _vllm_files(arts, src: str, **kw) -> tuple[dict, str, list[dict], dict]:
+    store, a = arts
+    art = deploy(a[src], store, DeployOptions(engine="vllm", **kw))
+    return (json.loads(art.file("deploy.json").read_text()), art.file("README.md").read_text(),
+            list(yaml.safe_load_all(art.file(KSERVE_FILE).read_text())), yaml.safe_load(art.file(RAY_FILE).read_text()))
+
+
+def test_kserve_and_ray_serve_carry_the_launch_commands_layout(arts):
+    rec, readme, docs, ray = _vllm_files(arts, "fp8kv", gpus_per_node=2, nodes=2)
+    serve = rec["steps"][-1]["run"]
+    preset, svc = docs
+    assert preset["kind"] == "LLMInferenceServiceConfig" and preset["metadata"]["name"] == (
+        "kserve-config-llm-worker-pipeline-parallel")   # the name KServe looks up, which it does not ship
+    spec = svc["spec"]
+    assert (svc["kind"], svc["metadata"]["name"], spec["model"], spec["parallelism"]) == (
+        "LLMInferenceService", "tiny-kvfp8", {"uri": "$MODEL_URI", "name": "tiny-kvfp8"}, {"tensor": 2, "pipeline": 2})
+    (leader,), (worker,) = spec["template"]["containers"], spec["worker"]["containers"]
+    # one pod a node, each holding that node's tp GPUs; the leader runs the very `vllm serve` of the steps
+    assert leader["resources"] == worker["resources"] == {"limits": {"nvidia.com/gpu": 2},
+                                                          "requests": {"nvidia.com/gpu": 2}}
+    assert leader["command"] == ["/bin/bash", "-c", "ray start --head --port 6379 && "
+                                 + serve.replace("$MODEL_DIR", "/mnt/models")]
+    assert worker["command"][-1] == "ray start --address $LWS_LEADER_ADDRESS:6379 --block"
+    (app,) = ray["applications"]
+    (llm,) = app["args"]["llm_configs"]
+    assert llm["engine_kwargs"] == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_model_len": 512,
+                                    "max_num_seqs": 32, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "fp8"}
+    assert all(f"--{k.replace('_', '-')} {v} " in serve for k, v in llm["engine_kwargs"].items())
+    assert (llm["model_loading_config"], llm["accelerator_type"], llm["placement_group_config"]) == (
+        {"model_id": "tiny-kvfp8", "model_source": "$MODEL_DIR"}, "H100",
+        {"bundle_per_worker": {"GPU": 1}, "strategy": "PACK"})
+    assert [s["run"] for s in rec["instead"]] == [
+        "envsubst '$MODEL_URI' < $DEPLOY_DIR/kserve-llminferenceservice.yaml | kubectl apply -f -",
+        "envsubst '$MODEL_DIR' < $DEPLOY_DIR/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
+    assert "Or, instead, with a cluster manager" in readme and "| kubectl apply -f -\n" in readme
+    # one node: no worker, no pipeline stages, a dense KV cache, Ray's A100 label, every bundle on the node
+    rec, readme, docs, ray = _vllm_files(arts, "model", gpu="a100-80gb", gpus_per_node=1, nodes=1)
+    ((svc,), (llm,)) = docs, ray["applications"][0]["args"]["llm_configs"]
+    assert "worker" not in svc["spec"] and svc["spec"]["parallelism"] == {"tensor": 1}
+    assert svc["spec"]["template"]["containers"][0]["command"][-1] == rec["steps"][0]["run"].replace(
+        "$MODEL_DIR", "/mnt/models")
+    assert "kv_cache_dtype" not in llm["engine_kwargs"] and "pipeline_parallel_size" not in llm["engine_kwargs"]
+    assert (llm["accelerator_type"], llm["placement_group_config"]["strategy"]) == ("A100", "STRICT_PACK")
+    rec, readme = _deployed(arts, "model", engine="sglang")
+    assert rec["files"] == rec["instead"] == [] and "written for `--engine vllm` only" in readme
+
+
+def _leaves(node, path=()):
+    """(path, value) of each leaf of a YAML document; a list's items add `[]` to its field's name."""
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(node, list):
+        for v in node:
+            yield from _leaves(v, (*path[:-1], path[-1] + "[]"))
+    else:
+        yield path, node
+
+
+def _schema_type(allowed: dict, path: tuple) -> str | None:
+    """The type the schema gives `path` (`*` in a listed path: any key of a map), None where it has no such field."""
+    for listed, kind in allowed.items():
+        parts = listed.split(".")
+        if len(parts) == len(path) and all(p in ("*", q) for p, q in zip(parts, path)):
+            return kind
+    return None
+
+
+TYPES = {"string": {str}, "integer": {int}, "object": {dict}, "int-or-string": {int, str}}
+
+
+def test_kserve_and_ray_serve_files_use_only_fields_their_schemas_define(arts):
+    """Each path of the KServe manifest is one the LLMInferenceService CRD's v1alpha1 schema defines, with a value
+    of its type; each key of the Ray Serve config a field of Ray's models; engine_kwargs are vLLM flags."""
+    r = SCHEMAS["ray"]
+    for g, n in ((1, 1), (2, 2)):
+        _, _, docs, ray = _vllm_files(arts, "fp8kv", gpus_per_node=g, nodes=n)
+        for doc in docs:
+            allowed = SCHEMAS["kserve"][doc["kind"]]
+            for path, value in _leaves(doc):
+                kind = _schema_type(allowed, path)
+                assert kind and type(value) in TYPES[kind], (doc["kind"], ".".join(path), value)
+        assert set(ray) <= set(r["ServeDeploySchema"])
+        (app,) = ray["applications"]
+        assert set(app) <= set(r["ServeApplicationSchema"]) and app["import_path"] == r["import_path"]
+        assert set(app["args"]) <= set(r["LLMServingArgs"])
+        (llm,) = app["args"]["llm_configs"]
+        assert set(llm) <= set(r["LLMConfig"]) and set(llm["model_loading_config"]) <= set(r["ModelLoadingConfig"])
+        assert set(llm["deployment_config"]) <= set(r["DeploymentConfig"])
+        assert set(llm["placement_group_config"]) <= set(r["placement_group_config"])
+        assert llm["placement_group_config"]["strategy"] in r["placement_strategy"]
+        assert {f"--{k.replace('_', '-')}" for k in llm["engine_kwargs"]} <= set(FLAGS["vllm"]["flags"])
+    assert {gpu.ray for gpu in GPUS.values()} <= set(r["accelerator_type"])
+
+
 def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch):
     from click.testing import CliRunner
 
@@ -197,7 +298,7 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch
     store, a = arts
     art = deploy(a["fp8kv"], store, DeployOptions(engine="vllm", name="dep"))
     assert art.kind == "deploy" and art.parents == [a["fp8kv"].id] and set(art.manifest["files"]) == {
-        "README.md", "deploy.json"}
+        "README.md", "deploy.json", KSERVE_FILE, RAY_FILE}
     art.verify(full=True)
     assert store.resolve("dep").id == art.id
     before = sorted(p.name for p in store.root.iterdir())

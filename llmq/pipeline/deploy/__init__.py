@@ -1,6 +1,7 @@
 """`llmq deploy`: hand an artifact to vLLM, SGLang, TensorRT-LLM or llama.cpp, on one node or several, with the GPUs
-llmq's own memory arithmetic says it needs (sizing.py), the commands each engine takes (engines.py), written as a
-`deploy` artifact (stage.py)."""
+llmq's own memory arithmetic says it needs (sizing.py), the commands each engine takes (engines.py) and, for vLLM,
+the same as a KServe LLMInferenceService and a Ray Serve LLM config (manifests.py), written as a `deploy` artifact
+(stage.py)."""
 
 from .engines import ENGINES
 from .sizing import GPUS

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ...errors import LlmqError
+from . import manifests
 from .sizing import MEMORY_FRACTION
 
 if TYPE_CHECKING:
@@ -36,7 +37,11 @@ class Loadable:
 
     @property
     def path(self) -> str:
-        return f"{MODEL_DIR}/{self.model}" if self.model else MODEL_DIR
+        return self.under(MODEL_DIR)
+
+    def under(self, directory: str) -> str:
+        """The path it loads where the source artifact's directory is `directory`."""
+        return f"{directory}/{self.model}" if self.model else directory
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Step:
 class Launch:
     steps: list[Step]
     files: dict[str, str] = field(default_factory=dict)   # name -> text, written into the deploy artifact
+    instead: list[Step] = field(default_factory=list)     # other ways to run the same (a cluster manager's files)
 
 
 @dataclass(frozen=True)
@@ -156,19 +162,45 @@ def _one_node(g: int, n: int) -> tuple[int, int] | None:
     return (1, g) if n == 1 else None
 
 
+def vllm_args(m: Loadable, s: Sizing, o: dict) -> dict:
+    """vLLM's engine arguments for a layout by their Python names: the `vllm serve` flags, and Ray Serve's
+    engine_kwargs, are both spelled from this."""
+    args = {"tensor_parallel_size": s.tp, "pipeline_parallel_size": s.pp if s.nodes > 1 else None,
+            "max_model_len": o["max_seq_len"], "max_num_seqs": o["max_concurrency"],
+            "gpu_memory_utilization": MEMORY_FRACTION, "kv_cache_dtype": "fp8" if m.kv_fp8 else None}
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def _ray_worker(head: str) -> str:
+    return f"ray start --address {head}:6379 --block"
+
+
 def _launch_vllm(m: Loadable, s: Sizing, o: dict) -> Launch:
-    serve = _cmd("vllm", "serve", m.path, ("--served-model-name", o["served_name"]),
-                 ("--tensor-parallel-size", s.tp), ("--pipeline-parallel-size", s.pp if s.nodes > 1 else None),
-                 ("--distributed-executor-backend", "ray" if s.nodes > 1 else None),
-                 ("--max-model-len", o["max_seq_len"]), ("--max-num-seqs", o["max_concurrency"]),
-                 ("--gpu-memory-utilization", MEMORY_FRACTION), ("--kv-cache-dtype", "fp8" if m.kv_fp8 else None),
-                 ("--host", "0.0.0.0"), ("--port", 8000))
-    if s.nodes == 1:
-        return Launch([Step("the node", serve)])
+    def serve(model_dir: str) -> str:
+        return _cmd("vllm", "serve", m.under(model_dir), ("--served-model-name", o["served_name"]),
+                    *((f"--{k.replace('_', '-')}", v) for k, v in vllm_args(m, s, o).items()),
+                    ("--distributed-executor-backend", "ray" if s.nodes > 1 else None),
+                    ("--host", "0.0.0.0"), ("--port", 8000))
+
+    multi = s.nodes > 1
+    in_pod = serve(manifests.KSERVE_MODEL_DIR)
+    files = {manifests.KSERVE_FILE: manifests.kserve(
+                 o["served_name"], "$MODEL_URI", f"ray start --head --port 6379 && {in_pod}" if multi else in_pod,
+                 _ray_worker("$LWS_LEADER_ADDRESS") if multi else None, s, 8000),
+             manifests.RAY_FILE: manifests.ray_serve(o["served_name"], m.path, vllm_args(m, s, o), s,
+                                                     o["max_concurrency"])}
+    instead = [Step("a Kubernetes cluster with KServe's LLMInferenceService (llm-d) and, for several nodes, "
+                    "LeaderWorkerSet; `MODEL_URI` set to where it reads the artifact (hf://, s3://, pvc://)",
+                    f"envsubst '$MODEL_URI' < $DEPLOY_DIR/{manifests.KSERVE_FILE} | kubectl apply -f -"),
+               Step("node 0 of the Ray cluster above (in place of `vllm serve`), with `ray[serve,llm]` installed"
+                    if multi else
+                    "the node, with `ray[serve,llm]` installed (Ray Serve LLM)",
+                    f"envsubst '$MODEL_DIR' < $DEPLOY_DIR/{manifests.RAY_FILE} > serve.yaml && serve run serve.yaml")]
+    if not multi:
+        return Launch([Step("the node", serve(MODEL_DIR))], files, instead)
     workers = "node 1" if s.nodes == 2 else f"nodes 1..{s.nodes - 1}"
-    return Launch([Step("node 0", "ray start --head --port 6379"),
-                   Step(workers, f"ray start --address {HEAD}:6379 --block"),
-                   Step("node 0, once `ray status` shows every GPU", serve)])
+    return Launch([Step("node 0", "ray start --head --port 6379"), Step(workers, _ray_worker(HEAD)),
+                   Step("node 0, once `ray status` shows every GPU", serve(MODEL_DIR))], files, instead)
 
 
 def _launch_sglang(m: Loadable, s: Sizing, o: dict) -> Launch:
@@ -215,8 +247,13 @@ def _launch_llama(m: Loadable, s: Sizing, o: dict) -> Launch:
 _WHEEL = ("flag names checked against the argument parser source of the {} wheel (`pip download --no-deps {}`; "
           "tests/data/deploy_engine_flags.json, tests/test_deploy.py)")
 ENGINES = {e.name: e for e in (
-    Engine("vllm", "vLLM", _hf_artifact("vLLM"), _across_nodes, _launch_vllm, _WHEEL.format("vllm 0.33.0", "vllm"),
-           8000),
+    Engine("vllm", "vLLM", _hf_artifact("vLLM"), _across_nodes, _launch_vllm,
+           _WHEEL.format("vllm 0.33.0", "vllm") + "; the KServe manifest's field paths and types against the "
+           "LLMInferenceService CRD's v1alpha1 schema (kserve commit aaac4e29, "
+           "config/crd/full/llmisvc/serving.kserve.io_llminferenceservices.yaml), the Ray Serve config's keys "
+           "against the ray 2.60.0 wheel's pydantic models (LLMServingArgs, LLMConfig, ModelLoadingConfig, "
+           "DeploymentConfig, accelerator names) and its engine_kwargs against the vLLM flags above "
+           "(tests/data/deploy_serving_schemas.json); neither was applied to a cluster", 8000),
     Engine("sglang", "SGLang", _hf_artifact("SGLang"), _across_nodes, _launch_sglang,
            _WHEEL.format("sglang 0.5.23", "sglang"), 30000),
     Engine("trtllm", "TensorRT-LLM", _load_trtllm, _across_nodes, _launch_trtllm,

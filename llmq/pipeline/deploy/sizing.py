@@ -22,11 +22,13 @@ if TYPE_CHECKING:
 class GPU:
     label: str
     memory_mib: int   # total memory as nvidia-smi reports it
+    ray: str          # Ray's accelerator_type (ray.util.accelerators): A100s are "A100", the label Ray puts on nodes
 
 
-GPUS = {g: GPU(label, mib) for g, label, mib in (
-    ("h100", "H100 80GB", 81559), ("h200", "H200 141GB", 143771), ("a100-40gb", "A100 40GB", 40960),
-    ("a100-80gb", "A100 80GB", 81920), ("l40s", "L40S 48GB", 46068), ("b200", "B200 180GB", 183359),
+GPUS = {g: GPU(label, mib, ray) for g, label, mib, ray in (
+    ("h100", "H100 80GB", 81559, "H100"), ("h200", "H200 141GB", 143771, "H200"),
+    ("a100-40gb", "A100 40GB", 40960, "A100"), ("a100-80gb", "A100 80GB", 81920, "A100"),
+    ("l40s", "L40S 48GB", 46068, "L40S"), ("b200", "B200 180GB", 183359, "B200"),
 )}
 # the share of each GPU the launch commands hand the engine (vLLM --gpu-memory-utilization, SGLang
 # --mem-fraction-static, TensorRT-LLM --kv_cache_free_gpu_memory_fraction, as their defaults ~0.9 do)

@@ -48,7 +48,8 @@ def deploy(source: Artifact, store: Store, opts: DeployOptions, command: str | N
               "model": model.model or ".", "max_seq_len": context, "max_concurrency": opts.max_concurrency,
               "kv_cache_dtype": "fp8" if model.kv_fp8 else "auto", "sizing": sizing.to_dict(),
               "smallest_per_gpu": {g: s.to_dict() if s else None for g, s in others.items()},
-              "steps": [asdict(s) for s in launch.steps], "files": sorted(launch.files), "notes": list(model.notes),
+              "steps": [asdict(s) for s in launch.steps], "instead": [asdict(s) for s in launch.instead],
+              "files": sorted(launch.files), "notes": list(model.notes),
               "checked": engine.checked, "port": engine.port, "table": table}
     name = opts.name or f"{source.name}-{engine.name}"
     with store.create("deploy", name, parents=[source.id], config={"options": asdict(opts)}, command=command) as w:
@@ -87,6 +88,13 @@ def readme(source: Artifact, name: str, label: str, model: Loadable, sizing: Siz
              *([f"Set {' and '.join(needs)}."] if needs else []), ""]
     for step in launch.steps:
         lines += [f"On {step.where}:", "", "```sh", step.run, "```", ""]
+    if launch.instead:
+        lines += [f"Or, instead, with a cluster manager, from its files here "
+                  f"({', '.join(f'`{f}`' for f in sorted(launch.files))}: the same arguments and layout):", ""]
+        for step in launch.instead:
+            lines += [f"On {step.where}:", "", "```sh", step.run, "```", ""]
+    else:
+        lines += ["KServe and Ray Serve configurations are written for `--engine vllm` only.", ""]
     url = f"http://HOST:{record['port']}"
     lines += [f"It serves the OpenAI API on port {record['port']} of node 0 (HOST). Check that it computes what llmq "
               f"evaluated with `llmq deploy verify {name} --endpoint {url}` (the same tasks and KL divergence, through "
