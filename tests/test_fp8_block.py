@@ -142,6 +142,22 @@ def test_runtime_layer_equals_the_float64_dequantize_then_matmul(seed):
     assert (unquantized - want).abs().max() > 1000 * (got - want).abs().max()
 
 
+@pytest.mark.parametrize("m, n, k", [(1, 256, 384), (3, 128, 1024), (17, 384, 128)])
+def test_the_cuda_call_passes_torchs_layout_checks(m, n, k):
+    """No GPU here: the Hopper path's F.scaled_mm call (BlockWise1x128 x BlockWise128x128) runs on meta tensors, where
+    torch checks the shapes and strides of both scale operands (decode's single row included)."""
+    from llmq.runtime.layers.fp8_block import blockwise_scaled_mm, scaled_mm_weight_scales
+
+    w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+    sb = scaled_mm_weight_scales(torch.empty(n // 128, k // 128, device="meta"))
+    y = blockwise_scaled_mm(torch.empty(m, k, device="meta"), w, sb)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    wrong = [sb.t().contiguous()] + ([sb.contiguous()] if n > 128 else [])   # untransposed; row-major
+    for bad in wrong:   # the checks bite
+        with pytest.raises(RuntimeError, match="blockwise scaling"):
+            blockwise_scaled_mm(torch.empty(m, k, device="meta"), w, bad)
+
+
 def test_fused_projections_share_scale_rows_only_on_block_edges():
     """q/k/v as one layer when every part but the last fills whole 128-row blocks; otherwise each part keeps its own
     layer. Both compute the parts' outputs."""
@@ -309,6 +325,16 @@ def _fake_quant_groups(x: torch.Tensor) -> torch.Tensor:
         s = g.abs().amax(1, keepdim=True).clamp_min(quant.EPS) / 448
         out[:, j:j + 128] = (g / s).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s.double()
     return out.reshape(shape)
+
+
+def test_tp2_build_cuts_on_block_edges_and_passes_the_reference_check(made):
+    """`build --tp 2` of the hidden-128 model: every cut (64 q rows, 32 KV rows, 128 MLP rows / columns, 64 o_proj
+    columns) lies inside or on the edge of a 128 x 128 block, and the sharded engine reproduces the unsharded one."""
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, _, art = made[128]
+    eng = build_engine(art, store, BuildOptions(target="llmq", tp=2, verify=True))
+    assert eng.metrics["verify"]["passed"] and eng.metrics["verify"]["max_rel_error"] < 1e-5
 
 
 def test_transformers_loads_the_checkpoint_with_llmqs_tensors(made):

@@ -28,26 +28,36 @@ class BlockFP8Linear(LinearBase):
         self.scaled_mm = False
         if self.w.device.type == "cuda" and self.block == (128, 128) and n % 128 == 0 and k % 128 == 0 and \
                 torch.cuda.get_device_capability(self.w.device)[0] == 9 and hasattr(F, "scaled_mm"):
-            kb = k // 128
-            l4 = -(-kb // 4) * 4  # the kernel reads the weight scales' K-block dimension padded to a multiple of 4
-            _buffer(self, "scale_b", F.pad(self.scale, (0, l4 - kb), value=1.0).contiguous().t())  # [L4, N/128]
-            self.scaled_mm = _probe(lambda: self._scaled_mm(torch.zeros(1, k, device=self.w.device)))
+            self.register_buffer("scale_b", scaled_mm_weight_scales(self.scale), persistent=False)  # kept transposed
+            self.scaled_mm = _probe(lambda: blockwise_scaled_mm(torch.zeros(1, k, device=self.w.device), self.w,
+                                                                self.scale_b))
             if not self.scaled_mm:
                 self._buffers.pop("scale_b")
-
-    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = quant.quantize_token_groups(x, self.block[1])
-        st = F.ScalingType
-        return F.scaled_mm(xq, self.w.t(), xs.t().contiguous().t(), st.BlockWise1x128,   # scale_a stride [1, M]
-                           self.scale_b, st.BlockWise128x128, output_dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.scaled_mm:
-            y = self._scaled_mm(x2)
+            y = blockwise_scaled_mm(x2, self.w, self.scale_b)
         else:
             xq, xs = quant.quantize_token_groups(x2, self.block[1])
             xd = quant.dequantize_fp8_blocks(xq, xs, (1, self.block[1]))
             y = F.linear(xd, quant.dequantize_fp8_blocks(self.w, self.scale, self.block))
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
+
+
+def scaled_mm_weight_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Weight block scales [N / 128, K / 128] as torch's BlockWise128x128 operand wants them: [L4, N / 128] with
+    strides [1, L4], L4 = K / 128 rounded up to a multiple of 4 (padded with ones)."""
+    kb = scale.shape[1]
+    return F.pad(scale.float(), (0, -kb % 4), value=1.0).contiguous().t()
+
+
+def blockwise_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T on torch's blockwise-scaled FP8 GEMM: x quantized per token per 128 columns (BlockWise1x128,
+    scales [M, K / 128] with strides [1, M]), w [N, K] float8 with scale_b from scaled_mm_weight_scales;
+    bfloat16 out."""
+    xq, xs = quant.quantize_token_groups(x, quant.FP8_BLOCK)
+    sa = torch.empty_strided(xs.shape, (1, xs.shape[0]), device=xs.device).copy_(xs)
+    st = F.ScalingType
+    return F.scaled_mm(xq, w.t(), sa, st.BlockWise1x128, scale_b, st.BlockWise128x128, output_dtype=torch.bfloat16)
