@@ -238,7 +238,8 @@ def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:
         return LinearWeights(lw.name, weight=take(lw.weight, rows, 0), bias=bias)
     _check_sliceable(lw)
     qw = lw.qw  # padded rows: q 0, zero point 0, scale 1 -> they dequantize to exactly 0
-    scale = take(qw.scale, block_index(rows, qw.block[0], lw.name), 0, 1.0) if qw.block else \
+    block = getattr(qw, "block", None)
+    scale = take(qw.scale, block_index(rows, block[0], lw.name), 0, 1.0) if block else \
         _scale_rows(qw.scale, rows, 1.0)
     sliced = dataclasses.replace(qw, q=take(qw.q, rows, 0), scale=scale,
                                  zero_point=_scale_rows(qw.zero_point, rows, 0))
@@ -284,10 +285,10 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
         return LinearWeights(lw.name, weight=take(lw.weight, cols, 1), bias=lw.bias)
     _check_sliceable(lw)
     qw = lw.qw
-    in_features = qw.q.shape[1]
+    in_features, block = qw.q.shape[1], getattr(qw, "block", None)
     sliced = dataclasses.replace(
         qw, q=take(qw.q, cols, 1),
-        scale=take(qw.scale, block_index(cols, qw.block[1], lw.name), 1, 1.0) if qw.block else
+        scale=take(qw.scale, block_index(cols, block[1], lw.name), 1, 1.0) if block else
         _scale_cols(qw.scale, cols, in_features, 1.0, lw.name),
         zero_point=_scale_cols(qw.zero_point, cols, in_features, 0, lw.name))
     return LinearWeights(lw.name, qw=sliced, bias=lw.bias)
