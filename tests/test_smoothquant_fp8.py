@@ -213,7 +213,7 @@ def test_options_the_methods_cannot_honour_are_refused_before_any_work(tiny_sour
     store, src = tiny_source
     before = len(store.list())
     for opts, msg in [(QuantizeOptions(bits=4, method="smoothquant"), "supports 8 bits"),
-                      (QuantizeOptions(bits=8, method="fp8", group_size=32), "drop --group-size"),
+                      (QuantizeOptions(bits=8, method="fp8", group_size=32), "use --group-size 128"),
                       (QuantizeOptions(bits=8, method="smoothquant", symmetric=False), "symmetrically"),
                       (QuantizeOptions(bits=8, method="smoothquant", alpha=1.5), "alpha"),
                       (QuantizeOptions(bits=8, method="fp8", activations="sometimes"), "activation")]:

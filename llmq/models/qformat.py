@@ -7,6 +7,10 @@ On disk it is what compressed-tensors calls
   dimension), `weight_scale`, `weight_shape`, and for asymmetric weights `weight_zero_point` packed along the outputs;
 - "int-quantized" (W8A8): `weight` int8, `weight_scale` [out, 1], `input_scale` when activations are static;
 - "float-quantized" (FP8 E4M3): `weight` float8_e4m3fn, `weight_scale`, `input_scale` when activations are static;
+  block FP8 (weights strategy "block", block_structure [128, 128]; activations dynamic per token per group of 128)
+  has a float32 `weight_scale` [ceil(out / 128), ceil(in / 128)] (`llmq.quant`). The Hugging Face "fp8" config of
+  the DeepSeek-V3 / Qwen3-FP8 releases (quant_method "fp8", weight_block_size, activation_scheme "dynamic") is read
+  as that same scheme: its `weight_scale_inv` is the same multiplier under another name;
 - "nvfp4-pack-quantized" (NVFP4, weight-only): `weight_packed` uint8 (two E2M1 codes a byte, the first in the low
   nibble), `weight_scale` float8_e4m3fn per 16 inputs, `weight_global_scale` float32 [1] (a divisor: `llmq.quant`);
 - "mxfp4-pack-quantized" (MXFP4, weight-only): `weight_packed` as NVFP4's, `weight_scale` uint8 E8M0 exponents per
@@ -74,8 +78,8 @@ def compressed_tensors_version() -> str:
 @dataclass(frozen=True)
 class QuantArgs:
     """How one tensor kind (weights, input activations, KV cache) is quantized; mirrors compressed-tensors'
-    QuantizationArgs. strategy: tensor | channel | group | tensor_group (NVFP4's groups under a global scale) | token
-    | attn_head."""
+    QuantizationArgs. strategy: tensor | channel | group | tensor_group (NVFP4's groups under a global scale) | block
+    (block_structure [rows, cols]) | token | attn_head."""
 
     num_bits: int
     type: str = "int"              # int | float
@@ -83,6 +87,7 @@ class QuantArgs:
     strategy: str = "channel"
     group_size: int | None = None
     dynamic: bool = False
+    block_structure: tuple[int, int] | None = None
 
     @property
     def fp4(self) -> str | None:
@@ -98,6 +103,8 @@ class QuantArgs:
                   dynamic=self.dynamic)
         if self.group_size is not None:
             kw["group_size"] = self.group_size
+        if self.block_structure is not None:
+            kw["block_structure"] = list(self.block_structure)
         if self.fp4:  # the scale dtype is what tells compressed-tensors' MX path from NVFP4's
             kw["scale_dtype"] = quant.FP8 if self.fp4 == "nvfp4" else torch.uint8
         return QuantizationArgs(**kw)
@@ -107,7 +114,8 @@ class QuantArgs:
         return cls(num_bits=int(d["num_bits"]), type=str(d.get("type", "int")),
                    symmetric=bool(d.get("symmetric", True)),
                    strategy=str(d.get("strategy") or "tensor"), group_size=d.get("group_size"),
-                   dynamic=bool(d.get("dynamic", False)))
+                   dynamic=bool(d.get("dynamic", False)),
+                   block_structure=tuple(int(b) for b in d["block_structure"]) if d.get("block_structure") else None)
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,7 @@ class QConfig:
     ignore: tuple[str, ...]
     kv: QuantArgs | None
     modules: Mapping[str, QuantArgs] = field(default_factory=dict)
+    scale_name: str = "weight_scale"  # the Hugging Face "fp8" checkpoints' weight_scale_inv
 
     @property
     def lm_head(self) -> QuantArgs | None:
@@ -152,7 +161,9 @@ class QuantizedWeight:
     [out, in] and scale / zero_point of shape [1] (tensor), [out, 1] (channel) or [out, in/g] (group).
     Real weight = (q - zero_point) * scale. input_scale: static activation scale [1]; dynamic: per-token scales.
     FP4 (NVFP4 / MXFP4): q holds uint8 E2M1 codes, one per weight; scale the E4M3 (NVFP4) or E8M0 (MXFP4, uint8)
-    block scales [out, in/g]; global_scale NVFP4's float32 [1] divisor (real weight: `llmq.quant.dequantize_fp4`)."""
+    block scales [out, in/g]; global_scale NVFP4's float32 [1] divisor (real weight: `llmq.quant.dequantize_fp4`).
+    Block FP8: block = (rows, cols) of a weight block, scale float32 [ceil(out / rows), ceil(in / cols)], activations
+    dynamic per token per group of `cols` inputs."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -163,6 +174,7 @@ class QuantizedWeight:
     input_scale: torch.Tensor | None = None
     dynamic: bool = False
     global_scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
 
     @property
     def is_float(self) -> bool:
@@ -181,6 +193,8 @@ class QuantizedWeight:
 
     @property
     def strategy(self) -> str:
+        if self.block:
+            return "block"
         if self.scale.numel() == 1:
             return "tensor"
         return "channel" if self.scale.shape[-1] == 1 else "group"
@@ -194,7 +208,8 @@ class QuantizedWeight:
         if self.fp4:
             return f"{self.fp4.upper()}A16"   # compressed-tensors' preset names
         kind = "FP8" if self.is_float else f"W{self.bits}A{self.activation_bits or 16}"
-        detail = f"group{self.group_size}" if self.strategy == "group" else self.strategy
+        detail = f"group{self.group_size}" if self.strategy == "group" else (
+            f"block{self.block[0]}x{self.block[1]}" if self.block else self.strategy)
         sym = "" if self.is_float else ("-sym" if self.symmetric else "-asym")
         act = "" if self.activation_bits is None else ("-dynamic" if self.dynamic else "-static")
         return f"{kind}-{detail}{sym}{act}"
@@ -202,6 +217,8 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.fp4:
             return quant.dequantize_fp4(self.q, self.scale, self.global_scale, dtype)
+        if self.block:
+            return quant.dequantize_fp8_blocks(self.q, self.scale, self.block, dtype)
         return quant.dequantize(self.q, self.scale, self.zero_point, dtype)
 
 
@@ -260,6 +277,8 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
     qc = config.get("quantization_config")
     if not qc:
         return None
+    if qc.get("quant_method") == "fp8":
+        return _hf_fp8_config(qc)
     if qc.get("quant_method") != "compressed-tensors":
         raise LlmqError(f"quantization method {qc.get('quant_method')!r} is not supported; llmq reads "
                         "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor)")
@@ -289,6 +308,25 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
                    modules=modules)
 
 
+def _hf_fp8_config(qc: Mapping) -> QConfig:
+    """The Hugging Face "fp8" config of block-FP8 releases as the compressed-tensors scheme it is."""
+    block = qc.get("weight_block_size")
+    if qc.get("activation_scheme", "dynamic") != "dynamic" or not block or len(block) != 2:
+        raise LlmqError("Hugging Face fp8 checkpoints are read when block-quantized (weight_block_size [rows, cols]) "
+                        f"with dynamic activations; this one has weight_block_size {block} and activation_scheme "
+                        f"{qc.get('activation_scheme')!r}")
+    weights, acts = fp8_block_args((int(block[0]), int(block[1])))
+    return QConfig(format="float-quantized", weights=weights, input_activations=acts,
+                   ignore=tuple(qc.get("modules_to_not_convert") or (LM_HEAD,)), kv=None,
+                   scale_name="weight_scale_inv")
+
+
+def fp8_block_args(block: tuple[int, int]) -> tuple[QuantArgs, QuantArgs]:
+    """compressed-tensors' FP8_BLOCK scheme for `block`: (weights, input activations)."""
+    return (QuantArgs(num_bits=8, type="float", strategy="block", block_structure=tuple(block)),
+            QuantArgs(num_bits=8, type="float", strategy="group", group_size=block[1], dynamic=True))
+
+
 def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
     try:
         return tensors[key]
@@ -299,12 +337,15 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
 def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig) -> QuantizedWeight | None:
     """The QuantizedWeight of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is stored dense."""
     scheme = qconfig.scheme_of(name)
-    if scheme is None or (f"{name}.weight_packed" not in tensors and f"{name}.weight_scale" not in tensors):
+    scale_key = f"{name}.{qconfig.scale_name}"
+    if scheme is None or (f"{name}.weight_packed" not in tensors and scale_key not in tensors):
         return None
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     w, a = scheme
-    scale = _get(tensors, f"{name}.weight_scale")
+    scale = _get(tensors, scale_key)
+    if w.strategy == "block":
+        return _read_fp8_block(tensors, name, w, a, scale)
     if w.fp4 or qconfig.format in FP4_NAMES:
         if w.fp4 is None or a is not None:
             raise LlmqError(f"{name}: {qconfig.format} with {w.group_size}-weight groups"
@@ -336,6 +377,23 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     return QuantizedWeight(q=q, scale=scale, zero_point=zero, bits=w.num_bits,
                            group_size=group_size, symmetric=w.symmetric, input_scale=input_scale,
                            dynamic=bool(a and a.dynamic))
+
+
+def _read_fp8_block(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, a: QuantArgs | None,
+                    scale: torch.Tensor) -> QuantizedWeight:
+    q = _get(tensors, f"{name}.weight")
+    block = w.block_structure
+    if block is None or w.type != "float" or w.num_bits != 8 or a is None or not a.dynamic or a.type != "float" \
+            or a.strategy != "group" or a.group_size != block[1]:
+        raise LlmqError(f"{name}: block-quantized weights are read as block FP8 (FP8 weights with a block_structure, "
+                        "FP8 activations dynamic per group as wide as a block); this scheme is not that")
+    n, k = q.shape if q.dim() == 2 else (0, 0)
+    want = (-(-n // block[0]), -(-k // block[1]))
+    if q.dtype != quant.FP8 or q.dim() != 2 or not scale.dtype.is_floating_point or tuple(scale.shape) != want:
+        raise LlmqError(f"{name}: block FP8 tensors weight {q.dtype} {tuple(q.shape)} and scale {scale.dtype} "
+                        f"{tuple(scale.shape)} do not fit; expected float8_e4m3fn [out, in] and a float scale {want}")
+    return QuantizedWeight(q=q, scale=scale.float(), zero_point=None, bits=8, group_size=None, symmetric=True,
+                           dynamic=True, block=tuple(block))
 
 
 def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scale: torch.Tensor) -> QuantizedWeight:

@@ -14,7 +14,9 @@ Slicing: quantized weights are sliced in their unpacked form (`QuantizedWeight.q
 packed again by whoever writes or loads them, so a packed axis is never cut mid-word. Scales and zero points travel
 with their weights: per-channel and per-group tensors follow the output rows of a column split; group scales follow
 the input columns of a row split group by group, so every rank's column range must start and end on a group
-boundary or lie inside one group (whose scale that rank then keeps).
+boundary or lie inside one group (whose scale that rank then keeps). Block FP8's [row block, column block] scales
+follow both cuts (and any reordering, e.g. of rows within a head) wherever every block of the result draws from one
+block of the source (`block_index`).
 """
 
 from __future__ import annotations
@@ -197,6 +199,20 @@ def group_index(cols: torch.Tensor, group: int, name: str) -> torch.Tensor:
     return torch.where(real, first // group, torch.full_like(first, -1))
 
 
+def block_index(idx: torch.Tensor, block: int, name: str) -> torch.Tensor:
+    """The source block of each `block`-wide block of a selection idx (-1 = padding) of a block-FP8 weight's rows or
+    columns (-1 for an all-padding block); an LlmqError where one block of the result would mix two source blocks,
+    whose scales differ."""
+    out = []
+    for chunk in idx.split(block):
+        src = (chunk[chunk >= 0] // block).unique()
+        if src.numel() > 1:
+            raise LlmqError(f"{name}: the cut puts parts of different {block} x {block} FP8 blocks into one block; "
+                            f"choose a tp whose cuts fall on {block}-row / -column edges")
+        out.append(int(src[0]) if src.numel() else -1)
+    return torch.tensor(out, dtype=torch.long)
+
+
 def _scale_rows(s: torch.Tensor | None, rows: torch.Tensor, fill: float) -> torch.Tensor | None:
     if s is None or s.numel() == 1:
         return s
@@ -222,7 +238,10 @@ def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:
         return LinearWeights(lw.name, weight=take(lw.weight, rows, 0), bias=bias)
     _check_sliceable(lw)
     qw = lw.qw  # padded rows: q 0, zero point 0, scale 1 -> they dequantize to exactly 0
-    sliced = dataclasses.replace(qw, q=take(qw.q, rows, 0), scale=_scale_rows(qw.scale, rows, 1.0),
+    block = getattr(qw, "block", None)
+    scale = take(qw.scale, block_index(rows, block[0], lw.name), 0, 1.0) if block else \
+        _scale_rows(qw.scale, rows, 1.0)
+    sliced = dataclasses.replace(qw, q=take(qw.q, rows, 0), scale=scale,
                                  zero_point=_scale_rows(qw.zero_point, rows, 0))
     return LinearWeights(lw.name, qw=sliced, bias=bias)
 
@@ -243,15 +262,19 @@ def join_rows(parts: list[LinearWeights], name: str) -> LinearWeights:
         return (t is None) == (other is None) and (t is None or t.numel() > 1 or torch.equal(t, other))
 
     a = qws[0]
-    if any(q is None or q.scheme != a.scheme or q.bits != a.bits or not shared(q.scale, a.scale)
+    if any(q is None or q.scheme != a.scheme or q.bits != a.bits or not (a.block or shared(q.scale, a.scale))
            or not shared(q.input_scale, a.input_scale) or not shared(q.global_scale, a.global_scale) for q in qws):
         raise LlmqError(f"{name}: its parts {', '.join(p.name for p in parts)} are quantized differently and cannot "
                         "be stored as one linear")
+    if a.block and any(q.q.shape[0] % a.block[0] for q in qws[:-1]):
+        raise LlmqError(f"{name}: block FP8 parts join into one linear only when each has a whole number of "
+                        f"{a.block[0]}-row blocks")
 
     def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
         return ts[0] if ts[0] is None or ts[0].numel() == 1 else torch.cat(ts)
 
-    qw = dataclasses.replace(a, q=torch.cat([q.q for q in qws]), scale=cat([q.scale for q in qws]),
+    qw = dataclasses.replace(a, q=torch.cat([q.q for q in qws]),
+                             scale=torch.cat([q.scale for q in qws]) if a.block else cat([q.scale for q in qws]),
                              zero_point=cat([q.zero_point for q in qws]))
     return LinearWeights(name, qw=qw, bias=bias)
 
@@ -262,10 +285,11 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
         return LinearWeights(lw.name, weight=take(lw.weight, cols, 1), bias=lw.bias)
     _check_sliceable(lw)
     qw = lw.qw
-    in_features = qw.q.shape[1]
+    in_features, block = qw.q.shape[1], getattr(qw, "block", None)
     sliced = dataclasses.replace(
         qw, q=take(qw.q, cols, 1),
-        scale=_scale_cols(qw.scale, cols, in_features, 1.0, lw.name),
+        scale=take(qw.scale, block_index(cols, block[1], lw.name), 1, 1.0) if block else
+        _scale_cols(qw.scale, cols, in_features, 1.0, lw.name),
         zero_point=_scale_cols(qw.zero_point, cols, in_features, 0, lw.name))
     return LinearWeights(lw.name, qw=sliced, bias=lw.bias)
 

@@ -33,6 +33,10 @@ def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device, 
         from .layers.fp4 import FP4Linear
 
         return FP4Linear(qw, bias, dtype, device)
+    if getattr(qw, "block", None):
+        from .layers.fp8_block import BlockFP8Linear
+
+        return BlockFP8Linear(qw, bias, dtype, device)
     to = lambda t: t.to(device) if t is not None else None  # noqa: E731
     q, scale, zero, bias = to(qw.q), to(qw.scale), to(qw.zero_point), to(bias)
     inp = to(getattr(qw, "input_scale", None))
@@ -68,7 +72,9 @@ def _fusable(parts: list[LinearWeights]) -> bool:
                 qw.zero_point is None, getattr(qw, "dynamic", False))
     if any(sig(p.qw) != sig(a) for p in parts):
         return False
-    if a.scale.numel() == 1 and any(not torch.equal(p.qw.scale, a.scale) for p in parts):
+    if a.block and any(p.qw.q.shape[0] % a.block[0] for p in parts[:-1]):
+        return False  # block FP8: a part that ends inside a row block shares no scale row with the next
+    if a.scale.numel() == 1 and not a.block and any(not torch.equal(p.qw.scale, a.scale) for p in parts):
         return False  # one per-tensor scale each: cannot share a single scale
     if a.global_scale is not None and any(not torch.equal(p.qw.global_scale, a.global_scale) for p in parts):
         return False  # NVFP4: a global scale each
@@ -112,6 +118,7 @@ def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device, int8_ac
     if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight)):
         return quantized_linear(type(qws[0]).cat(qws), bias, dtype, device, int8_activations)
     fused = qws[0] if len(qws) == 1 else dataclasses.replace(
-        qws[0], q=torch.cat([q.q for q in qws]), scale=_cat([q.scale for q in qws]),
+        qws[0], q=torch.cat([q.q for q in qws]),
+        scale=torch.cat([q.scale for q in qws]) if qws[0].block else _cat([q.scale for q in qws]),
         zero_point=_cat([q.zero_point for q in qws]))
     return quantized_linear(fused, bias, dtype, device, int8_activations)

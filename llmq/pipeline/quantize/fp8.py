@@ -6,6 +6,9 @@ values are rounded to the nearest representable float8. Activations are quantize
 (dynamic) or with one static per-tensor scale, max|X| / 448 from calibration, which is what FP8 GEMMs with a fixed
 input scale (vLLM, TensorRT-LLM) consume. The runtime's FP8Linear runs torch._scaled_mm on GPUs with FP8 tensor
 cores and reproduces the same rounding elsewhere.
+`--group-size 128` is block FP8 (compressed-tensors' FP8_BLOCK, how DeepSeek-V3 and the Qwen3 FP8 releases ship): a
+scale per 128 x 128 weight block and activations scaled per token per 128 inputs at run time (runtime/layers/fp8_block).
+Input widths 128 does not divide get a partial last block, as compressed-tensors and vLLM allow.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from . import rtn, smoothquant
 BITS = (8,)
 CALIBRATED = lambda opts: opts.activations == "static"  # noqa: E731  (dynamic scales need no calibration pass)
 WEIGHT_STRATEGIES = ("tensor", "channel")
+PARTIAL_GROUPS = True  # a block FP8 --group-size need not divide the input widths: the last block is partial
 
 
 def quantize_weight_fp8(w: torch.Tensor, strategy: str = "channel", input_absmax: torch.Tensor | None = None,
@@ -41,11 +45,27 @@ def quantize_weight_fp8(w: torch.Tensor, strategy: str = "channel", input_absmax
                                    dynamic=input_absmax is None)
 
 
+def quantize_weight_fp8_block(w: torch.Tensor) -> qformat.QuantizedWeight:
+    """Block FP8 weight: a float32 scale per 128 x 128 block (`llmq.quant.fp8_block_quantize`), activations dynamic
+    per token per group of 128."""
+    block = (quant.FP8_BLOCK, quant.FP8_BLOCK)
+    q, scale = quant.fp8_block_quantize(w.float(), block)
+    return qformat.QuantizedWeight(q=q.cpu(), scale=scale.cpu(), zero_point=None, bits=8, group_size=None,
+                                   symmetric=True, dynamic=True, block=block)
+
+
 def validate(opts, spec) -> None:
-    smoothquant.check_per_channel(opts, "fp8")
+    if not opts.group_size:
+        return smoothquant.check_per_channel(opts, "fp8")
+    if opts.group_size != quant.FP8_BLOCK or opts.activations != "dynamic" or not opts.symmetric:
+        raise LlmqError(f"--method fp8 --group-size is block FP8: symmetric 128 x 128 weight blocks with dynamic "
+                        f"per-token-group activations; use --group-size {quant.FP8_BLOCK} without --activations "
+                        "static / --asym")
 
 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
+    if ctx.opts.group_size:
+        return {n: quantize_weight_fp8_block(lin.weight.data) for n, lin in ctx.linears.items()}
     absmax = ctx.input_absmax(list(ctx.linears)) if ctx.opts.activations == "static" else {}
     strategy = "tensor" if ctx.opts.per_tensor else "channel"
     return {n: quantize_weight_fp8(lin.weight.data, strategy, absmax.get(n), ctx.scale_dtype)

@@ -221,7 +221,7 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         if o.per_tensor:
             raise LlmqError("--per-tensor and --group-size N exclude each other")
         bad = {k: v for k, v in _in_features(spec).items() if v % o.group_size}
-        if bad:
+        if bad and not getattr(method, "PARTIAL_GROUPS", False):
             raise LlmqError(f"--group-size {o.group_size} does not divide the input features of "
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
     if o.int8_group_size:
@@ -253,6 +253,8 @@ def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qforma
     """The compressed-tensors (weights, input_activations) arguments that describe one quantized weight."""
     from ...models import qformat
 
+    if qw.block:
+        return qformat.fp8_block_args(qw.block)
     kind = "float" if qw.is_float or qw.fp4 else "int"
     strategy = "group" if qw.group_size else qw.strategy  # a group as wide as the row has a [out, 1] scale too
     if qw.fp4 == "nvfp4":

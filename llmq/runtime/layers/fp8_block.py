@@ -1,0 +1,63 @@
+"""Block FP8 (W8A8: a float32 scale per 128 x 128 weight block, activations quantized per token per group of 128).
+
+Elsewhere than a Hopper GPU the layer reproduces the kernels' numbers: the activations are rounded to E4M3 with their
+per-group scales exactly as `llmq.quant` (and vLLM's kernel) computes them, dequantized, and multiplied in float32 by
+the weight dequantized block by block, which equals a float64 dequantize-then-matmul within float32 rounding. On
+Hopper (compute capability 9.x) with 128-aligned shapes it runs torch's blockwise-scaled GEMM
+(`torch.nn.functional.scaled_mm`, BlockWise1x128 activations x BlockWise128x128 weights, cuBLASLt from CUDA 12.9), if a
+probe call at load succeeds; that path has not been run on a GPU here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ... import quant
+from .linear import LinearBase, _buffer, _probe
+
+
+class BlockFP8Linear(LinearBase):
+    def __init__(self, qw, bias: torch.Tensor | None, dtype: torch.dtype, device):
+        super().__init__()
+        self.out_features, self.in_features = n, k = qw.q.shape
+        self.block = tuple(qw.block)
+        _buffer(self, "w", qw.q.to(device=device, dtype=quant.FP8))
+        _buffer(self, "scale", qw.scale.to(device=device, dtype=torch.float32))
+        _buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
+        self.scaled_mm = False
+        if self.w.device.type == "cuda" and self.block == (128, 128) and n % 128 == 0 and k % 128 == 0 and \
+                torch.cuda.get_device_capability(self.w.device)[0] == 9 and hasattr(F, "scaled_mm"):
+            self.register_buffer("scale_b", scaled_mm_weight_scales(self.scale), persistent=False)  # kept transposed
+            self.scaled_mm = _probe(lambda: blockwise_scaled_mm(torch.zeros(1, k, device=self.w.device), self.w,
+                                                                self.scale_b))
+            if not self.scaled_mm:
+                self._buffers.pop("scale_b")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.scaled_mm:
+            y = blockwise_scaled_mm(x2, self.w, self.scale_b)
+        else:
+            xq, xs = quant.quantize_token_groups(x2, self.block[1])
+            xd = quant.dequantize_fp8_blocks(xq, xs, (1, self.block[1]))
+            y = F.linear(xd, quant.dequantize_fp8_blocks(self.w, self.scale, self.block))
+        return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
+
+
+def scaled_mm_weight_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Weight block scales [N / 128, K / 128] as torch's BlockWise128x128 operand wants them: [L4, N / 128] with
+    strides [1, L4], L4 = K / 128 rounded up to a multiple of 4 (padded with ones)."""
+    kb = scale.shape[1]
+    return F.pad(scale.float(), (0, -kb % 4), value=1.0).contiguous().t()
+
+
+def blockwise_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T on torch's blockwise-scaled FP8 GEMM: x quantized per token per 128 columns (BlockWise1x128,
+    scales [M, K / 128] with strides [1, M]), w [N, K] float8 with scale_b from scaled_mm_weight_scales;
+    bfloat16 out."""
+    xq, xs = quant.quantize_token_groups(x, quant.FP8_BLOCK)
+    sa = torch.empty_strided(xs.shape, (1, xs.shape[0]), device=xs.device).copy_(xs)
+    st = F.ScalingType
+    return F.scaled_mm(xq, w.t(), sa, st.BlockWise1x128, scale_b, st.BlockWise128x128, output_dtype=torch.bfloat16)
