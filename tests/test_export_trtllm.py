@@ -192,7 +192,36 @@ def test_fp4_weights_are_refused_in_one_line_before_anything_is_written(arts):
         with pytest.raises(LlmqError, match=match) as e:
             build_engine(art, store, BuildOptions(target="trtllm"))
         assert "\n" not in str(e.value)
+        if method == "nvfp4":
+            nvfp4_refusal_holds(art.path, a["bf16"].path)
     assert len(store.list(kind="engine")) == engines
+
+
+# TensorRT-LLM's NVFP4 loader as data (NVFP4LinearMethod.load_weight_scales): per linear `input_scale` (read, needed
+# for alpha), `weight_scale` float8_e4m3fn [out, in/16], `weight_scale_2` float32 scalar, one per fused q/k/v and
+# gate/up (asserted equal). ModelOpt writes weight_scale_2 = amax / (6 * 448) and multiplies by it; compressed-tensors
+# (llmq) stores weight_global_scale = (6 * 448) / amax and divides by it (the seam llama.cpp PR #22858 names).
+NVFP4_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def nvfp4_refusal_holds(path: Path, source: Path) -> None:
+    """The refusal's reasons, checked on llmq's NVFP4 artifact, and the convention a future writer must translate."""
+    from llmq.models.reader import CheckpointReader
+    from llmq.quant import e2m1_values
+
+    reader = CheckpointReader(path)
+    lin, dense = reader.layer_linears(0), CheckpointReader(source).layer_linears(0)
+    assert all(lin[r].qw.input_scale is None for group in NVFP4_FUSED for r in group)   # no activation scale
+    if reader.arch.fused:   # Phi-3: q/k/v and gate/up quantized as the one linear they are stored as
+        return
+    assert len({float(lin[r].qw.global_scale) for r in NVFP4_FUSED[0]}) > 1            # a global scale per linear
+    for role, lw in lin.items():
+        qw, amax = lw.qw, dense[role].weight.float().abs().max()
+        assert torch.equal(qw.global_scale, 2688 / amax.reshape(1))                      # a divisor: 2688 / amax
+        assert qw.scale.float().max() == 448                                             # amax's block at E4M3's top
+        ws2 = amax / 2688                                                                 # ModelOpt's multiplier
+        modelopt = e2m1_values(qw.q).reshape(*qw.scale.shape, -1) * (qw.scale.float() * ws2)[..., None]
+        torch.testing.assert_close(modelopt.reshape(qw.q.shape), qw.dequantize(), rtol=6e-7, atol=0)
 
 
 def test_a_mixed_artifact_with_an_fp4_unit_is_refused():
