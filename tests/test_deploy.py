@@ -88,7 +88,7 @@ def arts(tmp_path_factory):
     fp8kv = quantize_kv(model, store, KVOptions(kv="fp8", granularity="tensor", num_samples=2, seq_len=32,
                                                 probe_tokens=64, name="tiny-kvfp8"), show_progress=False)
     gguf = build_engine(model, store, BuildOptions(target="gguf"))
-    trt = build_engine(fp8kv, store, BuildOptions(target="trtllm-hf"))
+    trt = build_engine(fp8kv, store, BuildOptions(target="trtllm"))
     return store, {"model": model, "fp8kv": fp8kv, "gguf": gguf, "trt": trt}
 
 
@@ -149,7 +149,7 @@ def test_trtllm_one_node_and_several(arts):
     rec = json.loads(art.file("deploy.json").read_text())
     (step,) = rec["steps"]
     assert step["run"].startswith("mpirun -H $NODE0:2,$NODE1:2 -n 4 trtllm-llmapi-launch trtllm-serve "
-                                  "$MODEL_DIR/trtllm-hf --backend pytorch --tp_size 2 --pp_size 2")
+                                  "$MODEL_DIR/trtllm --backend pytorch --tp_size 2 --pp_size 2")
     assert "--extra_llm_api_options $DEPLOY_DIR/trtllm-llm-api-options.yaml" in step["run"]
     assert art.file("trtllm-llm-api-options.yaml").read_text() == "kv_cache_config:\n  dtype: fp8\n"
 
@@ -170,11 +170,11 @@ def test_llama_server_one_node(arts):
 
 @pytest.mark.parametrize("engine,src,message", [
     ("vllm", "gguf", r"is a gguf engine; vLLM loads a model or quantized artifact .*: deploy tiny, the artifact"),
-    ("sglang", "trt", r"is a trtllm-hf engine; SGLang loads a model or quantized artifact"),
-    ("trtllm", "fp8kv", r"is a quantized artifact; trtllm-serve .*run `llmq build tiny-kvfp8 --target trtllm-hf`"),
-    ("trtllm", "gguf", r"is a gguf engine; .*run `llmq build tiny --target trtllm-hf`"),
+    ("sglang", "trt", r"is a trtllm engine; SGLang loads a model or quantized artifact"),
+    ("trtllm", "fp8kv", r"is a quantized artifact; trtllm-serve .*run `llmq build tiny-kvfp8 --target trtllm`"),
+    ("trtllm", "gguf", r"is a gguf engine; .*run `llmq build tiny --target trtllm`"),
     ("llama.cpp", "model", r"is a model artifact; llama-server loads a GGUF file: run `llmq build tiny --target gguf`"),
-    ("llama.cpp", "trt", r"is a trtllm-hf engine; .*run `llmq build tiny\S* --target gguf`"),
+    ("llama.cpp", "trt", r"is a trtllm engine; .*run `llmq build tiny\S* --target gguf`"),
 ])
 def test_refuses_what_the_engine_cannot_load(arts, engine, src, message):
     with pytest.raises(LlmqError, match=message):

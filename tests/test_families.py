@@ -1,7 +1,7 @@
 """Every architecture family llmq declares (llmq.models.arch) against transformers: the declaration names exactly the
 checkpoint's tensors, and the runtime computes transformers' forward at tp 1 and 2 (float32: KLD at rounding level,
 the same greedy continuations). Per-stage contracts per family live with each stage's tests (quantize methods and KV
-schemes: test_export_compressed_tensors; exports: test_export_gguf, test_export_trtllm_hf)."""
+schemes: test_export_compressed_tensors; exports: test_export_gguf, test_export_trtllm)."""
 
 from __future__ import annotations
 
@@ -117,18 +117,6 @@ def test_an_undeclared_family_is_refused_naming_the_supported_ones():
     with pytest.raises(LlmqError,
                        match=r"^unsupported architecture 'Olmo2ForCausalLM' .*Phi3ForCausalLM \(phi3\)"):
         ModelSpec.from_config({"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]})
-
-
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
-def test_legacy_trtllm_checkpoint_refuses_qwen3_and_phi3_in_one_line(models, store, family):
-    from llmq.models import resolve_model
-    from llmq.pipeline.targets import BuildOptions, build_engine
-
-    src = resolve_model(str(models[family]), store)
-    with pytest.raises(LlmqError, match=rf"^--target trtllm writes the legacy .* not {ARCHS[family].architecture}; "
-                                        r"use --target trtllm-hf"):
-        build_engine(src, store, BuildOptions(target="trtllm"))
-
 
 
 # groups of 16: a rank's o_proj input (3 heads of 16 at tp 2) must split on group edges whichever units get 4 bits

@@ -294,28 +294,26 @@ def test_a_moe_with_dense_layers_is_refused_naming_the_field():
         ModelSpec.from_config({**cfg, "mlp_only_layers": [1]})
 
 
-def test_trtllm_hf_writes_the_moe_under_hugging_face_names_and_refuses_quantized_experts(source, quantized):
+def test_trtllm_writes_the_moe_under_hugging_face_names_and_refuses_quantized_experts(source, quantized):
     """The PyTorch backend's checkpoint is a Hugging Face one: transformers loads it as it is and computes the
     source's logits (the split check runs it at tp 2). Its fused MoE takes no llmq expert scheme yet: refused in one
-    line, nothing written; the legacy checkpoint refuses a MoE family in one line too."""
+    line, nothing written."""
     from transformers import AutoModelForCausalLM
 
     from llmq.errors import LlmqError
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     store, src = source
-    art = build_engine(src, store, BuildOptions(tp=2, target="trtllm-hf", verify=True))
+    art = build_engine(src, store, BuildOptions(tp=2, target="trtllm", verify=True))
     assert art.metrics["verify"]["passed"]
-    hf = AutoModelForCausalLM.from_pretrained(art.path / "trtllm-hf", dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(art.path / "trtllm", dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got = kld_top1(hf(ids).logits[0], runtime_logprobs(src.path, ids[0].tolist()))
     assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
     engines = len(store.list(kind="engine"))
     with pytest.raises(LlmqError, match=r"^quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8"):
-        build_engine(quantized("gptq-w4g32"), store, BuildOptions(target="trtllm-hf"))
-    with pytest.raises(LlmqError, match=r"^--target trtllm writes the legacy .* use --target trtllm-hf"):
-        build_engine(src, store, BuildOptions(target="trtllm"))
+        build_engine(quantized("gptq-w4g32"), store, BuildOptions(target="trtllm"))
     assert len(store.list(kind="engine")) == engines
 
 

@@ -101,10 +101,9 @@ def test_target_choices_come_from_the_registry_and_each_module_declares_its_line
         registry.target("nope")
 
 
-def test_each_targets_kv_scale_convention_counts_what_a_rank_holds_wrongly():
+def test_the_kv_scale_convention_counts_what_a_rank_holds_wrongly():
     from llmq.models import ModelSpec
     from llmq.models.sharding import make_plan
-    from llmq.pipeline.targets.trtllm import kv_scale_is_the_largest
     from llmq.pipeline.targets.verify import kv_scale_mismatches
 
     cfg = dict(model_type="llama", num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
@@ -119,7 +118,3 @@ def test_each_targets_kv_scale_convention_counts_what_a_rank_holds_wrongly():
     assert kv_scale_mismatches(sliced[::-1], src, plan) == 2               # each rank holds the other's heads
     assert kv_scale_mismatches([rank(), sliced[1]], src, plan) == 1        # missing
     assert kv_scale_mismatches(sliced, unscaled, plan) == 2                # scales the source does not have
-    top = torch.tensor([2.0])                                              # TensorRT-LLM's: the largest of K and V
-    assert kv_scale_mismatches([rank(top, top)] * 2, src, plan, kv_scale_is_the_largest) == 0
-    assert kv_scale_mismatches(sliced, src, plan, kv_scale_is_the_largest) == 2
-    assert kv_scale_mismatches([rank(top, top)] * 2, unscaled, plan, kv_scale_is_the_largest) == 0

@@ -21,7 +21,7 @@ VERSION = 2   # 2: typed record; target-specific fields under "outputs" (1 had t
 
 @dataclass(frozen=True)
 class EngineSpec:
-    target: str                      # llmq | trtllm | trtllm-hf | gguf
+    target: str                      # llmq | trtllm | gguf
     tp: int
     pp: int
     max_batch_size: int

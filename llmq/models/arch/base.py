@@ -91,8 +91,6 @@ class Arch:
     # transformers' rotary-embedding class when each layer type has its own table (Gemma 3); None: Llama's one table
     rotary: str | None = None
     qkv_bias: bool = False        # attention_bias's default where config.json does not say
-    # the legacy TensorRT-LLM checkpoint's config keys beyond the Llama ones; None: that checkpoint is not written
-    trtllm_legacy: dict | None = None
     final_norm: str = "model.norm"
     layers: str = "model.layers"
     attention: str = "self_attn"  # the attention module of a layer (KV-cache scales are stored under it)

@@ -4,8 +4,6 @@ llama.cpp names the family."""
 
 from .base import Arch
 
-LLAMA = Arch("llama", "LlamaForCausalLM", gguf_arch="llama", gguf_permutes_qk=True, trtllm_legacy={})
-MISTRAL = Arch("mistral", "MistralForCausalLM", gguf_arch="llama", gguf_permutes_qk=True, window="all",
-               trtllm_legacy={})
-QWEN2 = Arch("qwen2", "Qwen2ForCausalLM", gguf_arch="qwen2", window="layer_types", qkv_bias=True,
-             trtllm_legacy={"qwen_type": "qwen2"})
+LLAMA = Arch("llama", "LlamaForCausalLM", gguf_arch="llama", gguf_permutes_qk=True)
+MISTRAL = Arch("mistral", "MistralForCausalLM", gguf_arch="llama", gguf_permutes_qk=True, window="all")
+QWEN2 = Arch("qwen2", "Qwen2ForCausalLM", gguf_arch="qwen2", window="layer_types", qkv_bias=True)

@@ -127,14 +127,16 @@ def _hf_artifact(engine: str):
 
 
 def _load_trtllm(art: Artifact, store: Store) -> Loadable:
-    """trtllm-serve's PyTorch backend loads a dense checkpoint or `llmq build --target trtllm-hf`'s."""
+    """trtllm-serve loads a dense checkpoint or `llmq build --target trtllm`'s (an engine built for the removed
+    TensorRT engine builder, recorded without an `hf_checkpoint`, is not one)."""
     if art.kind == "model":
         return _hf_checkpoint(art)
     engine = _engine_spec(art) if art.kind == "engine" else None
-    if engine is None or engine.target != "trtllm-hf":
-        raise LlmqError(f"{art.ref} is {_what(art, engine)}; trtllm-serve loads a dense model or a trtllm-hf engine: "
-                        f"run `llmq build {engine.source['name'] if engine else art.name} --target trtllm-hf`")
-    return _hf_checkpoint(art, engine.outputs["trtllm_hf_checkpoint"], kv_fp8=engine.kv_cache_dtype == "fp8",
+    if engine is None or engine.target != "trtllm" or "hf_checkpoint" not in engine.outputs:
+        old = " for the removed engine builder" if engine and engine.target == "trtllm" else ""
+        raise LlmqError(f"{art.ref} is {_what(art, engine)}{old}; trtllm-serve loads a dense model or a trtllm engine: "
+                        f"run `llmq build {engine.source['name'] if engine else art.name} --target trtllm`")
+    return _hf_checkpoint(art, engine.outputs["hf_checkpoint"], kv_fp8=engine.kv_cache_dtype == "fp8",
                           notes=["quantization and KV-cache scheme from the checkpoint's hf_quant_config.json"])
 
 

@@ -1,7 +1,7 @@
 """`llmq build`: turn a model or quantized artifact into an engine artifact for a deploy target: llmq's own runtime
-(rank shards), TensorRT-LLM (a checkpoint, or a Hugging Face checkpoint for its PyTorch backend), llama.cpp (GGUF).
-One module per target, each registered by one line in `registry.py`; the stage, the compile step and the reference
-check beside them look targets up there."""
+(rank shards), TensorRT-LLM (a Hugging Face checkpoint for trtllm-serve), llama.cpp (GGUF).
+One module per target, each registered by one line in `registry.py`; the stage and the reference check beside them
+look targets up there."""
 
 from .stage import BuildOptions, build_engine
 

@@ -34,9 +34,8 @@ class TargetLine:
 
 TARGETS: dict[str, TargetLine] = {line.name: line for line in (
     TargetLine(NATIVE, ".llmq_target", "rank shards for the bundled runtime"),
-    TargetLine("trtllm", ".trtllm", "a TensorRT-LLM checkpoint (+ engines)"),
-    TargetLine("trtllm-hf", ".trtllm_hf", "a ModelOpt-style HF checkpoint for TensorRT-LLM's PyTorch backend "
-                                          "(trtllm-serve)"),
+    TargetLine("trtllm", ".trtllm", "a ModelOpt-style HF checkpoint + LLM-API options for TensorRT-LLM "
+                                    "(trtllm-serve, its PyTorch backend)"),
     TargetLine("gguf", ".gguf_target", "one .gguf file for llama.cpp / Ollama"),
 )}
 
@@ -62,11 +61,6 @@ class ReadBack:
     plan: ShardPlan                # the split they follow (an unsharded checkpoint: one rank)
     # where the target re-rounds at load: the ranks as it computes with them (None: as stored)
     computes: list[RankWeights] | None = None
-    # float32 value of a source linear as the target stores it, for the unsharded reference (None: its own value)
-    dense: Callable | None = None
-    # whether rank `r` holds what the source's KV scales (k, v) say: (have, want, plan, r) -> bool (None: llmq's
-    # convention, K and V kept, per-head ones sliced to the rank's KV heads, none where the source has none)
-    kv_matches: Callable | None = None
     # the target runs elsewhere than llmq's runtime: verify records the KLD of what it computes against what llmq
     # evaluated
     foreign: bool = True

@@ -1,347 +1,277 @@
-"""`--target trtllm`: a TensorRT-LLM checkpoint (config.json + rank<N>.safetensors), then the compile step.
+"""`--target trtllm`: a ModelOpt-style Hugging Face checkpoint for TensorRT-LLM's PyTorch backend (`trtllm-serve`,
+the LLM API), plus the LLM-API options file that points at it. TensorRT-LLM removed its TensorRT engine backend in
+2026 (docs: legacy/tensorrt-backend-removal): this backend, which loads Hugging Face checkpoints directly, is the one
+left, so this is the checkpoint llmq writes for TensorRT-LLM.
 
-Names and layouts follow TensorRT-LLM's checkpoint documentation (docs/source/architecture/checkpoint.md) and its
-Llama converter (tensorrt_llm/models/llama/convert.py): per layer `attention.qkv` (q, k and v rows of this rank
-stacked), `attention.dense` (o_proj), `mlp.fc` (gate_proj, the activated branch), `mlp.gate` (up_proj),
-`mlp.proj` (down_proj), `input_layernorm`, `post_layernorm`; `transformer.vocab_embedding`, `transformer.ln_f`,
-`lm_head` (vocab padded to a multiple of tp, always written, also for tied embeddings);
-`attention.kv_cache_scaling_factor` (one float32 per layer, the larger of the K and V scales).
-
-What its loader accepts and does with them is `trtllm_loader.py`; this module writes and reads back.
+That backend shards an unsharded Hugging Face checkpoint itself and reads quantization from `hf_quant_config.json`
+(`_torch/model_config.py`); its compressed-tensors support covers none of llmq's weight-only schemes, so llmq
+translates. What its linear methods load (`_torch/modules/linear.py`), per layer:
+- W8A16 (`WeightOnlyQuantLinearMethod`): `weight` int8 [out, in] = llmq's integers, `weight_scale` [out]; W4A16 the
+  same with two rows per byte ([out/2, in], row 2j in the low nibble). Dequantization is q * scale, so symmetric
+  per-channel integers arrive unchanged.
+- W4A16_AWQ (`W4A16_AWQ_LinearMethod`): `weight` int8 [out/2, in], `weight_scale` [out, in/group]; the layers it
+  loads as one matrix (o_proj, down_proj, and Phi-3's stored qkv_proj / gate_up_proj: `load_weights_vanilla`) read
+  `pre_quant_scale` [in] unconditionally, written as ones (llmq folds nothing into the activations). The kernel is
+  called without zero points: asymmetric weights cannot be represented.
+- FP8 KV cache: scalar `k_scale` / `v_scale` per attention layer, `kv_cache_quant_algo` FP8. An INT8 KV cache is
+  not something this backend loads (`kv_cache_config.dtype: int8` is ignored), so it is refused.
+- FP4 weights are refused, every unit of a mixed artifact included (`FP4_REFUSED` says why).
+Heads are padded for the tensor-parallel size with zero heads (the backend asserts heads % tp == 0); the padded
+checkpoint is an ordinary Hugging Face model with more heads that computes exactly what the source computes.
+Tensor names are the source family's Hugging Face names: a group its checkpoint stores fused (Phi-3's qkv_proj,
+gate_up_proj) is written fused, its padded roles' rows stacked, as the backend's Phi-3 model loads it. That model loads
+those groups whole (`WeightMode.VANILLA`), so with tp > 1 it would cut them by rows across q / k / v and gate / up:
+a family with fused groups is written for tp 1 only.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
+import yaml
 
 from ...errors import LlmqError
 from ...models import qformat
+from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
 from ...models.linear_weights import LinearWeights
-from ...models.reader import CheckpointReader
-from ...models.sharding import RankWeights, ShardPlan, layer_slices, split_rows, vocab_slice
+from ...models.reader import CheckpointReader, split_group
+from ...models.sharding import RankWeights, ShardPlan, head_rows, join_rows, split_cols, split_rows
+from ...models.spec import ModelSpec
 from .registry import ExportTarget, ReadBack, TargetResult
-from .trtllm_loader import (
-    REQUANTIZED,
-    TRTLLM_DEFAULT_EXCLUDES,
-    awq_dense,
-    exclude_patterns,
-    excluded,
-    int4_offset,
-    local_shape,
-    pack_int4_rows,
-    padding_multiple,
-    quant_algo_for,
-    refuse_int8_embedding,
-    requantized_at_load,
-    signed_int4,
-    trtllm_requantize,
-    unpack_int4_rows,
-    validate_config,
-)
 
-TRT_MODULES = {"o_proj": "attention.dense", "gate_proj": "mlp.fc", "up_proj": "mlp.gate", "down_proj": "mlp.proj"}
-DIR = "trtllm"   # the checkpoint's directory in the engine artifact
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DIR = "trtllm"
+OPTIONS_FILE = "llm_api_options.yaml"
+MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field set this writer follows
+# the linears the backend fuses from separate tensors; every other one it loads whole, reading AWQ's pre_quant_scale
+BACKEND_FUSES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
-def _pad(t: torch.Tensor, shape: tuple[int, ...], fill: float = 0) -> torch.Tensor:
-    """t grown at the end of each dimension to `shape`, new entries `fill`."""
-    if tuple(t.shape) == tuple(shape):
-        return t
-    out = torch.full(shape, fill, dtype=t.dtype)
-    out[tuple(slice(0, n) for n in t.shape)] = t
-    return out
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Signed int4 [out, in] -> int8 [out/2, in]: row 2j in the low nibble, row 2j+1 in the high nibble."""
+    if q.shape[0] % 2:
+        raise LlmqError(f"cannot pack {q.shape[0]} output rows two per byte for TensorRT-LLM (odd count)")
+    lo, hi = q[0::2].to(torch.int16) & 0xF, q[1::2].to(torch.int16) & 0xF
+    return (lo | (hi << 4)).to(torch.uint8).view(torch.int8)
 
 
-def _awq_tensors(qw, dtype: torch.dtype, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-    q, zero = signed_int4(qw)
-    gshape = (shape[0], shape[1] // qw.group_size)   # a rank's partial group is padded to a whole one
-    out = {"weight": pack_int4_rows(_pad(q, shape)), "weights_scaling_factor": _pad(qw.scale, gshape, 1).contiguous()}
-    if zero is not None:   # a model-dtype parameter the loader takes as is, in the layer's [in/g, out] layout
-        out["zero"] = _pad(zero, gshape).T.to(dtype).contiguous()
-    return out
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, b >> 4
+    lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
+    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
 
 
-def reference_dense(lw: LinearWeights, dtype: torch.dtype) -> torch.Tensor:
-    """float32 value of a source linear as this checkpoint stores it, for the unsharded side of the split check."""
+# Why llmq's FP4 weights are not written, from `_torch/modules/linear.py`: NVFP4LinearMethod quantizes activations
+# to FP4 with a calibrated `input_scale` (alpha = input_scale * weight_scale_2; none: no alpha) and takes one
+# `weight_scale_2` for a fused q/k/v or gate/up (asserted equal), where llmq's weight-only NVFP4 has no activation
+# scale and a global scale per linear; `get_quant_method` has no dense MXFP4 method (W4A16_MXFP4 is MoE-only).
+FP4_REFUSED = {
+    "nvfp4": "NVFP4 weight-only: TensorRT-LLM's NVFP4 linear rounds activations to FP4 with a calibrated input_scale "
+             "(none here; llmq invents none) and takes one weight_scale_2 per fused q/k/v and gate/up (llmq's is one "
+             "per stored linear); use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
+    "mxfp4": "MXFP4 weight-only: TensorRT-LLM loads W4A16_MXFP4 for MoE experts only, its dense linears have no MXFP4 "
+             "method; use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
+}
+
+
+def modelopt_algo(qw) -> str:
+    """The hf_quant_config quant_algo of one llmq quantized weight, or an LlmqError with the way out."""
+    if qw.fp4:
+        raise LlmqError(FP4_REFUSED[qw.fp4])
+    if qw.q.dtype.is_floating_point or qw.input_scale is not None or qw.dynamic:
+        raise LlmqError(f"{qw.scheme} weights are not written for TensorRT-LLM by llmq yet; "
+                        "use --target llmq (or quantize to INT4 / INT8 weight-only)")
+    if not qw.symmetric:
+        raise LlmqError("asymmetric weights: TensorRT-LLM's PyTorch backend runs INT4 groups without zero points; "
+                        "re-quantize with --sym")
+    if qw.group_size is None:
+        return "W8A16" if qw.bits == 8 else "W4A16"
+    if qw.bits == 4 and qw.group_size in (64, 128):
+        return "W4A16_AWQ"
+    raise LlmqError(f"INT{qw.bits} in groups of {qw.group_size} has no TensorRT-LLM PyTorch-backend layout "
+                    "(INT4 groups of 64 or 128, or INT8/INT4 per channel); re-quantize with one of those")
+
+
+def _full_rows(plan: ShardPlan, which: str) -> torch.Tensor:
+    """Rows of the padded, unsharded q (or k/v) projection: real heads first, then zero heads."""
+    if which == "q":
+        return torch.cat([plan.q_rows(r) for r in range(plan.tp)])
+    return head_rows([k if k < plan.num_kv_heads else None for k in range(plan.padded_kv_heads)], plan.head_dim)
+
+
+def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype, whole: bool) -> tuple[dict, str | None]:
+    """The HF tensors of one linear and its algorithm (None: dense); `whole`: the backend loads it as one matrix."""
+    out = {f"{name}.bias": lw.bias.to(dtype)} if lw.bias is not None else {}
     if lw.qw is None:
-        return lw.weight.to(dtype).float()
-    if quant_algo_for(lw.qw) != "W4A16_AWQ":
-        return lw.dense(torch.float32).to(dtype).float()
-    q, zero = signed_int4(lw.qw)
-    return awq_dense(q, lw.qw.scale.to(dtype), None if zero is None else zero.to(dtype).T)
+        return out | {f"{name}.weight": lw.weight.to(dtype)}, None
+    qw, algo = lw.qw, modelopt_algo(lw.qw)
+    q = qw.q.to(torch.int8)
+    out[f"{name}.weight"] = q if algo == "W8A16" else pack_int4_rows(q)
+    out[f"{name}.weight_scale"] = (qw.scale.reshape(-1) if algo != "W4A16_AWQ" else qw.scale).to(dtype)
+    if algo == "W4A16_AWQ" and whole:
+        out[f"{name}.pre_quant_scale"] = torch.ones(q.shape[1], dtype=dtype)
+    return out, algo
 
 
-def _stack_rows(parts: list[LinearWeights]) -> LinearWeights:
-    """q, k and v slices of one rank stacked into the fused qkv linear (rows, scales, zero points, bias)."""
-    import dataclasses
-
-    bias = None
-    if any(p.bias is not None for p in parts):
-        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.shape[0]) for p in parts])
-    if parts[0].qw is None:
-        return LinearWeights("qkv", weight=torch.cat([p.weight for p in parts]), bias=bias)
-    qws = [p.qw for p in parts]
-    def cat(xs):
-        return None if xs[0] is None else torch.cat(xs)
-    fused = dataclasses.replace(qws[0], q=cat([q.q for q in qws]), scale=cat([q.scale for q in qws]),
-                                zero_point=cat([q.zero_point for q in qws]))
-    return LinearWeights("qkv", qw=fused, bias=bias)
-
-
-def _schemes(src: CheckpointReader) -> tuple[str | None, dict]:
-    """The model's TensorRT-LLM quant_algo and its quantization fields.
-
-    TensorRT-LLM takes one algorithm per checkpoint. Grouped INT4 layers decide it (W4A16_AWQ) when present; other
-    quantized layers are then stored dequantized and excluded. Without grouped INT4 every quantized layer is stored
-    dequantized and TensorRT-LLM quantizes it per channel (W8A16).
-    """
-    if not src.quantized:
-        return None, {}
-    algos, groups, has_zero = set(), set(), False  # what the INT4 layers say, not the layers: one at a time
-    for i in range(src.spec.num_layers):
-        for name in src.arch.linear_names(i):
-            qw = src.linear(name).qw
-            if qw is not None:
-                algos.add(algo := quant_algo_for(qw))
-                if algo == "W4A16_AWQ":
-                    groups.add(qw.group_size)
-                    has_zero = has_zero or qw.zero_point is not None or bool(int4_offset(qw))
-    if not algos:
-        return None, {}
-    if groups:
-        if len(groups) > 1:
-            raise LlmqError(f"INT4 layers use different group sizes {sorted(groups)}; "
-                            "a TensorRT-LLM checkpoint has one")
-        return "W4A16_AWQ", {"group_size": int(groups.pop()), "has_zero_point": has_zero}
-    return "W8A16", {}
-
-
-def _kv_cache_scaling_factor(scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """TensorRT-LLM keeps one KV scale per layer for K and V and all heads: the largest of ours (1.0 if none)."""
-    if scales is None:
-        return torch.ones(1)
-    return torch.maximum(scales[0].float().max(), scales[1].float().max()).reshape(1)
-
-
-def trtllm_config(src: CheckpointReader, plan: ShardPlan, algo: str | None, qfields: dict, kv_algo: str | None,
-                  exclude: list[str] | None, dtype: str) -> dict:
-    s = src.spec
-    cfg = {
-        "architecture": s.architecture, "dtype": dtype, "logits_dtype": "float32", "vocab_size": s.vocab_size,
-        "max_position_embeddings": s.max_position_embeddings, "hidden_size": s.hidden_size,
-        "num_hidden_layers": s.num_layers, "num_attention_heads": plan.padded_heads,
-        "num_key_value_heads": plan.padded_kv_heads, "head_size": s.head_dim, "hidden_act": "silu",
-        "intermediate_size": s.intermediate_size, "norm_epsilon": s.rms_norm_eps,
-        "position_embedding_type": "rope_gpt_neox", "rotary_base": s.rope_theta, "rotary_scaling": s.rope_scaling,
-        "mapping": {"world_size": plan.tp, "tp_size": plan.tp, "pp_size": 1},
-        "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
-                         "group_size": qfields.get("group_size", 128),
-                         "has_zero_point": qfields.get("has_zero_point", False), "pre_quant_scale": False,
-                         "exclude_modules": exclude},
-        "use_parallel_embedding": plan.parallel_embedding, "embedding_sharding_dim": 0,
-        "attn_bias": s.attention_bias, "mlp_bias": bool(src.config.get("mlp_bias", False)),
-        "tie_word_embeddings": False,
-    }
-    return cfg | src.arch.trtllm_legacy
-
-
-class _RankWriter:
-    """Writes each rank's tensors into its rank{r}.safetensors as they come (one tensor in memory at a time);
-    knows which linears TensorRT-LLM will quantize and at what shape."""
-
-    def __init__(self, algo: str | None, qfields: dict, plan: ShardPlan, dtype: torch.dtype, out: Path):
-        from ...models.safetensors_io import SafetensorsWriter
-
-        self.algo, self.plan, self.dtype = algo, plan, dtype
-        self.multiple = padding_multiple(algo, qfields.get("group_size", 64), plan.tp)
-        self.files = [SafetensorsWriter(out / f"rank{r}.safetensors") for r in range(plan.tp)]
-        self.dense: set[str] = set()
-
-    def put(self, r: int, name: str, tensor: torch.Tensor) -> None:
-        self.files[r].add(name, tensor)
-
-    def close(self, ok: bool) -> None:
-        for f in self.files:
-            f.close() if ok else f.abort()
-
-    def _quantized_here(self, lw: LinearWeights) -> bool:
-        """Whether TensorRT-LLM will run this linear quantized (else it is excluded and stays dense)."""
-        if self.algo is None or lw.qw is None:
-            return False
-        return self.algo in REQUANTIZED or quant_algo_for(lw.qw) == self.algo
-
-    def linear(self, r: int, module: str, lw: LinearWeights) -> None:
-        by_default = excluded(module, TRTLLM_DEFAULT_EXCLUDES)   # lm_head: always dense in TensorRT-LLM
-        quantized = self._quantized_here(lw) and not by_default
-        if self.algo is not None and not quantized and not by_default:
-            self.dense.add(module)
-        out_l, in_l = lw.shape
-        shape = local_shape(module, out_l, in_l, self.plan.tp, self.multiple) if quantized else (out_l, in_l)
-        if quantized and self.algo == "W4A16_AWQ":
-            t = _awq_tensors(lw.qw, self.dtype, shape)
-        else:
-            w = lw.weight.to(self.dtype) if lw.qw is None else lw.dense(torch.float32).to(self.dtype)
-            t = {"weight": _pad(w, shape).contiguous()}  # a 16-bit weight without a float32 round trip (1 GB at 8B)
-        if lw.bias is not None:
-            t["bias"] = _pad(lw.bias.to(self.dtype), (shape[0],)).contiguous()
-        for k, v in t.items():
-            self.put(r, f"{module}.{k}", v)
+def hf_quant_config(algos: set[str], group_size: int | None, kv_algo: str | None, dense: list[str]) -> dict:
+    if len(algos) > 1:
+        raise LlmqError(f"layers use different schemes {sorted(algos)}; an hf_quant_config.json has one quant_algo")
+    q = {"quant_algo": next(iter(algos), None), "kv_cache_quant_algo": kv_algo, "exclude_modules": sorted(dense)}
+    if q["quant_algo"] == "W4A16_AWQ":
+        q |= {"group_size": group_size, "has_zero_point": False, "pre_quant_scale": True}
+    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": q}
 
 
 def refuse(src: CheckpointReader, engine) -> None:
-    """What the legacy checkpoint cannot carry, refused before anything is written."""
-    refuse_int8_embedding(src, "trtllm")
-    if src.arch.trtllm_legacy is None:
-        raise LlmqError(f"--target trtllm writes the legacy TensorRT-LLM checkpoint for Llama, Mistral and Qwen2 only, "
-                        f"not {src.spec.architecture}; use --target trtllm-hf (TensorRT-LLM's PyTorch backend)")
-    if src.spec.sliding_window is not None and src.spec.sliding_window < engine.max_seq_len:
-        raise LlmqError(f"this model attends over a sliding window of {src.spec.sliding_window} tokens, which a "
-                        "TensorRT-LLM checkpoint cannot carry (it is a run-time setting there); "
-                        "use --target trtllm-hf, whose LLM-API options set max_attention_window")
-    if engine.dtype not in _DTYPES:
-        raise LlmqError(f"model dtype {engine.dtype!r} has no TensorRT-LLM equivalent")
+    """What this backend cannot load, refused before anything is written."""
+    q = src.qconfig
+    fp4 = sorted({a.fp4 for a in (q.weights, *q.modules.values()) if a is not None and a.fp4}) if q else []
+    if fp4:   # any unit in FP4, a mixed artifact's too
+        raise LlmqError(FP4_REFUSED[fp4[0]])
+    if src.embedding_quantized():
+        raise LlmqError("--target trtllm: this artifact's embedding table is INT8 (quantize --embedding int8) and "
+                        "TensorRT-LLM holds the embedding in the model dtype, where the dequantized rows would be "
+                        "re-rounded; use --target llmq or gguf, or quantize without --embedding int8")
+    if engine.kv_cache_dtype == "int8":
+        raise LlmqError("an INT8 KV cache is not loaded by TensorRT-LLM's PyTorch backend (it ignores "
+                        "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`")
+    if src.spec.num_experts and (src.bnb is not None or (src.qconfig is not None and src.qconfig.weights)):
+        raise LlmqError("quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8 experts, none of which "
+                        "llmq writes yet; build the unquantized MoE for trtllm, or use --target llmq, gguf or the "
+                        "compressed-tensors artifact (vLLM)")
+    if src.arch.fused and engine.tp > 1:
+        raise LlmqError(f"--target trtllm: TensorRT-LLM's PyTorch backend loads {src.spec.architecture}'s fused "
+                        f"{', '.join(src.arch.fused)} whole and would cut them across q / k / v and gate / up with "
+                        "tp > 1; build with --tp 1 (the backend shards it itself), or use --target llmq")
+
+
+def _max_num_tokens(engine) -> int:
+    return max(engine.max_seq_len, min(engine.max_batch_size * engine.max_seq_len, 8192))
+
+
+def write_llm_api_options(ckpt: Path, engine, attention_window: int | None = None) -> dict:
+    """Options for `trtllm-serve CKPT --extra_llm_api_options FILE` / `LLM(CKPT, **options)`, written beside the
+    checkpoint: the parallel sizes and the KV-cache dtype are run-time settings there, as is a sliding-window model's
+    window (`kv_cache_config.max_attention_window`)."""
+    kv = {"dtype": engine.kv_cache_dtype} | ({"max_attention_window": [attention_window]} if attention_window else {})
+    options = {"tensor_parallel_size": engine.tp, "pipeline_parallel_size": engine.pp,
+               "max_batch_size": engine.max_batch_size, "max_seq_len": engine.max_seq_len,
+               "max_num_tokens": _max_num_tokens(engine), "kv_cache_config": kv}
+    (ckpt / OPTIONS_FILE).write_text(yaml.safe_dump(options, sort_keys=True))
+    rel = f"{ckpt.name}/{OPTIONS_FILE}"
+    return {"status": "pytorch-options", "options": rel,
+            "serve_command": f"trtllm-serve {ckpt.name} --extra_llm_api_options {rel}"}
 
 
 def write_trtllm(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engine) -> TargetResult:
-    """Write the checkpoint under `DIR`, run the compile step; the record names the rank files, the checkpoint's
-    quantization section and the compile result (`engine` is the EngineSpec being written)."""
-    from .compile import compile_trtllm
-
+    """Write the padded Hugging Face checkpoint, hf_quant_config.json and the LLM-API options under `DIR`."""
     out = engine_dir / DIR
-    dtype_name = engine.dtype
-    dtype = _DTYPES[dtype_name]
-    algo, qfields = _schemes(src)
+    dtype = getattr(torch, engine.dtype)
     kv = engine.kv_cache_dtype
-    kv_algo = {"int8": "INT8", "fp8": "FP8"}.get(kv)
+    arch = src.arch
+    q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
+    algos, groups, dense = set(), set(), []
     out.mkdir(parents=True)
-    w = _RankWriter(algo, qfields, plan, dtype, out)
-    try:
+    with ShardedWriter(out) as state:  # each tensor written as it is made: one layer in memory at most
         for i in range(src.spec.num_layers):
-            tp_ = f"transformer.layers.{i}"
-            norms = src.layer_norms(i)
-            kv_s = _kv_cache_scaling_factor(src.kv_scales(i)) if kv_algo is not None else None
-            for r, sl in enumerate(layer_slices(src, plan, i)):
-                w.linear(r, f"{tp_}.attention.qkv", _stack_rows([sl["q_proj"], sl["k_proj"], sl["v_proj"]]))
-                for n, trt in TRT_MODULES.items():
-                    w.linear(r, f"{tp_}.{trt}", sl[n])
-                w.put(r, f"{tp_}.input_layernorm.weight", norms["attn_norm"].to(dtype))
-                w.put(r, f"{tp_}.post_layernorm.weight", norms["mlp_norm"].to(dtype))
-                if kv_s is not None:
-                    w.put(r, f"{tp_}.attention.kv_cache_scaling_factor", kv_s)
-            del norms  # before the next layer's tensors are read
-        embed = src.tensor(f"{qformat.EMBEDDING}.weight").to(dtype)
-        for r in range(plan.tp):
-            w.put(r, "transformer.vocab_embedding.weight", vocab_slice(embed, plan, r) if plan.parallel_embedding
-                  else embed)
-            w.put(r, "transformer.ln_f.weight", src.final_norm().to(dtype))
-        del embed
-        lm_head = src.lm_head()
-        for r in range(plan.tp):
-            w.linear(r, "lm_head", split_rows(lm_head, plan.vocab_rows(r)))
-        del lm_head
-        exclude = exclude_patterns(sorted(w.dense)) if algo is not None else None
-        cfg = trtllm_config(src, plan, algo, qfields, kv_algo, exclude, dtype_name)
-        validate_config(cfg)
-    except BaseException:
-        w.close(ok=False)
-        raise
-    w.close(ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return TargetResult({"trtllm_checkpoint": DIR, "requantized_by_target": algo in REQUANTIZED,
-                         "compile": compile_trtllm(out, engine)},
-                        ranks=[f"{DIR}/rank{r}.safetensors" for r in range(plan.tp)], quantization=cfg["quantization"])
+            lin = src.layer_linears(i)
+            lin |= {"q_proj": split_rows(lin["q_proj"], q_rows), "k_proj": split_rows(lin["k_proj"], kv_rows),
+                    "v_proj": split_rows(lin["v_proj"], kv_rows), "o_proj": split_cols(lin["o_proj"], q_rows)}
+            for group, (path, roles) in arch.fused.items():  # as the family stores it
+                lin[group] = join_rows([lin.pop(r) for r in roles], f"{arch.prefix(i)}.{path}")
+            for key, path in arch.stored_linears(src.spec.num_experts).items():
+                lw, name = lin[key], f"{arch.prefix(i)}.{path}"
+                tensors, algo = _linear_tensors(name, lw, dtype, key not in BACKEND_FUSES)
+                for k, t in tensors.items():
+                    state.add(k, t)
+                if algo is None:
+                    dense.append(name)
+                else:
+                    algos.add(algo)
+                    groups.add(lw.qw.group_size)
+            del lin, lw, tensors   # before the next layer is read: one layer in memory
+            for role, t in src.layer_norms(i).items():
+                state.add(arch.norm(i, role), t.to(dtype))
+            scales = src.kv_scales(i)
+            if scales is not None and kv == "fp8":
+                if any(s.numel() != 1 for s in scales):
+                    raise LlmqError("per-head FP8 KV scales: TensorRT-LLM's PyTorch backend takes one k_scale / "
+                                    "v_scale per layer; re-run `llmq quantize-kv --kv fp8` with per-tensor scales")
+                for k, s in zip(("k_scale", "v_scale"), scales):
+                    state.add(f"{arch.attention_module(i)}.{k}", s.float().reshape(()))
+        state.add(f"{qformat.EMBEDDING}.weight", src.tensor(f"{qformat.EMBEDDING}.weight").to(dtype))
+        state.add(f"{arch.final_norm}.weight", src.final_norm().to(dtype))
+        head = src.lm_head()
+        if head.qw is not None:
+            head = LinearWeights(qformat.LM_HEAD, weight=head.dense(torch.float32))
+        state.add(f"{qformat.LM_HEAD}.weight", head.weight.to(dtype))   # untied: the backend gets its own lm_head
+        del head
+        state.close()
+    qcfg = hf_quant_config(algos, groups.pop() if len(groups) == 1 else None, "FP8" if kv == "fp8" else None,
+                           [*dense, qformat.LM_HEAD]) if (algos or kv == "fp8") else None
+    cfg = copy.deepcopy(src.config)
+    cfg.pop("quantization_config", None)   # it describes llmq's compressed-tensors tensors, which this has not
+    cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
+               head_dim=plan.head_dim, tie_word_embeddings=False, torch_dtype=engine.dtype)
+    write_json(out / "config.json", cfg)
+    if qcfg is not None:
+        write_json(out / "hf_quant_config.json", qcfg)
+    copy_tokenizer(src.path, out)
+    window = src.spec.sliding_window if (src.spec.sliding_window or engine.max_seq_len) < engine.max_seq_len else None
+    return TargetResult({"hf_checkpoint": DIR, "hf_quant_config": qcfg,
+                         "compile": write_llm_api_options(out, engine, attention_window=window)})
 
 
-def _unpad(t: torch.Tensor, shape: tuple[int, ...], fill: float, name: str) -> torch.Tensor:
-    """The real part of a padded tensor; the padding must be `fill` (a padded row or column that contributes)."""
-    real = t[tuple(slice(0, n) for n in shape)]
-    rest = t.clone()
-    rest[tuple(slice(0, n) for n in shape)] = fill
-    if not bool((rest == fill).all()):
-        raise LlmqError(f"{name}: the padding TensorRT-LLM's layer shape needs is not {fill:g} everywhere")
-    return real
+def read_modelopt_checkpoint(path: Path):
+    """The checkpoint as TensorRT-LLM's PyTorch backend computes with it, one rank of float32 weights (q * scale
+    per channel or group, pre_quant_scale folded into the input columns), for the reference check."""
+    from ...models.checkpoint import safetensors_files
+    from ...models.reader import LazyTensors
 
+    st = LazyTensors(safetensors_files(path))
+    qfile = path / "hf_quant_config.json"
+    q = json.loads(qfile.read_text())["quantization"] if qfile.is_file() else {}
+    algo, cfg = q.get("quant_algo"), json.loads((path / "config.json").read_text())
 
-def trtllm_rank_weights(ckpt: Path, plan: ShardPlan, *, as_target_computes: bool = False):
-    """Read rank<N>.safetensors back into float32 per-rank weights for the reference check: as stored, or (with
-    as_target_computes) after the quantization TensorRT-LLM applies at load (W8A16 re-rounding)."""
-    from safetensors.torch import load_file
+    def lin(name: str) -> LinearWeights:
+        w = st[f"{name}.weight"]
+        bias = st[f"{name}.bias"].float() if f"{name}.bias" in st else None
+        if w.dtype != torch.int8:
+            return LinearWeights(name, weight=w.float(), bias=bias)
+        scale = st[f"{name}.weight_scale"].float()
+        ints = (w if algo == "W8A16" else unpack_int4_rows(w)).float()
+        if algo == "W4A16_AWQ":
+            w = ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], dim=1)
+            if f"{name}.pre_quant_scale" in st:
+                w = w * st[f"{name}.pre_quant_scale"].float()[None, :]
+            return LinearWeights(name, weight=w, bias=bias)
+        return LinearWeights(name, weight=ints * scale[:, None], bias=bias)
 
-
-    cfg = json.loads((ckpt / "config.json").read_text())
-    validate_config(cfg)
-    q = cfg["quantization"]
-    algo, patterns = q["quant_algo"], q["exclude_modules"]
-    d, hq, hkv = plan.head_dim, plan.heads_per_rank, plan.kv_heads_per_rank
-    bits = 8 if algo == "W8A16" else None
-
-    def lin(state: dict, prefix: str, shape: tuple[int, int]) -> LinearWeights:
-        w = state[f"{prefix}.weight"]
-        bias = state.get(f"{prefix}.bias")
-        bias = _unpad(bias, shape[:1], 0, f"{prefix}.bias").float() if bias is not None else None
-        if w.dtype == torch.int8 and algo == "W4A16_AWQ":
-            g = cfg["quantization"]["group_size"]
-            qint = _unpad(unpack_int4_rows(w), shape, 0, f"{prefix}.weight")
-            gshape = (shape[0], -(-shape[1] // g))
-            scale = _unpad(state[f"{prefix}.weights_scaling_factor"], gshape, 1, f"{prefix}.weights_scaling_factor")
-            zero = state.get(f"{prefix}.zero")
-            zero = _unpad(zero.T, gshape, 0, f"{prefix}.zero").T if zero is not None else None
-            return LinearWeights(prefix, weight=awq_dense(qint, scale.to(getattr(torch, cfg["dtype"])), zero),
-                                 bias=bias)
-        w = _unpad(w, shape, 0, f"{prefix}.weight")
-        if as_target_computes and bits and requantized_at_load(f"{prefix}.weight", patterns):
-            return LinearWeights(prefix, weight=trtllm_requantize(w, bits), bias=bias)
-        return LinearWeights(prefix, weight=w.float(), bias=bias)
-
-    h, inter = plan.hidden_size, plan.intermediate_size // plan.tp
-    shapes = {"attention.qkv": ((hq + 2 * hkv) * d, h), "attention.dense": (h, hq * d),
-              "mlp.fc": (inter, h), "mlp.gate": (inter, h), "mlp.proj": (h, inter)}
-    ranks = []
-    for r in range(plan.tp):
-        st = load_file(str(ckpt / f"rank{r}.safetensors"))
-        layers, norms = [], []
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"transformer.layers.{i}"
-            qkv = lin(st, f"{p}.attention.qkv", shapes["attention.qkv"])
-            sizes = [hq * d, hkv * d, hkv * d]
-            ws = qkv.weight.split(sizes)
-            bs = qkv.bias.split(sizes) if qkv.bias is not None else (None,) * 3
-            layer = {n: LinearWeights(n, weight=w, bias=b) for n, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs)}
-            layer |= {n: lin(st, f"{p}.{trt}", shapes[trt]) for n, trt in TRT_MODULES.items()}
-            layers.append(layer)
-            norms.append({"attn_norm": st[f"{p}.input_layernorm.weight"].float(),
-                          "mlp_norm": st[f"{p}.post_layernorm.weight"].float()})
-        kv = [st.get(f"transformer.layers.{i}.attention.kv_cache_scaling_factor") for i in range(len(layers))]
-        head = st["lm_head.weight"]
-        embed = LinearWeights(qformat.EMBEDDING, weight=st["transformer.vocab_embedding.weight"].float())
-        ranks.append(RankWeights(embed=embed, layers=layers, norms=norms,
-                                 final_norm=st["transformer.ln_f.weight"].float(),
-                                 lm_head=lin(st, "lm_head", tuple(head.shape)),
-                                 kv_scales=[None if s is None else (s, s) for s in kv]))
-    return ranks, cfg
-
-
-def kv_scale_is_the_largest(have, want, plan: ShardPlan, rank: int) -> bool:
-    """One scale for K and V: both must be the larger of the source's (anything where it has none)."""
-    if want is None:
-        return True
-    top = torch.maximum(want[0].float().max(), want[1].float().max())
-    return have is not None and torch.equal(have[0].float().reshape(()), top) and \
-        torch.equal(have[1].float().reshape(()), top)
+    spec = ModelSpec.from_config(cfg)
+    arch = spec.arch
+    layers, norms, kv = [], [], []
+    for i in range(cfg["num_hidden_layers"]):
+        attn = arch.attention_module(i)
+        layer = {}
+        for key, path in arch.stored_linears(spec.num_experts).items():
+            lw = lin(f"{arch.prefix(i)}.{path}")
+            layer |= split_group(lw, spec, key, i) if key in arch.fused else {key: lw}
+        layers.append(layer)
+        norms.append({role: st[arch.norm(i, role)].float() for role in arch.norms})
+        kv.append((st[f"{attn}.k_scale"], st[f"{attn}.v_scale"]) if f"{attn}.k_scale" in st else None)
+    embed = LinearWeights(qformat.EMBEDDING, weight=st[f"{qformat.EMBEDDING}.weight"].float())
+    return RankWeights(embed=embed, layers=layers, norms=norms, final_norm=st[f"{arch.final_norm}.weight"].float(),
+                       lm_head=lin(qformat.LM_HEAD), kv_scales=kv)
 
 
 def read_back(engine_dir: Path, engine) -> ReadBack:
-    """The ranks as stored and as TensorRT-LLM computes with them (W8A16 re-rounded at load)."""
-    ckpt = engine_dir / engine.outputs["trtllm_checkpoint"]
-    ranks, cfg = trtllm_rank_weights(ckpt, engine.plan)
-    computes, _ = trtllm_rank_weights(ckpt, engine.plan, as_target_computes=True)
-    dtype = getattr(torch, cfg["dtype"])
-    return ReadBack(ranks=ranks, plan=engine.plan, computes=computes, dense=lambda lw: reference_dense(lw, dtype),
-                    kv_matches=kv_scale_is_the_largest)
+    """One unsharded checkpoint that the backend shards itself, heads padded for tp: checked as one rank."""
+    plan = dataclasses.replace(engine.plan, tp=1, padded_vocab_size=engine.plan.vocab_size, parallel_embedding=False)
+    return ReadBack(ranks=[read_modelopt_checkpoint(engine_dir / engine.outputs["hf_checkpoint"])], plan=plan)
 
 
 TARGET = ExportTarget("trtllm", write=write_trtllm, read_back=read_back, refuse=refuse)

@@ -28,10 +28,8 @@ TOLERANCE = 1e-4   # max |logits - reference| / max |reference|; float32 reducti
 
 
 def reference_weights(src: CheckpointReader, dense=None) -> RankWeights:
-    """The unsharded model as one rank, as the runtime loads it (quantized linears stay quantized).
-
-    `dense(linear) -> float32 weight` replaces each linear by the value a target computes with where it stores
-    values differently (TensorRT-LLM's W8A16 keeps the dequantized weight in the model dtype, say)."""
+    """The unsharded model as one rank, as the runtime loads it (quantized linears stay quantized); with
+    `dense(linear) -> float32 weight`, each linear replaced by that value (the split check's exact one)."""
     rw = rank_weights(src, None, 0)
     if dense is not None:
         swap = lambda lw: LinearWeights(lw.name, weight=dense(lw), bias=lw.bias)  # noqa: E731
@@ -78,11 +76,10 @@ def kv_scales_match(have, want, plan: ShardPlan, rank: int) -> bool:
                                     for h, w in zip(have, want))
 
 
-def kv_scale_mismatches(ranks: list[RankWeights], src: CheckpointReader, plan: ShardPlan, matches=kv_scales_match
-                        ) -> int:
+def kv_scale_mismatches(ranks: list[RankWeights], src: CheckpointReader, plan: ShardPlan) -> int:
     """(layer, rank) pairs whose stored KV-cache scales are missing or differ from the source's, for KV-quantized
-    engines, judged by the target's convention `matches(have, want, plan, rank)`."""
-    return sum(not matches(rk.kv_scales[i] if i < len(rk.kv_scales) else None, src.kv_scales(i), plan, r)
+    engines (`kv_scales_match`)."""
+    return sum(not kv_scales_match(rk.kv_scales[i] if i < len(rk.kv_scales) else None, src.kv_scales(i), plan, r)
                for i in range(src.spec.num_layers) for r, rk in enumerate(ranks))
 
 
@@ -94,8 +91,8 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
                   seed: int = 0, tolerance: float = TOLERANCE) -> dict:
     """Compare the engine's TP logits with the source model's on fresh random tokens; returns the numbers.
 
-    The split check reads the shards as stored. For a target that re-rounds what it loads (TensorRT-LLM's
-    W8A16/W4A16), it also computes what the target will compute and records its KLD / top-1 agreement against
+    The split check reads the shards as stored. For a target that re-rounds what it loads (`ReadBack.computes`), it
+    also computes what the target will compute and records its KLD / top-1 agreement against
     what llmq evaluated (the artifact's own values), so the deployed quality is a measured number."""
     from ..quantize.probe import kld_top1
 
@@ -111,7 +108,7 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
         raise LlmqError(f"{engine_dir}: {export.no_verify}")
     back = export.read_back(engine_dir, meta)
     with torch.no_grad():
-        ref = run_plan([reference_weights(src, back.dense or exact)], unsharded_plan(src), src.config, ids)
+        ref = run_plan([reference_weights(src, exact)], unsharded_plan(src), src.config, ids)
         out = run_plan(back.ranks, back.plan, src.config, ids)
         measured = {}
         if back.foreign:   # what the target computes vs what llmq evaluated (its runtime, fast kernels)
@@ -119,7 +116,7 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
             k = kld_top1(evaluated, run_plan(back.computes or back.ranks, back.plan, src.config, ids))
             measured = {"target_kld": k["kld_mean"], "target_top1": k["top1"]}
     err = max_rel_error(out, ref)
-    kv_bad = (kv_scale_mismatches(back.ranks, src, back.plan, back.kv_matches or kv_scales_match)
+    kv_bad = (kv_scale_mismatches(back.ranks, src, back.plan)
               if meta.kv_cache_dtype != "auto" else 0)
     return {"target": meta.target, "tp": back.plan.tp, "max_rel_error": err, "tolerance": tolerance,
             "kv_scale_mismatches": kv_bad, "passed": err <= tolerance and kv_bad == 0,
