@@ -236,10 +236,12 @@ def _blocks(w: torch.Tensor, block: int) -> torch.Tensor:
     return w.reshape(n, k // block, block)
 
 
-def nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 round-to-nearest of w [N, K] (K a multiple of 16): (codes uint8 [N, K], E4M3 block scales [N, K / 16],
-    global scale float32 [1]). Every rounding is one rounding of the exact value (float64 holds the quotients)."""
-    g = nvfp4_global_scale(w.float().abs().amax())
+    global scale float32 [1]: `global_scale`, at most w's own, when tensors share one, else w's own). Every rounding
+    is one rounding of the exact value (float64 holds the quotients)."""
+    g = nvfp4_global_scale(w.float().abs().amax()) if global_scale is None else global_scale.float().reshape(1)
     wb = _blocks(w.double(), NVFP4_BLOCK)
     scale = round_e4m3(wb.abs().amax(-1) * g.double() / E2M1_MAX)
     step = fp4_block_scale(scale, g).double().clamp_min(torch.finfo(torch.float64).tiny)  # all-zero block: 0 / tiny

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -326,12 +327,37 @@ def test_other_families_compute_the_float64_reference_too(tmp_path, family, meth
     assert (llmq_logits(art.path, ids)[0].double() - want).abs().max().item() < 2e-5, f"seed {SEED}"
 
 
-def test_fused_nvfp4_projections_keep_their_own_global_scales(quantized):
-    """q/k/v are fused into one layer only where their global scales agree; otherwise each keeps its own."""
+def test_nvfp4_units_share_one_global_scale_as_fused_engines_read_them(quantized):
+    """q/k/v and gate/up (the units engines fuse into one matmul) share one global scale, from the unit's max |w|:
+    vLLM's compressed-tensors NVFP4 layer keeps one global scale per fused layer, the max of its parts'
+    (process_weights_after_loading: weight_global_scale.max()), so dequantizing each part with that one scale gives
+    exactly llmq's weights; o_proj and down_proj keep their own."""
+    ck = CheckpointReader(quantized("nvfp4").path)
+    for i in range(2):
+        units = [[f"self_attn.{p}_proj" for p in "qkv"], ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"],
+                 ["mlp.down_proj"]]
+        scales = []
+        for unit in units:
+            parts = [ck.linear(f"model.layers.{i}.{n}").qw for n in unit]
+            fused = max(p.global_scale.item() for p in parts)  # vLLM's rule
+            for p in parts:
+                amax = torch.stack([q.dequantize().abs().max() for q in parts]).max()
+                assert p.global_scale.item() == fused  # one scale per unit
+                vllm = quant.dequantize_fp4(p.q, p.scale, torch.tensor([fused]))
+                assert torch.equal(vllm, p.dequantize().float())
+            assert fused == pytest.approx(quant.NVFP4_GLOBAL / amax.item(), rel=0.02)  # from the unit's max |w|
+            scales.append(fused)
+        assert len(set(scales)) == 4  # the units' own
+
+
+def test_fused_layer_of_parts_with_different_global_scales_keeps_each(quantized):
+    """An imported checkpoint may give q/k/v different global scales: the runtime then keeps each part's own."""
     from llmq.runtime.loader import build_linear
 
     ck = CheckpointReader(quantized("nvfp4").path)
     parts = [ck.linear(f"model.layers.0.self_attn.{p}_proj") for p in "qkv"]
+    parts = [replace(p, qw=replace(p.qw, global_scale=p.qw.global_scale * k))  # other global scales
+             for p, k in zip(parts, (1.0, 0.5, 0.25))]
     assert len({p.qw.global_scale.item() for p in parts}) == 3
     layer = build_linear(parts, torch.float32, "cpu")
     x = torch.randn(5, 64)

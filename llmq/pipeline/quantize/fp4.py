@@ -23,10 +23,10 @@ def validate(opts, fmt: str) -> None:
         raise LlmqError(f"{flag} is weight-only (W4A16) in llmq so far: activations stay 16-bit; drop --activations")
 
 
-def quantize_weight(w: torch.Tensor, fmt: str) -> qformat.QuantizedWeight:
-    """Round-to-nearest FP4 QuantizedWeight of w [out, in]."""
+def quantize_weight(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None) -> qformat.QuantizedWeight:
+    """Round-to-nearest FP4 QuantizedWeight of w [out, in]; NVFP4 with `global_scale` when given (its unit's)."""
     if fmt == "nvfp4":
-        codes, scale, g = quant.nvfp4_quantize(w.float())
+        codes, scale, g = quant.nvfp4_quantize(w.float(), global_scale)
     else:
         (codes, scale), g = quant.mxfp4_quantize(w.float()), None
     return qformat.QuantizedWeight(q=codes.cpu(), scale=scale.cpu(), zero_point=None, bits=4,
@@ -35,4 +35,14 @@ def quantize_weight(w: torch.Tensor, fmt: str) -> qformat.QuantizedWeight:
 
 
 def quantize_layer(ctx, fmt: str) -> dict[str, qformat.QuantizedWeight]:
-    return {n: quantize_weight(lin.weight.data, fmt) for n, lin in ctx.linears.items()}
+    """NVFP4: one global scale per unit (q/k/v, gate/up: the linears engines fuse into one matmul), from the unit's
+    max |w|, as llm-compressor writes them: vLLM and TensorRT-LLM apply a single global scale to a fused matmul (the
+    max of the parts', vLLM), so per-linear ones would be read with the wrong scale."""
+    shared = {}
+    if fmt == "nvfp4":
+        for unit in ctx.spec.arch.unit_paths(ctx.spec.num_experts):
+            names = [n for n in unit if n in ctx.linears]
+            if names:
+                g = quant.nvfp4_global_scale(torch.stack([ctx.linears[n].weight.abs().amax() for n in names]).max())
+                shared |= dict.fromkeys(names, g)
+    return {n: quantize_weight(lin.weight.data, fmt, shared.get(n)) for n, lin in ctx.linears.items()}
