@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import typing
 
 from .errors import LlmqError
 
@@ -55,6 +56,19 @@ def option(default=dataclasses.MISSING, help: str = "", *, choices: tuple | None
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def compose(base: type, parts: list[type]) -> type:
+    """`base` (a frozen options dataclass, its methods and its name) with the fields of every class in `parts` added
+    after its own: how a stage's options take options declared elsewhere (each quantize method's own) and still have
+    one flag and one recipe key each."""
+    hints = {name: hint for part in parts for name, hint in typing.get_type_hints(part).items()}
+    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                         metadata=f.metadata))
+              for part in parts for f in dataclasses.fields(part)]
+    cls = dataclasses.make_dataclass(base.__name__, fields, bases=(base,), frozen=True)
+    cls.__module__, cls.__qualname__, cls.__doc__ = base.__module__, base.__qualname__, base.__doc__
+    return cls
 
 
 def user_fields(cls) -> list[dataclasses.Field]:

@@ -22,15 +22,13 @@ from ...artifacts import Artifact, Store
 from ...errors import LlmqError
 from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
-from ...options import Options, option, parse_size
-from .methods import METHODS, WEIGHT_ONLY, load_method
+from ...options import Options, compose, default_of, option, parse_size
+from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
 
 if TYPE_CHECKING:
     from ...models import qformat
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-BNB_BLOCKSIZE = 64  # bitsandbytes' and transformers' 4-bit block size
 DEFAULT_GROUPS = (128, 64, 32)
 LM_HEAD_CHOICES = ("keep", "int8")
 EMBEDDING_CHOICES = ("keep", "int8")
@@ -43,15 +41,13 @@ class QuantizeOptions(Options):
     """What `llmq quantize` (or a recipe's quantize stage) asks for. group_size: None = the default for the bit width
     (at 4 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
     per channel at 8 bits), 0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the
-    user's spelling into the canonical one (group_size >= 0, 0 = per channel; alpha set for SmoothQuant) that
-    methods read."""
+    user's spelling into the canonical one (group_size >= 0, 0 = per channel; a method's own options left unset at what
+    they mean for it) that methods read. The fields below are every method's; each method's own (GPTQ's --act-order,
+    SmoothQuant's --alpha, ...) are declared in methods.py and added after them."""
 
     bits: int | None = option(None, "Weight bits: 4 or 8 (default: 8, or the only width the method has).",
                               choices=(4, 8))
-    method: str = option("rtn", "rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; "
-                         "fp8: FP8 E4M3; nvfp4 / mxfp4: FP4 weight-only, round-to-nearest; bnb-nf4 / bnb-int8: "
-                         "bitsandbytes' NF4 / LLM.int8 (needs llmq[bnb]).",
-                         choices=METHODS)
+    method: str = option("rtn", METHODS_HELP, choices=tuple(METHODS))
     group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 bits "
                                     "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
                                     "SmolLM2), per channel at 8 bits; bnb-nf4: its block size, default 64.")
@@ -61,9 +57,6 @@ class QuantizeOptions(Options):
                                 "statistics where the method has them; amax = max|w| / qmax (compressed-tensors' "
                                 "observer rule). Default: search.", choices=SCALE_RULES)
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
-    act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
-    damp: float = option(0.01, "GPTQ: damping, fraction of mean diag(H).", gt=0, lt=1)
-    alpha: float | None = option(None, "SmoothQuant migration strength (default 0.5).", ge=0, le=1)
     activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
                               "calibration.", choices=ACTIVATION_SCHEMES)
     calib: str | None = option(None, "Calibration data: .txt / .jsonl file (rows {\"text\"} or {\"messages\"}), "
@@ -101,13 +94,6 @@ class QuantizeOptions(Options):
     ignore: tuple[str, ...] = option(("lm_head",), internal=True)
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
-    double_quant: bool = option(False, "bnb-nf4: quantize the block absmax values too (QLoRA's double "
-                                "quantization: about 0.4 bits per weight less).",
-                                flag="--double-quant/--no-double-quant")
-    compute_dtype: str | None = option(None, "bnb-nf4: the dtype transformers computes in, recorded in the config as "
-                                       "bnb_4bit_compute_dtype (default float32).", choices=COMPUTE_DTYPES)
-    int8_threshold: float | None = option(None, "bnb-int8: LLM.int8's outlier threshold: activation columns with "
-                                          "|x| >= it stay in floating point; 0 = none (default 6.0).", ge=0)
 
     def check(self) -> None:
         """Every rule that needs neither the model nor its weights."""
@@ -122,19 +108,14 @@ class QuantizeOptions(Options):
         if self.scales is not None and self.method not in WEIGHT_ONLY:
             raise LlmqError(f"--scales is the integer scale rule of {', '.join(WEIGHT_ONLY)}; {self.method} has its "
                             "own")
-        if self.alpha is not None and self.method != "smoothquant":
-            raise LlmqError("--alpha is SmoothQuant's migration strength; use it with --method smoothquant")
-        if self.act_order and self.method != "gptq":
-            raise LlmqError("--act-order is a GPTQ option; use it with --method gptq")
+        for name, own in METHODS.items():  # another method's own options, set
+            fields, message = own.only if name != self.method else ((), "")
+            if any(getattr(self, f) != default_of(self.__dataclass_fields__[f]) for f in fields):
+                raise LlmqError(message)
         for flag, value in (("--lm-head", self.lm_head), ("--embedding", self.embedding)):
             if value != "keep" and self.method not in WEIGHT_ONLY:
                 raise LlmqError(f"{flag} {value} needs a weight-only method ({', '.join(WEIGHT_ONLY)}): a "
                                 f"{self.method} checkpoint has one layout for every quantized layer")
-        if (self.double_quant or self.compute_dtype) and self.method != "bnb-nf4":
-            raise LlmqError("--double-quant / --compute-dtype are bitsandbytes 4-bit options; use them with --method "
-                            "bnb-nf4")
-        if self.int8_threshold is not None and self.method != "bnb-int8":
-            raise LlmqError("--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
         if self.int8_group_size and not (self.mixed or self.embedding == "int8" or self.lm_head == "int8"):
             raise LlmqError("--int8-group-size sets the groups of the 8-bit weights that --target-bpw / --max-size, "
                             "--embedding int8 and --lm-head int8 make; give one of those (for --bits 8 use "
@@ -156,23 +137,22 @@ class QuantizeOptions(Options):
         return self.target_bpw is not None or self.max_size is not None
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
-        widths = load_method(self.method).BITS
-        bits = self.bits or (4 if self.mixed else 8 if 8 in widths else widths[0])
+        method = load_method(self.method)
+        bits = self.bits or (4 if self.mixed else 8 if 8 in method.BITS else method.BITS[0])
         g = self.group_size
-        if g is None and self.method == "bnb-nf4":
-            g = BNB_BLOCKSIZE
-        if g is None:  # a format with a fixed block (nvfp4, mxfp4)
-            g = getattr(load_method(self.method), "GROUP_SIZE", None)
+        if g is None:  # a method with its own block (bnb-nf4's default, nvfp4's and mxfp4's fixed one)
+            g = getattr(method, "GROUP_SIZE", None)
         if g is None:
             fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
             g = fits[0] if bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
-        alpha = 0.5 if self.alpha is None and self.method == "smoothquant" else self.alpha
-        bnb = {"compute_dtype": self.compute_dtype or "float32"} if self.method == "bnb-nf4" else (
-            {"int8_threshold": 6.0 if self.int8_threshold is None else self.int8_threshold}
-            if self.method == "bnb-int8" else {})
+        unset = {k: v for k, v in METHODS[self.method].unset.items() if getattr(self, k) is None}
         scales = self.scales or ("search" if self.method in WEIGHT_ONLY else None)
-        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), alpha=alpha,
-                                   scales=scales, **bnb)
+        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), scales=scales, **unset)
+
+    @property
+    def tags(self) -> str:
+        """The running method's own options in the default artifact name (GPTQ's act-order: "-act")."""
+        return "".join(tag for k, tag in METHODS[self.method].tags.items() if getattr(self, k))
 
     @property
     def ignored(self) -> tuple[str, ...]:
@@ -187,6 +167,9 @@ class QuantizeOptions(Options):
     @property
     def strategy(self) -> str:
         return "tensor" if self.per_tensor else ("group" if self.group_size and self.group_size > 0 else "channel")
+
+
+QuantizeOptions = compose(QuantizeOptions, method_options())
 
 
 def _in_features(spec: ModelSpec) -> dict[str, int]:
@@ -210,10 +193,8 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
     o = opts.resolved(tuple(_in_features(spec).values()))
-    if spec.arch.fused and opts.method.startswith("bnb-"):  # every reader cuts a fused group into its roles by rows
-        raise LlmqError(f"--method {opts.method}: {spec.architecture} stores {', '.join(spec.arch.fused)} fused and "
-                        "llmq does not cut bitsandbytes packings into their roles; use rtn, gptq, awq, smoothquant or "
-                        "fp8")
+    if hasattr(method, "validate"):  # what the method cannot honour first (a bitsandbytes packing of fused Phi-3)
+        method.validate(o, spec)
     if o.group_size < 0:
         raise LlmqError("--group-size must be a positive number of columns, or 0 / -1 for per channel; "
                         f"got {opts.group_size}")
@@ -232,8 +213,6 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         if bad:
             raise LlmqError(f"--int8-group-size {o.int8_group_size} does not divide the input features of "
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
-    if hasattr(method, "validate"):
-        method.validate(o, spec)
     if o.mixed:
         from .mixed import bpw_for_size, check
 
@@ -388,8 +367,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
 
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
-        f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
-        "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + (
+        f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + opts.tags + (
         "-head8" if opts.lm_head == "int8" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
         f"-max{opts.max_size.replace(' ', '')}" if opts.max_size else f"-bpw{opts.target_bpw:g}" if opts.target_bpw
         else "")
