@@ -1,8 +1,8 @@
 """The quantize stage: (model artifact, QuantizeOptions) -> quantized artifact.
 
 Everything the user can get wrong is checked before the model is loaded; the checkpoint is written through
-`llmq.models.qformat` only, inside the store's writer, so a failure leaves nothing behind. The payload is a pure
-function of the inputs (fixed seeds, sorted tensors, no timestamps), so the same inputs give the same content id;
+`llmq.models.qformat` only (sink.py), inside the store's writer, so a failure leaves nothing behind. The payload is a
+pure function of the inputs (fixed seeds, sorted tensors, no timestamps), so the same inputs give the same content id;
 wall time and memory go into the manifest's metrics, which are not part of the id.
 """
 
@@ -14,9 +14,7 @@ import resource
 import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ...artifacts import Artifact, Store
 from ...errors import LlmqError
@@ -24,9 +22,6 @@ from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
 from ...options import Options, compose, default_of, option, parse_size
 from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
-
-if TYPE_CHECKING:
-    from ...models import qformat
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
 DEFAULT_GROUPS = (128, 64, 32)
@@ -228,104 +223,6 @@ def needs_calibration(method, opts: QuantizeOptions) -> bool:
     return bool(c(opts) if callable(c) else c)
 
 
-def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qformat.QuantArgs | None]:
-    """The compressed-tensors (weights, input_activations) arguments that describe one quantized weight."""
-    from ...models import qformat
-
-    kind = "float" if qw.is_float or qw.fp4 else "int"
-    strategy = "group" if qw.group_size else qw.strategy  # a group as wide as the row has a [out, 1] scale too
-    if qw.fp4 == "nvfp4":
-        strategy = "tensor_group"  # compressed-tensors' name for groups under a global scale
-    weights = qformat.QuantArgs(num_bits=qw.bits, type=kind, symmetric=qw.symmetric, strategy=strategy,
-                                group_size=qw.group_size if strategy in ("group", "tensor_group") else None)
-    if qw.input_scale is None and not qw.dynamic:
-        return weights, None
-    acts = qformat.QuantArgs(num_bits=8, type=kind, symmetric=True, strategy="token" if qw.dynamic else "tensor",
-                             dynamic=qw.dynamic)
-    return weights, acts
-
-
-class CheckpointSink:
-    """The layer-by-layer run's Sink (layerwise.Sink): writes each tensor into the artifact the moment it is final
-    (bitsandbytes' serialized form for its methods, compressed-tensors for every other) and keeps only what the
-    config and the manifest need: the schemes seen, byte and parameter counts."""
-
-    def __init__(self, writer, opts: QuantizeOptions, dense: tuple[str, ...] = ()):
-        self.writer, self.opts, self.dense_linears = writer, opts, dense
-        self.args: dict[str, tuple] = {}     # compressed-tensors (weights, activations) args of each layer linear
-        self.names: dict[str, str] = {}      # their scheme names
-        self.example = None          # one layer weight: its type tells the checkpoint format
-        self.outside: dict[str, tuple] = {}  # quantized lm_head / embedding: (weight args, scheme name, parameters)
-        self.linear_bytes = self.linear_params = self.dense_params = self.bias_params = 0
-        self.dense_modules: set[str] = set()
-        self._linears: set[str] = set()
-
-    def linear(self, name: str, qw) -> None:
-        from ...models import bnbformat, qformat
-
-        compressed = isinstance(qw, qformat.QuantizedWeight)
-        tensors = (qformat.write_linear if compressed else bnbformat.write_linear)(name, qw)
-        for k, t in tensors.items():
-            self.writer.add(k, t)
-        if name in (qformat.LM_HEAD, qformat.EMBEDDING):
-            self.outside[name] = (_scheme_args(qw)[0], qw.scheme, math.prod(qw.shape))
-            return
-        if self.example is None:
-            self.example = qw
-        self.args[name] = _scheme_args(qw) if compressed else qw.scheme
-        self.names[name] = qw.scheme
-        self.linear_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        self.linear_params += math.prod(qw.shape)
-        self._linears.add(name)
-
-    def dense(self, name: str, tensor) -> None:
-        self.writer.add(name, tensor)
-        module = name.rsplit(".", 1)[0]
-        self.dense_modules.add(module)
-        if name.endswith(".bias") and module in self._linears:
-            self.bias_params += tensor.numel()
-        else:
-            self.dense_params += tensor.numel()
-
-    @property
-    def base(self):
-        """The scheme most layer linears have: the `Linear` group; every other is a group of named modules."""
-        counts = Counter(self.args.values())
-        return max(counts, key=lambda a: (counts[a], repr(a)))
-
-    def scheme_per_module(self) -> dict[str, str]:
-        """{"Linear": the base scheme's name, module: its own scheme name for every other one}."""
-        base = self.base
-        out = {"Linear": next(self.names[n] for n, a in self.args.items() if a == base)}
-        out.update({n: self.names[n] for n, a in self.args.items() if a != base})
-        out.update({n: "dense" for n in self.dense_linears})
-        return out | {n: o[1] for n, o in self.outside.items()}
-
-    def quantization_config(self) -> tuple[dict, str]:
-        """(quantization_config, format name): one scheme for the layers' linears, weight-only groups of named
-        modules for the others (an INT8 lm_head or embedding, mixed precision); bitsandbytes checkpoints hold one
-        scheme."""
-        from ...models import bnbformat, qformat
-
-        opts, base = self.opts, self.base
-        if isinstance(self.example, qformat.QuantizedWeight):
-            modules = {n: a[0] for n, a in self.args.items() if a != base}
-            if any(a[1] is not None for a in self.args.values() if a != base):
-                raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
-                                "checkpoint holds one for activation-quantized layers")
-            modules.update({n: o[0] for n, o in self.outside.items()})
-            return qformat.quantization_config(base[0], base[1], ignore=[*opts.ignored, *self.dense_linears],
-                                               modules=modules), "compressed-tensors"
-        if len(set(self.args.values())) != 1:
-            raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
-                            "bitsandbytes checkpoint holds one")
-        if isinstance(self.example, bnbformat.Int8Weight):
-            return bnbformat.quantization_config("int8", skip=opts.ignore, threshold=opts.int8_threshold), \
-                "bitsandbytes"
-        return bnbformat.quantization_config("nf4", skip=opts.ignore, compute_dtype=opts.compute_dtype,
-                                             double_quant=opts.double_quant), "bitsandbytes"
-
-
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -350,6 +247,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     from .calib import load_calibration, load_probe_text
     from .experts import expert_coverage
     from .layerwise import run_layerwise
+    from .sink import CheckpointSink
 
     t0 = time.perf_counter()
     opts, spec, method = validate(source, opts)
