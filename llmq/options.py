@@ -58,17 +58,19 @@ def option(default=dataclasses.MISSING, help: str = "", *, choices: tuple | None
     return dataclasses.field(default=default, metadata=meta)
 
 
-def compose(base: type, parts: list[type]) -> type:
-    """`base` (a frozen options dataclass, its methods and its name) with the fields of every class in `parts` added
-    after its own: how a stage's options take options declared elsewhere (each quantize method's own) and still have
-    one flag and one recipe key each."""
-    hints = {name: hint for part in parts for name, hint in typing.get_type_hints(part).items()}
-    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                                         metadata=f.metadata))
-              for part in parts for f in dataclasses.fields(part)]
-    cls = dataclasses.make_dataclass(base.__name__, fields, bases=(base,), frozen=True)
-    cls.__module__, cls.__qualname__, cls.__doc__ = base.__module__, base.__qualname__, base.__doc__
-    return cls
+def add_fields(*parts: type):
+    """Class decorator, under @dataclass: the fields of each options dataclass in `parts` join the class's own, after
+    them, as if declared in its body. How a stage's options take options declared elsewhere (each quantize method's
+    own) and still have one flag and one recipe key each."""
+    def decorate(cls):
+        for part in parts:
+            hints = typing.get_type_hints(part)
+            for f in dataclasses.fields(part):
+                cls.__annotations__[f.name] = hints[f.name]
+                setattr(cls, f.name, dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                       metadata=f.metadata))
+        return cls
+    return decorate
 
 
 def user_fields(cls) -> list[dataclasses.Field]:

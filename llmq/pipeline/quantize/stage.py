@@ -20,7 +20,7 @@ from ...artifacts import Artifact, Store
 from ...errors import LlmqError
 from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
-from ...options import Options, compose, default_of, option, parse_size
+from ...options import Options, add_fields, default_of, option, parse_size
 from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
@@ -32,6 +32,7 @@ SCALE_RULES = ("search", "amax")
 
 
 @dataclass(frozen=True)
+@add_fields(*method_options())
 class QuantizeOptions(Options):
     """What `llmq quantize` (or a recipe's quantize stage) asks for. group_size: None = the default for the bit width
     (at 4 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
@@ -162,9 +163,6 @@ class QuantizeOptions(Options):
     @property
     def strategy(self) -> str:
         return "tensor" if self.per_tensor else ("group" if self.group_size and self.group_size > 0 else "channel")
-
-
-QuantizeOptions = compose(QuantizeOptions, method_options())
 
 
 def _in_features(spec: ModelSpec) -> dict[str, int]:
