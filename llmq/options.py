@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import typing
 
 from .errors import LlmqError
 
@@ -55,6 +56,21 @@ def option(default=dataclasses.MISSING, help: str = "", *, choices: tuple | None
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def add_fields(*parts: type):
+    """Class decorator, under @dataclass: the fields of each options dataclass in `parts` join the class's own, after
+    them, as if declared in its body. How a stage's options take options declared elsewhere (each quantize method's
+    own) and still have one flag and one recipe key each."""
+    def decorate(cls):
+        for part in parts:
+            hints = typing.get_type_hints(part)
+            for f in dataclasses.fields(part):
+                cls.__annotations__[f.name] = hints[f.name]
+                setattr(cls, f.name, dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                       metadata=f.metadata))
+        return cls
+    return decorate
 
 
 def user_fields(cls) -> list[dataclasses.Field]:

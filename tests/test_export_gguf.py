@@ -227,7 +227,7 @@ _BYTES = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
     ({**_BYTES, "use_regex": False}, None),                       # no split at all: llama.cpp has no such mode
 ])
 def test_pre_tokenizer_is_named_only_when_llama_cpp_splits_the_same_way(pre, name):
-    from llmq.pipeline.targets.gguf_target import pre_tokenizer_name
+    from llmq.pipeline.targets.gguf_meta import pre_tokenizer_name
 
     assert pre_tokenizer_name({"normalizer": None, "pre_tokenizer": pre}) == name
     assert pre_tokenizer_name({"normalizer": {"type": "NFC"}, "pre_tokenizer": pre}) is None

@@ -183,10 +183,10 @@ def test_what_the_backend_cannot_load_is_refused_with_the_reason(arts):
 
 def test_fp4_weights_are_refused_in_one_line_before_anything_is_written(arts):
     """Neither of llmq's FP4 formats has a TensorRT-LLM dense linear that computes what llmq evaluated: NVFP4 there
-    needs a calibrated activation scale (and one global scale per fused group), MXFP4 is MoE-only."""
+    needs a calibrated activation scale, MXFP4 is MoE-only."""
     store, a = arts
     engines = len(store.list(kind="engine"))
-    for method, match in (("nvfp4", r"^NVFP4 weight-only: .*input_scale .*weight_scale_2 .*--target llmq"),
+    for method, match in (("nvfp4", r"^NVFP4 weight-only: .*input_scale .*--target llmq"),
                           ("mxfp4", r"^MXFP4 weight-only: .*MoE experts only.*--target llmq")):
         art = quantize(a["bf16"], QuantizeOptions(method=method, probe_tokens=0), store, progress=False)
         with pytest.raises(LlmqError, match=match) as e:
@@ -214,11 +214,14 @@ def nvfp4_refusal_holds(path: Path, source: Path) -> None:
     assert all(lin[r].qw.input_scale is None for group in NVFP4_FUSED for r in group)   # no activation scale
     if reader.arch.fused:   # Phi-3: q/k/v and gate/up quantized as the one linear they are stored as
         return
-    assert len({float(lin[r].qw.global_scale) for r in NVFP4_FUSED[0]}) > 1            # a global scale per linear
+    group_of = {r: group for group in NVFP4_FUSED for r in group}
+    for group in NVFP4_FUSED:                                                             # one per fused group, as
+        assert len({float(lin[r].qw.global_scale) for r in group}) == 1                  # that loader asserts
     for role, lw in lin.items():
-        qw, amax = lw.qw, dense[role].weight.float().abs().max()
+        qw = lw.qw
+        amax = torch.stack([dense[r].weight.float().abs().max() for r in group_of.get(role, (role,))]).max()
         assert torch.equal(qw.global_scale, 2688 / amax.reshape(1))                      # a divisor: 2688 / amax
-        assert qw.scale.float().max() == 448                                             # amax's block at E4M3's top
+        assert qw.scale.float().max() <= 448                                              # amax's block at E4M3's top
         ws2 = amax / 2688                                                                 # ModelOpt's multiplier
         modelopt = e2m1_values(qw.q).reshape(*qw.scale.shape, -1) * (qw.scale.float() * ws2)[..., None]
         torch.testing.assert_close(modelopt.reshape(qw.q.shape), qw.dequantize(), rtol=6e-7, atol=0)

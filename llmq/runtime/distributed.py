@@ -100,7 +100,9 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def threads_per_rank(world: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world)
+    """The cores this process may run on (its affinity: taskset, a container's cpuset), shared by the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // world)
 
 
 def free_port() -> int:

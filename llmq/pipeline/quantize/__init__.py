@@ -1,10 +1,10 @@
 """`llmq quantize`: weights to INT8 / INT4 / FP8 / FP4, one decoder layer at a time, written in compressed-tensors
 format (bitsandbytes' NF4 / LLM.int8: in bitsandbytes' own serialized form, `llmq.models.bnbformat`).
 
-Methods are plug-ins. Adding one is adding one module `llmq/pipeline/quantize/<name>.py` and its name to
-`METHODS` (methods.py); the stage (stage.py) and the layer-by-layer engine (layerwise.py) do everything else:
-validation, calibration data, loading the model, walking the decoder layers, the quality probe, the checkpoint, the
-manifest.
+Methods are plug-ins. Adding one is adding one module `llmq/pipeline/quantize/<name>.py` and its line in `METHODS`
+(methods.py: its name, and the class of the options only it reads, if it has any); the stage (stage.py) and the
+layer-by-layer engine (layerwise.py) do everything else: validation, calibration data, loading the model, walking the
+decoder layers, the quality probe, the checkpoint, the manifest.
 
 A method module defines:
 
@@ -13,7 +13,8 @@ A method module defines:
     def quantize_layer(ctx: LayerContext) -> dict[str, QuantizedWeight]
 
 and optionally `def validate(opts: QuantizeOptions, spec: ModelSpec) -> None` (raise LlmqError for options the method
-cannot honour; called before anything is loaded).
+cannot honour; called with the resolved options before anything is loaded) and `GROUP_SIZE` (its default, or only,
+block of input columns when --group-size is not given).
 
 `quantize_layer` is called once per decoder layer with a `layerwise.LayerContext`: `ctx.layer` (the float32 decoder
 layer on the work device; the method may rewrite its parameters in place, e.g. fold scales into an RMSNorm, and the

@@ -10,12 +10,14 @@ import torch
 
 from ...errors import LlmqError
 from ...models import bnbformat
+from .bnb_nf4 import refuse_fused
 
 BITS = (8,)
 CALIBRATED = False
 
 
 def validate(opts, spec) -> None:
+    refuse_fused(opts, spec)
     if opts.group_size or opts.per_tensor or not opts.symmetric:
         raise LlmqError("bnb-int8 has one symmetric scale per output row; drop --group-size / --per-tensor / --asym")
 

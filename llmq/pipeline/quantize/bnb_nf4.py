@@ -14,9 +14,19 @@ from ...models import bnbformat
 
 BITS = (4,)
 CALIBRATED = False
+GROUP_SIZE = 64  # the default block: bitsandbytes' and transformers' for 4 bits
+
+
+def refuse_fused(opts, spec) -> None:
+    """Every reader cuts a fused group (Phi-3's qkv_proj) into its roles by rows; a bitsandbytes packing it cannot."""
+    if spec.arch.fused:
+        raise LlmqError(f"--method {opts.method}: {spec.architecture} stores {', '.join(spec.arch.fused)} fused and "
+                        "llmq does not cut bitsandbytes packings into their roles; use rtn, gptq, awq, smoothquant or "
+                        "fp8")
 
 
 def validate(opts, spec) -> None:
+    refuse_fused(opts, spec)
     if opts.group_size not in bnbformat.BLOCKSIZES:
         raise LlmqError(f"bnb-nf4 quantizes blocks of {', '.join(map(str, bnbformat.BLOCKSIZES))} weights; "
                         f"--group-size {opts.group_size or 'per channel'} is not one")

@@ -1,15 +1,92 @@
-"""The registry of quantization methods (the plug-in interface is described in the package docstring)."""
+"""The registry of quantization methods and the options each one owns (the plug-in interface is described in the
+package docstring).
+
+A method's own options are declared here, beside its name, not in its module: the command line builds its flags from
+them without importing torch (`llmq --help` loads none), and every method module imports torch. The stage composes
+them into `QuantizeOptions` (stage.py), so each is still one flag and one recipe key; the method reads them from
+`ctx.opts` and checks what needs the model in its own `validate(opts, spec)`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 
 from ...errors import LlmqError
+from ...options import option
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodOptions:
+    """A method's own options: a frozen dataclass of `option(...)` fields (composed into QuantizeOptions; this base
+    has none: a method with no options of its own), and as data:
+    only: (fields, message): the one-line refusal when another method is given any of these fields not at its
+    default; unset: {field: value}, what a field left at None means when this method runs (`resolved()`, the value
+    the manifest records); tags: {field: suffix}, added to the default artifact name where the field is set."""
+
+    only = ((), "")
+    unset = {}
+    tags = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQOptions(MethodOptions):
+    act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
+    damp: float = option(0.01, "GPTQ: damping, fraction of mean diag(H).", gt=0, lt=1)
+
+    only = (("act_order",), "--act-order is a GPTQ option; use it with --method gptq")
+    tags = {"act_order": "-act"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SmoothQuantOptions(MethodOptions):
+    alpha: float | None = option(None, "SmoothQuant migration strength (default 0.5).", ge=0, le=1)
+
+    only = (("alpha",), "--alpha is SmoothQuant's migration strength; use it with --method smoothquant")
+    unset = {"alpha": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class NF4Options(MethodOptions):
+    double_quant: bool = option(False, "bnb-nf4: quantize the block absmax values too (QLoRA's double "
+                                "quantization: about 0.4 bits per weight less).",
+                                flag="--double-quant/--no-double-quant")
+    compute_dtype: str | None = option(None, "bnb-nf4: the dtype transformers computes in, recorded in the config as "
+                                       "bnb_4bit_compute_dtype (default float32).", choices=COMPUTE_DTYPES)
+
+    only = (("double_quant", "compute_dtype"), "--double-quant / --compute-dtype are bitsandbytes 4-bit options; use "
+            "them with --method bnb-nf4")
+    unset = {"compute_dtype": "float32"}
+    tags = {"double_quant": "-dq"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMInt8Options(MethodOptions):
+    int8_threshold: float | None = option(None, "bnb-int8: LLM.int8's outlier threshold: activation columns with "
+                                          "|x| >= it stay in floating point; 0 = none (default 6.0).", ge=0)
+
+    only = (("int8_threshold",), "--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
+    unset = {"int8_threshold": 6.0}
+
+
+# --method name: the options only that method reads (MethodOptions: none of its own)
+METHODS: dict[str, type[MethodOptions]] = {
+    "rtn": MethodOptions, "gptq": GPTQOptions, "awq": MethodOptions, "smoothquant": SmoothQuantOptions,
+    "fp8": MethodOptions, "nvfp4": MethodOptions, "mxfp4": MethodOptions, "bnb-nf4": NF4Options,
+    "bnb-int8": LLMInt8Options}
+METHODS_HELP = ("rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; fp8: FP8 E4M3; "
+                "nvfp4 / mxfp4: FP4 weight-only, round-to-nearest; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / LLM.int8 "
+                "(needs llmq[bnb]).")  # --method's help
 WEIGHT_ONLY = ("rtn", "gptq", "awq")  # the integer weight-only methods: --scales, --embedding / --lm-head int8, mixed
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "nvfp4", "mxfp4", "bnb-nf4", "bnb-int8")
 PACKAGE = __name__.rsplit(".", 1)[0]
+
+
+def method_options() -> list[type[MethodOptions]]:
+    """Every method's own options class, in registry order, once."""
+    return list(dict.fromkeys(METHODS.values()))
 
 
 def load_method(name: str) -> ModuleType:

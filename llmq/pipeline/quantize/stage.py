@@ -1,8 +1,8 @@
 """The quantize stage: (model artifact, QuantizeOptions) -> quantized artifact.
 
 Everything the user can get wrong is checked before the model is loaded; the checkpoint is written through
-`llmq.models.qformat` only, inside the store's writer, so a failure leaves nothing behind. The payload is a pure
-function of the inputs (fixed seeds, sorted tensors, no timestamps), so the same inputs give the same content id;
+`llmq.models.qformat` only (sink.py), inside the store's writer, so a failure leaves nothing behind. The payload is a
+pure function of the inputs (fixed seeds, sorted tensors, no timestamps), so the same inputs give the same content id;
 wall time and memory go into the manifest's metrics, which are not part of the id.
 """
 
@@ -14,23 +14,16 @@ import resource
 import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ...artifacts import Artifact, Store
 from ...errors import LlmqError
 from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
-from ...options import Options, option, parse_size
-from .methods import METHODS, WEIGHT_ONLY, load_method
-
-if TYPE_CHECKING:
-    from ...models import qformat
+from ...options import Options, add_fields, default_of, option, parse_size
+from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-BNB_BLOCKSIZE = 64  # bitsandbytes' and transformers' 4-bit block size
 DEFAULT_GROUPS = (128, 64, 32)
 LM_HEAD_CHOICES = ("keep", "int8")
 EMBEDDING_CHOICES = ("keep", "int8")
@@ -39,19 +32,18 @@ SCALE_RULES = ("search", "amax")
 
 
 @dataclass(frozen=True)
+@add_fields(*method_options())
 class QuantizeOptions(Options):
     """What `llmq quantize` (or a recipe's quantize stage) asks for. group_size: None = the default for the bit width
     (at 4 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
     per channel at 8 bits), 0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the
-    user's spelling into the canonical one (group_size >= 0, 0 = per channel; alpha set for SmoothQuant) that
-    methods read."""
+    user's spelling into the canonical one (group_size >= 0, 0 = per channel; a method's own options left unset at what
+    they mean for it) that methods read. The fields below are every method's; each method's own (GPTQ's --act-order,
+    SmoothQuant's --alpha, ...) are declared in methods.py and added after them."""
 
     bits: int | None = option(None, "Weight bits: 4 or 8 (default: 8, or the only width the method has).",
                               choices=(4, 8))
-    method: str = option("rtn", "rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; "
-                         "fp8: FP8 E4M3; nvfp4 / mxfp4: FP4 weight-only, round-to-nearest; bnb-nf4 / bnb-int8: "
-                         "bitsandbytes' NF4 / LLM.int8 (needs llmq[bnb]).",
-                         choices=METHODS)
+    method: str = option("rtn", METHODS_HELP, choices=tuple(METHODS))
     group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 bits "
                                     "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
                                     "SmolLM2), per channel at 8 bits; bnb-nf4: its block size, default 64.")
@@ -61,9 +53,6 @@ class QuantizeOptions(Options):
                                 "statistics where the method has them; amax = max|w| / qmax (compressed-tensors' "
                                 "observer rule). Default: search.", choices=SCALE_RULES)
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
-    act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
-    damp: float = option(0.01, "GPTQ: damping, fraction of mean diag(H).", gt=0, lt=1)
-    alpha: float | None = option(None, "SmoothQuant migration strength (default 0.5).", ge=0, le=1)
     activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
                               "calibration.", choices=ACTIVATION_SCHEMES)
     calib: str | None = option(None, "Calibration data: .txt / .jsonl file (rows {\"text\"} or {\"messages\"}), "
@@ -101,13 +90,6 @@ class QuantizeOptions(Options):
     ignore: tuple[str, ...] = option(("lm_head",), internal=True)
     name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
     device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
-    double_quant: bool = option(False, "bnb-nf4: quantize the block absmax values too (QLoRA's double "
-                                "quantization: about 0.4 bits per weight less).",
-                                flag="--double-quant/--no-double-quant")
-    compute_dtype: str | None = option(None, "bnb-nf4: the dtype transformers computes in, recorded in the config as "
-                                       "bnb_4bit_compute_dtype (default float32).", choices=COMPUTE_DTYPES)
-    int8_threshold: float | None = option(None, "bnb-int8: LLM.int8's outlier threshold: activation columns with "
-                                          "|x| >= it stay in floating point; 0 = none (default 6.0).", ge=0)
 
     def check(self) -> None:
         """Every rule that needs neither the model nor its weights."""
@@ -122,19 +104,14 @@ class QuantizeOptions(Options):
         if self.scales is not None and self.method not in WEIGHT_ONLY:
             raise LlmqError(f"--scales is the integer scale rule of {', '.join(WEIGHT_ONLY)}; {self.method} has its "
                             "own")
-        if self.alpha is not None and self.method != "smoothquant":
-            raise LlmqError("--alpha is SmoothQuant's migration strength; use it with --method smoothquant")
-        if self.act_order and self.method != "gptq":
-            raise LlmqError("--act-order is a GPTQ option; use it with --method gptq")
+        for name, own in METHODS.items():  # another method's own options, set
+            fields, message = own.only if name != self.method else ((), "")
+            if any(getattr(self, f) != default_of(self.__dataclass_fields__[f]) for f in fields):
+                raise LlmqError(message)
         for flag, value in (("--lm-head", self.lm_head), ("--embedding", self.embedding)):
             if value != "keep" and self.method not in WEIGHT_ONLY:
                 raise LlmqError(f"{flag} {value} needs a weight-only method ({', '.join(WEIGHT_ONLY)}): a "
                                 f"{self.method} checkpoint has one layout for every quantized layer")
-        if (self.double_quant or self.compute_dtype) and self.method != "bnb-nf4":
-            raise LlmqError("--double-quant / --compute-dtype are bitsandbytes 4-bit options; use them with --method "
-                            "bnb-nf4")
-        if self.int8_threshold is not None and self.method != "bnb-int8":
-            raise LlmqError("--int8-threshold is LLM.int8's outlier threshold; use it with --method bnb-int8")
         if self.int8_group_size and not (self.mixed or self.embedding == "int8" or self.lm_head == "int8"):
             raise LlmqError("--int8-group-size sets the groups of the 8-bit weights that --target-bpw / --max-size, "
                             "--embedding int8 and --lm-head int8 make; give one of those (for --bits 8 use "
@@ -156,23 +133,22 @@ class QuantizeOptions(Options):
         return self.target_bpw is not None or self.max_size is not None
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
-        widths = load_method(self.method).BITS
-        bits = self.bits or (4 if self.mixed else 8 if 8 in widths else widths[0])
+        method = load_method(self.method)
+        bits = self.bits or (4 if self.mixed else 8 if 8 in method.BITS else method.BITS[0])
         g = self.group_size
-        if g is None and self.method == "bnb-nf4":
-            g = BNB_BLOCKSIZE
-        if g is None:  # a format with a fixed block (nvfp4, mxfp4)
-            g = getattr(load_method(self.method), "GROUP_SIZE", None)
+        if g is None:  # a method with its own block (bnb-nf4's default, nvfp4's and mxfp4's fixed one)
+            g = getattr(method, "GROUP_SIZE", None)
         if g is None:
             fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
             g = fits[0] if bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
-        alpha = 0.5 if self.alpha is None and self.method == "smoothquant" else self.alpha
-        bnb = {"compute_dtype": self.compute_dtype or "float32"} if self.method == "bnb-nf4" else (
-            {"int8_threshold": 6.0 if self.int8_threshold is None else self.int8_threshold}
-            if self.method == "bnb-int8" else {})
+        unset = {k: v for k, v in METHODS[self.method].unset.items() if getattr(self, k) is None}
         scales = self.scales or ("search" if self.method in WEIGHT_ONLY else None)
-        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), alpha=alpha,
-                                   scales=scales, **bnb)
+        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), scales=scales, **unset)
+
+    @property
+    def tags(self) -> str:
+        """The running method's own options in the default artifact name (GPTQ's act-order: "-act")."""
+        return "".join(tag for k, tag in METHODS[self.method].tags.items() if getattr(self, k))
 
     @property
     def ignored(self) -> tuple[str, ...]:
@@ -210,10 +186,8 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
     o = opts.resolved(tuple(_in_features(spec).values()))
-    if spec.arch.fused and opts.method.startswith("bnb-"):  # every reader cuts a fused group into its roles by rows
-        raise LlmqError(f"--method {opts.method}: {spec.architecture} stores {', '.join(spec.arch.fused)} fused and "
-                        "llmq does not cut bitsandbytes packings into their roles; use rtn, gptq, awq, smoothquant or "
-                        "fp8")
+    if hasattr(method, "validate"):  # what the method cannot honour first (a bitsandbytes packing of fused Phi-3)
+        method.validate(o, spec)
     if o.group_size < 0:
         raise LlmqError("--group-size must be a positive number of columns, or 0 / -1 for per channel; "
                         f"got {opts.group_size}")
@@ -232,8 +206,6 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         if bad:
             raise LlmqError(f"--int8-group-size {o.int8_group_size} does not divide the input features of "
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
-    if hasattr(method, "validate"):
-        method.validate(o, spec)
     if o.mixed:
         from .mixed import bpw_for_size, check
 
@@ -247,106 +219,6 @@ def needs_calibration(method, opts: QuantizeOptions) -> bool:
     """A method's CALIBRATED: a bool, or a function of the options (e.g. FP8 only for static activation scales)."""
     c = method.CALIBRATED
     return bool(c(opts) if callable(c) else c)
-
-
-def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qformat.QuantArgs | None]:
-    """The compressed-tensors (weights, input_activations) arguments that describe one quantized weight."""
-    from ...models import qformat
-
-    if qw.block:
-        return qformat.fp8_block_args(qw.block)
-    kind = "float" if qw.is_float or qw.fp4 else "int"
-    strategy = "group" if qw.group_size else qw.strategy  # a group as wide as the row has a [out, 1] scale too
-    if qw.fp4 == "nvfp4":
-        strategy = "tensor_group"  # compressed-tensors' name for groups under a global scale
-    weights = qformat.QuantArgs(num_bits=qw.bits, type=kind, symmetric=qw.symmetric, strategy=strategy,
-                                group_size=qw.group_size if strategy in ("group", "tensor_group") else None)
-    if qw.input_scale is None and not qw.dynamic:
-        return weights, None
-    acts = qformat.QuantArgs(num_bits=8, type=kind, symmetric=True, strategy="token" if qw.dynamic else "tensor",
-                             dynamic=qw.dynamic)
-    return weights, acts
-
-
-class CheckpointSink:
-    """The layer-by-layer run's Sink (layerwise.Sink): writes each tensor into the artifact the moment it is final
-    (bitsandbytes' serialized form for its methods, compressed-tensors for every other) and keeps only what the
-    config and the manifest need: the schemes seen, byte and parameter counts."""
-
-    def __init__(self, writer, opts: QuantizeOptions, dense: tuple[str, ...] = ()):
-        self.writer, self.opts, self.dense_linears = writer, opts, dense
-        self.args: dict[str, tuple] = {}     # compressed-tensors (weights, activations) args of each layer linear
-        self.names: dict[str, str] = {}      # their scheme names
-        self.example = None          # one layer weight: its type tells the checkpoint format
-        self.outside: dict[str, tuple] = {}  # quantized lm_head / embedding: (weight args, scheme name, parameters)
-        self.linear_bytes = self.linear_params = self.dense_params = self.bias_params = 0
-        self.dense_modules: set[str] = set()
-        self._linears: set[str] = set()
-
-    def linear(self, name: str, qw) -> None:
-        from ...models import bnbformat, qformat
-
-        compressed = isinstance(qw, qformat.QuantizedWeight)
-        tensors = (qformat.write_linear if compressed else bnbformat.write_linear)(name, qw)
-        for k, t in tensors.items():
-            self.writer.add(k, t)
-        if name in (qformat.LM_HEAD, qformat.EMBEDDING):
-            self.outside[name] = (_scheme_args(qw)[0], qw.scheme, math.prod(qw.shape))
-            return
-        if self.example is None:
-            self.example = qw
-        self.args[name] = _scheme_args(qw) if compressed else qw.scheme
-        self.names[name] = qw.scheme
-        self.linear_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        self.linear_params += math.prod(qw.shape)
-        self._linears.add(name)
-
-    def dense(self, name: str, tensor) -> None:
-        self.writer.add(name, tensor)
-        module = name.rsplit(".", 1)[0]
-        self.dense_modules.add(module)
-        if name.endswith(".bias") and module in self._linears:
-            self.bias_params += tensor.numel()
-        else:
-            self.dense_params += tensor.numel()
-
-    @property
-    def base(self):
-        """The scheme most layer linears have: the `Linear` group; every other is a group of named modules."""
-        counts = Counter(self.args.values())
-        return max(counts, key=lambda a: (counts[a], repr(a)))
-
-    def scheme_per_module(self) -> dict[str, str]:
-        """{"Linear": the base scheme's name, module: its own scheme name for every other one}."""
-        base = self.base
-        out = {"Linear": next(self.names[n] for n, a in self.args.items() if a == base)}
-        out.update({n: self.names[n] for n, a in self.args.items() if a != base})
-        out.update({n: "dense" for n in self.dense_linears})
-        return out | {n: o[1] for n, o in self.outside.items()}
-
-    def quantization_config(self) -> tuple[dict, str]:
-        """(quantization_config, format name): one scheme for the layers' linears, weight-only groups of named
-        modules for the others (an INT8 lm_head or embedding, mixed precision); bitsandbytes checkpoints hold one
-        scheme."""
-        from ...models import bnbformat, qformat
-
-        opts, base = self.opts, self.base
-        if isinstance(self.example, qformat.QuantizedWeight):
-            modules = {n: a[0] for n, a in self.args.items() if a != base}
-            if any(a[1] is not None for a in self.args.values() if a != base):
-                raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
-                                "checkpoint holds one for activation-quantized layers")
-            modules.update({n: o[0] for n, o in self.outside.items()})
-            return qformat.quantization_config(base[0], base[1], ignore=[*opts.ignored, *self.dense_linears],
-                                               modules=modules), "compressed-tensors"
-        if len(set(self.args.values())) != 1:
-            raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
-                            "bitsandbytes checkpoint holds one")
-        if isinstance(self.example, bnbformat.Int8Weight):
-            return bnbformat.quantization_config("int8", skip=opts.ignore, threshold=opts.int8_threshold), \
-                "bitsandbytes"
-        return bnbformat.quantization_config("nf4", skip=opts.ignore, compute_dtype=opts.compute_dtype,
-                                             double_quant=opts.double_quant), "bitsandbytes"
 
 
 def peak_rss_bytes() -> int:
@@ -373,6 +245,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     from .calib import load_calibration, load_probe_text
     from .experts import expert_coverage
     from .layerwise import run_layerwise
+    from .sink import CheckpointSink
 
     t0 = time.perf_counter()
     opts, spec, method = validate(source, opts)
@@ -390,8 +263,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
 
     name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
-        f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + (
-        "-act" if opts.act_order else "") + ("-dq" if opts.double_quant else "") + (
+        f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + opts.tags + (
         "-head8" if opts.lm_head == "int8" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
         f"-max{opts.max_size.replace(' ', '')}" if opts.max_size else f"-bpw{opts.target_bpw:g}" if opts.target_bpw
         else "")

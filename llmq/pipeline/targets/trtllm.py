@@ -66,13 +66,12 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
 
 
 # Why llmq's FP4 weights are not written, from `_torch/modules/linear.py`: NVFP4LinearMethod quantizes activations
-# to FP4 with a calibrated `input_scale` (alpha = input_scale * weight_scale_2; none: no alpha) and takes one
-# `weight_scale_2` for a fused q/k/v or gate/up (asserted equal), where llmq's weight-only NVFP4 has no activation
-# scale and a global scale per linear; `get_quant_method` has no dense MXFP4 method (W4A16_MXFP4 is MoE-only).
+# to FP4 with a calibrated `input_scale` (alpha = input_scale * weight_scale_2; none: no alpha), where llmq's
+# weight-only NVFP4 has no activation scale (its one global scale per fused q/k/v and gate/up is what that loader
+# asserts); `get_quant_method` has no dense MXFP4 method (W4A16_MXFP4 is MoE-only).
 FP4_REFUSED = {
     "nvfp4": "NVFP4 weight-only: TensorRT-LLM's NVFP4 linear rounds activations to FP4 with a calibrated input_scale "
-             "(none here; llmq invents none) and takes one weight_scale_2 per fused q/k/v and gate/up (llmq's is one "
-             "per stored linear); use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
+             "(none here; llmq invents none); use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
     "mxfp4": "MXFP4 weight-only: TensorRT-LLM loads W4A16_MXFP4 for MoE experts only, its dense linears have no MXFP4 "
              "method; use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
 }
