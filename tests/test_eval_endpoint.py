@@ -408,3 +408,16 @@ def test_deploy_verify_agrees_with_in_process_and_catches_a_different_model(setu
     assert [json.loads(r.read_text())["kld"]["top_k"] for r in reports] == [20, 20]
     assert bad.exit_code == 1, bad.output
     assert "does not compute what llmq evaluated" in bad.output and "kld" in bad.output.splitlines()[-1]
+
+
+def test_deploy_verify_runs_an_exports_source_in_process(setup):
+    """A GGUF or TensorRT-LLM engine runs elsewhere: llmq's side of `deploy verify` is the artifact it was built from
+    (the values the export carries); a native engine runs as itself."""
+    from llmq.evals.deployed import in_process
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, _, cand, _ = setup
+    gguf = build_engine(cand, store, BuildOptions(target="gguf"))
+    native = build_engine(cand, store, BuildOptions())
+    assert in_process(store, gguf).id == cand.id
+    assert in_process(store, native).id == native.id and in_process(store, cand).id == cand.id

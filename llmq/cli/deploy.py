@@ -73,8 +73,8 @@ def verify(ctx, ref, opts, as_json):
     else:
         for line in [*table(result), *(f"refused: {r}" for r in result["refused"])]:
             click.echo(line)
-        click.echo(f"eval reports: {result['reports']['endpoint']} (endpoint), {result['reports']['in_process']} "
-                   "(in-process)")
+        click.echo(f"in-process: {result['in_process']['ref']}; eval reports: {result['reports']['endpoint']} "
+                   f"(endpoint), {result['reports']['in_process']} (in-process)")
     if not result["agree"]:
         raise GateFailed(f"{served.endpoint.base} does not compute what llmq evaluated for {source.ref}: "
                          + ", ".join(f["figure"] for f in result["figures"] if not f["agrees"]))

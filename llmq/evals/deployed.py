@@ -1,10 +1,11 @@
 """Does a deployment compute what llmq evaluated? (`llmq deploy verify`)
 
 The same tasks and KL divergence, against the same baseline, run twice: through the endpoint (the engine as
-deployed) and in-process on the artifact it serves. Each task score, the mean KL divergence and top-1 agreement
-must agree within the 95% interval of their difference (compare.delta: independent runs, so conservative for the
-paired items). Where the endpoint gives only its top k logprobs, llmq's own KL is taken from its top k the same way,
-so both sides are the same estimator.
+deployed) and in-process on the artifact it serves (for an export llmq's runtime does not load, a GGUF or a
+TensorRT-LLM checkpoint, the artifact it was built from: the same values in llmq's arithmetic). Each task score,
+the mean KL divergence and top-1 agreement must agree within the 95% interval of their difference (compare.delta:
+independent runs, so conservative for the paired items). Where the endpoint gives only its top k logprobs, llmq's
+own KL is taken from its top k the same way, so both sides are the same estimator.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ def served_source(store: Store, art: Artifact) -> Artifact:
     return store.resolve(art.manifest["parents"][0])
 
 
+def in_process(store: Store, served: Artifact) -> Artifact:
+    """What llmq runs for `served`: itself, or for an engine of another target (a GGUF, a TensorRT-LLM checkpoint)
+    the artifact it was built from, whose values the export carries."""
+    if served.kind != "engine":
+        return served
+    from ..models.engine_spec import EngineSpec
+
+    spec = EngineSpec.read(served.path)
+    return served if spec.native else store.resolve(spec.source["id"])
+
+
 def verify_deployment(store: Store, source: Artifact, served: Served, settings: EvalSettings,
                       progress: ProgressFactory | None = None, command: str | None = None) -> dict:
     """Evaluate `served` and `source` on the same settings and compare them: {"figures": [...], "agree": bool,
@@ -44,9 +56,11 @@ def verify_deployment(store: Store, source: Artifact, served: Served, settings: 
     local_settings = EvalSettings(tasks=tasks, limit=settings.limit, seed=settings.seed,
                                   allow_code_execution=settings.allow_code_execution,
                                   kld_top_k=kld["top_k"] if kld else None)
-    local = run_eval(store, source, base, local_settings, [], progress, command)
+    ours = in_process(store, source)
+    local = run_eval(store, ours, base, local_settings, [], progress, command)
     figures = compare_reports(remote.report, local.report)
-    return {"source": {"ref": source.ref, "id": source.id}, "endpoint": served.endpoint.base,
+    return {"source": {"ref": source.ref, "id": source.id}, "in_process": {"ref": ours.ref, "id": ours.id},
+            "endpoint": served.endpoint.base,
             "baseline": base.ref if base is not None else None, "figures": figures,
             "agree": all(f["agrees"] for f in figures), "refused": remote.report["refused"],
             "reports": {"endpoint": remote.artifact.ref, "in_process": local.artifact.ref}}
