@@ -159,17 +159,22 @@ def test_gptq_cuts_layer_output_error_vs_rtn(group, symmetric, act_order):
     assert g.scale.shape == r.scale.shape and (g.zero_point is None) == symmetric
 
 
-@pytest.mark.parametrize("group,symmetric,act_order,bar", [(16, True, False, 0.8), (16, True, True, 0.8),
-                                                           (0, True, False, 0.8), (16, False, True, 0.97)])
+# bars: above the largest ratio of 30 blocks of 8 draws (seeds 0-239: 0.56, 0.69, 0.68, 0.88); one draw alone varies
+# too much (asymmetric act-order: 0.83 median, 1.08 worst of 300), so the errors of 8 draws are summed
+@pytest.mark.parametrize("group,symmetric,act_order,bar", [(16, True, False, 0.65), (16, True, True, 0.75),
+                                                           (0, True, False, 0.75), (16, False, True, 0.93)])
 def test_gptq_with_searched_scales_cuts_output_error_vs_amax_scales(group, symmetric, act_order, bar):
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))  # fresh data every run
-    x, w = _correlated_inputs(gen, 1024, 64), torch.randn(48, 64, generator=gen) * 0.1
-    h = 2 * x.T @ x / x.shape[0]
-    ref = x.double() @ w.double().T
-    err = lambda qw: float((x.double() @ qw.dequantize(torch.float64).T - ref).pow(2).sum())  # noqa: E731
-    amax = gptq.gptq_quantize(w, h, 4, group, symmetric, torch.bfloat16, act_order=act_order)
-    searched = gptq.gptq_quantize(w, h, 4, group, symmetric, torch.bfloat16, act_order=act_order, search=True)
-    assert err(searched) < bar * err(amax)
+    amax = searched = 0.0
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        x, w = _correlated_inputs(gen, 1024, 64), torch.randn(48, 64, generator=gen) * 0.1
+        h = 2 * x.T @ x / x.shape[0]
+        ref = x.double() @ w.double().T
+        err = lambda qw: float((x.double() @ qw.dequantize(torch.float64).T - ref).pow(2).sum())  # noqa: E731
+        amax += err(gptq.gptq_quantize(w, h, 4, group, symmetric, torch.bfloat16, act_order=act_order))
+        searched += err(gptq.gptq_quantize(w, h, 4, group, symmetric, torch.bfloat16, act_order=act_order,
+                                           search=True))
+    assert searched < bar * amax
 
 
 def test_gptq_act_order_keeps_group_scales_in_original_column_order():
