@@ -33,6 +33,7 @@ serve computes), and derives the compressed-tensors scheme from the weights (one
 """
 
 from .methods import METHODS, load_method
-from .stage import QuantizeOptions, quantize
+from .options import QuantizeOptions
+from .stage import quantize
 
 __all__ = ["METHODS", "QuantizeOptions", "load_method", "quantize"]

@@ -14,7 +14,7 @@ from ...errors import LlmqError
 from ...models import bnbformat, qformat
 
 if TYPE_CHECKING:
-    from .stage import QuantizeOptions
+    from .options import QuantizeOptions
 
 
 def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qformat.QuantArgs | None]:

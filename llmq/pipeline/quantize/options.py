@@ -1,0 +1,152 @@
+"""The quantize stage's options, declared once for the command line and recipes: the fields every method shares,
+then each method's own (methods.py), and what the user's spelling resolves to."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ...errors import LlmqError
+from ...options import Options, add_fields, default_of, option, parse_size
+from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
+
+ACTIVATION_SCHEMES = ("dynamic", "static")
+DEFAULT_GROUPS = (128, 64, 32)
+LM_HEAD_CHOICES = ("keep", "int8")
+EMBEDDING_CHOICES = ("keep", "int8")
+THINKING = ("auto", "on", "off")
+SCALE_RULES = ("search", "amax")
+
+
+@dataclass(frozen=True)
+@add_fields(*method_options())
+class QuantizeOptions(Options):
+    """What `llmq quantize` (or a recipe's quantize stage) asks for. group_size: None = the default for the bit width
+    (at 4 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
+    per channel at 8 bits), 0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the
+    user's spelling into the canonical one (group_size >= 0, 0 = per channel; a method's own options left unset at what
+    they mean for it) that methods read. The fields below are every method's; each method's own (GPTQ's --act-order,
+    SmoothQuant's --alpha, ...) are declared in methods.py and added after them."""
+
+    bits: int | None = option(None, "Weight bits: 4 or 8 (default: 8, or the only width the method has).",
+                              choices=(4, 8))
+    method: str = option("rtn", METHODS_HELP, choices=tuple(METHODS))
+    group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 bits "
+                                    "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
+                                    "SmolLM2), per channel at 8 bits; bnb-nf4: its block size, default 64.")
+    symmetric: bool = option(True, "Symmetric or zero-point grid.", flag="--sym/--asym")
+    scales: str | None = option(None, "Integer scales (rtn / gptq / awq): search = per group the scale with the "
+                                "least squared rounding error over the whole signed grid, weighted by calibration "
+                                "statistics where the method has them; amax = max|w| / qmax (compressed-tensors' "
+                                "observer rule). Default: search.", choices=SCALE_RULES)
+    per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
+    activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
+                              "calibration.", choices=ACTIVATION_SCHEMES)
+    calib: str | None = option(None, "Calibration data: .txt / .jsonl file (rows {\"text\"} or {\"messages\"}), "
+                               "directory, or dataset name (network). Default: bundled offline chat, prose and code.",
+                               metavar="DATA")
+    chat_template: bool = option(True, "Render calibration conversations through the model's chat template (plain "
+                                 "'role: text' turns without one).", flag="--chat-template/--no-chat-template")
+    thinking: str = option("auto", "Thinking in calibration conversations, for a chat template with an "
+                           "enable_thinking switch: auto = where a conversation carries reasoning; on / off = all.",
+                           choices=THINKING)
+    num_samples: int = option(32, "Calibration windows.", ge=1, aliases=("calib_samples",))
+    seq_len: int = option(256, "Tokens per calibration window.", ge=2)
+    seed: int = option(0, "Seed for choosing calibration windows.")
+    probe_tokens: int = option(2048, "Held-out tokens for the KLD / top-1 quality probe (0: skip it).", ge=0)
+    lm_head: str = option("keep", "Output projection: keep it as stored (16-bit), or int8 per output channel (RTN, "
+                          "probed with the rest; weight-only methods). It is the widest matrix a decode step reads; "
+                          "a tied model gets its own lm_head, the embedding table stays 16-bit.",
+                          choices=LM_HEAD_CHOICES)
+    embedding: str = option("keep", "Token embedding table: keep it as stored (16-bit), or int8 per row (RTN, probed "
+                            "with the rest; weight-only methods). A tied model's head is then that same INT8 table, "
+                            "as in llama.cpp's Q8_0 token_embd: half the bytes of SmolLM2's file are its embedding. "
+                            "Runs in llmq's runtime and exports to GGUF; transformers and TensorRT-LLM cannot load "
+                            "a quantized embedding.", choices=EMBEDDING_CHOICES)
+    target_bpw: float | None = option(None, "Mixed precision: give each decoder unit (q/k/v, o, gate/up, down) 4, 8 "
+                                      "or 16 bits from its measured sensitivity so that the decoder linears average "
+                                      "at most this many bits per weight, scales included (rtn / gptq / awq at 4 "
+                                      "bits).", gt=4, le=16, metavar="BPW")
+    max_size: str | None = option(None, "Mixed precision for a file-size budget (e.g. 105MB, 100MiB): the "
+                                  "--target-bpw that what is left fills, once the embedding, head, norms and headers "
+                                  "are priced as they will be stored; the file is at most this size.", metavar="SIZE")
+    int8_group_size: int = option(0, "Input columns per scale of the 8-bit weights that --target-bpw / --max-size, "
+                                  "--embedding int8 and --lm-head int8 make: 0 = per output channel (what TensorRT-LLM "
+                                  "loads), 32 = llama.cpp's Q8_0 block, which the GGUF target then stores exactly "
+                                  "instead of repeating a row's scale in every block.", ge=0)
+    ignore: tuple[str, ...] = option(("lm_head",), internal=True)
+    name: str | None = option(None, "Artifact name (default: <model>-<method>-w<bits>[g<group>]).")
+    device: str | None = option(None, "Device to calibrate on (default: cuda when available, else cpu).")
+
+    def check(self) -> None:
+        """Every rule that needs neither the model nor its weights."""
+        if self.bits not in (None, 4, 8):
+            raise LlmqError(f"--bits must be 4 or 8, got {self.bits}")
+        super().check()
+        method = load_method(self.method)
+        if self.bits is not None and self.bits not in method.BITS:
+            widths = " or ".join(map(str, method.BITS))
+            raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
+                            "bits only)")
+        if self.scales is not None and self.method not in WEIGHT_ONLY:
+            raise LlmqError(f"--scales is the integer scale rule of {', '.join(WEIGHT_ONLY)}; {self.method} has its "
+                            "own")
+        for name, own in METHODS.items():  # another method's own options, set
+            fields, message = own.only if name != self.method else ((), "")
+            if any(getattr(self, f) != default_of(self.__dataclass_fields__[f]) for f in fields):
+                raise LlmqError(message)
+        for flag, value in (("--lm-head", self.lm_head), ("--embedding", self.embedding)):
+            if value != "keep" and self.method not in WEIGHT_ONLY:
+                raise LlmqError(f"{flag} {value} needs a weight-only method ({', '.join(WEIGHT_ONLY)}): a "
+                                f"{self.method} checkpoint has one layout for every quantized layer")
+        if self.int8_group_size and not (self.mixed or self.embedding == "int8" or self.lm_head == "int8"):
+            raise LlmqError("--int8-group-size sets the groups of the 8-bit weights that --target-bpw / --max-size, "
+                            "--embedding int8 and --lm-head int8 make; give one of those (for --bits 8 use "
+                            "--group-size)")
+        if self.thinking != "auto" and not self.chat_template:
+            raise LlmqError(f"--thinking {self.thinking} is a chat template setting; drop it or --no-chat-template")
+        if self.max_size is not None:
+            parse_size(self.max_size)
+            if self.target_bpw is not None:
+                raise LlmqError("--max-size and --target-bpw are two spellings of one budget; give one")
+        if self.mixed and (self.method not in WEIGHT_ONLY or self.bits == 8 or self.per_tensor):
+            flag = "--target-bpw" if self.target_bpw is not None else "--max-size"
+            raise LlmqError(f"{flag} mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "
+                            f"weight-only method ({', '.join(WEIGHT_ONLY)}), not per tensor")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a budget (--target-bpw or --max-size) asks for mixed precision."""
+        return self.target_bpw is not None or self.max_size is not None
+
+    def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
+        method = load_method(self.method)
+        bits = self.bits or (4 if self.mixed else 8 if 8 in method.BITS else method.BITS[0])
+        g = self.group_size
+        if g is None:  # a method with its own block (bnb-nf4's default, nvfp4's and mxfp4's fixed one)
+            g = getattr(method, "GROUP_SIZE", None)
+        if g is None:
+            fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
+            g = fits[0] if bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
+        unset = {k: v for k, v in METHODS[self.method].unset.items() if getattr(self, k) is None}
+        scales = self.scales or ("search" if self.method in WEIGHT_ONLY else None)
+        return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), scales=scales, **unset)
+
+    @property
+    def tags(self) -> str:
+        """The running method's own options in the default artifact name (GPTQ's act-order: "-act")."""
+        return "".join(tag for k, tag in METHODS[self.method].tags.items() if getattr(self, k))
+
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        """The modules left dense: `ignore`, less lm_head when it is quantized."""
+        return tuple(m for m in self.ignore if not (m == "lm_head" and self.lm_head != "keep"))
+
+    @property
+    def search(self) -> bool:
+        """Whether integer scales are searched (--scales search), after `resolved()`."""
+        return self.scales == "search"
+
+    @property
+    def strategy(self) -> str:
+        return "tensor" if self.per_tensor else ("group" if self.group_size and self.group_size > 0 else "channel")
