@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from ...models.engine_spec import EngineSpec
     from ...models.reader import CheckpointReader
     from ...models.sharding import RankWeights, ShardPlan
-    from .stage import BuildOptions
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,9 @@ class ExportTarget:
     refuse: Callable[[CheckpointReader, EngineSpec], None] = _nothing
     no_verify: str = ""
 
-    def check_options(self, opts: BuildOptions) -> None:
-        if opts.verify and self.read_back is None:
+    def check_verify(self, verify: bool) -> None:
+        """Refuse `build --verify` where the target has no read-back to check."""
+        if verify and self.read_back is None:
             raise LlmqError(self.no_verify)
 
 

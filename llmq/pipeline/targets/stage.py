@@ -39,7 +39,7 @@ class BuildOptions(Options):
 
     def check(self) -> None:
         super().check()
-        target(self.target).check_options(self)
+        target(self.target).check_verify(self.verify)
         if self.pp != 1:
             raise LlmqError(f"--pp {self.pp}: pipeline parallelism is not supported yet; use --pp 1")
 
