@@ -393,13 +393,15 @@ def test_deploy_verify_agrees_with_in_process_and_catches_a_different_model(setu
     args = ["--tasks", "kld,math", "--limit", "8", "--json"]
     with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny",
                      limits=Limits(max_logprobs=20)) as top20:
-        ok = run.invoke(cli, ["--store", str(store.root), "deploy", "verify", deployed, "--endpoint", top20.url, *args])
+        ok = run.invoke(cli, ["--store", str(store.root), "deploy", "verify", deployed, "--endpoint", top20.url, *args,
+                              "--gate", "kld<=5"])
         other = make_rtn(store, base, 8, "tiny-rtn8")
         bad = run.invoke(cli, ["--store", str(store.root), "deploy", "verify", other.ref, "--endpoint", top20.url,
-                               *args])
+                               *args, "--gate", "top1>=101"])
     assert ok.exit_code == 0, ok.output
     result = _report(ok.output)
     assert result["source"]["id"] == cand.id and result["agree"] and not result["refused"]
+    assert [(g["gate"], g["passed"]) for g in result["gates"]] == [("kld<=5", True)]
     got = {f["figure"]: f for f in result["figures"]}
     assert {"kld", "top1", "llmq_arith_mc"} <= set(got)
     assert got["kld"]["endpoint"] == pytest.approx(got["kld"]["in_process"], rel=1e-3)
@@ -407,7 +409,8 @@ def test_deploy_verify_agrees_with_in_process_and_catches_a_different_model(setu
     reports = [store.resolve(result["reports"][k]).file("report.json") for k in ("endpoint", "in_process")]
     assert [json.loads(r.read_text())["kld"]["top_k"] for r in reports] == [20, 20]
     assert bad.exit_code == 1, bad.output
-    assert "does not compute what llmq evaluated" in bad.output and "kld" in bad.output.splitlines()[-1]
+    last = bad.output.splitlines()[-1]
+    assert "does not compute what llmq evaluated" in last and "kld" in last and "gate failed: top1>=101" in last
 
 
 def test_deploy_verify_runs_an_exports_source_in_process(setup):

@@ -61,20 +61,23 @@ def verify(ctx, ref, opts, as_json):
     from ..evals.evaluate import Served
     from .eval import _progress_console, progress_factory
 
-    opts.check()
+    gates = opts.check()
     store = get_store(ctx)
     source = served_source(store, store.resolve(ref))
     served = Served.connect(opts.endpoint, opts.model, opts.api_key, opts.timeout, store)
     console, prog = _progress_console()
     with prog:
-        result = verify_deployment(store, source, served, opts.settings(), progress_factory(prog))
+        result = verify_deployment(store, source, served, opts.settings(), gates, progress_factory(prog))
     if as_json:
         echo_json(result)
     else:
-        for line in [*table(result), *(f"refused: {r}" for r in result["refused"])]:
+        gates_out = [f"gate {g['gate']}: {g['what']} {'passed' if g['passed'] else 'FAILED'}" for g in result["gates"]]
+        for line in [*table(result), *(f"refused: {r}" for r in result["refused"]), *gates_out]:
             click.echo(line)
         click.echo(f"in-process: {result['in_process']['ref']}; eval reports: {result['reports']['endpoint']} "
                    f"(endpoint), {result['reports']['in_process']} (in-process)")
-    if not result["agree"]:
-        raise GateFailed(f"{served.endpoint.base} does not compute what llmq evaluated for {source.ref}: "
-                         + ", ".join(f["figure"] for f in result["figures"] if not f["agrees"]))
+    failed = [f"{served.endpoint.base} does not compute what llmq evaluated for {source.ref}: "
+              + ", ".join(f["figure"] for f in result["figures"] if not f["agrees"])] if not result["agree"] else []
+    failed += [f"gate failed: {g['gate']} ({g['what']})" for g in result["gates"] if not g["passed"]]
+    if failed:
+        raise GateFailed("; ".join(failed))

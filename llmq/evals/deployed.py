@@ -16,6 +16,7 @@ from ..artifacts import Artifact, Store
 from ..errors import LlmqError
 from .compare import delta
 from .evaluate import ProgressFactory, Served, default_baseline, run_eval
+from .gate import Gate
 from .runner import EvalSettings
 
 KLD_FIGURES = {"kld": ("mean", "stderr"), "top1": ("top1", "top1_stderr")}
@@ -41,13 +42,14 @@ def in_process(store: Store, served: Artifact) -> Artifact:
     return served if spec.native else store.resolve(spec.source["id"])
 
 
-def verify_deployment(store: Store, source: Artifact, served: Served, settings: EvalSettings,
+def verify_deployment(store: Store, source: Artifact, served: Served, settings: EvalSettings, gates: list[Gate],
                       progress: ProgressFactory | None = None, command: str | None = None) -> dict:
-    """Evaluate `served` and `source` on the same settings and compare them: {"figures": [...], "agree": bool,
-    "reports": {endpoint, in_process: eval-report refs}, "refused": [...]}."""
+    """Evaluate `served` (its scores judged by `gates`) and `source` on the same settings and compare them:
+    {"figures": [...], "agree": bool, "gates": [...], "reports": {endpoint, in_process: eval-report refs},
+    "refused": [...]}."""
     base = default_baseline(store, source)
     served = replace(served, artifact=source)
-    remote = run_eval(store, served, base, settings, [], progress, command, name=f"{source.name}-deployed-eval")
+    remote = run_eval(store, served, base, settings, gates, progress, command, name=f"{source.name}-deployed-eval")
     # the in-process run: what the endpoint ran (its refusals dropped), its KL taken the endpoint's way
     kld = remote.report["kld"]
     tasks = list(settings.lm_tasks) + (["kld"] if settings.kld else [])
@@ -62,7 +64,8 @@ def verify_deployment(store: Store, source: Artifact, served: Served, settings: 
     return {"source": {"ref": source.ref, "id": source.id}, "in_process": {"ref": ours.ref, "id": ours.id},
             "endpoint": served.endpoint.base,
             "baseline": base.ref if base is not None else None, "figures": figures,
-            "agree": all(f["agrees"] for f in figures), "refused": remote.report["refused"],
+            "agree": all(f["agrees"] for f in figures), "gates": remote.report["gates"],
+            "refused": remote.report["refused"],
             "reports": {"endpoint": remote.artifact.ref, "in_process": local.artifact.ref}}
 
 

@@ -51,6 +51,19 @@ class EvalSettings:
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def checked_gates(gate: str | None, tasks: list[str]) -> list:
+    """The gates of `gate`, each judging a score `tasks` produce (a typo fails before the run, not after)."""
+    gates = parse_gates(gate)
+    if any(g.name in KLD_NAMES for g in gates) and "kld" not in tasks:
+        raise LlmqError("a kld / kld_p99 / top1 gate needs kld in --tasks")
+    scored = set(tasks).union(*(GROUPS[t] for t in tasks if t in GROUPS))
+    for g in gates:
+        if g.name not in KLD_NAMES and ALIASES.get(g.name, g.name) not in scored:
+            raise LlmqError(f"gate {g}: {g.name} is not a score of --tasks {','.join(tasks)} (a gate names a task or "
+                            "group that runs, ppl, code_bpb, kld, kld_p99 or top1)")
+    return gates
+
+
 @dataclass(frozen=True)
 class EvalOptions(SpeculativeOptions):
     """What `llmq eval` (or a recipe's eval stage) asks for; `settings()` is the part the task runner reads."""
@@ -81,14 +94,7 @@ class EvalOptions(SpeculativeOptions):
         """Besides bounds: every gate judges a score these tasks produce (a typo fails before the run, not after), and
         code execution has its sandbox."""
         super().check()
-        gates = parse_gates(self.gate)
-        if any(g.name in KLD_NAMES for g in gates) and "kld" not in self.tasks:
-            raise LlmqError("a kld / kld_p99 / top1 gate needs kld in --tasks")
-        scored = set(self.tasks).union(*(GROUPS[t] for t in self.tasks if t in GROUPS))
-        for g in gates:
-            if g.name not in KLD_NAMES and ALIASES.get(g.name, g.name) not in scored:
-                raise LlmqError(f"gate {g}: {g.name} is not a score of --tasks {','.join(self.tasks)} (a gate names a "
-                                "task or group that runs, ppl, code_bpb, kld, kld_p99 or top1)")
+        checked_gates(self.gate, self.tasks)
         if self.allow_code_execution:
             require_sandbox()
 
@@ -118,6 +124,13 @@ class VerifyOptions(Options):
                               "--tasks).", min_items=1)
     limit: int | None = option(None, f"Items per task (default {DEFAULT_LIMIT}; 0 = all).", ge=0)
     seed: int = option(DEFAULT_SEED, "Seed for task data, few-shot order and sampling.")
+    gate: str | None = option(None, 'Gates on the deployed engine\'s own scores against the baseline, as llmq eval\'s '
+                              '(e.g. "kld<=0.1,math>=-5"); exit 1 when one fails.')
+
+    def check(self) -> list:
+        """Bounds, and the gates (returned), each judging a score the tasks produce."""
+        super().check()
+        return checked_gates(self.gate, self.tasks)
 
     def settings(self) -> EvalSettings:
         return EvalSettings(tasks=list(self.tasks), seed=self.seed, backend="endpoint",
