@@ -3,8 +3,9 @@
 Each stage's options are one frozen dataclass (QuantizeOptions, KVOptions, BuildOptions, EvalOptions, OfflineOptions)
 whose fields carry their help text, choices, bounds and former names. The command line (`llmq.cli.options`) and the
 recipe (`llmq.pipeline.recipe`) are both derived from it, so an option has one name everywhere: `--max-seq-len` on
-the command line is `max_seq_len:` in a recipe and `BuildOptions.max_seq_len` in code. Imports nothing heavy: the
-CLI reads these classes before any command runs.
+the command line is `max_seq_len:` in a recipe and `BuildOptions.max_seq_len` in code. Options several stages share
+are declared once and joined by inheritance or `add_fields` (DraftOptions: the runtime's and `llmq deploy`'s
+speculative decoding). Imports nothing heavy: the CLI reads these classes before any command runs.
 """
 
 from __future__ import annotations
