@@ -310,7 +310,11 @@ def test_speculative_values_and_keys_are_the_engines_own(arts):
         assert _spec_of(rec["steps"][0]["run"], "--spec-type") in FLAGS["llama.cpp"]["spec_type"]["values"]
 
 
-def test_speculative_refusals(arts):
+def test_speculative_refusals(arts, tmp_path):
+    from helpers import make_tiny_model
+
+    from llmq.models import resolve_model
+
     store, a = arts
     with pytest.raises(LlmqError, match=r"^--speculative draft: \S+ is a model artifact; llama-server loads a GGUF "
                                         r"file: run `llmq build draft --target gguf`$"):
@@ -320,6 +324,12 @@ def test_speculative_refusals(arts):
     with pytest.raises(LlmqError, match=r"^--speculative other: \S+ has a different tokenizer than \S+; a draft "
                                         "model must share the target's$"):
         _deployed(arts, "model", engine="sglang", speculative="other")
+    short = resolve_model(str(make_tiny_model(tmp_path / "short", seed=3, num_hidden_layers=1,
+                                              max_position_embeddings=256)), store)
+    with pytest.raises(LlmqError, match=r"^--speculative short: \S+ has 256 positions, fewer than the 512 tokens a "
+                                        "sequence is sized for; lower --max-seq-len$"):
+        _deployed(arts, "model", engine="vllm", speculative="short")
+    assert _deployed(arts, "model", engine="vllm", speculative=short.ref, max_seq_len=256)[0]["speculative"]["draft"]
     deploy(a["model"], store, DeployOptions(engine="sglang", name="a-deploy"))
     with pytest.raises(LlmqError, match="^--speculative a-deploy is a deploy artifact; a draft model is a model"):
         _deployed(arts, "model", engine="sglang", speculative="a-deploy")

@@ -37,11 +37,11 @@ def _tokenizer_dir(art: Artifact, store: Store):
     return store.by_id(EngineSpec.read(art.path).source["id"]).path
 
 
-def speculation(opts: DeployOptions, source: Artifact, store: Store, engine: Engine) -> tuple[Speculation | None,
-                                                                                              Artifact | None]:
+def speculation(opts: DeployOptions, source: Artifact, store: Store, engine: Engine,
+                context: int) -> tuple[Speculation | None, Artifact | None]:
     """What opts.speculative asks the engine to run, and the draft's artifact: a draft REF is loaded as the engine
-    loads a target (so it refuses what the engine cannot load) and must have the target's tokenizer (the vocabulary
-    llmq's runtime compares)."""
+    loads a target (so it refuses what the engine cannot load), must have the target's tokenizer (the vocabulary
+    llmq's runtime compares) and reach the context (vLLM would shorten max_model_len to the draft's)."""
     if opts.speculative is None:
         return None, None
     if opts.speculative == "ngram":
@@ -57,6 +57,9 @@ def speculation(opts: DeployOptions, source: Artifact, store: Store, engine: Eng
     if vocab[0] != vocab[1]:
         raise LlmqError(f"--speculative {opts.speculative}: {art.ref} has a different tokenizer than {source.ref}; a "
                         "draft model must share the target's")
+    if draft.spec.max_position_embeddings < context:
+        raise LlmqError(f"--speculative {opts.speculative}: {art.ref} has {draft.spec.max_position_embeddings} "
+                        f"positions, fewer than the {context} tokens a sequence is sized for; lower --max-seq-len")
     return Speculation(opts.num_speculative_tokens, draft), art
 
 
@@ -70,7 +73,7 @@ def deploy(source: Artifact, store: Store, opts: DeployOptions, command: str | N
     if opts.max_seq_len and opts.max_seq_len > positions:
         raise LlmqError(f"--max-seq-len {opts.max_seq_len} exceeds the model's {positions} positions")
     context = opts.max_seq_len or positions
-    sp, draft = speculation(opts, source, store, engine)
+    sp, draft = speculation(opts, source, store, engine, context)
     draft_bytes = 0 if draft is None else sp.draft.weight_bytes + int(
         sp.draft.spec.kv_bytes_per_token(2) * context * opts.max_concurrency)
     load = Load(model.spec, model.weight_bytes, 1 if model.kv_fp8 else 2, context, opts.max_concurrency, draft_bytes)
