@@ -3,8 +3,9 @@
 Each stage's options are one frozen dataclass (QuantizeOptions, KVOptions, BuildOptions, EvalOptions, OfflineOptions)
 whose fields carry their help text, choices, bounds and former names. The command line (`llmq.cli.options`) and the
 recipe (`llmq.pipeline.recipe`) are both derived from it, so an option has one name everywhere: `--max-seq-len` on
-the command line is `max_seq_len:` in a recipe and `BuildOptions.max_seq_len` in code. Imports nothing heavy: the
-CLI reads these classes before any command runs.
+the command line is `max_seq_len:` in a recipe and `BuildOptions.max_seq_len` in code. Options several stages share
+are declared once and joined by inheritance or `add_fields` (DraftOptions: the runtime's and `llmq deploy`'s
+speculative decoding). Imports nothing heavy: the CLI reads these classes before any command runs.
 """
 
 from __future__ import annotations
@@ -114,15 +115,33 @@ class Options:
 SPECULATIVE_MAX_BATCH = 8
 
 
+def draft_artifact(ref: str, store):
+    """The artifact a `--speculative REF` names (a model, quantized or engine artifact), through `store`."""
+    from .models import source_artifact
+
+    art = source_artifact(ref, store)
+    if art.kind not in ("model", "quantized", "engine"):
+        raise LlmqError(f"--speculative {ref} is a {art.kind} artifact; a draft model is a model, quantized or engine "
+                        "artifact")
+    return art
+
+
 @dataclasses.dataclass(frozen=True)
-class SpeculativeOptions(Options):
-    """Speculative decoding in the bundled runtime: `llmq serve`, `llmq bench offline` and `llmq eval` take these
-    (lossless, so eval scores and greedy outputs are those without it)."""
+class DraftOptions(Options):
+    """What to speculate with: llmq's runtime (SpeculativeOptions) and `llmq deploy` (each engine's own speculative
+    decoding) take these."""
 
     speculative: str | None = option(None, "Speculative decoding: ngram (prompt lookup, no model) or REF, a draft "
                                      "model with the target's tokenizer (e.g. the target's INT4 artifact).",
                                      metavar="ngram|REF")
     num_speculative_tokens: int = option(4, "Draft tokens per speculating sequence and step.", ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOptions(DraftOptions):
+    """Speculative decoding in the bundled runtime: `llmq serve`, `llmq bench offline` and `llmq eval` take these
+    (lossless, so eval scores and greedy outputs are those without it)."""
+
     speculative_max_batch: int = option(SPECULATIVE_MAX_BATCH, "Back off under load: no drafts while more sequences "
                                         "than this are running (large batches are compute bound).", ge=0)
 
@@ -130,12 +149,6 @@ class SpeculativeOptions(Options):
         """EngineConfig's speculative fields, a draft REF resolved to its artifact's path (through `store`)."""
         spec = self.speculative
         if spec not in (None, "ngram"):
-            from .models import source_artifact
-
-            art = source_artifact(spec, store)
-            if art.kind not in ("model", "quantized", "engine"):
-                raise LlmqError(f"--speculative {spec} is a {art.kind} artifact; a draft model is a model, quantized "
-                                "or engine artifact")
-            spec = str(art.path)
+            spec = str(draft_artifact(spec, store).path)
         return {"speculative": spec, "num_speculative_tokens": self.num_speculative_tokens,
                 "speculative_max_batch": self.speculative_max_batch}

@@ -41,6 +41,9 @@ def test_sizing_of_a_tiny_model_by_hand():
     # tp 2: one KV head a rank; pp 2: one layer a stage -> 2 x 1 x 1 x 16 x 2 = 64 bytes a token; weights / 4 rounded up
     assert (four.weights, four.kv_cache) == (250_001, 64 * 512 * 32)
     assert four.need == 250_001 + 64 * 512 * 32 + ACTIVATION_MARGIN and four.fits
+    # a draft model counts whole on every GPU, whatever the split
+    drafted = size(Load(spec, 1_000_001, 2, 512, 32, draft=7_000), "h100", 2, 2, 2, 2)
+    assert (drafted.draft, drafted.need) == (7_000, four.need + 7_000)
 
 
 def test_sizing_of_the_default_model_like_spec_and_refusals():
@@ -74,6 +77,7 @@ def test_sizing_of_the_default_model_like_spec_and_refusals():
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
     from helpers import make_tiny_model
+    from transformers import AutoTokenizer
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
@@ -89,7 +93,15 @@ def arts(tmp_path_factory):
                                                 probe_tokens=64, name="tiny-kvfp8"), show_progress=False)
     gguf = build_engine(model, store, BuildOptions(target="gguf"))
     trt = build_engine(fp8kv, store, BuildOptions(target="trtllm"))
-    return store, {"model": model, "fp8kv": fp8kv, "gguf": gguf, "trt": trt}
+    # a draft model: one layer, the target's tokenizer; and one whose tokenizer has a token more
+    draft = resolve_model(str(make_tiny_model(root / "draft", seed=1, num_hidden_layers=1)), store)
+    other = make_tiny_model(root / "other", seed=2, num_hidden_layers=1)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    return store, {"model": model, "fp8kv": fp8kv, "gguf": gguf, "trt": trt, "draft": draft,
+                   "draft_gguf": build_engine(draft, store, BuildOptions(target="gguf")),
+                   "other": resolve_model(str(other), store)}
 
 
 def _deployed(arts, src: str, **kw) -> tuple[dict, str]:
@@ -182,24 +194,166 @@ def test_refuses_what_the_engine_cannot_load(arts, engine, src, message):
 
 
 def test_every_flag_is_one_the_engine_parses(arts):
-    """The flags each engine's commands use, on one node and several, are those found in its own argument parser."""
+    """The flags each engine's commands use, on one node and several, with and without speculative decoding, are
+    those found in its own argument parser."""
     cases = {"vllm": "fp8kv", "sglang": "fp8kv", "trtllm": "trt", "llama.cpp": "gguf"}
+    drafts = {"vllm": "draft", "sglang": "draft", "trtllm": "draft", "llama.cpp": "draft_gguf"}
     for engine, src in cases.items():
         used = set()
         for g, n in ((1, 1), (2, 1)) if engine == "llama.cpp" else ((1, 1), (2, 2)):
-            rec, _ = _deployed(arts, src, engine=engine, gpus_per_node=g, nodes=n, threads=4)
-            for step in rec["steps"]:
-                run = step["run"]
-                if not run.startswith("ray "):   # Ray's own CLI, not the engine's
-                    used |= _flags(run)
+            for spec in (None, "ngram", arts[1][drafts[engine]].ref):
+                rec, _ = _deployed(arts, src, engine=engine, gpus_per_node=g, nodes=n, threads=4, speculative=spec)
+                for step in rec["steps"]:
+                    run = step["run"]
+                    if not run.startswith(("ray ", "envsubst ")):   # Ray's own CLI, not the engine's
+                        used |= _flags(run)
         assert used == set(FLAGS[engine]["flags"]), engine
 
 
-def _vllm_files(arts, src: str, **kw) -> tuple[dict, str, list[dict], dict]:
+# --- speculative decoding: each engine's own configuration, only where asked for -----------------------------------
+
+def _spec_of(run: str, flag: str):
+    words = shlex.split(run)
+    return words[words.index(flag) + 1]
+
+
+def test_speculative_ngram_in_each_engines_own_terms(arts):
+    """--speculative ngram: each engine's prompt lookup with K draft tokens (llmq's n-gram lengths where the engine
+    takes them); nothing to copy, nothing more to size."""
+    vllm_spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    rec, readme, (svc,), ray = _vllm_files(arts, "model", speculative="ngram", num_speculative_tokens=3)
+    (serve,) = rec["steps"]
+    assert json.loads(_spec_of(serve["run"], "--speculative-config")) == vllm_spec
+    assert ray["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["speculative_config"] == vllm_spec
+    assert svc["spec"]["template"]["containers"][0]["command"][-1] == serve["run"].replace("$MODEL_DIR", "/mnt/models")
+    assert rec["sizing"]["draft"] == 0 and rec["speculative"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                                  "draft": None}
+    assert "DRAFT_DIR" not in readme and "- Speculative decoding: prompt lookup (ngram), 3 draft tokens" in readme
+    rec, _ = _deployed(arts, "model", engine="sglang", speculative="ngram", num_speculative_tokens=3)
+    assert "--speculative-algorithm NGRAM --speculative-num-draft-tokens 4 --host" in rec["steps"][0]["run"]
+    store, a = arts
+    art = deploy(a["model"], store, DeployOptions(engine="trtllm", speculative="ngram", num_speculative_tokens=3))
+    (step,) = json.loads(art.file("deploy.json").read_text())["steps"]
+    assert "--extra_llm_api_options $DEPLOY_DIR/trtllm-llm-api-options.yaml" in step["run"]
+    assert yaml.safe_load(art.file("trtllm-llm-api-options.yaml").read_text()) == {"speculative_config": {
+        "decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 4}}
+    rec, _ = _deployed(arts, "gguf", engine="llama.cpp", speculative="ngram", num_speculative_tokens=3)
+    assert "-ngl 999 --spec-type ngram-simple --spec-ngram-simple-size-m 3 --host" in rec["steps"][0]["run"]
+
+
+# the draft: 1 layer of hidden 64 (4 heads of 16, 2 KV heads), vocabulary 320, untied: embeddings and lm_head 2 x
+# 320 x 64, q and o 64 x 64, k and v 64 x 32, gate / up / down 3 x 64 x 128, two norms of 64 and the final one
+DRAFT_PARAMS = 2 * 320 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 3 * 64
+DRAFT_KV = 2 * 1 * 2 * 16 * 2 * 512 * 32   # K and V x 1 layer x 2 KV heads x 16 x 2 bytes, 512 tokens x 32 sequences
+
+
+def test_speculative_draft_model_in_each_engines_own_terms(arts):
+    """--speculative REF: the draft under $DRAFT_DIR in each engine's terms, the README telling where to copy it, the
+    draft a parent of the deploy, and its weights as stored (float32 here) plus its KV cache counted whole on every
+    GPU."""
+    store, a = arts
+    ref = a["draft"].ref
+    rec, readme, docs, ray = _vllm_files(arts, "model", speculative=ref, num_speculative_tokens=3, gpus_per_node=2,
+                                         nodes=1)
+    vllm_spec = {"method": "draft_model", "model": "$DRAFT_DIR", "num_speculative_tokens": 3}
+    (serve,) = rec["steps"]
+    assert json.loads(_spec_of(serve["run"], "--speculative-config")) == vllm_spec
+    assert '--speculative-config "{\\"method\\": \\"draft_model\\", \\"model\\": \\"$DRAFT_DIR\\"' in serve["run"]
+    assert ray["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["speculative_config"] == vllm_spec
+    assert docs is None and rec["files"] == [RAY_FILE] and [s["run"] for s in rec["instead"]] == [
+        "envsubst '$MODEL_DIR $DRAFT_DIR' < $DEPLOY_DIR/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
+    assert any(n.startswith("no KServe manifest with a draft model") for n in rec["notes"])
+    s = rec["sizing"]
+    assert s["draft"] == DRAFT_PARAMS * 4 + DRAFT_KV and s["need"] == (s["weights"] + s["kv_cache"] + s["draft"]
+                                                                       + ACTIVATION_MARGIN)
+    assert rec["speculative"]["draft"]["id"] == a["draft"].id
+    assert (f"Copy the draft model's artifact {ref} (its directory, {a['draft'].path}) there too and set `DRAFT_DIR` "
+            "to it.") in readme and "| draft |" in readme
+    art = deploy(a["model"], store, DeployOptions(engine="sglang", speculative=ref, num_speculative_tokens=3))
+    assert art.parents == [a["model"].id, a["draft"].id]
+    rec = json.loads(art.file("deploy.json").read_text())
+    assert ("--speculative-algorithm STANDALONE --speculative-draft-model-path $DRAFT_DIR --speculative-num-steps 3 "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --host") in rec["steps"][0]["run"]
+    art = deploy(a["model"], store, DeployOptions(engine="trtllm", speculative=ref, num_speculative_tokens=3))
+    expand, serve = json.loads(art.file("deploy.json").read_text())["steps"]
+    assert (expand["where"], expand["run"]) == (
+        "every node", "envsubst '$DRAFT_DIR' < $DEPLOY_DIR/trtllm-llm-api-options.yaml > "
+        "/tmp/trtllm-llm-api-options.yaml")
+    assert "--extra_llm_api_options /tmp/trtllm-llm-api-options.yaml" in serve["run"]
+    assert yaml.safe_load(art.file("trtllm-llm-api-options.yaml").read_text()) == {"speculative_config": {
+        "decoding_type": "Draft_Target", "max_draft_len": 3, "speculative_model": "$DRAFT_DIR"}}
+    rec, _ = _deployed(arts, "gguf", engine="llama.cpp", speculative=a["draft_gguf"].ref, num_speculative_tokens=3)
+    gguf = rec["speculative"]["draft"]["model"]
+    assert (f"--spec-type draft-simple -md $DRAFT_DIR/{gguf} --spec-draft-n-max 3 -ngld 999 --host"
+            in rec["steps"][0]["run"]) and gguf.endswith(".gguf")
+    assert rec["sizing"]["draft"] == (a["draft_gguf"].path / gguf).stat().st_size + DRAFT_KV
+
+
+def test_speculative_values_and_keys_are_the_engines_own(arts):
+    """Every speculative value and config key emitted, for ngram and a draft, is one tests/data lists as read in the
+    engine's source."""
+    store, a = arts
+    for spec in ("ngram", a["draft"].ref):
+        rec, _ = _deployed(arts, "model", engine="vllm", speculative=spec)
+        config = json.loads(_spec_of(rec["steps"][0]["run"], "--speculative-config"))
+        v = FLAGS["vllm"]["speculative_config"]
+        assert set(config) <= set(v["keys"]) and config["method"] in v["method"]
+        rec, _ = _deployed(arts, "model", engine="sglang", speculative=spec)
+        assert _spec_of(rec["steps"][0]["run"], "--speculative-algorithm") in FLAGS["sglang"]["speculative_algorithm"][
+            "values"]
+        art = deploy(a["model"], store, DeployOptions(engine="trtllm", speculative=spec))
+        config = yaml.safe_load(art.file("trtllm-llm-api-options.yaml").read_text())["speculative_config"]
+        t = FLAGS["trtllm"]["speculative_config"]
+        assert set(config) <= set(t["keys"]) and config["decoding_type"] in t["decoding_type"]
+    for spec in ("ngram", a["draft_gguf"].ref):
+        rec, _ = _deployed(arts, "gguf", engine="llama.cpp", speculative=spec)
+        assert _spec_of(rec["steps"][0]["run"], "--spec-type") in FLAGS["llama.cpp"]["spec_type"]["values"]
+
+
+def test_speculative_refusals(arts, tmp_path):
+    from helpers import make_tiny_model
+
+    from llmq.models import resolve_model
+
+    store, a = arts
+    with pytest.raises(LlmqError, match=r"^--speculative draft: \S+ is a model artifact; llama-server loads a GGUF "
+                                        r"file: run `llmq build draft --target gguf`$"):
+        _deployed(arts, "gguf", engine="llama.cpp", speculative="draft")
+    with pytest.raises(LlmqError, match=r"^--speculative \S+: \S+ is a gguf engine; vLLM loads a model or quantized"):
+        _deployed(arts, "model", engine="vllm", speculative=a["draft_gguf"].ref)
+    with pytest.raises(LlmqError, match=r"^--speculative other: \S+ has a different tokenizer than \S+; a draft "
+                                        "model must share the target's$"):
+        _deployed(arts, "model", engine="sglang", speculative="other")
+    short = resolve_model(str(make_tiny_model(tmp_path / "short", seed=3, num_hidden_layers=1,
+                                              max_position_embeddings=256)), store)
+    with pytest.raises(LlmqError, match=r"^--speculative short: \S+ has 256 positions, fewer than the 512 tokens a "
+                                        "sequence is sized for; lower --max-seq-len$"):
+        _deployed(arts, "model", engine="vllm", speculative="short")
+    assert _deployed(arts, "model", engine="vllm", speculative=short.ref, max_seq_len=256)[0]["speculative"]["draft"]
+    deploy(a["model"], store, DeployOptions(engine="sglang", name="a-deploy"))
+    with pytest.raises(LlmqError, match="^--speculative a-deploy is a deploy artifact; a draft model is a model"):
+        _deployed(arts, "model", engine="sglang", speculative="a-deploy")
+
+
+def test_nothing_speculative_unless_asked(arts):
+    """Without --speculative: no speculative flag, key or file, no draft in the sizing."""
+    store, a = arts
+    for engine, src in (("vllm", "model"), ("sglang", "model"), ("trtllm", "model"), ("llama.cpp", "gguf")):
+        art = deploy(a[src], store, DeployOptions(engine=engine, num_speculative_tokens=7))
+        rec = json.loads(art.file("deploy.json").read_text())
+        text = " ".join(art.file(f).read_text() for f in rec["files"]) + " ".join(s["run"] for s in rec["steps"])
+        assert "specul" not in text and "--spec-" not in text and "DRAFT" not in text and " 7" not in text, engine
+        assert rec["sizing"]["draft"] == 0 and rec["speculative"] is None and art.parents == [a[src].id]
+        assert "- Speculative decoding: off" in art.file("README.md").read_text()
+
+
+def _vllm_files(arts, src: str, **kw) -> tuple[dict, str, list[dict] | None, dict]:
     store, a = arts
     art = deploy(a[src], store, DeployOptions(engine="vllm", **kw))
+    kserve = KSERVE_FILE in art.manifest["files"]
     return (json.loads(art.file("deploy.json").read_text()), art.file("README.md").read_text(),
-            list(yaml.safe_load_all(art.file(KSERVE_FILE).read_text())), yaml.safe_load(art.file(RAY_FILE).read_text()))
+            list(yaml.safe_load_all(art.file(KSERVE_FILE).read_text())) if kserve else None,
+            yaml.safe_load(art.file(RAY_FILE).read_text()))
 
 
 def test_kserve_and_ray_serve_carry_the_launch_commands_layout(arts):

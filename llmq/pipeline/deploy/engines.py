@@ -3,11 +3,14 @@ launch commands. Each engine is one `Engine` below; the stage looks them up in E
 
 Flags are emitted only where the artifact supports them: an FP8 KV cache only with calibrated FP8 scales (an
 uncalibrated one would run with scale 1.0, sglang#18818); never `--quantization` for a compressed-tensors checkpoint
-(the engines read its quantization_config; forcing a method is how "unknown quantization method" happens).
+(the engines read its quantization_config; forcing a method is how "unknown quantization method" happens). Speculative
+decoding only where the user asked for it (`--speculative ngram|REF`): the engine's own prompt lookup, or a draft model
+it loads as it loads a target.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     from .sizing import Sizing
 
 MODEL_DIR = "$MODEL_DIR"   # the source artifact's directory, copied to the same path on every node
+DRAFT_DIR = "$DRAFT_DIR"   # the draft model's artifact directory, copied to the same path on every node
 HEAD = "$HEAD_IP"          # node 0's address, reachable from the other nodes
 
 
@@ -45,6 +49,26 @@ class Loadable:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding the user asked for: prompt lookup (no draft) or a draft model, which the engine loads as
+    it loads a target (`Engine.load`) from DRAFT_DIR."""
+
+    k: int                          # draft tokens per step (--num-speculative-tokens)
+    draft: Loadable | None = None
+
+    @property
+    def draft_path(self) -> str:
+        return self.draft.under(DRAFT_DIR)
+
+
+def _lookup() -> tuple[int, int]:
+    """The n-gram lengths llmq's own prompt lookup matches (longest first), which the engines are given too."""
+    from ...runtime.speculative import NGRAM_MAX, NGRAM_MIN
+
+    return NGRAM_MAX, NGRAM_MIN
+
+
+@dataclass(frozen=True)
 class Step:
     where: str   # which machine(s) run it
     run: str     # the command line
@@ -55,6 +79,7 @@ class Launch:
     steps: list[Step]
     files: dict[str, str] = field(default_factory=dict)   # name -> text, written into the deploy artifact
     instead: list[Step] = field(default_factory=list)     # other ways to run the same (a cluster manager's files)
+    notes: tuple[str, ...] = ()                           # what the README says of the commands
 
 
 @dataclass(frozen=True)
@@ -64,21 +89,33 @@ class Engine:
     load: Callable[[Artifact, Store], Loadable]
     # (gpus per node, nodes) -> (tp, pp), or None where the engine does not run that layout
     to_ranks: Callable[[int, int], tuple[int, int] | None]
-    launch: Callable[[Loadable, Sizing, dict], Launch]   # dict: the deploy options that reach the command line
+    # dict: the deploy options that reach the command line, "speculation" a Speculation or None
+    launch: Callable[[Loadable, Sizing, dict], Launch]
     checked: str                                          # how its flag names were checked
     port: int
 
 
+def _quote(word: str) -> str:
+    """A shell word: `$DIR/...` as it is, one holding a `$VAR` elsewhere (JSON naming $DRAFT_DIR) in double quotes so
+    the shell still expands it, anything else single-quoted where it needs quoting."""
+    if word.startswith("$"):
+        return word
+    if "$" in word:
+        return '"' + "".join("\\" + c if c in '"\\`' else c for c in word) + '"'
+    return shlex.quote(word)
+
+
 def _cmd(*parts) -> str:
-    """A command line from words and (flag, value) pairs; a None value drops its flag."""
+    """A command line from words and (flag, value) pairs; a None value drops its flag, a dict value is JSON."""
     words = []
     for p in parts:
         if isinstance(p, tuple):
             if p[1] is not None:
-                words += [p[0]] + ([] if p[1] is True else [str(p[1])])
+                value = json.dumps(p[1]) if isinstance(p[1], dict) else str(p[1])
+                words += [p[0]] + ([] if p[1] is True else [value])
         else:
             words.append(p)
-    return " ".join(w if w.startswith("$") else shlex.quote(w) for w in words)
+    return " ".join(map(_quote, words))
 
 
 def _hf_checkpoint(art: Artifact, model: str = "", kv_fp8: bool | None = None, notes=()) -> Loadable:
@@ -164,12 +201,25 @@ def _one_node(g: int, n: int) -> tuple[int, int] | None:
     return (1, g) if n == 1 else None
 
 
+def _vllm_speculative(sp: Speculation | None) -> dict | None:
+    """vLLM's SpeculativeConfig (vllm/config/speculative.py): prompt lookup over llmq's n-gram lengths, or a draft
+    model (method draft_model; its tensor parallelism defaults to the target's)."""
+    if sp is None:
+        return None
+    if sp.draft is None:
+        longest, shortest = _lookup()
+        return {"method": "ngram", "num_speculative_tokens": sp.k, "prompt_lookup_max": longest,
+                "prompt_lookup_min": shortest}
+    return {"method": "draft_model", "model": sp.draft_path, "num_speculative_tokens": sp.k}
+
+
 def vllm_args(m: Loadable, s: Sizing, o: dict) -> dict:
     """vLLM's engine arguments for a layout by their Python names: the `vllm serve` flags, and Ray Serve's
     engine_kwargs, are both spelled from this."""
     args = {"tensor_parallel_size": s.tp, "pipeline_parallel_size": s.pp if s.nodes > 1 else None,
             "max_model_len": o["max_seq_len"], "max_num_seqs": o["max_concurrency"],
-            "gpu_memory_utilization": MEMORY_FRACTION, "kv_cache_dtype": "fp8" if m.kv_fp8 else None}
+            "gpu_memory_utilization": MEMORY_FRACTION, "kv_cache_dtype": "fp8" if m.kv_fp8 else None,
+            "speculative_config": _vllm_speculative(o["speculation"])}
     return {k: v for k, v in args.items() if v is not None}
 
 
@@ -185,24 +235,43 @@ def _launch_vllm(m: Loadable, s: Sizing, o: dict) -> Launch:
                     ("--host", "0.0.0.0"), ("--port", 8000))
 
     multi = s.nodes > 1
-    in_pod = serve(manifests.KSERVE_MODEL_DIR)
-    files = {manifests.KSERVE_FILE: manifests.kserve(
-                 o["served_name"], "$MODEL_URI", f"ray start --head --port 6379 && {in_pod}" if multi else in_pod,
-                 _ray_worker("$LWS_LEADER_ADDRESS") if multi else None, s, 8000),
-             manifests.RAY_FILE: manifests.ray_serve(o["served_name"], m.path, vllm_args(m, s, o), s,
-                                                     o["max_concurrency"])}
-    instead = [Step("a Kubernetes cluster with KServe's LLMInferenceService (llm-d) and, for several nodes, "
-                    "LeaderWorkerSet; `MODEL_URI` set to where it reads the artifact (hf://, s3://, pvc://)",
-                    f"envsubst '$MODEL_URI' < $DEPLOY_DIR/{manifests.KSERVE_FILE} | kubectl apply -f -"),
-               Step("node 0 of the Ray cluster above (in place of `vllm serve`), with `ray[serve,llm]` installed"
-                    if multi else
-                    "the node, with `ray[serve,llm]` installed (Ray Serve LLM)",
-                    f"envsubst '$MODEL_DIR' < $DEPLOY_DIR/{manifests.RAY_FILE} > serve.yaml && serve run serve.yaml")]
+    draft = o["speculation"] is not None and o["speculation"].draft is not None
+    files, instead, notes = {}, [], ()
+    if draft:   # the service's storage initializer fetches spec.model.uri only
+        notes = ("no KServe manifest with a draft model: an LLMInferenceService fetches one model (spec.model.uri), "
+                 "and the draft's would need a volume llmq does not write",)
+    else:
+        in_pod = serve(manifests.KSERVE_MODEL_DIR)
+        files[manifests.KSERVE_FILE] = manifests.kserve(
+            o["served_name"], "$MODEL_URI", f"ray start --head --port 6379 && {in_pod}" if multi else in_pod,
+            _ray_worker("$LWS_LEADER_ADDRESS") if multi else None, s, 8000)
+        instead.append(Step("a Kubernetes cluster with KServe's LLMInferenceService (llm-d) and, for several nodes, "
+                            "LeaderWorkerSet; `MODEL_URI` set to where it reads the artifact (hf://, s3://, pvc://)",
+                            f"envsubst '$MODEL_URI' < $DEPLOY_DIR/{manifests.KSERVE_FILE} | kubectl apply -f -"))
+    files[manifests.RAY_FILE] = manifests.ray_serve(o["served_name"], m.path, vllm_args(m, s, o), s,
+                                                    o["max_concurrency"])
+    dirs = f"{MODEL_DIR} {DRAFT_DIR}" if draft else MODEL_DIR
+    instead.append(Step("node 0 of the Ray cluster above (in place of `vllm serve`), with `ray[serve,llm]` installed"
+                        if multi else "the node, with `ray[serve,llm]` installed (Ray Serve LLM)",
+                        f"envsubst '{dirs}' < $DEPLOY_DIR/{manifests.RAY_FILE} > serve.yaml && serve run serve.yaml"))
     if not multi:
-        return Launch([Step("the node", serve(MODEL_DIR))], files, instead)
+        return Launch([Step("the node", serve(MODEL_DIR))], files, instead, notes)
     workers = "node 1" if s.nodes == 2 else f"nodes 1..{s.nodes - 1}"
     return Launch([Step("node 0", "ray start --head --port 6379"), Step(workers, _ray_worker(HEAD)),
-                   Step("node 0, once `ray status` shows every GPU", serve(MODEL_DIR))], files, instead)
+                   Step("node 0, once `ray status` shows every GPU", serve(MODEL_DIR))], files, instead, notes)
+
+
+def _sglang_speculative(sp: Speculation | None) -> list[tuple]:
+    """SGLang's speculative flags: NGRAM (its prompt-lookup trie), or STANDALONE (a separate draft model; EAGLE and
+    NEXTN need heads trained on the target, which llmq does not make), k draft steps verified as a chain of k + 1
+    tokens (the last accepted token and k drafts)."""
+    if sp is None:
+        return []
+    if sp.draft is None:
+        return [("--speculative-algorithm", "NGRAM"), ("--speculative-num-draft-tokens", sp.k + 1)]
+    return [("--speculative-algorithm", "STANDALONE"), ("--speculative-draft-model-path", sp.draft_path),
+            ("--speculative-num-steps", sp.k), ("--speculative-eagle-topk", 1),
+            ("--speculative-num-draft-tokens", sp.k + 1)]
 
 
 def _launch_sglang(m: Loadable, s: Sizing, o: dict) -> Launch:
@@ -214,7 +283,7 @@ def _launch_sglang(m: Loadable, s: Sizing, o: dict) -> Launch:
                     ("--node-rank", rank), ("--dist-init-addr", f"{HEAD}:5000" if multi else None),
                     ("--context-length", o["max_seq_len"]), ("--max-running-requests", o["max_concurrency"]),
                     ("--mem-fraction-static", MEMORY_FRACTION), ("--kv-cache-dtype", "fp8_e4m3" if m.kv_fp8 else None),
-                    ("--host", "0.0.0.0"), ("--port", 30000))
+                    *_sglang_speculative(o["speculation"]), ("--host", "0.0.0.0"), ("--port", 30000))
     if s.nodes == 1:
         return Launch([Step("the node", node(None))])
     return Launch([Step(f"node {r}", node(r)) for r in range(s.nodes)])
@@ -223,27 +292,54 @@ def _launch_sglang(m: Loadable, s: Sizing, o: dict) -> Launch:
 TRTLLM_OPTIONS = "trtllm-llm-api-options.yaml"
 
 
+def _trtllm_speculative(sp: Speculation | None) -> dict | None:
+    """The LLM API's speculative_config (tensorrt_llm/llmapi/llm_args.py): NGramDecodingConfig over llmq's longest
+    n-gram, or DraftTargetDecodingConfig naming the draft model; both draft a chain of max_draft_len tokens."""
+    if sp is None:
+        return None
+    if sp.draft is None:
+        return {"decoding_type": "NGram", "max_draft_len": sp.k, "max_matching_ngram_size": _lookup()[0]}
+    return {"decoding_type": "Draft_Target", "max_draft_len": sp.k, "speculative_model": sp.draft_path}
+
+
 def _launch_trtllm(m: Loadable, s: Sizing, o: dict) -> Launch:
     import yaml
 
-    files = {TRTLLM_OPTIONS: yaml.safe_dump({"kv_cache_config": {"dtype": "fp8"}})} if m.kv_fp8 else {}
+    options = {**({"kv_cache_config": {"dtype": "fp8"}} if m.kv_fp8 else {}),
+               **({"speculative_config": spec} if (spec := _trtllm_speculative(o["speculation"])) else {})}
+    files = {TRTLLM_OPTIONS: yaml.safe_dump(options, sort_keys=False)} if options else {}
+    # the LLM API reads the YAML as it is: one naming $DRAFT_DIR is expanded into a copy on each node first
+    expand = DRAFT_DIR in files.get(TRTLLM_OPTIONS, "")
+    path = f"/tmp/{TRTLLM_OPTIONS}" if expand else f"$DEPLOY_DIR/{TRTLLM_OPTIONS}"
+    steps = [Step("every node", f"envsubst '{DRAFT_DIR}' < $DEPLOY_DIR/{TRTLLM_OPTIONS} > {path}")] if expand else []
     serve = ["trtllm-serve", m.path, ("--backend", "pytorch"), ("--tp_size", s.tp), ("--pp_size", s.pp),
              ("--max_batch_size", o["max_concurrency"]), ("--max_seq_len", o["max_seq_len"]),
              ("--kv_cache_free_gpu_memory_fraction", MEMORY_FRACTION),
-             ("--extra_llm_api_options", f"$DEPLOY_DIR/{TRTLLM_OPTIONS}" if files else None),
-             ("--host", "0.0.0.0"), ("--port", 8000)]
+             ("--extra_llm_api_options", path if files else None), ("--host", "0.0.0.0"), ("--port", 8000)]
     if s.nodes == 1:
-        return Launch([Step("the node", _cmd(*serve))], files)
+        return Launch([*steps, Step("the node", _cmd(*serve))], files)
     hosts = ",".join(f"$NODE{r}:{s.gpus_per_node}" for r in range(s.nodes))
-    return Launch([Step("node 0 (one MPI world; passwordless ssh to every node, same paths everywhere)",
-                        _cmd("mpirun", ("-H", hosts), ("-n", s.tp * s.pp), "trtllm-llmapi-launch", *serve))], files)
+    return Launch([*steps, Step("node 0 (one MPI world; passwordless ssh to every node, same paths everywhere)",
+                                _cmd("mpirun", ("-H", hosts), ("-n", s.tp * s.pp), "trtllm-llmapi-launch", *serve))],
+                  files)
+
+
+def _llama_speculative(sp: Speculation | None) -> list[tuple]:
+    """llama-server's speculative flags (common/arg.cpp): ngram-simple (prompt lookup, drafting k tokens;
+    its lookup length stays llama.cpp's default), or draft-simple with the draft GGUF on the GPUs too."""
+    if sp is None:
+        return []
+    if sp.draft is None:
+        return [("--spec-type", "ngram-simple"), ("--spec-ngram-simple-size-m", sp.k)]
+    return [("--spec-type", "draft-simple"), ("-md", sp.draft_path), ("--spec-draft-n-max", sp.k), ("-ngld", 999)]
 
 
 def _launch_llama(m: Loadable, s: Sizing, o: dict) -> Launch:
     return Launch([Step("the node", _cmd(
         "llama-server", ("-m", m.path), ("-c", o["max_seq_len"] * o["max_concurrency"]),
         ("-np", o["max_concurrency"]), ("-t", o["threads"]), ("-ngl", 999),
-        ("--split-mode", "layer" if s.pp > 1 else None), ("--host", "0.0.0.0"), ("--port", 8080)))])
+        ("--split-mode", "layer" if s.pp > 1 else None), *_llama_speculative(o["speculation"]),
+        ("--host", "0.0.0.0"), ("--port", 8080)))])
 
 
 _WHEEL = ("flag names checked against the argument parser source of the {} wheel (`pip download --no-deps {}`; "
@@ -259,7 +355,9 @@ ENGINES = {e.name: e for e in (
     Engine("sglang", "SGLang", _hf_artifact("SGLang"), _across_nodes, _launch_sglang,
            _WHEEL.format("sglang 0.5.23", "sglang"), 30000),
     Engine("trtllm", "TensorRT-LLM", _load_trtllm, _across_nodes, _launch_trtllm,
-           "flag names from TensorRT-LLM's trtllm-serve documentation (tensorrt_llm is not installable here)", 8000),
+           "flag names from TensorRT-LLM's trtllm-serve documentation, the LLM-API options' speculative_config keys "
+           "from tensorrt_llm/llmapi/llm_args.py source read through a code index (tensorrt_llm is not installable "
+           "here)", 8000),
     Engine("llama.cpp", "llama.cpp", _load_gguf, _one_node, _launch_llama,
            "flag names checked against llama.cpp's argument table (common/arg.cpp) in the source the llama-cpp-python "
            "0.3.36 sdist vendors (tests/data/deploy_engine_flags.json, tests/test_deploy.py)", 8080),

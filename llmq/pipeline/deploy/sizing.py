@@ -3,8 +3,12 @@
 Per GPU: the weights (the artifact's stored tensors as `CheckpointReader.runtime_bytes` counts them, or the GGUF file,
 split evenly over the tp x pp ranks, as the bundled runtime's worker splits them) + the KV cache of `concurrency`
 sequences of `context` tokens (`ModelSpec.kv_bytes_per_token` at the rank's tensor-parallel share, for the rank's
-pipeline stage's layers) + an activation margin, against the card's memory times the fraction the launch commands
-give the engine. Engines' own docs leave this to trial ("add GPUs until it fits"); llmq knows the bytes.
+pipeline stage's layers) + a draft model's weights and KV cache where speculative decoding runs one (whole on every
+GPU: vLLM shards a draft over the target's tensor-parallel ranks by default (draft_tensor_parallel_size), llama.cpp
+splits its layers over the GPUs, SGLang's and TensorRT-LLM's split was not checked; the whole draft is the bound that
+holds for all four) + an activation margin,
+against the card's memory times the fraction the launch commands give the engine. Engines' own docs leave this to
+trial ("add GPUs until it fits"); llmq knows the bytes.
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ class Sizing:
     kv_cache: int
     margin: int
     usable: int
+    draft: int = 0   # a draft model's weights and KV cache
 
     @property
     def need(self) -> int:
-        return self.weights + self.kv_cache + self.margin
+        return self.weights + self.kv_cache + self.draft + self.margin
 
     @property
     def fits(self) -> bool:
@@ -78,6 +83,7 @@ class Load:
     kv_element_bytes: int    # 1 with an FP8 cache, else the 16-bit compute dtype's 2
     context: int             # tokens per sequence
     concurrency: int         # sequences at once
+    draft: int = 0           # per GPU: a draft model's weights and its 16-bit KV cache for the same sequences
 
 
 def size(load: Load, gpu: str, gpus_per_node: int, nodes: int, tp: int, pp: int) -> Sizing:
@@ -88,7 +94,7 @@ def size(load: Load, gpu: str, gpus_per_node: int, nodes: int, tp: int, pp: int)
     return Sizing(gpu=gpu, gpus_per_node=gpus_per_node, nodes=nodes, tp=tp, pp=pp,
                   weights=-(-load.weight_bytes // (tp * pp)),
                   kv_cache=int(kv * load.context * load.concurrency), margin=ACTIVATION_MARGIN,
-                  usable=int(GPUS[gpu].memory_mib * 2**20 * MEMORY_FRACTION))
+                  usable=int(GPUS[gpu].memory_mib * 2**20 * MEMORY_FRACTION), draft=load.draft)
 
 
 def splits(spec: ModelSpec, tp: int, pp: int) -> str | None:
@@ -133,8 +139,9 @@ def choose(load: Load, gpu: str, to_ranks, gpus_per_node: int | None, nodes: int
         if s.fits:
             return s
         other = smallest(load, gpu, to_ranks)
+        draft = f" + draft {gib(s.draft)}" if s.draft else ""
         raise LlmqError(f"{s.flags} does not fit: {gib(s.need)} per GPU (weights {gib(s.weights)} + KV cache "
-                        f"{gib(s.kv_cache)} + margin {gib(s.margin)}) > {gib(s.usable)} usable on one "
+                        f"{gib(s.kv_cache)}{draft} + margin {gib(s.margin)}) > {gib(s.usable)} usable on one "
                         f"{GPUS[gpu].label}; " + (f"the smallest layout that fits is {other.flags}" if other else
                                                   "no layout fits: lower --max-seq-len or --max-concurrency"))
     s = smallest(load, gpu, to_ranks, gpus_per_node, nodes)
