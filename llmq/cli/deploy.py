@@ -59,9 +59,11 @@ def verify(ctx, ref, opts, as_json):
     from ..errors import GateFailed
     from ..evals.deployed import served_source, table, verify_deployment
     from ..evals.evaluate import Served
+    from ..evals.gate import parse_gates
     from .eval import _progress_console, progress_factory
 
-    gates = opts.check()
+    opts.check()
+    gates = parse_gates(opts.gate)
     store = get_store(ctx)
     source = served_source(store, store.resolve(ref))
     served = Served.connect(opts.endpoint, opts.model, opts.api_key, opts.timeout, store)

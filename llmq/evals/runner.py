@@ -127,10 +127,10 @@ class VerifyOptions(Options):
     gate: str | None = option(None, 'Gates on the deployed engine\'s own scores against the baseline, as llmq eval\'s '
                               '(e.g. "kld<=0.1,math>=-5"); exit 1 when one fails.')
 
-    def check(self) -> list:
-        """Bounds, and the gates (returned), each judging a score the tasks produce."""
+    def check(self) -> None:
+        """Besides bounds: every gate judges a score these tasks produce."""
         super().check()
-        return checked_gates(self.gate, self.tasks)
+        checked_gates(self.gate, self.tasks)
 
     def settings(self) -> EvalSettings:
         return EvalSettings(tasks=list(self.tasks), seed=self.seed, backend="endpoint",
