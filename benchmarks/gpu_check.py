@@ -18,8 +18,15 @@ tokenizer given by --tokenizer, then run through the real commands (`llmq import
   concurrency 1/8/32/64 (128-token prompts, 128 new tokens) against transformers `generate` run one prompt at a
   time (eager, and with its static cache, which compiles the decoding step), as ratios.
 --part gptq (Llama-3-8B shape): `llmq quantize --method gptq --bits 4 --device cuda`: wall time, peak GPU memory.
+--part layers: each quantized linear class on the GPU against itself on the CPU in float32 (fresh random weights).
+--part layer_speed: the Llama-3-8B layer's four linears (qkv, o, gate_up, down) in every weight format at 1 / 16 /
+  128 rows: median CUDA-event time, weight bytes read per second, ratio to bf16 (no model files: seconds, not minutes).
 
-    python benchmarks/gpu_check.py --tokenizer DIR --out DIR [--part correctness speed gptq] [--small]
+    python benchmarks/gpu_check.py --tokenizer DIR --out DIR [--part correctness speed gptq] [--only NAME ...]
+        [--small]
+
+--only limits layers and correctness to the named schemes (bf16 always runs in correctness: it is the yardstick) and
+the named engine checks (kv-int8 kv-fp8 batching prefix_cache chunked_prefill serve_http; all of them without --only).
 
 --small shrinks the models (2 layers, hidden 128) to try the script on a CPU-only machine with --device cpu.
 Each part appends to DIR/gpu_check.json as it goes, so a run cut short keeps what it measured.
@@ -64,8 +71,12 @@ SCHEMES = {
     "w8a8": ["--method", "smoothquant", "--bits", "8"],
     "fp8": ["--method", "fp8", "--bits", "8"],
     "fp8-static": ["--method", "fp8", "--bits", "8", "--activations", "static"],
+    "fp8-block": ["--method", "fp8", "--bits", "8", "--group-size", "128"],
+    "nvfp4": ["--method", "nvfp4"],
+    "mxfp4": ["--method", "mxfp4"],
 }
-ACT_QUANT = ("w8a8", "fp8", "fp8-static")  # transformers on dequantized weights leaves their activation rounding out
+# transformers on dequantized weights leaves their activation rounding out
+ACT_QUANT = ("w8a8", "fp8", "fp8-static", "fp8-block")
 
 
 class Results:
@@ -229,7 +240,10 @@ def part_correctness(args, res: Results, work: Path) -> None:
         v = guarded(res, "quantize", name, lambda qargs=qargs, name=name: _quantize(store, model_art, qargs, name, dev))
         if "error" not in v:
             artifacts[name] = Path(v["path"])
+    wanted = lambda check: not args.only or check in args.only  # noqa: E731
     for kv in ("int8", "fp8"):
+        if not wanted(f"kv-{kv}"):
+            continue
         v = guarded(res, "quantize", f"kv-{kv}", lambda kv=kv: _quantize_kv(store, model_art, kv, dev))
         if "error" not in v:
             artifacts[f"kv-{kv}"] = Path(v["path"])
@@ -238,11 +252,15 @@ def part_correctness(args, res: Results, work: Path) -> None:
         guarded(res, "correctness", name, lambda name=name, path=path: _check_artifact(
             name, path or model_art, hf, seqs, prompts, dev, args.tie, dequant=path is not None and
             not name.startswith("kv-"), floor=floor))
-    guarded(res, "correctness", "batching_32", lambda: _check_batching(model_art, dev, vocab, "bfloat16"))
-    guarded(res, "correctness", "batching_32_fp32", lambda: _check_batching(model_art, dev, vocab, "float32"))
-    guarded(res, "correctness", "prefix_cache", lambda: _check_prefix_cache(model_art, dev, vocab))
-    guarded(res, "correctness", "chunked_prefill", lambda: _check_chunked(model_art, dev, vocab))
-    guarded(res, "correctness", "serve_http", lambda: _check_serve(model_art, dev))
+    if wanted("batching"):
+        guarded(res, "correctness", "batching_32", lambda: _check_batching(model_art, dev, vocab, "bfloat16"))
+        guarded(res, "correctness", "batching_32_fp32", lambda: _check_batching(model_art, dev, vocab, "float32"))
+    if wanted("prefix_cache"):
+        guarded(res, "correctness", "prefix_cache", lambda: _check_prefix_cache(model_art, dev, vocab))
+    if wanted("chunked_prefill"):
+        guarded(res, "correctness", "chunked_prefill", lambda: _check_chunked(model_art, dev, vocab))
+    if wanted("serve_http"):
+        guarded(res, "correctness", "serve_http", lambda: _check_serve(model_art, dev))
 
 
 def _quantize(store: Path, model: Path, qargs: list[str], name: str, dev: str) -> dict:
@@ -325,18 +343,32 @@ def _merge(checks: list[dict]) -> dict:
             "first_mismatch": [c["first_mismatch"] for c in checks]}
 
 
+def _fast(m) -> bool:
+    """Whether a linear layer runs its device kernel (not the exact fallback)."""
+    from llmq.runtime.layers import linear as L
+    from llmq.runtime.layers.fp4 import FP4Linear
+    from llmq.runtime.layers.fp8_block import BlockFP8Linear
+
+    if isinstance(m, FP4Linear):
+        return m.dense is None
+    flag = {L.Int8WeightOnlyLinear: "kernel", L.Int4WeightOnlyLinear: "packed", L.W8A8Linear: "cuda_int_mm",
+            L.FP8Linear: "scaled_mm", BlockFP8Linear: "scaled_mm"}.get(type(m))
+    return bool(getattr(m, flag, False)) if flag else False
+
+
 def _kernels(eng: LLMEngine) -> dict:
-    """Which execution path each linear class took on this device (the fast kernel or the exact fallback)."""
+    """Which execution path each linear class took on this device (the fast kernel or the exact fallback), and why
+    not where the layer says (fallback_reason)."""
     from llmq.runtime.layers import linear as L
 
     seen: dict[str, dict] = {}
     for m in eng.runner.model.modules():
         if isinstance(m, L.LinearBase):
-            flag = {L.Int8WeightOnlyLinear: "kernel", L.Int4WeightOnlyLinear: "packed", L.W8A8Linear: "cuda_int_mm",
-                    L.FP8Linear: "scaled_mm"}.get(type(m))
             d = seen.setdefault(type(m).__name__, {"n": 0, "fast": 0})
             d["n"] += 1
-            d["fast"] += int(bool(getattr(m, flag, False))) if flag else 0
+            d["fast"] += int(_fast(m))
+            if getattr(m, "fallback_reason", None):
+                d["why_not"] = m.fallback_reason
     return seen
 
 
@@ -458,7 +490,8 @@ def part_layers(args, res: Results, work: Path) -> None:
     from llmq.runtime.layers import linear as L
 
     g = torch.Generator().manual_seed(12)
-    for n, k in ((1536, 576), (4096, 4096)):
+    for n, k in ((1536, 576), (4096, 4096), (1000, 4096)):   # 576: no 128-blocks (block FP8's fallback); 1000 rows:
+                                                              # partial Triton tiles
         w = torch.randn(n, k, generator=g) * 0.05
         gs = 64
         s4 = w.view(n, k // gs, gs).abs().amax(-1) / 7
@@ -473,21 +506,109 @@ def part_layers(args, res: Results, work: Path) -> None:
             "w8a8": lambda d, dt: L.W8A8Linear(q8.to(d), s8.view(-1).to(d), None, None, dt),
             "fp8": lambda d, dt: L.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, True, None, dt),
             "fp8-weight-only": lambda d, dt: L.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, False, None, dt),
+            **_new_format_makers(w),
         }
         for name, make in makers.items():
+            if args.only and name not in args.only:
+                continue
+
             def check(make=make):
                 cpu = make("cpu", torch.float32)
                 out = {}
                 for dt in (torch.bfloat16, torch.float32):
                     gpu = make(args.device, dt)
+                    out[f"{str(dt)[6:]}_fast"] = _fast(gpu)
+                    if getattr(gpu, "fallback_reason", None):
+                        out[f"{str(dt)[6:]}_why_not"] = gpu.fallback_reason
                     for rows in (1, 5, 17, 64, 300):
                         x = torch.randn(rows, k, generator=g)
                         ref = cpu(x).double()
                         got = gpu(x.to(args.device, dt)).double().cpu()
                         out[f"{str(dt)[6:]}_rows{rows}"] = float((got - ref).abs().max() / ref.abs().max())
-                out["max"] = max(out.values())
+                out["max"] = max(v for v in out.values() if isinstance(v, float))
                 return out
             guarded(res, "layers", f"{name}_{n}x{k}", check)
+
+
+def _new_format_makers(w: torch.Tensor) -> dict:
+    """Layer makers (device, dtype) for the formats of issue 34: NVFP4 / MXFP4 weight-only and block FP8 W8A8."""
+    from llmq.pipeline.quantize.fp4 import quantize_weight
+    from llmq.pipeline.quantize.fp8 import quantize_weight_fp8_block
+    from llmq.runtime.layers.fp4 import FP4Linear
+    from llmq.runtime.layers.fp8_block import BlockFP8Linear
+
+    nv, mx, blk = quantize_weight(w, "nvfp4"), quantize_weight(w, "mxfp4"), quantize_weight_fp8_block(w)
+    return {"nvfp4": lambda d, dt: FP4Linear(nv, None, dt, d), "mxfp4": lambda d, dt: FP4Linear(mx, None, dt, d),
+            "fp8-block": lambda d, dt: BlockFP8Linear(blk, None, dt, d)}
+
+
+# -- part: layer speed ------------------------------------------------------------------------------------------------
+def _device_time(fn, dev: str, reps: int = 30) -> float:
+    """Median seconds of fn() (CUDA events on a GPU), after 5 warm-up calls (the first builds Triton kernels)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        if dev != "cuda":
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def part_layer_speed(args, res: Results, work: Path) -> None:
+    """Every weight format's runtime layer on the Llama-3-8B layer's linears, bf16 activations."""
+    from llmq import quant
+    from llmq.runtime.layers import linear as L
+
+    dev = args.device
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    if args.small:
+        shapes = {k: (n // 16, k_ // 16) for k, (n, k_) in shapes.items()}
+    g = torch.Generator().manual_seed(13)
+    for lname, (n, k) in shapes.items():
+        w = torch.randn(n, k, generator=g) * 0.02
+        s4 = w.view(n, k // 128, 128).abs().amax(-1) / 7
+        q4 = quant.round_int(w.view(n, k // 128, 128), s4[..., None], bits=4).view(n, k).to(torch.int8)
+        s8 = w.abs().amax(-1, keepdim=True) / 127
+        q8 = quant.round_int(w, s8).to(torch.int8)
+        s_fp8 = w.abs().amax(-1) / quant.FP8_MAX
+        w_fp8 = quant.to_fp8(w, s_fp8[:, None])
+        makers = {
+            "bf16": lambda: L.DenseLinear(w.to(dev, torch.bfloat16), None, torch.bfloat16),
+            "int8": lambda: L.Int8WeightOnlyLinear(q8.to(dev), s8.view(-1).to(dev), None, None, torch.bfloat16),
+            "int4-g128": lambda: L.Int4WeightOnlyLinear(q4.to(dev), s4.to(dev), None, None, torch.bfloat16),
+            "fp8": lambda: L.FP8Linear(w_fp8.to(dev), s_fp8.to(dev), None, True, None, torch.bfloat16),
+            **{name: (lambda make=make: make(dev, torch.bfloat16)) for name, make in _new_format_makers(w).items()},
+        }
+        for name, make in makers.items():
+            def timed(make=make):
+                layer = make()
+                out = {"fast": _fast(layer) if name != "bf16" else True, "weight_mib": round(layer.nbytes / 2**20, 1),
+                       "why_not": getattr(layer, "fallback_reason", None)}
+                for rows in (1, 16, 128):
+                    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+                    with torch.no_grad():
+                        t = _device_time(lambda: layer(x), dev)
+                    out[f"us_rows{rows}"] = round(t * 1e6, 1)
+                    out[f"weight_gbs_rows{rows}"] = round(layer.nbytes / t / 1e9, 1)
+                return out
+            guarded(res, "layer_speed", f"{lname}_{name}", timed)
+    rows = {}
+    for name in ("bf16", "int8", "int4-g128", "fp8", "nvfp4", "mxfp4", "fp8-block"):
+        for r in (1, 16, 128):
+            us = [res.data["layer_speed"].get(f"{ln}_{name}", {}).get(f"us_rows{r}") for ln in shapes]
+            base = [res.data["layer_speed"].get(f"{ln}_bf16", {}).get(f"us_rows{r}") for ln in shapes]
+            if all(us) and all(base):
+                rows[f"{name}_rows{r}"] = {"layer_us": round(sum(us), 1), "x_bf16_speed": round(sum(base) / sum(us), 2)}
+    res.put("layer_speed", "summary", rows)
 
 
 # -- part 2: speed --------------------------------------------------------------------------------------------------
@@ -602,8 +723,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="results directory (gpu_check.json)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/llmq-gpu-check"), help="models and store")
     ap.add_argument("--part", nargs="+", default=["correctness", "speed", "gptq"],
-                    choices=["layers", "correctness", "speed", "gptq"])
-    ap.add_argument("--only", nargs="*", default=None, help="correctness: only these schemes (default: all)")
+                    choices=["layers", "layer_speed", "correctness", "speed", "gptq"])
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="layers / correctness: only these schemes and engine checks (default: all)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny models, to try the script without a GPU")
     ap.add_argument("--tokens", type=int, default=512, help="positions compared per scheme")
@@ -617,7 +739,8 @@ def main() -> None:
     res = Results(args.out / "gpu_check.json")
     res.put("env", "torch", {"torch": torch.__version__, "cuda": torch.version.cuda,
                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None})
-    parts = {"layers": part_layers, "correctness": part_correctness, "speed": part_speed, "gptq": part_gptq}
+    parts = {"layers": part_layers, "layer_speed": part_layer_speed, "correctness": part_correctness,
+             "speed": part_speed, "gptq": part_gptq}
     for p in args.part:
         t = time.perf_counter()
         parts[p](args, res, args.work)

@@ -181,6 +181,51 @@ def test_values_times_block_scales_are_exact_in_bfloat16_so_the_runtime_layer_is
             assert ((got - want).abs().max() / want.abs().max()).item() < tol, (fmt, dtype, f"seed {SEED}")
 
 
+
+_TRITON_CHECK = """
+import json, torch
+from llmq import quant
+from llmq.runtime.layers import fp4_triton
+codes = torch.arange(16, dtype=torch.uint8).repeat(127, 1).repeat_interleave(16, 1)   # every code x every scale
+e4m3 = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(127, 1).expand(127, 16).contiguous()
+e8m0 = torch.arange(28, 228, 2, dtype=torch.uint8).reshape(100, 1).expand(100, 8).contiguous()  # 2^-99..2^99
+codes, e4m3, e8m0 = codes.repeat(1, 8), e4m3.repeat(1, 8), e8m0.repeat(1, 8)   # K = 2048: enough to split K
+gen = torch.Generator().manual_seed(%d)
+out, splits = {}, {}
+for name, scale, group, g in (("nvfp4", e4m3, 16, torch.tensor([0.75])), ("mxfp4", e8m0, 32, None)):
+    c = codes[:scale.shape[0]]
+    w = quant.dequantize_fp4(c, scale, g, torch.float64)
+    for m in (1, 5, 33):     # 1: the matrix-vector kernel; 33: a partial second row tile
+        x = torch.randn(m, 2048, generator=gen)
+        ref = x.double() @ w.T
+        y = fp4_triton.fp4_matmul(x.float(), quant.pack_fp4(c), scale, group, float(g) if g is not None else None)
+        # each output against the sum of its terms' magnitudes (float32 summation error is a few 2^-24 of that; a
+        # wrong code, scale or index is O(1)); the E8M0 rows span 2^-99..2^99 and stay clear of float32's range ends
+        size = x.double().abs() @ w.abs().T
+        err = (y.double() - ref).abs() / torch.where(size > 0, size, 1.0)   # scale 0: a zero row, must give 0
+        out[f"{name} m={m}"] = err.max().item()
+splits = [fp4_triton.plan(m, 127, 2048, fp4_triton._num_sms(torch.device("cpu")))[3] for m in (1, 5)]
+print(json.dumps({"errors": out, "splits": splits}))
+"""
+
+
+def test_triton_kernel_decodes_every_code_and_scale_as_the_float64_reference():
+    """The CUDA layer's Triton kernel, run by Triton's interpreter on CPU (float32 activations): every E2M1 code under
+    every E4M3 scale (subnormal ones too) and every E8M0 exponent, partial tiles, both kernels split over K, equal
+    to the float64 dequantize-then-matmul within float32 summation error, output by output. A wrong nibble order,
+    scale decode or block index is off by O(1)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")  # a test dependency on Linux x86_64 (pyproject's test extra); absent elsewhere
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", _TRITON_CHECK % SEED], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert min(got["splits"]) > 1, got   # both kernels' split-K (atomic adds) ran
+    assert len(got["errors"]) == 6 and max(got["errors"].values()) < 1e-5, (got, f"seed {SEED}")
+
 # -- the checkpoint ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):

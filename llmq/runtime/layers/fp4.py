@@ -1,10 +1,12 @@
-"""FP4 weights (NVFP4 / MXFP4) on the dense path.
+"""FP4 weights (NVFP4 / MXFP4).
 
-An E2M1 value times its block's E4M3 or E8M0 scale has at most 6 significant bits, so it is exact in bfloat16: the
-layer holds that product as a bfloat16 weight and computes with the dense layer (on x86 CPUs with AVX-512, llmq's
-16-bit kernel with float32 arithmetic). NVFP4's global scale divides the output instead of every weight: the result
-differs from the dequantize-then-matmul reference (`llmq.quant.dequantize_fp4`) only by float32 rounding. No FP4
-tensor-core path: Blackwell's native FP4 GEMMs are out of reach here.
+On CPU (and wherever Triton cannot build the kernel) the dense path: an E2M1 value times its block's E4M3 or E8M0
+scale has at most 6 significant bits, so it is exact in bfloat16; the layer holds that product as a bfloat16 weight
+and computes with the dense layer (on x86 CPUs with AVX-512, llmq's 16-bit kernel with float32 arithmetic).
+On CUDA the weight stays packed (4.5 / 4.25 bits a weight) and runs on llmq's Triton kernel (fp4_triton), which
+decodes the same exact products in registers. Either way NVFP4's global scale divides the output instead of every
+weight: the result differs from the dequantize-then-matmul reference (`llmq.quant.dequantize_fp4`) only by float32
+rounding. No FP4 tensor-core path: Blackwell's native FP4 GEMMs are out of reach here.
 """
 
 from __future__ import annotations
@@ -12,25 +14,60 @@ from __future__ import annotations
 import torch
 
 from ... import quant
-from .linear import DenseLinear, LinearBase, _buffer
+from .linear import DenseLinear, LinearBase, _buffer, one_line
 
 
 class FP4Linear(LinearBase):
     def __init__(self, qw, bias: torch.Tensor | None, dtype: torch.dtype, device):
         super().__init__()
-        w = quant.dequantize_fp4(qw.q.to(device), qw.scale.to(device))   # without the global scale: exact ...
-        self.dense = DenseLinear(w.to(torch.bfloat16), None, dtype)      # ... in bfloat16 too
-        self.out_features, self.in_features = w.shape
+        self.out_features, self.in_features = qw.q.shape
+        self.group = qw.group_size
         g = qw.global_scale
         _buffer(self, "global_scale", g.float().reshape(()).to(device) if g is not None else None)
         _buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
+        self.dense = None
+        self.fallback_reason = None   # why a CUDA layer runs the dense path (None: the kernel runs, or not CUDA)
+        if torch.device(device).type == "cuda":
+            _buffer(self, "packed", quant.pack_fp4(qw.q.to(device)))
+            _buffer(self, "scale", qw.scale.to(device))
+            self.g = float(g) if g is not None else None
+            self.fallback_reason = _probe_triton(self, dtype)
+            if self.fallback_reason is None:
+                return
+            self._buffers.pop("packed")
+            self._buffers.pop("scale")
+        w = quant.dequantize_fp4(qw.q.to(device), qw.scale.to(device))   # without the global scale: exact ...
+        self.dense = DenseLinear(w.to(torch.bfloat16), None, dtype)      # ... in bfloat16 too
 
     @property
     def nbytes(self) -> int:
-        return self.dense.nbytes + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        weights = self.dense.nbytes if self.dense is not None else \
+            self.packed.numel() + self.scale.numel() * self.scale.element_size()
+        return weights + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is None:
+            from .fp4_triton import fp4_matmul
+
+            shape = x.shape
+            y = fp4_matmul(x.reshape(-1, shape[-1]), self.packed, self.scale, self.group, self.g)
+            return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
         y = self.dense(x)
         if self.global_scale is not None:
             y = y.float() / self.global_scale
         return self._finish(y, x.dtype)
+
+
+def _probe_triton(layer: FP4Linear, dtype: torch.dtype) -> str | None:
+    """None when the Triton kernel builds and runs for this layer, else why not (one line): the layer then falls
+    back to the dense path."""
+    if layer.in_features % 32:
+        return f"{layer.in_features} input columns are not a multiple of 32"
+    try:
+        from .fp4_triton import fp4_matmul
+
+        fp4_matmul(torch.zeros(1, layer.in_features, device=layer.packed.device, dtype=dtype), layer.packed,
+                   layer.scale, layer.group, layer.g)
+    except Exception as e:  # noqa: BLE001 - no Triton, no compiler for this GPU, a build error: all mean dense
+        return one_line(e)
+    return None

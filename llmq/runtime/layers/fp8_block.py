@@ -5,7 +5,8 @@ per-group scales exactly as `llmq.quant` (and vLLM's kernel) computes them, dequ
 the weight dequantized block by block, which equals a float64 dequantize-then-matmul within float32 rounding. On
 Hopper (compute capability 9.x) with 128-aligned shapes it runs torch's blockwise-scaled GEMM
 (`torch.nn.functional.scaled_mm`, BlockWise1x128 activations x BlockWise128x128 weights, cuBLASLt from CUDA 12.9), if a
-probe call at load succeeds; that path has not been run on a GPU here.
+probe call at load succeeds (else `fallback_reason` says why). cuBLASLt wants the token count a multiple of 4: decode
+batches are padded with zero rows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import quant
-from .linear import LinearBase, _buffer, _probe
+from .linear import LinearBase, _buffer, one_line
 
 
 class BlockFP8Linear(LinearBase):
@@ -25,13 +26,15 @@ class BlockFP8Linear(LinearBase):
         _buffer(self, "w", qw.q.to(device=device, dtype=quant.FP8))
         _buffer(self, "scale", qw.scale.to(device=device, dtype=torch.float32))
         _buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
-        self.scaled_mm = False
+        self.scaled_mm, self.fallback_reason = False, None
         if self.w.device.type == "cuda" and self.block == (128, 128) and n % 128 == 0 and k % 128 == 0 and \
                 torch.cuda.get_device_capability(self.w.device)[0] == 9 and hasattr(F, "scaled_mm"):
             self.register_buffer("scale_b", scaled_mm_weight_scales(self.scale), persistent=False)  # kept transposed
-            self.scaled_mm = _probe(lambda: blockwise_scaled_mm(torch.zeros(1, k, device=self.w.device), self.w,
-                                                                self.scale_b))
-            if not self.scaled_mm:
+            try:
+                blockwise_scaled_mm(torch.zeros(1, k, device=self.w.device), self.w, self.scale_b)
+                self.scaled_mm = True
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+                self.fallback_reason = one_line(e)
                 self._buffers.pop("scale_b")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,9 @@ def blockwise_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale_b: torch.Tensor)
     """x [M, K] @ w.T on torch's blockwise-scaled FP8 GEMM: x quantized per token per 128 columns (BlockWise1x128,
     scales [M, K / 128] with strides [1, M]), w [N, K] float8 with scale_b from scaled_mm_weight_scales;
     bfloat16 out."""
-    xq, xs = quant.quantize_token_groups(x, quant.FP8_BLOCK)
+    m = x.shape[0]
+    xq, xs = quant.quantize_token_groups(F.pad(x, (0, 0, 0, -m % 4)), quant.FP8_BLOCK)   # zero rows: scale eps, q 0
     sa = torch.empty_strided(xs.shape, (1, xs.shape[0]), device=xs.device).copy_(xs)
     st = F.ScalingType
-    return F.scaled_mm(xq, w.t(), sa, st.BlockWise1x128, scale_b, st.BlockWise128x128, output_dtype=torch.bfloat16)
+    return F.scaled_mm(xq, w.t(), sa, st.BlockWise1x128, scale_b, st.BlockWise128x128,
+                       output_dtype=torch.bfloat16)[:m]

@@ -378,6 +378,12 @@ def _probe(fn) -> bool:
         return False
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line (a layer's fallback_reason: why it runs its exact fallback, not its kernel)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
 class W8A8Linear(LinearBase):
     max_kernel_rows = 8
 
