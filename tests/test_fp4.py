@@ -390,7 +390,7 @@ def test_the_kv_budget_counts_fp4_weights_as_the_runtime_holds_them(source, quan
     (["--method", "mxfp4", "--group-size", "16"], "blocks of 32 input columns"),
     (["--method", "nvfp4", "--asym"], "symmetric"),
     (["--method", "mxfp4", "--per-tensor"], "--per-tensor"),
-    (["--method", "nvfp4", "--activations", "static"], "weight-only"),
+    (["--method", "nvfp4", "--activations", "static"], "drop --activations"),
     (["--method", "nvfp4", "--lm-head", "int8"], "needs a weight-only method"),
     (["--method", "mxfp4", "--target-bpw", "5"], "--target-bpw mixes"),
 ])
@@ -491,11 +491,12 @@ def test_gguf_mxfp4_file_computes_what_the_artifact_does(gguf_built):
 
 
 def test_fp4_checkpoints_llmq_cannot_compute_are_refused_on_read(quantized):
-    """An NVFP4 checkpoint with 4-bit activations (llm-compressor's NVFP4 W4A4) is refused, not served as W4A16."""
+    """An NVFP4 checkpoint whose config says 4-bit activations (llm-compressor's NVFP4 W4A4) but which lacks their
+    input_global_scale is refused, not served as W4A16 (W4A4 itself: test_fp4_w4a4.py)."""
     ck = CheckpointReader(quantized("nvfp4").path)
     cfg = json.loads(json.dumps(ck.config))
     group = cfg["quantization_config"]["config_groups"]["group_0"]
     group["input_activations"] = {**group["weights"], "dynamic": "local"}
     qc = qformat.parse_quantization_config(cfg)
-    with pytest.raises(LlmqError, match="quantized activations"):
+    with pytest.raises(LlmqError, match="input_global_scale is missing"):
         qformat.read_linear(ck.tensors, "model.layers.0.mlp.up_proj", qc)

@@ -1,0 +1,288 @@
+"""FP4 with 4-bit activations (W4A4, `llmq quantize --method nvfp4 / mxfp4 --w4a4`): the activation rounding against
+an independent NumPy reference of the serving kernels' recipe, the runtime layer against a float64 matmul of those
+rounded activations, the checkpoint against compressed-tensors' presets and the loaders' reading of it.
+
+The reference is written from the kernels' arithmetic (vLLM / FlashInfer / TensorRT-LLM `cvt_warp_fp16_to_fp4`,
+vLLM's CPU `ref_nvfp4_quant`): every step in NumPy float32, the E4M3 and E2M1 roundings by brute-force nearest with
+ties to the even code, sharing nothing with `llmq.quant`. Inputs are fresh random numbers each run (the seed is in
+every failure message).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import make_tiny_model
+
+from llmq import quant
+from llmq.errors import LlmqError
+from llmq.models import qformat
+from llmq.models.reader import CheckpointReader
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E4M3 = np.array([(c & 7) / 8 * 2.0 ** -6 if c >> 3 == 0 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7)
+                 for c in range(127)])
+SEED = int.from_bytes(os.urandom(4), "little")
+F32 = np.float32
+
+
+def _nearest_ref(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Index of the nearest grid value (saturating past the last); among equally near ones the even index."""
+    d = np.abs(x.reshape(-1, 1).astype(np.float64) - grid.reshape(1, -1))
+    best = d == d.min(1, keepdims=True)
+    idx = np.where(best.sum(1) > 1, np.argmax(best & (np.arange(len(grid)) % 2 == 0), 1), np.argmax(best, 1))
+    return idx.reshape(x.shape)
+
+
+def _codes_ref(x: np.ndarray) -> np.ndarray:
+    return _nearest_ref(np.abs(x), E2M1) + 8 * (x < 0)
+
+
+def _values_ref(codes: np.ndarray) -> np.ndarray:
+    return E2M1[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+
+
+def nvfp4_ref(x: np.ndarray, g: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [M, K], E4M3 scales [M, K / 16] as float64 values): s = e4m3(g * (amax * f32(1/6))),
+    codes = e2m1(x * (1 / (s * (1 / g)))), all float32, as the kernel computes them."""
+    xb = x.astype(F32).reshape(x.shape[0], -1, 16)
+    amax = np.abs(xb).max(-1)
+    sf = (amax * F32(1 / 6)).astype(F32) * g
+    s = E4M3[_nearest_ref(sf.astype(F32), E4M3)].astype(F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(s != 0, F32(1) / (s * (F32(1) / g)), F32(0)).astype(F32)
+    return _codes_ref((xb * inv[..., None]).astype(F32)).reshape(x.shape), s.astype(np.float64)
+
+
+def mxfp4_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [M, K], biased E8M0 exponents [M, K / 32]): e = ceil(log2(amax * f32(1/6))), the kernels' round-up."""
+    xb = x.astype(F32).reshape(x.shape[0], -1, 32)
+    v = (np.abs(xb).max(-1) * F32(1 / 6)).astype(F32)
+    with np.errstate(divide="ignore"):
+        e = np.where(v > 0, np.ceil(np.log2(v.astype(np.float64))), -127).clip(-127, 127)
+    codes = _codes_ref(xb.astype(np.float64) / np.exp2(e)[..., None])   # a power of two: exact either way
+    return codes.reshape(x.shape), (e + 127).astype(np.int64)
+
+
+def _activations(m=40, k=128, gen=None) -> np.ndarray:
+    """Activations with a spread of block magnitudes, exact zeros, an all-zero block and some outliers."""
+    gen = gen or np.random.default_rng(SEED)
+    x = gen.standard_normal((m, k)) * np.exp2(gen.integers(-10, 5, (m, k // 16))).repeat(16, 1)
+    x[gen.random((m, k)) < 0.02] = 0.0
+    x[0, :32] = 0.0
+    x[1, 5] = 300.0
+    return x.astype(np.float32)
+
+
+def test_nvfp4_activations_match_the_kernel_recipe():
+    x = _activations()
+    g = F32(quant.NVFP4_GLOBAL) / F32(50.0)   # calibrated on max |x| = 50: x[1, 5] = 300 lies beyond it
+    codes, scale = quant.fp4_activation_codes(torch.from_numpy(x), "nvfp4", torch.tensor([g]))
+    c_ref, s_ref = nvfp4_ref(x, g)
+    assert scale.dtype == torch.float8_e4m3fn and scale.shape == (40, 8)
+    np.testing.assert_array_equal(scale.double().numpy(), s_ref, err_msg=f"seed {SEED}")
+    np.testing.assert_array_equal(codes.numpy(), c_ref, err_msg=f"seed {SEED}")
+    assert scale[1, 0].item() == 448.0 and codes[1, 5].item() == 7   # past the calibrated amax: both saturate
+    assert (codes[0, :32] == 0).all() and (scale[0, :2].float() == 0).all()   # an all-zero block
+    values, gd = quant.fp4_activations(torch.from_numpy(x), "nvfp4", torch.tensor([g]))
+    assert values.dtype == torch.bfloat16 and gd.dtype == torch.float32 and gd.item() == g
+    want = (_values_ref(c_ref).reshape(40, 8, 16) * s_ref[..., None]).reshape(40, 128)   # exact in float64
+    np.testing.assert_array_equal(values.double().numpy(), want, err_msg=f"seed {SEED}")
+
+
+def test_nvfp4_activation_conventions():
+    """The input global scale divides, as the weight's: with g = 2688 / amax the block holding amax gets the largest
+    E4M3 scale and amax comes back as 6 x 448 / g; a quotient on a midpoint goes to the even code."""
+    amax = 3.25
+    g = quant.nvfp4_global_scale(torch.tensor(amax))
+    x = torch.zeros(1, 16)
+    x[0, 0] = amax
+    codes, s = quant.fp4_activation_codes(x, "nvfp4", g)
+    assert s[0, 0].item() == 448.0 and codes[0, 0].item() == 7
+    v, gd = quant.fp4_activations(x, "nvfp4", g)
+    assert v[0, 0].item() / gd.item() == pytest.approx(amax, rel=2 ** -20)
+    # g = 1 and block amax 48: s = e4m3(48 * f32(1/6)) = 8, the multiplier exactly 1/8; quotients 2.5 and 5 are
+    # midpoints and go to the even codes (2 and 4), as cvt.rn.satfinite.e2m1 rounds
+    y = torch.tensor([[48.0, 20.0, -40.0, 47.0] + [0.0] * 12])
+    c, s = quant.fp4_activation_codes(y, "nvfp4", torch.tensor([1.0]))
+    assert s.item() == 8.0 and quant.e2m1_values(c)[0, :4].tolist() == [6.0, 2.0, -4.0, 6.0]
+
+
+def test_mxfp4_activations_match_the_kernel_recipe_and_never_saturate():
+    x = _activations(k=256)
+    x[2, 32:64] = np.linspace(-7.0, 7.0, 32)   # amax 7: 2^ceil(log2(7/6)) = 2, where the OCP weight rule takes 1
+    codes, e = quant.fp4_activation_codes(torch.from_numpy(x), "mxfp4")
+    c_ref, e_ref = mxfp4_ref(x)
+    assert e.dtype == torch.uint8 and e.shape == (40, 8)
+    np.testing.assert_array_equal(e.numpy().astype(np.int64), e_ref, err_msg=f"seed {SEED}")
+    np.testing.assert_array_equal(codes.numpy(), c_ref, err_msg=f"seed {SEED}")
+    assert e[2, 1].item() == 128 and quant.mxfp4_quantize(torch.from_numpy(x[2:3]))[1][0, 1].item() == 127
+    blocks = np.abs(x.astype(np.float64)).reshape(40, -1, 32).max(-1)
+    held = blocks / np.exp2(e.numpy().astype(np.float64) - 127)
+    assert (held[blocks > 0] <= 6).all() and (held[blocks > 0] > 3).all()   # the block max lands in (3, 6]
+    values, gd = quant.fp4_activations(torch.from_numpy(x), "mxfp4")
+    assert gd is None
+    want = (_values_ref(c_ref).reshape(40, 8, 32) * np.exp2(e_ref - 127.0)[..., None]).reshape(40, 256)
+    np.testing.assert_array_equal(values.double().numpy(), want, err_msg=f"seed {SEED}")
+    # an exact power of two times 6 keeps its exponent (read off the bits: no rounding up)
+    p = torch.zeros(1, 32)
+    p[0, 0] = 6.0 * 2.0 ** -3
+    assert quant.mxfp4_activation_scales(p).item() == 127 - 3
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_w4a4_layer_is_the_float64_matmul_of_rounded_activations(fmt):
+    """FP4Linear with FP4 activations: the float64 product of the reference's rounded activations and the dequantized
+    weight, divided by both global scales (NVFP4), up to float32 summation; bfloat16 inputs are rounded from their own
+    values."""
+    from llmq.pipeline.quantize.fp4 import quantize_weight
+    from llmq.runtime.layers.fp4 import FP4Linear
+
+    gen = np.random.default_rng(SEED)
+    w = torch.from_numpy((gen.standard_normal((48, 128)) * 0.05).astype(np.float32))
+    x = _activations(m=7, gen=gen)
+    ig = quant.nvfp4_global_scale(torch.tensor(float(np.abs(x).max()))) if fmt == "nvfp4" else None
+    qw = quantize_weight(w, fmt, w4a4=True, input_global_scale=ig)
+    assert qw.scheme == fmt.upper() and qw.activation_bits == 4
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        xin = torch.from_numpy(x).to(dtype)
+        xr = xin.float().numpy()
+        if fmt == "nvfp4":
+            c, s = nvfp4_ref(xr, F32(ig.item()))
+            xq = (_values_ref(c).reshape(7, 8, 16) * s[..., None]).reshape(7, 128) / np.float64(ig.item())
+        else:
+            c, e = mxfp4_ref(xr)
+            xq = (_values_ref(c).reshape(7, 4, 32) * np.exp2(e - 127.0)[..., None]).reshape(7, 128)
+        want = torch.from_numpy(xq) @ qw.dequantize().double().T
+        got = FP4Linear(qw, None, dtype, "cpu")(xin).double()
+        assert ((got - want).abs().max() / want.abs().max()).item() < tol, (fmt, dtype, f"seed {SEED}")
+        if dtype == torch.float32:   # the comparison can see unrounded activations
+            w4a16 = FP4Linear(qformat.QuantizedWeight(**{**qw.__dict__, "dynamic": False,
+                                                         "input_global_scale": None}), None, dtype, "cpu")(xin)
+            assert (w4a16.double() - want).abs().max().item() > 1000 * tol * want.abs().max().item()
+
+
+# -- the checkpoint ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    d = tmp_path_factory.mktemp("w4a4")
+    path = make_tiny_model(d / "tiny", seed=3)
+    store = Store(d / "store")
+    return store, resolve_model(str(path), store)
+
+
+@pytest.fixture(scope="module")
+def quantized(source):
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = source
+    made = {}
+
+    def get(method, w4a4=True):
+        if (method, w4a4) not in made:
+            made[method, w4a4] = quantize(src, QuantizeOptions(method=method, w4a4=w4a4, probe_tokens=256), store,
+                                          progress=False)
+        return made[method, w4a4]
+
+    return get
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_checkpoint_is_compressed_tensors_w4a4_preset(quantized, method):
+    """The config group is compressed-tensors' own NVFP4 / MXFP4 preset (weights and input_activations, the NVFP4
+    activations dynamic "local" with the static_minmax observer), the format its pack-quantized FP4 one; NVFP4 stores
+    `input_global_scale` float32 [1] beside the weight's, which vLLM's CompressedTensorsW4A4Fp4 creates and reads
+    (one per fused part, PerTensorScaleParameter); read back, every linear is W4A4 again."""
+    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+
+    art = quantized(method)
+    ck = CheckpointReader(art.path)
+    cfg = ck.config["quantization_config"]
+    (group,) = cfg["config_groups"].values()
+    preset = preset_name_to_scheme(method.upper(), ["Linear"])
+    for part in ("weights", "input_activations"):
+        assert group[part] == getattr(preset, part).model_dump(mode="json", exclude_none=True), part
+    assert cfg["format"] == qformat.FP4_FORMATS[method][1]
+    QuantizationScheme.model_validate(group)
+    assert art.config["scheme"] == method.upper() and art.name.endswith("-a4")
+    qc = qformat.parse_quantization_config(ck.config)
+    for key in [k for k in ck.tensors if k.endswith(".weight_packed")]:
+        prefix = key[:-len(".weight_packed")]
+        qw = qformat.read_linear(ck.tensors, prefix, qc)
+        assert qw.dynamic and qw.scheme == method.upper()
+        ig = ck.tensors.get(f"{prefix}.input_global_scale")
+        if method == "mxfp4":
+            assert ig is None and qw.input_global_scale is None
+        else:
+            assert ig.dtype == torch.float32 and ig.shape == (1,) and torch.equal(qw.input_global_scale, ig)
+        for k, t in qformat.write_linear(prefix, qw).items():
+            assert torch.equal(t, ck.tensors[k]), k
+
+
+def test_nvfp4_input_global_scale_is_calibrated_and_shared_per_unit(quantized):
+    """2688 / the largest |x| a unit's linears saw in calibration (the input of q/k/v is one tensor, so is gate/up's):
+    one value per fused unit, which vLLM's max over the parts and TensorRT-LLM's equality assertion both need."""
+    ck = CheckpointReader(quantized("nvfp4").path)
+    for i in range(2):
+        units = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+                 ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+        seen = []
+        for unit in units:
+            parts = [ck.linear(f"model.layers.{i}.{u}").qw for u in unit]
+            gs = {p.input_global_scale.item() for p in parts}
+            assert len(gs) == 1, unit
+            seen.append(gs.pop())
+        assert len(set(seen)) == 4 and all(0 < g < 1e6 for g in seen)
+
+
+def test_the_probe_measures_w4a4(quantized):
+    """The quality probe runs the runtime's layers, so it measures the activation rounding: W4A4 moves further from the
+    source than W4A16 of the same weights."""
+    for method in ("nvfp4", "mxfp4"):
+        a4, a16 = quantized(method).metrics["probe"], quantized(method, False).metrics["probe"]
+        assert a4["kld_mean"] > a16["kld_mean"] > 0, (method, a4, a16)
+
+
+def test_runtime_serves_the_w4a4_checkpoint_as_w4a4(quantized):
+    """llmq's engine over the W4A4 artifact builds W4A4 layers (fused q/k/v and gate/up keep their one input scale)."""
+    from llmq.runtime.layers.fp4 import FP4Linear
+    from llmq.runtime.loader import build_linear
+
+    ck = CheckpointReader(quantized("nvfp4").path)
+    parts = [ck.linear(f"model.layers.0.self_attn.{p}_proj") for p in "qkv"]
+    layer = build_linear(parts, torch.float32, "cpu")
+    assert isinstance(layer, FP4Linear) and layer.act == "nvfp4"
+    assert torch.equal(layer.input_global_scale, parts[0].qw.input_global_scale)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--method", "rtn", "--w4a4"], "--w4a4 is an FP4 option"),
+    (["--method", "nvfp4", "--w4a4", "--activations", "static"], "drop --activations"),
+])
+def test_w4a4_option_errors_are_one_line(source, args, match):
+    from llmq.cli.main import cli
+
+    store, src = source
+    r = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", src.ref, *args])
+    assert r.exit_code == 2 and match in r.output and r.output.startswith("error: "), r.output
+    assert r.output.strip().count("\n") == 0
+
+
+def test_fp4_activations_in_another_format_are_refused_on_read(quantized):
+    """An NVFP4 checkpoint whose activations are not the NVFP4 preset's (here: FP8 per token) is refused, not served
+    as something else."""
+    ck = CheckpointReader(quantized("nvfp4").path)
+    cfg = json.loads(json.dumps(ck.config))
+    group = cfg["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    qc = qformat.parse_quantization_config(cfg)
+    with pytest.raises(LlmqError, match="these quantized activations"):
+        qformat.read_linear(ck.tensors, "model.layers.0.mlp.up_proj", qc)
