@@ -286,3 +286,109 @@ def test_fp4_activations_in_another_format_are_refused_on_read(quantized):
     qc = qformat.parse_quantization_config(cfg)
     with pytest.raises(LlmqError, match="these quantized activations"):
         qformat.read_linear(ck.tensors, "model.layers.0.mlp.up_proj", qc)
+
+
+# -- TensorRT-LLM ------------------------------------------------------------------------------------------------------
+# NVFP4LinearMethod (`_torch/modules/linear.py`) as data: `weight` [out, in/2] FP4 pairs, `weight_scale` float8_e4m3fn
+# [out, in/16], `weight_scale_2` and `input_scale` float32 scalars asserted equal across a fused q/k/v or gate/up;
+# ModelOpt's scalars are multipliers (amax / 2688): alpha = input_scale * weight_scale_2, and activations are quantized
+# under 1 / input_scale by fp4_quantize (the kernel recipe above).
+TRT_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _trtllm_logits(ckpt, ids, hooks: bool):
+    """transformers over the TensorRT-LLM checkpoint, each NVFP4 linear's weight as the backend dequantizes it and,
+    with `hooks`, its input rounded by the reference recipe under 1 / input_scale."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    st = {}
+    for f in ckpt.glob("*.safetensors"):
+        st |= load_file(str(f))
+    sd, scales = {}, {}
+    for k, v in st.items():
+        if k.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+            continue
+        name = k[:-len(".weight")]
+        if v.dtype == torch.uint8:
+            b = v.numpy()
+            codes = np.stack([b & 15, b >> 4], -1).reshape(v.shape[0], -1)
+            s = st[f"{name}.weight_scale"].float().numpy().astype(np.float64)
+            w = (_values_ref(codes).reshape(*s.shape, 16) * s[..., None]).reshape(codes.shape)
+            sd[k] = torch.from_numpy(w * float(st[f"{name}.weight_scale_2"])).float()
+            scales[name] = F32(1) / F32(float(st[f"{name}.input_scale"]))
+        else:
+            sd[k] = v.float()
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}),
+        dtype=torch.float32).eval()
+    model.load_state_dict(sd, strict=True)
+    if hooks:
+        def rounding(g):
+            def hook(_, args):
+                x = args[0]
+                flat = x.reshape(-1, x.shape[-1]).numpy()
+                c, s = nvfp4_ref(flat, g)
+                v = (_values_ref(c).reshape(*s.shape, 16) * s[..., None]).reshape(flat.shape) / np.float64(g)
+                return (torch.from_numpy(v).float().reshape(x.shape),)
+            return hook
+        for name, g in scales.items():
+            model.get_submodule(name).register_forward_pre_hook(rounding(g))
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits.double(), -1)
+
+
+def test_trtllm_nvfp4_w4a4_checkpoint_is_what_the_backend_loads(source, quantized):
+    """`build --target trtllm` of an NVFP4 W4A4 artifact: quant_algo NVFP4 with ModelOpt's tensors and scalar
+    multipliers, one per fused unit; 1 / input_scale is llmq's input global scale exactly (the backend rounds activations
+    as llmq did); the backend's computation (its dequantized weights, activations rounded by the recipe) matches what
+    llmq's runtime evaluated; the reference check passes."""
+    from helpers import llmq_logits
+
+    from llmq.pipeline.quantize.probe import kld_top1
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, _ = source
+    art = quantized("nvfp4")
+    eng = build_engine(art, store, BuildOptions(target="trtllm", verify=True))
+    ckpt = eng.path / "trtllm"
+    q = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "NVFP4" and q["group_size"] == 16 and "lm_head" in q["exclude_modules"]
+    assert eng.metrics["verify"]["passed"]
+    rounding = json.loads((eng.path / "engine.json").read_text())["outputs"]["nvfp4_rounding"]
+    assert rounding["input_scales_not_exactly_inverted"] == 0 and rounding["alpha_max_rel_error"] < 2 ** -22
+    from safetensors.torch import load_file
+    st = {}
+    for f in ckpt.glob("*.safetensors"):
+        st |= load_file(str(f))
+    ck = CheckpointReader(art.path)
+    for i in range(2):
+        for group in TRT_FUSED + (("o_proj",), ("down_proj",)):
+            names = [f"model.layers.{i}.{'mlp' if r in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{r}"
+                     for r in group]
+            for key in ("weight_scale_2", "input_scale"):
+                vals = {float(st[f"{n}.{key}"]) for n in names}
+                assert len(vals) == 1 and all(st[f"{n}.{key}"].dtype == torch.float32 for n in names), (names, key)
+            for n in names:
+                qw = ck.linear(n).qw
+                w, s = st[f"{n}.weight"], st[f"{n}.weight_scale"]
+                assert w.dtype == torch.uint8 and tuple(w.shape) == (qw.shape[0], qw.shape[1] // 2)
+                assert s.dtype == torch.float8_e4m3fn and tuple(s.shape) == (qw.shape[0], qw.shape[1] // 16)
+                assert torch.equal(1.0 / st[f"{n}.input_scale"], qw.input_global_scale.reshape(()))
+                assert float(st[f"{n}.weight_scale_2"]) == pytest.approx(1 / qw.global_scale.item(), rel=2 ** -23)
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(SEED))
+    ours = llmq_logits(art.path, ids)
+    near = kld_top1(ours, _trtllm_logits(ckpt, ids, hooks=True))["kld_mean"]
+    far = kld_top1(ours, _trtllm_logits(ckpt, ids, hooks=False))["kld_mean"]
+    assert near < 1e-4 and far > 10 * near, (near, far, f"seed {SEED}")
+
+
+def test_trtllm_still_refuses_weight_only_nvfp4_and_mxfp4_w4a4(source, quantized):
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, _ = source
+    for method, w4a4, match in (("nvfp4", False, r"^NVFP4 weight-only: .*--w4a4"),
+                                ("mxfp4", True, r"^MXFP4 weight-only: .*MoE experts only")):
+        with pytest.raises(LlmqError, match=match):
+            build_engine(quantized(method, w4a4), store, BuildOptions(target="trtllm"))
