@@ -392,3 +392,28 @@ def test_trtllm_still_refuses_weight_only_nvfp4_and_mxfp4_w4a4(source, quantized
                                 ("mxfp4", True, r"^MXFP4 weight-only: .*MoE experts only")):
         with pytest.raises(LlmqError, match=match):
             build_engine(quantized(method, w4a4), store, BuildOptions(target="trtllm"))
+
+
+# -- GGUF --------------------------------------------------------------------------------------------------------------
+def test_gguf_exports_w4a4_weights_exactly_and_says_the_activations_are_llamacpps(tmp_path):
+    """llama.cpp's FP4 types are weight formats (its CPU dot products take Q8_0 activation blocks): the W4A4 artifact's
+    GGUF holds exactly the W4A16 one's tensors, and its record says the activations are not carried."""
+    import gguf
+    from test_export_gguf import _bf16, gguf_file
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+    from llmq.pipeline.targets.gguf_target import W4A4_NOTE
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(_bf16(make_tiny_model(tmp_path / "tiny", seed=7))), store)
+    files = {}
+    for w4a4 in (False, True):
+        art = quantize(src, QuantizeOptions(method="nvfp4", w4a4=w4a4, probe_tokens=0), store, progress=False)
+        eng = build_engine(art, store, BuildOptions(target="gguf"))
+        rec = json.loads((eng.path / "engine.json").read_text())["outputs"]["gguf"]
+        assert rec.get("activations") == (W4A4_NOTE if w4a4 else None)
+        files[w4a4] = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(gguf_file(eng)).tensors}
+    assert files[True] == files[False]
