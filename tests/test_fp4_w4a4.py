@@ -227,6 +227,27 @@ def test_checkpoint_is_compressed_tensors_w4a4_preset(quantized, method):
             assert torch.equal(t, ck.tensors[k]), k
 
 
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_transformers_loads_the_w4a4_checkpoint(quantized, method):
+    """transformers' compressed-tensors loader reads the W4A4 checkpoint: llmq's weights, and for NVFP4 the
+    `input_global_scale` parameter it registers for the activations holds llmq's value."""
+    from transformers import AutoModelForCausalLM
+
+    art = quantized(method)
+    ck = CheckpointReader(art.path)
+    qc = qformat.parse_quantization_config(ck.config)
+    model = AutoModelForCausalLM.from_pretrained(art.path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert len(names) == 14
+    for name in names:
+        qw, mod = qformat.read_linear(ck.tensors, name, qc), model.get_submodule(name)
+        assert torch.equal(mod.weight.data, qw.dequantize(torch.bfloat16)), name
+        if method == "nvfp4":
+            assert torch.equal(mod.input_global_scale.data.float(), qw.input_global_scale), name
+
+
 def test_nvfp4_input_global_scale_is_calibrated_and_shared_per_unit(quantized):
     """2688 / the largest |x| a unit's linears saw in calibration (the input of q/k/v is one tensor, so is gate/up's):
     one value per fused unit, which vLLM's max over the parts and TensorRT-LLM's equality assertion both need."""
