@@ -281,9 +281,9 @@ def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor, global_scale: torch
 # compute them (vLLM / FlashInfer / TensorRT-LLM's `cvt_warp_fp16_to_fp4`, all float32, with the reciprocals that
 # kernel approximates taken exactly here, as vLLM's own CPU reference `ref_nvfp4_quant` does):
 # - NVFP4 (compressed-tensors' NVFP4 preset, llm-compressor's W4A4): per 16 inputs an E4M3 scale
-#   s = e4m3(g * (amax * f32(1/6))) under a static per-tensor `input_global_scale` g = 2688 / calibrated amax (a divisor,
-#   as the weight's); the quotient x * (1 / (s * (1 / g))), rounded half to even onto E2M1 and saturating at 6; real
-#   value code * s / g. An all-zero block has s = 0 and codes 0.
+#   s = e4m3(g * (amax * f32(1/6))) under a static per-tensor `input_global_scale` g = 2688 / calibrated amax (a
+#   divisor, as the weight's); the quotient x * (1 / (s * (1 / g))), rounded half to even onto E2M1 and saturating at
+#   6; real value code * s / g. An all-zero block has s = 0 and codes 0.
 # - MXFP4 (compressed-tensors' MXFP4 preset): per 32 inputs an E8M0 scale 2^ceil(log2(amax * f32(1/6))), the kernels'
 #   round-up conversion (`__nv_cvt_float_to_e8m0(..., cudaRoundPosInf)`): the block's largest magnitude lands in (3, 6]
 #   and never saturates; no global scale. (llmq's MXFP4 *weights* keep the OCP rule above: a stored exponent means the

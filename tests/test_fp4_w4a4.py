@@ -362,9 +362,9 @@ def _trtllm_logits(ckpt, ids, hooks: bool):
 
 def test_trtllm_nvfp4_w4a4_checkpoint_is_what_the_backend_loads(source, quantized):
     """`build --target trtllm` of an NVFP4 W4A4 artifact: quant_algo NVFP4 with ModelOpt's tensors and scalar
-    multipliers, one per fused unit; 1 / input_scale is llmq's input global scale exactly (the backend rounds activations
-    as llmq did); the backend's computation (its dequantized weights, activations rounded by the recipe) matches what
-    llmq's runtime evaluated; the reference check passes."""
+    multipliers, one per fused unit; 1 / input_scale is llmq's input global scale exactly (the backend rounds
+    activations as llmq did); the backend's computation (its dequantized weights, activations rounded by the recipe)
+    matches what llmq's runtime evaluated; the reference check passes."""
     from helpers import llmq_logits
 
     from llmq.pipeline.quantize.probe import kld_top1
@@ -374,8 +374,11 @@ def test_trtllm_nvfp4_w4a4_checkpoint_is_what_the_backend_loads(source, quantize
     art = quantized("nvfp4")
     eng = build_engine(art, store, BuildOptions(target="trtllm", verify=True))
     ckpt = eng.path / "trtllm"
+    from pathlib import Path
+
+    facts = json.loads((Path(__file__).parent / "data" / "fp4_w4a4_loaders.json").read_text())["tensorrt_llm_nvfp4"]
     q = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
-    assert q["quant_algo"] == "NVFP4" and q["group_size"] == 16 and "lm_head" in q["exclude_modules"]
+    assert facts["hf_quant_config"].items() <= q.items() and "lm_head" in q["exclude_modules"]
     assert eng.metrics["verify"]["passed"]
     rounding = json.loads((eng.path / "engine.json").read_text())["outputs"]["nvfp4_rounding"]
     assert rounding["input_scales_not_exactly_inverted"] == 0 and rounding["alpha_max_rel_error"] < 2 ** -22
@@ -393,6 +396,12 @@ def test_trtllm_nvfp4_w4a4_checkpoint_is_what_the_backend_loads(source, quantize
                 assert len(vals) == 1 and all(st[f"{n}.{key}"].dtype == torch.float32 for n in names), (names, key)
             for n in names:
                 qw = ck.linear(n).qw
+                have = {k[len(n) + 1:]: t for k, t in st.items() if k.startswith(n + ".")}
+                assert set(have) == set(facts["tensors"]), n
+                for key, (dtype, shape) in facts["tensors"].items():
+                    assert str(have[key].dtype) == f"torch.{dtype}", (n, key)
+                    assert have[key].numel() == 1 if shape == "scalar" else \
+                        tuple(have[key].shape) == _shape(shape, *qw.shape), (n, key)
                 w, s = st[f"{n}.weight"], st[f"{n}.weight_scale"]
                 assert w.dtype == torch.uint8 and tuple(w.shape) == (qw.shape[0], qw.shape[1] // 2)
                 assert s.dtype == torch.float8_e4m3fn and tuple(s.shape) == (qw.shape[0], qw.shape[1] // 16)
@@ -438,3 +447,50 @@ def test_gguf_exports_w4a4_weights_exactly_and_says_the_activations_are_llamacpp
         assert rec.get("activations") == (W4A4_NOTE if w4a4 else None)
         files[w4a4] = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(gguf_file(eng)).tensors}
     assert files[True] == files[False]
+
+
+def _shape(spec, out: int, inn: int) -> tuple[int, ...] | None:
+    if spec == "scalar":
+        return None
+    return tuple({"out": out, "in/2": inn // 2, "in/16": inn // 16, "in/32": inn // 32, "1": 1}[d] for d in spec)
+
+
+@pytest.mark.parametrize("loader, method", [("vllm_compressed_tensors_nvfp4", "nvfp4"),
+                                            ("vllm_compressed_tensors_mxfp4", "mxfp4")])
+def test_the_checkpoint_has_what_vllm_creates(quantized, loader, method):
+    """Every quantized linear carries exactly the tensors vLLM's W4A4 scheme registers, with its dtypes and shapes
+    (tests/data/fp4_w4a4_loaders.json)."""
+    from pathlib import Path
+
+    facts = json.loads((Path(__file__).parent / "data" / "fp4_w4a4_loaders.json").read_text())[loader]["tensors"]
+    ck = CheckpointReader(quantized(method).path)
+    prefixes = [k[:-len(".weight_packed")] for k in ck.tensors if k.endswith(".weight_packed")]
+    assert len(prefixes) == 14
+    for p in prefixes:
+        out, inn = ck.linear(p).qw.shape
+        have = {k[len(p) + 1:]: t for k, t in ck.tensors.items() if k.startswith(p + ".")}
+        assert set(have) == set(facts), p
+        for name, (dtype, shape) in facts.items():
+            assert str(have[name].dtype) == f"torch.{dtype}" and tuple(have[name].shape) == _shape(shape, out, inn)
+
+
+def test_tp2_build_keeps_the_activation_scales_on_every_rank(source, quantized):
+    """`build --tp 2`: each rank's column- and row-parallel W4A4 linears keep NVFP4's input global scale (one tensor
+    for the whole input, whichever columns a rank holds) and the split passes the reference check."""
+    from llmq.models.engine_spec import EngineSpec
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, _ = source
+    art = quantized("nvfp4")
+    eng = build_engine(art, store, BuildOptions(target="llmq", tp=2, verify=True))
+    assert eng.metrics["verify"]["passed"]
+    ck = CheckpointReader(art.path)
+    seen = 0
+    for d in EngineSpec.read(eng.path).ranks:   # each rank directory is a sliced checkpoint
+        rank = CheckpointReader(eng.path / d)
+        for i in range(2):
+            src = ck.layer_linears(i)
+            for role, lw in rank.layer_linears(i).items():
+                assert lw.qw.dynamic and torch.equal(lw.qw.input_global_scale, src[role].qw.input_global_scale), role
+                seen += 1
+    assert seen == 2 * 2 * 7

@@ -89,8 +89,8 @@ METHODS: dict[str, type[MethodOptions]] = {
     "fp8": MethodOptions, "nvfp4": FP4Options, "mxfp4": FP4Options, "bnb-nf4": NF4Options,
     "bnb-int8": LLMInt8Options}
 METHODS_HELP = ("rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; fp8: FP8 E4M3; "
-                "nvfp4 / mxfp4: FP4, round-to-nearest, weight-only or --w4a4; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / LLM.int8 "
-                "(needs llmq[bnb]).")  # --method's help
+                "nvfp4 / mxfp4: FP4, round-to-nearest, weight-only or --w4a4; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / "
+                "LLM.int8 (needs llmq[bnb]).")  # --method's help
 WEIGHT_ONLY = ("rtn", "gptq", "awq")  # the integer weight-only methods: --scales, --embedding / --lm-head int8, mixed
 PACKAGE = __name__.rsplit(".", 1)[0]
 
