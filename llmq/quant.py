@@ -22,7 +22,8 @@ rule: the block's largest magnitude lands in [4, 8), above 6 it saturates), no g
 differently where the choice leaves the meaning of stored numbers unchanged: llm-compressor's MX observer rounds a
 block amax whose mantissa is >= 1.75 up to the next power of two before taking the exponent (fewer saturated values),
 and gguf-py's NumPy MXFP4 quantizer breaks ties toward the smaller magnitude; every reader decodes the same exponent
-and code alike, and llmq's exports carry its own.
+and code alike, and llmq's exports carry its own. FP4 activations (W4A4) follow the serving kernels instead (see
+`fp4_activations` below).
 bitsandbytes' two schemes (`llmq quantize --method bnb-nf4 / bnb-int8`) keep bitsandbytes' own conventions, since
 its checkpoints are read by transformers, vLLM and TGI with its kernels: 4-bit codes looked up in a 16-entry table
 (NF4) times one absmax per block of the flattened weight; LLM.int8's rows scaled by SCB / 127 and its activations
