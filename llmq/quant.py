@@ -22,7 +22,8 @@ rule: the block's largest magnitude lands in [4, 8), above 6 it saturates), no g
 differently where the choice leaves the meaning of stored numbers unchanged: llm-compressor's MX observer rounds a
 block amax whose mantissa is >= 1.75 up to the next power of two before taking the exponent (fewer saturated values),
 and gguf-py's NumPy MXFP4 quantizer breaks ties toward the smaller magnitude; every reader decodes the same exponent
-and code alike, and llmq's exports carry its own.
+and code alike, and llmq's exports carry its own. FP4 activations (W4A4) follow the serving kernels instead (see
+`fp4_activations` below).
 bitsandbytes' two schemes (`llmq quantize --method bnb-nf4 / bnb-int8`) keep bitsandbytes' own conventions, since
 its checkpoints are read by transformers, vLLM and TGI with its kernels: 4-bit codes looked up in a 16-entry table
 (NF4) times one absmax per block of the flattened weight; LLM.int8's rows scaled by SCB / 127 and its activations
@@ -275,6 +276,79 @@ def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor, global_scale: torch
     g = scale.shape[-1]
     v = e2m1_values(codes).reshape(n, g, k // g) * fp4_block_scale(scale, global_scale).unsqueeze(-1)
     return v.reshape(n, k).to(dtype)
+
+
+# W4A4: FP4 activations, rounded at run time per block of the input dimension, as the engines that serve the formats
+# compute them (vLLM / FlashInfer / TensorRT-LLM's `cvt_warp_fp16_to_fp4`, all float32, with the reciprocals that
+# kernel approximates taken exactly here, as vLLM's own CPU reference `ref_nvfp4_quant` does):
+# - NVFP4 (compressed-tensors' NVFP4 preset, llm-compressor's W4A4): per 16 inputs an E4M3 scale
+#   s = e4m3(g * (amax * f32(1/6))) under a static per-tensor `input_global_scale` g = 2688 / calibrated amax (a
+#   divisor, as the weight's); the quotient x * (1 / (s * (1 / g))), rounded half to even onto E2M1 and saturating at
+#   6; real value code * s / g. An all-zero block has s = 0 and codes 0.
+# - MXFP4 (compressed-tensors' MXFP4 preset): per 32 inputs an E8M0 scale 2^ceil(log2(amax * f32(1/6))), the kernels'
+#   round-up conversion (`__nv_cvt_float_to_e8m0(..., cudaRoundPosInf)`): the block's largest magnitude lands in (3, 6]
+#   and never saturates; no global scale. (llmq's MXFP4 *weights* keep the OCP rule above: a stored exponent means the
+#   same to every reader, while activations are rounded by whichever kernel runs, so llmq follows the kernel.)
+SIXTH = torch.tensor(1 / 6, dtype=torch.float32)   # the float32 1/6 those kernels multiply the block amax by
+
+
+def nvfp4_activation_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales [..., K / 16] of activations x [..., K] under the static input global scale (float32 [1])."""
+    amax = _act_blocks(x, NVFP4_BLOCK).abs().amax(-1)
+    return round_e4m3((amax * SIXTH.to(x.device)) * global_scale.float().to(x.device).reshape(()))
+
+
+def mxfp4_activation_scales(x: torch.Tensor) -> torch.Tensor:
+    """E8M0 biased exponents (uint8) [..., K / 32] of activations x [..., K]: 2^ceil(log2(amax * f32(1/6))), read off
+    the float32 bits (never through a logarithm); 0 (2^-127) for an all-zero block, saturating at 2^127."""
+    v = _act_blocks(x, MXFP4_BLOCK).abs().amax(-1) * SIXTH.to(x.device)
+    bits = v.view(torch.int32)
+    exp = (bits >> 23) & 0xFF                       # biased exponent of a normal v; 0 for subnormals and zero
+    up = (bits & 0x7FFFFF) != 0                     # a mantissa beyond the power of two rounds up
+    e = torch.where(exp > 0, exp + up.int(), torch.where(v > 0, _subnormal_ceil(v), 0))
+    return e.clamp(0, 254).to(torch.uint8)
+
+
+def _subnormal_ceil(v: torch.Tensor) -> torch.Tensor:
+    """ceil(log2 v) + 127 of float32 subnormals v (> 0), exact: frexp on their float64 values."""
+    m, e = torch.frexp(v.double())
+    return (e - 1 + (m != 0.5).int() + E8M0_BIAS).int()
+
+
+def _act_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    x = x.float()
+    if x.shape[-1] % block:
+        raise ValueError(f"{x.shape[-1]} input features are not a whole number of {block}-wide FP4 blocks")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def fp4_activation_codes(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4A4 activations x [..., K] as (E2M1 codes uint8 [..., K], block scales: E4M3 [..., K / 16] for "nvfp4" under
+    `global_scale`, E8M0 uint8 [..., K / 32] for "mxfp4"), computed as the serving kernels do (see above)."""
+    if fmt == "nvfp4":
+        scale = nvfp4_activation_scales(x, global_scale)
+        s = scale.float()
+        inv = torch.where(s != 0, 1.0 / (s * (1.0 / global_scale.float().to(x.device).reshape(()))),
+                          torch.zeros((), device=x.device))
+        xb = _act_blocks(x, NVFP4_BLOCK)
+    else:
+        scale = mxfp4_activation_scales(x)
+        inv = torch.ldexp(torch.ones(scale.shape, device=x.device), E8M0_BIAS - scale.int())   # exact: 2^-e
+        xb = _act_blocks(x, MXFP4_BLOCK)
+    return e2m1_codes(xb * inv.unsqueeze(-1)).reshape(x.shape), scale
+
+
+def fp4_activations(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What an FP4 (W4A4) layer multiplies its weight by: (E2M1 value x block scale of x [..., K], bfloat16, exact:
+    at most 6 significant bits; the float32 global divisor [1] that real activations are those values over, NVFP4's
+    input global scale, or None for MXFP4). The matmul on these values is exact in its operands, and the output divided
+    by (input global x weight global) is what the FP4 GEMM computes."""
+    codes, scale = fp4_activation_codes(x, fmt, global_scale)
+    block = NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK
+    v = _act_blocks(e2m1_values(codes), block) * fp4_block_scale(scale).unsqueeze(-1)
+    return v.reshape(x.shape).to(torch.bfloat16), (global_scale.float().reshape(1) if fmt == "nvfp4" else None)
 
 
 FP8_BLOCK = 128  # block FP8's weight block edge and activation group width

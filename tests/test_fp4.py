@@ -192,13 +192,13 @@ e8m0 = torch.arange(28, 228, 2, dtype=torch.uint8).reshape(100, 1).expand(100, 8
 codes, e4m3, e8m0 = codes.repeat(1, 8), e4m3.repeat(1, 8), e8m0.repeat(1, 8)   # K = 2048: enough to split K
 gen = torch.Generator().manual_seed(%d)
 out, splits = {}, {}
-for name, scale, group, g in (("nvfp4", e4m3, 16, torch.tensor([0.75])), ("mxfp4", e8m0, 32, None)):
+for name, scale, group in (("nvfp4", e4m3, 16), ("mxfp4", e8m0, 32)):
     c = codes[:scale.shape[0]]
-    w = quant.dequantize_fp4(c, scale, g, torch.float64)
+    w = quant.dequantize_fp4(c, scale, None, torch.float64)
     for m in (1, 5, 33):     # 1: the matrix-vector kernel; 33: a partial second row tile
         x = torch.randn(m, 2048, generator=gen)
         ref = x.double() @ w.T
-        y = fp4_triton.fp4_matmul(x.float(), quant.pack_fp4(c), scale, group, float(g) if g is not None else None)
+        y = fp4_triton.fp4_matmul(x.float(), quant.pack_fp4(c), scale, group)
         # each output against the sum of its terms' magnitudes (float32 summation error is a few 2^-24 of that; a
         # wrong code, scale or index is O(1)); the E8M0 rows span 2^-99..2^99 and stay clear of float32's range ends
         size = x.double().abs() @ w.abs().T
@@ -435,7 +435,7 @@ def test_the_kv_budget_counts_fp4_weights_as_the_runtime_holds_them(source, quan
     (["--method", "mxfp4", "--group-size", "16"], "blocks of 32 input columns"),
     (["--method", "nvfp4", "--asym"], "symmetric"),
     (["--method", "mxfp4", "--per-tensor"], "--per-tensor"),
-    (["--method", "nvfp4", "--activations", "static"], "weight-only"),
+    (["--method", "nvfp4", "--activations", "static"], "drop --activations"),
     (["--method", "nvfp4", "--lm-head", "int8"], "needs a weight-only method"),
     (["--method", "mxfp4", "--target-bpw", "5"], "--target-bpw mixes"),
 ])
@@ -536,11 +536,12 @@ def test_gguf_mxfp4_file_computes_what_the_artifact_does(gguf_built):
 
 
 def test_fp4_checkpoints_llmq_cannot_compute_are_refused_on_read(quantized):
-    """An NVFP4 checkpoint with 4-bit activations (llm-compressor's NVFP4 W4A4) is refused, not served as W4A16."""
+    """An NVFP4 checkpoint whose config says 4-bit activations (llm-compressor's NVFP4 W4A4) but which lacks their
+    input_global_scale is refused, not served as W4A16 (W4A4 itself: test_fp4_w4a4.py)."""
     ck = CheckpointReader(quantized("nvfp4").path)
     cfg = json.loads(json.dumps(ck.config))
     group = cfg["quantization_config"]["config_groups"]["group_0"]
     group["input_activations"] = {**group["weights"], "dynamic": "local"}
     qc = qformat.parse_quantization_config(cfg)
-    with pytest.raises(LlmqError, match="quantized activations"):
+    with pytest.raises(LlmqError, match="input_global_scale is missing"):
         qformat.read_linear(ck.tensors, "model.layers.0.mlp.up_proj", qc)

@@ -15,6 +15,9 @@ On disk it is what compressed-tensors calls
   nibble), `weight_scale` float8_e4m3fn per 16 inputs, `weight_global_scale` float32 [1] (a divisor: `llmq.quant`);
 - "mxfp4-pack-quantized" (MXFP4, weight-only): `weight_packed` as NVFP4's, `weight_scale` uint8 E8M0 exponents per
   32 inputs;
+  either with FP4 activations too (W4A4, compressed-tensors' NVFP4 / MXFP4 presets): input_activations FP4 in the
+  weights' groups, dynamic ("local" for NVFP4: its block scales are computed at run time under a static
+  `input_global_scale` float32 [1], a divisor as weight_global_scale is; MXFP4: dynamic, nothing stored);
 and `config.json` → `quantization_config` built from compressed-tensors' own pydantic models, so a config they reject
 is never written, stamped with the compressed-tensors `version` that wrote it (as compressed-tensors itself does).
 llmq writes and reads the format of the releases in [CT_MIN, CT_MAX) (pyproject.toml pins the same range): vLLM's
@@ -86,7 +89,7 @@ class QuantArgs:
     symmetric: bool = True
     strategy: str = "channel"
     group_size: int | None = None
-    dynamic: bool = False
+    dynamic: bool | str = False    # "local": dynamic groups under a static global scale (NVFP4 activations)
     block_structure: tuple[int, int] | None = None
 
     @property
@@ -107,6 +110,8 @@ class QuantArgs:
             kw["block_structure"] = list(self.block_structure)
         if self.fp4:  # the scale dtype is what tells compressed-tensors' MX path from NVFP4's
             kw["scale_dtype"] = quant.FP8 if self.fp4 == "nvfp4" else torch.uint8
+        if self.dynamic == "local":  # the global scale from the largest calibration |x| (the NVFP4 preset's observer)
+            kw["observer"] = "static_minmax"
         return QuantizationArgs(**kw)
 
     @classmethod
@@ -114,7 +119,7 @@ class QuantArgs:
         return cls(num_bits=int(d["num_bits"]), type=str(d.get("type", "int")),
                    symmetric=bool(d.get("symmetric", True)),
                    strategy=str(d.get("strategy") or "tensor"), group_size=d.get("group_size"),
-                   dynamic=bool(d.get("dynamic", False)),
+                   dynamic="local" if d.get("dynamic") == "local" else bool(d.get("dynamic", False)),
                    block_structure=tuple(int(b) for b in d["block_structure"]) if d.get("block_structure") else None)
 
 
@@ -163,7 +168,9 @@ class QuantizedWeight:
     FP4 (NVFP4 / MXFP4): q holds uint8 E2M1 codes, one per weight; scale the E4M3 (NVFP4) or E8M0 (MXFP4, uint8)
     block scales [out, in/g]; global_scale NVFP4's float32 [1] divisor (real weight: `llmq.quant.dequantize_fp4`).
     Block FP8: block = (rows, cols) of a weight block, scale float32 [ceil(out / rows), ceil(in / cols)], activations
-    dynamic per token per group of `cols` inputs."""
+    dynamic per token per group of `cols` inputs.
+    FP4 with dynamic=True is W4A4: activations in the weight's FP4 format, block scales computed at run time, under
+    NVFP4's static input_global_scale (float32 [1], a divisor) (`llmq.quant.fp4_activations`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -175,6 +182,7 @@ class QuantizedWeight:
     dynamic: bool = False
     global_scale: torch.Tensor | None = None
     block: tuple[int, int] | None = None
+    input_global_scale: torch.Tensor | None = None
 
     @property
     def is_float(self) -> bool:
@@ -201,12 +209,14 @@ class QuantizedWeight:
 
     @property
     def activation_bits(self) -> int | None:
+        if self.fp4:
+            return 4 if self.dynamic else None
         return 8 if (self.input_scale is not None or self.dynamic) else None
 
     @property
     def scheme(self) -> str:
         if self.fp4:
-            return f"{self.fp4.upper()}A16"   # compressed-tensors' preset names
+            return self.fp4.upper() + ("" if self.dynamic else "A16")   # compressed-tensors' preset names
         kind = "FP8" if self.is_float else f"W{self.bits}A{self.activation_bits or 16}"
         detail = f"group{self.group_size}" if self.strategy == "group" else (
             f"block{self.block[0]}x{self.block[1]}" if self.block else self.strategy)
@@ -222,12 +232,20 @@ class QuantizedWeight:
         return quant.dequantize(self.q, self.scale, self.zero_point, dtype)
 
 
+def fp4_activations_args(fmt: str) -> QuantArgs:
+    """The input_activations of compressed-tensors' W4A4 preset for FP4 format `fmt` (NVFP4 / MXFP4)."""
+    block = FP4_FORMATS[fmt][0]
+    return QuantArgs(num_bits=4, type="float", strategy="tensor_group" if fmt == "nvfp4" else "group",
+                     group_size=block, dynamic="local" if fmt == "nvfp4" else True)
+
+
 def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
     if weights.type == "float" and weights.num_bits == 4:
-        if weights.fp4 is None or input_activations is not None:
+        if weights.fp4 is None or input_activations not in (None, fp4_activations_args(weights.fp4)):
             raise LlmqError(f"FP4 weights in groups of {weights.group_size}"
-                            f"{' with quantized activations' if input_activations else ''} have no compressed-tensors "
-                            "format llmq writes (NVFP4: groups of 16, MXFP4: groups of 32, weight-only)")
+                            f"{' with these quantized activations' if input_activations else ''} have no "
+                            "compressed-tensors format llmq writes (NVFP4: groups of 16, MXFP4: groups of 32, "
+                            "weight-only or with activations in the weights' own FP4 format and groups)")
         from compressed_tensors.config import CompressionFormat
 
         fmt = FP4_FORMATS[weights.fp4][1]
@@ -347,11 +365,11 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     if w.strategy == "block":
         return _read_fp8_block(tensors, name, w, a, scale)
     if w.fp4 or qconfig.format in FP4_NAMES:
-        if w.fp4 is None or a is not None:
+        if w.fp4 is None or a not in (None, fp4_activations_args(w.fp4)):
             raise LlmqError(f"{name}: {qconfig.format} with {w.group_size}-weight groups"
-                            f"{' and quantized activations' if a else ''} is not read by llmq (NVFP4: 16, MXFP4: 32, "
-                            "weight-only)")
-        return _read_fp4(tensors, name, w, scale)
+                            f"{' and these quantized activations' if a else ''} is not read by llmq (NVFP4: 16, "
+                            "MXFP4: 32; weight-only, or W4A4 with activations in the weights' FP4 format and groups)")
+        return _read_fp4(tensors, name, w, scale, a is not None)
     zero = None
     if qconfig.format == "pack-quantized":
         shape = torch.Size(_get(tensors, f"{name}.weight_shape").tolist())
@@ -396,7 +414,8 @@ def _read_fp8_block(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs
                            dynamic=True, block=tuple(block))
 
 
-def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scale: torch.Tensor) -> QuantizedWeight:
+def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scale: torch.Tensor,
+              w4a4: bool = False) -> QuantizedWeight:
     packed = _get(tensors, f"{name}.weight_packed")
     block = FP4_FORMATS[w.fp4][0]
     want = quant.FP8 if w.fp4 == "nvfp4" else torch.uint8
@@ -406,8 +425,9 @@ def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scal
                         f"weight_scale {scale.dtype} {tuple(scale.shape)} do not fit; expected uint8 [out, in / 2] and "
                         f"{want} [out, in / {block}]")
     g = _get(tensors, f"{name}.weight_global_scale").float().reshape(1) if w.fp4 == "nvfp4" else None
+    ig = _get(tensors, f"{name}.input_global_scale").float().reshape(1) if w4a4 and w.fp4 == "nvfp4" else None
     return QuantizedWeight(q=quant.unpack_fp4(packed), scale=scale, zero_point=None, bits=4, group_size=block,
-                           symmetric=True, global_scale=g)
+                           symmetric=True, global_scale=g, dynamic=w4a4, input_global_scale=ig)
 
 
 def write_linear(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -419,6 +439,8 @@ def write_linear(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         out[f"{name}.weight_packed"] = quant.pack_fp4(qw.q).contiguous()
         if qw.global_scale is not None:
             out[f"{name}.weight_global_scale"] = qw.global_scale.float().reshape(1).contiguous()
+        if qw.input_global_scale is not None:
+            out[f"{name}.input_global_scale"] = qw.input_global_scale.float().reshape(1).contiguous()
         return out
     weight_only = qw.input_scale is None and not qw.dynamic
     if not qw.is_float and weight_only:

@@ -263,7 +263,8 @@ def join_rows(parts: list[LinearWeights], name: str) -> LinearWeights:
 
     a = qws[0]
     if any(q is None or q.scheme != a.scheme or q.bits != a.bits or not (a.block or shared(q.scale, a.scale))
-           or not shared(q.input_scale, a.input_scale) or not shared(q.global_scale, a.global_scale) for q in qws):
+           or not shared(q.input_scale, a.input_scale) or not shared(q.global_scale, a.global_scale)
+           or not shared(q.input_global_scale, a.input_global_scale) for q in qws):
         raise LlmqError(f"{name}: its parts {', '.join(p.name for p in parts)} are quantized differently and cannot "
                         "be stored as one linear")
     if a.block and any(q.q.shape[0] % a.block[0] for q in qws[:-1]):

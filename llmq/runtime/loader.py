@@ -78,6 +78,9 @@ def _fusable(parts: list[LinearWeights]) -> bool:
         return False  # one per-tensor scale each: cannot share a single scale
     if a.global_scale is not None and any(not torch.equal(p.qw.global_scale, a.global_scale) for p in parts):
         return False  # NVFP4: a global scale each
+    igs = [p.qw.input_global_scale for p in parts]
+    if any(i is not None for i in igs) and any(i is None or not torch.equal(i, igs[0]) for i in igs):
+        return False  # NVFP4 W4A4: an input global scale each
     ins = [getattr(p.qw, "input_scale", None) for p in parts]
     return all(i is None for i in ins) or all(i is not None and torch.equal(i, ins[0]) for i in ins)
 

@@ -27,7 +27,8 @@ calibration passes over the layer as it is at the time of the call: `ctx.collect
 `ctx.input_absmax(names)`.
 It returns a `qformat.QuantizedWeight` for every linear in `ctx.linears` (the bitsandbytes methods: a
 `bnbformat.NF4Weight` / `Int8Weight`, which the stage writes as a bitsandbytes checkpoint). Activation quantization
-is expressed in the weight (`input_scale` for static, `dynamic=True` for per-token): the engine computes the quality
+is expressed in the weight (`input_scale` for static, `dynamic=True` for per-token; FP4 W4A4: `dynamic=True`, with
+NVFP4's static `input_global_scale`): the engine computes the quality
 probe and the inputs it hands to the next layer through the runtime's layer for each weight (so the probe measures what
 serve computes), and derives the compressed-tensors scheme from the weights (one scheme for all).
 """

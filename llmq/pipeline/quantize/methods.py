@@ -72,14 +72,25 @@ class LLMInt8Options(MethodOptions):
     unset = {"int8_threshold": 6.0}
 
 
+@dataclasses.dataclass(frozen=True)
+class FP4Options(MethodOptions):
+    w4a4: bool = option(False, "nvfp4 / mxfp4: FP4 activations too (W4A4, compressed-tensors' NVFP4 / MXFP4 "
+                        "presets): block scales computed at run time, per 16 inputs (E4M3, under a static input "
+                        "global scale calibrated as the weights', 2688 / max|x|) or 32 (E8M0). Default: W4A16.",
+                        flag="--w4a4/--w4a16")
+
+    only = (("w4a4",), "--w4a4 is an FP4 option (4-bit activations); use it with --method nvfp4 or mxfp4")
+    tags = {"w4a4": "-a4"}
+
+
 # --method name: the options only that method reads (MethodOptions: none of its own)
 METHODS: dict[str, type[MethodOptions]] = {
     "rtn": MethodOptions, "gptq": GPTQOptions, "awq": MethodOptions, "smoothquant": SmoothQuantOptions,
-    "fp8": MethodOptions, "nvfp4": MethodOptions, "mxfp4": MethodOptions, "bnb-nf4": NF4Options,
+    "fp8": MethodOptions, "nvfp4": FP4Options, "mxfp4": FP4Options, "bnb-nf4": NF4Options,
     "bnb-int8": LLMInt8Options}
 METHODS_HELP = ("rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; fp8: FP8 E4M3; "
-                "nvfp4 / mxfp4: FP4 weight-only, round-to-nearest; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / LLM.int8 "
-                "(needs llmq[bnb]).")  # --method's help
+                "nvfp4 / mxfp4: FP4, round-to-nearest, weight-only or --w4a4; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / "
+                "LLM.int8 (needs llmq[bnb]).")  # --method's help
 WEIGHT_ONLY = ("rtn", "gptq", "awq")  # the integer weight-only methods: --scales, --embedding / --lm-head int8, mixed
 PACKAGE = __name__.rsplit(".", 1)[0]
 

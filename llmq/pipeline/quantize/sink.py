@@ -29,6 +29,8 @@ def _scheme_args(qw: qformat.QuantizedWeight) -> tuple[qformat.QuantArgs, qforma
                                 group_size=qw.group_size if strategy in ("group", "tensor_group") else None)
     if qw.input_scale is None and not qw.dynamic:
         return weights, None
+    if qw.fp4:   # W4A4: activations in the weights' FP4 format and groups
+        return weights, qformat.fp4_activations_args(qw.fp4)
     acts = qformat.QuantArgs(num_bits=8, type=kind, symmetric=True, strategy="token" if qw.dynamic else "tensor",
                              dynamic=qw.dynamic)
     return weights, acts

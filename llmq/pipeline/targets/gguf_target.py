@@ -10,6 +10,7 @@ beside the file (gguf_imatrix.py).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from .gguf_imatrix import write_imatrix
 from .gguf_meta import add_hparams, add_tokenizer
 from .gguf_tensors import Tensors, add_weights
 from .registry import ExportTarget, TargetResult
+
+log = logging.getLogger(__name__)
 
 
 def refuse(src: CheckpointReader, engine) -> None:
@@ -59,6 +62,15 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
         dense_dtype, ("F32", int(F.ALL_F32)))
 
 
+# A W4A4 artifact (quantize --w4a4) exports its weights, exactly as the W4A16 one would: GGUF's MXFP4 / NVFP4 are
+# weight formats, and llama.cpp rounds activations its own way (its CPU dot products `ggml_vec_dot_mxfp4_q8_0` /
+# `_nvfp4_q8_0` take Q8_0 blocks: 8-bit, 32 a block). Nothing in a GGUF could ask for FP4 activations, so the file
+# computes W4A8-like, closer to the source than what llmq evaluated; the record says so rather than refusing a usable
+# file.
+W4A4_NOTE = ("weights only: llama.cpp rounds activations to its own Q8_0 blocks, not to the artifact's FP4 (W4A4); "
+             "its quality is the W4A16 artifact's, not the probe's")
+
+
 def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> TargetResult:
     """Write `<source>.<type>.gguf` under `out`; the record says its file, types and what was re-rounded."""
     arch = src.arch.gguf_arch
@@ -77,7 +89,12 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
     w.write_tensors_to_file()
     w.close()
     imatrix = write_imatrix(src, out / f"{source_name}.imatrix.gguf")
+    w4a4 = src.qconfig is not None and src.qconfig.weights is not None and src.qconfig.weights.fp4 is not None \
+        and src.qconfig.input_activations is not None
+    if w4a4:
+        log.warning("--target gguf: %s", W4A4_NOTE)
     return TargetResult({"gguf": {"file": fname, "architecture": arch, "file_type": ftype_name,
+                                  **({"activations": W4A4_NOTE} if w4a4 else {}),
                                   "tensor_types": dict(sorted(tensors.types.items())),
                                   "rounding": tensors.rounding.record(), "tokenizer": tokenizer,
                                   "imatrix": imatrix}})

@@ -15,7 +15,16 @@ translates. What its linear methods load (`_torch/modules/linear.py`), per layer
   called without zero points: asymmetric weights cannot be represented.
 - FP8 KV cache: scalar `k_scale` / `v_scale` per attention layer, `kv_cache_quant_algo` FP8. An INT8 KV cache is
   not something this backend loads (`kv_cache_config.dtype: int8` is ignored), so it is refused.
-- FP4 weights are refused, every unit of a mixed artifact included (`FP4_REFUSED` says why).
+- NVFP4 W4A4 (`quantize --method nvfp4 --w4a4`; `NVFP4LinearMethod`, quant_algo NVFP4, group_size 16): `weight`
+  uint8 [out, in/2] (two E2M1 codes a byte, element 2j in the low nibble: compressed-tensors' packing is ModelOpt's),
+  `weight_scale` float8_e4m3fn [out, in/16] (the loader swizzles it), `weight_scale_2` and `input_scale` float32
+  scalars, each one per fused q/k/v and gate/up (asserted equal there). Both scalars are ModelOpt's multipliers,
+  amax / 2688, where llmq's global scales are the divisors 2688 / amax: llmq writes the float32 reciprocal, and for
+  `input_scale` the neighbour whose own reciprocal (the loader's `1 / input_scale`, the scale it quantizes
+  activations under) is llmq's input global scale again, so the backend rounds activations exactly as llmq's runtime
+  does; the GEMM's alpha = input_scale * weight_scale_2 then differs from 1 / (input global x weight global) by float32
+  rounding only (`nvfp4_rounding` records the largest relative difference).
+- Other FP4 weights are refused, every unit of a mixed artifact included (`FP4_REFUSED` says why).
 Heads are padded for the tensor-parallel size with zero heads (the backend asserts heads % tp == 0); the padded
 checkpoint is an ordinary Hugging Face model with more heads that computes exactly what the source computes.
 Tensor names are the source family's Hugging Face names: a group its checkpoint stores fused (Phi-3's qkv_proj,
@@ -34,6 +43,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
 from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
@@ -71,15 +81,31 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
 # asserts); `get_quant_method` has no dense MXFP4 method (W4A16_MXFP4 is MoE-only).
 FP4_REFUSED = {
     "nvfp4": "NVFP4 weight-only: TensorRT-LLM's NVFP4 linear rounds activations to FP4 with a calibrated input_scale "
-             "(none here; llmq invents none); use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
+             "(none here; llmq invents none); re-quantize with --w4a4, or use --target llmq, gguf or the "
+             "compressed-tensors artifact (vLLM)",
     "mxfp4": "MXFP4 weight-only: TensorRT-LLM loads W4A16_MXFP4 for MoE experts only, its dense linears have no MXFP4 "
-             "method; use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
+             "method (nor W4A4 MXFP4 one); use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
 }
+
+
+def modelopt_scale(divisor: torch.Tensor, exact_inverse: bool = False) -> torch.Tensor:
+    """ModelOpt's float32 multiplier (amax / 2688) for llmq's divisor g (2688 / amax), a 0-dim tensor: the float32
+    reciprocal, or with `exact_inverse` the nearest float32 r whose loader-side reciprocal 1 / r is g exactly (the
+    reciprocal itself when that already holds, which it does for most g)."""
+    g = divisor.float().reshape(())
+    r = 1.0 / g
+    if exact_inverse:
+        for cand in (r, torch.nextafter(r, torch.tensor(0.0)), torch.nextafter(r, torch.tensor(float("inf")))):
+            if torch.equal(1.0 / cand, g):
+                return cand
+    return r
 
 
 def modelopt_algo(qw) -> str:
     """The hf_quant_config quant_algo of one llmq quantized weight, or an LlmqError with the way out."""
     if qw.fp4:
+        if qw.fp4 == "nvfp4" and qw.dynamic and qw.input_global_scale is not None:
+            return "NVFP4"
         raise LlmqError(FP4_REFUSED[qw.fp4])
     if qw.q.dtype.is_floating_point or qw.input_scale is not None or qw.dynamic:
         raise LlmqError(f"{qw.scheme} weights are not written for TensorRT-LLM by llmq yet; "
@@ -108,6 +134,10 @@ def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype, whole: boo
     if lw.qw is None:
         return out | {f"{name}.weight": lw.weight.to(dtype)}, None
     qw, algo = lw.qw, modelopt_algo(lw.qw)
+    if algo == "NVFP4":
+        return out | {f"{name}.weight": quant.pack_fp4(qw.q), f"{name}.weight_scale": qw.scale.contiguous(),
+                      f"{name}.weight_scale_2": modelopt_scale(qw.global_scale),
+                      f"{name}.input_scale": modelopt_scale(qw.input_global_scale, exact_inverse=True)}, algo
     q = qw.q.to(torch.int8)
     out[f"{name}.weight"] = q if algo == "W8A16" else pack_int4_rows(q)
     out[f"{name}.weight_scale"] = (qw.scale.reshape(-1) if algo != "W4A16_AWQ" else qw.scale).to(dtype)
@@ -122,6 +152,8 @@ def hf_quant_config(algos: set[str], group_size: int | None, kv_algo: str | None
     q = {"quant_algo": next(iter(algos), None), "kv_cache_quant_algo": kv_algo, "exclude_modules": sorted(dense)}
     if q["quant_algo"] == "W4A16_AWQ":
         q |= {"group_size": group_size, "has_zero_point": False, "pre_quant_scale": True}
+    if q["quant_algo"] == "NVFP4":
+        q |= {"group_size": group_size}
     return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": q}
 
 
@@ -129,7 +161,8 @@ def refuse(src: CheckpointReader, engine) -> None:
     """What this backend cannot load, refused before anything is written."""
     q = src.qconfig
     fp4 = sorted({a.fp4 for a in (q.weights, *q.modules.values()) if a is not None and a.fp4}) if q else []
-    if fp4:   # any unit in FP4, a mixed artifact's too
+    w4a4 = fp4 == ["nvfp4"] and not q.modules and q.input_activations == qformat.fp4_activations_args("nvfp4")
+    if fp4 and not w4a4:   # any unit in FP4 but NVFP4 W4A4, a mixed artifact's too
         raise LlmqError(FP4_REFUSED[fp4[0]])
     if src.embedding_quantized():
         raise LlmqError("--target trtllm: this artifact's embedding table is INT8 (quantize --embedding int8) and "
@@ -174,6 +207,7 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engin
     arch = src.arch
     q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
     algos, groups, dense = set(), set(), []
+    rounding = {"alpha_max_rel_error": 0.0, "input_scales_not_exactly_inverted": 0}   # NVFP4 W4A4 only
     out.mkdir(parents=True)
     with ShardedWriter(out) as state:  # each tensor written as it is made: one layer in memory at most
         for i in range(src.spec.num_layers):
@@ -192,6 +226,14 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engin
                 else:
                     algos.add(algo)
                     groups.add(lw.qw.group_size)
+                if algo == "NVFP4":   # what the backend's scalars make of llmq's global scales
+                    ins, ws2 = tensors[f"{name}.input_scale"], tensors[f"{name}.weight_scale_2"]
+                    alpha = (ins * ws2).double()
+                    want = 1 / (lw.qw.input_global_scale.double() * lw.qw.global_scale.double()).reshape(())
+                    rounding["alpha_max_rel_error"] = max(rounding["alpha_max_rel_error"],
+                                                          float((alpha - want).abs() / want))
+                    rounding["input_scales_not_exactly_inverted"] += int(
+                        not torch.equal(1.0 / ins, lw.qw.input_global_scale.float().reshape(())))
             del lin, lw, tensors   # before the next layer is read: one layer in memory
             for role, t in src.layer_norms(i).items():
                 state.add(arch.norm(i, role), t.to(dtype))
@@ -221,7 +263,8 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engin
         write_json(out / "hf_quant_config.json", qcfg)
     copy_tokenizer(src.path, out)
     window = src.spec.sliding_window if (src.spec.sliding_window or engine.max_seq_len) < engine.max_seq_len else None
-    return TargetResult({"hf_checkpoint": DIR, "hf_quant_config": qcfg,
+    extra = {"nvfp4_rounding": rounding} if "NVFP4" in algos else {}
+    return TargetResult({"hf_checkpoint": DIR, "hf_quant_config": qcfg, **extra,
                          "compile": write_llm_api_options(out, engine, attention_window=window)})
 
 
@@ -239,6 +282,9 @@ def read_modelopt_checkpoint(path: Path):
     def lin(name: str) -> LinearWeights:
         w = st[f"{name}.weight"]
         bias = st[f"{name}.bias"].float() if f"{name}.bias" in st else None
+        if algo == "NVFP4" and w.dtype == torch.uint8:   # E2M1 x E4M3 block scale x weight_scale_2 (a multiplier)
+            deq = quant.dequantize_fp4(quant.unpack_fp4(w), st[f"{name}.weight_scale"])
+            return LinearWeights(name, weight=deq * st[f"{name}.weight_scale_2"].float(), bias=bias)
         if w.dtype != torch.int8:
             return LinearWeights(name, weight=w.float(), bias=bias)
         scale = st[f"{name}.weight_scale"].float()

@@ -3,10 +3,13 @@
 On CPU (and wherever Triton cannot build the kernel) the dense path: an E2M1 value times its block's E4M3 or E8M0
 scale has at most 6 significant bits, so it is exact in bfloat16; the layer holds that product as a bfloat16 weight
 and computes with the dense layer (on x86 CPUs with AVX-512, llmq's 16-bit kernel with float32 arithmetic).
-On CUDA the weight stays packed (4.5 / 4.25 bits a weight) and runs on llmq's Triton kernel (fp4_triton), which
-decodes the same exact products in registers. Either way NVFP4's global scale divides the output instead of every
+On CUDA the weight stays packed (4.5 / 4.25 bits a weight) and runs on llmq's Triton kernels (fp4_triton), which
+decode the same exact products in registers. Either way NVFP4's global scale divides the output instead of every
 weight: the result differs from the dequantize-then-matmul reference (`llmq.quant.dequantize_fp4`) only by float32
 rounding. No FP4 tensor-core path: Blackwell's native FP4 GEMMs are out of reach here.
+W4A4 (FP4 activations, `qw.dynamic`): the input is first rounded as the serving kernels round it
+(`llmq.quant.fp4_activations`: E2M1 value x block scale, exact in bfloat16, so the same matmul stays exact in its
+operands) and the output is divided by NVFP4's input global scale as well as the weight's.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ class FP4Linear(LinearBase):
         self.group = qw.group_size
         g = qw.global_scale
         _buffer(self, "global_scale", g.float().reshape(()).to(device) if g is not None else None)
+        self.act = qw.fp4 if qw.dynamic else None   # W4A4: activations rounded to this FP4 format first
+        ig = qw.input_global_scale
+        _buffer(self, "input_global_scale", ig.float().reshape(1).to(device) if ig is not None else None)
         _buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
         self.dense = None
         self.fallback_reason = None   # why a CUDA layer runs the dense path (None: the kernel runs, or not CUDA)
         if torch.device(device).type == "cuda":
             _buffer(self, "packed", quant.pack_fp4(qw.q.to(device)))
             _buffer(self, "scale", qw.scale.to(device))
-            self.g = float(g) if g is not None else None
             self.fallback_reason = _probe_triton(self, dtype)
             if self.fallback_reason is None:
                 return
@@ -46,16 +51,20 @@ class FP4Linear(LinearBase):
         return weights + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.global_scale
+        if self.act:   # W4A4: the input as the FP4 kernel rounds it; its global scale divides the output too
+            xq, ga = quant.fp4_activations(x, self.act, self.input_global_scale)
+            x, g = xq.to(x.dtype), (g if ga is None else ga * g if g is not None else ga)
+        shape = x.shape
         if self.dense is None:
             from .fp4_triton import fp4_matmul
 
-            shape = x.shape
-            y = fp4_matmul(x.reshape(-1, shape[-1]), self.packed, self.scale, self.group, self.g)
-            return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
-        y = self.dense(x)
-        if self.global_scale is not None:
-            y = y.float() / self.global_scale
-        return self._finish(y, x.dtype)
+            y = fp4_matmul(x.reshape(-1, shape[-1]), self.packed, self.scale, self.group)
+        else:
+            y = self.dense(x.reshape(-1, shape[-1]))
+        if g is not None:
+            y = y.float() / g
+        return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
 
 
 def _probe_triton(layer: FP4Linear, dtype: torch.dtype) -> str | None:
@@ -67,7 +76,7 @@ def _probe_triton(layer: FP4Linear, dtype: torch.dtype) -> str | None:
         from .fp4_triton import fp4_matmul
 
         fp4_matmul(torch.zeros(1, layer.in_features, device=layer.packed.device, dtype=dtype), layer.packed,
-                   layer.scale, layer.group, layer.g)
+                   layer.scale, layer.group)
     except Exception as e:  # noqa: BLE001 - no Triton, no compiler for this GPU, a build error: all mean dense
         return one_line(e)
     return None

@@ -6,7 +6,7 @@ scale (halved) a float32 multiplier; every product is exact. One token (batch-1 
 product that sums each block's code x activation products first and scales the block sum once (a float32 reduction
 order, not a rounding of the weight); more tokens decode the tile, scale it (exact in bfloat16) and multiply on the
 tensor cores in the activations' dtype with float32 sums (IEEE float32 products for float32 activations, not TF32).
-NVFP4's global scale divides the float32 sums once at the end, as FP4Linear's dense path does. When there are too
+FP4Linear divides the float32 sums by NVFP4's global scale once, on either path. When there are too
 few output tiles to fill the GPU (and for decode-sized batches always), K is split over several programs (float32
 atomic adds).
 
@@ -44,7 +44,7 @@ def _half_scale(b, E8M0: tl.constexpr):
 
 
 @triton.jit
-def _fp4_gemv(x_ptr, w_ptr, s_ptr, y_ptr, g, N, K, K_SPLIT,
+def _fp4_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, K, K_SPLIT,
               GROUP: tl.constexpr, E8M0: tl.constexpr, ATOMIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[N] = x[K] . w[N, K]: each program BN rows over K_SPLIT columns."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -60,7 +60,6 @@ def _fp4_gemv(x_ptr, w_ptr, s_ptr, y_ptr, g, N, K, K_SPLIT,
                      mask=mn[:, None], other=0)
         blocks = tl.sum(tl.reshape(v * x[None, :], (BN, BK // GROUP, GROUP)), axis=2)
         acc += tl.sum(blocks * _half_scale(sb, E8M0), axis=1)
-    acc = acc / g
     if ATOMIC:
         tl.atomic_add(y_ptr + rn, acc, mask=mn)
     else:
@@ -68,7 +67,7 @@ def _fp4_gemv(x_ptr, w_ptr, s_ptr, y_ptr, g, N, K, K_SPLIT,
 
 
 @triton.jit
-def _fp4_mm(x_ptr, w_ptr, s_ptr, y_ptr, g, M, N, K, K_SPLIT,
+def _fp4_mm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT,
             GROUP: tl.constexpr, E8M0: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[M, N] = x[M, K] @ w[N, K].T on the tensor cores."""
@@ -87,7 +86,6 @@ def _fp4_mm(x_ptr, w_ptr, s_ptr, y_ptr, g, M, N, K, K_SPLIT,
                      mask=mn[:, None], other=0)
         w = tl.reshape(tl.reshape(v, (BN, BK // GROUP, GROUP)) * _half_scale(sb, E8M0)[:, :, None], (BN, BK))
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-    acc = acc / g
     out = y_ptr + rm[:, None] * N + rn[None, :]
     if ATOMIC:
         tl.atomic_add(out, acc, mask=mm[:, None] & mn[None, :])
@@ -123,10 +121,9 @@ def plan(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     return bm, bn, bk, split, warps
 
 
-def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int,
-               global_scale: float | None) -> torch.Tensor:
-    """x [M, K] @ the FP4 weight [N, K] (packed [N, K / 2] uint8, scale bytes [N, K / group]) -> float32 [M, N],
-    divided by the NVFP4 global scale when given. K must be a multiple of 32."""
+def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] @ the FP4 weight [N, K] without NVFP4's global scale (packed [N, K / 2] uint8, scale bytes
+    [N, K / group]) -> float32 [M, N]. K must be a multiple of 32."""
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
@@ -134,10 +131,10 @@ def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device, dtype=torch.float32)
     common = dict(GROUP=group, E8M0=scale.dtype == torch.uint8, ATOMIC=split > 1, BN=bn, BK=bk, num_warps=warps)
     if bm == 1:
-        _fp4_gemv[(triton.cdiv(n, bn), split)](x, packed, scale.view(torch.uint8), y, global_scale or 1.0, n, k,
+        _fp4_gemv[(triton.cdiv(n, bn), split)](x, packed, scale.view(torch.uint8), y, n, k,
                                                k // split, **common)
     else:
         _fp4_mm[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-            x, packed, scale.view(torch.uint8), y, global_scale or 1.0, m, n, k, k // split,
+            x, packed, scale.view(torch.uint8), y, m, n, k, k // split,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, **common)
     return y
