@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmq.artifacts import Store  # noqa: E402
 from llmq.bench.hw import read_bandwidth  # noqa: E402
+from llmq.bench.llamacpp import stop  # noqa: E402
 from llmq.models import resolve_model  # noqa: E402
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -251,8 +252,7 @@ def main() -> None:
             print(f"{c:>11} {r['requests']:>8} {r['tokens_per_s']:>10.1f} {r['ratio_vs_hf']:>6.1f}x {lat:>12.2f}s")
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(60)
+            stop(server, 60)
     engine.shutdown()
 
     peak = read_bandwidth("cpu", 1 << 30)  # llmq bench hw's measurement, over a 1 GiB buffer, now

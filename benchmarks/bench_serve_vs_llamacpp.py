@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmq.bench.llamacpp import LlamaCppNotFound, locate  # noqa: E402
+from llmq.bench.llamacpp import LlamaCppNotFound, locate, stop  # noqa: E402
 from llmq.errors import LlmqError  # noqa: E402
 
 LLMQ = [sys.executable, "-m", "llmq"]
@@ -56,12 +56,7 @@ def server(cmd: list[str], url: str, log: Path):
             _wait_ready(url, proc, 600)
             yield
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
 
 def bench(url: str, level: int, a, tokenizer: str) -> dict:

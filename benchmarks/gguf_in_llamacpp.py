@@ -76,6 +76,7 @@ def distributions(bin_dir: Path, gguf: Path, art: Path, text: Path, ctx: int, th
 def server_checks(bin_dir: Path, gguf: Path, art: Path, text: Path, threads: int, port: int, n: int) -> dict:
     import torch
 
+    from llmq.bench.llamacpp import stop
     from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
     server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-c", "1024",
@@ -114,8 +115,7 @@ def server_checks(bin_dir: Path, gguf: Path, art: Path, text: Path, threads: int
     finally:
         if engine is not None:
             engine.shutdown()
-        server.terminate()
-        server.wait(30)
+        stop(server)
     return {"tokenize_identical": f"{len(cases) - len(differ)}/{len(cases)}", "tokenize_differ": differ,
             "greedy_identical": f"{same}/{len(PROMPTS)} ({n} tokens each)",
             "teacher_forced_top1": f"{agree}/{total}", "max_logprob_gap_where_top1_differs": gap}

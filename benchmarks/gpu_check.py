@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve_throughput import batch1_decode, hf_sequential, make_prompts, runtime_concurrency  # noqa: E402
 
 from llmq.artifacts import Store  # noqa: E402
+from llmq.bench.llamacpp import stop  # noqa: E402
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 SMOL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -473,11 +474,7 @@ def _check_serve(model: Path, dev: str) -> dict:
                 "chat_status": chat.status_code, "metrics_lines": len(metrics.splitlines()),
                 "pass": all(c == 200 for c, _ in codes) and chat.status_code == 200}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 # -- part: layers -------------------------------------------------------------------------------------------------

@@ -95,6 +95,16 @@ def run(cmd: list[str], what: str, env: dict | None = None) -> str:
     return out
 
 
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """End a server a benchmark started: SIGTERM, then SIGKILL if it is still there after `grace` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 # -- llama-bench ------------------------------------------------------------------------------------------------------
 def parse_bench_json(text: str) -> dict[str, dict]:
     """`llama-bench -o json` -> {"pp128": {...}, "tg128": {...}}: tokens/s (mean over its repetitions) and samples."""
