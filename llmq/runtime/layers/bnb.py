@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ... import quant
 from ...models import bnbformat
-from .linear import LinearBase, W8A8Linear, _buffer
+from .linear import LinearBase, W8A8Linear, set_buffer
 
 
 class NF4Linear(LinearBase):
@@ -27,10 +27,10 @@ class NF4Linear(LinearBase):
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.blocksize, self.quant_type, self.weight_dtype = w.blocksize, w.state["quant_type"], w.dtype
-        _buffer(self, "packed", w.packed.to(device).view(torch.uint8))
-        _buffer(self, "absmax", w.absmax().to(device))
-        _buffer(self, "code", w.code.to(device))
-        _buffer(self, "bias", bias.to(device=device, dtype=compute_dtype) if bias is not None else None)
+        set_buffer(self, "packed", w.packed.to(device).view(torch.uint8))
+        set_buffer(self, "absmax", w.absmax().to(device))
+        set_buffer(self, "code", w.code.to(device))
+        set_buffer(self, "bias", bias.to(device=device, dtype=compute_dtype) if bias is not None else None)
         # bitsandbytes 0.50's CPU dequantize kernel misplaces blocks that straddle two rows (its reference and CUDA
         # kernels do not), so it is used only where each row holds whole blocks
         self.ops = bnbformat.kernels() if self.in_features % self.blocksize == 0 else None

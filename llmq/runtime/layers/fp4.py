@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ... import quant
-from .linear import DenseLinear, LinearBase, _buffer, one_line
+from .linear import DenseLinear, LinearBase, one_line, set_buffer
 
 
 class FP4Linear(LinearBase):
@@ -26,16 +26,16 @@ class FP4Linear(LinearBase):
         self.out_features, self.in_features = qw.q.shape
         self.group = qw.group_size
         g = qw.global_scale
-        _buffer(self, "global_scale", g.float().reshape(()).to(device) if g is not None else None)
+        set_buffer(self, "global_scale", g.float().reshape(()).to(device) if g is not None else None)
         self.act = qw.fp4 if qw.dynamic else None   # W4A4: activations rounded to this FP4 format first
         ig = qw.input_global_scale
-        _buffer(self, "input_global_scale", ig.float().reshape(1).to(device) if ig is not None else None)
-        _buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
+        set_buffer(self, "input_global_scale", ig.float().reshape(1).to(device) if ig is not None else None)
+        set_buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
         self.dense = None
         self.fallback_reason = None   # why a CUDA layer runs the dense path (None: the kernel runs, or not CUDA)
         if torch.device(device).type == "cuda":
-            _buffer(self, "packed", quant.pack_fp4(qw.q.to(device)))
-            _buffer(self, "scale", qw.scale.to(device))
+            set_buffer(self, "packed", quant.pack_fp4(qw.q.to(device)))
+            set_buffer(self, "scale", qw.scale.to(device))
             self.fallback_reason = _probe_triton(self, dtype)
             if self.fallback_reason is None:
                 return

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import quant
-from .linear import LinearBase, _buffer, one_line
+from .linear import LinearBase, one_line, set_buffer
 
 
 class BlockFP8Linear(LinearBase):
@@ -23,9 +23,9 @@ class BlockFP8Linear(LinearBase):
         super().__init__()
         self.out_features, self.in_features = n, k = qw.q.shape
         self.block = tuple(qw.block)
-        _buffer(self, "w", qw.q.to(device=device, dtype=quant.FP8))
-        _buffer(self, "scale", qw.scale.to(device=device, dtype=torch.float32))
-        _buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
+        set_buffer(self, "w", qw.q.to(device=device, dtype=quant.FP8))
+        set_buffer(self, "scale", qw.scale.to(device=device, dtype=torch.float32))
+        set_buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
         self.scaled_mm, self.fallback_reason = False, None
         if self.w.device.type == "cuda" and self.block == (128, 128) and n % 128 == 0 and k % 128 == 0 and \
                 torch.cuda.get_device_capability(self.w.device)[0] == 9 and hasattr(F, "scaled_mm"):

@@ -59,7 +59,9 @@ class LinearBase(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
-def _buffer(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
+def set_buffer(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
+    """A layer's tensor as a contiguous non-persistent buffer (moves with the module; the checkpoint is llmq's, not
+    the module's state dict); every layer class of this package stores its tensors so."""
     module.register_buffer(name, t.contiguous() if t is not None else None, persistent=False)
 
 
@@ -87,13 +89,13 @@ class DenseLinear(LinearBase):
         super().__init__()
         dtype = dtype or weight.dtype
         self.out_features, self.in_features = weight.shape
-        _buffer(self, "bias", bias.to(dtype) if bias is not None else None)
+        set_buffer(self, "bias", bias.to(dtype) if bias is not None else None)
         self.dense16 = keeps_16bit(weight, dtype)
         weight = weight if self.dense16 else weight.to(dtype)
         self.packed = None if self.dense16 else _mkldnn_pack(weight)
         self.handle = _register_packed(self.packed) if self.packed is not None else None
         self.dtype_bytes = weight.element_size()
-        _buffer(self, "weight", None if self.packed is not None else weight)
+        set_buffer(self, "weight", None if self.packed is not None else weight)
 
     @property
     def nbytes(self) -> int:
@@ -190,10 +192,10 @@ class Int8WeightOnlyLinear(LinearBase):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
-        _buffer(self, "q", _aligned(q.to(torch.int8)))
-        _buffer(self, "scale", _grouped(scale, n))
-        _buffer(self, "zero", _grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
-        _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
+        set_buffer(self, "q", _aligned(q.to(torch.int8)))
+        set_buffer(self, "scale", _grouped(scale, n))
+        set_buffer(self, "zero", _grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
+        set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.compute_dtype = compute_dtype
         # llmq's kernels: with int8 activations wherever they fit; with 16-bit ones where PyTorch's kernel below would
         # serve (one scale per output channel, no zero point), computing its numbers
@@ -208,7 +210,7 @@ class Int8WeightOnlyLinear(LinearBase):
             hasattr(torch.ops.aten, "_weight_int8pack_mm")
         if self.kernel:
             self._kdtype = torch.bfloat16 if q.device.type == "cpu" else compute_dtype
-            _buffer(self, "kscale", self.scale[:, 0].to(self._kdtype))
+            set_buffer(self, "kscale", self.scale[:, 0].to(self._kdtype))
             self.kernel = _probe(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,18 +254,18 @@ class Int4WeightOnlyLinear(LinearBase):
         zero = _grouped(zero, n) if zero is not None else None
         self.group_size = k // scale.shape[1]
         self.compute_dtype = compute_dtype
-        _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
+        set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.lowbit = _lowbit(self, q, scale, zero, 4, int8_activations)
         self.packed = None if self.lowbit else _pack_int4(q, scale, zero, self.group_size)
         if self.packed is not None:
-            _buffer(self, "w_packed", self.packed[0])
-            _buffer(self, "scales_zeros", self.packed[1])
+            set_buffer(self, "w_packed", self.packed[0])
+            set_buffer(self, "scales_zeros", self.packed[1])
             self._kdtype = self.packed[1].dtype
             self.packed = _probe(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
         if not self.packed and not self.lowbit:
-            _buffer(self, "q", q.to(torch.int8))
-            _buffer(self, "scale", scale)
-            _buffer(self, "zero", zero)
+            set_buffer(self, "q", q.to(torch.int8))
+            set_buffer(self, "scale", scale)
+            set_buffer(self, "zero", zero)
             for name in ("w_packed", "scales_zeros"):
                 self._buffers.pop(name, None)
 
@@ -310,7 +312,7 @@ def _lowbit(layer: LinearBase, q: torch.Tensor, scale: torch.Tensor, zero: torch
     if not int8_activations and (sz.numel() or s.dtype != torch.bfloat16):
         return None  # PyTorch's kernel rounds scales and a zero-point term to bfloat16: it keeps these layers
     for name, t in zip(("lb_codes", "lb_s", "lb_sz"), (codes, s, sz)):
-        _buffer(layer, name, t)
+        set_buffer(layer, name, t)
     return bits, group, int8_activations
 
 
@@ -392,16 +394,16 @@ class W8A8Linear(LinearBase):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
-        _buffer(self, "q", _aligned(q.to(torch.int8)))
-        _buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())  # per output channel (or per tensor)
-        _buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
-        _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
+        set_buffer(self, "q", _aligned(q.to(torch.int8)))
+        set_buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())  # per output channel (or per tensor)
+        set_buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
+        set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.cuda_int_mm = q.device.type == "cuda" and n % 8 == 0 and k % 8 == 0
         self.cpu_kernel = q.device.type == "cpu" and _probe(
             lambda: torch.ops.aten._weight_int8pack_mm(torch.zeros(1, k, dtype=torch.bfloat16), self.q,
                                                        torch.ones(n, dtype=torch.bfloat16)))
         if self.cpu_kernel:
-            _buffer(self, "ones", torch.ones(n, dtype=torch.bfloat16))
+            set_buffer(self, "ones", torch.ones(n, dtype=torch.bfloat16))
 
     def _int_matmul(self, xq: torch.Tensor) -> torch.Tensor:
         """xq [M, K] (int8 values as floats) times q.T, as float32 sums."""
@@ -427,10 +429,10 @@ class FP8Linear(LinearBase):
         super().__init__()
         n, k = w.shape
         self.out_features, self.in_features = n, k
-        _buffer(self, "w", w.to(quant.FP8))
-        _buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())
-        _buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
-        _buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
+        set_buffer(self, "w", w.to(quant.FP8))
+        set_buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())
+        set_buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
+        set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.act_quant = act_quant
         self.scaled_mm = (w.device.type == "cuda" and act_quant and torch.cuda.get_device_capability(w.device) >= (8, 9)
                           and n % 16 == 0 and k % 16 == 0)
