@@ -154,6 +154,39 @@ def test_max_size_spends_what_the_file_leaves_and_never_passes_it(tiny, extra):
     assert eight and set(eight.values()) == {want}  # the 8-bit units and the table: per channel, or Q8_0's groups
 
 
+@pytest.mark.parametrize("extra", [{}, {"embedding": "int8", "int8_group_size": 32}])
+def test_max_size_in_gguf_bytes_holds_for_the_gguf_file(tiny, extra):
+    """`--size-in gguf`: the budget is the .gguf file's (metadata, tokenizer, F32 norms, 18 / 34-byte blocks): the
+    file `build --target gguf` writes is at most the size asked, and short of it by less than one more unit's
+    upgrade plus the padding allowance."""
+    from llmq.pipeline.quantize import quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, src = tiny
+    common = dict(bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=0, **extra)
+    plain = quantize(src, QuantizeOptions(**common, name=f"plain-gguf{len(extra)}"), store, progress=False)
+    def gguf_size(quantized) -> int:
+        engine = build_engine(quantized, store, BuildOptions(target="gguf"))
+        return next(p for p in engine.path.glob("*.gguf") if not p.name.endswith(".imatrix.gguf")).stat().st_size
+
+    plain_bytes = gguf_size(plain)
+    limit = plain_bytes + 40_000
+    art = quantize(src, QuantizeOptions(max_size=str(limit), size_in="gguf", **common), store, progress=False)
+    m = art.config["mixed_precision"]
+    assert m["count"]["8"] + m["count"]["16"] > 0
+    gguf_bytes = gguf_size(art)
+    assert plain_bytes < gguf_bytes <= limit
+    units = len(art.config["mixed_precision"]["units"])
+    assert limit - gguf_bytes < 2 * 64 * 128 * 2 + 31 * 4 * units + 255, (limit, gguf_bytes)
+
+
+def test_size_in_gguf_needs_a_budget_and_gguf_blocks():
+    with pytest.raises(LlmqError, match="--size-in gguf prices"):
+        QuantizeOptions(size_in="gguf").check()
+    with pytest.raises(LlmqError, match="multiples of 32"):
+        QuantizeOptions(max_size="1GB", size_in="gguf", bits=4, group_size=16).check()
+
+
 def test_a_max_size_below_the_4_bit_floor_is_refused_before_any_work(tiny):
     from llmq.pipeline.quantize import quantize
 

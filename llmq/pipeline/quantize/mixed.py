@@ -205,11 +205,19 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
 
 
 def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
-    """([layers * units, WIDTHS] bytes of each unit at each width, parameters of all decoder linears)."""
+    """([layers * units, WIDTHS] bytes of each unit at each width, parameters of all decoder linears); in the GGUF
+    file's blocks with --size-in gguf."""
     shapes = unit_shapes(spec)
     scale_bytes = 2  # bf16 / fp16 scales, as the quantizer stores them for 16-bit models
-    costs = np.array([[sum(linear_bytes(n, k, b, width_grid(b, opts)[1], opts.symmetric, scale_bytes)
-                           for n, k in shapes[u]) for b in WIDTHS]
+
+    def cost(n: int, k: int, b: int) -> int:
+        if opts.size_in == "gguf":
+            from ..targets.gguf_size import linear_bytes as gguf_bytes
+
+            return gguf_bytes(n, k, b, opts.symmetric)
+        return linear_bytes(n, k, b, width_grid(b, opts)[1], opts.symmetric, scale_bytes)
+
+    costs = np.array([[sum(cost(n, k, b) for n, k in shapes[u]) for b in WIDTHS]
                       for _ in range(spec.num_layers) for u in range(len(shapes))], dtype=np.float64)
     return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
 
@@ -217,7 +225,13 @@ def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
 def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     """The --target-bpw that fills a --max-size file: the bytes left once every tensor outside the decoder linears
     is priced as it will be stored (an INT8 table or head: a byte per weight and a scale per row or group), less each
-    linear's 16-byte weight_shape and an upper bound on the safetensors header, per decoder-linear weight."""
+    linear's 16-byte weight_shape and an upper bound on the safetensors header, per decoder-linear weight. With
+    --size-in gguf, what the GGUF file holds besides the decoder linears' blocks (targets.gguf_size)."""
+    if opts.size_in == "gguf":
+        from ..targets.gguf_size import fixed_bytes
+
+        fixed = fixed_bytes(model_dir, opts.embedding == "int8", opts.lm_head == "int8")
+        return (parse_size(opts.max_size) - fixed) * 8 / unit_costs(spec, opts)[1]
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors
 

@@ -70,6 +70,10 @@ class QuantizeOptions(Options):
     max_size: str | None = option(None, "Mixed precision for a file-size budget (e.g. 105MB, 100MiB): the "
                                   "--target-bpw that what is left fills, once the embedding, head, norms and headers "
                                   "are priced as they will be stored; the file is at most this size.", metavar="SIZE")
+    size_in: str = option("checkpoint", "Whose bytes --target-bpw / --max-size count: the checkpoint's, or the "
+                          "GGUF file's that `llmq build --target gguf` will write (Q4_0 / Q4_1 / Q8_0 blocks of 18 / "
+                          "20 / 34 bytes per 32 weights, norms in float32, the tokenizer in its metadata), so a "
+                          "--max-size holds for the .gguf.", choices=("checkpoint", "gguf"))
     int8_group_size: int = option(0, "Input columns per scale of the 8-bit weights that --target-bpw / --max-size, "
                                   "--embedding int8 and --lm-head int8 make: 0 = per output channel (what TensorRT-LLM "
                                   "loads), 32 = llama.cpp's Q8_0 block, which the GGUF target then stores exactly "
@@ -109,6 +113,11 @@ class QuantizeOptions(Options):
             parse_size(self.max_size)
             if self.target_bpw is not None:
                 raise LlmqError("--max-size and --target-bpw are two spellings of one budget; give one")
+        if self.size_in == "gguf" and not self.mixed:
+            raise LlmqError("--size-in gguf prices --target-bpw / --max-size in GGUF bytes; give one of those")
+        if self.size_in == "gguf" and ((self.group_size or 0) % 32 or self.int8_group_size % 32):
+            raise LlmqError("--size-in gguf: GGUF's blocks hold 32 weights, so --group-size and --int8-group-size "
+                            f"must be multiples of 32 (got {self.group_size}, {self.int8_group_size})")
         if self.mixed and (self.method not in WEIGHT_ONLY or self.bits == 8 or self.per_tensor):
             flag = "--target-bpw" if self.target_bpw is not None else "--max-size"
             raise LlmqError(f"{flag} mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "
