@@ -2,9 +2,9 @@
 
 Needs a llama.cpp build (--llama-cpp DIR or $LLAMA_CPP_DIR: its source tree or build/bin; without one this prints how
 to build it and exits 2). llmq's bf16 model artifact is converted to GGUF F16 by llama.cpp's own converter
-(convert_hf_to_gguf.py) and quantized by llama-quantize to Q8_0 / Q4_0 / Q4_K_M; the GGUFs are cached in
-<work dir>/<bf16 artifact id>. llmq's variants are made by the quantize stage (reused from the store on later runs)
-or passed with --llmq LABEL=REF.
+(convert_hf_to_gguf.py) and quantized by llama-quantize to Q8_0 / Q4_0 / Q4_K_M (and FP4, below); the GGUFs are
+cached in <work dir>/<bf16 artifact id>. llmq's variants are made by the quantize stage (reused from the store on later
+runs) or passed with --llmq LABEL=REF.
 
 Speed, for every thread count and round, interleaved pair by pair (llama.cpp, then llmq):
   llama.cpp: `llama-bench -p 128 -n 128 -r 1 -t T`: pp128 = one 128-token prompt, tg128 = 128 one-token decode steps
@@ -26,7 +26,13 @@ windowed as llama-perplexity does (-c 512: chunks of 512 tokens, the second half
   --gguf-exports: every llmq variant is also written as GGUF (`llmq build --target gguf`) and that file is scored by
   llama-perplexity --kl-divergence like llama.cpp's own quantizations: the quality a llama.cpp user of the export
   gets, beside what llmq's runtime computes from the artifact; a calibrated variant's importance matrix (written
-  beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M of F16, scored the same way.
+  beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M of F16, scored the same way. A variant GGUF
+  cannot hold (FP8: no GGML block format) is named with the build target's reason.
+FP4 in llama.cpp (with the quality runs): llama-quantize's file types hold FP4 only for MoE experts (MXFP4_MOE: dense
+tensors Q8_0; no NVFP4 file type in llama-cpp-python 0.3.36's llama.cpp), so llama.cpp's own MXFP4 / NVFP4 of this
+dense model is ggml's block quantizer reached with `--tensor-type` on every decoder linear (the embedding table left
+F16, as llmq's FP4 artifacts leave it 16-bit). Every FP4-named file type the tool lists is made too and kept as a row
+only if the file holds FP4 tensors (read back with gguf-py); otherwise the report says what it wrote.
 
     python benchmarks/bench_vs_llamacpp.py --llama-cpp /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
         --converter-pythonpath /tmp/llamacpp/pydeps [--rounds 3] [--threads 1 2] [--json OUT]
@@ -38,7 +44,9 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -53,10 +61,16 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")
 VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int8-rtn-emb8",
             "int4-rtn-g64-emb8", "int4-gptq-g64-act", "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5",
             "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75", "int4-rtn-g32-emb8",
-            "int8-rtn-g32-emb8g32")
+            "int8-rtn-g32-emb8g32", "fp8", "fp8-g128", "nvfp4", "mxfp4")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
-# g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter)
+# g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
+# fp8: E4M3 weights per output channel with dynamic per-token FP8 activations (--method fp8); fp8-g128: block FP8
+# (128 x 128 weight blocks, --group-size 128); nvfp4 / mxfp4: FP4 E2M1 weight-only in the format's blocks (16 with E4M3
+# scales and a global scale / 32 with E8M0 exponents); the float formats keep the embedding table 16-bit
+UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibration data (before the speed runs)
+LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
+LINEARS = r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight"  # every decoder linear (llama.cpp's names)
 PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q8_0", "int8-rtn-emb8"),
          ("Q4_0", "int4-rtn-g64"), ("Q4_0", "int4-rtn-g64-head8"), ("Q4_0", "int4-rtn-g64-emb8"))  # same class
 HELDOUT = ("copy.py", "abc.py")  # stdlib files in none of llmq's calibration / probe / eval sets (checked below)
@@ -80,7 +94,9 @@ def variant_options() -> dict:
                                QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
                                                embedding="int8", target_bpw=5.75),
                                QuantizeOptions(bits=4, group_size=32, embedding="int8"),
-                               QuantizeOptions(bits=8, group_size=32, embedding="int8", int8_group_size=32))))
+                               QuantizeOptions(bits=8, group_size=32, embedding="int8", int8_group_size=32),
+                               QuantizeOptions(method="fp8"), QuantizeOptions(method="fp8", group_size=128),
+                               QuantizeOptions(method="nvfp4"), QuantizeOptions(method="mxfp4"))))
 
 
 def quantized(source, opts, store):
@@ -100,8 +116,43 @@ def quantized(source, opts, store):
     return art
 
 
-def ggufs(lc: LlamaCpp, model, work: Path, threads: int) -> dict[str, Path]:
-    """F16 converted from the bf16 artifact by llama.cpp's converter, then llama-quantize's types; cached in `work`."""
+def quantize_types(help_text: str) -> set[str]:
+    """The file types `llama-quantize --help` lists ("  38  or  MXFP4_MOE :  MXFP4 MoE" lines), upper case."""
+    return {m.group(1).upper() for m in re.finditer(r"^\s*\d+\s+or\s+(\S+)\s*:", help_text, re.M)}
+
+
+def fp4_args(ggml_type: str) -> list[str]:
+    """llama-quantize's arguments (before the files) for llama.cpp's own FP4 quantization of a dense model: every
+    decoder linear to `ggml_type` by ggml's block quantizer (round-to-nearest), the tied embedding / head table left
+    F16 as llmq's FP4 artifacts leave it 16-bit. The file type given after them (Q8_0) only admits the overrides:
+    llama-quantize applies --tensor-type when the file type is a quantized one; no tensor is left at it."""
+    return ["--tensor-type", f"{LINEARS}={ggml_type}", "--token-embedding-type", "f16"]
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """How many tensors of each GGML type a GGUF file holds (gguf-py), e.g. {"Q8_0": 211, "F32": 61}."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+
+
+def fp4_note(name: str, types: dict[str, int]) -> str | None:
+    """Why a llama.cpp "FP4" file type is not an FP4 row on this model (it wrote no FP4 tensor), or None if it is."""
+    if any(t in ("MXFP4", "NVFP4") for t in types):
+        return None
+    held = ", ".join(f"{n} x {t}" for t, n in sorted(types.items(), key=lambda x: -x[1]))
+    why = (": it puts only MoE expert tensors in MXFP4 and every other matrix in Q8_0 (src/llama-quant.cpp), so here "
+           "it is Q8_0 under another name; llama.cpp's MXFP4 of the linears is the row made with --tensor-type"
+           if "MOE" in name.upper() else "")
+    return f"llama-quantize {name} writes no FP4 tensor on this model ({held}){why}"
+
+
+def ggufs(lc: LlamaCpp, model, work: Path, threads: int, fp4: bool = False) -> tuple[dict[str, Path], dict[str, str]]:
+    """F16 converted from the bf16 artifact by llama.cpp's converter, then llama-quantize's types; with `fp4` also
+    llama.cpp's FP4 quantizations of the linears (LLAMA_FP4, --tensor-type) and llama-quantize's MXFP4_MOE, kept as a
+    row only if it writes FP4 tensors here. Cached in `work`. Returns the files and, per FP4 name left out, why."""
     work.mkdir(parents=True, exist_ok=True)
     out = {"F16": work / "model-F16.gguf", **{t: work / f"model-{t}.gguf" for t in GGUF_TYPES}}
     if not out["F16"].is_file():
@@ -114,13 +165,34 @@ def ggufs(lc: LlamaCpp, model, work: Path, threads: int) -> dict[str, Path]:
             "the GGUF converter (missing modules: add their directory with --converter-pythonpath)",
             env=lc.converter_env())
         tmp.replace(out["F16"])
-    for t in GGUF_TYPES:
+    jobs = {t: [t] for t in GGUF_TYPES}
+    notes = {}
+    if fp4:
+        offered = quantize_types(subprocess.run([lc.tool("llama-quantize"), "--help"], capture_output=True,
+                                                text=True).stdout)
+        for name, ggml_type in LLAMA_FP4.items():
+            label = f"{name} (linears)"
+            out[label] = work / f"model-{name}-linears.gguf"
+            jobs[label] = [*fp4_args(ggml_type), "Q8_0"]
+            if not any(t.startswith(name) for t in offered):  # MXFP4_MOE's own note says what it writes
+                notes[name] = (f"this llama-quantize offers no {name} file type (its --help lists "
+                               f"{', '.join(sorted(t for t in offered if 'FP4' in t)) or 'no FP4 type'}); the "
+                               f"'{label}' row is ggml's own {name} block quantizer reached through --tensor-type")
+        for t in sorted(offered):
+            if "FP4" in t:
+                out[t], jobs[t] = work / f"model-{t}.gguf", [t]
+    for t, args in jobs.items():
         if not out[t].is_file():
             tmp = out[t].with_suffix(".tmp")
             print(f"llama-quantize {t} ...", flush=True)
-            run([lc.tool("llama-quantize"), str(out["F16"]), str(tmp), t, str(threads)], "llama-quantize")
+            *flags, ftype = args
+            run([lc.tool("llama-quantize"), *flags, str(out["F16"]), str(tmp), ftype, str(threads)], "llama-quantize")
             tmp.replace(out[t])
-    return out
+    for t in [t for t in jobs if t not in GGUF_TYPES]:
+        if (why := fp4_note(t, tensor_types(out[t]))) is not None:
+            notes[t] = why
+            del out[t]
+    return out, notes
 
 
 # -- speed ------------------------------------------------------------------------------------------------------------
@@ -413,16 +485,17 @@ def bench(lc: LlamaCpp, args) -> int:
     load = os.getloadavg()[0]
     print(f"llama.cpp tools: {lc.bin_dir}\nllmq model: {model.ref} ({model.id[:16]})  work dir: {work}\n"
           f"machine: {os.cpu_count()} cores, 1-minute load average {load:.2f} at start")
-    gg = ggufs(lc, model, work, max(args.threads))
+    gg, fp4_notes = ggufs(lc, model, work, max(args.threads), fp4=not args.skip_quality)
     given = dict(x.split("=", 1) for x in args.llmq if "=" in x)
     if len(given) != len(args.llmq):
         raise LlmqError("--llmq takes LABEL=REF")
     arts = {"bf16": model, **{label: store.resolve(ref) for label, ref in given.items()}}
 
-    def make(calibrated: bool) -> None:  # RTN first (the speed pairs); GPTQ / AWQ / mixed only for the quality table
+    def make(calibrated: bool) -> None:  # RTN / FP first (the speed pairs); GPTQ / AWQ / mixed only for quality
         for label, opts in variant_options().items():
             chosen = args.variants is None or label in args.variants
-            if chosen and label not in arts and (opts.method != "rtn" or opts.target_bpw is not None) == calibrated:
+            made_cold = opts.method in UNCALIBRATED and opts.target_bpw is None
+            if chosen and label not in arts and made_cold != calibrated:
                 print(f"llmq variant {label}: ", end="", flush=True)
                 arts[label] = quantized(model, opts, store)
                 print(arts[label].ref, flush=True)
@@ -448,28 +521,30 @@ def bench(lc: LlamaCpp, args) -> int:
         text_file = work / f"heldout-{digest}.txt"
         text_file.write_text(text, encoding="utf-8")
         base_file = work / f"F16-{digest}-c{args.ctx}.kld"
-        lq = llama_quality(lc, gg["F16"], {t: gg[t] for t in GGUF_TYPES}, text_file, base_file, args.ctx,
-                           max(args.threads))
+        lq = llama_quality(lc, gg["F16"], {t: p for t, p in gg.items() if t != "F16"}, text_file, base_file,
+                           args.ctx, max(args.threads))
         base = KldBase(base_file)
         mq, info = llmq_quality(paths, base, text, max(args.threads), args.int8_activations)
         params = ModelSpec.from_config(model.path / "config.json").num_parameters()
         rows = [{"model": "llama.cpp F16", "bytes": gg["F16"].stat().st_size, "ppl": lq[GGUF_TYPES[0]]["ppl_base"]}]
-        rows += [{"model": f"llama.cpp {t}", "bytes": gg[t].stat().st_size, **lq[t]} for t in GGUF_TYPES]
+        rows += [{"model": f"llama.cpp {t}", "bytes": gg[t].stat().st_size, "tensor_types": tensor_types(gg[t]),
+                  **lq[t]} for t in lq]
         rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in
                                                      paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
                   **r} for k, r in mq.items()]
         if args.gguf_exports:
             exports, imatrices, refused = gguf_exports(arts, store)
             le = llama_quality(lc, gg["F16"], exports, text_file, base_file, args.ctx, max(args.threads))
-            rows += [{"model": f"llmq {k} (GGUF)", "bytes": exports[k].stat().st_size, **le[k]} for k in exports]
+            rows += [{"model": f"llmq {k} (GGUF)", "bytes": exports[k].stat().st_size,
+                      "tensor_types": tensor_types(exports[k]), **le[k]} for k in exports]
             guided = imatrix_quants(lc, gg["F16"], imatrices, work, max(args.threads))
             lg = llama_quality(lc, gg["F16"], guided, text_file, base_file, args.ctx, max(args.threads))
             rows += [{"model": f"llama.cpp {k}", "bytes": guided[k].stat().st_size, **lg[k]} for k in guided]
-            for k, why in refused.items():
-                print(f"llmq {k}: no GGUF export ({why})")
+            results["no_gguf_export"] = refused
         for r in rows:
             r["bpw"] = r["bytes"] * 8 / params
-        results["quality"] = {"rows": rows, "heldout": files, "parameters": params, **info,
+        results["quality"] = {"rows": rows, "heldout": files, "parameters": params, **info, "fp4_notes": fp4_notes,
+                              "no_gguf_export": results.pop("no_gguf_export", {}),
                               "agreement_llmq_bf16_vs_f16": mq["bf16"]["vs_f16"]}
     results["settings"].update(llmq={k: a.ref for k, a in arts.items()}, load_average_end=os.getloadavg()[0])
     print(f"\nmachine load: 1-minute load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at the end "
@@ -482,6 +557,10 @@ def bench(lc: LlamaCpp, args) -> int:
         a = q["agreement_llmq_bf16_vs_f16"]
         print(f"references agree: llmq bf16 vs llama.cpp F16 (llama.cpp's formula on F16's base file): "
               f"mean KLD {a['kld']:.2e}, top-1 {a['top1']:.2f} % (|KLD| ~1e-5 is the base file's 16-bit resolution)")
+        for t, why in q["fp4_notes"].items():
+            print(f"llama.cpp {t}: {why}")
+        for k, why in q["no_gguf_export"].items():
+            print(f"llmq {k}: no GGUF export ({why.splitlines()[0]})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     return 0

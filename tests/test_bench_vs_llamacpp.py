@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -46,15 +47,85 @@ def test_without_llama_cpp_it_says_how_to_build_it_and_exits_2(tmp_path):
 
 def test_every_variant_label_says_what_its_options_ask_for():
     """The labels are the rows of the published tables: each names its bits, method, group, act-order, INT8 head /
-    table and budget, and its options pass the stage's own check."""
-    for label, opts in _script().variant_options().items():
+    table and budget, and its options pass the stage's own check. The float formats are named by their method (FP8's
+    8 bits, FP4's 4 bits and block are the format's); a group in the label is a group asked for."""
+    mod = _script()
+    assert set(mod.variant_options()) == set(mod.VARIANTS)
+    for label, opts in mod.variant_options().items():
         opts.check()
+        if opts.method in ("fp8", "nvfp4", "mxfp4"):
+            assert label.split("-")[0] == opts.method and opts.bits is None, label
+            assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
+            assert opts.method in mod.UNCALIBRATED and opts.embedding == "keep", label
+            continue
         assert label.startswith(f"int{opts.bits}-{opts.method}"), label
         assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
         assert ("-act" in label) == opts.act_order and ("-head8" in label) == (opts.lm_head == "int8"), label
         assert ("-emb8" in label) == (opts.embedding == "int8"), label
         budget = "" if opts.target_bpw is None else f"-bpw{opts.target_bpw:g}"
         assert label.endswith(budget) and ("-bpw" in label) == bool(budget), label
+
+
+# `llama-quantize --help` of llama-cpp-python 0.3.36's llama.cpp (0c1e570), an excerpt of its type list
+QUANTIZE_HELP = """
+  --dry-run
+                                      calculate and show the final quantization size without performing quantization
+-----------------------------------------------------------------------------
+ allowed quantization types
+-----------------------------------------------------------------------------
+
+  40  or  Q1_0    :  1.125 bpw quantization
+   2  or  Q4_0    :  4.34G, +0.4685 ppl @ Llama-3-8B
+  38  or  MXFP4_MOE :  MXFP4 MoE
+  15  or  Q4_K_M  :  4.58G, +0.1754 ppl @ Llama-3-8B
+   7  or  Q8_0    :  7.96G, +0.0026 ppl @ Llama-3-8B
+   1  or  F16     : 14.00G, +0.0020 ppl @ Mistral-7B
+   0  or  F32     : 26.00G              @ 7B
+          COPY    : only copy tensors, no quantizing
+"""
+
+
+def test_quantize_types_reads_the_file_types_llama_quantize_lists():
+    assert _script().quantize_types(QUANTIZE_HELP) == {"Q1_0", "Q4_0", "MXFP4_MOE", "Q4_K_M", "Q8_0", "F16", "F32"}
+
+
+def test_fp4_overrides_reach_every_decoder_linear_and_leave_the_table_f16():
+    """What the llama.cpp FP4 rows are made of: the --tensor-type pattern (llama-quantize regex_searches each tensor
+    name) picks exactly the seven linears of every block of a Llama GGUF; the table is named F16 on its own."""
+    mod = _script()
+    args = mod.fp4_args("nvfp4")
+    assert args[0] == "--tensor-type" and args[2:] == ["--token-embedding-type", "f16"]
+    pattern, ggml_type = args[1].rsplit("=", 1)
+    assert ggml_type == "nvfp4"
+    linears = [f"blk.{i}.{n}.weight" for i in (0, 7, 29) for n in
+               ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    others = ["token_embd.weight", "output.weight", "output_norm.weight", "blk.0.attn_norm.weight",
+              "blk.12.ffn_norm.weight", "rope_freqs.weight"]
+    assert all(re.search(pattern, n) for n in linears)
+    assert not any(re.search(pattern, n) for n in others)
+
+
+def test_fp4_note_names_a_file_type_that_wrote_no_fp4_tensor():
+    mod = _script()
+    assert mod.fp4_note("MXFP4 (linears)", {"MXFP4": 210, "F32": 61, "F16": 1}) is None
+    assert mod.fp4_note("NVFP4 (linears)", {"NVFP4": 210, "F32": 61, "F16": 1}) is None
+    why = mod.fp4_note("MXFP4_MOE", {"Q8_0": 211, "F32": 61})  # what it wrote for SmolLM2-135M
+    assert "MXFP4_MOE writes no FP4 tensor" in why and "211 x Q8_0, 61 x F32" in why and "MoE expert" in why
+
+
+def test_tensor_types_counts_a_gguf_files_types(tmp_path):
+    from gguf import GGMLQuantizationType as GT
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("a", np.zeros((4, 32), np.float32))
+    w.add_tensor("b", np.zeros(8, np.float32))
+    w.add_tensor("c", np.zeros((4, 34), np.uint8), raw_dtype=GT.Q8_0)  # 4 rows of one 34-byte Q8_0 block
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert _script().tensor_types(tmp_path / "m.gguf") == {"F32": 2, "Q8_0": 1}
 
 
 def test_an_installed_llama_cpp_package_alone_is_named_as_not_enough(tmp_path):
