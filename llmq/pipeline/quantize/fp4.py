@@ -1,6 +1,6 @@
 """What the FP4 methods (nvfp4.py, mxfp4.py) share: round-to-nearest onto the E2M1 grid in the format's blocks,
-weight-only (W4A16). The arithmetic is `llmq.quant`'s; the block size is the format's, so --group-size may only
-repeat it."""
+weight-only (W4A16), or with --gptq GPTQ onto the same grid (gptq.gptq_fp4: calibrated, the same format). The
+arithmetic is `llmq.quant`'s; the block size is the format's, so --group-size may only repeat it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def validate(opts, fmt: str) -> None:
         raise LlmqError(f"{flag} is symmetric with one scale per block of {block}: drop --per-tensor / --asym")
     if opts.activations != "dynamic":
         raise LlmqError(f"{flag} is weight-only (W4A16) in llmq so far: activations stay 16-bit; drop --activations")
+    if not opts.gptq and (opts.act_order or opts.damp != 0.01):
+        raise LlmqError(f"--act-order / --damp are GPTQ's; add --gptq to round {flag} with GPTQ")
+
+
+def calibrated(opts) -> bool:
+    """The methods' CALIBRATED: GPTQ needs calibration inputs, round-to-nearest none."""
+    return opts.gptq
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None) -> qformat.QuantizedWeight:
@@ -45,4 +52,10 @@ def quantize_layer(ctx, fmt: str) -> dict[str, qformat.QuantizedWeight]:
             if names:
                 g = quant.nvfp4_global_scale(torch.stack([ctx.linears[n].weight.abs().amax() for n in names]).max())
                 shared |= dict.fromkeys(names, g)
+    if ctx.opts.gptq:
+        from . import gptq
+
+        o = ctx.opts
+        return gptq.quantize_layer(ctx, lambda n, w, h, consume: gptq.gptq_fp4(w, h, fmt, shared.get(n), o.damp,
+                                                                               o.act_order, consume))
     return {n: quantize_weight(lin.weight.data, fmt, shared.get(n)) for n, lin in ctx.linears.items()}

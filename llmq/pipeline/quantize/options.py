@@ -91,8 +91,9 @@ class QuantizeOptions(Options):
         if self.scales is not None and self.method not in WEIGHT_ONLY:
             raise LlmqError(f"--scales is the integer scale rule of {', '.join(WEIGHT_ONLY)}; {self.method} has its "
                             "own")
-        for name, own in METHODS.items():  # another method's own options, set
-            fields, message = own.only if name != self.method else ((), "")
+        mine = {f.name for f in dataclasses.fields(METHODS[self.method])}  # the nvfp4 / mxfp4 options hold GPTQ's
+        for own in method_options():  # another method's own options, set
+            fields, message = [f for f in own.only[0] if f not in mine], own.only[1]
             if any(getattr(self, f) != default_of(self.__dataclass_fields__[f]) for f in fields):
                 raise LlmqError(message)
         for flag, value in (("--lm-head", self.lm_head), ("--embedding", self.embedding)):
