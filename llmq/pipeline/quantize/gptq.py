@@ -12,6 +12,9 @@ tensor: column c always belongs to group c // group_size, as compressed-tensors 
 Without act-order a group's scale is taken from the updated weights when its first column comes up, as in the paper.
 With `--scales search` each group's scale minimises its rounding error weighted by diag(H) (each column's mean
 squared input: the importance the output error gives it), rtn.grid_params' search.
+The same sweep rounds onto the FP4 grids (`--method nvfp4 / mxfp4 --gptq`, gptq_fp4): there every block scale is
+static, round-to-nearest's, fixed before the sweep (llm-compressor's GPTQModifier on an NVFP4 / MXFP4 scheme does
+the same), so act-order composes as it does for static groups and the output is round-to-nearest's format.
 """
 
 from __future__ import annotations
