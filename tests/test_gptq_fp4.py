@@ -105,6 +105,38 @@ def test_gptq_lowers_the_calibration_weighted_output_error(fmt):
         assert got < 0.9 * rtn, f"seed {SEED}: act_order={act_order} gptq {got} vs rtn {rtn}"
 
 
+def _block_errors(w, qw, importance):
+    n, k = w.shape
+    d = (w.double() - quant.dequantize_fp4(qw.q, qw.scale, qw.global_scale).double()) ** 2 * importance.double()
+    return d.reshape(n, -1, qw.group_size).sum(-1)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_searched_scales_never_lose_to_amax_and_keep_the_format(fmt):
+    """--scales search: every block's (weighted) squared error is at most amax's, lower in total; the scales are
+    amax's neighbours on their own grid (E4M3 codes +-2, E8M0 exponents +-1) and the codes are the nearest ones for
+    them, so the weight is the format's as any reader decodes it. With GPTQ on a diagonal Hessian it is exactly
+    round-to-nearest with scales searched under diag(H)."""
+    w, x = _layer()
+    h = _hessian(x)
+    rtn = fp4.quantize_weight(w, fmt)
+    for importance in (None, torch.diag(h)):
+        imp = torch.ones(w.shape[1]) if importance is None else importance
+        got = fp4.quantize_weight(w, fmt, search=True, importance=importance)
+        assert got.scale.dtype == rtn.scale.dtype and got.scale.shape == rtn.scale.shape
+        assert (got.global_scale is None) == (rtn.global_scale is None)
+        moved = (got.scale.view(torch.uint8).int() - rtn.scale.view(torch.uint8).int()).abs()
+        assert moved.max() <= (2 if fmt == "nvfp4" else 1) and (moved > 0).any()
+        step = quant.fp4_block_scale(got.scale, got.global_scale).double()
+        assert torch.equal(got.q, quant.e2m1_codes(w.double().reshape(*step.shape, -1) / step.unsqueeze(-1))
+                           .reshape(w.shape))
+        mine, amax = _block_errors(w, got, imp), _block_errors(w, rtn, imp)
+        assert (mine <= amax * (1 + 1e-12)).all() and mine.sum() < 0.99 * amax.sum(), f"seed {SEED}"
+    diag = gptq_fp4(w, torch.diag(torch.diag(h)), fmt, search=True)
+    want = fp4.quantize_weight(w, fmt, search=True, importance=torch.diag(h))
+    assert torch.equal(diag.q, want.q) and torch.equal(diag.scale.view(torch.uint8), want.scale.view(torch.uint8))
+
+
 # -- the checkpoint ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gptq_quantized(source):  # noqa: F811
@@ -166,7 +198,7 @@ def test_gguf_export_reads_back_bit_exact(tmp_path):
     (["--method", "awq", "--act-order"], "--act-order is a GPTQ option"),
     (["--method", "nvfp4", "--gptq", "--bits", "8"], "quantizes to 4 bits, not 8"),
     (["--method", "nvfp4", "--gptq", "--group-size", "32"], "blocks of 16 input columns"),
-    (["--method", "mxfp4", "--gptq", "--scales", "search"], "--scales is the integer scale rule"),
+    (["--method", "fp8", "--scales", "search"], "--scales is the scale rule"),
     (["--method", "nvfp4", "--gptq", "--lm-head", "int8"], "needs a weight-only method"),
     (["--method", "nvfp4", "--calib", "x.txt"], "uses no calibration data"),
 ])

@@ -130,14 +130,16 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
 
 
 def gptq_fp4(w: torch.Tensor, h: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None,
-             damp: float = 0.01, act_order: bool = False, consume: bool = False) -> qformat.QuantizedWeight:
+             damp: float = 0.01, act_order: bool = False, consume: bool = False,
+             search: bool = False) -> qformat.QuantizedWeight:
     """GPTQ onto an FP4 grid ("nvfp4" / "mxfp4"): the block scales (and NVFP4's global scale, `global_scale` where
     the unit shares one) are round-to-nearest's, fixed from the weight before the sweep, as llm-compressor's
     GPTQModifier does for an FP4 scheme; each column is then rounded onto the E2M1 grid of its block's scale
     (`quant.e2m1_codes` of the exact quotient, as round-to-nearest rounds) with its error fed forward. The result is
-    the format round-to-nearest writes, so every export and the runtime read it unchanged."""
-    W, H, _ = _prepare(w, h, consume)
-    rtn_weight = fp4.quantize_weight(W, fmt, global_scale)
+    the format round-to-nearest writes, so every export and the runtime read it unchanged. `search`: the block
+    scales searched (fp4.search_scales) with the error weighted by diag(H), as the integer search is."""
+    W, H, importance = _prepare(w, h, consume)
+    rtn_weight = fp4.quantize_weight(W, fmt, global_scale, search, importance)
     step = quant.fp4_block_scale(rtn_weight.scale.to(W.device), None if rtn_weight.global_scale is None
                                  else rtn_weight.global_scale.to(W.device))
     block = rtn_weight.group_size
