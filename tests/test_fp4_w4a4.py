@@ -285,7 +285,7 @@ def test_runtime_serves_the_w4a4_checkpoint_as_w4a4(quantized):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--method", "rtn", "--w4a4"], "--w4a4 is an FP4 option"),
+    (["--method", "rtn", "--w4a4"], "--gptq / --w4a4 are the FP4 methods' options"),
     (["--method", "nvfp4", "--w4a4", "--activations", "static"], "drop --activations"),
 ])
 def test_w4a4_option_errors_are_one_line(source, args, match):

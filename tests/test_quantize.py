@@ -423,7 +423,7 @@ def _quantized(store):
     (dict(bits=8, method="smoothquant", group_size=0), None), (dict(bits=4, method="rtn", act_order=True), "GPTQ"),
     (dict(bits=4, method="gptq", damp=0), "damp"), (dict(bits=4, method="awq", per_tensor=True), "per tensor"),
     (dict(bits=4, method="gptq", per_tensor=True), "not per tensor"),
-    (dict(bits=8, method="fp8", scales="amax"), "--scales is the integer scale rule"),
+    (dict(bits=8, method="fp8", scales="amax"), "--scales is the scale rule"),
     (dict(bits=4, int8_group_size=32), "--int8-group-size sets the groups"),
     (dict(bits=4, embedding="int8", int8_group_size=48), "--int8-group-size 48 does not divide")])
 def test_bad_options_are_refused_before_any_work(store, tiny_source, opts, match):

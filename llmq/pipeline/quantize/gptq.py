@@ -12,16 +12,21 @@ tensor: column c always belongs to group c // group_size, as compressed-tensors 
 Without act-order a group's scale is taken from the updated weights when its first column comes up, as in the paper.
 With `--scales search` each group's scale minimises its rounding error weighted by diag(H) (each column's mean
 squared input: the importance the output error gives it), rtn.grid_params' search.
+The same sweep rounds onto the FP4 grids (`--method nvfp4 / mxfp4 --gptq`, gptq_fp4): there every block scale is
+static, round-to-nearest's, fixed before the sweep (llm-compressor's GPTQModifier on an NVFP4 / MXFP4 scheme does
+the same), so act-order composes as it does for static groups and the output is round-to-nearest's format.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
-from . import rtn
+from . import fp4, rtn
 
 BITS = (4, 8)
 CALIBRATED = True
@@ -50,19 +55,53 @@ def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
     raise LlmqError("GPTQ: the Hessian is not positive definite even with 1000x damping; calibrate on more data")
 
 
+def _prepare(w: torch.Tensor, h: torch.Tensor, consume: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W, H, importance) in float32: copies (H: unless `consume`), columns that never saw a non-zero input zeroed in
+    W and given H_jj = 1, importance = the undamped diag(H)."""
+    W = w.detach().float().clone()
+    H = h.detach() if consume and h.dtype == torch.float32 else h.detach().float().clone()
+    importance = torch.diag(H).clone()
+    dead = importance == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    return W, H, importance
+
+
+def _sweep(W: torch.Tensor, H: torch.Tensor, damp: float, act_order: bool, block: int, round_column) -> torch.Tensor:
+    """GPTQ's sweep over W [n, k] (float32; H [k, k] is scratch): `round_column(col, W1, j)` rounds column `col`
+    (original order), W1[:, j] of the block being swept, and returns (q, its real value); each column's error goes
+    onto the columns after it. Returns the q [n, k] in original column order."""
+    k = W.shape[1]
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
+    if act_order:
+        W, H = W[:, perm], H[perm][:, perm]
+    U = _upper_cholesky_of_inverse(H, damp)
+    del H
+    cols = perm.tolist()
+    Q = torch.empty_like(W)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.empty_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            q, real = round_column(cols[i1 + j], W1, j)
+            Q[:, i1 + j] = q
+            err = (W1[:, j] - real) / U1[j, j]
+            W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
+            E1[:, j] = err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return Q[:, torch.argsort(perm)] if act_order else Q
+
+
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, symmetric: bool,
                   scale_dtype: torch.dtype, damp: float = 0.01, act_order: bool = False,
                   consume: bool = False, search: bool = False) -> qformat.QuantizedWeight:
     """GPTQ-quantized QuantizedWeight of w [out, in] given the input Hessian h [in, in]; with `consume` h is used
     as scratch (the caller's last use of it: one [in, in] copy less); `search`: searched scales (module docstring)."""
-    W = w.detach().float().clone()
-    H = h.detach() if consume and h.dtype == torch.float32 else h.detach().float().clone()
+    W, H, importance = _prepare(w, h, consume)
     n, k = W.shape
     g = group_size if group_size > 0 else k
-    importance = torch.diag(H).clone()
-    dead = importance == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
     ngroups = k // g
     scale = torch.empty(n, ngroups, device=W.device)
     zero = None if symmetric else torch.empty(n, ngroups, device=W.device)
@@ -72,52 +111,63 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
         scale[:] = s[..., 0]
         if zero is not None:
             zero[:] = z[..., 0]
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
-    if act_order:
-        W, H = W[:, perm], H[perm][:, perm]
-    U = _upper_cholesky_of_inverse(H, damp)
-    del H
-    group_of = (perm // g).tolist()
     lazy_groups = not act_order and g < k
+
+    def round_column(col, W1, j):
+        gi = col // g
+        if lazy_groups and col % g == 0:
+            s, z = rtn.grid_params(W1[:, j:j + g], bits, symmetric, scale_dtype, search, importance[col:col + g])
+            scale[:, gi] = s[:, 0]
+            if zero is not None:
+                zero[:, gi] = z[:, 0]
+        s, z = scale[:, gi], (zero[:, gi] if zero is not None else None)
+        q = quant.round_int(W1[:, j], s, z, bits)
+        return q, ((q - z) * s if z is not None else q * s)
+
     block = g * max(1, BLOCK // g) if lazy_groups else BLOCK  # a group never straddles two blocks
-    Q = torch.empty_like(W)
-    for i1 in range(0, k, block):
-        i2 = min(i1 + block, k)
-        W1 = W[:, i1:i2].clone()
-        E1 = torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for j in range(i2 - i1):
-            col = i1 + j
-            gi = group_of[col]
-            if lazy_groups and col % g == 0:
-                s, z = rtn.grid_params(W1[:, j:j + g], bits, symmetric, scale_dtype, search,
-                                       importance[col:col + g])
-                scale[:, gi] = s[:, 0]
-                if zero is not None:
-                    zero[:, gi] = z[:, 0]
-            s, z = scale[:, gi], (zero[:, gi] if zero is not None else None)
-            wj = W1[:, j]
-            q = quant.round_int(wj, s, z, bits)
-            Q[:, col] = q
-            err = (wj - ((q - z) * s if z is not None else q * s)) / U1[j, j]
-            W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
-            E1[:, j] = err
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    if act_order:
-        Q = Q[:, torch.argsort(perm)]
+    Q = _sweep(W, H, damp, act_order, block, round_column)
     return rtn.pack(Q, scale, zero, bits, group_size if group_size > 0 else None, scale_dtype)
 
 
-def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
-    """One linear at a time, each Hessian released once no linear needs it."""
+def gptq_fp4(w: torch.Tensor, h: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None,
+             damp: float = 0.01, act_order: bool = False, consume: bool = False,
+             search: bool = False) -> qformat.QuantizedWeight:
+    """GPTQ onto an FP4 grid ("nvfp4" / "mxfp4"): the block scales (and NVFP4's global scale, `global_scale` where
+    the unit shares one) are round-to-nearest's, fixed from the weight before the sweep, as llm-compressor's
+    GPTQModifier does for an FP4 scheme; each column is then rounded onto the E2M1 grid of its block's scale
+    (`quant.e2m1_codes` of the exact quotient, as round-to-nearest rounds) with its error fed forward. The result is
+    the format round-to-nearest writes, so every export and the runtime read it unchanged. `search`: the block
+    scales searched (fp4.search_scales) with the error weighted by diag(H), as the integer search is."""
+    W, H, importance = _prepare(w, h, consume)
+    rtn_weight = fp4.quantize_weight(W, fmt, global_scale, search, importance)
+    step = quant.fp4_block_scale(rtn_weight.scale.to(W.device), None if rtn_weight.global_scale is None
+                                 else rtn_weight.global_scale.to(W.device))
+    block = rtn_weight.group_size
+    tiny = torch.finfo(torch.float64).tiny
+
+    def round_column(col, W1, j):
+        s = step[:, col // block]
+        codes = quant.e2m1_codes(W1[:, j].double() / s.double().clamp_min(tiny))
+        return codes.float(), quant.e2m1_values(codes) * s
+
+    Q = _sweep(W, H, damp, act_order, BLOCK, round_column)
+    return dataclasses.replace(rtn_weight, q=Q.to(torch.uint8).cpu())
+
+
+def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]:
+    """One linear at a time, each Hessian released once no linear needs it. `quantize_one(name, w, h, consume)`:
+    the rounding (default: onto the integer grid of the options; the FP4 methods' --gptq passes gptq_fp4's)."""
     o = ctx.opts
+    if quantize_one is None:
+        def quantize_one(name, w, h, consume):
+            return gptq_quantize(w, h, *ctx.grid(name), o.symmetric, ctx.scale_dtype, damp=o.damp,
+                                 act_order=o.act_order, consume=consume, search=o.search)
     hessians = ctx.hessians(list(ctx.linears))
     out = {}
     for name, lin in ctx.linears.items():
         h = hessians.pop(name)
         last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
-        out[name] = gptq_quantize(lin.weight.data, h, *ctx.grid(name), o.symmetric, ctx.scale_dtype,
-                                  damp=o.damp, act_order=o.act_order, consume=last, search=o.search)
+        out[name] = quantize_one(name, lin.weight.data, h, last)
         del h
         lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj
     return out

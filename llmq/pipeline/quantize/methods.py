@@ -37,8 +37,25 @@ class GPTQOptions(MethodOptions):
     act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
     damp: float = option(0.01, "GPTQ: damping, fraction of mean diag(H).", gt=0, lt=1)
 
-    only = (("act_order",), "--act-order is a GPTQ option; use it with --method gptq")
+    only = (("act_order",), "--act-order is a GPTQ option; use it with --method gptq (FP4: nvfp4 / mxfp4 --gptq)")
     tags = {"act_order": "-act"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FP4Options(GPTQOptions):
+    """nvfp4 / mxfp4: round-to-nearest, or with --gptq GPTQ's error feedback onto the same grid (GPTQ's --act-order
+    and --damp then apply: a subclass, so they are the same flags); weight-only, or --w4a4."""
+    gptq: bool = option(False, "nvfp4 / mxfp4: round onto the FP4 grid with GPTQ's error feedback over calibration "
+                        "data instead of to nearest (same format; block scales as round-to-nearest's).",
+                        flag="--gptq/--no-gptq")
+    w4a4: bool = option(False, "nvfp4 / mxfp4: FP4 activations too (W4A4, compressed-tensors' NVFP4 / MXFP4 "
+                        "presets): block scales computed at run time, per 16 inputs (E4M3, under a static input "
+                        "global scale calibrated as the weights', 2688 / max|x|) or 32 (E8M0). Default: W4A16.",
+                        flag="--w4a4/--w4a16")
+
+    only = (("gptq", "w4a4"), "--gptq / --w4a4 are the FP4 methods' options; use them with --method nvfp4 or mxfp4 "
+            "(integer GPTQ: --method gptq)")
+    tags = {"gptq": "-gptq", "act_order": "-act", "w4a4": "-a4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +89,14 @@ class LLMInt8Options(MethodOptions):
     unset = {"int8_threshold": 6.0}
 
 
-@dataclasses.dataclass(frozen=True)
-class FP4Options(MethodOptions):
-    w4a4: bool = option(False, "nvfp4 / mxfp4: FP4 activations too (W4A4, compressed-tensors' NVFP4 / MXFP4 "
-                        "presets): block scales computed at run time, per 16 inputs (E4M3, under a static input "
-                        "global scale calibrated as the weights', 2688 / max|x|) or 32 (E8M0). Default: W4A16.",
-                        flag="--w4a4/--w4a16")
-
-    only = (("w4a4",), "--w4a4 is an FP4 option (4-bit activations); use it with --method nvfp4 or mxfp4")
-    tags = {"w4a4": "-a4"}
-
-
 # --method name: the options only that method reads (MethodOptions: none of its own)
 METHODS: dict[str, type[MethodOptions]] = {
     "rtn": MethodOptions, "gptq": GPTQOptions, "awq": MethodOptions, "smoothquant": SmoothQuantOptions,
     "fp8": MethodOptions, "nvfp4": FP4Options, "mxfp4": FP4Options, "bnb-nf4": NF4Options,
     "bnb-int8": LLMInt8Options}
 METHODS_HELP = ("rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; fp8: FP8 E4M3; "
-                "nvfp4 / mxfp4: FP4, round-to-nearest, weight-only or --w4a4; bnb-nf4 / bnb-int8: bitsandbytes' NF4 / "
-                "LLM.int8 (needs llmq[bnb]).")  # --method's help
+                "nvfp4 / mxfp4: FP4, round-to-nearest or with --gptq GPTQ, weight-only or --w4a4; bnb-nf4 / bnb-int8: "
+                "bitsandbytes' NF4 / LLM.int8 (needs llmq[bnb]).")  # --method's help
 WEIGHT_ONLY = ("rtn", "gptq", "awq")  # the integer weight-only methods: --scales, --embedding / --lm-head int8, mixed
 PACKAGE = __name__.rsplit(".", 1)[0]
 

@@ -9,7 +9,7 @@ from ... import quant
 from . import fp4
 
 BITS = (4,)
-CALIBRATED = False
+CALIBRATED = fp4.calibrated  # --gptq
 GROUP_SIZE = quant.MXFP4_BLOCK
 
 

@@ -10,7 +10,7 @@ from ... import quant
 from . import fp4
 
 BITS = (4,)
-CALIBRATED = lambda opts: opts.w4a4  # noqa: E731  (W4A4: the input global scale)
+CALIBRATED = lambda opts: opts.w4a4 or fp4.calibrated(opts)  # noqa: E731  (W4A4: the input global scale; --gptq)
 GROUP_SIZE = quant.NVFP4_BLOCK
 
 

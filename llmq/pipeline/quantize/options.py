@@ -16,6 +16,7 @@ LM_HEAD_CHOICES = ("keep", "int8")
 EMBEDDING_CHOICES = ("keep", "int8")
 THINKING = ("auto", "on", "off")
 SCALE_RULES = ("search", "amax")
+FP4_SEARCHED = ("nvfp4", "mxfp4")  # FP4 methods whose --scales search is opt-in (default: amax, compressed-tensors')
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class QuantizeOptions(Options):
     scales: str | None = option(None, "Integer scales (rtn / gptq / awq): search = per group the scale with the "
                                 "least squared rounding error over the whole signed grid, weighted by calibration "
                                 "statistics where the method has them; amax = max|w| / qmax (compressed-tensors' "
-                                "observer rule). Default: search.", choices=SCALE_RULES)
+                                "observer rule). Default: search. nvfp4 / mxfp4: search = each block's scale among "
+                                "amax's and its neighbours on the scale grid; default amax (compressed-tensors').",
+                                choices=SCALE_RULES)
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
     activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
                               "calibration.", choices=ACTIVATION_SCHEMES)
@@ -92,11 +95,12 @@ class QuantizeOptions(Options):
             widths = " or ".join(map(str, method.BITS))
             raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
                             "bits only)")
-        if self.scales is not None and self.method not in WEIGHT_ONLY:
-            raise LlmqError(f"--scales is the integer scale rule of {', '.join(WEIGHT_ONLY)}; {self.method} has its "
-                            "own")
-        for own in method_options():  # another method's own options, set (methods may share a class: nvfp4 / mxfp4)
-            fields, message = own.only if own is not METHODS[self.method] else ((), "")
+        if self.scales is not None and self.method not in WEIGHT_ONLY + FP4_SEARCHED:
+            raise LlmqError(f"--scales is the scale rule of {', '.join(WEIGHT_ONLY + FP4_SEARCHED)}; {self.method} "
+                            "has its own")
+        mine = {f.name for f in dataclasses.fields(METHODS[self.method])}  # the nvfp4 / mxfp4 options hold GPTQ's
+        for own in method_options():  # another method's own options, set
+            fields, message = [f for f in own.only[0] if f not in mine], own.only[1]
             if any(getattr(self, f) != default_of(self.__dataclass_fields__[f]) for f in fields):
                 raise LlmqError(message)
         for flag, value in (("--lm-head", self.lm_head), ("--embedding", self.embedding)):
