@@ -108,6 +108,39 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
     return rtn.pack(Q, scale, zero, bits, group_size if group_size > 0 else None, scale_dtype)
 
 
+def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False) -> qformat.Q4KWeight:
+    """GPTQ onto GGML's Q4_K grid: the grid (fp16 d / dmin, 6-bit sc / m per 32-weight sub-block) fixed first from the
+    weight as it is (`llmq.quant.q4_k_grid`, its search weighted by diag(H): GPTQ's static groups), then the columns
+    in order, each rounded to its sub-block's grid (`llmq.quant.q4_k_codes`) and its error, through chol(H^-1),
+    spread over the columns not yet quantized, which the fixed grid then rounds."""
+    W = w.detach().float().clone()
+    H = h.detach() if consume and h.dtype == torch.float32 else h.detach().float().clone()
+    n, k = W.shape
+    importance = torch.diag(H).clone()
+    dead = importance == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    d, dmin, sc, m = quant.q4_k_grid(W, importance.clamp_min(torch.finfo(torch.float32).tiny))
+    s, mn = (t.repeat_interleave(quant.Q4K_SUB, dim=1) for t in quant.q4_k_scale_min(d, dmin, sc, m))  # per column
+    U = _upper_cholesky_of_inverse(H, damp)
+    del H
+    Q = torch.empty(n, k, dtype=torch.uint8, device=W.device)
+    for i1 in range(0, k, BLOCK):
+        i2 = min(i1 + BLOCK, k)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.empty_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            col = i1 + j
+            q = quant.q4_k_codes(W1[:, j], s[:, col], mn[:, col])
+            Q[:, col] = q
+            err = (W1[:, j] - (s[:, col] * q.float() - mn[:, col])) / U1[j, j]
+            W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
+            E1[:, j] = err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return qformat.Q4KWeight(Q.cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
+
+
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     """One linear at a time, each Hessian released once no linear needs it."""
     o = ctx.opts
@@ -116,8 +149,9 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     for name, lin in ctx.linears.items():
         h = hessians.pop(name)
         last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
-        out[name] = gptq_quantize(lin.weight.data, h, *ctx.grid(name), o.symmetric, ctx.scale_dtype,
-                                  damp=o.damp, act_order=o.act_order, consume=last, search=o.search)
+        out[name] = gptq_q4_k(lin.weight.data, h, o.damp, consume=last) if ctx.q4_k(name) else \
+            gptq_quantize(lin.weight.data, h, *ctx.grid(name), o.symmetric, ctx.scale_dtype, damp=o.damp,
+                          act_order=o.act_order, consume=last, search=o.search)
         del h
         lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj
     return out
