@@ -200,6 +200,7 @@ def test_q4_k_linears_read_back_from_gguf_bit_exact(built, model, method):
                 assert not isinstance(qw, Q4KWeight) and t.tensor_type == gguf.GGMLQuantizationType.Q4_1
     assert n_q4k == (2 if model == "mixed" else 6)
     assert cfg["q4_k_linears"] == (2 if model == "mixed" else 14) and cfg["grid"] == "q4_k"
+    assert cfg["q4_k_fallback"]["linears"] == (12 if model == "mixed" else 0)
     assert rec["tensor_types"]["Q4_K"] == cfg["q4_k_linears"] and rec["file_type"] == "Q4_K_S"
 
 
