@@ -28,9 +28,9 @@ import torch
 
 from ..errors import LlmqError
 from . import bnbformat
-from .qformat import Q4KWeight
 from .arch import split_of
 from .linear_weights import LinearWeights
+from .qformat import Q4KWeight
 from .spec import ModelSpec
 
 SUPPORTED_TP = (1, 2, 4, 8)
