@@ -10,6 +10,7 @@ every failure message).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -147,7 +148,7 @@ def test_w4a4_layer_is_the_float64_matmul_of_rounded_activations(fmt):
     w = torch.from_numpy((gen.standard_normal((48, 128)) * 0.05).astype(np.float32))
     x = _activations(m=7, gen=gen)
     ig = quant.nvfp4_global_scale(torch.tensor(float(np.abs(x).max()))) if fmt == "nvfp4" else None
-    qw = quantize_weight(w, fmt, w4a4=True, input_global_scale=ig)
+    qw = dataclasses.replace(quantize_weight(w, fmt), dynamic=True, input_global_scale=ig)  # as quantize_layer does
     assert qw.scheme == fmt.upper() and qw.activation_bits == 4
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
         xin = torch.from_numpy(x).to(dtype)

@@ -27,6 +27,10 @@ def quantize(ctx, model, opts, as_json):
     click.echo(f"  size {human_bytes(m['size_bytes'])}: {m['ratio_vs_bf16']:.2f}x smaller than bf16 "
                f"({m['linear_ratio_vs_bf16']:.2f}x for the quantized linears); excluded: "
                f"{', '.join(c['excluded_modules']) or 'none'}")
+    if c.get("grid", "int") != "int":
+        fb = c["q4_k_fallback"]
+        click.echo(f"  {c['q4_k_linears']} linears on the {c['grid'].upper()} grid; {fb['linears']} as {fb['scheme']}: "
+                   f"{fb['why']}")
     if c.get("calibration"):
         cal = c["calibration"]
         click.echo(f"  calibration: {cal['samples']} x {cal['seq_len']} tokens from {cal['source'][:80]}")

@@ -136,6 +136,7 @@ class QConfig:
     kv: QuantArgs | None
     modules: Mapping[str, QuantArgs] = field(default_factory=dict)
     scale_name: str = "weight_scale"  # the Hugging Face "fp8" checkpoints' weight_scale_inv
+    q4_k: frozenset[str] = frozenset()  # modules stored as GGML Q4_K blocks (Q4KWeight)
 
     @property
     def lm_head(self) -> QuantArgs | None:
@@ -239,6 +240,65 @@ def fp4_activations_args(fmt: str) -> QuantArgs:
                      group_size=block, dynamic="local" if fmt == "nvfp4" else True)
 
 
+@dataclass(frozen=True)
+class Q4KWeight:
+    """One linear's weight on GGML's Q4_K grid (`llmq quantize --grid q4_k`, `llmq.quant`'s Q4_K): codes q uint8
+    [out, in] in [0, 15], per 256-weight super-block d and dmin (float16 [out, in / 256]), per 32-weight sub-block the
+    6-bit sc and m (uint8 [out, in / 32]); real weight = d * sc * q - dmin * m (`llmq.quant.dequantize_q4_k`).
+    compressed-tensors' asymmetric INT4 (w = (q - z) * s, z an integer) cannot hold a Q4_K min, which is any multiple
+    of dmin, so the checkpoint carries these weights as GGML's own blocks: `<name>.weight_q4_k` uint8
+    [out, in / 256 * 144] (`llmq.quant.pack_q4_k`), the modules listed under `llmq_q4_k` in the quantization config
+    (and in `ignore`, so a compressed-tensors loader takes them for what they are not: quantized), read by llmq's
+    runtime and written to GGUF as Q4_K byte for byte."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    bits = 4
+    scheme = "Q4_K"
+    fp4 = None
+    block = None
+    input_scale = None
+    global_scale = None
+    input_global_scale = None
+    dynamic = False
+    is_float = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return quant.dequantize_q4_k(self.q, self.d, self.dmin, self.sc, self.m, dtype)
+
+    def blocks(self) -> torch.Tensor:
+        """GGML block_q4_K bytes, uint8 [out, in / 256 * 144]."""
+        return quant.pack_q4_k(self.q, self.d, self.dmin, self.sc, self.m).reshape(self.q.shape[0], -1)
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, name: str = "") -> "Q4KWeight":
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % quant.Q4K_BYTES:
+            raise LlmqError(f"{name}: weight_q4_k {blocks.dtype} {tuple(blocks.shape)} is not GGML Q4_K blocks "
+                            f"(uint8 [out, in / 256 * {quant.Q4K_BYTES}])")
+        return cls(*quant.unpack_q4_k(blocks))
+
+    def rows(self, rows: torch.Tensor, name: str = "") -> "Q4KWeight":
+        """The output rows `rows` (a selection or permutation; padding rows have no Q4_K form)."""
+        if int(rows.min()) < 0 or int(rows.max()) >= self.q.shape[0]:
+            raise LlmqError(f"{name}: Q4_K weights are not padded for tensor parallelism; use --tp 1")
+        return Q4KWeight(*(t.index_select(0, rows) for t in (self.q, self.d, self.dmin, self.sc, self.m)))
+
+    @classmethod
+    def cat(cls, parts: list["Q4KWeight"]) -> "Q4KWeight":
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "m")))
+
+
+Q4K_CONFIG_KEY = "llmq_q4_k"  # the quantization config's list of modules stored as Q4KWeight
+
+
 def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
     if weights.type == "float" and weights.num_bits == 4:
         if weights.fp4 is None or input_activations not in (None, fp4_activations_args(weights.fp4)):
@@ -260,14 +320,22 @@ def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
 
 def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs | None = None,
                         ignore: list[str] | tuple[str, ...] = (LM_HEAD,), kv: QuantArgs | None = None,
-                        modules: Mapping[str, QuantArgs] | None = None) -> dict:
+                        modules: Mapping[str, QuantArgs] | None = None, q4_k: tuple[str, ...] = ()) -> dict:
     """The `quantization_config` dict for config.json, validated by compressed-tensors' own models.
     weights=None: dense weights with a calibrated KV cache only (format "dense", no config groups).
     modules: full module name -> its own weight-only scheme (an INT8 lm_head, mixed-precision layers): one more group
-    per distinct scheme, in the same pack-quantized layout, targeting its modules by name."""
+    per distinct scheme, in the same pack-quantized layout, targeting its modules by name.
+    q4_k: modules stored as GGML Q4_K blocks (Q4KWeight): listed under `llmq_q4_k` and ignored by the
+    compressed-tensors groups (weights=None: every quantized linear is Q4_K)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     modules = dict(modules or {})
+    if q4_k:
+        ignore = list(dict.fromkeys([*ignore, *q4_k]))
+        cfg = quantization_config(weights, input_activations, ignore, kv, modules) if weights else \
+            {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": ignore,
+             "quantization_status": "compressed", "version": compressed_tensors_version()}
+        return {**cfg, Q4K_CONFIG_KEY: sorted(q4_k)}
     if weights is None:
         if kv is None or input_activations is not None or modules:
             raise LlmqError("a quantization_config without a weights scheme carries a KV-cache scheme and nothing else")
@@ -306,9 +374,10 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
     fmt = qc.get("format")
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping) and g.get("weights")]
     kv = qc.get("kv_cache_scheme")
-    if fmt == "dense" and not groups and kv:  # KV-cache-only quantization
+    q4_k = frozenset(qc.get(Q4K_CONFIG_KEY) or ())
+    if fmt == "dense" and not groups and (kv or q4_k):  # KV-cache-only quantization, or every linear Q4_K
         return QConfig(format=fmt, weights=None, input_activations=None, ignore=tuple(qc.get("ignore") or ()),
-                       kv=QuantArgs.from_dict(kv))
+                       kv=QuantArgs.from_dict(kv) if kv else None, q4_k=q4_k)
     if fmt not in FORMATS:
         raise LlmqError(f"compressed-tensors format {fmt!r} is not supported; llmq reads {', '.join(FORMATS)}")
     linear = [g for g in groups if list(g.get("targets") or ()) == ["Linear"]]
@@ -323,7 +392,7 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
     return QConfig(format=fmt, weights=QuantArgs.from_dict(linear[0]["weights"]),
                    input_activations=QuantArgs.from_dict(acts) if acts else None,
                    ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None,
-                   modules=modules)
+                   modules=modules, q4_k=q4_k)
 
 
 def _hf_fp8_config(qc: Mapping) -> QConfig:
@@ -352,8 +421,12 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
         raise LlmqError(f"tensor {key} is missing from the quantized checkpoint") from None
 
 
-def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig) -> QuantizedWeight | None:
-    """The QuantizedWeight of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is stored dense."""
+def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
+                ) -> QuantizedWeight | Q4KWeight | None:
+    """The QuantizedWeight (or Q4KWeight) of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is
+    stored dense."""
+    if name in qconfig.q4_k:
+        return Q4KWeight.from_blocks(_get(tensors, f"{name}.weight_q4_k"), name)
     scheme = qconfig.scheme_of(name)
     scale_key = f"{name}.{qconfig.scale_name}"
     if scheme is None or (f"{name}.weight_packed" not in tensors and scale_key not in tensors):
@@ -432,6 +505,8 @@ def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scal
 
 def write_linear(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized linear, in the format its scheme implies."""
+    if isinstance(qw, Q4KWeight):
+        return {f"{name}.weight_q4_k": qw.blocks().contiguous()}
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     out = {f"{name}.weight_scale": qw.scale.contiguous()}

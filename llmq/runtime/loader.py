@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from ..errors import LlmqError
-from ..models import bnbformat
+from ..models import bnbformat, qformat
 from ..models.linear_weights import LinearWeights
 from .layers.linear import DenseLinear, FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, LinearBase, W8A8Linear
 
@@ -29,6 +29,10 @@ def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device, 
         from .layers.bnb import LLMInt8Linear, NF4Linear
 
         return (NF4Linear if isinstance(qw, bnbformat.NF4Weight) else LLMInt8Linear)(qw, bias, dtype, device)
+    if isinstance(qw, qformat.Q4KWeight):
+        from .layers.kquant import Q4KLinear
+
+        return Q4KLinear(qw, bias, dtype, device)
     if getattr(qw, "fp4", None):
         from .layers.fp4 import FP4Linear
 
@@ -63,7 +67,7 @@ def _fusable(parts: list[LinearWeights]) -> bool:
         return False
     if isinstance(a, bnbformat.NF4Weight):
         return bnbformat.NF4Weight.cat([p.qw for p in parts]) is not None
-    if isinstance(a, bnbformat.Int8Weight):
+    if isinstance(a, (bnbformat.Int8Weight, qformat.Q4KWeight)):
         return True
 
     def sig(qw):
@@ -118,7 +122,7 @@ def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device, int8_ac
         w = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
         return DenseLinear(w.to(device), bias.to(device) if bias is not None else None, dtype)
     qws = [p.qw for p in parts]
-    if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight)):
+    if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight, qformat.Q4KWeight)):
         return quantized_linear(type(qws[0]).cat(qws), bias, dtype, device, int8_activations)
     fused = qws[0] if len(qws) == 1 else dataclasses.replace(
         qws[0], q=torch.cat([q.q for q in qws]),

@@ -154,6 +154,23 @@ def gptq_fp4(w: torch.Tensor, h: torch.Tensor, fmt: str, global_scale: torch.Ten
     return dataclasses.replace(rtn_weight, q=Q.to(torch.uint8).cpu())
 
 
+def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False) -> qformat.Q4KWeight:
+    """GPTQ onto GGML's Q4_K grid: the grid (fp16 d / dmin, 6-bit sc / m per 32-weight sub-block) fixed first from the
+    weight as it is (`llmq.quant.q4_k_grid`, its search weighted by diag(H): GPTQ's static groups), then the columns
+    in order, each rounded to its sub-block's grid (`llmq.quant.q4_k_codes`) and its error spread over the columns
+    not yet quantized, which the fixed grid then rounds."""
+    W, H, importance = _prepare(w, h, consume)
+    d, dmin, sc, m = quant.q4_k_grid(W, importance.clamp_min(torch.finfo(torch.float32).tiny))
+    s, mn = (t.repeat_interleave(quant.Q4K_SUB, dim=1) for t in quant.q4_k_scale_min(d, dmin, sc, m))  # per column
+
+    def round_column(col, W1, j):
+        q = quant.q4_k_codes(W1[:, j], s[:, col], mn[:, col])
+        return q.float(), s[:, col] * q.float() - mn[:, col]
+
+    Q = _sweep(W, H, damp, False, BLOCK, round_column)
+    return qformat.Q4KWeight(Q.to(torch.uint8).cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
+
+
 def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]:
     """One linear at a time, each Hessian released once no linear needs it. `quantize_one(name, w, h, consume)`:
     the rounding (default: onto the integer grid of the options; the FP4 methods' --gptq passes gptq_fp4's)."""
@@ -167,7 +184,8 @@ def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]
     for name, lin in ctx.linears.items():
         h = hessians.pop(name)
         last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
-        out[name] = quantize_one(name, lin.weight.data, h, last)
+        out[name] = gptq_q4_k(lin.weight.data, h, o.damp, consume=last) if ctx.q4_k(name) else \
+            quantize_one(name, lin.weight.data, h, last)
         del h
         lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj
     return out

@@ -82,6 +82,11 @@ class LayerContext:
         """(bits, group_size) of linear `name`: the options' grid, or 8 bits per channel where --target-bpw chose 8."""
         return width_grid(self.widths.get(name, self.opts.bits), self.opts)
 
+    def q4_k(self, name: str) -> bool:
+        """Whether linear `name` goes on GGML's Q4_K grid (--grid q4_k and an input width that 256 divides; the
+        others take the options' fallback grid, INT4 asymmetric groups of 32)."""
+        return getattr(self.opts, "grid", "int") == "q4_k" and self.linears[name].in_features % 256 == 0
+
     def dense(self, name: str) -> bool:
         """Whether --target-bpw keeps linear `name` at 16 bits (it is then not in `linears`)."""
         return self.widths.get(name) == 16

@@ -17,6 +17,8 @@ EMBEDDING_CHOICES = ("keep", "int8")
 THINKING = ("auto", "on", "off")
 SCALE_RULES = ("search", "amax")
 FP4_SEARCHED = ("nvfp4", "mxfp4")  # FP4 methods whose --scales search is opt-in (default: amax, compressed-tensors')
+GRIDS = ("int", "q4_k")
+GRID_METHODS = ("rtn", "gptq")  # the methods that quantize onto GGML's Q4_K grid
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class QuantizeOptions(Options):
                                 "observer rule). Default: search. nvfp4 / mxfp4: search = each block's scale among "
                                 "amax's and its neighbours on the scale grid; default amax (compressed-tensors').",
                                 choices=SCALE_RULES)
+    grid: str = option("int", "4-bit grid (rtn / gptq): int = compressed-tensors' integer groups; q4_k = GGML's Q4_K "
+                       "(256-weight super-blocks, 6-bit sub-block scales and mins), written to GGUF as Q4_K bit for "
+                       "bit. Linears whose input width is not a multiple of 256 (SmolLM2's 576) fall back to INT4 "
+                       "asymmetric groups of 32 (GGUF Q4_1); llama.cpp falls back to Q5_0 for them.", choices=GRIDS)
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
     activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
                               "calibration.", choices=ACTIVATION_SCHEMES)
@@ -95,6 +101,15 @@ class QuantizeOptions(Options):
             widths = " or ".join(map(str, method.BITS))
             raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
                             "bits only)")
+        if self.grid == "q4_k":
+            if self.method not in GRID_METHODS or self.bits not in (None, 4) or self.per_tensor or self.mixed \
+                    or self.group_size not in (None, 32):
+                raise LlmqError("--grid q4_k is 4-bit rtn or gptq with its own 32-weight sub-blocks: drop --bits / "
+                                "--group-size / --per-tensor / --target-bpw / --max-size, and use --method rtn or "
+                                "gptq")
+            if self.method == "gptq" and self.act_order:
+                raise LlmqError("--grid q4_k with GPTQ runs in column order (its grid is fixed first, as static "
+                                "groups); drop --act-order")
         if self.scales is not None and self.method not in WEIGHT_ONLY + FP4_SEARCHED:
             raise LlmqError(f"--scales is the scale rule of {', '.join(WEIGHT_ONLY + FP4_SEARCHED)}; {self.method} "
                             "has its own")
@@ -143,6 +158,8 @@ class QuantizeOptions(Options):
             g = fits[0] if bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
         unset = {k: v for k, v in METHODS[self.method].unset.items() if getattr(self, k) is None}
         scales = self.scales or ("search" if self.method in WEIGHT_ONLY else None)
+        if self.grid == "q4_k":  # the fallback linears: INT4 asymmetric groups of 32, GGUF's Q4_1
+            return dataclasses.replace(self, bits=4, group_size=32, symmetric=False, scales=scales, **unset)
         return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), scales=scales, **unset)
 
     @property

@@ -154,8 +154,17 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: 
                                    group_size=group_size, symmetric=zero is None)
 
 
-def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
+def quantize_q4_k(w: torch.Tensor, importance: torch.Tensor | None = None) -> qformat.Q4KWeight:
+    """Round-to-nearest on GGML's Q4_K grid (`llmq.quant.q4_k_grid`: llama.cpp's sub-block search, 6-bit scales and
+    mins), each weight then rounded to its sub-block's grid as quantize_row_q4_K_ref rounds it."""
+    d, dmin, sc, m = quant.q4_k_grid(w.float(), importance)
+    s, mn = quant.q4_k_scale_min(d, dmin, sc, m)
+    return qformat.Q4KWeight(quant.q4_k_codes(w.float(), s, mn).cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
+
+
+def quantize_layer(ctx) -> dict[str, qformat.Q4KWeight | qformat.QuantizedWeight]:
     o = ctx.opts
-    return {name: quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype, o.per_tensor,
-                                  search=o.search)
+    return {name: quantize_q4_k(lin.weight.data) if ctx.q4_k(name) else
+            quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype, o.per_tensor,
+                            search=o.search)
             for name, lin in ctx.linears.items()}

@@ -120,8 +120,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
                              opts.thinking) if calibrated else None
     probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
 
-    name = opts.name or f"{source.name}-{opts.method}-w{opts.bits}" + (
-        f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") + opts.tags + (
+    name = opts.name or f"{source.name}-{opts.method}-" + (f"w{opts.bits}" + (
+        f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") if opts.grid == "int"
+        else opts.grid) + opts.tags + (
         "-head8" if opts.lm_head == "int8" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
         f"-max{opts.max_size.replace(' ', '')}" if opts.max_size else f"-bpw{opts.target_bpw:g}" if opts.target_bpw
         else "")
@@ -155,6 +156,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
             "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": per_module["Linear"],
             "scheme_per_module": per_module, **({"mixed_precision": plan.manifest} if plan else {}),
+            **({"grid": opts.grid, "q4_k_linears": len(sink.q4_k), "q4_k_fallback": {
+                "linears": len(sink.args), "scheme": "INT4 asymmetric groups of 32 (GGUF Q4_1)",
+                "why": "input width not a multiple of Q4_K's 256-weight super-block"}} if opts.grid != "int" else {}),
             "excluded_modules": [m for m in opts.ignored if m not in per_module],
             "dense_modules": sorted(sink.dense_modules),
             "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},

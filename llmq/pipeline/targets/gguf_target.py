@@ -51,6 +51,8 @@ def refuse(src: CheckpointReader, engine) -> None:
 def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
     """general.file_type: the block format of the quantized linears, else the dense dtype."""
     F = gguf.LlamaFileType
+    if types.get("Q4_K"):    # llama.cpp's name for a file of mostly Q4_K with other types where rows do not fit
+        return "Q4_K_S", int(F.MOSTLY_Q4_K_S)
     for t in ("Q4_1", "Q4_0", "Q8_0"):
         if types.get(t):
             return t, int(getattr(F, f"MOSTLY_{t}"))
