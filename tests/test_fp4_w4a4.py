@@ -19,33 +19,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import make_tiny_model
+from test_fp4 import E4M3, _codes_ref, _nearest_ref, _values_ref  # the FP4 references, shared
 
 from llmq import quant
 from llmq.errors import LlmqError
 from llmq.models import qformat
 from llmq.models.reader import CheckpointReader
 
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-E4M3 = np.array([(c & 7) / 8 * 2.0 ** -6 if c >> 3 == 0 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7)
-                 for c in range(127)])
 SEED = int.from_bytes(os.urandom(4), "little")
 F32 = np.float32
-
-
-def _nearest_ref(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """Index of the nearest grid value (saturating past the last); among equally near ones the even index."""
-    d = np.abs(x.reshape(-1, 1).astype(np.float64) - grid.reshape(1, -1))
-    best = d == d.min(1, keepdims=True)
-    idx = np.where(best.sum(1) > 1, np.argmax(best & (np.arange(len(grid)) % 2 == 0), 1), np.argmax(best, 1))
-    return idx.reshape(x.shape)
-
-
-def _codes_ref(x: np.ndarray) -> np.ndarray:
-    return _nearest_ref(np.abs(x), E2M1) + 8 * (x < 0)
-
-
-def _values_ref(codes: np.ndarray) -> np.ndarray:
-    return E2M1[codes & 7] * np.where(codes & 8, -1.0, 1.0)
 
 
 def nvfp4_ref(x: np.ndarray, g: np.float32) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import quant
-from .linear import LinearBase, _buffer
+from .linear import LinearBase, set_buffer
 
 
 class Q4KLinear(LinearBase):
@@ -20,8 +20,8 @@ class Q4KLinear(LinearBase):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         for name in ("q", "d", "dmin", "sc", "m"):
-            _buffer(self, name, getattr(qw, name).to(device))
-        _buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
+            set_buffer(self, name, getattr(qw, name).to(device))
+        set_buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         return quant.dequantize_q4_k(self.q, self.d, self.dmin, self.sc, self.m, dtype)
