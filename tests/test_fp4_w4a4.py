@@ -247,6 +247,23 @@ def test_nvfp4_input_global_scale_is_calibrated_and_shared_per_unit(quantized):
         assert len(set(seen)) == 4 and all(0 < g < 1e6 for g in seen)
 
 
+def test_gptq_rounded_w4a4_keeps_the_calibrated_input_scales(source, quantized):
+    """--gptq --w4a4 together: GPTQ rounds the weights, and every linear still gets the W4A4 fields round-to-nearest's
+    would (FP4 activations, NVFP4's calibrated input global scale, the same one: both come from the same calibration
+    windows), and the GPTQ weights differ from round-to-nearest's."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = source
+    art = quantize(src, QuantizeOptions(method="nvfp4", gptq=True, w4a4=True, probe_tokens=256), store,
+                   progress=False)
+    assert art.name.endswith("-gptq-a4")
+    gptq, rtn = CheckpointReader(art.path), CheckpointReader(quantized("nvfp4").path)
+    name = "model.layers.0.mlp.up_proj"
+    g, r = gptq.linear(name).qw, rtn.linear(name).qw
+    assert g.dynamic and g.input_global_scale is not None and torch.equal(g.input_global_scale, r.input_global_scale)
+    assert not torch.equal(g.q, r.q)
+
+
 def test_the_probe_measures_w4a4(quantized):
     """The quality probe runs the runtime's layers, so it measures the activation rounding: W4A4 moves further from the
     source than W4A16 of the same weights."""
