@@ -16,7 +16,7 @@ from test_fp4 import E2M1, SEED, _nearest_ref, source  # noqa: F401  (source: th
 
 from llmq import quant
 from llmq.pipeline.quantize import fp4
-from llmq.pipeline.quantize.gptq import gptq_fp4
+from llmq.pipeline.quantize.fp4 import gptq_fp4
 
 BLOCK = {"nvfp4": quant.NVFP4_BLOCK, "mxfp4": quant.MXFP4_BLOCK}
 

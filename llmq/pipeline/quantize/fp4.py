@@ -1,7 +1,7 @@
 """What the FP4 methods (nvfp4.py, mxfp4.py) share: round-to-nearest onto the E2M1 grid in the format's blocks,
 weight-only (W4A16) or, with --w4a4, with activations rounded to the same format at run time (compressed-tensors'
 NVFP4 / MXFP4 presets, llm-compressor's W4A4); with --gptq the weights are rounded by GPTQ onto the same grid
-(gptq.gptq_fp4: calibrated, the same format). The arithmetic is `llmq.quant`'s; the block size is the format's, so
+(gptq_fp4 below: calibrated, the same format). The arithmetic is `llmq.quant`'s; the block size is the format's, so
 --group-size may only repeat it. --w4a4 is its own flag rather than a value of --activations: that option picks
 dynamic or static 8-bit activation scales, while FP4 activations have both at once (NVFP4: dynamic block scales under
 a static global scale), and only the FP4 methods have them."""
@@ -15,6 +15,7 @@ import torch
 from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
+from . import gptq
 
 
 def validate(opts, fmt: str) -> None:
@@ -88,6 +89,31 @@ def search_scales(w: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tens
     return best_codes.reshape(n, k), best
 
 
+def gptq_fp4(w: torch.Tensor, h: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None,
+             damp: float = 0.01, act_order: bool = False, consume: bool = False,
+             search: bool = False) -> qformat.QuantizedWeight:
+    """GPTQ onto an FP4 grid ("nvfp4" / "mxfp4"): the block scales (and NVFP4's global scale, `global_scale` where
+    the unit shares one) are round-to-nearest's, fixed from the weight before the sweep, as llm-compressor's
+    GPTQModifier does for an FP4 scheme; each column is then rounded onto the E2M1 grid of its block's scale
+    (`quant.e2m1_codes` of the exact quotient, as round-to-nearest rounds) with its error fed forward. The result is
+    the format round-to-nearest writes, so every export and the runtime read it unchanged. `search`: the block
+    scales searched (search_scales) with the error weighted by diag(H), as the integer search is."""
+    W, H, importance = gptq.prepare(w, h, consume)
+    rtn_weight = quantize_weight(W, fmt, global_scale, search, importance)
+    step = quant.fp4_block_scale(rtn_weight.scale.to(W.device), None if rtn_weight.global_scale is None
+                                 else rtn_weight.global_scale.to(W.device))
+    block = rtn_weight.group_size
+    tiny = torch.finfo(torch.float64).tiny
+
+    def round_column(col, W1, j):
+        s = step[:, col // block]
+        codes = quant.e2m1_codes(W1[:, j].double() / s.double().clamp_min(tiny))
+        return codes.float(), quant.e2m1_values(codes) * s
+
+    Q = gptq.sweep(W, H, damp, act_order, gptq.BLOCK, round_column)
+    return dataclasses.replace(rtn_weight, q=Q.to(torch.uint8).cpu())
+
+
 def quantize_layer(ctx, fmt: str) -> dict[str, qformat.QuantizedWeight]:
     """NVFP4: one global scale per unit (q/k/v, gate/up: the linears engines fuse into one matmul), from the unit's
     max |w|, as llm-compressor writes them: vLLM and TensorRT-LLM apply a single global scale to a fused matmul (the
@@ -108,11 +134,9 @@ def quantize_layer(ctx, fmt: str) -> dict[str, qformat.QuantizedWeight]:
                     amax = torch.stack([absmax[n].max() for n in names]).max()
                     inputs |= dict.fromkeys(names, quant.nvfp4_global_scale(amax))
     if ctx.opts.gptq:
-        from . import gptq
-
         o = ctx.opts
-        out = gptq.quantize_layer(ctx, lambda n, w, h, consume: gptq.gptq_fp4(w, h, fmt, shared.get(n), o.damp,
-                                                                              o.act_order, consume, o.search))
+        out = gptq.quantize_layer(ctx, lambda n, w, h, consume: gptq_fp4(w, h, fmt, shared.get(n), o.damp,
+                                                                         o.act_order, consume, o.search))
     else:
         out = {n: quantize_weight(lin.weight.data, fmt, shared.get(n), ctx.opts.search)
                for n, lin in ctx.linears.items()}

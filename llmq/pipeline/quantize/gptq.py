@@ -12,21 +12,18 @@ tensor: column c always belongs to group c // group_size, as compressed-tensors 
 Without act-order a group's scale is taken from the updated weights when its first column comes up, as in the paper.
 With `--scales search` each group's scale minimises its rounding error weighted by diag(H) (each column's mean
 squared input: the importance the output error gives it), rtn.grid_params' search.
-The same sweep rounds onto the FP4 grids (`--method nvfp4 / mxfp4 --gptq`, gptq_fp4): there every block scale is
-static, round-to-nearest's, fixed before the sweep (llm-compressor's GPTQModifier on an NVFP4 / MXFP4 scheme does
-the same), so act-order composes as it does for static groups and the output is round-to-nearest's format.
+The same sweep (`prepare`, `sweep`) rounds onto the FP4 grids (`--method nvfp4 / mxfp4 --gptq`: fp4.gptq_fp4) and
+GGML's Q4_K grid (gptq_q4_k), each with its grid fixed before the sweep.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
 from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
-from . import fp4, rtn
+from . import rtn
 
 BITS = (4, 8)
 CALIBRATED = True
@@ -55,7 +52,7 @@ def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
     raise LlmqError("GPTQ: the Hessian is not positive definite even with 1000x damping; calibrate on more data")
 
 
-def _prepare(w: torch.Tensor, h: torch.Tensor, consume: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prepare(w: torch.Tensor, h: torch.Tensor, consume: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(W, H, importance) in float32: copies (H: unless `consume`), columns that never saw a non-zero input zeroed in
     W and given H_jj = 1, importance = the undamped diag(H)."""
     W = w.detach().float().clone()
@@ -67,7 +64,7 @@ def _prepare(w: torch.Tensor, h: torch.Tensor, consume: bool) -> tuple[torch.Ten
     return W, H, importance
 
 
-def _sweep(W: torch.Tensor, H: torch.Tensor, damp: float, act_order: bool, block: int, round_column) -> torch.Tensor:
+def sweep(W: torch.Tensor, H: torch.Tensor, damp: float, act_order: bool, block: int, round_column) -> torch.Tensor:
     """GPTQ's sweep over W [n, k] (float32; H [k, k] is scratch): `round_column(col, W1, j)` rounds column `col`
     (original order), W1[:, j] of the block being swept, and returns (q, its real value); each column's error goes
     onto the columns after it. Returns the q [n, k] in original column order."""
@@ -99,7 +96,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
                   consume: bool = False, search: bool = False) -> qformat.QuantizedWeight:
     """GPTQ-quantized QuantizedWeight of w [out, in] given the input Hessian h [in, in]; with `consume` h is used
     as scratch (the caller's last use of it: one [in, in] copy less); `search`: searched scales (module docstring)."""
-    W, H, importance = _prepare(w, h, consume)
+    W, H, importance = prepare(w, h, consume)
     n, k = W.shape
     g = group_size if group_size > 0 else k
     ngroups = k // g
@@ -125,33 +122,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
         return q, ((q - z) * s if z is not None else q * s)
 
     block = g * max(1, BLOCK // g) if lazy_groups else BLOCK  # a group never straddles two blocks
-    Q = _sweep(W, H, damp, act_order, block, round_column)
+    Q = sweep(W, H, damp, act_order, block, round_column)
     return rtn.pack(Q, scale, zero, bits, group_size if group_size > 0 else None, scale_dtype)
-
-
-def gptq_fp4(w: torch.Tensor, h: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None,
-             damp: float = 0.01, act_order: bool = False, consume: bool = False,
-             search: bool = False) -> qformat.QuantizedWeight:
-    """GPTQ onto an FP4 grid ("nvfp4" / "mxfp4"): the block scales (and NVFP4's global scale, `global_scale` where
-    the unit shares one) are round-to-nearest's, fixed from the weight before the sweep, as llm-compressor's
-    GPTQModifier does for an FP4 scheme; each column is then rounded onto the E2M1 grid of its block's scale
-    (`quant.e2m1_codes` of the exact quotient, as round-to-nearest rounds) with its error fed forward. The result is
-    the format round-to-nearest writes, so every export and the runtime read it unchanged. `search`: the block
-    scales searched (fp4.search_scales) with the error weighted by diag(H), as the integer search is."""
-    W, H, importance = _prepare(w, h, consume)
-    rtn_weight = fp4.quantize_weight(W, fmt, global_scale, search, importance)
-    step = quant.fp4_block_scale(rtn_weight.scale.to(W.device), None if rtn_weight.global_scale is None
-                                 else rtn_weight.global_scale.to(W.device))
-    block = rtn_weight.group_size
-    tiny = torch.finfo(torch.float64).tiny
-
-    def round_column(col, W1, j):
-        s = step[:, col // block]
-        codes = quant.e2m1_codes(W1[:, j].double() / s.double().clamp_min(tiny))
-        return codes.float(), quant.e2m1_values(codes) * s
-
-    Q = _sweep(W, H, damp, act_order, BLOCK, round_column)
-    return dataclasses.replace(rtn_weight, q=Q.to(torch.uint8).cpu())
 
 
 def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False) -> qformat.Q4KWeight:
@@ -159,7 +131,7 @@ def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: boo
     weight as it is (`llmq.quant.q4_k_grid`, its search weighted by diag(H): GPTQ's static groups), then the columns
     in order, each rounded to its sub-block's grid (`llmq.quant.q4_k_codes`) and its error spread over the columns
     not yet quantized, which the fixed grid then rounds."""
-    W, H, importance = _prepare(w, h, consume)
+    W, H, importance = prepare(w, h, consume)
     d, dmin, sc, m = quant.q4_k_grid(W, importance.clamp_min(torch.finfo(torch.float32).tiny))
     s, mn = (t.repeat_interleave(quant.Q4K_SUB, dim=1) for t in quant.q4_k_scale_min(d, dmin, sc, m))  # per column
 
@@ -167,13 +139,13 @@ def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: boo
         q = quant.q4_k_codes(W1[:, j], s[:, col], mn[:, col])
         return q.float(), s[:, col] * q.float() - mn[:, col]
 
-    Q = _sweep(W, H, damp, False, BLOCK, round_column)
+    Q = sweep(W, H, damp, False, BLOCK, round_column)
     return qformat.Q4KWeight(Q.to(torch.uint8).cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
 
 
 def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]:
     """One linear at a time, each Hessian released once no linear needs it. `quantize_one(name, w, h, consume)`:
-    the rounding (default: onto the integer grid of the options; the FP4 methods' --gptq passes gptq_fp4's)."""
+    the rounding (default: onto the integer grid of the options; the FP4 methods' --gptq passes fp4.gptq_fp4)."""
     o = ctx.opts
     if quantize_one is None:
         def quantize_one(name, w, h, consume):
