@@ -80,13 +80,13 @@ def _fusable(parts: list[LinearWeights]) -> bool:
         return False  # block FP8: a part that ends inside a row block shares no scale row with the next
     if a.scale.numel() == 1 and not a.block and any(not torch.equal(p.qw.scale, a.scale) for p in parts):
         return False  # one per-tensor scale each: cannot share a single scale
-    if a.global_scale is not None and any(not torch.equal(p.qw.global_scale, a.global_scale) for p in parts):
-        return False  # NVFP4: a global scale each
-    igs = [p.qw.input_global_scale for p in parts]
-    if any(i is not None for i in igs) and any(i is None or not torch.equal(i, igs[0]) for i in igs):
-        return False  # NVFP4 W4A4: an input global scale each
-    ins = [getattr(p.qw, "input_scale", None) for p in parts]
-    return all(i is None for i in ins) or all(i is not None and torch.equal(i, ins[0]) for i in ins)
+
+    def agree(field: str) -> bool:  # none of the parts has one, or all have the same
+        ts = [getattr(p.qw, field, None) for p in parts]
+        return all(t is None for t in ts) or all(t is not None and torch.equal(t, ts[0]) for t in ts)
+
+    # NVFP4's global scales (weights', W4A4 inputs'), static activation scales: one for the fused matmul, or none
+    return agree("global_scale") and agree("input_global_scale") and agree("input_scale")
 
 
 def _cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ import torch
 from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
+from ...options import default_of
 from . import gptq
 
 
@@ -29,7 +30,7 @@ def validate(opts, fmt: str) -> None:
     if opts.activations != "dynamic":
         raise LlmqError(f"{flag} activations are 16-bit, or FP4 with --w4a4 (dynamic block scales"
                         f"{' under a calibrated global scale' if fmt == 'nvfp4' else ''}); drop --activations")
-    if not opts.gptq and (opts.act_order or opts.damp != 0.01):
+    if not opts.gptq and (opts.act_order or opts.damp != default_of(type(opts).__dataclass_fields__["damp"])):
         raise LlmqError(f"--act-order / --damp are GPTQ's; add --gptq to round {flag} with GPTQ")
 
 
