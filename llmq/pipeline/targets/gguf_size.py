@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import gguf
+from gguf import MODEL_TENSOR as MT
 
 from ...models.reader import CheckpointReader
 from .gguf_meta import add_hparams, add_tokenizer
@@ -22,8 +23,8 @@ from .gguf_tensors import Tensors, add_weights
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}   # GGML's legacy blocks of 32 weights (an fp16 scale, a min)
 NAME_BYTES = 255   # general.name holds the quantized artifact's name, not known yet: priced at its longest
-TABLES = ("token_embd.weight", "output.weight")
-ROUTER = "ffn_gate_inp"
+TABLES = tuple(f"{gguf.TENSOR_NAMES[t]}.weight" for t in (MT.TOKEN_EMBD, MT.OUTPUT))   # llama.cpp's own names
+ROUTER = gguf.TENSOR_NAMES[MT.FFN_GATE_INP].split(".")[-1]   # "ffn_gate_inp", in blk.{bid}.ffn_gate_inp
 
 
 def linear_bytes(n: int, k: int, bits: int, symmetric: bool) -> int:
