@@ -24,6 +24,7 @@ from llmq.models import qformat
 from llmq.models.linear_weights import LinearWeights
 from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import split_cols, split_rows
+from llmq.quant import fp8_block
 
 E4M3 = np.array([(c & 7) / 8 * 2.0 ** -6 if c >> 3 == 0 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7)
                  for c in range(127)])  # every non-negative finite E4M3 value, from its bit fields
@@ -108,7 +109,7 @@ def test_compressed_tensors_block_quantization_agrees(seed):
     nonzero = amax > 0   # an all-zero block: compressed-tensors' eps, llmq's; its values are 0 either way
     assert torch.equal(ct_scale.float()[nonzero], scale[nonzero])
     ct_q = quantize(w, scale, None, args, dtype=quant.FP8)
-    once = quant.to_fp8(w, quant._expand(scale, (200, 300), (128, 128)))   # float32 quotient, as compressed-tensors
+    once = quant.to_fp8(w, fp8_block._expand(scale, (200, 300), (128, 128)))   # float32 quotient, as compressed-tensors
     assert torch.equal(ct_q.view(torch.uint8), once.view(torch.uint8))
     differ = q.view(torch.uint8) != ct_q.view(torch.uint8)
     assert int(differ.sum()) <= 2, f"seed {seed}"   # only float32 quotients a hair off an E4M3 tie
