@@ -61,13 +61,15 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")
 VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int8-rtn-emb8",
             "int4-rtn-g64-emb8", "int4-gptq-g64-act", "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5",
             "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75", "int4-rtn-g32-emb8",
-            "int8-rtn-g32-emb8g32", "fp8", "fp8-g128", "nvfp4", "mxfp4")
+            "int8-rtn-g32-emb8g32", "fp8", "fp8-g128", "nvfp4", "mxfp4", "nvfp4-gptq-act-search",
+            "mxfp4-gptq-act-search")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
 # g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
 # fp8: E4M3 weights per output channel with dynamic per-token FP8 activations (--method fp8); fp8-g128: block FP8
 # (128 x 128 weight blocks, --group-size 128); nvfp4 / mxfp4: FP4 E2M1 weight-only in the format's blocks (16 with E4M3
-# scales and a global scale / 32 with E8M0 exponents); the float formats keep the embedding table 16-bit
+# scales and a global scale / 32 with E8M0 exponents); -gptq-act-search: rounded by GPTQ (act-order) onto the FP4 grid
+# with searched block scales (--gptq --act-order --scales search); the float formats keep the embedding table 16-bit
 UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibration data (before the speed runs)
 LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
 LINEARS = r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight"  # every decoder linear (llama.cpp's names)
@@ -96,7 +98,9 @@ def variant_options() -> dict:
                                QuantizeOptions(bits=4, group_size=32, embedding="int8"),
                                QuantizeOptions(bits=8, group_size=32, embedding="int8", int8_group_size=32),
                                QuantizeOptions(method="fp8"), QuantizeOptions(method="fp8", group_size=128),
-                               QuantizeOptions(method="nvfp4"), QuantizeOptions(method="mxfp4"))))
+                               QuantizeOptions(method="nvfp4"), QuantizeOptions(method="mxfp4"),
+                               *(QuantizeOptions(method=m, gptq=True, act_order=True, scales="search")
+                                 for m in ("nvfp4", "mxfp4")))))
 
 
 def quantized(source, opts, store):
@@ -494,7 +498,7 @@ def bench(lc: LlamaCpp, args) -> int:
     def make(calibrated: bool) -> None:  # RTN / FP first (the speed pairs); GPTQ / AWQ / mixed only for quality
         for label, opts in variant_options().items():
             chosen = args.variants is None or label in args.variants
-            made_cold = opts.method in UNCALIBRATED and opts.target_bpw is None
+            made_cold = opts.method in UNCALIBRATED and opts.target_bpw is None and not opts.gptq
             if chosen and label not in arts and made_cold != calibrated:
                 print(f"llmq variant {label}: ", end="", flush=True)
                 arts[label] = quantized(model, opts, store)

@@ -75,9 +75,12 @@ SCHEMES = {
     "fp8-block": ["--method", "fp8", "--bits", "8", "--group-size", "128"],
     "nvfp4": ["--method", "nvfp4"],
     "mxfp4": ["--method", "mxfp4"],
+    "nvfp4-w4a4": ["--method", "nvfp4", "--w4a4"],
+    "mxfp4-w4a4": ["--method", "mxfp4", "--w4a4"],
+    "nvfp4-gptq": ["--method", "nvfp4", "--gptq", "--act-order"],
 }
 # transformers on dequantized weights leaves their activation rounding out
-ACT_QUANT = ("w8a8", "fp8", "fp8-static", "fp8-block")
+ACT_QUANT = ("w8a8", "fp8", "fp8-static", "fp8-block", "nvfp4-w4a4", "mxfp4-w4a4")
 
 
 class Results:
@@ -316,18 +319,20 @@ def _check_artifact(name: str, path: Path, hf: HFReference, seqs, prompts, dev: 
 
 
 def _amplification_floor(cpu: LLMEngine, seqs, ref: torch.Tensor) -> dict:
-    """How far float noise alone moves a model whose activations are rounded to 8 bits, on the CPU: the embedding
-    nudged by 1e-7 relative (what different reduction orders do), and every quantized linear's output rounded to
-    bf16 (what torch._scaled_mm's bf16 output does, even when the rest computes in float32). A flipped rounding
-    decision is a whole int8 / FP8 step, and a random 30-layer model amplifies it: on the first H200 run this
-    reproduced the GPU-vs-CPU KLD of W8A8 (9.6e-4 vs 9.2e-4) and FP8 (0.0149 vs 0.0142)."""
+    """How far float noise alone moves a model whose activations are rounded to 8 or 4 bits, on the CPU: the
+    embedding nudged by 1e-6 relative in float32 (a few ulps, what other kernels' reduction orders do upstream; the
+    table is stored bf16, so a nudged float32 copy replaces it), and every quantized linear's output rounded to bf16
+    (what torch._scaled_mm's bf16 output does, even when the rest computes in float32). A flipped rounding decision
+    is a whole int8 / FP8 / FP4 step, and a random 30-layer model amplifies it: on the first H200 run this reproduced
+    the GPU-vs-CPU KLD of W8A8 (9.6e-4 vs 9.2e-4) and FP8 (0.0149 vs 0.0142)."""
     from llmq.runtime.layers import linear as L
 
     model, out = cpu.runner.model, {}
-    saved = model.embed.clone()
-    model.embed.mul_(1 + 1e-7 * torch.randn(saved.shape, generator=torch.Generator().manual_seed(0)))
-    out["embedding_nudged_1e-7"] = compare(ref, runtime_logprobs(cpu, seqs))["kld"]
-    model.embed.copy_(saved)
+    saved = model.embed
+    noise = torch.randn(saved.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    model.embed = (saved.double() * (1 + 1e-6 * noise)).float()
+    out["embedding_nudged_1e-6"] = compare(ref, runtime_logprobs(cpu, seqs))["kld"]
+    model.embed = saved
     finish = L.LinearBase._finish
     L.LinearBase._finish = lambda self, y, dtype: finish(self, y if isinstance(self, L.DenseLinear)
                                                          else y.to(torch.bfloat16), dtype)
@@ -528,14 +533,22 @@ def part_layers(args, res: Results, work: Path) -> None:
 
 
 def _new_format_makers(w: torch.Tensor) -> dict:
-    """Layer makers (device, dtype) for the formats of issue 34: NVFP4 / MXFP4 weight-only and block FP8 W8A8."""
+    """Layer makers (device, dtype) for the formats of issue 34: NVFP4 / MXFP4 weight-only and W4A4, block FP8 W8A8.
+    W4A4's input global scale is set for |x| <= 8 (the callers' standard normal inputs), standing in for calibration."""
+    import dataclasses
+
+    from llmq import quant
     from llmq.pipeline.quantize.fp4 import quantize_weight
     from llmq.pipeline.quantize.fp8 import quantize_weight_fp8_block
     from llmq.runtime.layers.fp4 import FP4Linear
     from llmq.runtime.layers.fp8_block import BlockFP8Linear
 
     nv, mx, blk = quantize_weight(w, "nvfp4"), quantize_weight(w, "mxfp4"), quantize_weight_fp8_block(w)
+    nv_a = dataclasses.replace(nv, dynamic=True, input_global_scale=quant.nvfp4_global_scale(torch.tensor(8.0)))
+    mx_a = dataclasses.replace(mx, dynamic=True)
     return {"nvfp4": lambda d, dt: FP4Linear(nv, None, dt, d), "mxfp4": lambda d, dt: FP4Linear(mx, None, dt, d),
+            "nvfp4-w4a4": lambda d, dt: FP4Linear(nv_a, None, dt, d),
+            "mxfp4-w4a4": lambda d, dt: FP4Linear(mx_a, None, dt, d),
             "fp8-block": lambda d, dt: BlockFP8Linear(blk, None, dt, d)}
 
 
