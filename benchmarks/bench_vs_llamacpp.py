@@ -57,19 +57,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmq.bench.llamacpp import LlamaCpp, LlamaCppNotFound, locate, run  # noqa: E402
 from llmq.errors import LlmqError  # noqa: E402
 
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")
+GGUF_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_K_M")
 VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int8-rtn-emb8",
             "int4-rtn-g64-emb8", "int4-gptq-g64-act", "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5",
             "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75", "int4-rtn-g32-emb8",
             "int8-rtn-g32-emb8g32", "fp8", "fp8-g128", "nvfp4", "mxfp4", "nvfp4-gptq-act-search",
-            "mxfp4-gptq-act-search")
+            "mxfp4-gptq-act-search", "int5-rtn-g32-emb8", "int5-gptq-g32-act-emb8")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
 # g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
 # fp8: E4M3 weights per output channel with dynamic per-token FP8 activations (--method fp8); fp8-g128: block FP8
 # (128 x 128 weight blocks, --group-size 128); nvfp4 / mxfp4: FP4 E2M1 weight-only in the format's blocks (16 with E4M3
 # scales and a global scale / 32 with E8M0 exponents); -gptq-act-search: rounded by GPTQ (act-order) onto the FP4 grid
-# with searched block scales (--gptq --act-order --scales search); the float formats keep the embedding table 16-bit
+# with searched block scales (--gptq --act-order --scales search); the float formats keep the embedding table 16-bit;
+# int5: 5-bit integers in groups of 32 (--bits 5), GGUF's Q5_0
 UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibration data (before the speed runs)
 LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
 LINEARS = r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight"  # every decoder linear (llama.cpp's names)
@@ -100,7 +101,10 @@ def variant_options() -> dict:
                                QuantizeOptions(method="fp8"), QuantizeOptions(method="fp8", group_size=128),
                                QuantizeOptions(method="nvfp4"), QuantizeOptions(method="mxfp4"),
                                *(QuantizeOptions(method=m, gptq=True, act_order=True, scales="search")
-                                 for m in ("nvfp4", "mxfp4")))))
+                                 for m in ("nvfp4", "mxfp4")),
+                               QuantizeOptions(bits=5, group_size=32, embedding="int8"),
+                               QuantizeOptions(bits=5, method="gptq", group_size=32, act_order=True,
+                                               embedding="int8"))))
 
 
 def quantized(source, opts, store):

@@ -193,6 +193,16 @@ def test_refuses_what_the_engine_cannot_load(arts, engine, src, message):
         _deployed(arts, src, engine=engine)
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_five_bit_weights_are_refused_for_the_engines_that_run_four_and_eight(arts, engine):
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, a = arts
+    int5 = quantize(a["model"], QuantizeOptions(bits=5, group_size=32, probe_tokens=0), store, progress=False)
+    with pytest.raises(LlmqError, match=r"has 5-bit integer weights, which vLLM and SGLang do not run .*--target gguf"):
+        deploy(int5, store, DeployOptions(engine=engine))
+
+
 def test_every_flag_is_one_the_engine_parses(arts):
     """The flags each engine's commands use, on one node and several, with and without speculative decoding, are
     those found in its own argument parser."""

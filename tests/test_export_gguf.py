@@ -31,8 +31,9 @@ gguf = pytest.importorskip("gguf")
 
 # ---------------------------------------------------------------- the contract, as data
 # ggml_type ids (ggml.h) and the block layout of each: (weights per block, bytes per block).
-GGML_TYPE_ID = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
-BLOCK_BYTES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
+GGML_TYPE_ID = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "BF16": 30}
+BLOCK_BYTES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
+               "Q5_0": (32, 22), "Q5_1": (32, 24)}
 # GGUF value types (gguf.md): what llama.cpp's typed key reader accepts for each key.
 UINT32, FLOAT32, BOOL, STRING, ARRAY, INT32 = 4, 6, 7, 8, 9, 5
 GT_F32 = 0
@@ -49,13 +50,15 @@ REQUIRED_KEYS = {
 # The llama.cpp pre-tokenizer names of the regexes a tokenizer.json can carry (src/llama-vocab.cpp).
 KNOWN_PRE = {"gpt-2", "smollm", "qwen2", "llama-bpe", "default"}
 # general.file_type values (llama.h, enum llama_ftype).
-FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
 # Which GGML type each kind of tensor has, per llmq scheme (1-D tensors are always F32 in llama.cpp files).
 SCHEMES = {  # name: (QuantizeOptions or None, linear type)
     "bf16": (None, "BF16"),
     "w8-g32": (dict(bits=8, group_size=32), "Q8_0"),
     "w4-g32": (dict(bits=4, group_size=32), "Q4_0"),
     "w4-g32-asym": (dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
+    "w5-g32": (dict(bits=5, group_size=32), "Q5_0"),
+    "w5-g32-asym": (dict(bits=5, group_size=32, symmetric=False), "Q5_1"),
     "w4-g32-head8": (dict(bits=4, group_size=32, lm_head="int8"), "Q4_0"),   # lm_head INT8 per channel: Q8_0
 }
 
@@ -398,20 +401,26 @@ def test_llama_q_k_rows_give_the_same_attention_under_llama_cpp_rope(tiny):
 
 # ---------------------------------------------------------------- (c) bit-exact integers and scales
 def decode_blocks(t) -> dict[str, np.ndarray]:
-    """The raw fields of Q8_0 / Q4_0 / Q4_1 blocks per ggml-common.h: d (and m) fp16, then the quants; a 4-bit
-    block's 16 bytes hold weight j in the low nibble of byte j and weight j + 16 in the high nibble."""
+    """The raw fields of Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks per ggml-common.h: d (and m) fp16, for Q5 the
+    uint32 qh (little endian, bit j = the fifth bit of weight j), then the quants; the 16 bytes of nibbles hold
+    weight j in the low nibble of byte j and weight j + 16 in the high nibble. q is signed: n - 8 (Q4), n - 16 (Q5)."""
     typ = {v: k for k, v in GGML_TYPE_ID.items()}[int(t.tensor_type)]
     rows = t.data.shape[0]
     b = t.data.reshape(rows, -1, BLOCK_BYTES[typ][1])
-    out = {"d": b[..., 0:2].copy().view(np.float16)[..., 0]}
+    out = {"d": b[..., 0:2].copy().view(np.float16)[..., 0], "half": 16 if typ.startswith("Q5") else 8}
     if typ == "Q8_0":
         out["q"] = b[..., 2:].copy().view(np.int8).reshape(rows, -1).astype(np.int16)
         return out
-    qs = b[..., 4:] if typ == "Q4_1" else b[..., 2:]
-    if typ == "Q4_1":
+    at = 2
+    if typ.endswith("_1"):
         out["m"] = b[..., 2:4].copy().view(np.float16)[..., 0]
-    nib = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)
-    out["q"] = (nib - 8).reshape(rows, -1)
+        at = 4
+    n = np.concatenate([b[..., at + 4 * (typ[1] == "5"):] & 0xF, b[..., at + 4 * (typ[1] == "5"):] >> 4],
+                       axis=-1).astype(np.int16)
+    if typ.startswith("Q5"):
+        qh = b[..., at:at + 4].copy().view("<u4")[..., 0].astype(np.int64)
+        n |= (((qh[..., None] >> np.arange(32)) & 1) << 4).astype(np.int16)
+    out["q"] = (n - out["half"]).reshape(rows, -1)
     return out
 
 
@@ -446,7 +455,7 @@ def assert_bit_exact(src_path: Path, gguf_path: Path) -> dict:
             stats["scales_not_exact"] += int((blocks["d"].astype(np.float32) != per_block).sum())
             if zero is not None:
                 zb = np.repeat(zero, blocks["d"].shape[1] // zero.shape[1], axis=1).astype(np.float32)
-                m = -(8 + zb) * per_block
+                m = -(blocks["half"] + zb) * per_block
                 np.testing.assert_array_equal(blocks["m"], m.astype(np.float16), err_msg=name)
                 stats["mins_rerounded"] += int((blocks["m"].astype(np.float32) != m).sum())
             stats["linears"] += 1
@@ -455,7 +464,7 @@ def assert_bit_exact(src_path: Path, gguf_path: Path) -> dict:
     return stats
 
 
-@pytest.mark.parametrize("scheme", ["w8-g32", "w4-g32", "w4-g32-asym"])
+@pytest.mark.parametrize("scheme", ["w8-g32", "w4-g32", "w4-g32-asym", "w5-g32", "w5-g32-asym"])
 @pytest.mark.parametrize("arch", list(TINY))
 def test_integers_and_scales_read_back_bit_exact(tiny, arch, scheme):
     _, built = tiny
@@ -465,8 +474,8 @@ def test_integers_and_scales_read_back_bit_exact(tiny, arch, scheme):
     assert stats["linears"] == linears and stats["scales_not_exact"] == 0   # bf16 scales are fp16 numbers here
     rounding = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]["rounding"]
     assert rounding["scales_rerounded_to_fp16"] == 0 and rounding["blocks"] == stats["blocks"]
-    assert rounding["q4_1_mins_rerounded_to_fp16"] == stats["mins_rerounded"]
-    assert (stats["mins_rerounded"] > 0) == (scheme == "w4-g32-asym")
+    assert rounding["mins_rerounded_to_fp16"] == stats["mins_rerounded"]
+    assert (stats["mins_rerounded"] > 0) == scheme.endswith("asym")
 
 
 def test_per_channel_and_wider_groups_map_exactly_by_repeating_the_scale(tiny):

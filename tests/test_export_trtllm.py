@@ -175,7 +175,8 @@ def test_what_the_backend_cannot_load_is_refused_with_the_reason(arts):
     store, a = arts
     base = a["bf16"]
     for q, match in ((dict(bits=4, group_size=64, symmetric=False), "without zero points.*--sym"),
-                     (dict(bits=4, group_size=32), "groups of 32")):
+                     (dict(bits=4, group_size=32), "groups of 32"),
+                     (dict(bits=5, group_size=32), "^INT5 weights: TensorRT-LLM runs INT4 and INT8 only")):
         art = quantize(base, QuantizeOptions(method="rtn", **q), store, progress=False)
         with pytest.raises(LlmqError, match=match):
             build_engine(art, store, BuildOptions(target="trtllm"))

@@ -48,7 +48,7 @@ def _hand_rtn(w: np.ndarray, bits: int, group: int, symmetric: bool):
 
 
 @pytest.mark.parametrize("bits,group,symmetric", [(4, 16, True), (4, 16, False), (8, 0, True), (8, 0, False),
-                                                  (4, 0, False), (8, 32, True)])
+                                                  (4, 0, False), (8, 32, True), (5, 32, True), (5, 32, False)])
 def test_rtn_matches_hand_reference(bits, group, symmetric):
     gen = torch.Generator().manual_seed(bits * 100 + group + symmetric)
     w = torch.randn(24, 64, generator=gen) * 0.05
@@ -89,7 +89,7 @@ def _brute_force_errors(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return best[..., 0]
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 32)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (5, 32), (8, 32)])
 def test_searched_scales_use_the_whole_signed_grid_and_never_lose_to_amax(bits, group):
     w = torch.randn(64, 128) * 0.05  # fresh weights every run
     w[torch.rand(w.shape) < 0.01] *= 6  # heavy tails, as in LLM weights
@@ -144,18 +144,20 @@ def _correlated_inputs(gen, t, k):
     return x
 
 
-@pytest.mark.parametrize("group,symmetric,act_order", [(0, True, False), (16, True, False), (16, False, True),
-                                                       (0, False, True)])
-def test_gptq_cuts_layer_output_error_vs_rtn(group, symmetric, act_order):
+@pytest.mark.parametrize("group,symmetric,act_order,bits", [(0, True, False, 4), (16, True, False, 4),
+                                                            (16, False, True, 4), (0, False, True, 4),
+                                                            (32, True, True, 5), (32, False, False, 5)])
+def test_gptq_cuts_layer_output_error_vs_rtn(group, symmetric, act_order, bits):
     gen = torch.Generator().manual_seed(7 + group)
     x, w = _correlated_inputs(gen, 1024, 64), torch.randn(48, 64, generator=gen) * 0.1
     h = 2 * x.T @ x / x.shape[0]
     ref = x.double() @ w.double().T
     err = lambda qw: float((x.double() @ qw.dequantize(torch.float64).T - ref).pow(2).sum())  # noqa: E731
-    g = gptq.gptq_quantize(w, h, 4, group, symmetric, torch.bfloat16, damp=0.01, act_order=act_order)
-    r = rtn.quantize_weight(w, 4, group, symmetric, torch.bfloat16)
+    g = gptq.gptq_quantize(w, h, bits, group, symmetric, torch.bfloat16, damp=0.01, act_order=act_order)
+    r = rtn.quantize_weight(w, bits, group, symmetric, torch.bfloat16)
     assert err(g) < 0.75 * err(r)
-    assert g.q.shape == w.shape and int(g.q.min()) >= -8 and int(g.q.max()) <= 7
+    half = 1 << (bits - 1)
+    assert g.q.shape == w.shape and int(g.q.min()) >= -half and int(g.q.max()) <= half - 1
     assert g.scale.shape == r.scale.shape and (g.zero_point is None) == symmetric
 
 
@@ -419,13 +421,14 @@ def _quantized(store):
 
 
 @pytest.mark.parametrize("opts,match", [
-    (dict(bits=3), "4 or 8"), (dict(bits=4, group_size=48), "does not divide"),
+    (dict(bits=3), "4, 5 or 8"), (dict(bits=4, group_size=48), "does not divide"),
     (dict(bits=8, method="smoothquant", group_size=0), None), (dict(bits=4, method="rtn", act_order=True), "GPTQ"),
     (dict(bits=4, method="gptq", damp=0), "damp"), (dict(bits=4, method="awq", per_tensor=True), "per tensor"),
     (dict(bits=4, method="gptq", per_tensor=True), "not per tensor"),
     (dict(bits=8, method="fp8", scales="amax"), "--scales is the scale rule"),
     (dict(bits=4, int8_group_size=32), "--int8-group-size sets the groups"),
-    (dict(bits=4, embedding="int8", int8_group_size=48), "--int8-group-size 48 does not divide")])
+    (dict(bits=4, embedding="int8", int8_group_size=48), "--int8-group-size 48 does not divide"),
+    (dict(bits=5, target_bpw=6), "--target-bpw mixes 4-, 8- and 16-bit .* --bits 4")])
 def test_bad_options_are_refused_before_any_work(store, tiny_source, opts, match):
     if match is None:  # a method that exists but does not take these bits: refused by its BITS
         opts = dict(opts, bits=4)
@@ -451,8 +454,8 @@ def test_empty_calibration_and_already_quantized_sources_are_refused(store, tiny
     assert len(_quantized(store)) == 1
     res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", art.ref, "--bits", "4"])
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "already quantized" in res.output
-    res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", str(tiny_source.path), "--bits", "5"])
-    assert res.exit_code == 2 and res.output.startswith("error: --bits must be 4 or 8")
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", str(tiny_source.path), "--bits", "3"])
+    assert res.exit_code == 2 and res.output.startswith("error: --bits must be 4, 5 or 8")
 
 
 def test_the_manifest_records_how_calibration_chats_were_rendered(store, tiny_model_dir):

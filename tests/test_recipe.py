@@ -28,7 +28,7 @@ def test_shipped_recipes_validate(recipe):
 
 @pytest.mark.parametrize("stages,message", [
     ({"quantize": {"bits": 4, "metod": "gptq"}}, "stages.quantize.metod: Extra inputs are not permitted"),
-    ({"quantize": {"bits": 3}}, "stages.quantize.bits: Input should be 4 or 8"),
+    ({"quantize": {"bits": 3}}, "stages.quantize.bits: Input should be 4, 5 or 8"),
     ({"quantize": {"bits": 4, "method": "fp8"}}, "method fp8 quantizes to 8 bits"),
     ({"quantize": {"bits": 4, "alpha": 0.5}}, "alpha is SmoothQuant's migration strength"),
     ({"build": {"tp": 3}}, "stages.build.tp: Input should be 1, 2, 4 or 8"),

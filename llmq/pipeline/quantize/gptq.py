@@ -25,7 +25,7 @@ from ...errors import LlmqError
 from ...models import qformat
 from . import rtn
 
-BITS = (4, 8)
+BITS = (4, 5, 8)   # 5: integers in [-16, 15], for GGUF's Q5_0 / Q5_1 (llmq's runtime and llama.cpp; vLLM runs 4 / 8)
 CALIBRATED = True
 BLOCK = 128
 

@@ -25,17 +25,18 @@ GRID_METHODS = ("rtn", "gptq")  # the methods that quantize onto GGML's Q4_K gri
 @add_fields(*method_options())
 class QuantizeOptions(Options):
     """What `llmq quantize` (or a recipe's quantize stage) asks for. group_size: None = the default for the bit width
-    (at 4 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
+    (at 4 or 5 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
     per channel at 8 bits), 0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the
     user's spelling into the canonical one (group_size >= 0, 0 = per channel; a method's own options left unset at what
     they mean for it) that methods read. The fields below are every method's; each method's own (GPTQ's --act-order,
     SmoothQuant's --alpha, ...) are declared in methods.py and added after them."""
 
-    bits: int | None = option(None, "Weight bits: 4 or 8 (default: 8, or the only width the method has).",
-                              choices=(4, 8))
+    bits: int | None = option(None, "Weight bits: 4, 5 or 8 (default: 8, or the only width the method has). 5 bits "
+                              "(rtn / gptq / awq) are GGUF's Q5_0 / Q5_1: llmq's runtime and llama.cpp run them, "
+                              "vLLM / SGLang / TensorRT-LLM do not.", choices=(4, 5, 8))
     method: str = option("rtn", METHODS_HELP, choices=tuple(METHODS))
-    group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 bits "
-                                    "the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
+    group_size: int | None = option(None, "Input columns per scale; 0 or -1 = per output channel. Default: at 4 / 5 "
+                                    "bits the largest of 128 / 64 / 32 dividing every linear's input features (64 for "
                                     "SmolLM2), per channel at 8 bits; bnb-nf4: its block size, default 64.")
     symmetric: bool = option(True, "Symmetric or zero-point grid.", flag="--sym/--asym")
     scales: str | None = option(None, "Integer scales (rtn / gptq / awq): search = per group the scale with the "
@@ -93,8 +94,8 @@ class QuantizeOptions(Options):
 
     def check(self) -> None:
         """Every rule that needs neither the model nor its weights."""
-        if self.bits not in (None, 4, 8):
-            raise LlmqError(f"--bits must be 4 or 8, got {self.bits}")
+        if self.bits not in (None, 4, 5, 8):
+            raise LlmqError(f"--bits must be 4, 5 or 8, got {self.bits}")
         super().check()
         method = load_method(self.method)
         if self.bits is not None and self.bits not in method.BITS:
@@ -137,7 +138,7 @@ class QuantizeOptions(Options):
         if self.size_in == "gguf" and ((self.group_size or 0) % 32 or self.int8_group_size % 32):
             raise LlmqError("--size-in gguf: GGUF's blocks hold 32 weights, so --group-size and --int8-group-size "
                             f"must be multiples of 32 (got {self.group_size}, {self.int8_group_size})")
-        if self.mixed and (self.method not in WEIGHT_ONLY or self.bits == 8 or self.per_tensor):
+        if self.mixed and (self.method not in WEIGHT_ONLY or self.bits in (5, 8) or self.per_tensor):
             flag = "--target-bpw" if self.target_bpw is not None else "--max-size"
             raise LlmqError(f"{flag} mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "
                             f"weight-only method ({', '.join(WEIGHT_ONLY)}), not per tensor")
@@ -155,7 +156,7 @@ class QuantizeOptions(Options):
             g = getattr(method, "GROUP_SIZE", None)
         if g is None:
             fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
-            g = fits[0] if bits == 4 and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
+            g = fits[0] if bits in (4, 5) and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
         unset = {k: v for k, v in METHODS[self.method].unset.items() if getattr(self, k) is None}
         scales = self.scales or ("search" if self.method in WEIGHT_ONLY else None)
         if self.grid == "q4_k":  # the fallback linears: INT4 asymmetric groups of 32, GGUF's Q4_1

@@ -26,7 +26,7 @@ import torch
 from ... import quant
 from ...models import qformat
 
-BITS = (4, 8)
+BITS = (4, 5, 8)   # 5: integers in [-16, 15], for GGUF's Q5_0 / Q5_1 (llmq's runtime and llama.cpp; vLLM runs 4 / 8)
 CALIBRATED = False
 
 

@@ -3,13 +3,16 @@
 The arithmetic of the GGUF translation, apart from names and metadata: which integers and scales go where and what
 is re-rounded. It reads nothing of the model, so each format is checked bit for bit on its own.
 
-GGUF's legacy block formats hold 32 consecutive weights of a row with one fp16 scale (and, for Q4_1, one fp16 min):
-Q8_0 is w = d * q with q int8; Q4_0 is w = d * (n - 8) with n a nibble in [0, 15]; Q4_1 is w = d * n + m. llmq's
+GGUF's legacy block formats hold 32 consecutive weights of a row with one fp16 scale (and, for Q4_1 / Q5_1, one fp16
+min): Q8_0 is w = d * q with q int8; Q4_0 is w = d * (n - 8) with n a nibble in [0, 15]; Q4_1 is w = d * n + m; Q5_0
+/ Q5_1 are Q4_0 / Q4_1 with a fifth bit (n in [0, 31], w = d * (n - 16) / d * n + m), the low nibbles laid out as
+Q4's and the 32 fifth bits in a little-endian uint32 `qh` (bit j for weight j) after d (and m). llmq's
 weights are w = (q - z) * s per group of g input columns, so a group of g = 32k columns is k blocks that share its
 scale, and the mapping is
 - INT8 symmetric -> Q8_0: the integers as they are, d = s;
 - INT4 symmetric -> Q4_0: n = q + 8, d = s;
 - INT4 asymmetric -> Q4_1: n = q + 8, d = s, m = -(8 + z) * s;
+- INT5 symmetric / asymmetric -> Q5_0 / Q5_1: n = q + 16, d = s (m = -(16 + z) * s);
 - MXFP4 -> MXFP4: the E8M0 exponent byte and the E2M1 codes (GGUF's kvalues are the same codes, doubled, with the
   exponent halved), weight j in the low nibble of byte j and j + 16 in the high one; every bit carried over;
 - Q4_K (`llmq quantize --grid q4_k`, llmq.models.qformat.Q4KWeight) -> Q4_K: llmq's codes, fp16 d / dmin and 6-bit
@@ -19,9 +22,9 @@ scale, and the mapping is
   room for, goes into the `<tensor>.scale` F32 [1] ([experts] for merged experts) that llama.cpp multiplies the
   matmul's output by: 1 / g rounded to float32 (llmq divides by g), the one re-rounding, counted in the record.
 The integers are always exact. d is exact whenever s is an fp16 number: every fp16 scale, and every bf16 scale from
-2^-17 to 65504 (float32 scales are re-rounded). m = -(8 + z) * s can need 12 significant bits where fp16 has 11, so
-some Q4_1 mins (2% of the blocks on the tiny test model) move by half an fp16 ulp, at most 1/128 of a quantization
-step. Every re-rounding is counted in the returned record.
+2^-17 to 65504 (float32 scales are re-rounded). m = -(2^(b-1) + z) * s can need 12 significant bits where fp16 has
+11, so some Q4_1 / Q5_1 mins (2% of the blocks on the tiny test model) move by half an fp16 ulp, at most 1/128 of a
+quantization step. Every re-rounding is counted in the returned record.
 What no block format holds (`block_type`) is refused with the way out.
 """
 
@@ -33,7 +36,7 @@ from gguf import GGMLQuantizationType as GT
 
 from ...errors import LlmqError
 
-BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 / MXFP4 block
+BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 block
 NVFP4_SUPER = 64                              # weights per GGUF NVFP4 block (four 16-weight scale blocks)
 
 
@@ -66,6 +69,8 @@ def block_type(qw, name: str):
         return GT.Q8_0
     if qw.bits == 4:
         return GT.Q4_0 if qw.symmetric else GT.Q4_1
+    if qw.bits == 5:
+        return GT.Q5_0 if qw.symmetric else GT.Q5_1
     raise LlmqError(f"{name}: {qw.bits}-bit weights have no GGUF block format")
 
 
@@ -114,7 +119,7 @@ class Rounding:
     def record(self) -> dict:
         return {"integers": "exact", "blocks": self.blocks,
                 "scales_rerounded_to_fp16": self.scales, "max_scale_rel_error": self.max_scale_rel,
-                "q4_1_mins_rerounded_to_fp16": self.mins, "max_min_error_in_steps": self.max_min_steps,
+                "mins_rerounded_to_fp16": self.mins, "max_min_error_in_steps": self.max_min_steps,
                 "nvfp4_global_scales_as_float32_reciprocals": self.global_scales,
                 "max_global_scale_rel_error": self.max_global_rel}
 
@@ -146,16 +151,19 @@ def pack_blocks(qw, qtype, rounding: Rounding) -> np.ndarray:
     s = _per_block(qw.scale, n, k)
     d = _fp16_bytes(rounding.to_fp16(s, s, "scale"))
     if qtype == GT.Q8_0:
-        parts = [d, q.to(torch.int8).view(torch.uint8)]
-    else:
-        if int(q.min()) < -8 or int(q.max()) > 7:
-            raise LlmqError("INT4 weights outside [-8, 7]; the artifact is damaged")
-        packed = _nibbles(q + 8)
-        if qtype == GT.Q4_0:
-            parts = [d, packed]
-        else:
-            m = -(8 + _per_block(qw.zero_point, n, k)) * s
-            parts = [d, _fp16_bytes(rounding.to_fp16(m, s, "min")), packed]
+        return torch.cat([d, q.to(torch.int8).view(torch.uint8)], dim=-1).reshape(n, -1).numpy()
+    half = 1 << (qw.bits - 1)
+    if int(q.min()) < -half or int(q.max()) >= half:
+        raise LlmqError(f"INT{qw.bits} weights outside [{-half}, {half - 1}]; the artifact is damaged")
+    u = q + half
+    parts = [d]
+    if not qw.symmetric:
+        m = -(half + _per_block(qw.zero_point, n, k)) * s
+        parts.append(_fp16_bytes(rounding.to_fp16(m, s, "min")))
+    if qw.bits == 5:   # the fifth bits: bit j of a little-endian uint32 for weight j
+        high = ((u >> 4).to(torch.int64) << torch.arange(BLOCK)).sum(-1, keepdim=True)
+        parts.append(((high >> torch.arange(0, 32, 8)) & 0xFF).to(torch.uint8))
+    parts.append(_nibbles(u & 15))
     return torch.cat(parts, dim=-1).reshape(n, -1).numpy()
 
 

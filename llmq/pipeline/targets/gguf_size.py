@@ -21,17 +21,18 @@ from .gguf_meta import add_hparams, add_tokenizer
 from .gguf_tensors import Tensors, add_weights
 
 BLOCK = 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}   # GGML's legacy blocks of 32 weights (an fp16 scale, a min)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}   # GGML's 32-weight blocks: fp16 d (m)
 NAME_BYTES = 255   # general.name holds the quantized artifact's name, not known yet: priced at its longest
 TABLES = tuple(f"{gguf.TENSOR_NAMES[t]}.weight" for t in (MT.TOKEN_EMBD, MT.OUTPUT))   # llama.cpp's own names
 ROUTER = gguf.TENSOR_NAMES[MT.FFN_GATE_INP].split(".")[-1]   # "ffn_gate_inp", in blk.{bid}.ffn_gate_inp
 
 
 def linear_bytes(n: int, k: int, bits: int, symmetric: bool) -> int:
-    """Bytes of a [n, k] decoder linear in the GGUF at `bits`: Q4_0 (Q4_1 with zero points), Q8_0, or 16-bit."""
+    """Bytes of a [n, k] decoder linear in the GGUF at `bits`: Q4_0 / Q5_0 (Q4_1 / Q5_1 with zero points), Q8_0, or
+    16-bit."""
     if bits == 16:
         return 2 * n * k
-    kind = "Q8_0" if bits == 8 else "Q4_0" if symmetric else "Q4_1"
+    kind = "Q8_0" if bits == 8 else f"Q{bits}_{0 if symmetric else 1}"
     return n * (k // BLOCK) * BLOCK_BYTES[kind]
 
 

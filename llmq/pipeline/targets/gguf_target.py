@@ -3,9 +3,9 @@
 This module is the target: what a GGUF file cannot say, refused before anything is written (`refuse`: calibrated
 KV-cache scales, one sliding window on every layer (Mistral, Qwen), RoPE scaling, tensor parallelism), and the
 writer that puts the parts together and records them. The parts: the block encoders (gguf_blocks.py: INT8 -> Q8_0,
-INT4 -> Q4_0 / Q4_1, MXFP4 and NVFP4 carried over, every re-rounding counted), the tensors under llama.cpp's names
-and layout (gguf_tensors.py), the hyperparameters and the tokenizer (gguf_meta.py), and llama.cpp's importance matrix
-beside the file (gguf_imatrix.py).
+INT4 -> Q4_0 / Q4_1, INT5 -> Q5_0 / Q5_1, MXFP4 and NVFP4 carried over, every re-rounding counted), the tensors under
+llama.cpp's names and layout (gguf_tensors.py), the hyperparameters and the tokenizer (gguf_meta.py), and llama.cpp's
+importance matrix beside the file (gguf_imatrix.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
     F = gguf.LlamaFileType
     if types.get("Q4_K"):    # llama.cpp's name for a file of mostly Q4_K with other types where rows do not fit
         return "Q4_K_S", int(F.MOSTLY_Q4_K_S)
-    for t in ("Q4_1", "Q4_0", "Q8_0"):
+    for t in ("Q4_1", "Q4_0", "Q5_1", "Q5_0", "Q8_0"):
         if types.get(t):
             return t, int(getattr(F, f"MOSTLY_{t}"))
     if types.get("NVFP4"):

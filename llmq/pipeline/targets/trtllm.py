@@ -113,6 +113,9 @@ def modelopt_algo(qw) -> str:
     if not qw.symmetric:
         raise LlmqError("asymmetric weights: TensorRT-LLM's PyTorch backend runs INT4 groups without zero points; "
                         "re-quantize with --sym")
+    if qw.bits not in (4, 8):
+        raise LlmqError(f"INT{qw.bits} weights: TensorRT-LLM runs INT4 and INT8 only; re-quantize with --bits 4 or 8 "
+                        "(5-bit is for --target gguf and llmq's runtime)")
     if qw.group_size is None:
         return "W8A16" if qw.bits == 8 else "W4A16"
     if qw.bits == 4 and qw.group_size in (64, 128):
