@@ -351,14 +351,15 @@ def _merge(checks: list[dict]) -> dict:
 
 def _fast(m) -> bool:
     """Whether a linear layer runs its device kernel (not the exact fallback)."""
+    from llmq.runtime.layers import act_quant as AQ
     from llmq.runtime.layers import linear as L
     from llmq.runtime.layers.fp4 import FP4Linear
     from llmq.runtime.layers.fp8_block import BlockFP8Linear
 
     if isinstance(m, FP4Linear):
         return m.dense is None
-    flag = {L.Int8WeightOnlyLinear: "kernel", L.Int4WeightOnlyLinear: "packed", L.W8A8Linear: "cuda_int_mm",
-            L.FP8Linear: "scaled_mm", BlockFP8Linear: "scaled_mm"}.get(type(m))
+    flag = {L.Int8WeightOnlyLinear: "kernel", L.Int4WeightOnlyLinear: "packed", AQ.W8A8Linear: "cuda_int_mm",
+            AQ.FP8Linear: "scaled_mm", BlockFP8Linear: "scaled_mm"}.get(type(m))
     return bool(getattr(m, flag, False)) if flag else False
 
 
@@ -489,6 +490,7 @@ def part_layers(args, res: Results, work: Path) -> None:
     batches: max relative error. End to end, a random 30-layer model amplifies any rounding difference (activation
     rounding in W8A8 / FP8 most of all), so this is where a kernel's own error is seen."""
     from llmq import quant
+    from llmq.runtime.layers import act_quant as AQ
     from llmq.runtime.layers import linear as L
 
     g = torch.Generator().manual_seed(12)
@@ -505,9 +507,9 @@ def part_layers(args, res: Results, work: Path) -> None:
         makers = {
             "int8": lambda d, dt: L.Int8WeightOnlyLinear(q8.to(d), s8.view(-1).to(d), None, None, dt),
             "int4": lambda d, dt: L.Int4WeightOnlyLinear(q4.to(d), s4.to(d), None, None, dt),
-            "w8a8": lambda d, dt: L.W8A8Linear(q8.to(d), s8.view(-1).to(d), None, None, dt),
-            "fp8": lambda d, dt: L.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, True, None, dt),
-            "fp8-weight-only": lambda d, dt: L.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, False, None, dt),
+            "w8a8": lambda d, dt: AQ.W8A8Linear(q8.to(d), s8.view(-1).to(d), None, None, dt),
+            "fp8": lambda d, dt: AQ.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, True, None, dt),
+            "fp8-weight-only": lambda d, dt: AQ.FP8Linear(w_fp8.to(d), s_fp8.to(d), None, False, None, dt),
             **_new_format_makers(w),
         }
         for name, make in makers.items():
@@ -576,6 +578,7 @@ def _device_time(fn, dev: str, reps: int = 30) -> float:
 def part_layer_speed(args, res: Results, work: Path) -> None:
     """Every weight format's runtime layer on the Llama-3-8B layer's linears, bf16 activations."""
     from llmq import quant
+    from llmq.runtime.layers import act_quant as AQ
     from llmq.runtime.layers import linear as L
 
     dev = args.device
@@ -595,7 +598,7 @@ def part_layer_speed(args, res: Results, work: Path) -> None:
             "bf16": lambda: L.DenseLinear(w.to(dev, torch.bfloat16), None, torch.bfloat16),
             "int8": lambda: L.Int8WeightOnlyLinear(q8.to(dev), s8.view(-1).to(dev), None, None, torch.bfloat16),
             "int4-g128": lambda: L.Int4WeightOnlyLinear(q4.to(dev), s4.to(dev), None, None, torch.bfloat16),
-            "fp8": lambda: L.FP8Linear(w_fp8.to(dev), s_fp8.to(dev), None, True, None, torch.bfloat16),
+            "fp8": lambda: AQ.FP8Linear(w_fp8.to(dev), s_fp8.to(dev), None, True, None, torch.bfloat16),
             **{name: (lambda make=make: make(dev, torch.bfloat16)) for name, make in _new_format_makers(w).items()},
         }
         for name, make in makers.items():

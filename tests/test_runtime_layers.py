@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from llmq.runtime.kv_cache import allocate_kv_cache
-from llmq.runtime.layers.linear import DenseLinear, FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, W8A8Linear
+from llmq.runtime.layers.act_quant import FP8Linear, W8A8Linear
+from llmq.runtime.layers.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

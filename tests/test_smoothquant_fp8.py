@@ -8,7 +8,7 @@ from llmq.models import qformat as qf
 from llmq.models.arch import LLAMA
 from llmq.pipeline.quantize import fp8
 from llmq.pipeline.quantize import smoothquant as sq
-from llmq.runtime.layers.linear import FP8Linear, W8A8Linear
+from llmq.runtime.layers.act_quant import FP8Linear, W8A8Linear
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")

@@ -13,7 +13,8 @@ import torch
 from ..errors import LlmqError
 from ..models import bnbformat, qformat
 from ..models.linear_weights import LinearWeights
-from .layers.linear import DenseLinear, FP8Linear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, LinearBase, W8A8Linear
+from .layers.act_quant import FP8Linear, W8A8Linear
+from .layers.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear, LinearBase
 
 
 def _activation_quant(qw) -> bool:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from ... import quant
 from ...models import bnbformat
-from .linear import LinearBase, W8A8Linear, set_buffer
+from .act_quant import W8A8Linear
+from .linear import LinearBase, set_buffer
 
 
 class NF4Linear(LinearBase):

@@ -1,4 +1,4 @@
-"""Linear layers: dense, and one class per quantization scheme that `llmq quantize` writes.
+"""Linear layers: dense, and the integer weight-only schemes `llmq quantize` writes (INT8, INT4, INT5 on the INT8 path).
 
 Weights stay in their low-bit form in memory; each class picks the fastest real kernel the device has. Every scale,
 grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes its quality probe with.
@@ -23,12 +23,7 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
   bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
   quantize probe measures (the probe runs these layers); shapes no kernel takes fall back to dequantize-on-the-fly,
   exactly.
-- W8A8: activations quantized to int8 per token (or with the static input scale); the int8 x int8 products run on
-  torch._int_mm on CUDA (decode batches padded to its 17-row minimum) and, on CPU, for up to 8 rows (decode)
-  through the int8-weight kernel with integer-valued activations (exact in bfloat16, but its bfloat16 output rounds
-  the sums to 2^-8 relative); else in float32.
-- FP8: torch._scaled_mm where the GPU has FP8 tensor cores, otherwise the weight is dequantized on the fly and
-  quantized activations are reproduced exactly (quantize to e4m3 and back) so numerics match the FP8 kernels.
+- W8A8 and FP8 (activations quantized too): act_quant.py; FP4, block FP8, Q4_K and bitsandbytes: their own modules.
 Row/column tensor-parallel splitting happens when weights are loaded; a layer only ever sees its own slice.
 """
 
@@ -71,7 +66,7 @@ def _kernel_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).contiguous()
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
+def aligned(t: torch.Tensor) -> torch.Tensor:
     """t, copied to the allocator's 64-byte alignment when it is not aligned: the int8 CPU kernel crashes the process
     (a segfault, not an error) for 4+ rows on a weight that is not 32-byte aligned, as safetensors can hand one out."""
     t = t.contiguous()
@@ -176,7 +171,7 @@ def _mkldnn_pack(weight: torch.Tensor):
     return None
 
 
-def _grouped(scale: torch.Tensor, n: int) -> torch.Tensor:
+def grouped(scale: torch.Tensor, n: int) -> torch.Tensor:
     """Scales / zero points as [N, G] (G groups along the input dimension; 1 = per channel)."""
     scale = scale.float()
     if scale.numel() == 1:
@@ -192,9 +187,9 @@ class Int8WeightOnlyLinear(LinearBase):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
-        set_buffer(self, "q", _aligned(q.to(torch.int8)))
-        set_buffer(self, "scale", _grouped(scale, n))
-        set_buffer(self, "zero", _grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
+        set_buffer(self, "q", aligned(q.to(torch.int8)))
+        set_buffer(self, "scale", grouped(scale, n))
+        set_buffer(self, "zero", grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
         set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.compute_dtype = compute_dtype
         # llmq's kernels: with int8 activations wherever they fit; with 16-bit ones where PyTorch's kernel below would
@@ -211,7 +206,7 @@ class Int8WeightOnlyLinear(LinearBase):
         if self.kernel:
             self._kdtype = torch.bfloat16 if q.device.type == "cpu" else compute_dtype
             set_buffer(self, "kscale", self.scale[:, 0].to(self._kdtype))
-            self.kernel = _probe(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
+            self.kernel = kernel_runs(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(_kernel_input(x, self._kdtype), self.q, self.kscale)
@@ -250,8 +245,8 @@ class Int4WeightOnlyLinear(LinearBase):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
-        scale = _grouped(scale, n)
-        zero = _grouped(zero, n) if zero is not None else None
+        scale = grouped(scale, n)
+        zero = grouped(zero, n) if zero is not None else None
         self.group_size = k // scale.shape[1]
         self.compute_dtype = compute_dtype
         set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
@@ -261,7 +256,7 @@ class Int4WeightOnlyLinear(LinearBase):
             set_buffer(self, "w_packed", self.packed[0])
             set_buffer(self, "scales_zeros", self.packed[1])
             self._kdtype = self.packed[1].dtype
-            self.packed = _probe(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
+            self.packed = kernel_runs(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
         if not self.packed and not self.lowbit:
             set_buffer(self, "q", q.to(torch.int8))
             set_buffer(self, "scale", scale)
@@ -371,7 +366,7 @@ def cuda_inner_k_tiles(k: int) -> int | None:
     return next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
 
 
-def _probe(fn) -> bool:
+def kernel_runs(fn) -> bool:
     """Whether a kernel runs here for this shape (some builds / GPUs lack one); never raises."""
     try:
         fn()
@@ -384,69 +379,3 @@ def one_line(e: BaseException) -> str:
     """An exception as one line (a layer's fallback_reason: why it runs its exact fallback, not its kernel)."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
-
-
-class W8A8Linear(LinearBase):
-    max_kernel_rows = 8
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None,
-                 bias: torch.Tensor | None, compute_dtype: torch.dtype):
-        super().__init__()
-        n, k = q.shape
-        self.out_features, self.in_features = n, k
-        set_buffer(self, "q", _aligned(q.to(torch.int8)))
-        set_buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())  # per output channel (or per tensor)
-        set_buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
-        set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
-        self.cuda_int_mm = q.device.type == "cuda" and n % 8 == 0 and k % 8 == 0
-        self.cpu_kernel = q.device.type == "cpu" and _probe(
-            lambda: torch.ops.aten._weight_int8pack_mm(torch.zeros(1, k, dtype=torch.bfloat16), self.q,
-                                                       torch.ones(n, dtype=torch.bfloat16)))
-        if self.cpu_kernel:
-            set_buffer(self, "ones", torch.ones(n, dtype=torch.bfloat16))
-
-    def _int_matmul(self, xq: torch.Tensor) -> torch.Tensor:
-        """xq [M, K] (int8 values as floats) times q.T, as float32 sums."""
-        m = xq.shape[0]
-        if self.cuda_int_mm:  # it wants more than 16 rows: decode batches are padded with zero rows
-            xi = xq.to(torch.int8)
-            return torch._int_mm(F.pad(xi, (0, 0, 0, 17 - m)) if m <= 16 else xi, self.q.t())[:m].float()
-        if self.cpu_kernel and m <= self.max_kernel_rows:  # integer activations are exact in bfloat16
-            return torch.ops.aten._weight_int8pack_mm(xq.to(torch.bfloat16), self.q, self.ones).float()
-        return F.linear(xq, self.q.float())  # |sums| < 2^24 for K < 1040 stay exact in float32; beyond ~1e-7
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=False)
-        y = self._int_matmul(xq) * xs * self.scale
-        return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
-
-
-class FP8Linear(LinearBase):
-    def __init__(self, w: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None, act_quant: bool,
-                 bias: torch.Tensor | None, compute_dtype: torch.dtype):
-        super().__init__()
-        n, k = w.shape
-        self.out_features, self.in_features = n, k
-        set_buffer(self, "w", w.to(quant.FP8))
-        set_buffer(self, "scale", _grouped(scale, n)[:, 0].contiguous())
-        set_buffer(self, "input_scale", input_scale.float().reshape(()) if input_scale is not None else None)
-        set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
-        self.act_quant = act_quant
-        self.scaled_mm = (w.device.type == "cuda" and act_quant and torch.cuda.get_device_capability(w.device) >= (8, 9)
-                          and n % 16 == 0 and k % 16 == 0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.scaled_mm:
-            xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=True)
-            y = torch._scaled_mm(xq, self.w.t(), scale_a=xs.contiguous(), scale_b=self.scale.view(1, -1),
-                                 out_dtype=torch.bfloat16)
-        else:
-            if self.act_quant:
-                xq, xs = quant.quantize_tokens(x2, self.input_scale, fp8=True)
-                x2 = (xq.float() * xs).to(x.dtype)
-            y = F.linear(x2, self.w.to(x.dtype)) * self.scale.to(x.dtype)
-        return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
