@@ -60,21 +60,6 @@ MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field
 BACKEND_FUSES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """Signed int4 [out, in] -> int8 [out/2, in]: row 2j in the low nibble, row 2j+1 in the high nibble."""
-    if q.shape[0] % 2:
-        raise LlmqError(f"cannot pack {q.shape[0]} output rows two per byte for TensorRT-LLM (odd count)")
-    lo, hi = q[0::2].to(torch.int16) & 0xF, q[1::2].to(torch.int16) & 0xF
-    return (lo | (hi << 4)).to(torch.uint8).view(torch.int8)
-
-
-def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
-    b = packed.view(torch.uint8).to(torch.int16)
-    lo, hi = b & 0xF, b >> 4
-    lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
-    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
-
-
 # Why llmq's FP4 weights are not written, from `_torch/modules/linear.py`: NVFP4LinearMethod quantizes activations
 # to FP4 with a calibrated `input_scale` (alpha = input_scale * weight_scale_2; none: no alpha), where llmq's
 # weight-only NVFP4 has no activation scale (its one global scale per fused q/k/v and gate/up is what that loader
@@ -139,7 +124,9 @@ def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype, whole: boo
                       f"{name}.weight_scale_2": modelopt_scale(qw.global_scale),
                       f"{name}.input_scale": modelopt_scale(qw.input_global_scale, exact_inverse=True)}, algo
     q = qw.q.to(torch.int8)
-    out[f"{name}.weight"] = q if algo == "W8A16" else pack_int4_rows(q)
+    if algo != "W8A16" and q.shape[0] % 2:
+        raise LlmqError(f"{name}: cannot pack {q.shape[0]} output rows two per byte for TensorRT-LLM (odd count)")
+    out[f"{name}.weight"] = q if algo == "W8A16" else quant.pack_int4_rows(q)
     out[f"{name}.weight_scale"] = (qw.scale.reshape(-1) if algo != "W4A16_AWQ" else qw.scale).to(dtype)
     if algo == "W4A16_AWQ" and whole:
         out[f"{name}.pre_quant_scale"] = torch.ones(q.shape[1], dtype=dtype)
@@ -288,7 +275,7 @@ def read_modelopt_checkpoint(path: Path):
         if w.dtype != torch.int8:
             return LinearWeights(name, weight=w.float(), bias=bias)
         scale = st[f"{name}.weight_scale"].float()
-        ints = (w if algo == "W8A16" else unpack_int4_rows(w)).float()
+        ints = (w if algo == "W8A16" else quant.unpack_int4_rows(w)).float()
         if algo == "W4A16_AWQ":
             w = ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], dim=1)
             if f"{name}.pre_quant_scale" in st:
