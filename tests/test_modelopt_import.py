@@ -185,6 +185,7 @@ def test_an_imported_fp8_checkpoint_is_served_and_exported_again(made):
     ({"quant_algo": "NVFP4", "group_size": 32}, r"'NVFP4' \(group_size 32\) is not read"),
     ({"quant_algo": "W4A16_AWQ"}, r"'W4A16_AWQ' \(group_size None\) is not read .* W4A16_AWQ with a group_size"),
     ({"kv_cache_quant_algo": "INT8"}, r"kv_cache_quant_algo 'INT8' is not read by llmq; it reads FP8 KV caches"),
+    ({"quant_algo": "MIXED_PRECISION"}, r"MIXED_PRECISION without quantized_layers .*quant_cfg.json"),
 ])
 def test_unsupported_configs_are_one_line_errors_and_are_not_imported(made, change, match):
     store, _, path, root = made

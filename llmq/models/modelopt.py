@@ -22,6 +22,8 @@ mapped onto the llmq scheme that computes the same thing, with ModelOpt's tensor
   `quant.pack_int4_rows`), `weight_scale` [out]: symmetric per-channel integers, unchanged.
 - W4A16_AWQ: INT4 rows as W4A16's, `weight_scale` [out, in/group_size]; a `pre_quant_scale` [in] must be ones (llmq's
   integer weights have no activation pre-scale, and folding one in would re-round them).
+MIXED_PRECISION: a quant_algo (and group_size) per linear in `quantized_layers` (hf_quant_config.json, or quant_cfg.json
+laid over it); the most common becomes the scheme of every linear, the others are named modules.
 kv_cache_quant_algo FP8: per-layer scalar `k_scale` / `v_scale` (ModelOpt puts them on `k_proj` / `v_proj`; llmq's
 export on the attention module), llmq's FP8 KV cache. Modules in exclude_modules (`*` wildcards as fnmatch) are dense.
 """
@@ -29,6 +31,7 @@ export on the attention module), llmq's FP8 KV cache. Modules in exclude_modules
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -40,6 +43,7 @@ from .qformat import QConfig, QuantArgs, QuantizedWeight, fp4_activations_args, 
 
 FP8_BLOCK = (128, 128)   # TensorRT-LLM's FP8_BLOCK_SCALES block (asserted by its HF fp8 reader)
 ALGOS = ("FP8", "FP8_BLOCK_SCALES", "NVFP4", "W8A16", "W4A16", "W4A16_AWQ")
+MIXED = "MIXED_PRECISION"   # a quant_algo per layer, in quantized_layers
 
 
 def is_modelopt(qc: Mapping) -> bool:
@@ -59,7 +63,7 @@ def fields(qc: Mapping) -> dict:
         out = {"quant_algo": qc.get("quant_algo"), "kv_cache_quant_algo": "FP8" if fp8_kv else None,
                "group_size": qc.get("group_size"), "exclude_modules": qc.get("ignore") or [],
                "quantized_layers": qc.get("quantized_layers") or {}}
-    if out.get("quant_algo") == "MIXED_PRECISION":
+    if out.get("quant_algo") == MIXED:
         out.update(qc.get(MIXED_QUANT_CONFIG) or {})
     return out
 
@@ -78,8 +82,8 @@ def scheme(algo: str, group_size: int | None) -> tuple[QuantArgs, QuantArgs | No
     if algo == "W4A16_AWQ" and group_size:
         return QuantArgs(4, strategy="group", group_size=int(group_size)), None
     raise LlmqError(f"ModelOpt quant_algo {algo!r} (group_size {group_size}) is not read by llmq; it reads "
-                    f"{', '.join(ALGOS)} (FP8_BLOCK_SCALES in blocks of 128, NVFP4 in groups of 16, W4A16_AWQ with a "
-                    "group_size), and FP8 KV caches")
+                    f"{', '.join(ALGOS)}, each alone or per layer ({MIXED}) (FP8_BLOCK_SCALES in blocks of 128, "
+                    "NVFP4 in groups of 16, W4A16_AWQ with a group_size), and FP8 KV caches")
 
 
 def parse_config(qc: Mapping) -> QConfig:
@@ -88,12 +92,20 @@ def parse_config(qc: Mapping) -> QConfig:
     kv = f.get("kv_cache_quant_algo")
     if kv not in (None, "FP8"):
         raise LlmqError(f"ModelOpt kv_cache_quant_algo {kv!r} is not read by llmq; it reads FP8 KV caches")
-    algo = f.get("quant_algo")
-    weights, acts = scheme(algo, f.get("group_size")) if algo is not None else (None, None)
+    algo, modules = f.get("quant_algo"), {}
+    weights, acts = scheme(algo, f.get("group_size")) if algo not in (None, MIXED) else (None, None)
+    if algo == MIXED:   # the most common scheme for every linear, the others by name (llmq's own mixed layout)
+        layers = {n: scheme(e.get("quant_algo"), e.get("group_size"))
+                  for n, e in (f.get("quantized_layers") or {}).items()}
+        if not layers:
+            raise LlmqError(f"ModelOpt {MIXED} without quantized_layers (in hf_quant_config.json or "
+                            f"{MIXED_QUANT_CONFIG}): which layer has which quant_algo is not said")
+        weights, acts = Counter(layers.values()).most_common(1)[0][0]
+        modules = {n: w for n, (w, a) in layers.items() if (w, a) != (weights, acts)}
     ignore = tuple(f"re:{fnmatch.translate(p)}" if any(c in p for c in "*?[") else p
                    for p in f.get("exclude_modules") or ())
     return QConfig(format="modelopt", weights=weights, input_activations=acts, ignore=ignore,
-                   kv=QuantArgs(8, "float", strategy="tensor") if kv else None,
+                   kv=QuantArgs(8, "float", strategy="tensor") if kv else None, modules=modules,
                    read=read_linear, read_kv=read_kv_scales)
 
 
