@@ -18,7 +18,6 @@ from llmq.models import ModelSpec, resolve_model
 from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import LinearWeights, split_cols, split_rows
 from llmq.pipeline.targets import BuildOptions, build_engine, make_plan
-from llmq.pipeline.targets.trtllm import pack_int4_rows, unpack_int4_rows
 from llmq.pipeline.targets.verify import (
     TOLERANCE,
     max_rel_error,
@@ -27,6 +26,7 @@ from llmq.pipeline.targets.verify import (
     unsharded_plan,
     verify_engine,
 )
+from llmq.quant import pack_int4_rows, unpack_int4_rows
 
 
 def spec(heads=4, kv=2, **kw) -> ModelSpec:

@@ -150,11 +150,27 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def read_config(d: Path) -> dict:
-    p = Path(d) / "config.json"
+HF_QUANT_CONFIG = "hf_quant_config.json"   # a ModelOpt checkpoint's quantization (TensorRT-LLM reads it first)
+MIXED_QUANT_CONFIG = "quant_cfg.json"      # its per-layer algorithms when quant_algo is MIXED_PRECISION
+
+
+def _json(p: Path) -> dict:
     try:
         return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise LlmqError(f"{d}: no config.json (not a Hugging Face model directory)") from None
     except json.JSONDecodeError as e:
         raise LlmqError(f"{p}: not valid JSON ({e})") from None
+
+
+def read_config(d: Path) -> dict:
+    """config.json; in a ModelOpt checkpoint `hf_quant_config.json` (and `quant_cfg.json`) become its
+    quantization_config, quant_method "modelopt", as TensorRT-LLM reads them: the file over config.json's copy."""
+    p = Path(d) / "config.json"
+    try:
+        cfg = _json(p)
+    except FileNotFoundError:
+        raise LlmqError(f"{d}: no config.json (not a Hugging Face model directory)") from None
+    if (Path(d) / HF_QUANT_CONFIG).is_file():
+        mixed = Path(d) / MIXED_QUANT_CONFIG
+        cfg["quantization_config"] = {"quant_method": "modelopt", **_json(Path(d) / HF_QUANT_CONFIG),
+                                      **({MIXED_QUANT_CONFIG: _json(mixed)} if mixed.is_file() else {})}
+    return cfg

@@ -42,7 +42,7 @@ Every stage that reads or writes quantized weights goes through here.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -137,6 +137,9 @@ class QConfig:
     modules: Mapping[str, QuantArgs] = field(default_factory=dict)
     scale_name: str = "weight_scale"  # the Hugging Face "fp8" checkpoints' weight_scale_inv
     q4_k: frozenset[str] = frozenset()  # modules stored as GGML Q4_K blocks (Q4KWeight)
+    # readers of another layout's tensors (ModelOpt's: `modelopt`), in place of this module's compressed-tensors ones
+    read: Callable | None = None
+    read_kv: Callable | None = None
 
     @property
     def lm_head(self) -> QuantArgs | None:
@@ -365,9 +368,14 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
         return None
     if qc.get("quant_method") == "fp8":
         return _hf_fp8_config(qc)
+    from . import modelopt  # here, not above: it builds on this module's types
+
+    if modelopt.is_modelopt(qc):
+        return modelopt.parse_config(qc)
     if qc.get("quant_method") != "compressed-tensors":
         raise LlmqError(f"quantization method {qc.get('quant_method')!r} is not supported; llmq reads "
-                        "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor)")
+                        "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor), Hugging "
+                        "Face block fp8 and ModelOpt ones")
     if qc.get("version") and _release(qc["version"]) >= CT_MAX:
         raise LlmqError(f"this checkpoint was written by compressed-tensors {qc['version']}, a newer format than llmq "
                         f"reads ({CT_REQUIREMENT})")
@@ -425,6 +433,8 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
                 ) -> QuantizedWeight | Q4KWeight | None:
     """The QuantizedWeight (or Q4KWeight) of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is
     stored dense."""
+    if qconfig.read is not None:
+        return qconfig.read(tensors, name, qconfig)
     if name in qconfig.q4_k:
         return Q4KWeight.from_blocks(_get(tensors, f"{name}.weight_q4_k"), name)
     scheme = qconfig.scheme_of(name)
@@ -539,6 +549,8 @@ def read_kv_scales(tensors: Mapping[str, torch.Tensor], prefix: str,
     checkpoint has no KV-cache scheme."""
     if qconfig is None or qconfig.kv is None:
         return None
+    if qconfig.read_kv is not None:
+        return qconfig.read_kv(tensors, prefix)
     return (_get(tensors, f"{prefix}.k_scale").float().flatten(), _get(tensors, f"{prefix}.v_scale").float().flatten())
 
 

@@ -157,7 +157,8 @@ class CheckpointReader:
         for name in self.tensors:
             dtype, shape = self.tensors.info(name)
             numel = math.prod(shape)
-            if name.endswith(".weight_packed") and self._fp4(name.rsplit(".", 1)[0]):
+            fp4 = name.endswith((".weight_packed", ".weight")) and dtype == torch.uint8   # CT's / ModelOpt's
+            if fp4 and self._fp4(name.rsplit(".", 1)[0]):
                 # an FP4 layer holds its E2M1 x block-scale values as a bfloat16 weight (runtime.layers.fp4)
                 full = (shape[0], 2 * shape[1])
                 kept16 = kept is not None and kept(torch.bfloat16, full)

@@ -52,9 +52,9 @@ def _dir_fingerprint(d: Path) -> str:
     return "dir:" + h.hexdigest()
 
 
-def _clean_config(config: dict, spec: ModelSpec, dtype: str) -> dict:
-    config = {k: v for k, v in config.items()
-              if k not in ("quantization_config", "_name_or_path", "transformers_version")}
+def _clean_config(config: dict, spec: ModelSpec, dtype: str, keep_quantization: bool = False) -> dict:
+    drop = ("_name_or_path", "transformers_version") + (() if keep_quantization else ("quantization_config",))
+    config = {k: v for k, v in config.items() if k not in drop}
     config["architectures"] = [spec.architecture]
     config["dtype"] = dtype
     config.pop("torch_dtype", None)
@@ -95,7 +95,12 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
     if not st and not pickle_files(d):
         raise LlmqError(f"{d}: no model weights (*.safetensors) found")
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    if st and "quantization_config" not in config:  # names, shapes and dtypes against the config, before any write
+    quantized = "quantization_config" in config
+    if quantized:   # kept with the weights it describes (ModelOpt's hf_quant_config.json folded in); refused here
+        from . import bnbformat, qformat  # where llmq cannot read it, before anything is copied
+
+        bnbformat.parse_config(config) or qformat.parse_quantization_config(config)
+    if st and not quantized:  # names, shapes and dtypes against the config, before any write
         from .reader import LazyTensors
 
         try:
@@ -120,7 +125,7 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
                 shutil.copyfile(d / INDEX_NAME, w.dir / INDEX_NAME)
         else:
             save_state_dict(load_state_dict(d, allow_pickle=allow_pickle), w.dir)
-        write_json(w.dir / "config.json", _clean_config(config, spec, dtype))
+        write_json(w.dir / "config.json", _clean_config(config, spec, dtype, keep_quantization=True))
         if (d / "generation_config.json").is_file():
             shutil.copyfile(d / "generation_config.json", w.dir / "generation_config.json")
         copy_tokenizer(d, w.dir)

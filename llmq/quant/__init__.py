@@ -55,10 +55,12 @@ from .int_fp8 import (  # noqa: F401
     dequantize,
     encode_kv,
     int_range,
+    pack_int4_rows,
     quantize_blocks,
     quantize_tokens,
     round_int,
     to_fp8,
+    unpack_int4_rows,
 )
 from .kquant import (  # noqa: F401
     Q4K_BYTES,

@@ -91,3 +91,18 @@ def encode_kv(x: torch.Tensor, scale: torch.Tensor, fp8: bool) -> torch.Tensor:
 def decode_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The real values of an encode_kv result, in `dtype`."""
     return (q.float() * scale).to(dtype)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Signed int4 [out, in] (out even) -> int8 [out/2, in]: row 2j in the low nibble, row 2j+1 in the high nibble
+    (TensorRT-LLM's / ModelOpt's INT4 weight layout)."""
+    lo, hi = q[0::2].to(torch.int16) & 0xF, q[1::2].to(torch.int16) & 0xF
+    return (lo | (hi << 4)).to(torch.uint8).view(torch.int8)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4_rows: int8 [out/2, in] -> signed int4 values, int8 [out, in]."""
+    b = packed.view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, b >> 4
+    lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
+    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)

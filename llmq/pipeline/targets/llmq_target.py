@@ -41,6 +41,9 @@ def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
                head_dim=plan.head_dim, tie_word_embeddings=False)
     qc = src.qconfig
     if qc is None or qc.weights is None:
+        if qc is not None and qc.read is not None:   # another layout (ModelOpt): the ranks carry compressed-tensors
+            cfg.pop("quantization_config")
+            cfg |= {"quantization_config": qformat.quantization_config(None, kv=qc.kv)} if qc.kv else {}
         return cfg
     roles = src.arch.role_modules  # a group stored fused (Phi-3's qkv_proj) is written by role here
     modules = {r: args for m, args in qc.modules.items() for r in roles(m)}
@@ -48,7 +51,7 @@ def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
     if src.embedding_quantized() and qformat.LM_HEAD not in qc.modules:
         modules[qformat.LM_HEAD] = qc.modules[qformat.EMBEDDING]
         ignore = [m for m in ignore if m != qformat.LM_HEAD]
-    if modules != dict(qc.modules) or ignore != list(qc.ignore):
+    if modules != dict(qc.modules) or ignore != list(qc.ignore) or qc.read is not None:   # read: ModelOpt's layout
         cfg["quantization_config"] = qformat.quantization_config(qc.weights, qc.input_activations, ignore=ignore,
                                                                  kv=qc.kv, modules=modules, q4_k=tuple(qc.q4_k))
     return cfg

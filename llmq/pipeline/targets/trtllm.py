@@ -25,6 +25,15 @@ translates. What its linear methods load (`_torch/modules/linear.py`), per layer
   does; the GEMM's alpha = input_scale * weight_scale_2 then differs from 1 / (input global x weight global) by float32
   rounding only (`nvfp4_rounding` records the largest relative difference).
 - Other FP4 weights are refused, every unit of a mixed artifact included (`FP4_REFUSED` says why).
+- FP8_BLOCK_SCALES (`quantize --method fp8 --group-size 128`; `FP8BlockScalesLinearMethod`): `weight` float8_e4m3fn
+  [out, in], `weight_scale` float32 [ceil(out/128), ceil(in/128)] (multipliers; the DeepSeek recipe's name
+  `weight_scale_inv` is read too), activations dynamic per 1 x 128 as llmq's: values unchanged, partial edge blocks
+  included. Its fused loader copies each part's scale rows to row block ceil(offset / 128) and tp splits weight and
+  scale independently, so a q / k / gate part ending inside a block, or a tp cut inside one, is refused.
+- MIXED_PRECISION: linears with different algorithms (`--target-bpw`): each one's `modelopt_algo` entry in
+  `quantized_layers` (hf_quant_config.json and quant_cfg.json, which `_torch/model_config.py` lays over it), 16-bit
+  ones in `exclude_modules`. The backend gives a fused q/k/v or gate/up the config of its first part and builds it
+  unquantized if any part is excluded (`modeling_utils.py`), so the parts of a group must share one algorithm.
 Heads are padded for the tensor-parallel size with zero heads (the backend asserts heads % tp == 0); the padded
 checkpoint is an ordinary Hugging Face model with more heads that computes exactly what the source computes.
 Tensor names are the source family's Hugging Face names: a group its checkpoint stores fused (Phi-3's qkv_proj,
@@ -46,7 +55,7 @@ import yaml
 from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
-from ...models.checkpoint import ShardedWriter, copy_tokenizer, write_json
+from ...models.checkpoint import HF_QUANT_CONFIG, MIXED_QUANT_CONFIG, ShardedWriter, copy_tokenizer, write_json
 from ...models.linear_weights import LinearWeights
 from ...models.reader import CheckpointReader, split_group
 from ...models.sharding import RankWeights, ShardPlan, head_rows, join_rows, split_cols, split_rows
@@ -56,23 +65,12 @@ from .registry import ExportTarget, ReadBack, TargetResult
 DIR = "trtllm"
 OPTIONS_FILE = "llm_api_options.yaml"
 MODELOPT_VERSION = "0.27.0"   # the hf_quant_config producer version whose field set this writer follows
-# the linears the backend fuses from separate tensors; every other one it loads whole, reading AWQ's pre_quant_scale
-BACKEND_FUSES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-
-
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """Signed int4 [out, in] -> int8 [out/2, in]: row 2j in the low nibble, row 2j+1 in the high nibble."""
-    if q.shape[0] % 2:
-        raise LlmqError(f"cannot pack {q.shape[0]} output rows two per byte for TensorRT-LLM (odd count)")
-    lo, hi = q[0::2].to(torch.int16) & 0xF, q[1::2].to(torch.int16) & 0xF
-    return (lo | (hi << 4)).to(torch.uint8).view(torch.int8)
-
-
-def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
-    b = packed.view(torch.uint8).to(torch.int16)
-    lo, hi = b & 0xF, b >> 4
-    lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
-    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
+# the linears the backend fuses from separate tensors, one fused linear (one quant_algo) a group; every other one it
+# loads whole, reading AWQ's pre_quant_scale
+BACKEND_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+BACKEND_FUSES = tuple(r for group in BACKEND_GROUPS for r in group)
+ROW_PARALLEL = ("o_proj", "down_proj")   # cut by input columns across ranks; the others by output rows
+BLOCK = 128   # FP8_BLOCK_SCALES: 128 x 128 weight blocks (FP8BlockScalesLinearMethod), activations per 1 x 128
 
 
 # Why llmq's FP4 weights are not written, from `_torch/modules/linear.py`: NVFP4LinearMethod quantizes activations
@@ -107,6 +105,11 @@ def modelopt_algo(qw) -> str:
         if qw.fp4 == "nvfp4" and qw.dynamic and qw.input_global_scale is not None:
             return "NVFP4"
         raise LlmqError(FP4_REFUSED[qw.fp4])
+    if qw.block:
+        if tuple(qw.block) == (BLOCK, BLOCK):
+            return "FP8_BLOCK_SCALES"
+        raise LlmqError(f"block FP8 in {qw.block[0]} x {qw.block[1]} blocks: TensorRT-LLM's FP8_BLOCK_SCALES takes "
+                        f"{BLOCK} x {BLOCK} ones; re-quantize with --method fp8 --group-size {BLOCK}")
     if qw.q.dtype.is_floating_point or qw.input_scale is not None or qw.dynamic:
         raise LlmqError(f"{qw.scheme} weights are not written for TensorRT-LLM by llmq yet; "
                         "use --target llmq (or quantize to INT4 / INT8 weight-only)")
@@ -131,33 +134,78 @@ def _full_rows(plan: ShardPlan, which: str) -> torch.Tensor:
     return head_rows([k if k < plan.num_kv_heads else None for k in range(plan.padded_kv_heads)], plan.head_dim)
 
 
-def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype, whole: bool) -> tuple[dict, str | None]:
-    """The HF tensors of one linear and its algorithm (None: dense); `whole`: the backend loads it as one matrix."""
+def algo_entry(qw) -> dict:
+    """One linear's quant_algo with the fields its linear method reads: the global section of hf_quant_config.json
+    when every linear has the same, else its `quantized_layers` entry (MIXED_PRECISION)."""
+    algo = modelopt_algo(qw)
+    extra = {"W4A16_AWQ": {"group_size": qw.group_size, "has_zero_point": False, "pre_quant_scale": True},
+             "NVFP4": {"group_size": qw.group_size}, "FP8_BLOCK_SCALES": {"group_size": BLOCK}}.get(algo, {})
+    return {"quant_algo": algo, **extra}
+
+
+def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype, whole: bool) -> tuple[dict, dict | None]:
+    """The HF tensors of one linear and its algo_entry (None: dense); `whole`: the backend loads it as one matrix."""
     out = {f"{name}.bias": lw.bias.to(dtype)} if lw.bias is not None else {}
     if lw.qw is None:
         return out | {f"{name}.weight": lw.weight.to(dtype)}, None
-    qw, algo = lw.qw, modelopt_algo(lw.qw)
+    qw, entry = lw.qw, algo_entry(lw.qw)
+    algo = entry["quant_algo"]
     if algo == "NVFP4":
         return out | {f"{name}.weight": quant.pack_fp4(qw.q), f"{name}.weight_scale": qw.scale.contiguous(),
                       f"{name}.weight_scale_2": modelopt_scale(qw.global_scale),
-                      f"{name}.input_scale": modelopt_scale(qw.input_global_scale, exact_inverse=True)}, algo
+                      f"{name}.input_scale": modelopt_scale(qw.input_global_scale, exact_inverse=True)}, entry
+    if algo == "FP8_BLOCK_SCALES":   # ModelOpt's name; the loader takes the DeepSeek recipe's weight_scale_inv too
+        return out | {f"{name}.weight": qw.q.contiguous(), f"{name}.weight_scale": qw.scale.float().contiguous()}, entry
     q = qw.q.to(torch.int8)
-    out[f"{name}.weight"] = q if algo == "W8A16" else pack_int4_rows(q)
+    if algo != "W8A16" and q.shape[0] % 2:
+        raise LlmqError(f"{name}: cannot pack {q.shape[0]} output rows two per byte for TensorRT-LLM (odd count)")
+    out[f"{name}.weight"] = q if algo == "W8A16" else quant.pack_int4_rows(q)
     out[f"{name}.weight_scale"] = (qw.scale.reshape(-1) if algo != "W4A16_AWQ" else qw.scale).to(dtype)
     if algo == "W4A16_AWQ" and whole:
         out[f"{name}.pre_quant_scale"] = torch.ones(q.shape[1], dtype=dtype)
-    return out, algo
+    return out, entry
 
 
-def hf_quant_config(algos: set[str], group_size: int | None, kv_algo: str | None, dense: list[str]) -> dict:
-    if len(algos) > 1:
-        raise LlmqError(f"layers use different schemes {sorted(algos)}; an hf_quant_config.json has one quant_algo")
-    q = {"quant_algo": next(iter(algos), None), "kv_cache_quant_algo": kv_algo, "exclude_modules": sorted(dense)}
-    if q["quant_algo"] == "W4A16_AWQ":
-        q |= {"group_size": group_size, "has_zero_point": False, "pre_quant_scale": True}
-    if q["quant_algo"] == "NVFP4":
-        q |= {"group_size": group_size}
-    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": q}
+def check_backend_layer(prefix: str, lin: dict[str, LinearWeights], entries: dict[str, dict | None], tp: int) -> None:
+    """What the backend's loader does to one layer that would change what it computes, refused: a fused group is one
+    linear with one quant_algo (`apply_layerwise_quant_config` takes q_proj's / gate_proj's); FP8_BLOCK_SCALES scales
+    are copied into the fused linear at row block ceil(offset / 128), so every part but the last must end on a block
+    edge, and with tp > 1 each rank's rows (columns for o_proj / down_proj) must be whole blocks."""
+    for group in BACKEND_GROUPS:
+        got = [entries[r] for r in group if r in entries]
+        if any(e != got[0] for e in got):
+            algos = ", ".join(str(e and e["quant_algo"]) for e in got)
+            raise LlmqError(f"{prefix}: TensorRT-LLM loads {' / '.join(group)} as one fused linear with one "
+                            f"quant_algo; these are {algos} (None: 16-bit); quantize them alike")
+        if got and got[0] and got[0]["quant_algo"] == "FP8_BLOCK_SCALES":
+            ends = [r for r in group[:-1] if r in lin and lin[r].out_features % BLOCK]
+            if ends:
+                raise LlmqError(f"{prefix}.{ends[0]}: its {lin[ends[0]].out_features} rows end inside a {BLOCK}-row "
+                                f"FP8 block, and TensorRT-LLM's fused loader would put the next part's block scales on "
+                                "the wrong rows (FP8_BLOCK_SCALES); use --target llmq, or the compressed-tensors "
+                                "artifact (vLLM)")
+    for role, e in entries.items():
+        if e and e["quant_algo"] == "FP8_BLOCK_SCALES" and tp > 1:
+            dim = lin[role].shape[1 if role in ROW_PARALLEL else 0]
+            if dim % (BLOCK * tp):
+                raise LlmqError(f"{prefix}.{role}: {dim} {'columns' if role in ROW_PARALLEL else 'rows'} do not cut "
+                                f"into whole {BLOCK}-wide FP8 blocks for {tp} ranks, which TensorRT-LLM's loader "
+                                "assumes; build with a tp that does, or --tp 1")
+
+
+def quant_configs(entries: dict[str, dict], kv_algo: str | None, dense: list[str]) -> tuple[dict, dict | None]:
+    """hf_quant_config.json, and quant_cfg.json where the linears' entries differ (quant_algo MIXED_PRECISION, the
+    per-layer file `_torch/model_config.py` reads over the former; `quantized_layers` in both, as ModelOpt writes)."""
+    kinds = {json.dumps(e, sort_keys=True) for e in entries.values()}
+    q = {"kv_cache_quant_algo": kv_algo, "exclude_modules": sorted(dense)}
+    producer = {"name": "modelopt", "version": MODELOPT_VERSION}
+    if len(kinds) <= 1:
+        return {"producer": producer, "quantization": json.loads(kinds.pop()) | q if kinds else
+                {"quant_algo": None} | q}, None
+    layers = dict(sorted(entries.items()))
+    mixed = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": kv_algo, "quantized_layers": layers}
+    return {"producer": producer, "quantization": {"quant_algo": "MIXED_PRECISION", **q, "quantized_layers": layers}}, \
+        mixed
 
 
 def refuse(src: CheckpointReader, engine) -> None:
@@ -209,7 +257,7 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engin
     kv = engine.kv_cache_dtype
     arch = src.arch
     q_rows, kv_rows = _full_rows(plan, "q"), _full_rows(plan, "kv")
-    algos, groups, dense = set(), set(), []
+    entries, dense = {}, []
     rounding = {"alpha_max_rel_error": 0.0, "input_scales_not_exactly_inverted": 0}   # NVFP4 W4A4 only
     out.mkdir(parents=True)
     with ShardedWriter(out) as state:  # each tensor written as it is made: one layer in memory at most
@@ -219,17 +267,18 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engin
                     "v_proj": split_rows(lin["v_proj"], kv_rows), "o_proj": split_cols(lin["o_proj"], q_rows)}
             for group, (path, roles) in arch.fused.items():  # as the family stores it
                 lin[group] = join_rows([lin.pop(r) for r in roles], f"{arch.prefix(i)}.{path}")
-            for key, path in arch.stored_linears(src.spec.num_experts).items():
-                lw, name = lin[key], f"{arch.prefix(i)}.{path}"
-                tensors, algo = _linear_tensors(name, lw, dtype, key not in BACKEND_FUSES)
+            stored = {k: f"{arch.prefix(i)}.{p}" for k, p in arch.stored_linears(src.spec.num_experts).items()}
+            made = {k: _linear_tensors(name, lin[k], dtype, k not in BACKEND_FUSES) for k, name in stored.items()}
+            check_backend_layer(arch.prefix(i), lin, {key: entry for key, (_, entry) in made.items()}, engine.tp)
+            for key, name in stored.items():
+                (tensors, entry), lw = made.pop(key), lin[key]
                 for k, t in tensors.items():
                     state.add(k, t)
-                if algo is None:
+                if entry is None:
                     dense.append(name)
                 else:
-                    algos.add(algo)
-                    groups.add(lw.qw.group_size)
-                if algo == "NVFP4":   # what the backend's scalars make of llmq's global scales
+                    entries[name] = entry
+                if entry and entry["quant_algo"] == "NVFP4":   # what the backend's scalars make of llmq's globals
                     ins, ws2 = tensors[f"{name}.input_scale"], tensors[f"{name}.weight_scale_2"]
                     alpha = (ins * ws2).double()
                     want = 1 / (lw.qw.input_global_scale.double() * lw.qw.global_scale.double()).reshape(())
@@ -255,43 +304,53 @@ def write_trtllm(src: CheckpointReader, plan: ShardPlan, engine_dir: Path, engin
         state.add(f"{qformat.LM_HEAD}.weight", head.weight.to(dtype))   # untied: the backend gets its own lm_head
         del head
         state.close()
-    qcfg = hf_quant_config(algos, groups.pop() if len(groups) == 1 else None, "FP8" if kv == "fp8" else None,
-                           [*dense, qformat.LM_HEAD]) if (algos or kv == "fp8") else None
+    qcfg, mixed = quant_configs(entries, "FP8" if kv == "fp8" else None, [*dense, qformat.LM_HEAD]) \
+        if (entries or kv == "fp8") else (None, None)
     cfg = copy.deepcopy(src.config)
     cfg.pop("quantization_config", None)   # it describes llmq's compressed-tensors tensors, which this has not
     cfg.update(num_attention_heads=plan.padded_heads, num_key_value_heads=plan.padded_kv_heads,
                head_dim=plan.head_dim, tie_word_embeddings=False, torch_dtype=engine.dtype)
     write_json(out / "config.json", cfg)
     if qcfg is not None:
-        write_json(out / "hf_quant_config.json", qcfg)
+        write_json(out / HF_QUANT_CONFIG, qcfg)
+    if mixed is not None:
+        write_json(out / MIXED_QUANT_CONFIG, mixed)
     copy_tokenizer(src.path, out)
     window = src.spec.sliding_window if (src.spec.sliding_window or engine.max_seq_len) < engine.max_seq_len else None
-    extra = {"nvfp4_rounding": rounding} if "NVFP4" in algos else {}
+    extra = {"nvfp4_rounding": rounding} if any(e["quant_algo"] == "NVFP4" for e in entries.values()) else {}
     return TargetResult({"hf_checkpoint": DIR, "hf_quant_config": qcfg, **extra,
                          "compile": write_llm_api_options(out, engine, attention_window=window)})
 
 
 def read_modelopt_checkpoint(path: Path):
     """The checkpoint as TensorRT-LLM's PyTorch backend computes with it, one rank of float32 weights (q * scale
-    per channel or group, pre_quant_scale folded into the input columns), for the reference check."""
+    per channel, group or 128 x 128 block, pre_quant_scale folded into the input columns), for the reference check;
+    MIXED_PRECISION: each linear's quant_algo from quant_cfg.json's quantized_layers (else hf_quant_config.json's)."""
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors
 
     st = LazyTensors(safetensors_files(path))
-    qfile = path / "hf_quant_config.json"
+    qfile, mfile = path / HF_QUANT_CONFIG, path / MIXED_QUANT_CONFIG
     q = json.loads(qfile.read_text())["quantization"] if qfile.is_file() else {}
-    algo, cfg = q.get("quant_algo"), json.loads((path / "config.json").read_text())
+    per_layer = (json.loads(mfile.read_text()) if mfile.is_file() else q).get("quantized_layers") or {}
+    cfg = json.loads((path / "config.json").read_text())
 
     def lin(name: str) -> LinearWeights:
         w = st[f"{name}.weight"]
         bias = st[f"{name}.bias"].float() if f"{name}.bias" in st else None
-        if algo == "NVFP4" and w.dtype == torch.uint8:   # E2M1 x E4M3 block scale x weight_scale_2 (a multiplier)
-            deq = quant.dequantize_fp4(quant.unpack_fp4(w), st[f"{name}.weight_scale"])
-            return LinearWeights(name, weight=deq * st[f"{name}.weight_scale_2"].float(), bias=bias)
-        if w.dtype != torch.int8:
+        algo = per_layer.get(name, {}).get("quant_algo") \
+            if q.get("quant_algo") == "MIXED_PRECISION" else q.get("quant_algo")
+        if algo is None or w.dtype in (torch.float32, torch.float16, torch.bfloat16):
             return LinearWeights(name, weight=w.float(), bias=bias)
-        scale = st[f"{name}.weight_scale"].float()
-        ints = (w if algo == "W8A16" else unpack_int4_rows(w)).float()
+        scale = st[f"{name}.weight_scale"]
+        if algo == "NVFP4":   # E2M1 x E4M3 block scale x weight_scale_2 (a multiplier)
+            deq = quant.dequantize_fp4(quant.unpack_fp4(w), scale)
+            return LinearWeights(name, weight=deq * st[f"{name}.weight_scale_2"].float(), bias=bias)
+        if algo == "FP8_BLOCK_SCALES":   # weight block [i, j] times scale[i, j]; edge blocks partial
+            rows = scale.float().repeat_interleave(BLOCK, 0)[:w.shape[0]]
+            return LinearWeights(name, weight=w.float() * rows.repeat_interleave(BLOCK, 1)[:, :w.shape[1]], bias=bias)
+        scale = scale.float()
+        ints = (w if algo == "W8A16" else quant.unpack_int4_rows(w)).float()
         if algo == "W4A16_AWQ":
             w = ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], dim=1)
             if f"{name}.pre_quant_scale" in st:
