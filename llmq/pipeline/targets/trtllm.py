@@ -13,8 +13,11 @@ translates. What its linear methods load (`_torch/modules/linear.py`), per layer
   loads as one matrix (o_proj, down_proj, and Phi-3's stored qkv_proj / gate_up_proj: `load_weights_vanilla`) read
   `pre_quant_scale` [in] unconditionally, written as ones (llmq folds nothing into the activations). The kernel is
   called without zero points: asymmetric weights cannot be represented.
-- FP8 KV cache: scalar `k_scale` / `v_scale` per attention layer, `kv_cache_quant_algo` FP8. An INT8 KV cache is
-  not something this backend loads (`kv_cache_config.dtype: int8` is ignored), so it is refused.
+- FP8 KV cache: `kv_cache_quant_algo` FP8, and llmq's scalar `k_scale` / `v_scale` per attention layer (under
+  `self_attn`, vLLM's names). The backend itself reads calibrated KV scales only in FP8QDQLinearMethod's fused q/k/v
+  loader, from `k_proj` / `v_proj`, and only with TRTLLM_LOAD_KV_SCALES=1 (`_torch/modules/linear.py`): otherwise its
+  FP8 cache runs at scale 1.0, which is not what llmq's quantize-kv calibrated. An INT8 KV cache is not something
+  this backend loads (`kv_cache_config.dtype: int8` is ignored), so it is refused.
 - NVFP4 W4A4 (`quantize --method nvfp4 --w4a4`; `NVFP4LinearMethod`, quant_algo NVFP4, group_size 16): `weight`
   uint8 [out, in/2] (two E2M1 codes a byte, element 2j in the low nibble: compressed-tensors' packing is ModelOpt's),
   `weight_scale` float8_e4m3fn [out, in/16] (the loader swizzles it), `weight_scale_2` and `input_scale` float32
