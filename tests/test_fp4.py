@@ -491,6 +491,28 @@ def gguf_built(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
+def test_gguf_nvfp4_ffn_is_refused_where_llama_cpp_drops_its_scale(tmp_path, model_type):
+    """llama.cpp's qwen2 / phi3 / gemma3 graphs build the FFN without `.scale` tensors: an NVFP4 FFN would compute g
+    times too large there (Gemma 3 scored NaN in llama.cpp), so the build refuses it in one line and leaves no
+    engine; MXFP4 (no global scale) still exports."""
+    from test_export_gguf import _bf16
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(_bf16(make_tiny_model(tmp_path / "tiny", seed=3, model_type=model_type))), store)
+    nv = quantize(src, QuantizeOptions(method="nvfp4", probe_tokens=0), store, progress=False)
+    with pytest.raises(LlmqError, match=r"ffn_.*does not apply NVFP4's per-tensor scale to FFN matrices") as e:
+        build_engine(nv, store, BuildOptions(target="gguf"))
+    assert "\n" not in str(e.value) and store.list(kind="engine") == []
+    mx = quantize(src, QuantizeOptions(method="mxfp4", probe_tokens=0), store, progress=False)
+    assert build_engine(mx, store, BuildOptions(target="gguf")).kind == "engine"
+
+
 @pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
 def test_gguf_fp4_blocks_read_back_bit_exact(gguf_built, method):
     """Every FP4 linear is a GGUF NVFP4 / MXFP4 tensor that gguf-py's dequantizer (the NumPy twin of llama.cpp's)
