@@ -151,3 +151,18 @@ def test_gguf_build_records_llmq_and_modelled_llama_cpp_kld(tmp_path, make_tiny_
                                    "--probe-tokens", "0", "--name", "noprobe"])
     assert res.exit_code == 0 and "llama.cpp CPU" not in res.output
     assert "quality" not in store.resolve("noprobe").metrics
+
+
+def test_modelling_is_skipped_with_the_reason_where_memory_cannot_hold_it(tmp_path, make_tiny_model, store,
+                                                                          monkeypatch):
+    from click.testing import CliRunner
+
+    from llmq.cli.main import cli
+    from llmq.models import resolve_model
+
+    model = resolve_model(str(make_tiny_model(tmp_path / "m")), store)
+    monkeypatch.setattr("llmq.runtime.worker.available_memory", lambda device: 1 << 20)
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "build", model.ref, "--target", "gguf"])
+    assert res.exit_code == 0, res.output
+    assert "quality in llama.cpp not measured: modelling llama.cpp's arithmetic in float32 needs about" in res.output
+    assert "0.0 GiB are available" in res.output

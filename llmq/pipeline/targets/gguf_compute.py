@@ -86,17 +86,23 @@ def file_rank(src: CheckpointReader) -> RankWeights:
 
 def modelled_quality(src: CheckpointReader, base: CheckpointReader, tokens: int) -> dict:
     """KLD / top-1 of the artifact (llmq's runtime) and of its GGUF file (modelled llama.cpp CPU arithmetic) against
-    `base` (llmq's runtime, float32), on the same ~`tokens` held-out tokens."""
+    `base` (llmq's runtime, float32), on the same ~`tokens` held-out tokens; skipped where memory cannot hold it."""
     from ...models.load import load_tokenizer
+    from ...runtime.worker import available_memory
     from ..quantize.calib import load_probe_text
     from ..quantize.probe import ProbeAccumulator
 
+    s = src.spec
+    need = 6 * s.num_parameters() + 3 * 4 * tokens * s.vocab_size   # float32 weights as computed, 16-bit as read
+    have = available_memory(torch.device("cpu"))
+    if need > have:
+        return {"skipped": f"modelling llama.cpp's arithmetic in float32 needs about {need / 2**30:.1f} GiB, "
+                           f"{have / 2**30:.1f} GiB are available"}
     if src.spec.vocab_size != base.spec.vocab_size:
         raise LlmqError(f"{src.path}: its vocabulary ({src.spec.vocab_size}) is not its source model's "
                         f"({base.spec.vocab_size})")
     probe = load_probe_text(load_tokenizer(src.path), tokens)
     ids = torch.stack(probe.samples)
-    s = src.spec
 
     def logits(reader: CheckpointReader, rw: RankWeights, linear_module=None) -> torch.Tensor:
         with torch.no_grad():
