@@ -15,19 +15,23 @@ Speed, for every thread count and round, interleaved pair by pair (llama.cpp, th
   stops them).
   Pairs: F16 / llmq bf16, Q8_0 / INT8 RTN per channel, Q4_0 / INT4 RTN g64. Medians over --rounds; ratio = llmq /
   llama.cpp.
-Quality, on Python source from the installed stdlib that is in none of llmq's calibration, probe or eval data,
-windowed as llama-perplexity does (-c 512: chunks of 512 tokens, the second half of each scored):
+Quality, on each held-out text (--text; by default Python source from the installed stdlib and the prose of the GNU
+GPL-3 and Apache-2.0 licenses on disk, all in none of llmq's calibration, probe or eval data), windowed as
+llama-perplexity does (-c 512: chunks of 512 tokens, the second half of each scored; the first --chunks of them):
   llama.cpp: `llama-perplexity --kl-divergence-base` writes F16's log-probs; `--kl-divergence` compares each GGUF to
   them (its mean KLD and "Same top p").
-  llmq: LLMEngine.prompt_logprobs over the same chunks; each variant against llmq bf16 (exact, float64), and against
-  F16's base file with llama.cpp's own formula. That formula applied to llmq bf16 is the check that the two references
-  agree (the base file stores log-probs to 16 bits, so a perfect match reads about 1e-6, not 0).
+  llmq: LLMEngine.prompt_logprobs over the same chunks, fed the base file's tokens (llama.cpp's tokenization, so a
+  text the two tokenizers split differently still scores the same predictions); each variant against llmq bf16
+  (exact, float64), and against F16's base file with llama.cpp's own formula. That formula applied to llmq bf16 is
+  the check that the two references agree (the base file stores log-probs to 16 bits, so a perfect match reads
+  about 1e-6, not 0).
   bits/weight = file bytes x 8 / parameters (a GGUF includes its tokenizer; llmq: its safetensors).
   --gguf-exports: every llmq variant is also written as GGUF (`llmq build --target gguf`) and that file is scored by
   llama-perplexity --kl-divergence like llama.cpp's own quantizations: the quality a llama.cpp user of the export
-  gets, beside what llmq's runtime computes from the artifact; a calibrated variant's importance matrix (written
-  beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M of F16, scored the same way. A variant GGUF
-  cannot hold (FP8: no GGML block format) is named with the build target's reason.
+  gets, beside what llmq's runtime computes from the artifact and what the build records as llama.cpp's CPU
+  arithmetic (modelled: gguf_modelled_vs_llamacpp.llmq_side, same tokens, same base file); a calibrated variant's
+  importance matrix (written beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M of F16, scored
+  the same way. A variant GGUF cannot hold (FP8: no GGML block format) is named with the build target's reason.
 FP4 in llama.cpp (with the quality runs): llama-quantize's file types hold FP4 only for MoE experts (MXFP4_MOE: dense
 tensors Q8_0; no NVFP4 file type in llama-cpp-python 0.3.36's llama.cpp), so llama.cpp's own MXFP4 / NVFP4 of this
 dense model is ggml's block quantizer reached with `--tensor-type` on every decoder linear (the embedding table left
@@ -54,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmq.bench.llamacpp import LlamaCpp, LlamaCppNotFound, locate, run  # noqa: E402
+from llmq.bench.llamacpp import LlamaCpp, LlamaCppNotFound, locate, run, scored  # noqa: E402
 from llmq.errors import LlmqError  # noqa: E402
 
 GGUF_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_K_M")
@@ -76,7 +80,9 @@ LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types,
 LINEARS = r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight"  # every decoder linear (llama.cpp's names)
 PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q8_0", "int8-rtn-emb8"),
          ("Q4_0", "int4-rtn-g64"), ("Q4_0", "int4-rtn-g64-head8"), ("Q4_0", "int4-rtn-g64-emb8"))  # same class
-HELDOUT = ("copy.py", "abc.py")  # stdlib files in none of llmq's calibration / probe / eval sets (checked below)
+# held-out texts of two kinds, in none of llmq's calibration / probe / eval sets (checked below): stdlib names or paths
+TEXTS = {"python": ("copy.py", "abc.py", "contextlib.py"),
+         "prose": ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")}
 
 
 def variant_options() -> dict:
@@ -284,15 +290,17 @@ def heldout_text(names: list[str]) -> tuple[str, list[dict]]:
 
 
 def llama_quality(lc: LlamaCpp, f16: Path, models: dict[str, Path], text_file: Path, base_file: Path, n_ctx: int,
-                  threads: int) -> dict:
-    """llama-perplexity --kl-divergence of each GGUF in `models` against F16's base log-probs (written first)."""
+                  threads: int, chunks: int) -> dict:
+    """llama-perplexity --kl-divergence of each GGUF in `models` against F16's base log-probs of the text's first
+    `chunks` chunks (written first)."""
     from llmq.bench.llamacpp import parse_kld_output
 
     ppl = [lc.tool("llama-perplexity"), "-c", str(n_ctx), "-t", str(threads), "--kl-divergence-base"]
     if not base_file.is_file():
         tmp = base_file.with_suffix(".tmp")
         print("llama-perplexity: F16 base log-probs ...", flush=True)
-        run(ppl[:-1] + ["-m", str(f16), "-f", str(text_file), "--kl-divergence-base", str(tmp)],
+        run(ppl[:-1] + ["--chunks", str(chunks), "-m", str(f16), "-f", str(text_file), "--kl-divergence-base",
+                        str(tmp)],
             "llama-perplexity (base)")
         tmp.replace(base_file)
     out = {}
@@ -341,14 +349,14 @@ def imatrix_quants(lc: LlamaCpp, f16: Path, imatrices: dict[str, Path], work: Pa
     return out
 
 
-def llmq_quality(paths: dict[str, Path], base, text: str, threads: int, int8_activations: bool = False
-                 ) -> tuple[dict, dict]:
-    """Every llmq variant against llmq bf16 (exact) and against F16's base file (llama.cpp's formula); `paths`
-    holds "bf16", the reference. int8_activations: every quantized variant a second time with them (label
-    "<variant> +int8-act")."""
+def llmq_quality(paths: dict[str, Path], base, chs: list[list[int]], threads: int, int8_activations: bool = False
+                 ) -> dict:
+    """Every llmq variant over the chunks `chs` (llama.cpp's, KldBase.chunk_tokens) against llmq bf16 (exact) and
+    against F16's base file (llama.cpp's formula); `paths` holds "bf16", the reference. int8_activations: every
+    quantized variant a second time with them (label "<variant> +int8-act")."""
     import torch
 
-    from llmq.bench.llamacpp import chunks, kld_vs_base, scored
+    from llmq.bench.llamacpp import kld_vs_base, scored
     from llmq.evals.compare import mean_stderr
     from llmq.evals.kld import token_kl
     from llmq.runtime import EngineConfig, LLMEngine
@@ -360,19 +368,10 @@ def llmq_quality(paths: dict[str, Path], base, text: str, threads: int, int8_act
     runs = [(label, path, False) for label, path in paths.items()]  # bf16 first
     runs += [(f"{label} +int8-act", path, True) for label, path in paths.items()
              if int8_activations and label != "bf16"]
-    ref, out, chs, info = [], {}, None, {}
+    ref, out = [], {}
     for label, path, a8 in runs:
         engine = LLMEngine(path, EngineConfig(**cfg, int8_activations=a8))
         try:
-            if chs is None:
-                tok = engine.tokenizer
-                ids = tok.encode(text, add_special_tokens=False)
-                add_bos = base.add_bos(ids, tok.bos_token_id)
-                chs = chunks(ids, base.n_ctx, add_bos, tok.bos_token_id)
-                if len(chs) != base.n_chunk:
-                    raise LlmqError(f"{len(chs)} chunks of llmq's tokens, {base.n_chunk} in llama.cpp's base file")
-                info = {"text_tokens": len(ids), "chunks": len(chs), "n_ctx": base.n_ctx, "add_bos": add_bos,
-                        "scored_tokens": len(chs) * (sl.stop - sl.start)}
             kl, top, klf, topf, nll = [], [], [], [], []
             for i, c in enumerate(chs):
                 lp = engine.prompt_logprobs(c)[sl].float()
@@ -396,7 +395,7 @@ def llmq_quality(paths: dict[str, Path], base, text: str, threads: int, int8_act
             r.update(kld=m, kld_stderr=se, top1=100 * t1, top1_stderr=100 * t1se)
         out[label] = r
         print(f"  llmq {label}: done", flush=True)
-    return out, info
+    return out
 
 
 # -- report -----------------------------------------------------------------------------------------------------------
@@ -413,20 +412,22 @@ def print_speed(rows: list[dict], rounds: int, n: int) -> None:
               f"{m['llmq']['tg']:>7.1f} {r['ratio']['tg']:>6.2f}{a8}")
 
 
-def print_quality(rows: list[dict], info: dict, files: list[dict]) -> None:
-    print(f"\nQuality on {info['scored_tokens']} held-out tokens ({info['chunks']} chunks of {info['n_ctx']}, second "
-          f"half of each scored, BOS {'added' if info['add_bos'] else 'not added'}; text: "
-          f"{', '.join(Path(f['file']).name for f in files)} from the Python stdlib)")
+def print_quality(name: str, rows: list[dict], info: dict, files: list[dict]) -> None:
+    print(f"\nQuality on {name}: {info['scored_tokens']} held-out tokens ({info['chunks']} chunks of {info['n_ctx']}, "
+          f"second half of each scored, llama.cpp's tokens, BOS {'added' if info['add_bos'] else 'not added'}; "
+          f"text: {', '.join(Path(f['file']).name for f in files)})")
     print("reference: llama.cpp GGUFs vs F16 (llama-perplexity --kl-divergence); llmq variants vs llmq bf16 (exact); "
           "'vs F16': llmq against F16's base file by llama.cpp's formula; '(GGUF)': llmq's export of the variant, "
-          "run and scored by llama.cpp like its own files")
+          "run and scored by llama.cpp like its own files, its 'vs F16' column what the build models of llama.cpp's "
+          "CPU arithmetic on the file")
     print(f"{'model':<48} {'file MB':>8} {'bits/w':>6} {'PPL':>7} {'mean KLD':>9} {'±':>8} {'top-1 %':>7} "
           f"{'/Q4_K_M':>7} {'vs F16 KLD':>10} {'top-1 %':>7}")
     q4km = next(r["kld"] for r in rows if r["model"] == "llama.cpp Q4_K_M")
     for r in rows:
         kld = (f"{r['kld']:>9.5f} {r['kld_stderr']:>8.5f} {r['top1']:>7.2f} {r['kld'] / q4km:>7.3f}"
                if "kld" in r else f"{'(reference)':>34}")
-        vs = f" {r['vs_f16']['kld']:>10.6f} {r['vs_f16']['top1']:>7.2f}" if "vs_f16" in r else ""
+        v = r.get("vs_f16") or r.get("modelled")
+        vs = f" {v['kld']:>10.6f} {v['top1']:>7.2f}" + (" modelled" if "modelled" in r else "") if v else ""
         print(f"{r['model']:<48} {r['bytes'] / 1e6:>8.1f} {r['bpw']:>6.2f} {r['ppl']:>7.3f} {kld}{vs}")
 
 
@@ -453,7 +454,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128, help="pp / tg length")
     ap.add_argument("--time-limit", type=float, default=120.0,
                     help="seconds per llmq measurement: decode steps stop there (a loaded machine)")
-    ap.add_argument("--heldout", nargs="+", default=list(HELDOUT), help="stdlib files (or paths) to score on")
+    ap.add_argument("--text", action="append", default=None, metavar="NAME=FILES",
+                    help="a held-out text: comma-separated stdlib files or paths; repeatable (default: "
+                         + "; ".join(f"{k}={','.join(v)}" for k, v in TEXTS.items()) + ")")
+    ap.add_argument("--chunks", type=int, default=16, help="chunks of --ctx tokens scored per text (llama-perplexity "
+                    "--chunks); a shorter text is refused")
     ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity -c")
     ap.add_argument("--compile", action="store_true", help="llmq's decode step compiled (EngineConfig.compile)")
     ap.add_argument("--int8-activations", action="store_true",
@@ -480,10 +485,59 @@ def main() -> int:
         return 1
 
 
+def quality(lc: LlamaCpp, args, gg: dict, arts: dict, store, work: Path, name: str, names: list[str],
+            fp4_notes: dict) -> dict:
+    """Every model's KLD on one held-out text: llama.cpp's GGUFs (and llmq's exports with --gguf-exports) scored
+    by llama-perplexity, llmq's variants in its runtime, on the first --chunks chunks of llama.cpp's tokens."""
+    from gguf_modelled_vs_llamacpp import llmq_side
+
+    from llmq.bench.llamacpp import KldBase, gguf_bos
+    from llmq.models import ModelSpec
+
+    paths = {k: a.path for k, a in arts.items()}
+    text, files = heldout_text(names)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    text_file = work / f"heldout-{digest}.txt"
+    text_file.write_text(text, encoding="utf-8")
+    base_file = work / f"F16-{digest}-c{args.ctx}x{args.chunks}.kld"
+    ppl = lambda models: llama_quality(lc, gg["F16"], models, text_file, base_file, args.ctx,  # noqa: E731
+                                       max(args.threads), args.chunks)
+    lq = ppl({t: p for t, p in gg.items() if t != "F16"})
+    base = KldBase(base_file)
+    if base.n_chunk < args.chunks:
+        raise LlmqError(f"text {name}: {base.n_chunk} chunks of {args.ctx} tokens, fewer than --chunks {args.chunks}")
+    add_bos, bos = gguf_bos(gg["F16"])
+    chs = base.chunk_tokens(add_bos, bos)
+    mq = llmq_quality(paths, base, chs, max(args.threads), args.int8_activations)
+    params = ModelSpec.from_config(arts["bf16"].path / "config.json").num_parameters()
+    rows = [{"model": "llama.cpp F16", "bytes": gg["F16"].stat().st_size, "ppl": lq[GGUF_TYPES[0]]["ppl_base"]}]
+    rows += [{"model": f"llama.cpp {t}", "bytes": gg[t].stat().st_size, "tensor_types": tensor_types(gg[t]),
+              **lq[t]} for t in lq]
+    rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in
+                                                 paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
+              **r} for k, r in mq.items()]
+    refused = {}
+    if args.gguf_exports:
+        exports, imatrices, refused = gguf_exports(arts, store)
+        le = ppl(exports)
+        rows += [{"model": f"llmq {k} (GGUF)", "bytes": exports[k].stat().st_size,
+                  "tensor_types": tensor_types(exports[k]), **le[k],
+                  "modelled": llmq_side(paths[k], base, chs, True, 4)} for k in exports]
+        guided = imatrix_quants(lc, gg["F16"], imatrices, work, max(args.threads))
+        lg = ppl(guided)
+        rows += [{"model": f"llama.cpp {k}", "bytes": guided[k].stat().st_size, **lg[k]} for k in guided]
+    for r in rows:
+        r["bpw"] = r["bytes"] * 8 / params
+    sl = scored(base.n_ctx)
+    info = {"chunks": base.n_chunk, "n_ctx": base.n_ctx, "add_bos": add_bos,
+            "scored_tokens": base.n_chunk * (sl.stop - sl.start)}
+    return {"rows": rows, "heldout": files, "parameters": params, "info": info, "fp4_notes": fp4_notes,
+            "no_gguf_export": refused, "agreement_llmq_bf16_vs_f16": mq["bf16"]["vs_f16"]}
+
+
 def bench(lc: LlamaCpp, args) -> int:
     from llmq.artifacts import Store
-    from llmq.bench.llamacpp import KldBase
-    from llmq.models import ModelSpec, cache_dir, resolve_model
+    from llmq.models import cache_dir, resolve_model
 
     if args.rounds < 1 or min(args.threads) < 1:
         raise LlmqError("--rounds and --threads need positive integers")
@@ -523,45 +577,16 @@ def bench(lc: LlamaCpp, args) -> int:
     if not args.skip_quality:
         if not args.no_calibrated:
             make(calibrated=True)
-        paths = {k: a.path for k, a in arts.items()}
-        text, files = heldout_text(args.heldout)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        text_file = work / f"heldout-{digest}.txt"
-        text_file.write_text(text, encoding="utf-8")
-        base_file = work / f"F16-{digest}-c{args.ctx}.kld"
-        lq = llama_quality(lc, gg["F16"], {t: p for t, p in gg.items() if t != "F16"}, text_file, base_file,
-                           args.ctx, max(args.threads))
-        base = KldBase(base_file)
-        mq, info = llmq_quality(paths, base, text, max(args.threads), args.int8_activations)
-        params = ModelSpec.from_config(model.path / "config.json").num_parameters()
-        rows = [{"model": "llama.cpp F16", "bytes": gg["F16"].stat().st_size, "ppl": lq[GGUF_TYPES[0]]["ppl_base"]}]
-        rows += [{"model": f"llama.cpp {t}", "bytes": gg[t].stat().st_size, "tensor_types": tensor_types(gg[t]),
-                  **lq[t]} for t in lq]
-        rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in
-                                                     paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
-                  **r} for k, r in mq.items()]
-        if args.gguf_exports:
-            exports, imatrices, refused = gguf_exports(arts, store)
-            le = llama_quality(lc, gg["F16"], exports, text_file, base_file, args.ctx, max(args.threads))
-            rows += [{"model": f"llmq {k} (GGUF)", "bytes": exports[k].stat().st_size,
-                      "tensor_types": tensor_types(exports[k]), **le[k]} for k in exports]
-            guided = imatrix_quants(lc, gg["F16"], imatrices, work, max(args.threads))
-            lg = llama_quality(lc, gg["F16"], guided, text_file, base_file, args.ctx, max(args.threads))
-            rows += [{"model": f"llama.cpp {k}", "bytes": guided[k].stat().st_size, **lg[k]} for k in guided]
-            results["no_gguf_export"] = refused
-        for r in rows:
-            r["bpw"] = r["bytes"] * 8 / params
-        results["quality"] = {"rows": rows, "heldout": files, "parameters": params, **info, "fp4_notes": fp4_notes,
-                              "no_gguf_export": results.pop("no_gguf_export", {}),
-                              "agreement_llmq_bf16_vs_f16": mq["bf16"]["vs_f16"]}
+        results["quality"] = {name: quality(lc, args, gg, arts, store, work, name, files.split(","), fp4_notes)
+                              for name, files in (t.split("=", 1) for t in args.text or
+                                                  [f"{k}={','.join(v)}" for k, v in TEXTS.items()])}
     results["settings"].update(llmq={k: a.ref for k, a in arts.items()}, load_average_end=os.getloadavg()[0])
     print(f"\nmachine load: 1-minute load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at the end "
           f"on {os.cpu_count()} cores (shared: other work ran beside this benchmark)")
     if "speed" in results:
         print_speed(results["speed"], args.rounds, args.tokens)
-    if "quality" in results:
-        q = results["quality"]
-        print_quality(q["rows"], info, files)
+    for name, q in results.get("quality", {}).items():
+        print_quality(name, q["rows"], q["info"], q["heldout"])
         a = q["agreement_llmq_bf16_vs_f16"]
         print(f"references agree: llmq bf16 vs llama.cpp F16 (llama.cpp's formula on F16's base file): "
               f"mean KLD {a['kld']:.2e}, top-1 {a['top1']:.2f} % (|KLD| ~1e-5 is the base file's 16-bit resolution)")

@@ -273,6 +273,10 @@ def test_kld_base_file_round_trip_and_llama_cpp_kld_against_exact(tmp_path):
         assert same.tolist() == (lp_m.argmax(-1) == lp_b.argmax(-1)).tolist()
         self_kl, self_same = L.kld_vs_base(base.logprobs(c), lp_b.float())
         assert self_kl.abs().max() < 1e-3 and bool(self_same.all())
+    # the chunks as llama.cpp evaluated them: its own tokens, the first of each replaced by BOS where it adds one
+    per_chunk = tokens.reshape(n_chunk, n_ctx).tolist()
+    assert base.chunk_tokens(False, None) == per_chunk
+    assert base.chunk_tokens(True, 7) == [[7] + c[1:] for c in per_chunk]
     # llama.cpp's tokens vs llmq's tokens of the same text
     ids = tokens.tolist() + [5, 6]
     assert base.add_bos(ids, bos_id=None) is False
@@ -287,14 +291,30 @@ def test_kld_base_file_round_trip_and_llama_cpp_kld_against_exact(tmp_path):
         L.KldBase(tmp_path / "junk.kld")
 
 
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_gguf_bos_reads_the_tokenizer_keys_llama_perplexity_reads(tmp_path, add_bos):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")
+    w.add_add_bos_token(add_bos)
+    w.add_bos_token_id(5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert L.gguf_bos(tmp_path / "t.gguf") == (add_bos, 5)
+
+
 # -- the held-out text -------------------------------------------------------------------------------------------------
 def test_heldout_text_refuses_files_llmq_calibrates_probes_or_evaluates_on():
     from llmq.evals.tasks import STDLIB_FILES
     from llmq.pipeline.quantize.calib import CALIB_STDLIB, PROBE_STDLIB
 
     mod = _script()
-    text, files = mod.heldout_text(list(mod.HELDOUT))
-    assert len(files) == len(mod.HELDOUT) and all(len(f["sha256"]) == 16 for f in files) and len(text) > 5000
+    for names in mod.TEXTS.values():   # enough for 16 chunks of 512 tokens (about 3.5 characters a token)
+        if not all(Path(n).is_file() for n in names if Path(n).is_absolute()):
+            continue   # the prose is the system's license texts (/usr/share/common-licenses on Debian and Ubuntu)
+        text, files = mod.heldout_text(list(names))
+        assert len(files) == len(names) and all(len(f["sha256"]) == 16 for f in files) and len(text) > 16 * 512 * 4
     for used in (CALIB_STDLIB[0], PROBE_STDLIB[0], STDLIB_FILES[0]):
         with pytest.raises(LlmqError, match="calibration, probe or eval"):
             mod.heldout_text([used])

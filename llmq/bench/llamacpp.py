@@ -185,6 +185,15 @@ class KldBase:
         sm = d[:, :4].view("<f4")  # [rows, 2]: scale, min log-prob
         return sm[:, :1] * d[:, 4:4 + self.n_vocab].astype(np.float32) + sm[:, 1:2]
 
+    def chunk_tokens(self, add_bos: bool, bos_id: int | None) -> list[list[int]]:
+        """The chunks exactly as llama.cpp evaluated them: the file's tokens (llama.cpp's tokenization of the text),
+        each chunk's first replaced by BOS where the model adds one (gguf_bos). Feeding these ids to llmq compares the
+        same predictions whether or not llmq's tokenizer splits the text the same way."""
+        out = self.tokens.reshape(self.n_chunk, self.n_ctx).tolist()
+        for c in out if add_bos else []:
+            c[0] = bos_id
+        return out
+
     def add_bos(self, tokens: list[int], bos_id: int | None) -> bool:
         """Whether llama.cpp put BOS before `tokens` (the same text tokenized by llmq): the file's tokens must be
         exactly the leading tokens of one or the other, or the two tokenizers disagree."""
@@ -199,6 +208,19 @@ class KldBase:
         at = next((i for i, (a, b) in enumerate(zip(have, mine)) if a != b), min(len(have), len(mine)))
         raise LlmqError(f"llama.cpp's tokens of the text differ from llmq's at position {at}; the KLDs would not "
                         "compare the same predictions")
+
+
+def gguf_bos(path: str | Path) -> tuple[bool, int | None]:
+    """(whether llama.cpp puts BOS first, its id) from a GGUF's tokenizer keys, as llama-perplexity reads them."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+
+    def value(key: str):
+        f = fields.get(key)
+        return None if f is None else f.parts[f.data[0]][0].item()
+
+    return bool(value("tokenizer.ggml.add_bos_token")), value("tokenizer.ggml.bos_token_id")
 
 
 def kld_vs_base(base_lp: np.ndarray, lp):

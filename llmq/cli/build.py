@@ -37,3 +37,10 @@ def build(ctx, ref, opts, as_json):
     if "verify" in m:
         click.echo(f"  reference check: max relative error {m['verify']['max_rel_error']:.2e} "
                    f"(tolerance {m['verify']['tolerance']:g}) passed")
+    q = m.get("quality")
+    if q and "skipped" not in q:
+        rt, cpp = q["llmq_runtime"], q["llama_cpp_modelled"]
+        click.echo(f"  KLD vs {q['baseline']} over {q['tokens']} held-out tokens: llmq runtime {rt['kld_mean']:.4g} "
+                   f"(top-1 {rt['top1']:.1%}); llama.cpp CPU, modelled {cpp['kld_mean']:.4g} (top-1 {cpp['top1']:.1%})")
+    elif q:
+        click.echo(f"  quality in llama.cpp not measured: {q['skipped']}")

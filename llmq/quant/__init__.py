@@ -1,8 +1,9 @@
 """Quantization arithmetic, once: the grids, casts, scale rules and packings that `llmq quantize`, `llmq quantize-kv`,
 the exports and the runtime all compute with, so a quality probe measures what serve computes. One module per family
 of formats (int_fp8: the integer grid, the FP8 cast, absmax scales; fp8_block; fp4: NVFP4 / MXFP4; kquant: GGML's Q4_K;
-bnb: bitsandbytes'), each stating its conventions; their public names are this package's, so callers write
-`quant.round_int`. A leaf: imports nothing of llmq, so models, pipeline and runtime can all use it.
+ggml: llama.cpp's CPU activation rounding; bnb: bitsandbytes'), each stating its conventions; their public names are
+this package's, so callers write `quant.round_int`. A leaf: imports nothing of llmq, so models, pipeline and runtime
+can all use it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .fp8_block import (  # noqa: F401
     fp8_block_quantize,
     quantize_token_groups,
 )
+from .ggml import VEC_DOT_TYPE, ggml_activations  # noqa: F401
 from .int_fp8 import (  # noqa: F401
     EPS,
     FP8,

@@ -111,11 +111,12 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
 
 
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
-             device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False
-             ) -> CausalLM:
+             device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False,
+             linear_module: Callable[[list[LinearWeights]], torch.nn.Module] | None = None) -> CausalLM:
     """The runtime model of one rank from its weights: quantized linears become the runtime's quantized layers,
     q/k/v and gate/up are fused, row-parallel biases are added after the all-reduce. int8_activations:
-    EngineConfig.int8_activations."""
+    EngineConfig.int8_activations. linear_module: builds every linear (q/k/v or gate/up parts together) instead,
+    for modelling another engine's arithmetic around the runtime's attention, norms and rotary."""
     from transformers import AutoConfig
 
     spec = ModelSpec.from_config(config)
@@ -129,7 +130,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         return RMSNorm(w.to(device=device, dtype=dtype), spec.rms_norm_eps)
 
     def linear(parts: list[LinearWeights]):
-        return build_linear(parts, dtype, device, int8_activations)
+        return linear_module(parts) if linear_module else build_linear(parts, dtype, device, int8_activations)
 
     def row_bias(lw: LinearWeights):
         b = lw.bias.to(device=device, dtype=dtype) if lw.bias is not None else None
@@ -184,10 +185,11 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
 
 def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_heads: int, ids: torch.Tensor,
                      embed_starts: list[int | None] | None = None, dtype: torch.dtype = torch.float32,
-                     block_size: int = 16) -> torch.Tensor:
+                     block_size: int = 16, linear_module: Callable[[list[LinearWeights]], torch.nn.Module] | None = None
+                     ) -> torch.Tensor:
     """Logits [batch, seq, vocab] of a model split over `ranks`, every rank a thread of this process running the
     runtime's own modules and collectives (LocalTPContext): for checking shards as serve computes them, without
-    spawning processes. Each row of `ids` is one sequence, all prefilled in one step."""
+    spawning processes. Each row of `ids` is one sequence, all prefilled in one step. linear_module: as assemble's."""
     from .sampling import SamplingParams
     from .sequence import Sequence
 
@@ -196,7 +198,7 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
     nblk = -(-t // block_size)
     group, device = LocalGroup(world), torch.device("cpu")
     models = [assemble(rw, config, heads, kv_heads, LocalTPContext(r, world, world > 1, group), dtype, device, t,
-                       (embed_starts or [None] * world)[r]) for r, rw in enumerate(ranks)]
+                       (embed_starts or [None] * world)[r], linear_module=linear_module) for r, rw in enumerate(ranks)]
     seqs = []
     for i, row in enumerate(ids.tolist()):
         seq = Sequence(f"check-{i}", row, SamplingParams(max_tokens=1))

@@ -5,7 +5,8 @@ KV-cache scales, one sliding window on every layer (Mistral, Qwen), RoPE scaling
 writer that puts the parts together and records them. The parts: the block encoders (gguf_blocks.py: INT8 -> Q8_0,
 INT4 -> Q4_0 / Q4_1, INT5 -> Q5_0 / Q5_1, MXFP4 and NVFP4 carried over, every re-rounding counted), the tensors under
 llama.cpp's names and layout (gguf_tensors.py), the hyperparameters and the tokenizer (gguf_meta.py), and llama.cpp's
-importance matrix beside the file (gguf_imatrix.py).
+importance matrix beside the file (gguf_imatrix.py). The build records the file's quality as llama.cpp's CPU
+arithmetic gives it, modelled (gguf_compute.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import gguf
 from ...errors import LlmqError
 from ...models.reader import CheckpointReader
 from ...models.sharding import ShardPlan
+from .gguf_compute import modelled_quality
 from .gguf_imatrix import write_imatrix
 from .gguf_meta import add_hparams, add_tokenizer
 from .gguf_tensors import Tensors, add_weights
@@ -102,6 +104,6 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
                                   "imatrix": imatrix}})
 
 
-TARGET = ExportTarget("gguf", write=write_gguf, read_back=None, refuse=refuse, no_verify=(
+TARGET = ExportTarget("gguf", write=write_gguf, read_back=None, refuse=refuse, quality=modelled_quality, no_verify=(
     "--verify runs the tensor-parallel reference check, which a single GGUF file has no use for; drop --verify "
     "(the GGUF writer packs llmq's integers as they are and records what it re-rounds)"))

@@ -81,6 +81,9 @@ class ExportTarget:
     # refusals that need the source's config but no weights, run before the engine directory exists
     refuse: Callable[[CheckpointReader, EngineSpec], None] = _nothing
     no_verify: str = ""
+    # (the source, its model, held-out tokens) -> the probe's KLD of what the target's engine computes, modelled,
+    # beside llmq's runtime on the same tokens; None where the engine computes what llmq's runtime does
+    quality: Callable[[CheckpointReader, CheckpointReader, int], dict] | None = None
 
     def check_verify(self, verify: bool) -> None:
         """Refuse `build --verify` where the target has no read-back to check."""

@@ -35,6 +35,9 @@ class BuildOptions(Options):
                              "refuses instead.")
     parallel_embedding: bool = option(False, "Split the embedding by vocabulary too.")
     verify: bool = option(False, "Run the reference check (TP logits vs the unsharded model) first.")
+    probe_tokens: int = option(2048, "--target gguf: held-out tokens on which the build measures the KLD of the "
+                               "file as llama.cpp's CPU arithmetic computes it (modelled) beside llmq's runtime "
+                               "(0: skip).", ge=0)
     name: str | None = option(None, "Engine artifact name (default: <source>-tp<N>[-<target>]).")
 
     def check(self) -> None:
@@ -68,6 +71,18 @@ def kv_cache_dtype(requested: str, src: CheckpointReader) -> str:
 def _dtype_of(src: CheckpointReader) -> str:
     """The dense tensors' dtype, read from the final norm's header rather than trusted from config.json."""
     return str(src.tensors.info(f"{src.arch.final_norm}.weight")[0]).removeprefix("torch.")
+
+
+def _quality(export, source: Artifact, src: CheckpointReader, store: Store, tokens: int) -> dict:
+    """The target's modelled quality against the model at the root of the source's lineage (the source itself
+    when it is a model)."""
+    from ...evals.evaluate import default_baseline
+    from ...models.reader import CheckpointReader
+
+    base = source if source.kind == "model" else default_baseline(store, source)
+    if base is None:
+        return {"skipped": f"no model artifact in {source.ref}'s lineage to compare with"}
+    return {"baseline": base.ref, **export.quality(src, CheckpointReader(base.path), tokens)}
 
 
 def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: str | None = None) -> Artifact:
@@ -104,6 +119,8 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         w.metrics.update(size_bytes=sum(p.stat().st_size for p in w.dir.rglob("*")
                                         if p.suffix in (".safetensors", ".gguf")),
                          compile=result.compile)
+        if export.quality is not None and opts.probe_tokens:
+            w.metrics["quality"] = _quality(export, source, src, store, opts.probe_tokens)
         if opts.verify:
             from .verify import verify_engine
 
