@@ -82,8 +82,10 @@ def test_each_engine_is_offered_only_what_it_loads():
     assert names("trtllm") == {"int4", "int8", "16bit"}
     assert names("gguf") == {"int4", "int8", "nvfp4", "mxfp4", "16bit"}
     assert "nvfp4" not in names("gguf", s=[(64, 96)])   # GGUF's NVFP4 blocks hold 64 weights
-    grouped = QuantizeOptions(target_bpw=6, int8_group_size=16, **COMMON).resolved((64, 128))
-    assert "int8" not in names("gguf", grouped) and "int8" not in names("trtllm", grouped)
+    grouped = QuantizeOptions(target_bpw=6, int8_group_size=32, **COMMON).resolved((64, 128))
+    assert "int8" in names("gguf", grouped) and "int8" not in names("trtllm", grouped)   # TensorRT-LLM: per channel
+    asym = QuantizeOptions(target_bpw=6, symmetric=False, **COMMON).resolved((64, 128))
+    assert "int8" not in names("gguf", asym) and "int4" in names("gguf", asym)   # Q8_0 has no zero point; Q4_1 does
     # bytes exactly as stored: values, scales (bf16; E4M3 / E8M0 bytes for FP4), NVFP4's float32 global scale
     n, k = 128, 64
     assert schemes.SCHEMES["int4"].checkpoint_bytes(n, k, opts) == n * k // 2 + n * (k // 32) * 2
@@ -91,7 +93,7 @@ def test_each_engine_is_offered_only_what_it_loads():
     assert schemes.SCHEMES["nvfp4"].checkpoint_bytes(n, k, opts) == n * k // 2 + n * k // 16 + 4
     assert schemes.SCHEMES["mxfp4"].checkpoint_bytes(n, k, opts) == n * k // 2 + n * k // 32
     assert schemes.SCHEMES["mxfp4"].gguf_bytes(n, k, opts) == n * k // 32 * 17
-    assert schemes.SCHEMES["nvfp4"].gguf_bytes(n, k, opts) == n * k // 64 * 36
+    assert schemes.SCHEMES["nvfp4"].gguf_bytes(n, k, opts) == n * k // 64 * 36 + schemes.NVFP4_SCALE_ENTRY
 
 
 def test_for_is_checked_before_any_work():
@@ -99,6 +101,10 @@ def test_for_is_checked_before_any_work():
         QuantizeOptions(for_engine="vllm").check()
     with pytest.raises(LlmqError, match="--size-in gguf prices the GGUF file, which vllm does not load"):
         QuantizeOptions(target_bpw=6, size_in="gguf", for_engine="vllm").check()
+    with pytest.raises(LlmqError, match="--for gguf: GGUF's blocks hold 32 weights"):
+        QuantizeOptions(target_bpw=6, for_engine="gguf", bits=4, group_size=16).check()
+    with pytest.raises(LlmqError, match="--for trtllm: .* no zero points; drop --asym"):
+        QuantizeOptions(target_bpw=6, for_engine="trtllm", symmetric=False).check()
     with pytest.raises(LlmqError):
         QuantizeOptions(target_bpw=6, for_engine="tensorrt").check()
 

@@ -148,7 +148,7 @@ class _Scorer:
 
 @torch.no_grad()
 def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True,
-            candidates: list[Scheme] = (SCHEMES[MEASURED],), direct: tuple[str, ...] = (MEASURED,),
+            cands: list[Scheme] = (SCHEMES[MEASURED],), direct: tuple[str, ...] = (MEASURED,),
             layers: tuple[int, ...] | None = None) -> dict:
     """Per unit (layer, index into Arch.units): "mse", each candidate's summed squared weight error, and "kld", the
     KLD of each scheme in `direct` with that unit alone rounded to it. layers: only these layers' units (all by
@@ -165,7 +165,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     stack = model.get_submodule(arch.layers)
     n = len(stack)
     chosen = range(n) if layers is None else layers
-    streamed = [c for c in candidates if c.name in direct and c.name != "16bit"]  # schemes whose KLD is measured
+    streamed = [c for c in cands if c.name in direct and c.name != "16bit"]  # schemes whose KLD is measured
 
     def layer(j: int):
         return load(stack[j], arch.prefix(j), source, device).to(dtype=torch.float32)
@@ -191,7 +191,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
                 lins = [lay.get_submodule(nm) for nm in names]
                 kept = [lin.weight.data for lin in lins]
                 mse = {}
-                for scheme in candidates:
+                for scheme in cands:
                     if scheme.name == "16bit":
                         mse[scheme.name] = 0.0
                         continue
@@ -217,7 +217,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     return out
 
 
-def losses(sens: dict, keys: list, candidates: list[Scheme]) -> np.ndarray:
+def losses(sens: dict, keys: list, cands: list[Scheme]) -> np.ndarray:
     """[units, candidates] estimated KLD of each unit in each scheme: the measured one where there is one, else the
     measured INT4 loss scaled by the ratio of the two schemes' weight MSEs (KLD is quadratic in a small
     perturbation); 16bit costs nothing."""
@@ -227,10 +227,10 @@ def losses(sens: dict, keys: list, candidates: list[Scheme]) -> np.ndarray:
         base = m["mse"][MEASURED]
         return m["kld"][MEASURED] * m["mse"][name] / base if base else 0.0
 
-    return np.array([[loss(sens[k], c.name) for c in candidates] for k in keys])
+    return np.array([[loss(sens[k], c.name) for c in cands] for k in keys])
 
 
-def unit_costs(spec: ModelSpec, opts, candidates: list[Scheme]) -> tuple[np.ndarray, int]:
+def unit_costs(spec: ModelSpec, opts, cands: list[Scheme]) -> tuple[np.ndarray, int]:
     """([layers * units, candidates] bytes of each unit in each scheme, parameters of all decoder linears); in the
     GGUF file's blocks with --size-in gguf."""
     shapes = unit_shapes(spec)
@@ -240,7 +240,7 @@ def unit_costs(spec: ModelSpec, opts, candidates: list[Scheme]) -> tuple[np.ndar
         return scheme.gguf_bytes(n, k, opts) if opts.size_in == "gguf" else \
             scheme.checkpoint_bytes(n, k, opts, scale_bytes)
 
-    costs = np.array([[sum(cost(n, k, c) for n, k in shapes[u]) for c in candidates]
+    costs = np.array([[sum(cost(n, k, c) for n, k in shapes[u]) for c in cands]
                       for _ in range(spec.num_layers) for u in range(len(shapes))], dtype=np.float64)
     return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
 
@@ -283,8 +283,8 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
 
 
 def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
-    """unit_costs(spec, opts, candidates), after an LlmqError when opts.target_bpw is below what every unit in its
-    cheapest candidate takes."""
+    """unit_costs(spec, opts, candidates(spec, opts)), after an LlmqError when opts.target_bpw is below what every unit
+    in its cheapest candidate takes."""
     cands = candidates(spec, opts)
     costs, params = unit_costs(spec, opts, cands)
     floor = costs.min(1).sum() * 8 / params

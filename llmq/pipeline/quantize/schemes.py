@@ -32,6 +32,8 @@ from .fp8 import quantize_weight_fp8
 
 ENGINES = ("llmq", "vllm", "trtllm", "gguf")
 INTEGER = ("int4", "int8", "16bit")   # what --target-bpw chooses among without --for: today's widths
+NVFP4_SCALE_ENTRY = 96   # GGUF: the F32 `.scale` tensor holding NVFP4's global scale, padded to 32 bytes, and its
+#                          tensor-table entry (under 64 bytes)
 GGUF_TYPES = {"int4": "Q4_0", "int4-asym": "Q4_1", "int8": "Q8_0", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
@@ -88,7 +90,7 @@ class Scheme:
             return 2 * n * k
         weights, size = gguf_block(GGUF_TYPES["int4-asym" if self.name == "int4" and not opts.symmetric
                                               else self.name])
-        return n * (k // weights) * size
+        return n * (k // weights) * size + (NVFP4_SCALE_ENTRY if self.name == "nvfp4" else 0)
 
     def loads(self, engine: str, shapes: list[tuple[int, int]], opts) -> bool:
         """Whether `engine` loads this scheme for linears of these shapes under these options."""
@@ -98,7 +100,7 @@ class Scheme:
             if self.name == "nvfp4":
                 return all(k % gguf_block("NVFP4")[0] == 0 for _, k in shapes)
             if self.name == "int8":
-                return not opts.int8_group_size % 32 and opts.symmetric
+                return opts.symmetric   # Q8_0 has no zero point
         if engine == "trtllm" and self.name == "int8":
             return opts.int8_group_size == 0   # W8A16: a scale per output channel
         return True
