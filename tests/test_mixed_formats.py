@@ -160,6 +160,8 @@ def test_a_plan_for_an_engine_uses_only_what_it_loads_and_fuses_units_whole(tiny
         m = plan.manifest
         assert set(plan.schemes.values()) <= allowed and set(m["candidates"]) == allowed
         assert m["bytes"] <= m["budget_bytes"] and m["bpw"] <= 5.5
+        four = {c for c in allowed if schemes.SCHEMES[c].bits == 4}   # measured; the 8-bit ones scaled from INT4
+        assert set(m["sensitivity"]["measured"]) == four and all(set(u["kld_alone"]) == four for u in m["units"])
         for i in range(spec.num_layers):
             for unit in spec.arch.unit_paths():
                 assert len({plan.schemes[f"model.layers.{i}.{n}"] for n in unit}) == 1

@@ -9,11 +9,15 @@ scheme. Its sensitivity is measured, not guessed: the mean KLD of the model's ne
 alone is rounded to INT4 (RTN, the options' group size), on calibration windows (never the probe's held-out text).
 On SmolLM2-135M the single-layer KLDs add up to the KLD of rounding all of them (0.48 summed, 0.47 at once), so the
 KLD of a choice is estimated as the sum of its units' losses, and choosing is a knapsack: minimise the summed loss
-under the byte budget, solved exactly by dynamic programming over budget buckets. In another scheme a unit's loss is
-its INT4 loss scaled by the ratio of the two schemes' summed squared weight errors (KLD is quadratic in a small
-perturbation); at 16 bits it is 0. `measure` can also measure any scheme's KLD directly (the check that the ratio
-ranks schemes as their measured KLDs do). B counts every byte of the decoder layers' linears (values, scales, zero
-points, global scales) per weight; the embedding and lm_head are outside it (`--embedding` / `--lm-head` decide them).
+under the byte budget, solved exactly by dynamic programming over budget buckets. The 4-bit schemes (INT4, and with
+--for NVFP4 and MXFP4) are each measured that way; an 8-bit scheme's loss is the unit's INT4 loss scaled by the ratio
+of the two schemes' summed squared weight errors (KLD is quadratic in a small perturbation); at 16 bits it is 0. The
+ratio cannot stand in for the FP4 measurements: on SmolLM2 (benchmarks/mixed_scheme_sensitivity.py, the 12 units of
+layers 2 / 14 / 27) NVFP4's measured KLD was 0.33-1.26x INT4 g64's (below it in 10 units) while the MSE ratio put it
+at 1.0-1.2x (after INT4 in 11), and MXFP4's 0.58-2.8x against an estimated 1.6-1.8x; the 8-bit estimates were
+0.8-1.8x the measured INT8 KLD and kept INT8 ahead of FP8 in all 12, as measured. B counts every byte of the decoder
+layers' linears (values, scales, zero points, global scales) per weight; the embedding and lm_head are outside it
+(`--embedding` / `--lm-head` decide them).
 
 The measurement streams like the quantizer: the float model's hidden states entering each layer are kept (tokens x
 hidden per layer), and each layer's units are measured by running the later layers, read from the checkpoint one at
@@ -304,7 +308,8 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     budget = opts.target_bpw * params / 8
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
     windows = calib.head(take)
-    sens = measure(model_dir, spec, opts, windows, device, progress, cands)
+    direct = tuple(c.name for c in cands if c.bits == 4)   # the 4-bit schemes: measured, not estimated (module doc)
+    sens = measure(model_dir, spec, opts, windows, device, progress, cands, direct)
     units = spec.arch.unit_paths(spec.num_experts)
     keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
     loss = losses(sens, keys, cands)
@@ -315,9 +320,9 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
         chosen_schemes.update({f"{prefix}.{m}": name for m in units[u]})
         mse = sens[(i, u)]["mse"]
         chosen_units.append({"layer": i, "modules": list(units[u]), "scheme": name, "bits": cands[j].bits,
-                             "kld_int4_alone": round(sens[(i, u)]["kld"][MEASURED], 7),
+                             "kld_alone": {k: round(v, 7) for k, v in sens[(i, u)]["kld"].items()},
                              "mse_ratio_to_int4": {c.name: mse[c.name] / mse[MEASURED] if mse[MEASURED] else 0.0
-                                                   for c in cands if c.name not in (MEASURED, "16bit")}})
+                                                   for c in cands if c.name not in (*direct, "16bit")}})
     chosen = sum(costs[n, j] for n, j in enumerate(picks))
     at_int4 = [c.name for c in cands].index(MEASURED)
     manifest = {
@@ -326,9 +331,9 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
         "estimated_kld": round(float(sum(loss[n, j] for n, j in enumerate(picks))), 6),
         "estimated_kld_all_int4": round(float(loss[:, at_int4].sum()), 6),
         "count": {c.name: sum(1 for j in picks if cands[j] is c) for c in cands},
-        "sensitivity": {"method": "rtn", "measured": MEASURED, "group_size": opts.group_size,
+        "sensitivity": {"method": "rtn", "measured": list(direct), "group_size": opts.group_size,
                         "tokens": windows.tokens, "windows": len(windows.samples), "source": windows.source,
-                        "others": "the measured KLD x the ratio of the schemes' weight MSEs"},
+                        "others": "the measured INT4 KLD x the ratio of the schemes' weight MSEs"},
         "units": chosen_units,
     }
     return Plan(chosen_schemes, manifest)

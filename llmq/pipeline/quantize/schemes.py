@@ -1,7 +1,7 @@
 """The schemes mixed precision chooses among (`llmq quantize --target-bpw B --for ENGINE`): for each, the bytes a
 [n, k] linear takes exactly as the checkpoint stores it (and as the GGUF file does), how a unit's weights are rounded
-to it, and which engines load it. All are weight-only, so a unit's loss moves with its weights' squared error alone
-(mixed.py estimates the other schemes' losses from the measured INT4 one by that ratio):
+to it, and which engines load it. All are weight-only (mixed.py measures the 4-bit ones' KLD and scales INT4's by the
+weight-MSE ratio for the 8-bit ones):
 - int4 / int8: the options' integer grid (4 bits: --group-size, 8 bits: --int8-group-size), compressed-tensors'
   pack-quantized; the method (rtn / gptq / awq) rounds them;
 - fp8: FP8 E4M3 weights with a scale per output channel in the model's dtype, 16-bit activations (float-quantized
