@@ -64,7 +64,7 @@ def test_sensitivity_is_the_kld_of_rounding_that_unit_alone(tiny):
     store, src = tiny
     opts, spec, _ = validate(src, QuantizeOptions(bits=4, group_size=32, target_bpw=6, num_samples=2, seq_len=64))
     windows = load_calibration(None, load_tokenizer(src.path), 2, 64, 0)
-    got = mixed.measure(src.path, spec, opts, windows, "cpu", progress=False)
+    got = mixed.measure(src.path, spec, opts, windows, "cpu", False, mixed.candidates(spec, opts))
     units = spec.arch.unit_paths()
     assert set(got) == {(i, u) for i in range(3) for u in range(len(units))}
 
@@ -84,8 +84,9 @@ def test_sensitivity_is_the_kld_of_rounding_that_unit_alone(tiny):
             want = kld_top1(ref, model(ids).logits[:, half:])["kld_mean"]
         for lin, w in zip(lins, kept):
             lin.weight.data = w
-        assert got[(i, u)]["kld"] == pytest.approx(want, rel=1e-3), (i, u)
-        assert 0 < got[(i, u)]["mse_ratio"] < 0.02  # 8-bit rows: ~1/256 of a 4-bit group's squared error
+        assert got[(i, u)]["kld"] == {"int4": pytest.approx(want, rel=1e-3)}, (i, u)
+        mse = got[(i, u)]["mse"]
+        assert 0 < mse["int8"] / mse["int4"] < 0.02  # 8-bit rows: ~1/256 of a 4-bit group's squared error
         klds.append(want)
     assert len(set(np.round(klds, 9))) == len(klds)  # distinct units really measure different things
 
@@ -104,13 +105,13 @@ def test_the_plan_fits_the_budget_and_spends_it_where_the_kld_falls_most(tiny):
         plan = mixed.plan(src.path, spec, opts, calib, "cpu", progress=False)
         m = plan.manifest
         assert m["bytes"] <= m["budget_bytes"] and m["bpw"] <= target
-        assert len(plan.bits) == 7 * 3 and {b for b in plan.bits.values()} <= set(mixed.WIDTHS)
+        assert len(plan.bits) == 7 * 3 and {b for b in plan.bits.values()} <= {4, 8, 16}
         estimates.append(m["estimated_kld"])
         if target == 16:
             assert set(plan.bits.values()) == {16} and m["estimated_kld"] == 0
         if target == 5:  # room for a few units at 8 bits, none at 16
             eight = [u for u in m["units"] if u["bits"] == 8]
-            assert eight and m["count"]["16"] == 0
+            assert eight and m["count"]["16bit"] == 0
     assert estimates == sorted(estimates, reverse=True) and estimates[0] > estimates[1] > 0
 
 
@@ -143,7 +144,7 @@ def test_max_size_spends_what_the_file_leaves_and_never_passes_it(tiny, extra):
     limit = plain.metrics["size_bytes"] + 60_000
     art = quantize(src, QuantizeOptions(max_size=f"{limit / 1000:g}kB", **common), store, progress=False)
     m = art.config["mixed_precision"]
-    assert plain.metrics["size_bytes"] < art.metrics["size_bytes"] <= limit and m["count"]["8"] > 0
+    assert plain.metrics["size_bytes"] < art.metrics["size_bytes"] <= limit and m["count"]["int8"] > 0
     assert art.config["options"]["max_size"] == f"{limit / 1000:g}kB" and m["target_bpw"] == art.config["options"][
         "target_bpw"]
     # nothing but the headers' allowance (256 bytes an entry, real ones are ~100) and less than one more unit's
@@ -173,7 +174,7 @@ def test_max_size_in_gguf_bytes_holds_for_the_gguf_file(tiny, extra):
     limit = plain_bytes + 40_000
     art = quantize(src, QuantizeOptions(max_size=str(limit), size_in="gguf", **common), store, progress=False)
     m = art.config["mixed_precision"]
-    assert m["count"]["8"] + m["count"]["16"] > 0
+    assert m["count"]["int8"] + m["count"]["16bit"] > 0
     gguf_bytes = gguf_size(art)
     assert plain_bytes < gguf_bytes <= limit
     units = len(art.config["mixed_precision"]["units"])

@@ -39,7 +39,8 @@ import torch
 from .. import quant
 from ..errors import LlmqError
 from .checkpoint import MIXED_QUANT_CONFIG
-from .qformat import QConfig, QuantArgs, QuantizedWeight, fp4_activations_args, fp8_block_args
+from .qconfig import QConfig, QuantArgs, fp4_activations_args, fp8_block_args
+from .qformat import QuantizedWeight
 
 FP8_BLOCK = (128, 128)   # TensorRT-LLM's FP8_BLOCK_SCALES block (asserted by its HF fp8 reader)
 ALGOS = ("FP8", "FP8_BLOCK_SCALES", "NVFP4", "W8A16", "W4A16", "W4A16_AWQ")

@@ -31,7 +31,9 @@ targets `model.embed_tokens` with INT8 per-row weights in the same layout (compr
 and a tied model's head is that table. transformers 5 refuses such a checkpoint (its weight initialisation needs a
 dense Embedding weight); `load_hf_model` says so in one line.
 Mixed precision (`--target-bpw`) uses the same mechanism: one weight-only group per other scheme, targeting its
-modules by full name (e.g. `model.layers.29.mlp.down_proj`), and the 16-bit ones listed in `ignore`.
+modules by full name (e.g. `model.layers.29.mlp.down_proj`), and the 16-bit ones listed in `ignore`; across formats
+(`--for`) each group carries its own format under "mixed-precision" (the config's side: qconfig.py), and each linear
+is read in its group's format.
 KV-cache scales are `<layer>.self_attn.k_scale` / `v_scale` ([1] per tensor, [kv_heads, 1, 1] per head, the
 shapes compressed-tensors gives them) with `kv_cache_scheme` in the config;
 a model whose weights stay dense but whose KV cache is calibrated has format "dense", no config groups and only a
@@ -41,127 +43,23 @@ Every stage that reads or writes quantized weights goes through here.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from .. import quant
 from ..errors import LlmqError
 from .arch.base import EMBEDDING as EMBEDDING  # re-exported: the stages name the table through qformat
-from .arch.base import LM_HEAD
-
-FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
-FP4_FORMATS = {"nvfp4": (quant.NVFP4_BLOCK, "nvfp4-pack-quantized"),   # format: (block size, compressed-tensors name)
-               "mxfp4": (quant.MXFP4_BLOCK, "mxfp4-pack-quantized")}
-FP4_NAMES = {name for _, name in FP4_FORMATS.values()}
-CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
-CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
-
-
-def _release(version: str) -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", str(version))
-    if not m:
-        raise LlmqError(f"compressed-tensors version {version!r} is not a version number")
-    return int(m[1]), int(m[2])
-
-
-def compressed_tensors_version() -> str:
-    """The installed compressed-tensors version; an LlmqError when llmq does not write that release's format."""
-    import compressed_tensors
-
-    v = compressed_tensors.__version__
-    if not CT_MIN <= _release(v) < CT_MAX:
-        raise LlmqError(f"compressed-tensors {v} is installed but llmq writes the format of {CT_REQUIREMENT}; "
-                        f"pip install '{CT_REQUIREMENT}'")
-    return v
-
-
-@dataclass(frozen=True)
-class QuantArgs:
-    """How one tensor kind (weights, input activations, KV cache) is quantized; mirrors compressed-tensors'
-    QuantizationArgs. strategy: tensor | channel | group | tensor_group (NVFP4's groups under a global scale) | block
-    (block_structure [rows, cols]) | token | attn_head."""
-
-    num_bits: int
-    type: str = "int"              # int | float
-    symmetric: bool = True
-    strategy: str = "channel"
-    group_size: int | None = None
-    dynamic: bool | str = False    # "local": dynamic groups under a static global scale (NVFP4 activations)
-    block_structure: tuple[int, int] | None = None
-
-    @property
-    def fp4(self) -> str | None:
-        """"nvfp4" / "mxfp4" for FP4 weights (told apart by their block size), else None."""
-        if self.type != "float" or self.num_bits != 4:
-            return None
-        return next((f for f, (block, _) in FP4_FORMATS.items() if block == self.group_size), None)
-
-    def to_ct(self):
-        from compressed_tensors.quantization import QuantizationArgs
-
-        kw = dict(num_bits=self.num_bits, type=self.type, symmetric=self.symmetric, strategy=self.strategy,
-                  dynamic=self.dynamic)
-        if self.group_size is not None:
-            kw["group_size"] = self.group_size
-        if self.block_structure is not None:
-            kw["block_structure"] = list(self.block_structure)
-        if self.fp4:  # the scale dtype is what tells compressed-tensors' MX path from NVFP4's
-            kw["scale_dtype"] = quant.FP8 if self.fp4 == "nvfp4" else torch.uint8
-        if self.dynamic == "local":  # the global scale from the largest calibration |x| (the NVFP4 preset's observer)
-            kw["observer"] = "static_minmax"
-        return QuantizationArgs(**kw)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "QuantArgs":
-        return cls(num_bits=int(d["num_bits"]), type=str(d.get("type", "int")),
-                   symmetric=bool(d.get("symmetric", True)),
-                   strategy=str(d.get("strategy") or "tensor"), group_size=d.get("group_size"),
-                   dynamic="local" if d.get("dynamic") == "local" else bool(d.get("dynamic", False)),
-                   block_structure=tuple(int(b) for b in d["block_structure"]) if d.get("block_structure") else None)
-
-
-@dataclass(frozen=True)
-class QConfig:
-    """A parsed `quantization_config`: one scheme for every Linear except `ignore` and `modules`, plus the KV-cache
-    scheme. weights is None (format "dense") when only the KV cache is quantized; modules maps a module's full name
-    (`lm_head`, `model.layers.3.mlp.down_proj`) to its own weight-only scheme (a config group targeting it by name)."""
-
-    format: str
-    weights: QuantArgs | None
-    input_activations: QuantArgs | None
-    ignore: tuple[str, ...]
-    kv: QuantArgs | None
-    modules: Mapping[str, QuantArgs] = field(default_factory=dict)
-    scale_name: str = "weight_scale"  # the Hugging Face "fp8" checkpoints' weight_scale_inv
-    q4_k: frozenset[str] = frozenset()  # modules stored as GGML Q4_K blocks (Q4KWeight)
-    # readers of another layout's tensors (ModelOpt's: `modelopt`), in place of this module's compressed-tensors ones
-    read: Callable | None = None
-    read_kv: Callable | None = None
-
-    @property
-    def lm_head(self) -> QuantArgs | None:
-        return self.modules.get(LM_HEAD)
-
-    def scheme_of(self, name: str) -> tuple[QuantArgs, QuantArgs | None] | None:
-        """(weights, input activations) of the linear `name`, None where it is stored dense."""
-        if name in self.modules:
-            return self.modules[name], None
-        if self.weights is None or self.ignores(name):
-            return None
-        return self.weights, self.input_activations
-
-    def ignores(self, name: str) -> bool:
-        """compressed-tensors' ignore entries: a module name (matched as a suffix of the full name) or `re:<regex>`."""
-        for pat in self.ignore:
-            if pat.startswith("re:"):
-                if re.match(pat[3:], name):
-                    return True
-            elif name == pat or name.endswith("." + pat):
-                return True
-        return False
+from .arch.base import LM_HEAD as LM_HEAD
+from .qconfig import CT_MAX as CT_MAX  # the config side of the format (qconfig.py), re-exported for the stages
+from .qconfig import CT_REQUIREMENT as CT_REQUIREMENT
+from .qconfig import FP4_FORMATS as FP4_FORMATS
+from .qconfig import FP4_NAMES, QuantArgs, fp4_activations_args
+from .qconfig import QConfig as QConfig
+from .qconfig import fp8_block_args as fp8_block_args
+from .qconfig import parse_quantization_config as parse_quantization_config
+from .qconfig import quantization_config as quantization_config
 
 
 @dataclass(frozen=True)
@@ -236,13 +134,6 @@ class QuantizedWeight:
         return quant.dequantize(self.q, self.scale, self.zero_point, dtype)
 
 
-def fp4_activations_args(fmt: str) -> QuantArgs:
-    """The input_activations of compressed-tensors' W4A4 preset for FP4 format `fmt` (NVFP4 / MXFP4)."""
-    block = FP4_FORMATS[fmt][0]
-    return QuantArgs(num_bits=4, type="float", strategy="tensor_group" if fmt == "nvfp4" else "group",
-                     group_size=block, dynamic="local" if fmt == "nvfp4" else True)
-
-
 @dataclass(frozen=True)
 class Q4KWeight:
     """One linear's weight on GGML's Q4_K grid (`llmq quantize --grid q4_k`, `llmq.quant`'s Q4_K): codes q uint8
@@ -299,129 +190,6 @@ class Q4KWeight:
         return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "m")))
 
 
-Q4K_CONFIG_KEY = "llmq_q4_k"  # the quantization config's list of modules stored as Q4KWeight
-
-
-def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
-    if weights.type == "float" and weights.num_bits == 4:
-        if weights.fp4 is None or input_activations not in (None, fp4_activations_args(weights.fp4)):
-            raise LlmqError(f"FP4 weights in groups of {weights.group_size}"
-                            f"{' with these quantized activations' if input_activations else ''} have no "
-                            "compressed-tensors format llmq writes (NVFP4: groups of 16, MXFP4: groups of 32, "
-                            "weight-only or with activations in the weights' own FP4 format and groups)")
-        from compressed_tensors.config import CompressionFormat
-
-        fmt = FP4_FORMATS[weights.fp4][1]
-        if fmt not in {f.value for f in CompressionFormat}:
-            raise LlmqError(f"the installed compressed-tensors {compressed_tensors_version()} has no {fmt!r} format; "
-                            f"pip install -U '{CT_REQUIREMENT}'")
-        return fmt
-    if weights.type == "float":
-        return "float-quantized"
-    return "pack-quantized" if input_activations is None else "int-quantized"
-
-
-def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs | None = None,
-                        ignore: list[str] | tuple[str, ...] = (LM_HEAD,), kv: QuantArgs | None = None,
-                        modules: Mapping[str, QuantArgs] | None = None, q4_k: tuple[str, ...] = ()) -> dict:
-    """The `quantization_config` dict for config.json, validated by compressed-tensors' own models.
-    weights=None: dense weights with a calibrated KV cache only (format "dense", no config groups).
-    modules: full module name -> its own weight-only scheme (an INT8 lm_head, mixed-precision layers): one more group
-    per distinct scheme, in the same pack-quantized layout, targeting its modules by name.
-    q4_k: modules stored as GGML Q4_K blocks (Q4KWeight): listed under `llmq_q4_k` and ignored by the
-    compressed-tensors groups (weights=None: every quantized linear is Q4_K)."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-
-    modules = dict(modules or {})
-    if q4_k:
-        ignore = list(dict.fromkeys([*ignore, *q4_k]))
-        cfg = quantization_config(weights, input_activations, ignore, kv, modules) if weights else \
-            {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": ignore,
-             "quantization_status": "compressed", "version": compressed_tensors_version()}
-        return {**cfg, Q4K_CONFIG_KEY: sorted(q4_k)}
-    if weights is None:
-        if kv is None or input_activations is not None or modules:
-            raise LlmqError("a quantization_config without a weights scheme carries a KV-cache scheme and nothing else")
-        groups, fmt = {}, "dense"
-    else:
-        groups = {"group_0": QuantizationScheme(
-            targets=["Linear"], weights=weights.to_ct(),
-            input_activations=input_activations.to_ct() if input_activations else None)}
-        fmt = format_for(weights, input_activations)
-        by_scheme: dict[QuantArgs, list[str]] = {}
-        for name, args in modules.items():
-            if fmt != "pack-quantized" or format_for(args, None) != fmt or name in ignore:
-                raise LlmqError(f"{name}: a module with its own scheme shares the weight-only (pack-quantized) layout "
-                                "of the other linears and is not ignored")
-            by_scheme.setdefault(args, []).append(name)
-        for i, (args, names) in enumerate(sorted(by_scheme.items(), key=lambda kv: sorted(kv[1])), start=1):
-            groups[f"group_{i}"] = QuantizationScheme(targets=sorted(names), weights=args.to_ct())
-    cfg = QuantizationConfig(config_groups=groups, format=fmt, ignore=list(ignore) if groups else [],
-                             kv_cache_scheme=kv.to_ct() if kv else None, quantization_status="compressed")
-    return {**cfg.model_dump(mode="json", exclude_none=True), "version": compressed_tensors_version()}
-
-
-def parse_quantization_config(config: Mapping) -> QConfig | None:
-    """The QConfig of a model config, None for an unquantized model; an LlmqError for anything we cannot read."""
-    qc = config.get("quantization_config")
-    if not qc:
-        return None
-    if qc.get("quant_method") == "fp8":
-        return _hf_fp8_config(qc)
-    from . import modelopt  # here, not above: it builds on this module's types
-
-    if modelopt.is_modelopt(qc):
-        return modelopt.parse_config(qc)
-    if qc.get("quant_method") != "compressed-tensors":
-        raise LlmqError(f"quantization method {qc.get('quant_method')!r} is not supported; llmq reads "
-                        "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor), Hugging "
-                        "Face block fp8 and ModelOpt ones")
-    if qc.get("version") and _release(qc["version"]) >= CT_MAX:
-        raise LlmqError(f"this checkpoint was written by compressed-tensors {qc['version']}, a newer format than llmq "
-                        f"reads ({CT_REQUIREMENT})")
-    fmt = qc.get("format")
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping) and g.get("weights")]
-    kv = qc.get("kv_cache_scheme")
-    q4_k = frozenset(qc.get(Q4K_CONFIG_KEY) or ())
-    if fmt == "dense" and not groups and (kv or q4_k):  # KV-cache-only quantization, or every linear Q4_K
-        return QConfig(format=fmt, weights=None, input_activations=None, ignore=tuple(qc.get("ignore") or ()),
-                       kv=QuantArgs.from_dict(kv) if kv else None, q4_k=q4_k)
-    if fmt not in FORMATS:
-        raise LlmqError(f"compressed-tensors format {fmt!r} is not supported; llmq reads {', '.join(FORMATS)}")
-    linear = [g for g in groups if list(g.get("targets") or ()) == ["Linear"]]
-    named = [g for g in groups if g not in linear]
-    if len(linear) != 1 or any(g.get("input_activations") or any(
-            not isinstance(t, str) or t.startswith("re:") or t == "Linear" for t in g.get("targets") or ())
-            for g in named):
-        raise LlmqError("only compressed-tensors checkpoints with one scheme for every Linear layer (and optionally "
-                        "weight-only ones for modules named in full) are supported")
-    modules = {t: QuantArgs.from_dict(g["weights"]) for g in named for t in g["targets"]}
-    acts = linear[0].get("input_activations")
-    return QConfig(format=fmt, weights=QuantArgs.from_dict(linear[0]["weights"]),
-                   input_activations=QuantArgs.from_dict(acts) if acts else None,
-                   ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None,
-                   modules=modules, q4_k=q4_k)
-
-
-def _hf_fp8_config(qc: Mapping) -> QConfig:
-    """The Hugging Face "fp8" config of block-FP8 releases as the compressed-tensors scheme it is."""
-    block = qc.get("weight_block_size")
-    if qc.get("activation_scheme", "dynamic") != "dynamic" or not block or len(block) != 2:
-        raise LlmqError("Hugging Face fp8 checkpoints are read when block-quantized (weight_block_size [rows, cols]) "
-                        f"with dynamic activations; this one has weight_block_size {block} and activation_scheme "
-                        f"{qc.get('activation_scheme')!r}")
-    weights, acts = fp8_block_args((int(block[0]), int(block[1])))
-    return QConfig(format="float-quantized", weights=weights, input_activations=acts,
-                   ignore=tuple(qc.get("modules_to_not_convert") or (LM_HEAD,)), kv=None,
-                   scale_name="weight_scale_inv")
-
-
-def fp8_block_args(block: tuple[int, int]) -> tuple[QuantArgs, QuantArgs]:
-    """compressed-tensors' FP8_BLOCK scheme for `block`: (weights, input activations)."""
-    return (QuantArgs(num_bits=8, type="float", strategy="block", block_structure=tuple(block)),
-            QuantArgs(num_bits=8, type="float", strategy="group", group_size=block[1], dynamic=True))
-
-
 def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
     try:
         return tensors[key]
@@ -447,14 +215,15 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     scale = _get(tensors, scale_key)
     if w.strategy == "block":
         return _read_fp8_block(tensors, name, w, a, scale)
-    if w.fp4 or qconfig.format in FP4_NAMES:
+    fmt = qconfig.format_of(name)
+    if w.fp4 or fmt in FP4_NAMES:
         if w.fp4 is None or a not in (None, fp4_activations_args(w.fp4)):
-            raise LlmqError(f"{name}: {qconfig.format} with {w.group_size}-weight groups"
+            raise LlmqError(f"{name}: {fmt} with {w.group_size}-weight groups"
                             f"{' and these quantized activations' if a else ''} is not read by llmq (NVFP4: 16, "
                             "MXFP4: 32; weight-only, or W4A4 with activations in the weights' FP4 format and groups)")
         return _read_fp4(tensors, name, w, scale, a is not None)
     zero = None
-    if qconfig.format == "pack-quantized":
+    if fmt == "pack-quantized":
         shape = torch.Size(_get(tensors, f"{name}.weight_shape").tolist())
         q = unpack_from_int32(_get(tensors, f"{name}.weight_packed"), w.num_bits, shape)
         if not w.symmetric:

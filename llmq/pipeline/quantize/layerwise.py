@@ -31,8 +31,8 @@ from ...runtime.loader import quantized_linear
 from . import experts
 from .calib import TokenWindows
 from .methods import WEIGHT_ONLY
-from .mixed import width_grid
 from .rtn import quantize_weight
+from .schemes import SCHEMES, width_grid
 from .streamed import (
     capture_layer0,
     drop,
@@ -187,12 +187,27 @@ def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Modu
     return acc.result()
 
 
+def _round_formats(linears: dict[str, nn.Linear], chosen: dict[str, str], spec: ModelSpec, opts,
+                   dtype: torch.dtype) -> dict[str, qformat.QuantizedWeight]:
+    """The linears mixed precision put in a floating-point format, rounded a unit at a time (a unit shares NVFP4's
+    global scale)."""
+    out = {}
+    for unit in spec.arch.unit_paths(spec.num_experts):
+        names = [n for n in unit if n in linears]
+        if names:
+            scheme = SCHEMES[chosen[names[0]]]
+            out |= dict(zip(names, scheme.quantize_unit([linears[n].weight.data for n in names], opts, dtype)))
+    return out
+
+
 @torch.no_grad()
 def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWindows | None,
                   probe: TokenWindows | None, sink: Sink, progress: bool = True,
-                  widths: dict[str, int] | None = None) -> LayerwiseResult:
+                  widths: dict[str, int] | None = None, formats: dict[str, str] | None = None) -> LayerwiseResult:
     """Quantize every decoder layer's linears of the model in `model_dir` with `method` (a plug-in module), handing
-    each finished tensor to `sink`. widths: full linear name -> bits where --target-bpw chose them (16: dense).
+    each finished tensor to `sink`. widths: full linear name -> bits where --target-bpw chose them (16: dense);
+    formats: full linear name -> the floating-point scheme (fp8 / nvfp4 / mxfp4, schemes.py) it chose instead, rounded
+    to nearest a unit at a time here rather than by the method.
     At most one decoder layer's weights are in memory at any time."""
     from transformers.utils import logging as hf_logging
 
@@ -204,7 +219,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     model = skeleton(model_dir, arch, model_dtype, device)
     embed = load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
     layers = model.get_submodule(arch.layers)
-    widths = widths or {}
+    widths, formats = widths or {}, formats or {}
     ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None, kv=None,
                              ignore=(*opts.ignore, *experts.routers(spec), *(n for n, b in widths.items() if b == 16)))
 
@@ -234,6 +249,8 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             probe_src = [layer(x, **probe_kw[i]) for x in probe_src]
             linears = {n: m for n, m in layer.named_modules()
                        if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
+            own_formats = {n: formats[f"{prefix}.{n}"] for n in linears if f"{prefix}.{n}" in formats}
+            in_format = {n: linears.pop(n) for n in own_formats}
             own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
                                calib_kw[i] if calib_kw else {}, own)
@@ -244,6 +261,8 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             if set(qws) != set(linears):
                 raise LlmqError(f"method {opts.method} returned weights for {sorted(qws)} in layer {i}, "
                                 f"expected {sorted(linears)}")
+            qws |= _round_formats(in_format, own_formats, spec, opts, model_dtype)
+            linears |= in_format
             for name, qw in qws.items():
                 lin = linears[name]
                 if tuple(qw.shape) != (lin.out_features, lin.in_features):  # (a method may have freed lin.weight)

@@ -1,17 +1,22 @@
 """Mixed precision (`llmq quantize --target-bpw B`, or `--max-size S`, which derives B from a file size): each unit
-of linears gets 4, 8 or 16 bits, chosen from its measured sensitivity so that the model's KLD at that size is as low
-as the measurements say it can be.
+of linears gets one scheme, chosen from its measured sensitivity so that the model's KLD at that size is as low as the
+measurements say it can be: 4, 8 or 16 integer bits, or with `--for ENGINE` any scheme of the catalogue that engine
+loads (schemes.py: 16-bit, FP8, INT8, INT4, NVFP4, MXFP4, all weight-only).
 
 A unit is the linears one input feeds and engines fuse into one matmul (q/k/v, gate/up), or o_proj / down_proj
-alone: vLLM loads a fused layer with one scheme, and AWQ scales exactly these groups, so a unit has one width.
-Its sensitivity is measured, not guessed: the mean KLD of the model's next-token distributions when that unit alone
-is rounded to the 4-bit grid (RTN, the options' group size), on calibration windows (never the probe's held-out
-text). On SmolLM2-135M the single-layer KLDs add up to the KLD of rounding all of them (0.48 summed, 0.47 at once),
-so the KLD of a choice is estimated as the sum of its units' losses, and choosing is a knapsack: minimise the summed
-loss under the byte budget, solved exactly by dynamic programming over budget buckets. At 8 bits (per channel, or
-groups of --int8-group-size) a unit's loss is its 4-bit loss scaled by the ratio of the two grids' weight
-mean-squared errors (KLD is quadratic in a small perturbation); at 16 bits it is 0. B counts every byte of the
-decoder layers' linears (integers, scales, zero points) per weight; the embedding and lm_head are outside it
+alone: vLLM loads a fused layer with one scheme (vllm#47215), and AWQ scales exactly these groups, so a unit has one
+scheme. Its sensitivity is measured, not guessed: the mean KLD of the model's next-token distributions when that unit
+alone is rounded to INT4 (RTN, the options' group size), on calibration windows (never the probe's held-out text).
+On SmolLM2-135M the single-layer KLDs add up to the KLD of rounding all of them (0.48 summed, 0.47 at once), so the
+KLD of a choice is estimated as the sum of its units' losses, and choosing is a knapsack: minimise the summed loss
+under the byte budget, solved exactly by dynamic programming over budget buckets. The 4-bit schemes (INT4, and with
+--for NVFP4 and MXFP4) are each measured that way; an 8-bit scheme's loss is the unit's INT4 loss scaled by the ratio
+of the two schemes' summed squared weight errors (KLD is quadratic in a small perturbation); at 16 bits it is 0. The
+ratio cannot stand in for the FP4 measurements: on SmolLM2 (benchmarks/mixed_scheme_sensitivity.py, the 12 units of
+layers 2 / 14 / 27) NVFP4's measured KLD was 0.33-1.26x INT4 g64's (below it in 10 units) while the MSE ratio put it
+at 1.0-1.2x (after INT4 in 11), and MXFP4's 0.58-2.8x against an estimated 1.6-1.8x; the 8-bit estimates were
+0.8-1.8x the measured INT8 KLD and kept INT8 ahead of FP8 in all 12, as measured. B counts every byte of the decoder
+layers' linears (values, scales, zero points, global scales) per weight; the embedding and lm_head are outside it
 (`--embedding` / `--lm-head` decide them).
 
 The measurement streams like the quantizer: the float model's hidden states entering each layer are kept (tokens x
@@ -30,9 +35,10 @@ import torch
 from ...errors import LlmqError
 from ...models import ModelSpec, qformat
 from ...options import parse_size
-from . import rtn
+from . import schemes
 from .calib import TokenWindows
 from .experts import routers
+from .schemes import SCHEMES, Scheme, linear_bytes
 from .streamed import (
     capture_layer0,
     drop,
@@ -45,10 +51,10 @@ from .streamed import (
     stored_dtype,
 )
 
-WIDTHS = (4, 8, 16)
 SENSITIVITY_TOKENS = 1024   # calibration tokens the sensitivity pass scores (its cost is linear in them)
 HEADER_BYTES_PER_ENTRY = 256  # above any safetensors header entry (name, dtype, shape, offsets) of a Llama tensor
 BUCKETS = 1 << 20           # most budget steps the knapsack tracks (beyond: costs rounded up, the budget still holds)
+MEASURED = "int4"           # the scheme whose loss is measured; the others' are scaled from it by weight MSE
 
 
 def unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
@@ -56,18 +62,9 @@ def unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
     return [[spec.linear_shape(r) for r in unit] for unit in spec.arch.unit_roles(spec.num_experts)]
 
 
-def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
-    """Bytes a [n, k] linear takes in the checkpoint at `bits` (group_size 0: per channel; 16: dense)."""
-    if bits == 16:
-        return 2 * n * k
-    groups = k // group_size if group_size else 1
-    zeros = 0 if symmetric else n * groups * bits // 8
-    return n * k * bits // 8 + n * groups * scale_bytes + zeros
-
-
-def width_grid(bits: int, opts) -> tuple[int, int]:
-    """(bits, group_size) of a linear at `bits`: the options' grid at their own width, --int8-group-size at 8."""
-    return (bits, opts.group_size) if bits == opts.bits else (bits, opts.int8_group_size if bits == 8 else 0)
+def candidates(spec: ModelSpec, opts) -> list[Scheme]:
+    """The schemes this run chooses among (schemes.candidates for the model's decoder linears), cheapest first."""
+    return schemes.candidates(opts.for_engine, [s for unit in unit_shapes(spec) for s in unit], opts)
 
 
 def choose(losses: np.ndarray, costs: np.ndarray, budget: int) -> list[int]:
@@ -106,14 +103,25 @@ def choose(losses: np.ndarray, costs: np.ndarray, budget: int) -> list[int]:
 
 @dataclass
 class Plan:
-    """The width of every decoder linear (full name -> 4 / 8 / 16) and what the manifest records of the choice."""
+    """The scheme of every decoder linear (full name -> a schemes.SCHEMES name) and what the manifest records of the
+    choice."""
 
-    bits: dict[str, int]
+    schemes: dict[str, str]
     manifest: dict
 
     @property
+    def bits(self) -> dict[str, int]:
+        """The linears on an integer grid or dense: name -> 4 / 8 / 16 (what the quantize method rounds)."""
+        return {n: SCHEMES[s].bits for n, s in self.schemes.items() if SCHEMES[s].integer}
+
+    @property
+    def formats(self) -> dict[str, str]:
+        """The linears in a floating-point format (fp8, nvfp4, mxfp4): name -> scheme."""
+        return {n: s for n, s in self.schemes.items() if not SCHEMES[s].integer}
+
+    @property
     def dense(self) -> list[str]:
-        return sorted(n for n, b in self.bits.items() if b == 16)
+        return sorted(n for n, s in self.schemes.items() if s == "16bit")
 
 
 class _Scorer:
@@ -143,8 +151,12 @@ class _Scorer:
 
 
 @torch.no_grad()
-def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True) -> dict:
-    """Per unit (layer, index into Arch.units): its 4-bit KLD (alone, RTN) and the 8 / 4-bit weight MSE ratio."""
+def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True,
+            cands: list[Scheme] = (SCHEMES[MEASURED],), direct: tuple[str, ...] = (MEASURED,),
+            layers: tuple[int, ...] | None = None) -> dict:
+    """Per unit (layer, index into Arch.units): "mse", each candidate's summed squared weight error, and "kld", the
+    KLD of each scheme in `direct` with that unit alone rounded to it. layers: only these layers' units (all by
+    default; the later layers run all the same)."""
 
     arch, units = spec.arch, spec.arch.unit_paths(spec.num_experts)
     source = source_tensors(model_dir)
@@ -154,11 +166,13 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     hidden, kws = capture_layer0(model, arch, windows.samples, device)
     x = torch.cat(hidden)  # the windows as one batch: [windows, tokens, hidden]
     drop(model, qformat.EMBEDDING)
-    layers = model.get_submodule(arch.layers)
-    n, k = len(layers), len(units)
+    stack = model.get_submodule(arch.layers)
+    n = len(stack)
+    chosen = range(n) if layers is None else layers
+    streamed = [c for c in cands if c.name in direct and c.name != "16bit"]  # schemes whose KLD is measured
 
     def layer(j: int):
-        return load(layers[j], arch.prefix(j), source, device).to(dtype=torch.float32)
+        return load(stack[j], arch.prefix(j), source, device).to(dtype=torch.float32)
 
     entering = []
     with progress_bar(progress) as bar:
@@ -166,58 +180,71 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
         for j in range(n):
             entering.append(x.cpu())
             x = layer(j)(x, **kws[j])
-            layers[j].to("meta")
+            stack[j].to("meta")
             bar.advance(task)
         norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
         scorer = _Scorer(x, norm, source[head_name(source)].to(device))
         out: dict = {}
-        task = bar.add_task("sensitivity: units", total=n * (n + 1) // 2)
-        for i in range(n):
+        task = bar.add_task("sensitivity: units", total=sum(n - i for i in chosen))
+        for i in chosen:
             prefix = arch.prefix(i)
             lay = layer(i)
             h_in = entering[i].to(device)
             streams = []
-            b4, g4 = width_grid(4, opts)
             for u, names in enumerate(units):
                 lins = [lay.get_submodule(nm) for nm in names]
                 kept = [lin.weight.data for lin in lins]
-                err4 = err8 = 0.0  # summed squared weight errors of the unit at 4 and at 8 bits
-                for lin, w in zip(lins, kept):
-                    lin.weight.data = rtn.quantize_weight(w, b4, g4, opts.symmetric, dtype,
-                                                           search=opts.search).dequantize()
-                    err4 += float((lin.weight.data - w).pow(2).sum())
-                    w8 = rtn.quantize_weight(w, *width_grid(8, opts), opts.symmetric, dtype, search=opts.search)
-                    err8 += float((w8.dequantize() - w).pow(2).sum())
-                streams.append(lay(h_in, **kws[i]))
+                mse = {}
+                for scheme in cands:
+                    if scheme.name == "16bit":
+                        mse[scheme.name] = 0.0
+                        continue
+                    deq = [qw.dequantize().to(device) for qw in scheme.quantize_unit(kept, opts, dtype)]
+                    mse[scheme.name] = float(sum((d - w).pow(2).sum() for d, w in zip(deq, kept)))
+                    if scheme in streamed:
+                        for lin, d in zip(lins, deq):
+                            lin.weight.data = d
+                        streams.append(lay(h_in, **kws[i]))
                 for lin, w in zip(lins, kept):
                     lin.weight.data = w
-                out[(i, u)] = {"prefix": prefix, "mse_ratio": err8 / err4 if err4 else 0.0}
-            layers[i].to("meta")
+                out[(i, u)] = {"prefix": prefix, "mse": mse}
+            stack[i].to("meta")
             bar.advance(task)
-            s = torch.cat(streams)  # every unit's perturbed states in one batch through the later layers
+            s = torch.cat(streams)  # every perturbed state of the layer in one batch through the later layers
             for j in range(i + 1, n):
                 s = layer(j)(s, **kws[j])
-                layers[j].to("meta")
+                stack[j].to("meta")
                 bar.advance(task)
-            for u, su in enumerate(s.chunk(k)):
-                out[(i, u)]["kld"] = scorer.kld(su)
+            per_unit = iter(s.chunk(len(streams)))
+            for u in range(len(units)):
+                out[(i, u)]["kld"] = {sc.name: scorer.kld(next(per_unit)) for sc in streamed}
     return out
 
 
-def unit_costs(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
-    """([layers * units, WIDTHS] bytes of each unit at each width, parameters of all decoder linears); in the GGUF
-    file's blocks with --size-in gguf."""
+def losses(sens: dict, keys: list, cands: list[Scheme]) -> np.ndarray:
+    """[units, candidates] estimated KLD of each unit in each scheme: the measured one where there is one, else the
+    measured INT4 loss scaled by the ratio of the two schemes' weight MSEs (KLD is quadratic in a small
+    perturbation); 16bit costs nothing."""
+    def loss(m: dict, name: str) -> float:
+        if name in m["kld"]:
+            return m["kld"][name]
+        base = m["mse"][MEASURED]
+        return m["kld"][MEASURED] * m["mse"][name] / base if base else 0.0
+
+    return np.array([[loss(sens[k], c.name) for c in cands] for k in keys])
+
+
+def unit_costs(spec: ModelSpec, opts, cands: list[Scheme]) -> tuple[np.ndarray, int]:
+    """([layers * units, candidates] bytes of each unit in each scheme, parameters of all decoder linears); in the
+    GGUF file's blocks with --size-in gguf."""
     shapes = unit_shapes(spec)
     scale_bytes = 2  # bf16 / fp16 scales, as the quantizer stores them for 16-bit models
 
-    def cost(n: int, k: int, b: int) -> int:
-        if opts.size_in == "gguf":
-            from ..targets.gguf_size import linear_bytes as gguf_bytes
+    def cost(n: int, k: int, scheme: Scheme) -> int:
+        return scheme.gguf_bytes(n, k, opts) if opts.size_in == "gguf" else \
+            scheme.checkpoint_bytes(n, k, opts, scale_bytes)
 
-            return gguf_bytes(n, k, b, opts.symmetric)
-        return linear_bytes(n, k, b, width_grid(b, opts)[1], opts.symmetric, scale_bytes)
-
-    costs = np.array([[sum(cost(n, k, b) for n, k in shapes[u]) for b in WIDTHS]
+    costs = np.array([[sum(cost(n, k, c) for n, k in shapes[u]) for c in cands]
                       for _ in range(spec.num_layers) for u in range(len(shapes))], dtype=np.float64)
     return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
 
@@ -231,7 +258,7 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
         from ..targets.gguf_size import fixed_bytes
 
         fixed = fixed_bytes(model_dir, opts.embedding == "int8", opts.lm_head == "int8")
-        return (parse_size(opts.max_size) - fixed) * 8 / unit_costs(spec, opts)[1]
+        return (parse_size(opts.max_size) - fixed) * 8 / unit_costs(spec, opts, candidates(spec, opts))[1]
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors
 
@@ -256,50 +283,57 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     if opts.lm_head == "int8" and head not in tensors and opts.embedding != "int8":  # untied for it
         fixed, entries = fixed + int8_rows(table), entries + 3
     left = parse_size(opts.max_size) - fixed - 16 * len(linears) - HEADER_BYTES_PER_ENTRY * entries
-    return left * 8 / unit_costs(spec, opts)[1]
+    return left * 8 / unit_costs(spec, opts, candidates(spec, opts))[1]
 
 
 def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
-    """unit_costs(spec, opts), after an LlmqError when opts.target_bpw is below what every unit at the options' 4-bit
-    grid takes."""
-    costs, params = unit_costs(spec, opts)
-    floor = costs[:, 0].sum() * 8 / params
-    if opts.target_bpw * params / 8 < costs[:, 0].sum():
+    """unit_costs(spec, opts, candidates(spec, opts)), after an LlmqError when opts.target_bpw is below what every unit
+    in its cheapest candidate takes."""
+    cands = candidates(spec, opts)
+    costs, params = unit_costs(spec, opts, cands)
+    floor = costs.min(1).sum() * 8 / params
+    if opts.target_bpw * params / 8 < costs.min(1).sum():
         asked = (f"--max-size {opts.max_size} leaves {opts.target_bpw:.3f} bits per decoder weight, which is"
                  if opts.max_size is not None else f"--target-bpw {opts.target_bpw:g} is")
-        raise LlmqError(f"{asked} below the {floor:.3f} bits per weight that {opts.bits}-bit groups of "
-                        f"{opts.group_size or 'a row'} take; ask for at least that")
+        cheapest = (f"{opts.bits}-bit groups of {opts.group_size or 'a row'}" if opts.for_engine is None else
+                    f"the cheapest schemes {opts.for_engine} loads")
+        raise LlmqError(f"{asked} below the {floor:.3f} bits per weight that {cheapest} take; ask for at least that")
     return costs, params
 
 
 def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress: bool = True) -> Plan:
-    """Measure every unit's sensitivity and choose its width so the decoder linears fit opts.target_bpw."""
+    """Measure every unit's sensitivity and choose its scheme so the decoder linears fit opts.target_bpw."""
     costs, params = check(spec, opts)
+    cands = candidates(spec, opts)
     budget = opts.target_bpw * params / 8
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
     windows = calib.head(take)
-    sens = measure(model_dir, spec, opts, windows, device, progress)
+    direct = tuple(c.name for c in cands if c.bits == 4)   # the 4-bit schemes: measured, not estimated (module doc)
+    sens = measure(model_dir, spec, opts, windows, device, progress, cands, direct)
     units = spec.arch.unit_paths(spec.num_experts)
     keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
-    losses = np.array([[sens[k]["kld"], sens[k]["kld"] * sens[k]["mse_ratio"], 0.0] for k in keys])
-    picks = choose(losses, costs, int(budget))
-    bits, chosen_units = {}, []
+    loss = losses(sens, keys, cands)
+    picks = choose(loss, costs, int(budget))
+    chosen_schemes, chosen_units = {}, []
     for (i, u), j in zip(keys, picks):
-        prefix = sens[(i, u)]["prefix"]
-        for name in units[u]:
-            bits[f"{prefix}.{name}"] = WIDTHS[j]
-        chosen_units.append({"layer": i, "modules": list(units[u]), "bits": WIDTHS[j],
-                      "kld_4bit_alone": round(sens[(i, u)]["kld"], 7), "mse_ratio_8_to_4": sens[(i, u)]["mse_ratio"]})
+        prefix, name = sens[(i, u)]["prefix"], cands[j].name
+        chosen_schemes.update({f"{prefix}.{m}": name for m in units[u]})
+        mse = sens[(i, u)]["mse"]
+        chosen_units.append({"layer": i, "modules": list(units[u]), "scheme": name, "bits": cands[j].bits,
+                             "kld_alone": {k: round(v, 7) for k, v in sens[(i, u)]["kld"].items()},
+                             "mse_ratio_to_int4": {c.name: mse[c.name] / mse[MEASURED] if mse[MEASURED] else 0.0
+                                                   for c in cands if c.name not in (*direct, "16bit")}})
     chosen = sum(costs[n, j] for n, j in enumerate(picks))
+    at_int4 = [c.name for c in cands].index(MEASURED)
     manifest = {
-        "target_bpw": opts.target_bpw, "bpw": round(chosen * 8 / params, 4), "bytes": int(chosen),
-        "budget_bytes": int(budget), "params": params,
-        "estimated_kld": round(float(sum(losses[n, j] for n, j in enumerate(picks))), 6),
-        "estimated_kld_all_4bit": round(float(losses[:, 0].sum()), 6),
-        "count": {str(b): sum(1 for j in picks if WIDTHS[j] == b) for b in WIDTHS},
-        "sensitivity": {"method": "rtn", "bits": 4, "group_size": opts.group_size, "tokens": windows.tokens,
-                        "windows": len(windows.samples), "source": windows.source},
+        "target_bpw": opts.target_bpw, "for": opts.for_engine, "candidates": [c.name for c in cands],
+        "bpw": round(chosen * 8 / params, 4), "bytes": int(chosen), "budget_bytes": int(budget), "params": params,
+        "estimated_kld": round(float(sum(loss[n, j] for n, j in enumerate(picks))), 6),
+        "estimated_kld_all_int4": round(float(loss[:, at_int4].sum()), 6),
+        "count": {c.name: sum(1 for j in picks if cands[j] is c) for c in cands},
+        "sensitivity": {"method": "rtn", "measured": list(direct), "group_size": opts.group_size,
+                        "tokens": windows.tokens, "windows": len(windows.samples), "source": windows.source,
+                        "others": "the measured INT4 KLD x the ratio of the schemes' weight MSEs"},
         "units": chosen_units,
     }
-    return Plan(bits, manifest)
-
+    return Plan(chosen_schemes, manifest)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ...errors import LlmqError
 from ...options import Options, add_fields, default_of, option, parse_size
 from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
+from .schemes import ENGINES
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
 DEFAULT_GROUPS = (128, 64, 32)
@@ -80,6 +81,13 @@ class QuantizeOptions(Options):
     max_size: str | None = option(None, "Mixed precision for a file-size budget (e.g. 105MB, 100MiB): the "
                                   "--target-bpw that what is left fills, once the embedding, head, norms and headers "
                                   "are priced as they will be stored; the file is at most this size.", metavar="SIZE")
+    for_engine: str | None = option(None, "Mixed precision across formats: choose each unit's scheme among every one "
+                                    "ENGINE loads (16-bit, FP8, INT8, INT4, NVFP4 and MXFP4 weight-only; vllm: all; "
+                                    "trtllm: 16-bit, INT8 per channel, INT4; gguf: all but FP8; llmq: all). The "
+                                    "method rounds the integer units; FP8 / NVFP4 / MXFP4 ones are rounded to "
+                                    "nearest. Without it, --target-bpw / --max-size choose among 4, 8 and 16 integer "
+                                    "bits.",
+                                    choices=ENGINES, flag="--for", metavar="ENGINE")
     size_in: str = option("checkpoint", "Whose bytes --target-bpw / --max-size count: the checkpoint's, or the "
                           "GGUF file's that `llmq build --target gguf` will write (Q4_0 / Q4_1 / Q8_0 blocks of 18 / "
                           "20 / 34 bytes per 32 weights, norms in float32, the tokenizer in its metadata), so a "
@@ -133,11 +141,20 @@ class QuantizeOptions(Options):
             parse_size(self.max_size)
             if self.target_bpw is not None:
                 raise LlmqError("--max-size and --target-bpw are two spellings of one budget; give one")
+        if self.for_engine is not None and not self.mixed:
+            raise LlmqError(f"--for {self.for_engine} chooses mixed-precision schemes that engine loads; give "
+                            "--target-bpw or --max-size too")
+        if self.size_in == "gguf" and self.for_engine not in (None, "gguf"):
+            raise LlmqError(f"--size-in gguf prices the GGUF file, which {self.for_engine} does not load; use --for "
+                            "gguf or --size-in checkpoint")
         if self.size_in == "gguf" and not self.mixed:
             raise LlmqError("--size-in gguf prices --target-bpw / --max-size in GGUF bytes; give one of those")
-        if self.size_in == "gguf" and ((self.group_size or 0) % 32 or self.int8_group_size % 32):
-            raise LlmqError("--size-in gguf: GGUF's blocks hold 32 weights, so --group-size and --int8-group-size "
+        gguf = "--size-in gguf" if self.size_in == "gguf" else "--for gguf" if self.for_engine == "gguf" else None
+        if gguf and ((self.group_size or 0) % 32 or self.int8_group_size % 32):
+            raise LlmqError(f"{gguf}: GGUF's blocks hold 32 weights, so --group-size and --int8-group-size "
                             f"must be multiples of 32 (got {self.group_size}, {self.int8_group_size})")
+        if self.for_engine == "trtllm" and not self.symmetric:
+            raise LlmqError("--for trtllm: TensorRT-LLM's INT4 weight-only kernels take no zero points; drop --asym")
         if self.mixed and (self.method not in WEIGHT_ONLY or self.bits in (5, 8) or self.per_tensor):
             flag = "--target-bpw" if self.target_bpw is not None else "--max-size"
             raise LlmqError(f"{flag} mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "

@@ -125,7 +125,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         else opts.grid) + opts.tags + (
         "-head8" if opts.lm_head == "int8" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
         f"-max{opts.max_size.replace(' ', '')}" if opts.max_size else f"-bpw{opts.target_bpw:g}" if opts.target_bpw
-        else "")
+        else "") + (f"-for{opts.for_engine}" if opts.for_engine else "")
     from ...models.checkpoint import ShardedWriter, copy_tokenizer
 
     with store.create("quantized", name, parents=[source.id], command=command, needs=source.payload_bytes) as w, \
@@ -140,7 +140,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
 
         sink = CheckpointSink(out, opts, (*(plan.dense if plan else ()), *routers(spec)))
         result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,
-                               progress=progress, widths=plan.bits if plan else None)
+                               progress=progress, widths=plan.bits if plan else None,
+                               formats=plan.formats if plan else None)
         out.close()
         if result.importance:
             importance.write(w.dir, result.importance, calib.source, calib.tokens, len(calib.samples),

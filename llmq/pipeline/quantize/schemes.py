@@ -1,0 +1,142 @@
+"""The schemes mixed precision chooses among (`llmq quantize --target-bpw B --for ENGINE`): for each, the bytes a
+[n, k] linear takes exactly as the checkpoint stores it (and as the GGUF file does), how a unit's weights are rounded
+to it, and which engines load it. All are weight-only (mixed.py measures the 4-bit ones' KLD and scales INT4's by the
+weight-MSE ratio for the 8-bit ones):
+- int4 / int8: the options' integer grid (4 bits: --group-size, 8 bits: --int8-group-size), compressed-tensors'
+  pack-quantized; the method (rtn / gptq / awq) rounds them;
+- fp8: FP8 E4M3 weights with a scale per output channel in the model's dtype, 16-bit activations (float-quantized
+  without input_activations: vLLM's W8A16-FP8);
+- nvfp4 / mxfp4: W4A16 FP4 as `--method nvfp4` / `mxfp4` write them (round-to-nearest, amax block scales; NVFP4's
+  global scale shared by a unit, as engines fuse it);
+- 16bit: the stored dtype, left dense.
+Which engine loads which (`ENGINES`): vLLM's compressed-tensors integration reads every one of them from named config
+groups, each with its own "format" under a top-level "mixed-precision" (CompressedTensorsConfig reads a group's format
+before the global one; WNA16, W8A16-FP8, W4A16-NVFP4 and W4A16-MXFP4 are its weight-only schemes). TensorRT-LLM's
+PyTorch backend loads per layer what llmq's trtllm target writes weight-only: W8A16 per channel, W4A16 (AWQ-style
+groups); its FP8 and NVFP4 are W8A8 / W4A4, so neither weight-only FP8 nor NVFP4 / MXFP4 W4A16 is offered for it.
+GGUF holds int4 (Q4_0 / Q4_1), int8 (Q8_0, 32-aligned groups), MXFP4 and NVFP4 (64-weight blocks) and no FP8. llmq's
+runtime loads all."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ... import quant
+from ...errors import LlmqError
+from ...models import qformat
+from . import fp4, rtn
+from .fp8 import quantize_weight_fp8
+
+ENGINES = ("llmq", "vllm", "trtllm", "gguf")
+INTEGER = ("int4", "int8", "16bit")   # what --target-bpw chooses among without --for: today's widths
+NVFP4_SCALE_ENTRY = 96   # GGUF: the F32 `.scale` tensor holding NVFP4's global scale, padded to 32 bytes, and its
+#                          tensor-table entry (under 64 bytes)
+GGUF_TYPES = {"int4": "Q4_0", "int4-asym": "Q4_1", "int8": "Q8_0", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
+
+
+def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
+    """Bytes a [n, k] integer linear takes in the checkpoint at `bits` (group_size 0: per channel; 16: dense)."""
+    if bits == 16:
+        return 2 * n * k
+    groups = k // group_size if group_size else 1
+    zeros = 0 if symmetric else n * groups * bits // 8
+    return n * k * bits // 8 + n * groups * scale_bytes + zeros
+
+
+def width_grid(bits: int, opts) -> tuple[int, int]:
+    """(bits, group_size) of an integer linear at `bits`: the options' grid at their own width, --int8-group-size at
+    8."""
+    return (bits, opts.group_size) if bits == opts.bits else (bits, opts.int8_group_size if bits == 8 else 0)
+
+
+def gguf_block(name: str) -> tuple[int, int]:
+    """(weights, bytes) of a GGUF block type, from the gguf package's table (llama.cpp's)."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One candidate: its name, bits per weight before scales, and the engines that load it."""
+
+    name: str
+    bits: int
+    engines: frozenset[str]
+
+    @property
+    def integer(self) -> bool:
+        """Rounded by the quantize method on an integer grid (int4 / int8), or left dense (16bit)."""
+        return self.name in INTEGER
+
+    def checkpoint_bytes(self, n: int, k: int, opts, scale_bytes: int = 2) -> int:
+        """Bytes of a [n, k] linear in the checkpoint: values, scales, zero points, global scale."""
+        if self.name == "16bit":
+            return 2 * n * k
+        if self.name == "fp8":
+            return n * k + n * scale_bytes
+        if self.name == "nvfp4":
+            return n * k // 2 + n * k // quant.NVFP4_BLOCK + 4
+        if self.name == "mxfp4":
+            return n * k // 2 + n * k // quant.MXFP4_BLOCK
+        return linear_bytes(n, k, *width_grid(self.bits, opts), opts.symmetric, scale_bytes)
+
+    def gguf_bytes(self, n: int, k: int, opts) -> int:
+        """Bytes of a [n, k] linear in the GGUF file `llmq build --target gguf` writes."""
+        if self.name == "16bit":
+            return 2 * n * k
+        weights, size = gguf_block(GGUF_TYPES["int4-asym" if self.name == "int4" and not opts.symmetric
+                                              else self.name])
+        return n * (k // weights) * size + (NVFP4_SCALE_ENTRY if self.name == "nvfp4" else 0)
+
+    def loads(self, engine: str, shapes: list[tuple[int, int]], opts) -> bool:
+        """Whether `engine` loads this scheme for linears of these shapes under these options."""
+        if engine not in self.engines:
+            return False
+        if engine == "gguf":
+            if self.name == "nvfp4":
+                return all(k % gguf_block("NVFP4")[0] == 0 for _, k in shapes)
+            if self.name == "int8":
+                return opts.symmetric   # Q8_0 has no zero point
+        if engine == "trtllm" and self.name == "int8":
+            return opts.int8_group_size == 0   # W8A16: a scale per output channel
+        return True
+
+    def quantize_unit(self, weights: list[torch.Tensor], opts, scale_dtype: torch.dtype
+                      ) -> list[qformat.QuantizedWeight]:
+        """Round-to-nearest of a unit's weights (q/k/v or gate/up share NVFP4's global scale); the integer grids as
+        the rtn method rounds them (--scales), for the sensitivity pass."""
+        if self.name == "fp8":   # weight-only: quantize_weight_fp8 without an input scale makes activations dynamic
+            return [dataclasses.replace(quantize_weight_fp8(w, "channel", scale_dtype=scale_dtype), dynamic=False)
+                    for w in weights]
+        if self.name in qformat.FP4_FORMATS:
+            g = quant.nvfp4_global_scale(torch.stack([w.abs().amax() for w in weights]).max()) \
+                if self.name == "nvfp4" else None
+            return [fp4.quantize_weight(w, self.name, g) for w in weights]
+        if self.name == "16bit":
+            raise LlmqError("16bit weights are kept, not rounded")
+        return [rtn.quantize_weight(w, *width_grid(self.bits, opts), opts.symmetric, scale_dtype, search=opts.search)
+                for w in weights]
+
+
+_ALL = frozenset(ENGINES)
+SCHEMES = {s.name: s for s in (
+    Scheme("int4", 4, _ALL),
+    Scheme("nvfp4", 4, frozenset({"llmq", "vllm", "gguf"})),
+    Scheme("mxfp4", 4, frozenset({"llmq", "vllm", "gguf"})),
+    Scheme("int8", 8, _ALL),
+    Scheme("fp8", 8, frozenset({"llmq", "vllm"})),
+    Scheme("16bit", 16, _ALL),
+)}
+
+
+def candidates(engine: str | None, shapes: list[tuple[int, int]], opts) -> list[Scheme]:
+    """The schemes --target-bpw chooses among: the integer widths without --for, else every scheme `engine` loads
+    for linears of these shapes; cheapest first."""
+    if engine is None:
+        return [SCHEMES[n] for n in INTEGER]
+    out = [s for s in SCHEMES.values() if s.loads(engine, shapes, opts)]
+    return sorted(out, key=lambda s: sum(s.checkpoint_bytes(n, k, opts) for n, k in shapes))
