@@ -74,6 +74,20 @@ def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> P
     return path
 
 
+def tiny_bf16_store(d: Path, seed: int, **overrides):
+    """(store, model artifact) of a tiny random model saved in bf16, in a fresh store under d."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    path = make_tiny_model(d / "tiny", seed=seed, **overrides)
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    store = Store(d / "store")
+    return store, resolve_model(str(path), store)
+
+
 def llmq_logits(source_dir, ids):
     """What llmq evaluated: its runtime's log-probs [batch, seq, vocab] over an artifact, one prompt per row of ids."""
     import torch

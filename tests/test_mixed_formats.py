@@ -27,17 +27,9 @@ COMMON = dict(bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=0)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from helpers import make_tiny_model
-    from transformers import AutoModelForCausalLM
+    from helpers import tiny_bf16_store
 
-    from llmq.artifacts import Store
-    from llmq.models import resolve_model
-
-    d = tmp_path_factory.mktemp("mixed-formats")
-    path = make_tiny_model(d / "tiny", seed=5, num_hidden_layers=3)
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
-    store = Store(d / "store")
-    return store, resolve_model(str(path), store)
+    return tiny_bf16_store(tmp_path_factory.mktemp("mixed-formats"), seed=5, num_hidden_layers=3)
 
 
 def _designated(monkeypatch, order: list[str]):

@@ -16,17 +16,9 @@ from llmq.pipeline.quantize import QuantizeOptions, mixed
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from helpers import make_tiny_model
-    from transformers import AutoModelForCausalLM
+    from helpers import tiny_bf16_store
 
-    from llmq.artifacts import Store
-    from llmq.models import resolve_model
-
-    d = tmp_path_factory.mktemp("mixed")
-    path = make_tiny_model(d / "tiny", seed=9, num_hidden_layers=3)
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
-    store = Store(d / "store")
-    return store, resolve_model(str(path), store)
+    return tiny_bf16_store(tmp_path_factory.mktemp("mixed"), seed=9, num_hidden_layers=3)
 
 
 @pytest.mark.parametrize("seed", range(6))
