@@ -293,3 +293,17 @@ def test_a_mix_for_gguf_is_written_with_each_weights_own_block_type(tiny, monkey
         assert (scale is not None) == (chosen[name] == "nvfp4"), name
         w = torch.from_numpy(np.array(w, dtype=np.float32)) * (float(scale.data[0]) if scale is not None else 1.0)
         torch.testing.assert_close(w, ck.linear(name).dense(torch.float32), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_the_calibrated_methods_round_the_integer_units_and_leave_the_formats_theirs(tiny, method, monkeypatch):
+    """GPTQ / AWQ take the integer units; the FP8 / NVFP4 / MXFP4 ones (AWQ folds no scales into them) are rounded to
+    nearest after the method, each stored in its own scheme."""
+    store, src = tiny
+    _designated(monkeypatch, ["fp8", "nvfp4", "mxfp4", "int8", "16bit", "int4"])
+    art = quantize(src, QuantizeOptions(method=method, target_bpw=16, for_engine="llmq", **COMMON), store,
+                   progress=False)
+    ck = CheckpointReader(art.path)
+    for name, scheme in _chosen(art).items():
+        qw = ck.linear(name).qw
+        assert (qw.scheme if qw is not None else "dense") == SCHEME_NAME[scheme], name

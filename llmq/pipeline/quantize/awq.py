@@ -104,13 +104,13 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     # (producer that absorbs 1/s, consumers whose input columns absorb s): the family's feeds (Arch.feeds)
     feeds = [(p, cons) for p, _, cons in spec.arch.feed_paths(spec.num_experts)]
     router = spec.arch.path(ROUTER) if spec.num_experts else None  # folded into, never quantized (so not searched)
-    missing = [n for _, cons in feeds for n in cons if n not in ctx.linears and not ctx.dense(n) and n != router]
+    missing = [n for _, cons in feeds for n in cons if n not in ctx.linears and not ctx.apart(n) and n != router]
     if missing:
         raise LlmqError(f"AWQ scales every linear a norm or a projection feeds; layer {ctx.index} keeps "
                         f"{', '.join(missing)} dense (--ignore): drop it from --ignore or use --method gptq / rtn")
     heads = (spec.num_heads, spec.num_kv_heads)
     v_proj = spec.arch.path("v_proj")
-    groups = [(p, cons) for p, cons in feeds if not ctx.dense(cons[0])]  # --target-bpw's 16-bit units: no scales
+    groups = [(p, cons) for p, cons in feeds if not ctx.apart(cons[0])]  # --target-bpw's 16-bit / FP units: no scales
     firsts = [cons[0] for _, cons in groups]
     sums: dict[str, torch.Tensor] = {}
     kept: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}

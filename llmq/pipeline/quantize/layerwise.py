@@ -76,6 +76,7 @@ class LayerContext:
     calib_inputs: list[torch.Tensor] = field(default_factory=list)
     layer_kwargs: dict = field(default_factory=dict)
     widths: dict[str, int] = field(default_factory=dict)  # --target-bpw: each linear's bits (16: kept dense)
+    formats: frozenset[str] = frozenset()  # --target-bpw --for: the linears in FP8 / NVFP4 / MXFP4
     _squares: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def grid(self, name: str) -> tuple[int, int]:
@@ -87,9 +88,10 @@ class LayerContext:
         others take the options' fallback grid, INT4 asymmetric groups of 32)."""
         return getattr(self.opts, "grid", "int") == "q4_k" and self.linears[name].in_features % 256 == 0
 
-    def dense(self, name: str) -> bool:
-        """Whether --target-bpw keeps linear `name` at 16 bits (it is then not in `linears`)."""
-        return self.widths.get(name) == 16
+    def apart(self, name: str) -> bool:
+        """Whether --target-bpw took linear `name` from the method: kept at 16 bits, or put in a floating-point format
+        that is rounded after the method, from the weights it leaves (it is then not in `linears`)."""
+        return self.widths.get(name) == 16 or name in self.formats
 
     @property
     def num_tokens(self) -> int:
@@ -253,7 +255,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
             in_format = {n: linears.pop(n) for n in own_formats}
             own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
-                               calib_kw[i] if calib_kw else {}, own)
+                               calib_kw[i] if calib_kw else {}, own, frozenset(own_formats))
             if calib_x and opts.method in WEIGHT_ONLY:
                 importance.update({f"{prefix}.{n}": s.cpu() for n, s in ctx.mean_squares().items()})
             qws = method.quantize_layer(ctx)
