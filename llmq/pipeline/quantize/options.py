@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from ...errors import LlmqError
 from ...options import Options, add_fields, default_of, option, parse_size
 from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
-from .schemes import ENGINES
+
+ENGINES = ("llmq", "vllm", "trtllm", "gguf")   # what --for names (schemes.py: which scheme each loads); here, not
+#                                               there, so `--help` imports no torch
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
 DEFAULT_GROUPS = (128, 64, 32)

@@ -29,8 +29,8 @@ from ...errors import LlmqError
 from ...models import qformat
 from . import fp4, rtn
 from .fp8 import quantize_weight_fp8
+from .options import ENGINES
 
-ENGINES = ("llmq", "vllm", "trtllm", "gguf")
 INTEGER = ("int4", "int8", "16bit")   # what --target-bpw chooses among without --for: today's widths
 NVFP4_SCALE_ENTRY = 96   # GGUF: the F32 `.scale` tensor holding NVFP4's global scale, padded to 32 bytes, and its
 #                          tensor-table entry (under 64 bytes)

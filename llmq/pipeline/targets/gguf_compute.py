@@ -64,6 +64,11 @@ class GgmlLinear(nn.Module):
         self.parts = parts
         self.bias = None   # the runtime adds a row-parallel bias itself; the parts carry theirs
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the decoded weights (what the runtime's layers report; a mixture of experts sums them)."""
+        return sum(p.weight.numel() * p.weight.element_size() for p in self.parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()
         outs = []
