@@ -13,8 +13,8 @@ Speed, for every thread count and round, interleaved pair by pair (llama.cpp, th
   length): pp128 = 128 / the time to prefill a 128-token prompt and sample its first token; tg128 = 1 / mean decode
   step over the 127 steps after a one-token prompt (contexts 2..128, as llama-bench's; fewer steps where --time-limit
   stops them).
-  Pairs: F16 / llmq bf16, Q8_0 / INT8 RTN per channel, Q4_0 / INT4 RTN g64. Medians over --rounds; ratio = llmq /
-  llama.cpp.
+  Pairs: F16 / llmq bf16, Q8_0 / INT8 RTN per channel, Q4_0 / INT4 RTN g64 and g32, llama.cpp's MXFP4 / NVFP4 of the
+  linears (below) / llmq's. Medians over --rounds; ratio = llmq / llama.cpp.
 Quality, on each held-out text (--text; by default Python source from the installed stdlib and the prose of the GNU
 GPL-3 and Apache-2.0 licenses on disk, all in none of llmq's calibration, probe or eval data), windowed as
 llama-perplexity does (-c 512: chunks of 512 tokens, the second half of each scored; the first --chunks of them):
@@ -79,7 +79,8 @@ UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibrat
 LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
 LINEARS = r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight"  # every decoder linear (llama.cpp's names)
 PAIRS = (("F16", "bf16"), ("Q8_0", "int8-rtn"), ("Q8_0", "int8-rtn-head8"), ("Q8_0", "int8-rtn-emb8"),
-         ("Q4_0", "int4-rtn-g64"), ("Q4_0", "int4-rtn-g64-head8"), ("Q4_0", "int4-rtn-g64-emb8"))  # same class
+         ("Q4_0", "int4-rtn-g64"), ("Q4_0", "int4-rtn-g64-head8"), ("Q4_0", "int4-rtn-g64-emb8"),
+         ("Q4_0", "int4-rtn-g32-emb8"), ("MXFP4 (linears)", "mxfp4"), ("NVFP4 (linears)", "nvfp4"))  # same class
 # held-out texts of two kinds, in none of llmq's calibration / probe / eval sets (checked below): stdlib names or paths
 TEXTS = {"python": ("copy.py", "abc.py", "contextlib.py"),
          "prose": ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")}
@@ -547,7 +548,8 @@ def bench(lc: LlamaCpp, args) -> int:
     load = os.getloadavg()[0]
     print(f"llama.cpp tools: {lc.bin_dir}\nllmq model: {model.ref} ({model.id[:16]})  work dir: {work}\n"
           f"machine: {os.cpu_count()} cores, 1-minute load average {load:.2f} at start")
-    gg, fp4_notes = ggufs(lc, model, work, max(args.threads), fp4=not args.skip_quality)
+    fp4_pairs = [v for _, v in PAIRS if v in LLAMA_FP4.values() and (args.variants is None or v in args.variants)]
+    gg, fp4_notes = ggufs(lc, model, work, max(args.threads), fp4=not args.skip_quality or bool(fp4_pairs))
     given = dict(x.split("=", 1) for x in args.llmq if "=" in x)
     if len(given) != len(args.llmq):
         raise LlmqError("--llmq takes LABEL=REF")

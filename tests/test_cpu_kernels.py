@@ -169,6 +169,67 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group):
             assert _within_rounding(y, theirs, xb, exact_w) and float((y == theirs).float().mean()) > 0.99
 
 
+@needs_avx512
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_linear_decodes_every_code_and_scale_as_the_float64_reference(fmt):
+    """fp4_linear on packed codes against x (float32) times quant.dequantize_fp4's weight in float64: every code in
+    every position of a block, every finite positive E4M3 scale (and zero: an all-zero block) with NVFP4's global
+    divisor, E8M0 scales 2^-100..2^98; rows alone and in fours. Each output's error against the sum of its terms'
+    magnitudes is float32 summation error (a few 2^-24); a wrong code, scale, nibble or divisor is O(1)."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(len(fmt))
+    n, k, group = 128, 256, 16 if fmt == "nvfp4" else 32
+    groups = k // group
+    codes = ((torch.arange(n).unsqueeze(1) + torch.arange(k)) % 16).to(torch.uint8)
+    pair = torch.arange(n * groups).reshape(n, groups)
+    if fmt == "nvfp4":
+        scale, glob = (pair % 127).to(torch.uint8).view(torch.float8_e4m3fn), torch.tensor(1234.5678)
+    else:
+        scale, glob = (27 + 2 * (pair % 100)).to(torch.uint8), None
+    w = quant.dequantize_fp4(codes, scale, glob, torch.float64)
+    s = cpu_kernels.pack_scales(quant.fp4_block_scale(scale))
+    assert s.dtype == torch.bfloat16   # E4M3 and E8M0 scales are exact in bfloat16: 2 bytes a block
+    packed = cpu_kernels.pack_codes(codes, 4)
+    assert packed.numel() == n * k // 2
+    for m in (1, 3, 4, 7, 33):
+        x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
+        y = cpu_kernels.fp4_linear(x, packed, s, group, float(glob) if glob is not None else 1.0)
+        size = x.double().abs() @ w.abs().t()
+        err = (y.double() - x.double() @ w.t()).abs() / torch.where(size > 0, size, 1.0)
+        assert y.shape == (m, n) and float(err.max()) < 1e-6, (fmt, m, float(err.max()))
+
+
+@needs_avx512
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_models_stay_packed_and_the_kv_budget_counts_what_they_hold(tmp_path, make_tiny_model, fmt):
+    """On a CPU with AVX-512 an FP4 model's linears hold their codes packed (a quarter of the dense path's
+    bfloat16 weight, plus bfloat16 block scales) and runtime_bytes with keeps_as_stored prices that, not the dense
+    weight."""
+    import functools
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.runtime import EngineConfig, LLMEngine
+    from llmq.runtime.layers.fp4 import FP4Linear
+    from llmq.runtime.layers.linear import keeps_as_stored
+
+    store = Store(tmp_path / "store")
+    d = make_tiny_model(tmp_path / "m", seed=3, tie_word_embeddings=True)
+    art = quantize(resolve_model(str(d), store), QuantizeOptions(method=fmt, probe_tokens=0), store, progress=False)
+    eng = LLMEngine(art.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
+    model = eng.runner.model
+    layers = [m for m in model.modules() if isinstance(m, FP4Linear)]
+    assert layers and all(m.dense is None and m.divisor is not None for m in layers)
+    held = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if not n.startswith("rotary.") and t.data_ptr() != model.embed.data_ptr()) + model.embed.nbytes
+    eng.shutdown()
+    ckpt = CheckpointReader(art.path)
+    estimate = ckpt.runtime_bytes(torch.float32, functools.partial(keeps_as_stored, dtype=torch.float32, device="cpu"))
+    assert 0.9 * held <= estimate < 1.1 * held < ckpt.runtime_bytes(torch.float32)
+
+
 @pytest.mark.parametrize("group", [320, 64])
 def test_int8_layers_multiply_the_exact_weights_for_large_batches(group):
     """Above 8 rows an INT8 layer on llmq's kernels computes float32 x times the exact weights (quant.dequantize's),
@@ -313,7 +374,7 @@ def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model, dtype):
 
 @needs_avx512
 def test_the_kv_budget_counts_16bit_weights_as_the_engine_holds_them(tmp_path, make_tiny_model):
-    """runtime_bytes with the runtime's keeps_16bit_as: a bfloat16 model served in float32 holds its 2-D weights at 2
+    """runtime_bytes with the runtime's keeps_as_stored: a bfloat16 model served in float32 holds its 2-D weights at 2
     bytes (on dense16_linear), so the estimate the KV budget subtracts is what the engine holds, not twice it."""
     import functools
 
@@ -321,7 +382,7 @@ def test_the_kv_budget_counts_16bit_weights_as_the_engine_holds_them(tmp_path, m
 
     from llmq.models.reader import CheckpointReader
     from llmq.runtime import EngineConfig, LLMEngine
-    from llmq.runtime.layers.linear import keeps_16bit_as
+    from llmq.runtime.layers.linear import keeps_as_stored
 
     d = make_tiny_model(tmp_path / "m", seed=7, tie_word_embeddings=True)
     AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
@@ -331,7 +392,7 @@ def test_the_kv_budget_counts_16bit_weights_as_the_engine_holds_them(tmp_path, m
                if not n.startswith("rotary.") and t.data_ptr() != model.embed.data_ptr()) + model.embed.nbytes
     eng.shutdown()
     ckpt = CheckpointReader(d)
-    kept = functools.partial(keeps_16bit_as, dtype=torch.float32, device="cpu")
+    kept = functools.partial(keeps_as_stored, dtype=torch.float32, device="cpu")
     assert held <= ckpt.runtime_bytes(torch.float32, kept) < 1.1 * held < ckpt.runtime_bytes(torch.float32)
 
 
@@ -353,12 +414,14 @@ def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
 
 @pytest.mark.parametrize("bits,int8_activations", [(4, False), (8, False), pytest.param(4, True, marks=needs_vnni),
                                                    pytest.param(8, True, marks=needs_vnni),
-                                                   pytest.param(16, False, marks=needs_avx512)])
+                                                   pytest.param(16, False, marks=needs_avx512),
+                                                   pytest.param("nvfp4", False, marks=needs_avx512),
+                                                   pytest.param("mxfp4", False, marks=needs_avx512)])
 @pytest.mark.parametrize("fused_layers", ["all", "odd"])
 def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_activations, fused_layers):
-    """An INT4 / INT8 / bfloat16 model's decode steps through cpu_kernels' DecoderStacks (every layer in one stack, or
-    runs of one fused layer between layers run op by op) against the same layers all run op by op (the same kernels,
-    so equal up to float32 rounding)."""
+    """An INT4 / INT8 / bfloat16 / FP4 model's decode steps through cpu_kernels' DecoderStacks (every layer in one
+    stack, or runs of one fused layer between layers run op by op) against the same layers all run op by op (the same
+    kernels, so equal up to float32 rounding)."""
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -370,9 +433,10 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
     if bits == 16:
         AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
     src = resolve_model(str(d), store)
-    art = src if bits == 16 else quantize(src, QuantizeOptions(
-        method="rtn", bits=bits, group_size=0 if bits == 8 else 32, num_samples=2, seq_len=32, probe_tokens=64),
-        store, progress=False)
+    options = dict(method=bits) if isinstance(bits, str) else dict(method="rtn", bits=bits,
+                                                                    group_size=0 if bits == 8 else 32)
+    art = src if bits == 16 else quantize(src, QuantizeOptions(**options, num_samples=2, seq_len=32, probe_tokens=64),
+                                          store, progress=False)
     prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
     layer_args, built, stacked = cpu_kernels.fused_layer_args, [], []
 

@@ -421,8 +421,9 @@ def test_tp2_build_splits_fp4_weights_and_passes_the_reference_check(source, qua
 
 
 def test_the_kv_budget_counts_fp4_weights_as_the_runtime_holds_them(source, quantized):
-    """runtime_bytes (what the KV-cache budget subtracts) prices an FP4 linear at the bfloat16 / compute-dtype weight
-    the runtime holds, not at its packed nibbles: as much as the source model, plus the block scales."""
+    """runtime_bytes (what the KV-cache budget subtracts) without a `kept` rule (no kernel holds the codes packed:
+    the dense path) prices an FP4 linear at the bfloat16 / compute-dtype weight that path holds: as much as the source
+    model, plus the block scales (packed on CPU: test_cpu_kernels)."""
     for compute in (torch.float32, torch.bfloat16):
         src = CheckpointReader(source[1].path).runtime_bytes(compute)
         for method in ("nvfp4", "mxfp4"):

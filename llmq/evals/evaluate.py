@@ -126,7 +126,7 @@ def _check_both_fit(evaluated: Artifact, baseline: Artifact) -> None:
 
     from ..models import pick_device
     from ..models.reader import CheckpointReader
-    from ..runtime.layers.linear import keeps_16bit_as
+    from ..runtime.layers.linear import keeps_as_stored
     from ..runtime.model_runner import compute_dtype_for
     from ..runtime.worker import available_memory
 
@@ -136,7 +136,7 @@ def _check_both_fit(evaluated: Artifact, baseline: Artifact) -> None:
         dirs = sorted(p for p in art.path.glob("rank*") if p.is_dir()) or [art.path]
         readers = [CheckpointReader(d) for d in dirs]
         dtypes = [compute_dtype_for(device, None, r.config) for r in readers]
-        return sum(r.runtime_bytes(dt, functools.partial(keeps_16bit_as, dtype=dt, device=device))
+        return sum(r.runtime_bytes(dt, functools.partial(keeps_as_stored, dtype=dt, device=device))
                    for r, dt in zip(readers, dtypes))
 
     need, have = loaded(evaluated) + loaded(baseline), available_memory(device)

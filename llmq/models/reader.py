@@ -151,18 +151,22 @@ class CheckpointReader:
                       kept: Callable[[torch.dtype, tuple[int, ...]], bool] | None = None) -> int:
         """About what the runtime's weights take once loaded: floating-point tensors in the compute dtype (a bf16
         checkpoint served in float32 doubles) unless `kept(dtype, shape)` says the runtime keeps them as stored
-        (runtime.layers.linear.keeps_16bit_as), packed integers and quantization scales as stored. Known before
-        loading, so the KV-cache budget can be sized from what is left."""
+        (runtime.layers.linear.keeps_as_stored; FP4 codes too), packed integers and quantization scales as stored.
+        Known before loading, so the KV-cache budget can be sized from what is left."""
         total = 0
         for name in self.tensors:
             dtype, shape = self.tensors.info(name)
             numel = math.prod(shape)
             fp4 = name.endswith((".weight_packed", ".weight")) and dtype == torch.uint8   # CT's / ModelOpt's
             if fp4 and self._fp4(name.rsplit(".", 1)[0]):
-                # an FP4 layer holds its E2M1 x block-scale values as a bfloat16 weight (runtime.layers.fp4)
+                # an FP4 layer holds its codes packed where a kernel takes them, else its E2M1 x block-scale values
+                # as a bfloat16 weight (runtime.layers.fp4)
                 full = (shape[0], 2 * shape[1])
-                kept16 = kept is not None and kept(torch.bfloat16, full)
-                total += 2 * numel * (2 if kept16 else max(compute_dtype.itemsize, 2))
+                if kept is not None and kept(torch.uint8, full):
+                    total += numel
+                else:
+                    kept16 = kept is not None and kept(torch.bfloat16, full)
+                    total += 2 * numel * (2 if kept16 else max(compute_dtype.itemsize, 2))
                 continue
             wide = dtype.is_floating_point and dtype.itemsize > 1 and not name.endswith(("_scale", "_zero_point")) \
                 and not (kept is not None and kept(dtype, tuple(shape)))

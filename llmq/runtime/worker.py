@@ -23,7 +23,7 @@ from .block_manager import BlockManager
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
 from .kv_cache import kv_element_bytes
-from .layers.linear import keeps_16bit_as
+from .layers.linear import keeps_as_stored
 from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
 from .sequence import Sequence
 
@@ -149,7 +149,7 @@ class Worker:
         if cfg.kv_cache_memory is not None:
             budget = int(cfg.kv_cache_memory)
         else:
-            kept = functools.partial(keeps_16bit_as, dtype=dtype, device=self.device)
+            kept = functools.partial(keeps_as_stored, dtype=dtype, device=self.device)
             free = available_memory(self.device) - ckpt.runtime_bytes(dtype, kept) // (1 if sliced else self.tp)
             # never more than every sequence slot filled to the context length
             budget = min(int(max(free, 0) * cfg.kv_fraction),

@@ -393,6 +393,71 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   return y;
 }
 
+// FP4 weights (NVFP4 / MXFP4) in the INT4 layout, times float32 activations: each nibble an E2M1 code (bit 3 the
+// sign), decoded exactly to float32 by one table register (vpermps reads only an index's low 4 bits, so a lane shifted
+// to its nibble is the index); per group the 16 rows' sums times the block scale (E4M3 / E8M0, exact in bfloat16),
+// and the output divided by `divisor` (NVFP4's global scale, times the input's for W4A4). F.linear's numbers on
+// quant.dequantize_fp4's weight, up to float32 rounding: the FP4 layers' arithmetic (runtime/layers/fp4.py).
+template <int R, typename S>
+LLMQ_AVX512 void tile_rows_fp4(const uint8_t* w, const S* s, const float* x, int64_t k, int64_t group, float divisor,
+                               float* y, int64_t n) {
+  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
+  const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  __m512 acc[R];
+  zeros<R>(acc);
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m512 gacc[R][A];
+    zeros<R * A>(&gacc[0][0]);
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(w);
+      for (int j = 0; j < 8; ++j) {  // input i + j: byte j % 4 of each lane, low nibble for j < 4
+        const __m512 wj = _mm512_permutexvar_ps(_mm512_srli_epi32(v, j < 4 ? 8 * j : 8 * (j - 4) + 4), table);
+        for (int r = 0; r < R; ++r) {
+          gacc[r][j % A] = _mm512_fmadd_ps(wj, _mm512_set1_ps(x[r * k + i + j]), gacc[r][j % A]);
+        }
+      }
+    }
+    fold_group<R, A>(gacc, load_scales(s + g * kTile), acc);
+  }
+  const __m512 d = _mm512_set1_ps(divisor);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, _mm512_div_ps(acc[r], d));
+}
+
+// x [M, K] (any float dtype) times a packed FP4 weight (codes in the INT4 layout, block scales per (tile, group, row)
+// in bfloat16 or float32) -> [M, N] float32, divided by `divisor`.
+at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, double divisor) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "fp4_linear needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "fp4_linear: x must be a 2-D CPU tensor");
+  TORCH_CHECK(w.dtype() == at::kByte && (s.dtype() == at::kBFloat16 || s.dtype() == at::kFloat) && s.dim() == 3 &&
+              s.size(2) == kTile && w.is_contiguous() && s.is_contiguous(), "fp4_linear: bad packed weight");
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k / 2, "fp4_linear: K=", k,
+              " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const float dv = static_cast<float>(divisor);
+  const auto run = [&](auto* sp) {
+    const auto rows = [&](auto r_const) {
+      return [&, r_const](int64_t t, int64_t r) {
+        tile_rows_fp4<decltype(r_const)::value>(wp + t * kTile * k / 2, sp + t * groups * kTile, xp + r * k, k, group,
+                                                dv, yp + r * n + t * kTile, n);
+      };
+    };
+    for_tiles(tiles, m, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 1>{}));
+  };
+  if (s.dtype() == at::kFloat) {
+    run(s.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<const uint16_t*>(s.data_ptr()));
+  }
+  return y;
+}
+
 // Batches (prefill) of the float32-arithmetic products below: a task takes one tile of 16 weight rows, writes their
 // exact float32 values input-major into `wide` ([K][16], in L1 / L2: fill(tile, wide)), then every row of x multiplies
 // it by broadcasts, 16 outputs a vector and no horizontal sums. Only the summation order differs from F.linear on the
@@ -1017,7 +1082,7 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
 // bias (empty when none); kinds (cpu_kernels.py's Kind): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz];
 // 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5:
 // lowbit_linear_bf16 INT4 / INT8 [codes, s, -]; 2-5 take and give bfloat16 (the layers' default arithmetic);
-// 6: dense16_linear [w, -, -].
+// 6: dense16_linear [w, -, -]; 7: fp4_linear [codes, s, divisor (a one-element float32 tensor)].
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
@@ -1026,6 +1091,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64
     y = lowbit_linear(x, a, b, c, kind == 0 ? 4 : 8, group, eps);
   } else if (kind == 6) {
     y = dense16_linear(x, a);
+  } else if (kind == 7) {
+    y = fp4_linear(x, a, b, group, c.item<double>());
   } else if (kind >= 4) {
     TORCH_CHECK(kind <= 5, "DecoderStack: unknown linear kind ", kind);
     y = lowbit_linear_bf16(x, a, b, kind == 4 ? 4 : 8, group);
@@ -1083,6 +1150,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
   m.def("int8_linear_f32(Tensor x, Tensor w, Tensor s, int group) -> Tensor");
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
@@ -1100,6 +1168,7 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("lowbit_linear_bf16", &lowbit_linear_bf16);
   m.impl("int8_linear_f32", &int8_linear_f32);
   m.impl("dense16_linear", &dense16_linear);
+  m.impl("fp4_linear", &fp4_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);

@@ -1,12 +1,17 @@
 """FP4 weights (NVFP4 / MXFP4).
 
-On CPU (and wherever Triton cannot build the kernel) the dense path: an E2M1 value times its block's E4M3 or E8M0
-scale has at most 6 significant bits, so it is exact in bfloat16; the layer holds that product as a bfloat16 weight
-and computes with the dense layer (on x86 CPUs with AVX-512, llmq's 16-bit kernel with float32 arithmetic).
-On CUDA the weight stays packed (4.5 / 4.25 bits a weight) and runs on llmq's Triton kernels (fp4_triton), which
-decode the same exact products in registers. Either way NVFP4's global scale divides the output instead of every
-weight: the result differs from the dequantize-then-matmul reference (`llmq.quant.dequantize_fp4`) only by float32
-rounding. No FP4 tensor-core path: Blackwell's native FP4 GEMMs are out of reach here.
+An E2M1 value times its block's E4M3 or E8M0 scale has at most 6 significant bits: exact in bfloat16 and float32.
+- On x86 CPUs with AVX-512 the weight stays packed (4.5 / 4.25 bits a weight, scales in bfloat16) and runs on llmq's
+  kernel (cpu_kernels.fp4_linear): codes decoded exactly to float32 by a table in a register, float32 activations,
+  sums and block scales, at every batch size and inside a decode step's DecoderStack (weight-only layers). The
+  arithmetic of the dense path below, from a quarter of its bytes.
+- Elsewhere on CPU (and wherever Triton cannot build the kernel) the dense path: the layer holds the exact products
+  as a bfloat16 weight and computes with the dense layer.
+- On CUDA the weight stays packed and runs on llmq's Triton kernels (fp4_triton), which decode the same exact
+  products in registers.
+Every path divides the output by NVFP4's global scale instead of every weight: the result differs from the
+dequantize-then-matmul reference (`llmq.quant.dequantize_fp4`) only by float32 rounding. No FP4 tensor-core path:
+Blackwell's native FP4 GEMMs are out of reach here.
 W4A4 (FP4 activations, `qw.dynamic`): the input is first rounded as the serving kernels round it
 (`llmq.quant.fp4_activations`: E2M1 value x block scale, exact in bfloat16, so the same matmul stays exact in its
 operands) and the output is divided by NVFP4's input global scale as well as the weight's.
@@ -17,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from ... import quant
+from . import cpu_kernels
+from .cpu_kernels import FusedLinear, Kind
 from .linear import DenseLinear, LinearBase, one_line, set_buffer
 
 
@@ -32,6 +39,7 @@ class FP4Linear(LinearBase):
         set_buffer(self, "input_global_scale", ig.float().reshape(1).to(device) if ig is not None else None)
         set_buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
         self.dense = None
+        set_buffer(self, "divisor", None)   # the CPU kernel's output divisor, where that kernel runs
         self.fallback_reason = None   # why a CUDA layer runs the dense path (None: the kernel runs, or not CUDA)
         if torch.device(device).type == "cuda":
             set_buffer(self, "packed", quant.pack_fp4(qw.q.to(device)))
@@ -41,16 +49,37 @@ class FP4Linear(LinearBase):
                 return
             self._buffers.pop("packed")
             self._buffers.pop("scale")
+        n, k = qw.q.shape
+        if torch.device(device).type == "cpu" and cpu_kernels.fp4_fits(n, k, self.group):
+            set_buffer(self, "lb_codes", cpu_kernels.pack_codes(qw.q, 4))
+            set_buffer(self, "lb_s", cpu_kernels.pack_scales(quant.fp4_block_scale(qw.scale).reshape(n, -1)))
+            d = self.global_scale if self.global_scale is not None else torch.ones(())
+            if self.input_global_scale is not None:
+                d = self.input_global_scale * d
+            set_buffer(self, "divisor", d.float().reshape(1))
+            return
         w = quant.dequantize_fp4(qw.q.to(device), qw.scale.to(device))   # without the global scale: exact ...
         self.dense = DenseLinear(w.to(torch.bfloat16), None, dtype)      # ... in bfloat16 too
 
     @property
     def nbytes(self) -> int:
-        weights = self.dense.nbytes if self.dense is not None else \
-            self.packed.numel() + self.scale.numel() * self.scale.element_size()
+        packed = (self.lb_codes, self.lb_s) if self.divisor is not None else \
+            () if self.dense is not None else (self.packed, self.scale)
+        weights = self.dense.nbytes if self.dense is not None else sum(t.numel() * t.element_size() for t in packed)
         return weights + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
+    def fused_spec(self) -> FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack: weight-only layers on fp4_linear."""
+        if self.divisor is None or self.act:
+            return None
+        return FusedLinear(Kind.FP4, (self.lb_codes, self.lb_s, self.divisor), self.group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.divisor is not None:
+            xk = quant.fp4_activations(x, self.act, self.input_global_scale)[0] if self.act else x
+            y = cpu_kernels.fp4_linear(xk.reshape(-1, x.shape[-1]), self.lb_codes, self.lb_s, self.group,
+                                       float(self.divisor))
+            return self._finish(y, x.dtype).view(*x.shape[:-1], self.out_features)
         g = self.global_scale
         if self.act:   # W4A4: the input as the FP4 kernel rounds it; its global scale divides the output too
             xq, ga = quant.fp4_activations(x, self.act, self.input_global_scale)

@@ -120,11 +120,15 @@ class DenseLinear(LinearBase):
 def keeps_16bit(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a DenseLinear computing in `dtype` keeps this weight as stored (a 16-bit weight, float32 arithmetic, on
     cpu_kernels.dense16_linear); the model keeps a tied embedding table as stored then too."""
-    return keeps_16bit_as(weight.dtype, tuple(weight.shape), dtype, weight.device)
+    return keeps_as_stored(weight.dtype, tuple(weight.shape), dtype, weight.device)
 
 
-def keeps_16bit_as(stored: torch.dtype, shape: tuple[int, ...], dtype: torch.dtype, device) -> bool:
-    """keeps_16bit for a weight not loaded yet (its checkpoint dtype and shape): what the KV-cache budget subtracts."""
+def keeps_as_stored(stored: torch.dtype, shape: tuple[int, ...], dtype: torch.dtype, device) -> bool:
+    """Whether the runtime holds a weight not loaded yet as its checkpoint stores it (what the KV-cache budget
+    subtracts): keeps_16bit for a 16-bit one; FP4 codes (uint8, `shape` the unpacked [N, K]) stay packed on
+    cpu_kernels.fp4_linear (every FP4 block size, 16 or 32, takes it where 16 does)."""
+    if stored == torch.uint8:
+        return torch.device(device).type == "cpu" and cpu_kernels.fp4_fits(shape[0], shape[1], 16)
     return dtype == torch.float32 and cpu_kernels.dense16_fits(stored, shape, device)
 
 
