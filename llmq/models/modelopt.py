@@ -40,7 +40,7 @@ from .. import quant
 from ..errors import LlmqError
 from .checkpoint import MIXED_QUANT_CONFIG
 from .qconfig import QConfig, QuantArgs, fp4_activations_args, fp8_block_args
-from .qformat import QuantizedWeight
+from .qweight import QuantizedWeight, get_tensor
 
 FP8_BLOCK = (128, 128)   # TensorRT-LLM's FP8_BLOCK_SCALES block (asserted by its HF fp8 reader)
 ALGOS = ("FP8", "FP8_BLOCK_SCALES", "NVFP4", "W8A16", "W4A16", "W4A16_AWQ")
@@ -110,13 +110,6 @@ def parse_config(qc: Mapping) -> QConfig:
                    read=read_linear, read_kv=read_kv_scales)
 
 
-def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
-    try:
-        return tensors[key]
-    except KeyError:
-        raise LlmqError(f"tensor {key} is missing from the ModelOpt checkpoint") from None
-
-
 def _check(ok: bool, name: str, what: str, tensors: dict[str, torch.Tensor]) -> None:
     if not ok:
         got = ", ".join(f"{k} {t.dtype} {tuple(t.shape)}" for k, t in tensors.items())
@@ -124,7 +117,7 @@ def _check(ok: bool, name: str, what: str, tensors: dict[str, torch.Tensor]) -> 
 
 
 def _scalar(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
-    t = _get(tensors, key)
+    t = get_tensor(tensors, key, "ModelOpt")
     if t.numel() != 1 or not t.dtype.is_floating_point:
         raise LlmqError(f"{key}: {t.dtype} {tuple(t.shape)} is not a float32 scalar")
     return t.float().reshape(1)
@@ -142,7 +135,7 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     scale_key = next((f"{name}.{k}" for k in ("weight_scale", "weight_scale_inv") if f"{name}.{k}" in tensors), None)
     if scheme_ is None:
         return None
-    q = _get(tensors, f"{name}.weight")
+    q = get_tensor(tensors, f"{name}.weight", "ModelOpt")
     if scale_key is None:   # stored dense, unless its codes are 8-bit ones that lost their scale
         if q.dtype.itemsize > 1:
             return None

@@ -213,16 +213,14 @@ def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs 
 
 
 def parse_quantization_config(config: Mapping) -> QConfig | None:
-    """The QConfig of a model config, None for an unquantized model; an LlmqError for anything we cannot read."""
+    """The QConfig of a compressed-tensors or Hugging Face fp8 model config, None for an unquantized model; an
+    LlmqError for anything we cannot read (qformat.parse_quantization_config, every stage's entry, reads ModelOpt's
+    first)."""
     qc = config.get("quantization_config")
     if not qc:
         return None
     if qc.get("quant_method") == "fp8":
         return _hf_fp8_config(qc)
-    from . import modelopt  # here, not above: its tensor readers build on qformat, which builds on this module
-
-    if modelopt.is_modelopt(qc):
-        return modelopt.parse_config(qc)
     if qc.get("quant_method") != "compressed-tensors":
         raise LlmqError(f"quantization method {qc.get('quant_method')!r} is not supported; llmq reads "
                         "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor), Hugging "

@@ -44,12 +44,12 @@ Every stage that reads or writes quantized weights goes through here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
 from .. import quant
 from ..errors import LlmqError
+from . import modelopt, qconfig
 from .arch.base import EMBEDDING as EMBEDDING  # re-exported: the stages name the table through qformat
 from .arch.base import LM_HEAD as LM_HEAD
 from .qconfig import CT_MAX as CT_MAX  # the config side of the format (qconfig.py), re-exported for the stages
@@ -58,143 +58,19 @@ from .qconfig import FP4_FORMATS as FP4_FORMATS
 from .qconfig import FP4_NAMES, QuantArgs, fp4_activations_args
 from .qconfig import QConfig as QConfig
 from .qconfig import fp8_block_args as fp8_block_args
-from .qconfig import parse_quantization_config as parse_quantization_config
 from .qconfig import quantization_config as quantization_config
+from .qweight import Q4KWeight as Q4KWeight
+from .qweight import QuantizedWeight as QuantizedWeight
+from .qweight import get_tensor
 
 
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """One linear's weight as integers q (signed, [-2^(b-1), 2^(b-1)-1]; or float8_e4m3fn for FP8) of shape
-    [out, in] and scale / zero_point of shape [1] (tensor), [out, 1] (channel) or [out, in/g] (group).
-    Real weight = (q - zero_point) * scale. input_scale: static activation scale [1]; dynamic: per-token scales.
-    FP4 (NVFP4 / MXFP4): q holds uint8 E2M1 codes, one per weight; scale the E4M3 (NVFP4) or E8M0 (MXFP4, uint8)
-    block scales [out, in/g]; global_scale NVFP4's float32 [1] divisor (real weight: `llmq.quant.dequantize_fp4`).
-    Block FP8: block = (rows, cols) of a weight block, scale float32 [ceil(out / rows), ceil(in / cols)], activations
-    dynamic per token per group of `cols` inputs.
-    FP4 with dynamic=True is W4A4: activations in the weight's FP4 format, block scales computed at run time, under
-    NVFP4's static input_global_scale (float32 [1], a divisor) (`llmq.quant.fp4_activations`)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None
-    bits: int
-    group_size: int | None
-    symmetric: bool
-    input_scale: torch.Tensor | None = None
-    dynamic: bool = False
-    global_scale: torch.Tensor | None = None
-    block: tuple[int, int] | None = None
-    input_global_scale: torch.Tensor | None = None
-
-    @property
-    def is_float(self) -> bool:
-        return self.q.dtype == torch.float8_e4m3fn
-
-    @property
-    def fp4(self) -> str | None:
-        """"nvfp4" (E4M3 block scales) / "mxfp4" (E8M0 ones) for FP4 codes, else None."""
-        if self.q.dtype != torch.uint8:
-            return None
-        return "mxfp4" if self.scale.dtype == torch.uint8 else "nvfp4"
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @property
-    def strategy(self) -> str:
-        if self.block:
-            return "block"
-        if self.scale.numel() == 1:
-            return "tensor"
-        return "channel" if self.scale.shape[-1] == 1 else "group"
-
-    @property
-    def activation_bits(self) -> int | None:
-        if self.fp4:
-            return 4 if self.dynamic else None
-        return 8 if (self.input_scale is not None or self.dynamic) else None
-
-    @property
-    def scheme(self) -> str:
-        if self.fp4:
-            return self.fp4.upper() + ("" if self.dynamic else "A16")   # compressed-tensors' preset names
-        kind = "FP8" if self.is_float else f"W{self.bits}A{self.activation_bits or 16}"
-        detail = f"group{self.group_size}" if self.strategy == "group" else (
-            f"block{self.block[0]}x{self.block[1]}" if self.block else self.strategy)
-        sym = "" if self.is_float else ("-sym" if self.symmetric else "-asym")
-        act = "" if self.activation_bits is None else ("-dynamic" if self.dynamic else "-static")
-        return f"{kind}-{detail}{sym}{act}"
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.fp4:
-            return quant.dequantize_fp4(self.q, self.scale, self.global_scale, dtype)
-        if self.block:
-            return quant.dequantize_fp8_blocks(self.q, self.scale, self.block, dtype)
-        return quant.dequantize(self.q, self.scale, self.zero_point, dtype)
-
-
-@dataclass(frozen=True)
-class Q4KWeight:
-    """One linear's weight on GGML's Q4_K grid (`llmq quantize --grid q4_k`, `llmq.quant`'s Q4_K): codes q uint8
-    [out, in] in [0, 15], per 256-weight super-block d and dmin (float16 [out, in / 256]), per 32-weight sub-block the
-    6-bit sc and m (uint8 [out, in / 32]); real weight = d * sc * q - dmin * m (`llmq.quant.dequantize_q4_k`).
-    compressed-tensors' asymmetric INT4 (w = (q - z) * s, z an integer) cannot hold a Q4_K min, which is any multiple
-    of dmin, so the checkpoint carries these weights as GGML's own blocks: `<name>.weight_q4_k` uint8
-    [out, in / 256 * 144] (`llmq.quant.pack_q4_k`), the modules listed under `llmq_q4_k` in the quantization config
-    (and in `ignore`, so a compressed-tensors loader takes them for what they are not: quantized), read by llmq's
-    runtime and written to GGUF as Q4_K byte for byte."""
-
-    q: torch.Tensor
-    d: torch.Tensor
-    dmin: torch.Tensor
-    sc: torch.Tensor
-    m: torch.Tensor
-
-    bits = 4
-    scheme = "Q4_K"
-    fp4 = None
-    block = None
-    input_scale = None
-    global_scale = None
-    input_global_scale = None
-    dynamic = False
-    is_float = False
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return quant.dequantize_q4_k(self.q, self.d, self.dmin, self.sc, self.m, dtype)
-
-    def blocks(self) -> torch.Tensor:
-        """GGML block_q4_K bytes, uint8 [out, in / 256 * 144]."""
-        return quant.pack_q4_k(self.q, self.d, self.dmin, self.sc, self.m).reshape(self.q.shape[0], -1)
-
-    @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, name: str = "") -> "Q4KWeight":
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % quant.Q4K_BYTES:
-            raise LlmqError(f"{name}: weight_q4_k {blocks.dtype} {tuple(blocks.shape)} is not GGML Q4_K blocks "
-                            f"(uint8 [out, in / 256 * {quant.Q4K_BYTES}])")
-        return cls(*quant.unpack_q4_k(blocks))
-
-    def rows(self, rows: torch.Tensor, name: str = "") -> "Q4KWeight":
-        """The output rows `rows` (a selection or permutation; padding rows have no Q4_K form)."""
-        if int(rows.min()) < 0 or int(rows.max()) >= self.q.shape[0]:
-            raise LlmqError(f"{name}: Q4_K weights are not padded for tensor parallelism; use --tp 1")
-        return Q4KWeight(*(t.index_select(0, rows) for t in (self.q, self.d, self.dmin, self.sc, self.m)))
-
-    @classmethod
-    def cat(cls, parts: list["Q4KWeight"]) -> "Q4KWeight":
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "m")))
-
-
-def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
-    try:
-        return tensors[key]
-    except KeyError:
-        raise LlmqError(f"tensor {key} is missing from the quantized checkpoint") from None
+def parse_quantization_config(config: Mapping) -> QConfig | None:
+    """The QConfig of a model config, None for an unquantized model; an LlmqError for anything we cannot read:
+    ModelOpt's (modelopt.py), else compressed-tensors' and Hugging Face fp8's (qconfig.py)."""
+    qc = config.get("quantization_config")
+    if qc and modelopt.is_modelopt(qc):
+        return modelopt.parse_config(qc)
+    return qconfig.parse_quantization_config(config)
 
 
 def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
@@ -204,7 +80,7 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     if qconfig.read is not None:
         return qconfig.read(tensors, name, qconfig)
     if name in qconfig.q4_k:
-        return Q4KWeight.from_blocks(_get(tensors, f"{name}.weight_q4_k"), name)
+        return Q4KWeight.from_blocks(get_tensor(tensors, f"{name}.weight_q4_k"), name)
     scheme = qconfig.scheme_of(name)
     scale_key = f"{name}.{qconfig.scale_name}"
     if scheme is None or (f"{name}.weight_packed" not in tensors and scale_key not in tensors):
@@ -212,7 +88,7 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     w, a = scheme
-    scale = _get(tensors, scale_key)
+    scale = get_tensor(tensors, scale_key)
     if w.strategy == "block":
         return _read_fp8_block(tensors, name, w, a, scale)
     fmt = qconfig.format_of(name)
@@ -224,15 +100,15 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
         return _read_fp4(tensors, name, w, scale, a is not None)
     zero = None
     if fmt == "pack-quantized":
-        shape = torch.Size(_get(tensors, f"{name}.weight_shape").tolist())
-        q = unpack_from_int32(_get(tensors, f"{name}.weight_packed"), w.num_bits, shape)
+        shape = torch.Size(get_tensor(tensors, f"{name}.weight_shape").tolist())
+        q = unpack_from_int32(get_tensor(tensors, f"{name}.weight_packed"), w.num_bits, shape)
         if not w.symmetric:
-            zero = unpack_from_int32(_get(tensors, f"{name}.weight_zero_point"), w.num_bits,
+            zero = unpack_from_int32(get_tensor(tensors, f"{name}.weight_zero_point"), w.num_bits,
                                      torch.Size([shape[0], scale.shape[-1]]), packed_dim=0)
     else:
-        q = _get(tensors, f"{name}.weight")
+        q = get_tensor(tensors, f"{name}.weight")
         if not w.symmetric:
-            zero = _get(tensors, f"{name}.weight_zero_point")
+            zero = get_tensor(tensors, f"{name}.weight_zero_point")
     want = torch.float8_e4m3fn if w.type == "float" else torch.int8
     if q.dtype != want or q.dim() != 2:
         raise LlmqError(f"{name}: quantized weight has dtype {q.dtype} and {q.dim()} dims; expected 2-D {want}")
@@ -251,7 +127,7 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
 
 def _read_fp8_block(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, a: QuantArgs | None,
                     scale: torch.Tensor) -> QuantizedWeight:
-    q = _get(tensors, f"{name}.weight")
+    q = get_tensor(tensors, f"{name}.weight")
     block = w.block_structure
     if block is None or w.type != "float" or w.num_bits != 8 or a is None or not a.dynamic or a.type != "float" \
             or a.strategy != "group" or a.group_size != block[1]:
@@ -268,7 +144,7 @@ def _read_fp8_block(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs
 
 def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scale: torch.Tensor,
               w4a4: bool = False) -> QuantizedWeight:
-    packed = _get(tensors, f"{name}.weight_packed")
+    packed = get_tensor(tensors, f"{name}.weight_packed")
     block = FP4_FORMATS[w.fp4][0]
     want = quant.FP8 if w.fp4 == "nvfp4" else torch.uint8
     n, k = packed.shape[0], 2 * packed.shape[-1]
@@ -276,8 +152,8 @@ def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scal
         raise LlmqError(f"{name}: {w.fp4.upper()} tensors weight_packed {packed.dtype} {tuple(packed.shape)} and "
                         f"weight_scale {scale.dtype} {tuple(scale.shape)} do not fit; expected uint8 [out, in / 2] and "
                         f"{want} [out, in / {block}]")
-    g = _get(tensors, f"{name}.weight_global_scale").float().reshape(1) if w.fp4 == "nvfp4" else None
-    ig = _get(tensors, f"{name}.input_global_scale").float().reshape(1) if w4a4 and w.fp4 == "nvfp4" else None
+    g = get_tensor(tensors, f"{name}.weight_global_scale").float().reshape(1) if w.fp4 == "nvfp4" else None
+    ig = get_tensor(tensors, f"{name}.input_global_scale").float().reshape(1) if w4a4 and w.fp4 == "nvfp4" else None
     return QuantizedWeight(q=quant.unpack_fp4(packed), scale=scale, zero_point=None, bits=4, group_size=block,
                            symmetric=True, global_scale=g, dynamic=w4a4, input_global_scale=ig)
 
@@ -320,7 +196,7 @@ def read_kv_scales(tensors: Mapping[str, torch.Tensor], prefix: str,
         return None
     if qconfig.read_kv is not None:
         return qconfig.read_kv(tensors, prefix)
-    return (_get(tensors, f"{prefix}.k_scale").float().flatten(), _get(tensors, f"{prefix}.v_scale").float().flatten())
+    return tuple(get_tensor(tensors, f"{prefix}.{n}_scale").float().flatten() for n in "kv")
 
 
 def write_kv_scales(prefix: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,0 +1,148 @@
+"""A quantized linear in memory, whatever layout it was read from (qformat.py's compressed-tensors, modelopt.py's
+ModelOpt): `QuantizedWeight` (integers, FP8 or FP4 codes with their scales) and `Q4KWeight` (GGML Q4_K blocks); and
+`get_tensor`, the one missing-tensor error their readers give."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .. import quant
+from ..errors import LlmqError
+
+
+def get_tensor(tensors: Mapping[str, torch.Tensor], key: str, layout: str = "quantized") -> torch.Tensor:
+    try:
+        return tensors[key]
+    except KeyError:
+        raise LlmqError(f"tensor {key} is missing from the {layout} checkpoint") from None
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One linear's weight as integers q (signed, [-2^(b-1), 2^(b-1)-1]; or float8_e4m3fn for FP8) of shape
+    [out, in] and scale / zero_point of shape [1] (tensor), [out, 1] (channel) or [out, in/g] (group).
+    Real weight = (q - zero_point) * scale. input_scale: static activation scale [1]; dynamic: per-token scales.
+    FP4 (NVFP4 / MXFP4): q holds uint8 E2M1 codes, one per weight; scale the E4M3 (NVFP4) or E8M0 (MXFP4, uint8)
+    block scales [out, in/g]; global_scale NVFP4's float32 [1] divisor (real weight: `llmq.quant.dequantize_fp4`).
+    Block FP8: block = (rows, cols) of a weight block, scale float32 [ceil(out / rows), ceil(in / cols)], activations
+    dynamic per token per group of `cols` inputs.
+    FP4 with dynamic=True is W4A4: activations in the weight's FP4 format, block scales computed at run time, under
+    NVFP4's static input_global_scale (float32 [1], a divisor) (`llmq.quant.fp4_activations`)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    input_scale: torch.Tensor | None = None
+    dynamic: bool = False
+    global_scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
+    input_global_scale: torch.Tensor | None = None
+
+    @property
+    def is_float(self) -> bool:
+        return self.q.dtype == torch.float8_e4m3fn
+
+    @property
+    def fp4(self) -> str | None:
+        """"nvfp4" (E4M3 block scales) / "mxfp4" (E8M0 ones) for FP4 codes, else None."""
+        if self.q.dtype != torch.uint8:
+            return None
+        return "mxfp4" if self.scale.dtype == torch.uint8 else "nvfp4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def strategy(self) -> str:
+        if self.block:
+            return "block"
+        if self.scale.numel() == 1:
+            return "tensor"
+        return "channel" if self.scale.shape[-1] == 1 else "group"
+
+    @property
+    def activation_bits(self) -> int | None:
+        if self.fp4:
+            return 4 if self.dynamic else None
+        return 8 if (self.input_scale is not None or self.dynamic) else None
+
+    @property
+    def scheme(self) -> str:
+        if self.fp4:
+            return self.fp4.upper() + ("" if self.dynamic else "A16")   # compressed-tensors' preset names
+        kind = "FP8" if self.is_float else f"W{self.bits}A{self.activation_bits or 16}"
+        detail = f"group{self.group_size}" if self.strategy == "group" else (
+            f"block{self.block[0]}x{self.block[1]}" if self.block else self.strategy)
+        sym = "" if self.is_float else ("-sym" if self.symmetric else "-asym")
+        act = "" if self.activation_bits is None else ("-dynamic" if self.dynamic else "-static")
+        return f"{kind}-{detail}{sym}{act}"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.fp4:
+            return quant.dequantize_fp4(self.q, self.scale, self.global_scale, dtype)
+        if self.block:
+            return quant.dequantize_fp8_blocks(self.q, self.scale, self.block, dtype)
+        return quant.dequantize(self.q, self.scale, self.zero_point, dtype)
+
+
+@dataclass(frozen=True)
+class Q4KWeight:
+    """One linear's weight on GGML's Q4_K grid (`llmq quantize --grid q4_k`, `llmq.quant`'s Q4_K): codes q uint8
+    [out, in] in [0, 15], per 256-weight super-block d and dmin (float16 [out, in / 256]), per 32-weight sub-block the
+    6-bit sc and m (uint8 [out, in / 32]); real weight = d * sc * q - dmin * m (`llmq.quant.dequantize_q4_k`).
+    compressed-tensors' asymmetric INT4 (w = (q - z) * s, z an integer) cannot hold a Q4_K min, which is any multiple
+    of dmin, so the checkpoint carries these weights as GGML's own blocks: `<name>.weight_q4_k` uint8
+    [out, in / 256 * 144] (`llmq.quant.pack_q4_k`), the modules listed under `llmq_q4_k` in the quantization config
+    (and in `ignore`, so a compressed-tensors loader takes them for what they are not: quantized), read by llmq's
+    runtime and written to GGUF as Q4_K byte for byte."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    bits = 4
+    scheme = "Q4_K"
+    fp4 = None
+    block = None
+    input_scale = None
+    global_scale = None
+    input_global_scale = None
+    dynamic = False
+    is_float = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return quant.dequantize_q4_k(self.q, self.d, self.dmin, self.sc, self.m, dtype)
+
+    def blocks(self) -> torch.Tensor:
+        """GGML block_q4_K bytes, uint8 [out, in / 256 * 144]."""
+        return quant.pack_q4_k(self.q, self.d, self.dmin, self.sc, self.m).reshape(self.q.shape[0], -1)
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, name: str = "") -> "Q4KWeight":
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % quant.Q4K_BYTES:
+            raise LlmqError(f"{name}: weight_q4_k {blocks.dtype} {tuple(blocks.shape)} is not GGML Q4_K blocks "
+                            f"(uint8 [out, in / 256 * {quant.Q4K_BYTES}])")
+        return cls(*quant.unpack_q4_k(blocks))
+
+    def rows(self, rows: torch.Tensor, name: str = "") -> "Q4KWeight":
+        """The output rows `rows` (a selection or permutation; padding rows have no Q4_K form)."""
+        if int(rows.min()) < 0 or int(rows.max()) >= self.q.shape[0]:
+            raise LlmqError(f"{name}: Q4_K weights are not padded for tensor parallelism; use --tp 1")
+        return Q4KWeight(*(t.index_select(0, rows) for t in (self.q, self.d, self.dmin, self.sc, self.m)))
+
+    @classmethod
+    def cat(cls, parts: list["Q4KWeight"]) -> "Q4KWeight":
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "m")))
