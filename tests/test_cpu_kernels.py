@@ -295,9 +295,10 @@ def _cache(dtype, gen, layers=1, head_dim=64):
     return caches
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window,head_dim", [(None, 64), (21, 64), (None, 128), (None, 96), (None, 40)])
-# 64 / 128: specialised code; 96: any multiple of 16; 40: the scalar loops
+# 64 / 128: specialised code; 96: any multiple of 16; 40: the scalar loops. float32 / bfloat16 caches are read in
+# place, float16 ones widened into rows first; 80 positions: scores 16 at a time and one by one, two chunks.
 def test_decode_attention_equals_sdpa(dtype, window, head_dim):
     gen = torch.Generator().manual_seed(11)
     (cache,) = _cache(dtype, gen, head_dim=head_dim)

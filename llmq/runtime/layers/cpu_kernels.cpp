@@ -760,6 +760,24 @@ LLMQ_INLINE f32x16 load16(const float* p) {
   return v;
 }
 
+// A cache's 16 values as float32: bfloat16 widened exactly by a shift of its bits. (float16 caches are widened
+// into scratch rows first, by the caller: no clone here has a vector conversion for them.)
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+LLMQ_INLINE f32x16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+LLMQ_INLINE f32x16 load16(const double* p) {  // rounded to float32, in which the scores are computed
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
 // The sum of the 16 lanes in a tree (four shuffles and adds; a sequential sum is a chain of 16 dependent additions).
 LLMQ_INLINE float sum16(f32x16 v) {
   v += __builtin_shuffle(v, i32x16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -767,6 +785,27 @@ LLMQ_INLINE float sum16(f32x16 v) {
   v += __builtin_shuffle(v, i32x16{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
   v += __builtin_shuffle(v, i32x16{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
   return v[0];
+}
+
+// Lane r: sum16(v[r]), the same additions in the same order, for 16 vectors at once: each level adds the two halves
+// of every row's lanes for two vectors in one add (30 shuffles and 15 adds where 16 sum16 take 64 and 64). Rows end
+// in bit-reversed lanes; the last shuffle puts them in order.
+LLMQ_INLINE f32x16 sums16(f32x16 (&v)[16]) {
+  for (int i = 0; i < 8; ++i) {
+    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], i32x16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1], i32x16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], i32x16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1], i32x16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  }
+  for (int i = 0; i < 2; ++i) {
+    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], i32x16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1], i32x16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  }
+  const f32x16 t = __builtin_shuffle(v[0], v[1], i32x16{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+                   __builtin_shuffle(v[0], v[1], i32x16{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+  return __builtin_shuffle(t, i32x16{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
 }
 
 // exp(x) for x <= 0 (scores minus their maximum) in straight-line float arithmetic, so the softmax loop vectorises
@@ -803,16 +842,18 @@ LLMQ_INLINE std::pair<float, float> softmax_unnormalised(float* sj, int64_t n) {
   return {mx, sum};
 }
 
-// The K / V rows of one position (all KV heads, `span` floats) kAhead positions on, asked for while the first head's
-// pass runs: a chunk's rows then arrive as one sequential stream instead of one strided pass per head (with the
-// chunking, 230 positions from memory: 55 -> 47 us on one thread).
-constexpr int64_t kAhead = 8;
-LLMQ_INLINE void prefetch_position(const float* const* kpos, const float* const* vpos, int64_t p, int64_t n,
-                                   int64_t span) {
-  if (kpos == nullptr || p >= n) return;
-  for (int64_t e = 0; e < span; e += 16) {
-    __builtin_prefetch(kpos[p] + e);
-    __builtin_prefetch(vpos[p] + e);
+// Rows q of the next work's positions (K and V, all KV heads: `span` values each), asked for while this work computes
+// from the cache: its first head's score pass issues them spread over its n positions, so the next chunk streams in
+// behind the arithmetic instead of each chunk waiting for its own. (SmolLM2's shapes, 32 sequences of 160 positions,
+// one thread, 30 layers' caches from memory: float32 13.2 ms either way, 6.8 from cache; bfloat16 caches, read in
+// place with this: 18.6 -> 11.0 ms.)
+template <typename T>
+LLMQ_INLINE void prefetch_rows(const T* const* kpos, const T* const* vpos, int64_t from, int64_t to, int64_t span) {
+  for (int64_t r = from; r < to; ++r) {
+    for (int64_t e = 0; e < span; e += 64 / sizeof(T)) {
+      __builtin_prefetch(kpos[r] + e);
+      __builtin_prefetch(vpos[r] + e);
+    }
   }
 }
 
@@ -821,24 +862,33 @@ constexpr int64_t kMaxHead = 256;  // the largest head size the vector path hold
 // Flash-decoding's partial result for one KV head's `group` query heads (q [group, d]) over n rows: per query head
 // the largest score (m), the sum of exp(score - m) (l) and the exp-weighted sum of the V rows (acc [group, d]), so
 // chunks of a sequence's rows run on any thread and merge exactly afterwards. sc: scratch [group, n]. kpos / vpos:
-// the position rows to prefetch (nullptr: none). D: the head size as a compile-time constant (64, 128: q and the
-// accumulators stay in registers); 0: d, any multiple of 16 up to kMaxHead.
-template <int D>
-LLMQ_INLINE void attend_part_impl(const float* q, int64_t group, int64_t d_any, const float* const* krows,
-                                  const float* const* vrows, int64_t n, float scale, const float* const* kpos,
-                                  const float* const* vpos, int64_t span, float* sc, float* acc_out, float* m,
+// npf position rows to prefetch (prefetch_rows). D: the head size as a compile-time constant (64, 128: q and the
+// accumulators stay in registers); 0: d, any multiple of 16 up to kMaxHead. T: the cache's type, each value widened
+// exactly where it is read. Scores 16 positions at a time (sums16), the rest one by one: the same sums either way.
+template <int D, typename T>
+LLMQ_INLINE void attend_part_impl(const float* q, int64_t group, int64_t d_any, const T* const* krows,
+                                  const T* const* vrows, int64_t n, float scale, const T* const* kpos,
+                                  const T* const* vpos, int64_t npf, int64_t span, float* sc, float* acc_out, float* m,
                                   float* l) {
   const int64_t d = D ? D : d_any, c = d / 16;
   for (int64_t j = 0; j < group; ++j) {
     f32x16 qj[D ? D / 16 : kMaxHead / 16];
     for (int64_t i = 0; i < c; ++i) qj[i] = load16(q + j * d + 16 * i);
     float* sj = sc + j * n;
-    for (int64_t p = 0; p < n; ++p) {
-      if (j == 0) prefetch_position(kpos, vpos, p + kAhead, n, span);
+    const auto dot = [&](int64_t p) {
+      if (j == 0) prefetch_rows(kpos, vpos, p * npf / n, (p + 1) * npf / n, span);
       f32x16 s = qj[0] * load16(krows[p]);
       for (int64_t i = 1; i < c; ++i) s += qj[i] * load16(krows[p] + 16 * i);
-      sj[p] = sum16(s) * scale;
+      return s;
+    };
+    int64_t p = 0;
+    for (; p + 16 <= n; p += 16) {
+      f32x16 part[16];
+      for (int r = 0; r < 16; ++r) part[r] = dot(p + r);
+      const f32x16 s = sums16(part) * scale;
+      std::memcpy(sj + p, &s, sizeof s);
     }
+    for (; p < n; ++p) sj[p] = sum16(dot(p)) * scale;
     std::tie(m[j], l[j]) = softmax_unnormalised(sj, n);
     f32x16 acc[D ? D / 16 : kMaxHead / 16] = {};
     for (int64_t p = 0; p < n; ++p) {
@@ -849,38 +899,46 @@ LLMQ_INLINE void attend_part_impl(const float* q, int64_t group, int64_t d_any, 
 }
 
 // Any other head size, scalar (a vectorising compiler does what it can).
-LLMQ_INLINE void attend_part_scalar(const float* q, int64_t group, int64_t d, const float* const* krows,
-                                    const float* const* vrows, int64_t n, float scale, float* sc, float* acc_out,
+template <typename T>
+LLMQ_INLINE void attend_part_scalar(const float* q, int64_t group, int64_t d, const T* const* krows,
+                                    const T* const* vrows, int64_t n, float scale, float* sc, float* acc_out,
                                     float* m, float* l) {
   for (int64_t j = 0; j < group; ++j) {
     float* sj = sc + j * n;
     for (int64_t p = 0; p < n; ++p) {
       float s = 0.f;
-      for (int64_t e = 0; e < d; ++e) s += q[j * d + e] * krows[p][e];
+      for (int64_t e = 0; e < d; ++e) s += q[j * d + e] * static_cast<float>(krows[p][e]);
       sj[p] = s * scale;
     }
     std::tie(m[j], l[j]) = softmax_unnormalised(sj, n);
     float* acc = acc_out + j * d;
     std::fill(acc, acc + d, 0.f);
     for (int64_t p = 0; p < n; ++p) {
-      for (int64_t e = 0; e < d; ++e) acc[e] += sj[p] * vrows[p][e];
+      for (int64_t e = 0; e < d; ++e) acc[e] += sj[p] * static_cast<float>(vrows[p][e]);
     }
   }
 }
 
-#define LLMQ_ATTEND_PART(name, D)                                                                                   \
-  LLMQ_CLONES void name(const float* q, int64_t group, int64_t d, const float* const* krows,                      \
-                        const float* const* vrows, int64_t n, float scale, const float* const* kpos,             \
-                        const float* const* vpos, int64_t span, float* sc, float* acc, float* m, float* l) {     \
+#define LLMQ_ATTEND_PART(name, D, T)                                                                                \
+  LLMQ_CLONES void name(const float* q, int64_t group, int64_t d, const T* const* krows, const T* const* vrows,     \
+                        int64_t n, float scale, const T* const* kpos, const T* const* vpos, int64_t npf,            \
+                        int64_t span, float* sc, float* acc, float* m, float* l) {                                  \
     if (D || (d % 16 == 0 && d <= kMaxHead)) {                                                                    \
-      attend_part_impl<D>(q, group, d, krows, vrows, n, scale, kpos, vpos, span, sc, acc, m, l);                 \
+      attend_part_impl<D, T>(q, group, d, krows, vrows, n, scale, kpos, vpos, npf, span, sc, acc, m, l);         \
     } else {                                                                                                      \
-      attend_part_scalar(q, group, d, krows, vrows, n, scale, sc, acc, m, l);                                     \
+      attend_part_scalar<T>(q, group, d, krows, vrows, n, scale, sc, acc, m, l);                                  \
     }                                                                                                             \
   }
-LLMQ_ATTEND_PART(attend_part_64, 64)
-LLMQ_ATTEND_PART(attend_part_128, 128)
-LLMQ_ATTEND_PART(attend_part_any, 0)
+#define LLMQ_ATTEND_PARTS(suffix, T)                   \
+  LLMQ_ATTEND_PART(attend_part_64_##suffix, 64, T)     \
+  LLMQ_ATTEND_PART(attend_part_128_##suffix, 128, T)   \
+  LLMQ_ATTEND_PART(attend_part_any_##suffix, 0, T)     \
+  auto attend_part(int64_t d, const T*) {              \
+    return d == 64 ? attend_part_64_##suffix : d == 128 ? attend_part_128_##suffix : attend_part_any_##suffix; \
+  }
+LLMQ_ATTEND_PARTS(f32, float)
+LLMQ_ATTEND_PARTS(bf16, c10::BFloat16)
+LLMQ_ATTEND_PARTS(f64, double)
 
 constexpr int64_t kChunk = 64;  // rows of one sequence per work item: threads share a long sequence
 
@@ -896,7 +954,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const int64_t* bt = blocks.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   T* op = out.data_ptr<T>();
-  constexpr bool f32 = std::is_same_v<T, float>;
   // the visible positions of each sequence (offsets of their rows), and the work items: (sequence, first row)
   std::vector<int64_t> offs, first(bd + 1, 0), item_seq, item_row, items_of(bd + 1, 0);
   for (int64_t b = 0; b < bd; ++b) {
@@ -914,22 +971,19 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   }
   const int64_t items = static_cast<int64_t>(item_seq.size());
   std::vector<float> pm(items * h), pl(items * h), pacc(items * h * d);
-  const auto attend = d == 64 ? attend_part_64 : d == 128 ? attend_part_128 : attend_part_any;
+  using R = std::conditional_t<std::is_same_v<T, c10::Half>, float, T>;  // the rows' type as the kernel reads them
+  constexpr bool widen = !std::is_same_v<R, T>;
+  const auto attend = attend_part(d, static_cast<const R*>(nullptr));
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(h * d), sc(group * kChunk), conv(f32 ? 0 : 2 * kChunk * d);
-    std::vector<const float*> krows(kChunk), vrows(kChunk), kpos(kChunk), vpos(kChunk);
+    std::vector<float> qf(h * d), sc(group * kChunk), conv(widen ? 2 * kChunk * d : 0);
+    std::vector<const R*> krows(kChunk), vrows(kChunk), kpos(kChunk), vpos(kChunk);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = item_seq[it], r0 = item_row[it], n = std::min(kChunk, first[b + 1] - r0);
       for (int64_t e = 0; e < h * d; ++e) qf[e] = static_cast<float>(qp[b * h * d + e]);
       for (int64_t g = 0; g < hkv; ++g) {
         for (int64_t i = 0; i < n; ++i) {
           const int64_t at = offs[r0 + i] + g * d;
-          if constexpr (f32) {
-            krows[i] = kp + at;
-            vrows[i] = vp + at;
-            kpos[i] = kp + offs[r0 + i];
-            vpos[i] = vp + offs[r0 + i];
-          } else {  // 16-bit caches: the rows in float32 first
+          if constexpr (widen) {
             float* kf = conv.data() + 2 * i * d;
             float* vf = kf + d;
             for (int64_t e = 0; e < d; ++e) {
@@ -938,13 +992,25 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
             }
             krows[i] = kf;
             vrows[i] = vf;
+          } else {
+            krows[i] = kp + at;
+            vrows[i] = vp + at;
           }
         }
-        const bool ahead = f32 && g == 0 && hkv > 1;
+        // the next work's rows, a 1 / hkv share of them per KV head here
+        int64_t nf = 0;
+        if constexpr (!widen) {
+          if (it + 1 < hi) {
+            const int64_t b1 = item_seq[it + 1], r1 = item_row[it + 1], n1 = std::min(kChunk, first[b1 + 1] - r1);
+            for (int64_t i = g * n1 / hkv; i < (g + 1) * n1 / hkv; ++i, ++nf) {
+              kpos[nf] = kp + offs[r1 + i];
+              vpos[nf] = vp + offs[r1 + i];
+            }
+          }
+        }
         const int64_t at = it * h + g * group;
-        attend(qf.data() + g * group * d, group, d, krows.data(), vrows.data(), n, scale,
-               ahead ? kpos.data() : nullptr, ahead ? vpos.data() : nullptr, span, sc.data(),
-               pacc.data() + at * d, pm.data() + at, pl.data() + at);
+        attend(qf.data() + g * group * d, group, d, krows.data(), vrows.data(), n, scale, kpos.data(), vpos.data(), nf,
+               span, sc.data(), pacc.data() + at * d, pm.data() + at, pl.data() + at);
       }
     }
   });
