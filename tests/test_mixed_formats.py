@@ -295,6 +295,27 @@ def test_a_mix_for_gguf_is_written_with_each_weights_own_block_type(tiny, monkey
         torch.testing.assert_close(w, ck.linear(name).dense(torch.float32), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
+def test_a_mix_for_gguf_keeps_nvfp4_off_the_ffn_where_llama_cpp_drops_its_scale(tmp_path, monkeypatch, model_type):
+    """llama.cpp's qwen2 / gemma3 graphs leave out an FFN matrix's `.scale` (Arch.gguf_ffn_scale), so `--for gguf`
+    never puts an FFN unit in NVFP4 there, even where NVFP4 alone loses nothing; attention units still take it, and
+    the build (which refuses an NVFP4 FFN for these architectures) writes the file."""
+    from helpers import tiny_bf16_store
+
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, src = tiny_bf16_store(tmp_path, seed=6, model_type=model_type, num_hidden_layers=2, head_dim=16)
+    _designated(monkeypatch, ["nvfp4"])
+    art = quantize(src, QuantizeOptions(target_bpw=16, for_engine="gguf", name="mix-ffn", **COMMON), store,
+                   progress=False)
+    chosen = _chosen(art)
+    attention = {n: s for n, s in chosen.items() if ".self_attn." in n}
+    ffn = {n: s for n, s in chosen.items() if ".mlp." in n}
+    assert attention and set(attention.values()) == {"nvfp4"}
+    assert ffn and "nvfp4" not in ffn.values()
+    build_engine(art, store, BuildOptions(target="gguf"))
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_the_calibrated_methods_round_the_integer_units_and_leave_the_formats_theirs(tiny, method, monkeypatch):
     """GPTQ / AWQ take the integer units; the FP8 / NVFP4 / MXFP4 ones (AWQ folds no scales into them) are rounded to

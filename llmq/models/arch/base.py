@@ -78,6 +78,10 @@ class Arch:
     # llama.cpp's `llama` architecture rotates adjacent pairs (2i, 2i+1) where Hugging Face rotates (i, i + d/2): its
     # converter reorders the q and k rows of every head, and so does llmq's GGUF export
     gguf_permutes_qk: bool = False
+    # whether llama.cpp's graph applies a dense FFN matrix's optional `.scale` tensor (NVFP4's global scale): its
+    # qwen2 / phi3 / gemma3 graphs build the FFN without it (src/models/<arch>.cpp passes NULL), so an NVFP4 FFN
+    # matrix there would compute g (~1e3-1e5) times too large (llmq's Gemma 3 NVFP4 file scored NaN)
+    gguf_ffn_scale: bool = True
     # which layers slide: "none" (none do), "all" (config.sliding_window, when set, for every layer), "layer_types"
     # (one window for every layer, where transformers' layer_types says sliding_attention), "per_layer" (the
     # layer_types' sliding layers use the window and their own rotary table, the others attend fully: Gemma 3)
@@ -190,6 +194,10 @@ class Arch:
     def unit_roles(self, experts: int = 0) -> list[tuple[str, ...]]:
         """`units` by role; a MoE layer's MLP units once per expert (the router is no unit: it stays 16-bit)."""
         return [u for unit in self.units for u in self._expand(unit, experts)]
+
+    def gguf_drops_scale(self, roles: tuple[str, ...]) -> bool:
+        """Whether llama.cpp's graph leaves out NVFP4's global scale of a linear of these roles (gguf_ffn_scale)."""
+        return not self.gguf_ffn_scale and any(self.gguf.get(r, "").startswith("FFN_") for r in roles)
 
     def unit_paths(self, experts: int = 0) -> list[tuple[str, ...]]:
         return [tuple(self.path(r) for r in unit) for unit in self.unit_roles(experts)]

@@ -6,7 +6,8 @@ which is therefore what AWQ and SmoothQuant fold into. llama.cpp calls it `gemma
 
 from .base import Arch
 
-GEMMA3 = Arch("gemma3_text", "Gemma3ForCausalLM", gguf_arch="gemma3", window="per_layer", activation="gelu_tanh",
+GEMMA3 = Arch("gemma3_text", "Gemma3ForCausalLM", gguf_arch="gemma3", gguf_ffn_scale=False, window="per_layer",
+              activation="gelu_tanh",
               activation_field=("hidden_activation", ("gelu_pytorch_tanh",)), norm_offset=1.0, embed_scale=True,
               rotary="transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding",
               norms={"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",

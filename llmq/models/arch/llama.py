@@ -6,4 +6,5 @@ from .base import Arch
 
 LLAMA = Arch("llama", "LlamaForCausalLM", gguf_arch="llama", gguf_permutes_qk=True)
 MISTRAL = Arch("mistral", "MistralForCausalLM", gguf_arch="llama", gguf_permutes_qk=True, window="all")
-QWEN2 = Arch("qwen2", "Qwen2ForCausalLM", gguf_arch="qwen2", window="layer_types", qkv_bias=True)
+QWEN2 = Arch("qwen2", "Qwen2ForCausalLM", gguf_arch="qwen2", window="layer_types", qkv_bias=True,
+             gguf_ffn_scale=False)

@@ -7,7 +7,7 @@ and ffn_up holding gate and up)."""
 
 from .base import Arch
 
-PHI3 = Arch("phi3", "Phi3ForCausalLM", gguf_arch="phi3", window="all",
+PHI3 = Arch("phi3", "Phi3ForCausalLM", gguf_arch="phi3", window="all", gguf_ffn_scale=False,
             fused={"qkv_proj": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
                    "gate_up_proj": ("mlp.gate_up_proj", ("gate_proj", "up_proj"))},
             feeds=(("attn_norm", ("qkv_proj",)), ("mlp_norm", ("gate_up_proj",))),

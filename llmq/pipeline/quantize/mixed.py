@@ -313,6 +313,11 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     units = spec.arch.unit_paths(spec.num_experts)
     keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
     loss = losses(sens, keys, cands)
+    if opts.for_engine == "gguf":   # NVFP4 where llama.cpp's graph would drop its global scale: never chosen
+        roles = spec.arch.unit_roles(spec.num_experts)
+        for n, (_, u) in enumerate(keys):
+            if spec.arch.gguf_drops_scale(roles[u]):
+                loss[n, [j for j, c in enumerate(cands) if c.name == "nvfp4"]] = np.inf
     picks = choose(loss, costs, int(budget))
     chosen_schemes, chosen_units = {}, []
     for (i, u), j in zip(keys, picks):

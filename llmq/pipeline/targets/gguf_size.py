@@ -51,7 +51,7 @@ def fixed_bytes(model_dir: Path | str, embedding_int8: bool, lm_head_int8: bool)
     table, every other tensor as the writer stores it, and all padding (the linears' at its most)."""
     src = CheckpointReader(model_dir)
     rec = _Recorder()
-    add_weights(Tensors(rec, src.arch.gguf_arch), src)
+    add_weights(Tensors(rec, src.arch), src)
     w = gguf.GGUFWriter(None, src.arch.gguf_arch)
     add_hparams(w, src, "x" * NAME_BYTES)
     add_tokenizer(w, src)

@@ -82,7 +82,7 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
     w = gguf.GGUFWriter(None, arch, use_temp_file=True)
     add_hparams(w, src, source_name)
     tokenizer = add_tokenizer(w, src)   # before the weights: a tokenizer GGUF cannot hold is refused early
-    tensors = Tensors(w, arch)
+    tensors = Tensors(w, src.arch)
     add_weights(tensors, src)
     ftype_name, ftype = _file_type(tensors.types, engine.dtype)
     w.add_file_type(ftype)

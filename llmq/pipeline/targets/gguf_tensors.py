@@ -39,17 +39,11 @@ def rope_rows(heads: int, head_dim: int) -> torch.Tensor:
     return (torch.arange(heads)[:, None] * head_dim + per_head).flatten()
 
 
-# llama.cpp graphs that build their dense FFN without the optional `<name>.scale` tensors (src/models/<arch>.cpp
-# passes NULL to build_ffn; attention and the output head take theirs): an NVFP4 FFN matrix there would compute with
-# its global scale left out, g (~1e3-1e5) times too large (llmq's Gemma 3 NVFP4 file scored NaN in llama.cpp)
-FFN_SCALE_IGNORED = frozenset({"qwen2", "phi3", "gemma3"})
-
-
 class Tensors:
     """Adds named tensors to the writer, counting GGML types and block-scale rounding."""
 
-    def __init__(self, writer, gguf_arch: str):
-        self.gguf_arch = gguf_arch
+    def __init__(self, writer, arch):
+        self.arch = arch
         self.writer = writer
         self.types: Counter = Counter()
         self.rounding = Rounding()
@@ -91,10 +85,10 @@ class Tensors:
     def _global_scale(self, name: str, lws: list[LinearWeights]) -> None:
         """NVFP4's global scales as llama.cpp's optional `<name>.scale` (one per matrix, [1] or [experts])."""
         if getattr(lws[0].qw, "global_scale", None) is not None:
-            if self.gguf_arch in FFN_SCALE_IGNORED and ".ffn_" in name and len(lws) == 1:
-                raise LlmqError(f"{name}: llama.cpp's {self.gguf_arch} graph does not apply NVFP4's per-tensor scale "
-                                "to FFN matrices, so this file would compute them wrong; quantize with --method mxfp4 "
-                                "or INT4 / INT8, or build --target llmq")
+            if not self.arch.gguf_ffn_scale and ".ffn_" in name and len(lws) == 1:   # Arch.gguf_ffn_scale
+                raise LlmqError(f"{name}: llama.cpp's {self.arch.gguf_arch} graph does not apply NVFP4's per-tensor "
+                                "scale to FFN matrices, so this file would compute them wrong; quantize with --method "
+                                "mxfp4 or INT4 / INT8, or build --target llmq")
             g = torch.cat([lw.qw.global_scale.float().reshape(1) for lw in lws])
             self.dense(f"{name}.scale", self.rounding.reciprocal(g), force_f32=True)
 
