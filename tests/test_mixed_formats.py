@@ -307,3 +307,23 @@ def test_the_calibrated_methods_round_the_integer_units_and_leave_the_formats_th
     for name, scheme in _chosen(art).items():
         qw = ck.linear(name).qw
         assert (qw.scheme if qw is not None else "dense") == SCHEME_NAME[scheme], name
+
+
+def test_for_gguf_offers_no_nvfp4_ffn_where_llama_cpp_drops_its_scale(tmp_path, monkeypatch):
+    """Qwen2's llama.cpp graph leaves out the FFN `.scale` tensors (gguf_tensors.FFN_SCALE_IGNORED): with NVFP4 the
+    unit's best, attention still takes it and the FFN units take something else, so the GGUF build accepts the mix."""
+    from helpers import tiny_bf16_store
+
+    from llmq.pipeline.targets import BuildOptions, build_engine
+    from llmq.pipeline.targets.gguf_tensors import FFN_SCALE_IGNORED
+
+    assert "qwen2" in FFN_SCALE_IGNORED
+    store, src = tiny_bf16_store(tmp_path, seed=3, model_type="qwen2")
+    _designated(monkeypatch, ["nvfp4"])
+    art = quantize(src, QuantizeOptions(target_bpw=16, for_engine="gguf", **COMMON), store, progress=False)
+    chosen = _chosen(art)
+    ffn = {n: s for n, s in chosen.items() if ".mlp." in n}
+    assert ffn and "nvfp4" not in ffn.values()
+    assert {s for n, s in chosen.items() if n not in ffn} == {"nvfp4"}
+    assert "nvfp4" in art.config["mixed_precision"]["candidates"]
+    build_engine(art, store, BuildOptions(target="gguf"))

@@ -234,6 +234,14 @@ def losses(sens: dict, keys: list, cands: list[Scheme]) -> np.ndarray:
     return np.array([[loss(sens[k], c.name) for c in cands] for k in keys])
 
 
+def refused(spec: ModelSpec, opts, cands: list[Scheme]) -> np.ndarray:
+    """[layers * units, candidates] True where the engine loads the scheme but not in that unit
+    (Scheme.loads_unit)."""
+    per_unit = [[opts.for_engine is not None and not c.loads_unit(opts.for_engine, spec.arch.gguf_arch, roles)
+                 for c in cands] for roles in spec.arch.unit_roles(spec.num_experts)]
+    return np.array(per_unit * spec.num_layers, dtype=bool).reshape(-1, len(cands))
+
+
 def unit_costs(spec: ModelSpec, opts, cands: list[Scheme]) -> tuple[np.ndarray, int]:
     """([layers * units, candidates] bytes of each unit in each scheme, parameters of all decoder linears); in the
     GGUF file's blocks with --size-in gguf."""
@@ -291,8 +299,9 @@ def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
     in its cheapest candidate takes."""
     cands = candidates(spec, opts)
     costs, params = unit_costs(spec, opts, cands)
-    floor = costs.min(1).sum() * 8 / params
-    if opts.target_bpw * params / 8 < costs.min(1).sum():
+    least = np.where(refused(spec, opts, cands), np.inf, costs).min(1).sum()
+    floor = least * 8 / params
+    if opts.target_bpw * params / 8 < least:
         asked = (f"--max-size {opts.max_size} leaves {opts.target_bpw:.3f} bits per decoder weight, which is"
                  if opts.max_size is not None else f"--target-bpw {opts.target_bpw:g} is")
         cheapest = (f"{opts.bits}-bit groups of {opts.group_size or 'a row'}" if opts.for_engine is None else
@@ -312,7 +321,7 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     sens = measure(model_dir, spec, opts, windows, device, progress, cands, direct)
     units = spec.arch.unit_paths(spec.num_experts)
     keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
-    loss = losses(sens, keys, cands)
+    loss = np.where(refused(spec, opts, cands), np.inf, losses(sens, keys, cands))   # never chosen
     picks = choose(loss, costs, int(budget))
     chosen_schemes, chosen_units = {}, []
     for (i, u), j in zip(keys, picks):

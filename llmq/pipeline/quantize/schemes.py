@@ -14,8 +14,9 @@ groups, each with its own "format" under a top-level "mixed-precision" (Compress
 before the global one; WNA16, W8A16-FP8, W4A16-NVFP4 and W4A16-MXFP4 are its weight-only schemes). TensorRT-LLM's
 PyTorch backend loads per layer what llmq's trtllm target writes weight-only: W8A16 per channel, W4A16 (AWQ-style
 groups); its FP8 and NVFP4 are W8A8 / W4A4, so neither weight-only FP8 nor NVFP4 / MXFP4 W4A16 is offered for it.
-GGUF holds int4 (Q4_0 / Q4_1), int8 (Q8_0, 32-aligned groups), MXFP4 and NVFP4 (64-weight blocks) and no FP8. llmq's
-runtime loads all."""
+GGUF holds int4 (Q4_0 / Q4_1), int8 (Q8_0, 32-aligned groups), MXFP4 and NVFP4 (64-weight blocks) and no FP8; NVFP4
+not in the dense FFN of the llama.cpp graphs that leave out its global scale there (targets.gguf_tensors.
+FFN_SCALE_IGNORED), which the GGUF build refuses (`Scheme.loads_unit`). llmq's runtime loads all."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import torch
 from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
+from ...models.arch import MLP
+from ..targets.gguf_tensors import FFN_SCALE_IGNORED
 from . import fp4, rtn
 from .fp8 import quantize_weight_fp8
 from .options import ENGINES
@@ -104,6 +107,12 @@ class Scheme:
         if engine == "trtllm" and self.name == "int8":
             return opts.int8_group_size == 0   # W8A16: a scale per output channel
         return True
+
+    def loads_unit(self, engine: str, gguf_arch: str, roles: tuple[str, ...]) -> bool:
+        """Whether `engine`, which loads this scheme, loads it for the unit of these roles: not NVFP4 in a dense FFN
+        where llama.cpp's graph drops the global scale (the GGUF build would refuse the artifact)."""
+        return not (engine == "gguf" and self.name == "nvfp4" and gguf_arch in FFN_SCALE_IGNORED
+                    and set(roles) <= set(MLP))
 
     def quantize_unit(self, weights: list[torch.Tensor], opts, scale_dtype: torch.dtype
                       ) -> list[qformat.QuantizedWeight]:
