@@ -93,8 +93,8 @@ class QuantizeOptions(Options):
                                     choices=ENGINES, flag="--for", metavar="ENGINE")
     size_in: str = option("checkpoint", "Whose bytes --target-bpw / --max-size count: the checkpoint's, or the "
                           "GGUF file's that `llmq build --target gguf` will write (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 "
-                          "blocks of 18 / 20 / 22 / 24 / 34 bytes per 32 weights, norms in float32, the tokenizer in its metadata), so a "
-                          "--max-size holds for the .gguf.", choices=("checkpoint", "gguf"))
+                          "blocks of 18 / 20 / 22 / 24 / 34 bytes per 32 weights, norms in float32, the tokenizer "
+                          "in its metadata), so a --max-size holds for the .gguf.", choices=("checkpoint", "gguf"))
     int8_group_size: int = option(0, "Input columns per scale of the 8-bit weights that --target-bpw / --max-size, "
                                   "--embedding int8 and --lm-head int8 make: 0 = per output channel (what TensorRT-LLM "
                                   "loads), 32 = llama.cpp's Q8_0 block, which the GGUF target then stores exactly "
