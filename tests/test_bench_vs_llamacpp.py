@@ -62,6 +62,7 @@ def test_every_variant_label_says_what_its_options_ask_for():
         assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
         assert ("-act" in label) == opts.act_order and ("-head8" in label) == (opts.lm_head == "int8"), label
         assert ("-emb8" in label) == (opts.embedding == "int8"), label
+        assert ("-gguf-q4km" in label) == (opts.for_engine == "gguf" and opts.max_size == str(mod.Q4_K_M_BYTES))
         budget = "" if opts.target_bpw is None else f"-bpw{opts.target_bpw:g}"
         assert label.endswith(budget) and ("-bpw" in label) == bool(budget), label
 

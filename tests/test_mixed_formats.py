@@ -18,9 +18,10 @@ from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize import QuantizeOptions, mixed, quantize, schemes
 from llmq.pipeline.quantize.probe import kld_top1
 
-FORMAT = {"int4": "pack-quantized", "int8": "pack-quantized", "fp8": "float-quantized",
-          "nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
-SCHEME_NAME = {"int4": "W4A16-group32-sym", "int8": "W8A16-channel-sym", "fp8": "FP8-channel",
+FORMAT = {"int4": "pack-quantized", "int5": "pack-quantized", "int8": "pack-quantized",
+          "fp8": "float-quantized", "nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+SCHEME_NAME = {"int4": "W4A16-group32-sym", "int5": "W5A16-group32-sym",
+               "int8": "W8A16-channel-sym", "fp8": "FP8-channel",
                "nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16", "16bit": "dense"}
 COMMON = dict(bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=0)
 
@@ -70,17 +71,23 @@ def test_each_engine_is_offered_only_what_it_loads():
     opts = QuantizeOptions(target_bpw=6, **COMMON).resolved((64, 128))
     names = lambda engine, o=opts, s=shapes: {c.name for c in schemes.candidates(engine, s, o)}  # noqa: E731
     assert names(None) == {"int4", "int8", "16bit"}   # without --for: today's integer widths
-    assert names("llmq") == names("vllm") == {"int4", "int8", "fp8", "nvfp4", "mxfp4", "16bit"}
+    assert names("llmq") == {"int4", "int5", "int8", "fp8", "nvfp4", "mxfp4", "16bit"}
+    assert names("vllm") == names("llmq") - {"int5"}   # INT5 runs in llmq's runtime and llama.cpp only
     assert names("trtllm") == {"int4", "int8", "16bit"}
-    assert names("gguf") == {"int4", "int8", "nvfp4", "mxfp4", "16bit"}
+    assert names("gguf") == {"int4", "int5", "int8", "nvfp4", "mxfp4", "16bit"}
     assert "nvfp4" not in names("gguf", s=[(64, 96)])   # GGUF's NVFP4 blocks hold 64 weights
     grouped = QuantizeOptions(target_bpw=6, int8_group_size=32, **COMMON).resolved((64, 128))
     assert "int8" in names("gguf", grouped) and "int8" not in names("trtllm", grouped)   # TensorRT-LLM: per channel
     asym = QuantizeOptions(target_bpw=6, symmetric=False, **COMMON).resolved((64, 128))
     assert "int8" not in names("gguf", asym) and "int4" in names("gguf", asym)   # Q8_0 has no zero point; Q4_1 does
+    assert "int5" in names("gguf", asym)   # Q5_1 does too
     # bytes exactly as stored: values, scales (bf16; E4M3 / E8M0 bytes for FP4), NVFP4's float32 global scale
     n, k = 128, 64
     assert schemes.SCHEMES["int4"].checkpoint_bytes(n, k, opts) == n * k // 2 + n * (k // 32) * 2
+    assert schemes.SCHEMES["int5"].checkpoint_bytes(n, k, opts) == n * k * 5 // 8 + n * (k // 32) * 2   # g32 always
+    assert schemes.SCHEMES["int5"].gguf_bytes(n, k, opts) == n * k // 32 * 22   # Q5_0: 5.5 bits a weight
+    assert schemes.SCHEMES["int5"].gguf_bytes(n, k, asym) == n * k // 32 * 24   # Q5_1
+    assert schemes.width_grid(5, QuantizeOptions(target_bpw=6, bits=4, group_size=128).resolved((64, 128))) == (5, 32)
     assert schemes.SCHEMES["fp8"].checkpoint_bytes(n, k, opts) == n * k + n * 2
     assert schemes.SCHEMES["nvfp4"].checkpoint_bytes(n, k, opts) == n * k // 2 + n * k // 16 + 4
     assert schemes.SCHEMES["mxfp4"].checkpoint_bytes(n, k, opts) == n * k // 2 + n * k // 32
@@ -145,15 +152,15 @@ def test_a_plan_for_an_engine_uses_only_what_it_loads_and_fuses_units_whole(tiny
 
     store, src = tiny
     calib = load_calibration(None, load_tokenizer(src.path), 4, 64, 0)
-    for engine, allowed in (("trtllm", {"int4", "int8", "16bit"}), ("gguf", {"int4", "int8", "nvfp4", "mxfp4",
-                                                                              "16bit"})):
+    for engine, allowed in (("trtllm", {"int4", "int8", "16bit"}), ("gguf", {"int4", "int5", "int8", "nvfp4",
+                                                                              "mxfp4", "16bit"})):
         opts, spec, _ = validate(src, QuantizeOptions(target_bpw=5.5, for_engine=engine, **COMMON))
         plan = mixed.plan(src.path, spec, opts, calib, "cpu", progress=False)
         m = plan.manifest
         assert set(plan.schemes.values()) <= allowed and set(m["candidates"]) == allowed
         assert m["bytes"] <= m["budget_bytes"] and m["bpw"] <= 5.5
-        four = {c for c in allowed if schemes.SCHEMES[c].bits == 4}   # measured; the 8-bit ones scaled from INT4
-        assert set(m["sensitivity"]["measured"]) == four and all(set(u["kld_alone"]) == four for u in m["units"])
+        low = {c for c in allowed if schemes.SCHEMES[c].bits in (4, 5)}   # measured; the 8-bit ones scaled from INT4
+        assert set(m["sensitivity"]["measured"]) == low and all(set(u["kld_alone"]) == low for u in m["units"])
         for i in range(spec.num_layers):
             for unit in spec.arch.unit_paths():
                 assert len({plan.schemes[f"model.layers.{i}.{n}"] for n in unit}) == 1
@@ -161,10 +168,10 @@ def test_a_plan_for_an_engine_uses_only_what_it_loads_and_fuses_units_whole(tiny
 
 @pytest.fixture(scope="module")
 def every_scheme(tiny):
-    """An artifact (--for llmq) with each unit in a designated scheme, every scheme twice."""
+    """An artifact (--for llmq) with each unit in a designated scheme, every scheme at least once."""
     store, src = tiny
     with pytest.MonkeyPatch.context() as mp:
-        _designated(mp, ["fp8", "nvfp4", "mxfp4", "int8", "16bit", "int4"])
+        _designated(mp, ["fp8", "nvfp4", "mxfp4", "int8", "16bit", "int4", "int5"])
         art = quantize(src, QuantizeOptions(target_bpw=16, for_engine="llmq", **COMMON), store, progress=False)
     return store, src, art
 
@@ -264,22 +271,22 @@ def test_engines_that_cannot_load_a_scheme_of_the_mix_refuse_it_in_one_line(ever
 
 
 def test_a_mix_for_gguf_is_written_with_each_weights_own_block_type(tiny, monkeypatch):
-    """`--for gguf`: every decoder weight is the GGUF block type of its scheme (Q4_0, Q8_0, NVFP4 with its `.scale`,
-    MXFP4, BF16), and gguf-py's dequantizer (llama.cpp's NumPy twin) reads back the artifact's own values."""
+    """`--for gguf`: every decoder weight is the GGUF block type of its scheme (Q4_0, Q5_0, Q8_0, NVFP4 with its
+    `.scale`, MXFP4, BF16), and gguf-py's dequantizer (llama.cpp's NumPy twin) reads back the artifact's own values."""
     from test_export_gguf import _hf_name, _unpair_rope_rows, gguf_file
 
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     gguf = pytest.importorskip("gguf")
     store, src = tiny
-    _designated(monkeypatch, ["nvfp4", "int4", "mxfp4", "int8", "16bit"])
+    _designated(monkeypatch, ["nvfp4", "int4", "mxfp4", "int8", "16bit", "int5"])
     art = quantize(src, QuantizeOptions(target_bpw=16, for_engine="gguf", name="mix-gguf", **COMMON), store,
                    progress=False)
     chosen = _chosen(art)
-    assert set(chosen.values()) == {"nvfp4", "int4", "mxfp4", "int8", "16bit"}
+    assert set(chosen.values()) == {"nvfp4", "int4", "mxfp4", "int8", "16bit", "int5"}
     engine = build_engine(art, store, BuildOptions(target="gguf"))
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_file(engine)).tensors}
-    want = {"int4": "Q4_0", "int8": "Q8_0", "nvfp4": "NVFP4", "mxfp4": "MXFP4", "16bit": "BF16"}
+    want = {"int4": "Q4_0", "int5": "Q5_0", "int8": "Q8_0", "nvfp4": "NVFP4", "mxfp4": "MXFP4", "16bit": "BF16"}
     ck = CheckpointReader(art.path)
     for t in tensors.values():
         if not (t.name.startswith("blk.") and t.name.endswith(".weight")) or len(t.shape) < 2:
@@ -313,6 +320,7 @@ def test_a_mix_for_gguf_keeps_nvfp4_off_the_ffn_where_llama_cpp_drops_its_scale(
     ffn = {n: s for n, s in chosen.items() if ".mlp." in n}
     assert attention and set(attention.values()) == {"nvfp4"}
     assert ffn and "nvfp4" not in ffn.values()
+    assert "nvfp4" in art.config["mixed_precision"]["candidates"]
     build_engine(art, store, BuildOptions(target="gguf"))
 
 
@@ -321,7 +329,7 @@ def test_the_calibrated_methods_round_the_integer_units_and_leave_the_formats_th
     """GPTQ / AWQ take the integer units; the FP8 / NVFP4 / MXFP4 ones (AWQ folds no scales into them) are rounded to
     nearest after the method, each stored in its own scheme."""
     store, src = tiny
-    _designated(monkeypatch, ["fp8", "nvfp4", "mxfp4", "int8", "16bit", "int4"])
+    _designated(monkeypatch, ["fp8", "nvfp4", "mxfp4", "int8", "16bit", "int4", "int5"])
     art = quantize(src, QuantizeOptions(method=method, target_bpw=16, for_engine="llmq", **COMMON), store,
                    progress=False)
     ck = CheckpointReader(art.path)

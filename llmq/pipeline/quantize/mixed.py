@@ -1,23 +1,23 @@
 """Mixed precision (`llmq quantize --target-bpw B`, or `--max-size S`, which derives B from a file size): each unit
 of linears gets one scheme, chosen from its measured sensitivity so that the model's KLD at that size is as low as the
 measurements say it can be: 4, 8 or 16 integer bits, or with `--for ENGINE` any scheme of the catalogue that engine
-loads (schemes.py: 16-bit, FP8, INT8, INT4, NVFP4, MXFP4, all weight-only).
+loads (schemes.py: 16-bit, FP8, INT8, INT5, INT4, NVFP4, MXFP4, all weight-only).
 
 A unit is the linears one input feeds and engines fuse into one matmul (q/k/v, gate/up), or o_proj / down_proj
 alone: vLLM loads a fused layer with one scheme (vllm#47215), and AWQ scales exactly these groups, so a unit has one
-scheme. Its sensitivity is measured, not guessed: the mean KLD of the model's next-token distributions when that unit
-alone is rounded to INT4 (RTN, the options' group size), on calibration windows (never the probe's held-out text).
-On SmolLM2-135M the single-layer KLDs add up to the KLD of rounding all of them (0.48 summed, 0.47 at once), so the
-KLD of a choice is estimated as the sum of its units' losses, and choosing is a knapsack: minimise the summed loss
-under the byte budget, solved exactly by dynamic programming over budget buckets. The 4-bit schemes (INT4, and with
---for NVFP4 and MXFP4) are each measured that way; an 8-bit scheme's loss is the unit's INT4 loss scaled by the ratio
-of the two schemes' summed squared weight errors (KLD is quadratic in a small perturbation); at 16 bits it is 0. The
-ratio cannot stand in for the FP4 measurements: on SmolLM2 (benchmarks/mixed_scheme_sensitivity.py, the 12 units of
-layers 2 / 14 / 27) NVFP4's measured KLD was 0.33-1.26x INT4 g64's (below it in 10 units) while the MSE ratio put it
-at 1.0-1.2x (after INT4 in 11), and MXFP4's 0.58-2.8x against an estimated 1.6-1.8x; the 8-bit estimates were
-0.8-1.8x the measured INT8 KLD and kept INT8 ahead of FP8 in all 12, as measured. B counts every byte of the decoder
-layers' linears (values, scales, zero points, global scales) per weight; the embedding and lm_head are outside it
-(`--embedding` / `--lm-head` decide them).
+scheme. Its sensitivity is measured, not guessed: the mean KLD of the model's next-token distributions when that
+unit alone is rounded to INT4 (RTN, the options' group size), on calibration windows (never the probe's held-out
+text). On SmolLM2-135M the single-layer KLDs add up to the KLD of rounding all of them (0.48 summed, 0.47 at once),
+so the KLD of a choice is estimated as the sum of its units' losses, and choosing is a knapsack: minimise the summed
+loss under the byte budget, solved exactly by dynamic programming over budget buckets. The 4- and 5-bit schemes
+(INT4, and with --for INT5, NVFP4 and MXFP4) are each measured that way; an 8-bit scheme's loss is the unit's INT4
+loss scaled by the ratio of the two schemes' summed squared weight errors (KLD is quadratic in a small
+perturbation); at 16 bits it is 0. The ratio cannot stand in for the FP4 measurements: on SmolLM2
+(benchmarks/mixed_scheme_sensitivity.py, the 12 units of layers 2 / 14 / 27) NVFP4's measured KLD was 0.33-1.26x
+INT4 g64's (below it in 10 units) while the MSE ratio put it at 1.0-1.2x (after INT4 in 11), and MXFP4's 0.58-2.8x
+against an estimated 1.6-1.8x; the 8-bit estimates were 0.8-1.8x the measured INT8 KLD and kept INT8 ahead of FP8 in
+all 12, as measured. B counts every byte of the decoder layers' linears (values, scales, zero points, global scales)
+per weight; the embedding and lm_head are outside it (`--embedding` / `--lm-head` decide them).
 
 The measurement streams like the quantizer: the float model's hidden states entering each layer are kept (tokens x
 hidden per layer), and each layer's units are measured by running the later layers, read from the checkpoint one at
@@ -234,6 +234,14 @@ def losses(sens: dict, keys: list, cands: list[Scheme]) -> np.ndarray:
     return np.array([[loss(sens[k], c.name) for c in cands] for k in keys])
 
 
+def refused(spec: ModelSpec, opts, cands: list[Scheme]) -> np.ndarray:
+    """[layers * units, candidates] True where the engine loads the scheme but not in that unit
+    (Scheme.loads_unit)."""
+    per_unit = [[opts.for_engine is not None and not c.loads_unit(opts.for_engine, spec.arch, roles)
+                 for c in cands] for roles in spec.arch.unit_roles(spec.num_experts)]
+    return np.array(per_unit * spec.num_layers, dtype=bool).reshape(-1, len(cands))
+
+
 def unit_costs(spec: ModelSpec, opts, cands: list[Scheme]) -> tuple[np.ndarray, int]:
     """([layers * units, candidates] bytes of each unit in each scheme, parameters of all decoder linears); in the
     GGUF file's blocks with --size-in gguf."""
@@ -291,8 +299,9 @@ def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
     in its cheapest candidate takes."""
     cands = candidates(spec, opts)
     costs, params = unit_costs(spec, opts, cands)
-    floor = costs.min(1).sum() * 8 / params
-    if opts.target_bpw * params / 8 < costs.min(1).sum():
+    least = np.where(refused(spec, opts, cands), np.inf, costs).min(1).sum()
+    floor = least * 8 / params
+    if opts.target_bpw * params / 8 < least:
         asked = (f"--max-size {opts.max_size} leaves {opts.target_bpw:.3f} bits per decoder weight, which is"
                  if opts.max_size is not None else f"--target-bpw {opts.target_bpw:g} is")
         cheapest = (f"{opts.bits}-bit groups of {opts.group_size or 'a row'}" if opts.for_engine is None else
@@ -308,16 +317,11 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     budget = opts.target_bpw * params / 8
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))
     windows = calib.head(take)
-    direct = tuple(c.name for c in cands if c.bits == 4)   # the 4-bit schemes: measured, not estimated (module doc)
+    direct = tuple(c.name for c in cands if c.bits in (4, 5))   # measured, not estimated (module doc)
     sens = measure(model_dir, spec, opts, windows, device, progress, cands, direct)
     units = spec.arch.unit_paths(spec.num_experts)
     keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
-    loss = losses(sens, keys, cands)
-    if opts.for_engine == "gguf":   # NVFP4 where llama.cpp's graph would drop its global scale: never chosen
-        roles = spec.arch.unit_roles(spec.num_experts)
-        for n, (_, u) in enumerate(keys):
-            if spec.arch.gguf_drops_scale(roles[u]):
-                loss[n, [j for j, c in enumerate(cands) if c.name == "nvfp4"]] = np.inf
+    loss = np.where(refused(spec, opts, cands), np.inf, losses(sens, keys, cands))   # never chosen
     picks = choose(loss, costs, int(budget))
     chosen_schemes, chosen_units = {}, []
     for (i, u), j in zip(keys, picks):

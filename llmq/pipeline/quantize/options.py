@@ -84,16 +84,17 @@ class QuantizeOptions(Options):
                                   "--target-bpw that what is left fills, once the embedding, head, norms and headers "
                                   "are priced as they will be stored; the file is at most this size.", metavar="SIZE")
     for_engine: str | None = option(None, "Mixed precision across formats: choose each unit's scheme among every one "
-                                    "ENGINE loads (16-bit, FP8, INT8, INT4, NVFP4 and MXFP4 weight-only; vllm: all; "
-                                    "trtllm: 16-bit, INT8 per channel, INT4; gguf: all but FP8; llmq: all). The "
+                                    "ENGINE loads (16-bit, FP8, INT8, INT5 in groups of 32, INT4, NVFP4 and MXFP4 "
+                                    "weight-only; vllm: all but INT5; trtllm: 16-bit, INT8 per channel, INT4; gguf: "
+                                    "all but FP8; llmq: all). The "
                                     "method rounds the integer units; FP8 / NVFP4 / MXFP4 ones are rounded to "
                                     "nearest. Without it, --target-bpw / --max-size choose among 4, 8 and 16 integer "
                                     "bits.",
                                     choices=ENGINES, flag="--for", metavar="ENGINE")
     size_in: str = option("checkpoint", "Whose bytes --target-bpw / --max-size count: the checkpoint's, or the "
-                          "GGUF file's that `llmq build --target gguf` will write (Q4_0 / Q4_1 / Q8_0 blocks of 18 / "
-                          "20 / 34 bytes per 32 weights, norms in float32, the tokenizer in its metadata), so a "
-                          "--max-size holds for the .gguf.", choices=("checkpoint", "gguf"))
+                          "GGUF file's that `llmq build --target gguf` will write (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 "
+                          "blocks of 18 / 20 / 22 / 24 / 34 bytes per 32 weights, norms in float32, the tokenizer "
+                          "in its metadata), so a --max-size holds for the .gguf.", choices=("checkpoint", "gguf"))
     int8_group_size: int = option(0, "Input columns per scale of the 8-bit weights that --target-bpw / --max-size, "
                                   "--embedding int8 and --lm-head int8 make: 0 = per output channel (what TensorRT-LLM "
                                   "loads), 32 = llama.cpp's Q8_0 block, which the GGUF target then stores exactly "
@@ -159,8 +160,9 @@ class QuantizeOptions(Options):
             raise LlmqError("--for trtllm: TensorRT-LLM's INT4 weight-only kernels take no zero points; drop --asym")
         if self.mixed and (self.method not in WEIGHT_ONLY or self.bits in (5, 8) or self.per_tensor):
             flag = "--target-bpw" if self.target_bpw is not None else "--max-size"
-            raise LlmqError(f"{flag} mixes 4-, 8- and 16-bit weight-only layers: use it with --bits 4 and a "
-                            f"weight-only method ({', '.join(WEIGHT_ONLY)}), not per tensor")
+            raise LlmqError(f"{flag} mixes 4-, 8- and 16-bit weight-only layers (with --for, 5-bit and FP8 / FP4 "
+                            f"too): use it with --bits 4 and a weight-only method ({', '.join(WEIGHT_ONLY)}), not per "
+                            "tensor")
 
     @property
     def mixed(self) -> bool:

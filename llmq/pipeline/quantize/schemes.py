@@ -1,9 +1,11 @@
 """The schemes mixed precision chooses among (`llmq quantize --target-bpw B --for ENGINE`): for each, the bytes a
 [n, k] linear takes exactly as the checkpoint stores it (and as the GGUF file does), how a unit's weights are rounded
-to it, and which engines load it. All are weight-only (mixed.py measures the 4-bit ones' KLD and scales INT4's by the
-weight-MSE ratio for the 8-bit ones):
+to it, and which engines load it. All are weight-only (mixed.py measures the 4- and 5-bit ones' KLD and scales
+INT4's by the weight-MSE ratio for the 8-bit ones):
 - int4 / int8: the options' integer grid (4 bits: --group-size, 8 bits: --int8-group-size), compressed-tensors'
   pack-quantized; the method (rtn / gptq / awq) rounds them;
+- int5: 5-bit integers in groups of 32 (GGUF's Q5_0 block; Q5_1 with --asym), rounded by the method as INT4 is;
+  what llmq's runtime and llama.cpp run, not vLLM / TensorRT-LLM;
 - fp8: FP8 E4M3 weights with a scale per output channel in the model's dtype, 16-bit activations (float-quantized
   without input_activations: vLLM's W8A16-FP8);
 - nvfp4 / mxfp4: W4A16 FP4 as `--method nvfp4` / `mxfp4` write them (round-to-nearest, amax block scales; NVFP4's
@@ -14,8 +16,9 @@ groups, each with its own "format" under a top-level "mixed-precision" (Compress
 before the global one; WNA16, W8A16-FP8, W4A16-NVFP4 and W4A16-MXFP4 are its weight-only schemes). TensorRT-LLM's
 PyTorch backend loads per layer what llmq's trtllm target writes weight-only: W8A16 per channel, W4A16 (AWQ-style
 groups); its FP8 and NVFP4 are W8A8 / W4A4, so neither weight-only FP8 nor NVFP4 / MXFP4 W4A16 is offered for it.
-GGUF holds int4 (Q4_0 / Q4_1), int8 (Q8_0, 32-aligned groups), MXFP4 and NVFP4 (64-weight blocks) and no FP8. llmq's
-runtime loads all."""
+GGUF holds int4 (Q4_0 / Q4_1), int5 (Q5_0 / Q5_1), int8 (Q8_0, 32-aligned groups), MXFP4 and NVFP4 (64-weight
+blocks) and no FP8; NVFP4 not in the dense FFN of the llama.cpp graphs that leave out its global scale there
+(Arch.gguf_ffn_scale), which the GGUF build refuses (`Scheme.loads_unit`). llmq's runtime loads all."""
 
 from __future__ import annotations
 
@@ -32,9 +35,12 @@ from .fp8 import quantize_weight_fp8
 from .options import ENGINES
 
 INTEGER = ("int4", "int8", "16bit")   # what --target-bpw chooses among without --for: today's widths
+GRID = ("int4", "int5", "int8", "16bit")   # the schemes the quantize method rounds (or keeps dense)
+INT5_GROUP = 32   # mixed precision's INT5: GGUF's Q5_0 / Q5_1 block
 NVFP4_SCALE_ENTRY = 96   # GGUF: the F32 `.scale` tensor holding NVFP4's global scale, padded to 32 bytes, and its
 #                          tensor-table entry (under 64 bytes)
-GGUF_TYPES = {"int4": "Q4_0", "int4-asym": "Q4_1", "int8": "Q8_0", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
+GGUF_TYPES = {"int4": "Q4_0", "int4-asym": "Q4_1", "int5": "Q5_0", "int5-asym": "Q5_1", "int8": "Q8_0",
+              "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
 def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
@@ -48,8 +54,10 @@ def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, sc
 
 def width_grid(bits: int, opts) -> tuple[int, int]:
     """(bits, group_size) of an integer linear at `bits`: the options' grid at their own width, --int8-group-size at
-    8."""
-    return (bits, opts.group_size) if bits == opts.bits else (bits, opts.int8_group_size if bits == 8 else 0)
+    8, groups of INT5_GROUP at 5 (mixed precision's INT5)."""
+    if bits == opts.bits:
+        return bits, opts.group_size
+    return bits, {8: opts.int8_group_size, 5: INT5_GROUP}.get(bits, 0)
 
 
 def gguf_block(name: str) -> tuple[int, int]:
@@ -69,8 +77,8 @@ class Scheme:
 
     @property
     def integer(self) -> bool:
-        """Rounded by the quantize method on an integer grid (int4 / int8), or left dense (16bit)."""
-        return self.name in INTEGER
+        """Rounded by the quantize method on an integer grid (int4 / int5 / int8), or left dense (16bit)."""
+        return self.name in GRID
 
     def checkpoint_bytes(self, n: int, k: int, opts, scale_bytes: int = 2) -> int:
         """Bytes of a [n, k] linear in the checkpoint: values, scales, zero points, global scale."""
@@ -88,8 +96,8 @@ class Scheme:
         """Bytes of a [n, k] linear in the GGUF file `llmq build --target gguf` writes."""
         if self.name == "16bit":
             return 2 * n * k
-        weights, size = gguf_block(GGUF_TYPES["int4-asym" if self.name == "int4" and not opts.symmetric
-                                              else self.name])
+        asym = self.name in ("int4", "int5") and not opts.symmetric   # zero points: Q4_1 / Q5_1
+        weights, size = gguf_block(GGUF_TYPES[f"{self.name}-asym" if asym else self.name])
         return n * (k // weights) * size + (NVFP4_SCALE_ENTRY if self.name == "nvfp4" else 0)
 
     def loads(self, engine: str, shapes: list[tuple[int, int]], opts) -> bool:
@@ -104,6 +112,11 @@ class Scheme:
         if engine == "trtllm" and self.name == "int8":
             return opts.int8_group_size == 0   # W8A16: a scale per output channel
         return True
+
+    def loads_unit(self, engine: str, arch, roles: tuple[str, ...]) -> bool:
+        """Whether `engine`, which loads this scheme, loads it for the unit of these roles: not NVFP4 where llama.cpp's
+        graph drops the global scale (Arch.gguf_ffn_scale; the GGUF build would refuse the artifact)."""
+        return not (engine == "gguf" and self.name == "nvfp4" and arch.gguf_drops_scale(roles))
 
     def quantize_unit(self, weights: list[torch.Tensor], opts, scale_dtype: torch.dtype
                       ) -> list[qformat.QuantizedWeight]:
@@ -125,6 +138,7 @@ class Scheme:
 _ALL = frozenset(ENGINES)
 SCHEMES = {s.name: s for s in (
     Scheme("int4", 4, _ALL),
+    Scheme("int5", 5, frozenset({"llmq", "gguf"})),
     Scheme("nvfp4", 4, frozenset({"llmq", "vllm", "gguf"})),
     Scheme("mxfp4", 4, frozenset({"llmq", "vllm", "gguf"})),
     Scheme("int8", 8, _ALL),
