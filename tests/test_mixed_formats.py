@@ -305,8 +305,9 @@ def test_a_mix_for_gguf_is_written_with_each_weights_own_block_type(tiny, monkey
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
 def test_a_mix_for_gguf_keeps_nvfp4_off_the_ffn_where_llama_cpp_drops_its_scale(tmp_path, monkeypatch, model_type):
     """llama.cpp's qwen2 / gemma3 graphs leave out an FFN matrix's `.scale` (Arch.gguf_ffn_scale), so `--for gguf`
-    never puts an FFN unit in NVFP4 there, even where NVFP4 alone loses nothing; attention units still take it, and
-    the build (which refuses an NVFP4 FFN for these architectures) writes the file."""
+    never puts an FFN unit in NVFP4 there (nor spends a sensitivity pass on it), even where NVFP4 alone loses nothing;
+    attention units still take it, and the build (which refuses an NVFP4 FFN for these architectures) writes the
+    file."""
     from helpers import tiny_bf16_store
 
     from llmq.pipeline.targets import BuildOptions, build_engine
@@ -321,6 +322,8 @@ def test_a_mix_for_gguf_keeps_nvfp4_off_the_ffn_where_llama_cpp_drops_its_scale(
     assert attention and set(attention.values()) == {"nvfp4"}
     assert ffn and "nvfp4" not in ffn.values()
     assert "nvfp4" in art.config["mixed_precision"]["candidates"]
+    units = art.config["mixed_precision"]["units"]   # and NVFP4's KLD is measured only where it may be chosen
+    assert all(("nvfp4" in u["kld_alone"]) == u["modules"][0].startswith("self_attn.") for u in units)
     build_engine(art, store, BuildOptions(target="gguf"))
 
 

@@ -155,8 +155,8 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
             cands: list[Scheme] = (SCHEMES[MEASURED],), direct: tuple[str, ...] = (MEASURED,),
             layers: tuple[int, ...] | None = None) -> dict:
     """Per unit (layer, index into Arch.units): "mse", each candidate's summed squared weight error, and "kld", the
-    KLD of each scheme in `direct` with that unit alone rounded to it. layers: only these layers' units (all by
-    default; the later layers run all the same)."""
+    KLD of each scheme in `direct` with that unit alone rounded to it (but in no unit the engine refuses it in:
+    refused_units). layers: only these layers' units (all by default; the later layers run all the same)."""
 
     arch, units = spec.arch, spec.arch.unit_paths(spec.num_experts)
     source = source_tensors(model_dir)
@@ -169,7 +169,9 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     stack = model.get_submodule(arch.layers)
     n = len(stack)
     chosen = range(n) if layers is None else layers
-    streamed = [c for c in cands if c.name in direct and c.name != "16bit"]  # schemes whose KLD is measured
+    streamed = [c for c in cands if c.name in direct and c.name != "16bit"]  # schemes whose KLD is measured ...
+    skip = refused_units(spec, opts, cands)   # ... except in units the engine would not load them in
+    measured = [[c for k, c in enumerate(cands) if c in streamed and not skip[u, k]] for u in range(len(units))]
 
     def layer(j: int):
         return load(stack[j], arch.prefix(j), source, device).to(dtype=torch.float32)
@@ -201,7 +203,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
                         continue
                     deq = [qw.dequantize().to(device) for qw in scheme.quantize_unit(kept, opts, dtype)]
                     mse[scheme.name] = float(sum((d - w).pow(2).sum() for d, w in zip(deq, kept)))
-                    if scheme in streamed:
+                    if scheme in measured[u]:
                         for lin, d in zip(lins, deq):
                             lin.weight.data = d
                         streams.append(lay(h_in, **kws[i]))
@@ -217,7 +219,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
                 bar.advance(task)
             per_unit = iter(s.chunk(len(streams)))
             for u in range(len(units)):
-                out[(i, u)]["kld"] = {sc.name: scorer.kld(next(per_unit)) for sc in streamed}
+                out[(i, u)]["kld"] = {sc.name: scorer.kld(next(per_unit)) for sc in measured[u]}
     return out
 
 
@@ -234,12 +236,16 @@ def losses(sens: dict, keys: list, cands: list[Scheme]) -> np.ndarray:
     return np.array([[loss(sens[k], c.name) for c in cands] for k in keys])
 
 
-def refused(spec: ModelSpec, opts, cands: list[Scheme]) -> np.ndarray:
-    """[layers * units, candidates] True where the engine loads the scheme but not in that unit
+def refused_units(spec: ModelSpec, opts, cands) -> np.ndarray:
+    """[units of a layer, candidates] True where the engine loads the scheme but not in that unit
     (Scheme.loads_unit)."""
-    per_unit = [[opts.for_engine is not None and not c.loads_unit(opts.for_engine, spec.arch, roles)
-                 for c in cands] for roles in spec.arch.unit_roles(spec.num_experts)]
-    return np.array(per_unit * spec.num_layers, dtype=bool).reshape(-1, len(cands))
+    return np.array([[opts.for_engine is not None and not c.loads_unit(opts.for_engine, spec.arch, roles)
+                      for c in cands] for roles in spec.arch.unit_roles(spec.num_experts)], dtype=bool)
+
+
+def refused(spec: ModelSpec, opts, cands: list[Scheme]) -> np.ndarray:
+    """refused_units for every layer: [layers * units, candidates]."""
+    return np.tile(refused_units(spec, opts, cands), (spec.num_layers, 1))
 
 
 def unit_costs(spec: ModelSpec, opts, cands: list[Scheme]) -> tuple[np.ndarray, int]:
