@@ -63,9 +63,11 @@ class FP4Linear(LinearBase):
 
     @property
     def nbytes(self) -> int:
-        packed = (self.lb_codes, self.lb_s) if self.divisor is not None else \
-            () if self.dense is not None else (self.packed, self.scale)
-        weights = self.dense.nbytes if self.dense is not None else sum(t.numel() * t.element_size() for t in packed)
+        if self.dense is not None:
+            weights = self.dense.nbytes
+        else:   # packed: on the CPU kernel or the Triton one
+            packed = (self.lb_codes, self.lb_s) if self.divisor is not None else (self.packed, self.scale)
+            weights = sum(t.numel() * t.element_size() for t in packed)
         return weights + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def fused_spec(self) -> FusedLinear | None:
