@@ -248,3 +248,19 @@ def test_invalid_hf_quant_config_json_is_one_line(made):
     (dst / "hf_quant_config.json").write_text("{not json")
     with pytest.raises(LlmqError, match=r"hf_quant_config.json: not valid JSON"):
         CheckpointReader(dst)
+
+
+def test_fp8_per_channel_per_token_reads_either_scale_shape():
+    """FP8RowwiseLinearMethod's weight_scale [out] (ModelOpt) or compressed-tensors' [out, 1]: llmq's per-channel FP8
+    with dynamic per-token activations, the values unchanged; any other shape is a one-line error."""
+    cfg = modelopt.parse_config({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"})
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(8, 32, generator=g) * 100).to(quant.FP8)
+    scale = torch.rand(8, generator=g) + 0.01
+    ref = q.double() * scale.double()[:, None]
+    for s in (scale, scale[:, None]):
+        qw = qformat.read_linear({"x.weight": q, "x.weight_scale": s}, "x", cfg)
+        assert qw.dynamic and qw.input_scale is None and qw.strategy == "channel" and qw.activation_bits == 8
+        assert torch.equal(qw.dequantize().double(), ref.float().double())
+    with pytest.raises(LlmqError, match=r"^x: ModelOpt tensors .* expected FP8_PER_CHANNEL_PER_TOKEN"):
+        qformat.read_linear({"x.weight": q, "x.weight_scale": scale[:4]}, "x", cfg)

@@ -8,6 +8,8 @@ under "quantization" (quant_algo, kv_cache_quant_algo, group_size, exclude_modul
 mapped onto the llmq scheme that computes the same thing, with ModelOpt's tensors (`_torch/modules/linear.py`):
 - FP8 (FP8QDQLinearMethod): `weight` float8_e4m3fn [out, in], float32 scalars `weight_scale` and `input_scale`, both
   multipliers as compressed-tensors' are: llmq's FP8 per-tensor W8A8 with static activations, values unchanged.
+- FP8_PER_CHANNEL_PER_TOKEN (FP8RowwiseLinearMethod): `weight` float8_e4m3fn [out, in], float32 `weight_scale` [out]
+  (compressed-tensors' [out, 1] is read too), activations dynamic per token: llmq's `--method fp8`, unchanged.
 - FP8_BLOCK_SCALES (FP8BlockScalesLinearMethod): `weight` float8 [out, in], float32 `weight_scale` (the DeepSeek
   recipe's `weight_scale_inv`, same values) [ceil(out/128), ceil(in/128)], activations dynamic per 1 x 128: llmq's
   block FP8.
@@ -43,7 +45,7 @@ from .qconfig import QConfig, QuantArgs, fp4_activations_args, fp8_block_args
 from .qweight import QuantizedWeight, get_tensor
 
 FP8_BLOCK = (128, 128)   # TensorRT-LLM's FP8_BLOCK_SCALES block (asserted by its HF fp8 reader)
-ALGOS = ("FP8", "FP8_BLOCK_SCALES", "NVFP4", "W8A16", "W4A16", "W4A16_AWQ")
+ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "NVFP4", "W8A16", "W4A16", "W4A16_AWQ")
 MIXED = "MIXED_PRECISION"   # a quant_algo per layer, in quantized_layers
 
 
@@ -73,6 +75,8 @@ def scheme(algo: str, group_size: int | None) -> tuple[QuantArgs, QuantArgs | No
     """llmq's (weights, input activations) for a ModelOpt quant_algo; an LlmqError naming what is read."""
     if algo == "FP8":
         return QuantArgs(8, "float", strategy="tensor"), QuantArgs(8, "float", strategy="tensor")
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return QuantArgs(8, "float", strategy="channel"), QuantArgs(8, "float", strategy="token", dynamic=True)
     if algo == "FP8_BLOCK_SCALES" and group_size in (None, FP8_BLOCK[1]):
         return fp8_block_args(FP8_BLOCK)
     if algo == "NVFP4" and group_size in (None, quant.NVFP4_BLOCK):
@@ -162,6 +166,12 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
                    f"FP8_BLOCK_SCALES: weight float8_e4m3fn [out, in] and weight_scale float32 {list(want)}", seen)
             return QuantizedWeight(q=q, scale=scale, zero_point=None, bits=8, group_size=None, symmetric=True,
                                    dynamic=True, block=FP8_BLOCK)
+        if w.strategy == "channel":
+            _check(q.dtype == quant.FP8 and q.dim() == 2 and scale.dtype == torch.float32
+                   and tuple(scale.shape) in ((n,), (n, 1)), name,
+                   "FP8_PER_CHANNEL_PER_TOKEN: weight float8_e4m3fn [out, in] and weight_scale float32 [out]", seen)
+            return QuantizedWeight(q=q, scale=scale.reshape(n, 1), zero_point=None, bits=8, group_size=None,
+                                   symmetric=True, dynamic=True)
         _check(q.dtype == quant.FP8 and q.dim() == 2 and scale.numel() == 1, name,
                "FP8: weight float8_e4m3fn [out, in] and a scalar weight_scale", seen)
         if f"{name}.input_scale" not in tensors:

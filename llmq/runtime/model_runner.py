@@ -185,11 +185,14 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
 
 def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_heads: int, ids: torch.Tensor,
                      embed_starts: list[int | None] | None = None, dtype: torch.dtype = torch.float32,
-                     block_size: int = 16, linear_module: Callable[[list[LinearWeights]], torch.nn.Module] | None = None
-                     ) -> torch.Tensor:
+                     block_size: int = 16,
+                     linear_module: Callable[[list[LinearWeights]], torch.nn.Module] | None = None,
+                     kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Logits [batch, seq, vocab] of a model split over `ranks`, every rank a thread of this process running the
     runtime's own modules and collectives (LocalTPContext): for checking shards as serve computes them, without
-    spawning processes. Each row of `ids` is one sequence, all prefilled in one step. linear_module: as assemble's."""
+    spawning processes. Each row of `ids` is one sequence, all prefilled in one step. linear_module: as assemble's.
+    kv_cache_dtype int8 / fp8: a quantized cache under each rank's kv_scales, attention reading it back as serve's
+    does."""
     from .sampling import SamplingParams
     from .sequence import Sequence
 
@@ -204,14 +207,16 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
         seq = Sequence(f"check-{i}", row, SamplingParams(max_tokens=1))
         seq.block_table = list(range(i * nblk, (i + 1) * nblk))
         seqs.append(seq)
-    step = prepare_step(seqs, [t] * b, block_size, fresh_prefill_direct=True, all_logits=True,
+    step = prepare_step(seqs, [t] * b, block_size, fresh_prefill_direct=kv_cache_dtype == "auto", all_logits=True,
                         window=spec.sliding_window)
     results: list = [None] * world
 
     def run(r: int) -> None:
         try:
-            caches = allocate_kv_cache(spec.num_layers, b * nblk, block_size, kv_heads, spec.head_dim, "auto", dtype,
-                                       device, None)
+            scales = None if kv_cache_dtype == "auto" else [tuple(torch.as_tensor(x).float().flatten() for x in kv)
+                                                            for kv in ranks[r].kv_scales]
+            caches = allocate_kv_cache(spec.num_layers, b * nblk, block_size, kv_heads, spec.head_dim, kv_cache_dtype,
+                                       dtype, device, scales)
             with torch.inference_mode():
                 results[r] = models[r](step.input_ids, step.positions, caches, step.meta, step.logits_indices)
         except BaseException as e:   # free the others from the barrier they would wait at forever

@@ -16,8 +16,17 @@ translates. What its linear methods load (`_torch/modules/linear.py`), per layer
 - FP8 KV cache: `kv_cache_quant_algo` FP8, and llmq's scalar `k_scale` / `v_scale` per attention layer (under
   `self_attn`, vLLM's names). The backend itself reads calibrated KV scales only in FP8QDQLinearMethod's fused q/k/v
   loader, from `k_proj` / `v_proj`, and only with TRTLLM_LOAD_KV_SCALES=1 (`_torch/modules/linear.py`): otherwise its
-  FP8 cache runs at scale 1.0, which is not what llmq's quantize-kv calibrated. An INT8 KV cache is not something
-  this backend loads (`kv_cache_config.dtype: int8` is ignored), so it is refused.
+  FP8 cache runs at scale 1.0, which is not what llmq's quantize-kv calibrated: `--verify` scores the cache at 1.0
+  against llmq's calibrated one (`backend_computes`). An INT8 KV cache is not something this backend loads
+  (`kv_cache_config.dtype: int8` is ignored), so it is refused.
+- FP8_PER_CHANNEL_PER_TOKEN (`quantize --method fp8`; `FP8RowwiseLinearMethod`): `weight` float8_e4m3fn [out, in],
+  `weight_scale` float32 [out] (a per-tensor scale repeated a row), activations dynamic per token as llmq's: values
+  unchanged; fused parts' scale rows are copied at their row offsets, a row-parallel linear keeps its whole [out].
+- FP8 (`--method fp8 --per-tensor --activations static`; `FP8QDQLinearMethod`): `weight`, float32 scalars
+  `weight_scale` and `input_scale` (multipliers, llmq's values). Its fused q/k/v and gate/up take the parts' largest
+  weight and input scales and re-round the other parts' codes onto it (`rescale_fused_weights`): written as llmq has
+  them, that re-rounding is what `--verify` scores (`fp8_fused_rescale`). FP8 per-channel weights with a static
+  activation scale have no linear there and are refused.
 - NVFP4 W4A4 (`quantize --method nvfp4 --w4a4`; `NVFP4LinearMethod`, quant_algo NVFP4, group_size 16): `weight`
   uint8 [out, in/2] (two E2M1 codes a byte, element 2j in the low nibble: compressed-tensors' packing is ModelOpt's),
   `weight_scale` float8_e4m3fn [out, in/16] (the loader swizzles it), `weight_scale_2` and `input_scale` float32
@@ -113,6 +122,18 @@ def modelopt_algo(qw) -> str:
             return "FP8_BLOCK_SCALES"
         raise LlmqError(f"block FP8 in {qw.block[0]} x {qw.block[1]} blocks: TensorRT-LLM's FP8_BLOCK_SCALES takes "
                         f"{BLOCK} x {BLOCK} ones; re-quantize with --method fp8 --group-size {BLOCK}")
+    if qw.is_float:
+        if qw.dynamic:   # per-token activations; a per-tensor weight scale is written once a row, the same values
+            return "FP8_PER_CHANNEL_PER_TOKEN"
+        if qw.input_scale is None:
+            raise LlmqError("FP8 weight-only (W8A16-FP8): TensorRT-LLM's FP8 linears all round activations to FP8; "
+                            "re-quantize with --method fp8, or use --target llmq or the compressed-tensors artifact "
+                            "(vLLM)")
+        if qw.strategy == "tensor":
+            return "FP8"
+        raise LlmqError("FP8 weights per channel with a static activation scale: TensorRT-LLM has no such linear "
+                        "(FP8 takes per-tensor weights with it, FP8_PER_CHANNEL_PER_TOKEN per-token activations); "
+                        "re-quantize with --method fp8 (dynamic), or --per-tensor --activations static")
     if qw.q.dtype.is_floating_point or qw.input_scale is not None or qw.dynamic:
         raise LlmqError(f"{qw.scheme} weights are not written for TensorRT-LLM by llmq yet; "
                         "use --target llmq (or quantize to INT4 / INT8 weight-only)")
@@ -159,6 +180,12 @@ def _linear_tensors(name: str, lw: LinearWeights, dtype: torch.dtype, whole: boo
                       f"{name}.input_scale": modelopt_scale(qw.input_global_scale, exact_inverse=True)}, entry
     if algo == "FP8_BLOCK_SCALES":   # ModelOpt's name; the loader takes the DeepSeek recipe's weight_scale_inv too
         return out | {f"{name}.weight": qw.q.contiguous(), f"{name}.weight_scale": qw.scale.float().contiguous()}, entry
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":   # weight_scale [out] (FP8RowwiseLinearMethod.create_weights)
+        rows = qw.scale.float().expand(qw.shape[0], 1).reshape(-1).contiguous()
+        return out | {f"{name}.weight": qw.q.contiguous(), f"{name}.weight_scale": rows}, entry
+    if algo == "FP8":   # float32 scalars (FP8QDQLinearMethod.load_weight_scales)
+        return out | {f"{name}.weight": qw.q.contiguous(), f"{name}.weight_scale": qw.scale.float().reshape(()),
+                      f"{name}.input_scale": qw.input_scale.float().reshape(())}, entry
     q = qw.q.to(torch.int8)
     if algo != "W8A16" and q.shape[0] % 2:
         raise LlmqError(f"{name}: cannot pack {q.shape[0]} output rows two per byte for TensorRT-LLM (odd count)")
@@ -353,6 +380,8 @@ def read_modelopt_checkpoint(path: Path):
             rows = scale.float().repeat_interleave(BLOCK, 0)[:w.shape[0]]
             return LinearWeights(name, weight=w.float() * rows.repeat_interleave(BLOCK, 1)[:, :w.shape[1]], bias=bias)
         scale = scale.float()
+        if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):   # a scalar, or one a row
+            return LinearWeights(name, weight=w.float() * scale.reshape(-1, 1), bias=bias)
         ints = (w if algo == "W8A16" else quant.unpack_int4_rows(w)).float()
         if algo == "W4A16_AWQ":
             w = ints * scale.repeat_interleave(ints.shape[1] // scale.shape[1], dim=1)
@@ -378,10 +407,49 @@ def read_modelopt_checkpoint(path: Path):
                        lm_head=lin(qformat.LM_HEAD), kv_scales=kv)
 
 
+def fp8_fused_rescale(layer: dict[str, LinearWeights], dtype: torch.dtype, skip: set[str]) -> dict:
+    """The FP8 (per-tensor) parts of each fused q/k/v and gate/up as the backend's one linear holds them
+    (FP8QDQLinearMethod.rescale_fused_weights): each part's codes times its scale, divided by the parts' largest
+    scale, in the model dtype, rounded to FP8 again; the largest input scale for all. `skip`: roles the family
+    stores fused, which the backend loads whole (one scale already)."""
+    out = {}
+    for group in BACKEND_GROUPS:
+        parts = {r: layer[r] for r in group if r in layer and r not in skip and layer[r].qw is not None
+                 and layer[r].qw.is_float and layer[r].qw.input_scale is not None}
+        if len(parts) < 2:
+            continue
+        smax = torch.stack([lw.qw.scale.float().reshape(()) for lw in parts.values()]).max()
+        imax = torch.stack([lw.qw.input_scale.float().reshape(()) for lw in parts.values()]).max()
+        for r, lw in parts.items():
+            q = lw.qw.q.to(dtype).mul_(lw.qw.scale.float().reshape(())).div_(smax).to(quant.FP8)
+            out[r] = dataclasses.replace(lw, qw=dataclasses.replace(lw.qw, q=q, scale=smax.reshape(1),
+                                                                    input_scale=imax.reshape(1)))
+    return out
+
+
+def backend_computes(ckpt: Path, dtype: torch.dtype) -> RankWeights:
+    """What the backend computes with the checkpoint: llmq's ModelOpt import of it (the same quantized linears, their
+    activation rounding included), then what its loader changes: FP8 per-tensor q/k/v and gate/up re-rounded as one
+    linear (`fp8_fused_rescale`), and an FP8 KV cache at scale 1.0, since it reads no k_scale / v_scale from the
+    attention module (see the module docstring)."""
+    from ...runtime.model_runner import rank_weights
+
+    src = CheckpointReader(ckpt)
+    rw = rank_weights(src, None, 0)
+    stored_fused = {r for _, roles in src.arch.fused.values() for r in roles}
+    layers = [layer | fp8_fused_rescale(layer, dtype, stored_fused) for layer in rw.layers]
+    unit = (torch.ones(()), torch.ones(()))
+    kv = [None if src.kv_scales(i) is None else unit for i in range(src.spec.num_layers)]
+    return dataclasses.replace(rw, layers=layers, kv_scales=kv)
+
+
 def read_back(engine_dir: Path, engine) -> ReadBack:
-    """One unsharded checkpoint that the backend shards itself, heads padded for tp: checked as one rank."""
+    """One unsharded checkpoint that the backend shards itself, heads padded for tp: checked as one rank, and
+    scored as the backend computes with it (`backend_computes`)."""
     plan = dataclasses.replace(engine.plan, tp=1, padded_vocab_size=engine.plan.vocab_size, parallel_embedding=False)
-    return ReadBack(ranks=[read_modelopt_checkpoint(engine_dir / engine.outputs["hf_checkpoint"])], plan=plan)
+    ckpt = engine_dir / engine.outputs["hf_checkpoint"]
+    return ReadBack(ranks=[read_modelopt_checkpoint(ckpt)], plan=plan,
+                    computes=[backend_computes(ckpt, getattr(torch, engine.dtype))])
 
 
 TARGET = ExportTarget("trtllm", write=write_trtllm, read_back=read_back, refuse=refuse)

@@ -43,11 +43,14 @@ def exact(lw: LinearWeights) -> torch.Tensor:
     return lw.dense(torch.float32)
 
 
-def run_plan(ranks: list[RankWeights], plan: ShardPlan, config: dict, ids: torch.Tensor) -> torch.Tensor:
-    """Logits [batch, seq, vocab] of `ranks` split as `plan` says, through the runtime's modules."""
+def run_plan(ranks: list[RankWeights], plan: ShardPlan, config: dict, ids: torch.Tensor,
+             kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """Logits [batch, seq, vocab] of `ranks` split as `plan` says, through the runtime's modules (a quantized KV
+    cache under the ranks' kv_scales for kv_cache_dtype int8 / fp8)."""
     starts = [r * (plan.padded_vocab_size // plan.tp) if plan.parallel_embedding and plan.tp > 1 else None
               for r in range(plan.tp)]
-    return score_in_process(ranks, config, plan.heads_per_rank, plan.kv_heads_per_rank, ids, starts)
+    return score_in_process(ranks, config, plan.heads_per_rank, plan.kv_heads_per_rank, ids, starts,
+                            kv_cache_dtype=kv_cache_dtype)
 
 
 def unsharded_plan(src: CheckpointReader) -> ShardPlan:
@@ -93,7 +96,8 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
 
     The split check reads the shards as stored. For a target that re-rounds what it loads (`ReadBack.computes`), it
     also computes what the target will compute and records its KLD / top-1 agreement against
-    what llmq evaluated (the artifact's own values), so the deployed quality is a measured number."""
+    what llmq evaluated (the artifact's own values, under the engine's KV-cache dtype and the scales each side
+    uses), so the deployed quality is a measured number."""
     from ..quantize.probe import kld_top1
 
     engine_dir, source_dir = Path(engine_dir), Path(source_dir)
@@ -111,9 +115,10 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
         ref = run_plan([reference_weights(src, exact)], unsharded_plan(src), src.config, ids)
         out = run_plan(back.ranks, back.plan, src.config, ids)
         measured = {}
-        if back.foreign:   # what the target computes vs what llmq evaluated (its runtime, fast kernels)
-            evaluated = run_plan([reference_weights(src)], unsharded_plan(src), src.config, ids)
-            k = kld_top1(evaluated, run_plan(back.computes or back.ranks, back.plan, src.config, ids))
+        if back.foreign:   # what the target computes vs what llmq evaluated (its runtime, fast kernels, KV cache)
+            kv = meta.kv_cache_dtype
+            evaluated = run_plan([reference_weights(src)], unsharded_plan(src), src.config, ids, kv)
+            k = kld_top1(evaluated, run_plan(back.computes or back.ranks, back.plan, src.config, ids, kv))
             measured = {"target_kld": k["kld_mean"], "target_top1": k["top1"]}
     err = max_rel_error(out, ref)
     kv_bad = (kv_scale_mismatches(back.ranks, src, back.plan)
