@@ -118,13 +118,14 @@ def runtime_logprobs(path, ids, **config):
         eng.shutdown()
 
 
-def int4_kernel_off(monkeypatch):
-    """llmq's INT4 layers on their exact dequantize path instead of a bf16-activation kernel (PyTorch's tinygemm or
-    llmq's lowbit_linear_bf16), for comparisons at float32 rounding."""
+def bf16_kernels_off(monkeypatch):
+    """llmq's INT4 / INT8 layers on their exact dequantize path instead of a bf16-activation kernel (PyTorch's
+    tinygemm / int8pack or llmq's lowbit_linear_bf16), for comparisons at float32 rounding."""
     from llmq.runtime.layers import linear
 
     monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)
     monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
+    monkeypatch.setattr(linear, "kernel_runs", lambda fn: False)
 
 
 def hf_model(model_dir):

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import int4_kernel_off, runtime_logprobs
+from helpers import bf16_kernels_off, runtime_logprobs
 
 from llmq.errors import LlmqError
 from llmq.models import qformat
@@ -136,7 +136,7 @@ def test_a_grouped_table_stores_q8_0_blocks_with_searched_scales(made):
 @pytest.mark.parametrize("tied", [True, False, "grouped"])
 def test_the_runtime_computes_the_dequantized_reference(made, tied, monkeypatch):
     _, src, art, _ = made[tied]
-    int4_kernel_off(monkeypatch)
+    bf16_kernels_off(monkeypatch)
     ref = _reference_logprobs(src.path, art.path, IDS)
     got = runtime_logprobs(art.path, IDS)
     assert kld_top1(ref, got)["kld_mean"] < 1e-9

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_model, int4_kernel_off, runtime_logprobs, small_engine
+from helpers import bf16_kernels_off, hf_model, runtime_logprobs, small_engine
 
 from llmq.models import qformat
 from llmq.models.reader import CheckpointReader
@@ -204,7 +204,7 @@ def test_weight_only_schemes_match_transformers(source, quantized, ids, name, mo
     opts, fmt, weights, acts, tensors = EXPECT[name]
     art = quantized(name)
     _check_format(art, fmt, weights, acts, tensors)
-    int4_kernel_off(monkeypatch)
+    bf16_kernels_off(monkeypatch)
     hf = _transformers(art.path) if weights["symmetric"] else _decompressed(art, source)
     assert max(_linear_gaps(art, hf, ids).values()) < 1e-5
     with torch.no_grad():
@@ -281,7 +281,7 @@ def test_the_quantize_probe_measures_what_the_runtime_computes(source, quantized
         (_family(src), name), 1e-4 if name == "rtn-w4g32" else 1e-5)
     assert abs(runtime_kld() / recorded - 1) < flips
     if name == "rtn-w4g32":
-        int4_kernel_off(monkeypatch)
+        bf16_kernels_off(monkeypatch)
         assert abs(runtime_kld() / recorded - 1) > 1e-3  # exact arithmetic is measurably not what was recorded
 
 
@@ -353,7 +353,7 @@ def test_an_installed_compressed_tensors_outside_the_range_is_a_clear_error(monk
 
 
 def _assert_transformers_computes_what_llmq_computes(art, ids, monkeypatch):
-    int4_kernel_off(monkeypatch)
+    bf16_kernels_off(monkeypatch)
     hf = _transformers(art.path)
     with torch.no_grad():
         ref = hf(ids).logits[0]

@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import int4_kernel_off, runtime_logprobs
+from helpers import bf16_kernels_off, runtime_logprobs
 
 from llmq.errors import LlmqError
 from llmq.models.reader import CheckpointReader
@@ -249,7 +249,7 @@ def test_llmq_reads_the_mix_back_to_compressed_tensors_logits(every_scheme, monk
     """The runtime loads each linear in its own format (fused units fused) and computes the logits of a float64
     model whose weights compressed-tensors' decompressors read from the same files."""
     store, src, art = every_scheme
-    int4_kernel_off(monkeypatch)
+    bf16_kernels_off(monkeypatch)
     ids = [int(x) for x in torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3))]
     with torch.no_grad():
         ref = _decompressed_reference(art, src)(torch.tensor([ids])).logits[0].log_softmax(-1)

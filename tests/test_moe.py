@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import int4_kernel_off, runtime_logprobs, small_engine
+from helpers import bf16_kernels_off, runtime_logprobs, small_engine
 
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
@@ -121,7 +121,7 @@ def test_weight_only_moe_matches_transformers_on_the_decompressed_checkpoint(sou
                                                                              monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    int4_kernel_off(monkeypatch)
+    bf16_kernels_off(monkeypatch)
     art = quantized(name)
     hf = AutoModelForCausalLM.from_pretrained(_decompressed_dense(art, tmp_path / "dense"), dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(3))
@@ -276,7 +276,7 @@ def test_gguf_export_merges_each_role_s_experts_into_one_3d_tensor(tmp_path, fam
     ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(9)).tolist()
     with torch.no_grad():
         got = model(torch.tensor([ids])).logits[0]
-    int4_kernel_off(monkeypatch)
+    bf16_kernels_off(monkeypatch)
     k = kld_top1(got, runtime_logprobs(art.path, ids))
     assert k["kld_mean"] < 1e-8 and k["top1"] == 1.0, k
 

@@ -30,6 +30,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // inputs per activation scale
 constexpr int64_t kTile = 16;   // output rows per packed tile: one int32 lane each
+constexpr int64_t kPairRows = 8;   // INT8 x 16-bit activations: from this many rows, tiles widened to bfloat16 pairs
 
 // Row m of x quantized per block: xq [K] int8, d [K/32] scales, ds [K/32] = d * sum(xq of the block). The division
 // and round-half-to-even of quant.quantize_blocks, 16 lanes at a time (IEEE division: the same quotients).
@@ -333,6 +334,46 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
 }
 
+// The same INT8 product for many rows at the bfloat16 dot-product rate: each tile's codes widened once to bfloat16
+// (exact: |q| <= 128) and paired as bf16_pairs pairs x, (q_i, q_i+2) and (q_i+1, q_i+3) per four inputs, then R rows
+// at a time take vdpbf16ps with them: bfloat16(x) times the exact q, float32 sums, times s per group, bfloat16 out, as
+// tile_rows_int8_bf16 computes (and vdpbf16ps flushes subnormal x, below 1e-38, as the INT4 kernel does).
+LLMQ_AVX512 void int8_tile_pairs(const uint8_t* w, int64_t k, uint32_t* pairs) {
+  const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // u ^ 0x80: q as a signed byte
+  for (int64_t i = 0; i < k; i += 4, w += 64, pairs += 2 * kTile) {  // 64 bytes = 16 rows x 4 inputs
+    const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
+    __m512i h[4];  // bfloat16(q_j) in each lane's low half: float32(q_j)'s top 16 bits, exact
+    for (int j = 0; j < 4; ++j) {
+      const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
+      h[j] = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(q)), 16);
+    }
+    _mm512_storeu_si512(pairs, _mm512_or_si512(h[0], _mm512_slli_epi32(h[2], 16)));
+    _mm512_storeu_si512(pairs + kTile, _mm512_or_si512(h[1], _mm512_slli_epi32(h[3], 16)));
+  }
+}
+
+template <int R>
+LLMQ_BF16 void pair_rows_bf16(const uint32_t* pairs, const uint16_t* s, const uint32_t* x, int64_t k, int64_t group,
+                              float* y, int64_t n) {
+  __m512 acc[R];
+  zeros<R>(acc);
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m512 gacc[R][2];
+    zeros<R * 2>(&gacc[0][0]);
+    for (int64_t p = g * group / 2; p < (g + 1) * group / 2; p += 2) {
+      for (int a = 0; a < 2; ++a) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(pairs + (p + a) * kTile);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xj = _mm512_set1_epi32(static_cast<int>(x[r * k / 2 + p + a]));
+          gacc[r][a] = _mm512_dpbf16_ps(gacc[r][a], wv, (__m512bh)xj);
+        }
+      }
+    }
+    fold_group<R, 2>(gacc, load_scales(s + g * kTile), acc);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
+}
+
 // x rounded to bfloat16 (as c10 rounds, kept in float32) and the sum of each group of it; count groups of `group`.
 LLMQ_AVX512 void round_groups(const float* x, int64_t count, int64_t group, float* xb, float* sums) {
   for (int64_t g = 0; g < count; ++g, x += group, xb += group) {
@@ -369,6 +410,23 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
+  if (bits == 8 && m >= kPairRows && __builtin_cpu_supports("avx512bf16")) {
+    std::vector<uint32_t> xp(m * k / 2);
+    for (int64_t r = 0; r < m; ++r) bf16_pairs(src + r * k, k, xp.data() + r * k / 2);
+    at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<uint32_t> pairs(k / 2 * kTile);
+      for (int64_t t = lo; t < hi; ++t) {
+        int8_tile_pairs(wp + t * tile_bytes, k, pairs.data());
+        const uint16_t* st = sp + t * groups * kTile;
+        float* yt = yp + t * kTile;
+        int64_t r = 0;
+        for (; r + 8 <= m; r += 8) pair_rows_bf16<8>(pairs.data(), st, xp.data() + r * k / 2, k, group, yt + r * n, n);
+        for (; r + 4 <= m; r += 4) pair_rows_bf16<4>(pairs.data(), st, xp.data() + r * k / 2, k, group, yt + r * n, n);
+        for (; r < m; ++r) pair_rows_bf16<1>(pairs.data(), st, xp.data() + r * k / 2, k, group, yt + r * n, n);
+      }
+    });
+    return y;
+  }
   if (bits == 8) {
     std::vector<float> xb(m * k), xsum(m * groups);  // x rounded to bfloat16 as c10 rounds, in float32
     round_groups(src, m * groups, group, xb.data(), xsum.data());
@@ -487,41 +545,6 @@ void wide_product(const float* x, float* y, int64_t m, int64_t n, int64_t k, con
       for (; r < m; ++r) wide_rows<1>(wide.data(), x + r * k, k, y + r * n + n0, n, valid);
     }
   });
-}
-
-// One packed INT8 tile as float32 [K][16]: (u - 128) * s, exactly quant.dequantize's values.
-LLMQ_AVX512 void int8_tile_wide(const uint8_t* w, const uint16_t* s, int64_t k, int64_t group, float* wide) {
-  const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // u ^ 0x80: q as a signed byte
-  for (int64_t i = 0; i < k; i += 4, w += 64) {  // 64 bytes = 16 rows x 4 inputs
-    const __m512 sc = load_scales(s + i / group * kTile);
-    const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
-    for (int j = 0; j < 4; ++j) {
-      const __m512 q = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24));
-      _mm512_storeu_ps(wide + (i + j) * kTile, _mm512_mul_ps(q, sc));
-    }
-  }
-}
-
-// int8_linear_f32: x [M, K] in float32 times a packed per-channel / grouped symmetric INT8 weight with bfloat16
-// scales -> [M, N] float32: the exact weights (quant.dequantize's), float32 products and sums, as the BLAS matmul on
-// the dequantized weight computed, without materializing it: the INT8 layers' product for batches too large for
-// lowbit_linear_bf16's row-at-a-time product.
-at::Tensor int8_linear_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "int8_linear_f32 needs a CPU with AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int8_linear_f32: x must be a 2-D CPU tensor");
-  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
-              w.is_contiguous() && s.is_contiguous(), "int8_linear_f32: bad packed weight (bfloat16 scales)");
-  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
-  TORCH_CHECK(group % 4 == 0 && groups * group == k && w.numel() == n * k, "int8_linear_f32: K=", k,
-              " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({m, n}, at::kFloat);
-  const auto* wp = w.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
-  wide_product(xf.data_ptr<float>(), y.data_ptr<float>(), m, n, k, [&](int64_t t, float* wide) {
-    int8_tile_wide(wp + t * kTile * k, sp + t * groups * kTile, k, group, wide);
-  });
-  return y;
 }
 
 // dense16_linear: x [M, K] float32 times a 16-bit weight [N, K] as the checkpoint stores it (bfloat16 or float16)
@@ -1214,7 +1237,6 @@ struct DecoderStack : torch::CustomClassHolder {
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
-  m.def("int8_linear_f32(Tensor x, Tensor w, Tensor s, int group) -> Tensor");
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -1232,7 +1254,6 @@ TORCH_LIBRARY(llmq_cpu, m) {
 TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("lowbit_linear", &lowbit_linear);
   m.impl("lowbit_linear_bf16", &lowbit_linear_bf16);
-  m.impl("int8_linear_f32", &int8_linear_f32);
   m.impl("dense16_linear", &dense16_linear);
   m.impl("fp4_linear", &fp4_linear);
   m.impl("rms_norm", &rms_norm);

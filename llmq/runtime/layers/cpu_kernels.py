@@ -15,10 +15,10 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
 - `lowbit_linear_bf16`, by default, on CPUs with AVX512-BF16 (INT4) / AVX-512 (INT8): the same packed weights with
   16-bit activations, computing what PyTorch's INT4 / INT8 kernels compute (bfloat16(x) times the exact weights,
   float32 sums, bfloat16 out: each product is exact, so only the summation order differs), 2-3x faster at batch 1
-  (INT4: nibbles become bfloat16 by a table lookup and vdpbf16ps multiplies pairs; INT8: float32 FMAs). Layers whose
-  scales or zero points PyTorch's kernels would round keep those kernels. `int8_linear_f32`: the INT8 layers' product
-  for larger batches (float32 x times the exact weights, F.linear's numbers on the dequantized weight, without
-  materializing it).
+  (INT4: nibbles become bfloat16 by a table lookup and vdpbf16ps multiplies pairs; INT8: float32 FMAs a row at a
+  time, and from 8 rows each tile widened once to bfloat16 pairs for vdpbf16ps, or without AVX512-BF16 to float32
+  for FMAs on the rounded x: the same numbers at every batch size). Layers whose scales or zero points PyTorch's
+  kernels would round keep those kernels.
 - `fp4_linear`, on CPUs with AVX-512: NVFP4 / MXFP4 weights packed in the INT4 tiles (E2M1 codes as nibbles, block
   scales in bfloat16: exact for E4M3 and E8M0), each code decoded exactly to float32 by a 16-entry table held in one
   register, float32 activations and sums, block scales per group and the global divisor at the end: the dense FP4
@@ -90,7 +90,7 @@ def available() -> bool:
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
     for name, fake in (("lowbit_linear", _fake_linear), ("lowbit_linear_bf16", _fake_linear_bf16),
-                       ("int8_linear_f32", _fake_int8_f32), ("dense16_linear", _fake_dense16),
+                       ("dense16_linear", _fake_dense16),
                        ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
                        ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
@@ -114,10 +114,6 @@ def _fake_linear(x, w, s, sz, bits, group, eps):
 
 
 def _fake_linear_bf16(x, w, s, bits, group):
-    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
-
-
-def _fake_int8_f32(x, w, s, group):
     return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
@@ -206,11 +202,6 @@ def lowbit_linear_bf16(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, bi
     values: the arithmetic of PyTorch's INT4 / INT8 kernels (bfloat16 in and out, exact products, float32 sums)."""
     return torch.ops.llmq_cpu.lowbit_linear_bf16(x, codes, s, bits, group)
 
-
-def int8_linear_f32(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] in float32 times a packed INT8 weight's exact values (quant.dequantize's), float32 [M, N]: F.linear on
-    the dequantized weight, without materializing it (batches: a task's 16 rows at a time)."""
-    return torch.ops.llmq_cpu.int8_linear_f32(x, codes, s, group)
 
 
 def fp4_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int, divisor: float) -> torch.Tensor:

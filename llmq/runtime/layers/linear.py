@@ -11,13 +11,13 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
   products, float32 out (llama.cpp's Q8_0 activations; 2-4x PyTorch's kernels at batch 1). Opt-in: the quantize
   probe, eval and every export target compute with 16-bit activations, as the layers below do.
 - INT8 weight-only otherwise: aten._weight_int8pack_mm (per-channel scales) for batches of up to 8 rows (decode). On
-  CPU it takes bfloat16 activations and scales and returns bfloat16, so decode steps compute with activations and
-  outputs rounded to bfloat16 (2^-8 relative); larger batches dequantize into the compute dtype and use the BLAS matmul.
+  CPU it takes bfloat16 activations and scales and returns bfloat16, so steps compute with activations and outputs
+  rounded to bfloat16 (2^-8 relative); larger batches compute those numbers with the BLAS matmul on the dequantized
+  weight (grouped scales, which the kernel does not take: in the compute dtype).
 - INT4 / INT8 weight-only, symmetric with bfloat16 scales (INT8: per channel), on x86 CPUs with AVX512-BF16 / AVX-512:
   llmq's kernel (cpu_kernels.lowbit_linear_bf16) on the same packed tiles, computing what PyTorch's kernels below
   compute (bfloat16 activations times the exact weights, float32 sums, bfloat16 out; only the summation order
-  differs), 2x+ faster at batch 1; INT8 batches of more than 8 rows multiply float32 activations by the exact weights
-  (cpu_kernels.int8_linear_f32: the numbers of the dequantized weight's F.linear, without materializing it).
+  differs), 2x+ faster at batch 1, and the same arithmetic at every batch size (PyTorch's INT8 one takes 8 rows).
 - INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
   packing (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
   bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
@@ -184,7 +184,7 @@ def grouped(scale: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Int8WeightOnlyLinear(LinearBase):
-    max_kernel_rows = 8  # above this the kernel (a GEMV per row) loses to dequantize + BLAS
+    max_kernel_rows = 8  # above this PyTorch's kernel (a GEMV per row) loses to dequantize + BLAS
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bias: torch.Tensor | None,
                  compute_dtype: torch.dtype, int8_activations: bool = False):
@@ -227,12 +227,13 @@ class Int8WeightOnlyLinear(LinearBase):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
-        if self.lowbit and (self.lowbit[2] or rows <= self.max_kernel_rows):
+        if self.lowbit:
             y = _lowbit_mm(self, x2)
-        elif self.lowbit:  # more rows than a product a row at a time suits: float32 x times the exact weights
-            y = cpu_kernels.int8_linear_f32(x2, self.lb_codes, self.lb_s, self.lowbit[1])
         elif self.kernel and rows <= self.max_kernel_rows:
             y = self._kernel(x2)
+        elif self.kernel:   # the kernel's numbers (its rounded x and scales, exact products, rounded out) on the BLAS
+            w = self.q.float() * self.kscale.float()[:, None]
+            y = F.linear(_kernel_input(x2, self._kdtype).float(), w).to(self._kdtype)
         else:
             y = F.linear(x2, quant.dequantize(self.q, self.scale, self.zero, x.dtype))
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
@@ -316,12 +317,10 @@ def _lowbit(layer: LinearBase, q: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 def _lowbit_spec(layer: LinearBase) -> FusedLinear:
-    """fused_spec of a layer on llmq's low-bit kernels: any number of rows (INT8 with 16-bit activations: as many as
-    its product a row at a time takes)."""
+    """fused_spec of a layer on llmq's low-bit kernels: any number of rows."""
     bits, group, a8 = layer.lowbit
     if not a8:
-        return FusedLinear(Kind.LOWBIT4_BF16 if bits == 4 else Kind.LOWBIT8_BF16, (layer.lb_codes, layer.lb_s), group,
-                           1 << 30 if bits == 4 else layer.max_kernel_rows)
+        return FusedLinear(Kind.LOWBIT4_BF16 if bits == 4 else Kind.LOWBIT8_BF16, (layer.lb_codes, layer.lb_s), group)
     return FusedLinear(Kind.LOWBIT4 if bits == 4 else Kind.LOWBIT8, (layer.lb_codes, layer.lb_s, layer.lb_sz), group)
 
 
