@@ -230,14 +230,18 @@ LLMQ_AVX512 inline void fold_group(const __m512 (&gacc)[R][A], __m512 s, __m512 
   }
 }
 
-// f4(tile, first of 4 rows) then f1(tile, row) for the rows left, over every tile (threads split the tiles).
-template <typename F4, typename F1>
-void for_tiles(int64_t tiles, int64_t m, const F4& f4, const F1& f1) {
+// Over every tile (threads split the tiles): rows(R)(tile, first row) for blocks of Wide rows (none if 0), then of
+// 4, then single rows; rows(R) is the kernel for R rows at a time (std::integral_constant<int, R>).
+template <int Wide, typename Rows>
+void for_tiles(int64_t tiles, int64_t m, const Rows& rows) {
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       int64_t r = 0;
-      for (; r + 4 <= m; r += 4) f4(t, r);
-      for (; r < m; ++r) f1(t, r);
+      if constexpr (Wide > 0) {
+        for (; r + Wide <= m; r += Wide) rows(std::integral_constant<int, Wide>{})(t, r);
+      }
+      for (; r + 4 <= m; r += 4) rows(std::integral_constant<int, 4>{})(t, r);
+      for (; r < m; ++r) rows(std::integral_constant<int, 1>{})(t, r);
     }
   });
 }
@@ -436,7 +440,7 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
                                                       xsum.data() + r * groups, k, group, yp + r * n + t * kTile, n);
       };
     };
-    for_tiles(tiles, m, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 1>{}));
+    for_tiles<0>(tiles, m, rows);
     return y;
   }
   std::vector<uint32_t> xp(m * k / 2);
@@ -447,7 +451,7 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
                                                group, yp + r * n + t * kTile, n);
     };
   };
-  for_tiles(tiles, m, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 1>{}));
+  for_tiles<8>(tiles, m, rows);  // 8 rows share each unpacked weight vector (16 sums in registers): +5% at 32+ rows
   return y;
 }
 
@@ -506,7 +510,7 @@ at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                                                 dv, yp + r * n + t * kTile, n);
       };
     };
-    for_tiles(tiles, m, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 1>{}));
+    for_tiles<0>(tiles, m, rows);
   };
   if (s.dtype() == at::kFloat) {
     run(s.data_ptr<float>());
