@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import bf16_kernels_off
 
 from llmq.cli.main import cli
 from llmq.errors import LlmqError
@@ -520,9 +521,9 @@ def test_checkpoint_reads_back_through_qformat_without_transformers(store, tiny_
 
 
 @pytest.mark.parametrize("bits,symmetric,group", [(8, True, 0), (8, False, 32), (4, False, 16)])
-def test_runtime_computes_what_the_quantizer_stored(store, tiny_source, bits, symmetric, group):
-    """The bundled runtime on the artifact vs a float64 forward with the dequantized weights read via qformat.
-    (Shapes that keep the runtime on its float32 dequantize path: its bf16-activation kernels are its own tests'.)"""
+def test_runtime_computes_what_the_quantizer_stored(store, tiny_source, bits, symmetric, group, monkeypatch):
+    """The bundled runtime on the artifact vs a float64 forward with the dequantized weights read via qformat, on its
+    float32 dequantize path (its bf16-activation kernels are their own tests')."""
     from transformers import AutoModelForCausalLM
 
     from llmq.runtime import EngineConfig, LLMEngine
@@ -538,6 +539,7 @@ def test_runtime_computes_what_the_quantizer_stored(store, tiny_source, bits, sy
                 mod.weight.copy_(qw.dequantize(torch.float64))
         ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
         want = ref(ids[None]).logits[0].log_softmax(-1)
+    bf16_kernels_off(monkeypatch)
     engine = LLMEngine(art.path, EngineConfig(kv_cache_memory=1 << 22))
     try:
         got = engine.prompt_logprobs(ids.tolist()).double()
