@@ -20,7 +20,7 @@ from llmq.models import resolve_model
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.targets import BuildOptions, build_engine
-from llmq.pipeline.targets.trtllm import backend_computes
+from llmq.pipeline.targets.trtllm_loader import backend_computes
 
 FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_loaders.json").read_text())
 FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
