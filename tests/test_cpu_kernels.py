@@ -1,6 +1,7 @@
 """llmq's CPU kernels (runtime/layers/cpu_kernels) against the eager PyTorch code they replace, or a float64 reference
 of their arithmetic, on fresh random inputs; and the whole model with and without them."""
 
+import ctypes
 from unittest import mock
 
 import pytest
@@ -136,17 +137,42 @@ def _within_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: tor
     return bool(((y - ref).abs() <= bound).all())
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "vector"])
+def amx(request):
+    """Each test twice: with the AMX path on (where Linux grants it: from 10 / 8 rows) and off; on again afterwards."""
+    assert cpu_kernels.available()
+    yield cpu_kernels.amx(request.param)
+    cpu_kernels.amx(True)
+
+
+def test_amx_is_on_only_where_linux_grants_the_tiles():
+    """The AMX path is taken where the kernel granted this process the tile state (arch_prctl, read back here
+    independently), never on the cpuid bits alone (a VM may advertise AMX and fault on it), and can be turned off."""
+    assert cpu_kernels.available()
+    on = cpu_kernels.amx(True)
+    if {"amx_bf16", "amx_tile"} - cpu_kernels.cpu_flags():
+        assert not on
+    else:
+        perm = ctypes.c_ulong(0)
+        got = ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(perm))  # SYS_arch_prctl, ARCH_GET_XCOMP_PERM
+        assert on == (got == 0 and bool(perm.value >> 18 & 1))  # XFEATURE_XTILEDATA
+    assert not cpu_kernels.amx(False)
+    cpu_kernels.amx(True)
+
+
 @pytest.mark.parametrize("bits,n,k,group", [pytest.param(4, 96, 576, 64, marks=needs_bf16),
                                             pytest.param(4, 64, 256, 32, marks=needs_bf16),
                                             pytest.param(4, 48, 1536, 128, marks=needs_bf16),
+                                            pytest.param(4, 80, 256, 256, marks=needs_bf16),  # odd tiles, per channel
                                             (8, 96, 576, 576), (8, 32, 1536, 1536), (8, 48, 256, 64),
                                             (8, 16, 240, 40)])  # 40: groups not a multiple of 16 inputs
-def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group):
+def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
     """bfloat16(x) times the exact symmetric INT4 / INT8 weights, float32 sums, rounded to bfloat16 (what
     aten._weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute): against that in float64, where only the float32
     summation order may move an output to a neighbouring bfloat16 value, and against PyTorch's kernels themselves
-    (INT8 in groups: against float64 only, PyTorch's INT8 kernel takes one scale a channel)."""
-    assert cpu_kernels.available()
+    (INT8 in groups: against float64 only, PyTorch's INT8 kernel takes one scale a channel). On the vector path and,
+    from 10 / 8 rows where the CPU grants it, on AMX (scaled weights split exactly into two bfloat16; 240 inputs: not
+    a whole number of AMX steps, so the vector path)."""
     gen = torch.Generator().manual_seed(n + k)
     q, scale, _ = _weight(bits, n, k, group, False, gen)
     scale = scale.bfloat16().float()  # as llmq's artifacts store them
@@ -157,7 +183,7 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group):
         pytorchs = cls(q, scale, None, None, torch.float32) if bits == 4 or group == k else None  # INT8: per channel
     assert pytorchs is None or (not pytorchs.lowbit and (pytorchs.packed if bits == 4 else pytorchs.kernel))
     exact_w = quant.dequantize(q, scale, None, torch.float64)
-    for m in (1, 3, 4, 7, 8, 9, 13, 21, 33):  # rows alone and in fours (INT8 from 8 rows: in eights, on pairs)
+    for m in (1, 3, 4, 7, 8, 9, 10, 13, 16, 21, 33, 64):  # alone, in fours, eights (INT8: pairs); AMX: 16s, 32s
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
         y = cpu_kernels.lowbit_linear_bf16(x, codes, s, bits, group)
         assert y.shape == (m, n) and y.dtype == torch.float32 and torch.equal(y.bfloat16().float(), y)

@@ -14,7 +14,12 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -215,6 +220,12 @@ LLMQ_AVX512 inline __m512 round_bf16(__m512 v) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r), v);
 }
 
+// The two bfloat16 values of each 32-bit lane (low half, high half) as float32.
+LLMQ_AVX512 inline __m512 even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+LLMQ_AVX512 inline __m512 odd(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 template <int N>
 LLMQ_AVX512 inline void zeros(__m512* v) {
   for (int i = 0; i < N; ++i) v[i] = _mm512_setzero_ps();
@@ -246,18 +257,33 @@ void for_tiles(int64_t tiles, int64_t m, const Rows& rows) {
   });
 }
 
-template <int R>
-LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_t* x, int64_t k, int64_t group,
-                              float* y, int64_t n) {
-  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
+// bfloat16(u - 8) for the INT4 codes u = 0..15 (exact: small integers), as a vpermw table.
+LLMQ_AVX512 inline __m512i int4_table() {
   alignas(64) uint16_t lut[32] = {};
   for (int u = 0; u < 16; ++u) {
     const float f = static_cast<float>(u - 8);
     uint32_t bits;
     std::memcpy(&bits, &f, sizeof bits);
-    lut[u] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+    lut[u] = static_cast<uint16_t>(bits >> 16);
   }
-  const __m512i table = _mm512_load_si512(lut), nibbles = _mm512_set1_epi8(0x0F);
+  return _mm512_load_si512(lut);
+}
+
+// 64 bytes of an INT4 tile (16 rows x 8 inputs) as four vectors of bfloat16 pairs (u - 8), bf16_pairs' order.
+LLMQ_AVX512 inline void int4_pairs(__m512i v, __m512i table, __m512i (&p)[4]) {
+  const __m512i nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_and_si512(v, nibbles), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles);
+  p[0] = _mm512_permutexvar_epi16(lo, table);  // 16-bit words: (u0, u2)
+  p[1] = _mm512_permutexvar_epi16(_mm512_srli_epi32(lo, 8), table);  // (u1, u3)
+  p[2] = _mm512_permutexvar_epi16(hi, table);  // (u4, u6)
+  p[3] = _mm512_permutexvar_epi16(_mm512_srli_epi32(hi, 8), table);  // (u5, u7)
+}
+
+template <int R>
+LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_t* x, int64_t k, int64_t group,
+                              float* y, int64_t n) {
+  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
+  const __m512i table = int4_table();
   __m512 acc[R];
   zeros<R>(acc);
   for (int64_t g = 0; g < k / group; ++g) {
@@ -265,12 +291,8 @@ LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_
     zeros<R * A>(&gacc[0][0]);
     for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
       _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(w);
-      const __m512i lo = _mm512_and_si512(v, nibbles), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles);
-      const __m512i p[4] = {_mm512_permutexvar_epi16(lo, table),  // 16-bit words: (u0, u2)
-                            _mm512_permutexvar_epi16(_mm512_srli_epi32(lo, 8), table),  // (u1, u3)
-                            _mm512_permutexvar_epi16(hi, table),  // (u4, u6)
-                            _mm512_permutexvar_epi16(_mm512_srli_epi32(hi, 8), table)};  // (u5, u7)
+      __m512i p[4];
+      int4_pairs(_mm512_loadu_si512(w), table, p);
       for (int r = 0; r < R; ++r) {
         const uint32_t* xr = x + r * k / 2 + i / 2;
         for (int j = 0; j < 4; ++j) {
@@ -342,15 +364,19 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const 
 // (exact: |q| <= 128) and paired as bf16_pairs pairs x, (q_i, q_i+2) and (q_i+1, q_i+3) per four inputs, then R rows
 // at a time take vdpbf16ps with them: bfloat16(x) times the exact q, float32 sums, times s per group, bfloat16 out, as
 // tile_rows_int8_bf16 computes (and vdpbf16ps flushes subnormal x, below 1e-38, as the INT4 kernel does).
-LLMQ_AVX512 void int8_tile_pairs(const uint8_t* w, int64_t k, uint32_t* pairs) {
+// 64 bytes of an INT8 tile (16 rows x 4 inputs) as float32 q_j (exact), j = 0..3.
+LLMQ_AVX512 inline void int8_floats(const uint8_t* w, __m512 (&f)[4]) {
   const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // u ^ 0x80: q as a signed byte
+  const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
+  for (int j = 0; j < 4; ++j) f[j] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24));
+}
+
+LLMQ_AVX512 void int8_tile_pairs(const uint8_t* w, int64_t k, uint32_t* pairs) {
   for (int64_t i = 0; i < k; i += 4, w += 64, pairs += 2 * kTile) {  // 64 bytes = 16 rows x 4 inputs
-    const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w), flip);
+    __m512 f[4];
+    int8_floats(w, f);
     __m512i h[4];  // bfloat16(q_j) in each lane's low half: float32(q_j)'s top 16 bits, exact
-    for (int j = 0; j < 4; ++j) {
-      const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
-      h[j] = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(q)), 16);
-    }
+    for (int j = 0; j < 4; ++j) h[j] = _mm512_srli_epi32(_mm512_castps_si512(f[j]), 16);
     _mm512_storeu_si512(pairs, _mm512_or_si512(h[0], _mm512_slli_epi32(h[2], 16)));
     _mm512_storeu_si512(pairs + kTile, _mm512_or_si512(h[1], _mm512_slli_epi32(h[3], 16)));
   }
@@ -376,6 +402,172 @@ LLMQ_BF16 void pair_rows_bf16(const uint32_t* pairs, const uint16_t* s, const ui
     fold_group<R, 2>(gacc, load_scales(s + g * kTile), acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
+}
+
+// The same INT4 / INT8 products on AMX-BF16's tile unit, for many rows (prefill, large decode batches): a tile of 16
+// weight rows is built once into AMX's B layout (a 32-bit bfloat16 pair per output row and input pair, bf16_pairs'
+// order), then tdpbf16ps multiplies 16 rows of x by it, 16 x 16 x 32 products an instruction, into float32 sums. Where
+// the scales change along K (groups), each weight s * q is folded in and split exactly into two bfloat16, hi (its top 8
+// significant bits) + lo (the rest: s * q has at most 8 + 7 of them), both multiplied by x: every product stays exact
+// in float32 and only the summation order differs from the kernels above (bfloat16(x) times the exact weights, float32
+// sums, bfloat16 out; tdpbf16ps flushes subnormals as vdpbf16ps does). One scale a channel multiplies the sums
+// instead. Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where a kernel or VM
+// withholds it, the first tile instruction faults (SIGILL), so the grant is checked, not cpuid's bits alone.
+#define LLMQ_AMX __attribute__((target("avx512f,avx512bw,fma,amx-tile,amx-bf16")))
+// From this many rows of x (INT4, INT8) AMX is faster (benchmarks/bench_lowbit_products.py: a Xeon's one and two
+// threads; below, 16-row tiles half empty lose to the vector path's per-row work).
+constexpr int64_t kAmxRows4 = 10, kAmxRows8 = 8;
+std::atomic<bool> amx_enabled{true};
+
+bool amx_granted() {
+  static const bool granted = [] {
+    unsigned a, b, c, d;  // cpuid leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1) || !(d >> 24 & 1)) return false;
+    constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kTileData = 18;  // ARCH_*_XCOMP_PERM, XFEATURE_XTILEDATA
+    unsigned long perm = 0;
+    return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0 && syscall(SYS_arch_prctl, kGetPerm, &perm) == 0 &&
+           (perm >> kTileData & 1);
+  }();
+  return granted;
+}
+
+// Turns the AMX path on (where Linux grants the tiles) or off, for comparing and testing both paths; whether it is on.
+bool amx(bool enable) {
+  amx_enabled = enable;
+  return enable && amx_granted();
+}
+
+bool use_amx(int64_t m, int64_t k, int64_t bits) {
+  return m >= (bits == 4 ? kAmxRows4 : kAmxRows8) && k % 32 == 0 && amx_enabled && amx_granted();
+}
+
+struct alignas(64) TileConfig {  // palette 1: eight tiles of up to 16 rows x 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// e, o: the first and second weight of each lane's pair as float32, exact; hi (and lo unless null): their bfloat16
+// pairs, e = e_hi + e_lo exactly (lo is null where e and o hold 8 significant bits or fewer).
+LLMQ_AVX512 inline void split_pairs(__m512 e, __m512 o, uint32_t* hi, uint32_t* lo) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i eh = _mm512_and_si512(_mm512_castps_si512(e), top), oh = _mm512_and_si512(_mm512_castps_si512(o), top);
+  _mm512_storeu_si512(hi, _mm512_or_si512(_mm512_srli_epi32(eh, 16), oh));
+  if (lo == nullptr) return;
+  const __m512i el = _mm512_castps_si512(_mm512_sub_ps(e, _mm512_castsi512_ps(eh)));
+  const __m512i ol = _mm512_castps_si512(_mm512_sub_ps(o, _mm512_castsi512_ps(oh)));
+  _mm512_storeu_si512(lo, _mm512_or_si512(_mm512_srli_epi32(el, 16), _mm512_and_si512(ol, top)));
+}
+
+// One tile's weights as B pairs [K/2][16]: hi, then lo (fold: times s per group), or the codes' values alone.
+template <int Bits>
+LLMQ_AVX512 void amx_weights(const uint8_t* w, const uint16_t* s, int64_t k, int64_t group, bool fold, uint32_t* hi) {
+  uint32_t* lo = fold ? hi + k / 2 * kTile : nullptr;
+  const auto at = [&](uint32_t* p, int64_t pair) { return p == nullptr ? p : p + pair * kTile; };
+  if constexpr (Bits == 4) {
+    const __m512i table = int4_table();
+    for (int64_t i = 0; i < k; i += 8, w += 64) {
+      const __m512 sc = fold ? load_scales(s + i / group * kTile) : _mm512_set1_ps(1.f);
+      __m512i p[4];
+      int4_pairs(_mm512_loadu_si512(w), table, p);
+      for (int j = 0; j < 4; ++j)
+        split_pairs(_mm512_mul_ps(even(p[j]), sc), _mm512_mul_ps(odd(p[j]), sc), at(hi, i / 2 + j), at(lo, i / 2 + j));
+    }
+  } else {
+    for (int64_t i = 0; i < k; i += 4, w += 64) {
+      const __m512 sc = fold ? load_scales(s + i / group * kTile) : _mm512_set1_ps(1.f);
+      __m512 f[4];
+      int8_floats(w, f);
+      split_pairs(_mm512_mul_ps(f[0], sc), _mm512_mul_ps(f[2], sc), at(hi, i / 2), at(lo, i / 2));
+      split_pairs(_mm512_mul_ps(f[1], sc), _mm512_mul_ps(f[3], sc), at(hi, i / 2 + 1), at(lo, i / 2 + 1));
+    }
+  }
+}
+
+// Sums for 16 (Two: 32) rows of x (bf16_pairs rows, 2k bytes apart) times two tiles' B pairs (b0, b1; `halves` of
+// [K/2][16] each) into c: [row block][tile][16][16] float32.
+template <bool Two>
+LLMQ_AMX void amx_rows(const uint32_t* xa, int64_t k, const uint32_t* b0, const uint32_t* b1, int halves, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t half = k / 2 * kTile;
+  for (int64_t i = 0; i < k; i += 32) {
+    _tile_loadd(4, xa + i / 2, 2 * k);
+    if constexpr (Two) _tile_loadd(5, xa + 8 * k + i / 2, 2 * k);
+    for (int h = 0; h < halves; ++h) {
+      _tile_loadd(6, b0 + h * half + i / 2 * kTile, 64);
+      _tile_loadd(7, b1 + h * half + i / 2 * kTile, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (Two) {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  if constexpr (Two) {
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+  }
+}
+
+// `rows` rows of a tile's 16 x 16 sums into y (n apart), times s (one scale a channel; null: folded), as bfloat16.
+LLMQ_AVX512 void amx_store(const float* c, int64_t rows, const uint16_t* s, float* y, int64_t n) {
+  const __m512 sc = s == nullptr ? _mm512_set1_ps(1.f) : load_scales(s);
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_storeu_ps(y + r * n, round_bf16(_mm512_mul_ps(_mm512_loadu_ps(c + r * 16), sc)));
+}
+
+// Tile pairs [lo, hi) of y [m, n] on one thread: x as bf16_pairs rows (a multiple of 16, zeros past m).
+template <int Bits>
+LLMQ_AMX void amx_pairs(int64_t lo, int64_t hi, const uint32_t* xa, int64_t m, int64_t k, const uint8_t* w,
+                        const uint16_t* s, int64_t tiles, int64_t groups, int64_t group, float* y) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const bool fold = groups > 1;
+  const int halves = fold ? 2 : 1;
+  const int64_t n = tiles * kTile, mpad = (m + 15) / 16 * 16, tile_bytes = kTile * k * Bits / 8;
+  const int64_t bsize = halves * k / 2 * kTile;  // one tile's B pairs
+  std::vector<uint32_t> b(2 * bsize);
+  alignas(64) float c[4 * 256];
+  for (int64_t pair = lo; pair < hi; ++pair) {
+    const int64_t t[2] = {2 * pair, std::min(2 * pair + 1, tiles - 1)};
+    for (int j = 0; j < 2; ++j) amx_weights<Bits>(w + t[j] * tile_bytes, s + t[j] * groups * kTile, k, group, fold,
+                                                  b.data() + j * bsize);
+    for (int64_t r = 0; r < mpad; r += 32) {
+      const bool two = r + 16 < mpad;
+      if (two) amx_rows<true>(xa + r * k / 2, k, b.data(), b.data() + bsize, halves, c);
+      else amx_rows<false>(xa + r * k / 2, k, b.data(), b.data() + bsize, halves, c);
+      for (int blk = 0; blk < 1 + two; ++blk) {
+        const int64_t r0 = r + 16 * blk, rows = std::min<int64_t>(16, m - r0);
+        for (int j = 0; j < 2 - (t[1] == t[0]) && rows > 0; ++j)
+          amx_store(c + blk * 512 + j * 256, rows, fold ? nullptr : s + t[j] * kTile, y + r0 * n + t[j] * kTile, n);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// y [m, n] for x [m, k] float32 times a packed INT4 / INT8 weight with bfloat16 scales, on AMX (use_amx holds).
+void amx_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint16_t* s, int64_t bits,
+                 int64_t tiles, int64_t groups, int64_t group, float* y) {
+  const int64_t mpad = (m + 15) / 16 * 16;
+  std::vector<uint32_t> xa(mpad * k / 2, 0);
+  for (int64_t r = 0; r < m; ++r) bf16_pairs(x + r * k, k, xa.data() + r * k / 2);
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+    if (bits == 4) amx_pairs<4>(lo, hi, xa.data(), m, k, w, s, tiles, groups, group, y);
+    else amx_pairs<8>(lo, hi, xa.data(), m, k, w, s, tiles, groups, group, y);
+  });
 }
 
 // x rounded to bfloat16 (as c10 rounds, kept in float32) and the sum of each group of it; count groups of `group`.
@@ -414,6 +606,10 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
+  if (use_amx(m, k, bits)) {
+    amx_product(src, m, k, wp, sp, bits, tiles, groups, group, yp);
+    return y;
+  }
   if (bits == 8 && m >= kPairRows && __builtin_cpu_supports("avx512bf16")) {
     std::vector<uint32_t> xp(m * k / 2);
     for (int64_t r = 0; r < m; ++r) bf16_pairs(src + r * k, k, xp.data() + r * k / 2);
@@ -607,12 +803,8 @@ LLMQ_AVX512 void dense_seq(const T* w, const float* x, int64_t k, int64_t rows, 
 }
 
 // The bfloat16 decode row without the widening shuffle: a 32-bit lane holds inputs 2i (low half) and 2i + 1 (high), so
-// a shift and a mask give both as float32, against x permuted per 32 inputs (even_x: evens, then odds; a tail of 16 as
-// it is).
-LLMQ_AVX512 inline __m512 even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-LLMQ_AVX512 inline __m512 odd(__m512i v) {
-  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
+// a shift and a mask give both as float32 (even, odd), against x permuted per 32 inputs (even_x: evens, then odds; a
+// tail of 16 as it is).
 
 LLMQ_AVX512 void dense_seq_bf16(const at::BFloat16* w, const float* xp, int64_t k, int64_t rows, float* y) {
   for (int64_t j = 0; j < rows; ++j, w += k) {
@@ -1241,6 +1433,7 @@ struct DecoderStack : torch::CustomClassHolder {
 TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
+  m.def("amx(bool enable) -> bool", &amx);
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

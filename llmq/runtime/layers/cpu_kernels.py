@@ -18,7 +18,11 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
   (INT4: nibbles become bfloat16 by a table lookup and vdpbf16ps multiplies pairs; INT8: float32 FMAs a row at a
   time, and from 8 rows each tile widened once to bfloat16 pairs for vdpbf16ps, or without AVX512-BF16 to float32
   for FMAs on the rounded x: the same numbers at every batch size). Layers whose scales or zero points PyTorch's
-  kernels would round keep those kernels.
+  kernels would round keep those kernels. From 10 (INT4) / 8 (INT8) rows, where Linux grants the process AMX's
+  tile state (checked with arch_prctl, not read off cpuid: a VM may advertise AMX and fault on it), the same products
+  run on the tile unit: each 16-row tile of weights built once as bfloat16 pairs, scaled weights split exactly into
+  two bfloat16 (hi + lo) where the scales change along K, so the products stay exact and only the float32 summation
+  order moves (Xeon, 128 rows: 4-7x the vector path; benchmarks/bench_lowbit_products.py). LLMQ_AMX=0 turns it off.
 - `fp4_linear`, on CPUs with AVX-512: NVFP4 / MXFP4 weights packed in the INT4 tiles (E2M1 codes as nibbles, block
   scales in bfloat16: exact for E4M3 and E8M0), each code decoded exactly to float32 by a 16-entry table held in one
   register, float32 activations and sums, block scales per group and the global divisor at the end: the dense FP4
@@ -94,7 +98,14 @@ def available() -> bool:
                        ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
                        ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
+    amx(os.environ.get("LLMQ_AMX", "1") != "0")
     return True
+
+
+def amx(enable: bool) -> bool:
+    """Turn on or off the INT4 / INT8 products' AMX-BF16 path (from 10 / 8 rows, where Linux grants the tile state);
+    whether it is on now. LLMQ_AMX=0 starts a process with it off, for comparing the two paths."""
+    return bool(torch.ops.llmq_cpu.amx(enable))
 
 
 def _build(wait: float = BUILD_WAIT) -> bool:
