@@ -1,12 +1,15 @@
-"""llmq's INT4 / INT8 CPU products (runtime/layers/cpu_kernels: lowbit_linear_bf16, 16-bit activations) on the tile
-unit (AMX-BF16) against the vector path (vdpbf16ps) in one run, on the default model's layer shapes.
+"""llmq's low-bit CPU products (runtime/layers/cpu_kernels: INT4 / INT8 lowbit_linear_bf16 on 16-bit activations,
+NVFP4 fp4_linear on float32 ones) on the tile unit (AMX-BF16) against the vector paths (vdpbf16ps; float32 FMAs for
+FP4) in one run, on the default model's layer shapes.
 
-For each bits, thread count and row count M: the median time of one call on every projection of a SmolLM2-135M layer
-(qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; INT4 in groups of 32, INT8 per channel), as G multiply-adds
-a second, with AMX on, then off (cpu_kernels.amx), interleaved call by call, and the ratio. Where Linux does not grant
-the AMX tile state (or the CPU has none) both columns are the vector path and it says so.
+For each format, thread count and row count M: the median time of one call on every projection of a SmolLM2-135M
+layer (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; INT4 in groups of 32, INT8 per channel, NVFP4 in its
+blocks of 16), as G multiply-adds a second, with AMX on, then off (cpu_kernels.amx), interleaved call by call, and
+the ratio. Where Linux does not grant the AMX tile state (or the CPU has none) both columns are the vector path and
+it says so.
 
-    python benchmarks/bench_lowbit_products.py [--rows 1 8 16 32 64 128] [--threads 1 2] [--reps 30]
+    python benchmarks/bench_lowbit_products.py [--formats int4 int8 nvfp4] [--rows 1 8 16 32 64 128] [--threads 1 2]
+        [--reps 30]
 """
 
 from __future__ import annotations
@@ -21,33 +24,45 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmq import quant  # noqa: E402
 from llmq.bench.hw import machine_key  # noqa: E402
 from llmq.runtime.layers import cpu_kernels  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
-def packed(bits: int, gen: torch.Generator) -> list[tuple]:
+def packed(fmt: str, gen: torch.Generator) -> list[tuple]:
     """Every projection's packed weight with bfloat16 scales: (codes, s, group, n, k)."""
     out = []
     for n, k in SHAPES.values():
-        group = 32 if bits == 4 else k
-        q = torch.randint(-(1 << bits - 1), 1 << bits - 1, (n, k), generator=gen)
-        scale = (torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3).bfloat16().float()
-        codes, s, _ = cpu_kernels.pack(q, scale, None, bits)
+        if fmt == "nvfp4":
+            group = 16
+            e4m3 = torch.randint(8, 120, (n, k // group), generator=gen).to(torch.uint8).view(torch.float8_e4m3fn)
+            s = cpu_kernels.pack_scales(quant.fp4_block_scale(e4m3))
+            codes = cpu_kernels.pack_codes(torch.randint(0, 16, (n, k), generator=gen), 4)
+        else:
+            bits = int(fmt[3:])
+            group = 32 if bits == 4 else k
+            q = torch.randint(-(1 << bits - 1), 1 << bits - 1, (n, k), generator=gen)
+            scale = (torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3).bfloat16().float()
+            codes, s, _ = cpu_kernels.pack(q, scale, None, bits)
         out.append((codes, s, group, n, k))
     return out
 
 
-def layer_seconds(weights: list[tuple], x: dict[int, torch.Tensor], bits: int) -> float:
+def layer_seconds(weights: list[tuple], x: dict[int, torch.Tensor], fmt: str) -> float:
     t = time.perf_counter()
     for codes, s, group, _, k in weights:
-        cpu_kernels.lowbit_linear_bf16(x[k], codes, s, bits, group)
+        if fmt == "nvfp4":
+            cpu_kernels.fp4_linear(x[k], codes, s, group, 448.0 * 6.0)
+        else:
+            cpu_kernels.lowbit_linear_bf16(x[k], codes, s, int(fmt[3:]), group)
     return time.perf_counter() - t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", nargs="+", default=["int4", "int8", "nvfp4"], choices=["int4", "int8", "nvfp4"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=30)
@@ -57,9 +72,9 @@ def main() -> None:
     granted = cpu_kernels.amx(True)
     print(f"CPU: {machine_key('cpu')}; AMX-BF16 granted: {granted}")
     gen = torch.Generator().manual_seed(0)
-    print(f"{'bits':>4} {'thr':>3} {'M':>4} {'AMX GMAC/s':>11} {'vector GMAC/s':>14} {'ratio':>6}")
-    for bits in (4, 8):
-        weights = packed(bits, gen)
+    print(f"{'format':>6} {'thr':>3} {'M':>4} {'AMX GMAC/s':>11} {'vector GMAC/s':>14} {'ratio':>6}")
+    for fmt in args.formats:
+        weights = packed(fmt, gen)
         macs = sum(n * k for *_, n, k in weights)
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -69,11 +84,11 @@ def main() -> None:
                 for rep in range(args.reps + 2):
                     for on in (True, False):
                         cpu_kernels.amx(on)
-                        dt = layer_seconds(weights, x, bits)
+                        dt = layer_seconds(weights, x, fmt)
                         if rep >= 2:  # warm-up
                             times[on].append(dt)
                 rate = {on: m * macs / statistics.median(t) / 1e9 for on, t in times.items()}
-                print(f"{bits:>4} {threads:>3} {m:>4} {rate[True]:>11.1f} {rate[False]:>14.1f} "
+                print(f"{fmt:>6} {threads:>3} {m:>4} {rate[True]:>11.1f} {rate[False]:>14.1f} "
                       f"{rate[True] / rate[False]:>6.2f}", flush=True)
     cpu_kernels.amx(True)
 

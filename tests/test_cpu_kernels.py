@@ -197,12 +197,12 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
 
 @needs_avx512
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_linear_decodes_every_code_and_scale_as_the_float64_reference(fmt):
+def test_fp4_linear_decodes_every_code_and_scale_as_the_float64_reference(fmt, amx):
     """fp4_linear on packed codes against x (float32) times quant.dequantize_fp4's weight in float64: every code in
     every position of a block, every finite positive E4M3 scale (and zero: an all-zero block) with NVFP4's global
-    divisor, E8M0 scales 2^-100..2^98; rows alone and in fours. Each output's error against the sum of its terms'
-    magnitudes is float32 summation error (a few 2^-24); a wrong code, scale, nibble or divisor is O(1)."""
-    assert cpu_kernels.available()
+    divisor, E8M0 scales 2^-100..2^98; rows alone and in fours, and from 12 rows on AMX where granted (x split exactly
+    into three bfloat16). Each output's error against the sum of its terms' magnitudes is float32 summation error (a
+    few 2^-24); a wrong code, scale, nibble or divisor is O(1), a lost part of x 2^-8 or 2^-16."""
     gen = torch.Generator().manual_seed(len(fmt))
     n, k, group = 128, 256, 16 if fmt == "nvfp4" else 32
     groups = k // group
@@ -217,7 +217,7 @@ def test_fp4_linear_decodes_every_code_and_scale_as_the_float64_reference(fmt):
     assert s.dtype == torch.bfloat16   # E4M3 and E8M0 scales are exact in bfloat16: 2 bytes a block
     packed = cpu_kernels.pack_codes(codes, 4)
     assert packed.numel() == n * k // 2
-    for m in (1, 3, 4, 7, 33):
+    for m in (1, 3, 4, 7, 12, 16, 33):
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
         y = cpu_kernels.fp4_linear(x, packed, s, group, float(glob) if glob is not None else 1.0)
         size = x.double().abs() @ w.abs().t()

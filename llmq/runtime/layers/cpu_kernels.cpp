@@ -404,19 +404,20 @@ LLMQ_BF16 void pair_rows_bf16(const uint32_t* pairs, const uint16_t* s, const ui
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
 }
 
-// The same INT4 / INT8 products on AMX-BF16's tile unit, for many rows (prefill, large decode batches): a tile of 16
-// weight rows is built once into AMX's B layout (a 32-bit bfloat16 pair per output row and input pair, bf16_pairs'
-// order), then tdpbf16ps multiplies 16 rows of x by it, 16 x 16 x 32 products an instruction, into float32 sums. Where
-// the scales change along K (groups), each weight s * q is folded in and split exactly into two bfloat16, hi (its top 8
-// significant bits) + lo (the rest: s * q has at most 8 + 7 of them), both multiplied by x: every product stays exact
-// in float32 and only the summation order differs from the kernels above (bfloat16(x) times the exact weights, float32
-// sums, bfloat16 out; tdpbf16ps flushes subnormals as vdpbf16ps does). One scale a channel multiplies the sums
-// instead. Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where a kernel or VM
+// The same INT4 / INT8 / FP4 products on AMX-BF16's tile unit, for many rows (prefill, large decode batches): a tile
+// of 16 weight rows is built once into AMX's B layout (a 32-bit bfloat16 pair per output row and input pair,
+// bf16_pairs' order), then tdpbf16ps multiplies 16 rows of x by it, 16 x 16 x 32 products an instruction, into
+// float32 sums. Every product stays exact, so only the float32 summation order differs from the vector kernels
+// (tdpbf16ps flushes subnormals, below 1e-38, as vdpbf16ps does):
+// - INT4 / INT8 (bfloat16(x) times the exact weights, bfloat16 out): where the scales change along K (groups), each
+//   weight s * q is folded in and split exactly into two bfloat16, hi (its top 8 significant bits) + lo (the rest:
+//   s * q has at most 8 + 7 of them), both multiplied by x; one scale a channel multiplies the sums instead.
+// - FP4 (float32 x, float32 out): an E2M1 value times its E4M3 / E8M0 block scale has at most 6 significant bits, one
+//   bfloat16; x is split exactly into three bfloat16 (8 + 8 + 8 of float32's 24 bits), each multiplied by the weights.
+// Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where a kernel or VM
 // withholds it, the first tile instruction faults (SIGILL), so the grant is checked, not cpuid's bits alone.
 #define LLMQ_AMX __attribute__((target("avx512f,avx512bw,fma,amx-tile,amx-bf16")))
-// From this many rows of x (INT4, INT8) AMX is faster (benchmarks/bench_lowbit_products.py: a Xeon's one and two
-// threads; below, 16-row tiles half empty lose to the vector path's per-row work).
-constexpr int64_t kAmxRows4 = 10, kAmxRows8 = 8;
+enum class Codes { kInt4, kInt8, kFp4 };
 std::atomic<bool> amx_enabled{true};
 
 bool amx_granted() {
@@ -437,8 +438,11 @@ bool amx(bool enable) {
   return enable && amx_granted();
 }
 
-bool use_amx(int64_t m, int64_t k, int64_t bits) {
-  return m >= (bits == 4 ? kAmxRows4 : kAmxRows8) && k % 32 == 0 && amx_enabled && amx_granted();
+// From this many rows of x AMX is faster (benchmarks/bench_lowbit_products.py, a Xeon's one and two threads; below,
+// 16-row tiles mostly empty lose to the vector paths' per-row work).
+bool use_amx(int64_t m, int64_t k, Codes codes) {
+  const int64_t from = codes == Codes::kInt4 ? 10 : codes == Codes::kInt8 ? 8 : 12;
+  return m >= from && k % 32 == 0 && amx_enabled && amx_granted();
 }
 
 struct alignas(64) TileConfig {  // palette 1: eight tiles of up to 16 rows x 64 bytes
@@ -459,21 +463,54 @@ LLMQ_AVX512 inline void split_pairs(__m512 e, __m512 o, uint32_t* hi, uint32_t* 
   _mm512_storeu_si512(lo, _mm512_or_si512(_mm512_srli_epi32(el, 16), _mm512_and_si512(ol, top)));
 }
 
-// One tile's weights as B pairs [K/2][16]: hi, then lo (fold: times s per group), or the codes' values alone.
-template <int Bits>
-LLMQ_AVX512 void amx_weights(const uint8_t* w, const uint16_t* s, int64_t k, int64_t group, bool fold, uint32_t* hi) {
-  uint32_t* lo = fold ? hi + k / 2 * kTile : nullptr;
-  const auto at = [&](uint32_t* p, int64_t pair) { return p == nullptr ? p : p + pair * kTile; };
-  if constexpr (Bits == 4) {
-    const __m512i table = int4_table();
-    for (int64_t i = 0; i < k; i += 8, w += 64) {
-      const __m512 sc = fold ? load_scales(s + i / group * kTile) : _mm512_set1_ps(1.f);
-      __m512i p[4];
-      int4_pairs(_mm512_loadu_si512(w), table, p);
-      for (int j = 0; j < 4; ++j)
-        split_pairs(_mm512_mul_ps(even(p[j]), sc), _mm512_mul_ps(odd(p[j]), sc), at(hi, i / 2 + j), at(lo, i / 2 + j));
+// x [K] (K % 32 == 0) as three bfloat16 rows in bf16_pairs' order (at out, out + plane, out + 2 * plane) whose sum is
+// x exactly: each the top 8 significant bits of what the ones before leave.
+LLMQ_AVX512 void bf16_split_pairs(const float* x, int64_t k, uint32_t* out, int64_t plane) {
+  alignas(64) uint16_t idx[32];  // 16-bit word o of a pair row: x[8 (o / 8) + order[o % 8]]'s high half
+  constexpr int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+  for (int o = 0; o < 32; ++o) {
+    const int c = 8 * (o / 8) + order[o % 8];
+    idx[o] = static_cast<uint16_t>(c < 16 ? 2 * c + 1 : 32 + 2 * (c - 16) + 1);
+  }
+  const __m512i ix = _mm512_load_si512(idx), top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t c = 0; c < k; c += 32) {
+    __m512 r[2] = {_mm512_loadu_ps(x + c), _mm512_loadu_ps(x + c + 16)};
+    for (int p = 0; p < 3; ++p) {
+      __m512i h[2];
+      for (int j = 0; j < 2; ++j) {
+        h[j] = _mm512_and_si512(_mm512_castps_si512(r[j]), top);
+        r[j] = _mm512_sub_ps(r[j], _mm512_castsi512_ps(h[j]));
+      }
+      _mm512_storeu_si512(out + p * plane + c / 2, _mm512_permutex2var_epi16(h[0], ix, h[1]));
     }
-  } else {
+  }
+}
+
+// bfloat16 of the 16 E2M1 codes (bit 3 the sign; exact), as a vpermw table.
+LLMQ_AVX512 inline __m512i fp4_table() {
+  constexpr float values[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  alignas(64) uint16_t lut[32] = {};
+  for (int u = 0; u < 16; ++u) {
+    const float f = u < 8 ? values[u] : -values[u - 8];
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    lut[u] = static_cast<uint16_t>(bits >> 16);
+  }
+  return _mm512_load_si512(lut);
+}
+
+// Whether a format's weights need hi + lo (scales folded in that bfloat16 does not hold with the codes).
+bool amx_split(Codes codes, int64_t groups) { return codes != Codes::kFp4 && groups > 1; }
+
+// One tile's weights as B pairs [K/2][16]: the codes' values times s per group where the scales are folded in (FP4
+// always, INT4 / INT8 in groups: then hi, then lo), else the codes' values alone.
+template <Codes C>
+LLMQ_AVX512 void amx_weights(const uint8_t* w, const uint16_t* s, int64_t k, int64_t group, int64_t groups,
+                             uint32_t* hi) {
+  const bool fold = C == Codes::kFp4 || groups > 1;
+  uint32_t* lo = amx_split(C, groups) ? hi + k / 2 * kTile : nullptr;
+  const auto at = [&](uint32_t* p, int64_t pair) { return p == nullptr ? p : p + pair * kTile; };
+  if constexpr (C == Codes::kInt8) {
     for (int64_t i = 0; i < k; i += 4, w += 64) {
       const __m512 sc = fold ? load_scales(s + i / group * kTile) : _mm512_set1_ps(1.f);
       __m512 f[4];
@@ -481,13 +518,24 @@ LLMQ_AVX512 void amx_weights(const uint8_t* w, const uint16_t* s, int64_t k, int
       split_pairs(_mm512_mul_ps(f[0], sc), _mm512_mul_ps(f[2], sc), at(hi, i / 2), at(lo, i / 2));
       split_pairs(_mm512_mul_ps(f[1], sc), _mm512_mul_ps(f[3], sc), at(hi, i / 2 + 1), at(lo, i / 2 + 1));
     }
+  } else {
+    const __m512i table = C == Codes::kInt4 ? int4_table() : fp4_table();
+    for (int64_t i = 0; i < k; i += 8, w += 64) {
+      const __m512 sc = fold ? load_scales(s + i / group * kTile) : _mm512_set1_ps(1.f);
+      __m512i p[4];
+      int4_pairs(_mm512_loadu_si512(w), table, p);
+      for (int j = 0; j < 4; ++j)
+        split_pairs(_mm512_mul_ps(even(p[j]), sc), _mm512_mul_ps(odd(p[j]), sc), at(hi, i / 2 + j), at(lo, i / 2 + j));
+    }
   }
 }
 
-// Sums for 16 (Two: 32) rows of x (bf16_pairs rows, 2k bytes apart) times two tiles' B pairs (b0, b1; `halves` of
-// [K/2][16] each) into c: [row block][tile][16][16] float32.
+// Sums for 16 (Two: 32) rows of x times two tiles' B pairs into c ([row block][tile][16][16] float32): x as `parts`
+// planes of bfloat16 pair rows (2k bytes a row; plane p at xa + p * plane), the weights as `halves` of [K/2][16]
+// pairs each (b0, b1); every part times every half.
 template <bool Two>
-LLMQ_AMX void amx_rows(const uint32_t* xa, int64_t k, const uint32_t* b0, const uint32_t* b1, int halves, float* c) {
+LLMQ_AMX void amx_rows(const uint32_t* xa, int64_t plane, int parts, int64_t k, const uint32_t* b0,
+                       const uint32_t* b1, int halves, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (Two) {
@@ -496,16 +544,20 @@ LLMQ_AMX void amx_rows(const uint32_t* xa, int64_t k, const uint32_t* b0, const 
   }
   const int64_t half = k / 2 * kTile;
   for (int64_t i = 0; i < k; i += 32) {
-    _tile_loadd(4, xa + i / 2, 2 * k);
-    if constexpr (Two) _tile_loadd(5, xa + 8 * k + i / 2, 2 * k);
     for (int h = 0; h < halves; ++h) {
       _tile_loadd(6, b0 + h * half + i / 2 * kTile, 64);
       _tile_loadd(7, b1 + h * half + i / 2 * kTile, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if constexpr (Two) {
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+      for (int p = 0; p < parts; ++p) {
+        if (h == 0 || parts > 1) {  // one part stays loaded for the second half
+          _tile_loadd(4, xa + p * plane + i / 2, 2 * k);
+          if constexpr (Two) _tile_loadd(5, xa + p * plane + 8 * k + i / 2, 2 * k);
+        }
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if constexpr (Two) {
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
     }
   }
@@ -517,56 +569,67 @@ LLMQ_AMX void amx_rows(const uint32_t* xa, int64_t k, const uint32_t* b0, const 
   }
 }
 
-// `rows` rows of a tile's 16 x 16 sums into y (n apart), times s (one scale a channel; null: folded), as bfloat16.
-LLMQ_AVX512 void amx_store(const float* c, int64_t rows, const uint16_t* s, float* y, int64_t n) {
-  const __m512 sc = s == nullptr ? _mm512_set1_ps(1.f) : load_scales(s);
-  for (int64_t r = 0; r < rows; ++r)
-    _mm512_storeu_ps(y + r * n, round_bf16(_mm512_mul_ps(_mm512_loadu_ps(c + r * 16), sc)));
+// `rows` rows of a tile's 16 x 16 sums into y (n apart): times s (one scale a channel; null: none) over `divisor`,
+// rounded to bfloat16 where `round`.
+LLMQ_AVX512 void amx_store(const float* c, int64_t rows, const uint16_t* s, float divisor, bool round, float* y,
+                           int64_t n) {
+  const __m512 sc = s == nullptr ? _mm512_set1_ps(1.f) : load_scales(s), d = _mm512_set1_ps(divisor);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r * 16), sc), d);
+    _mm512_storeu_ps(y + r * n, round ? round_bf16(v) : v);
+  }
 }
 
-// Tile pairs [lo, hi) of y [m, n] on one thread: x as bf16_pairs rows (a multiple of 16, zeros past m).
-template <int Bits>
-LLMQ_AMX void amx_pairs(int64_t lo, int64_t hi, const uint32_t* xa, int64_t m, int64_t k, const uint8_t* w,
-                        const uint16_t* s, int64_t tiles, int64_t groups, int64_t group, float* y) {
+// Tile pairs [lo, hi) of y [m, n] on one thread: x as `parts` planes of bf16_pairs rows (a multiple of 16, zeros past
+// m), the weights packed with bfloat16 scales; INT4 / INT8 out rounded to bfloat16, FP4 divided by `divisor`.
+template <Codes C>
+LLMQ_AMX void amx_pairs(int64_t lo, int64_t hi, const uint32_t* xa, int parts, int64_t m, int64_t k, const uint8_t* w,
+                        const uint16_t* s, int64_t tiles, int64_t groups, int64_t group, float divisor, float* y) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  const bool fold = groups > 1;
-  const int halves = fold ? 2 : 1;
-  const int64_t n = tiles * kTile, mpad = (m + 15) / 16 * 16, tile_bytes = kTile * k * Bits / 8;
-  const int64_t bsize = halves * k / 2 * kTile;  // one tile's B pairs
+  const bool scale_out = C != Codes::kFp4 && groups == 1;  // one scale a channel multiplies the sums
+  const int halves = amx_split(C, groups) ? 2 : 1;
+  const int64_t n = tiles * kTile, mpad = (m + 15) / 16 * 16, tile_bytes = kTile * k * (C == Codes::kInt8 ? 8 : 4) / 8;
+  const int64_t bsize = halves * k / 2 * kTile, plane = mpad * k / 2;  // one tile's B pairs; one part of x
   std::vector<uint32_t> b(2 * bsize);
   alignas(64) float c[4 * 256];
   for (int64_t pair = lo; pair < hi; ++pair) {
     const int64_t t[2] = {2 * pair, std::min(2 * pair + 1, tiles - 1)};
-    for (int j = 0; j < 2; ++j) amx_weights<Bits>(w + t[j] * tile_bytes, s + t[j] * groups * kTile, k, group, fold,
-                                                  b.data() + j * bsize);
+    for (int j = 0; j < 2; ++j)
+      amx_weights<C>(w + t[j] * tile_bytes, s + t[j] * groups * kTile, k, group, groups, b.data() + j * bsize);
     for (int64_t r = 0; r < mpad; r += 32) {
       const bool two = r + 16 < mpad;
-      if (two) amx_rows<true>(xa + r * k / 2, k, b.data(), b.data() + bsize, halves, c);
-      else amx_rows<false>(xa + r * k / 2, k, b.data(), b.data() + bsize, halves, c);
+      if (two) amx_rows<true>(xa + r * k / 2, plane, parts, k, b.data(), b.data() + bsize, halves, c);
+      else amx_rows<false>(xa + r * k / 2, plane, parts, k, b.data(), b.data() + bsize, halves, c);
       for (int blk = 0; blk < 1 + two; ++blk) {
         const int64_t r0 = r + 16 * blk, rows = std::min<int64_t>(16, m - r0);
         for (int j = 0; j < 2 - (t[1] == t[0]) && rows > 0; ++j)
-          amx_store(c + blk * 512 + j * 256, rows, fold ? nullptr : s + t[j] * kTile, y + r0 * n + t[j] * kTile, n);
+          amx_store(c + blk * 512 + j * 256, rows, scale_out ? s + t[j] * kTile : nullptr, divisor,
+                    C != Codes::kFp4, y + r0 * n + t[j] * kTile, n);
       }
     }
   }
   _tile_release();
 }
 
-// y [m, n] for x [m, k] float32 times a packed INT4 / INT8 weight with bfloat16 scales, on AMX (use_amx holds).
-void amx_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint16_t* s, int64_t bits,
-                 int64_t tiles, int64_t groups, int64_t group, float* y) {
-  const int64_t mpad = (m + 15) / 16 * 16;
-  std::vector<uint32_t> xa(mpad * k / 2, 0);
-  for (int64_t r = 0; r < m; ++r) bf16_pairs(x + r * k, k, xa.data() + r * k / 2);
+// y [m, n] for x [m, k] float32 times a packed weight with bfloat16 scales, on AMX (use_amx holds): INT4 / INT8 on
+// bfloat16(x), FP4 on x exactly (three parts), divided by `divisor`.
+template <Codes C>
+void amx_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint16_t* s, int64_t tiles,
+                 int64_t groups, int64_t group, float divisor, float* y) {
+  const int64_t mpad = (m + 15) / 16 * 16, plane = mpad * k / 2;
+  const int parts = C == Codes::kFp4 ? 3 : 1;
+  std::vector<uint32_t> xa(parts * plane, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    if constexpr (C == Codes::kFp4) bf16_split_pairs(x + r * k, k, xa.data() + r * k / 2, plane);
+    else bf16_pairs(x + r * k, k, xa.data() + r * k / 2);
+  }
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
-    if (bits == 4) amx_pairs<4>(lo, hi, xa.data(), m, k, w, s, tiles, groups, group, y);
-    else amx_pairs<8>(lo, hi, xa.data(), m, k, w, s, tiles, groups, group, y);
+    amx_pairs<C>(lo, hi, xa.data(), parts, m, k, w, s, tiles, groups, group, divisor, y);
   });
 }
 
@@ -606,8 +669,9 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
-  if (use_amx(m, k, bits)) {
-    amx_product(src, m, k, wp, sp, bits, tiles, groups, group, yp);
+  if (use_amx(m, k, bits == 4 ? Codes::kInt4 : Codes::kInt8)) {
+    if (bits == 4) amx_product<Codes::kInt4>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
+    else amx_product<Codes::kInt8>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
     return y;
   }
   if (bits == 8 && m >= kPairRows && __builtin_cpu_supports("avx512bf16")) {
@@ -699,6 +763,11 @@ at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const float dv = static_cast<float>(divisor);
+  if (s.dtype() == at::kBFloat16 && use_amx(m, k, Codes::kFp4)) {
+    amx_product<Codes::kFp4>(xp, m, k, wp, reinterpret_cast<const uint16_t*>(s.data_ptr()), tiles, groups, group, dv,
+                             yp);
+    return y;
+  }
   const auto run = [&](auto* sp) {
     const auto rows = [&](auto r_const) {
       return [&, r_const](int64_t t, int64_t r) {

@@ -27,7 +27,9 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
   scales in bfloat16: exact for E4M3 and E8M0), each code decoded exactly to float32 by a 16-entry table held in one
   register, float32 activations and sums, block scales per group and the global divisor at the end: the dense FP4
   path's numbers (F.linear on the exact weight, float32) from 4.5 / 4.25 bits a weight instead of 16 (SmolLM2, one
-  thread of a Zen 5 EPYC, side by side with the dense path: decode 2.5x, weights 269 -> 123 MB).
+  thread of a Zen 5 EPYC, side by side with the dense path: decode 2.5x, weights 269 -> 123 MB). From 12 rows, on
+  AMX where granted (below): x split exactly into three bfloat16 (each weight times its block scale is one), so the
+  same float32 products.
 - `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic. This and the three
   below run by default on any x86-64 CPU: they compute what the PyTorch operations compute (float32 summation
   order aside), tested equal.
@@ -103,8 +105,8 @@ def available() -> bool:
 
 
 def amx(enable: bool) -> bool:
-    """Turn on or off the INT4 / INT8 products' AMX-BF16 path (from 10 / 8 rows, where Linux grants the tile state);
-    whether it is on now. LLMQ_AMX=0 starts a process with it off, for comparing the two paths."""
+    """Turn on or off the INT4 / INT8 / FP4 products' AMX-BF16 path (from 10 / 8 / 12 rows, where Linux grants the
+    tile state); whether it is on now. LLMQ_AMX=0 starts a process with it off, for comparing the two paths."""
     return bool(torch.ops.llmq_cpu.amx(enable))
 
 
