@@ -6,7 +6,8 @@ Tokens are checked against independent paths where one exists (transformers' gre
 speculation). Log-probs have no independent bit-exact path, so they are compared with tests/data/engine_reference.pt,
 recorded once by this module with the engine as it was before the split (LLMQ_RECORD_ENGINE_REFERENCE=1). Float
 arithmetic depends on the CPU's kernels (the engines here run on the CPU even where a GPU is present): on a CPU of
-another capability than the recording's, floats are compared to 1e-5 and tokens still exactly.
+another capability, vendor or family than the recording's (a Zen 5 EPYC, AMD family 26), floats are compared to 1e-5
+and tokens still exactly.
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("split")
     # the draft: the target's own weights, so drafts are accepted (greedy) or accepted at random (sampled)
     return make_tiny_model(d / "target", seed=11), make_tiny_model(d / "draft", seed=11)
+
+
+def cpu_arithmetic() -> str:
+    """What fixes this CPU's float bits: PyTorch's kernel capability and the vendor and family whose code paths its
+    libraries dispatch to (oneDNN / MKL pick by vendor; "AVX512" alone read the same on a Zen 5 EPYC and a Xeon whose
+    bits differ). References recorded on another are compared to a tolerance."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    vendor, family = fields.get("vendor_id", "?"), fields.get("cpu family", "?")
+    return f"{torch.backends.cpu.get_cpu_capability()} {vendor} family {family}"
 
 
 def prompts():
@@ -86,7 +102,7 @@ def observed(models):
     got = observe(*models)
     if RECORD:
         REFERENCE.parent.mkdir(exist_ok=True)
-        torch.save({"cpu": torch.backends.cpu.get_cpu_capability(), "values": got}, REFERENCE)
+        torch.save({"cpu": cpu_arithmetic(), "values": got}, REFERENCE)
     return got
 
 
@@ -99,7 +115,7 @@ def test_greedy_tokens_are_transformers_and_speculation_changes_none(models, obs
 
 def test_everything_is_bit_identical_to_the_engine_before_the_split(observed):
     ref = torch.load(REFERENCE)
-    same_cpu = ref["cpu"] == torch.backends.cpu.get_cpu_capability()
+    same_cpu = ref["cpu"] == cpu_arithmetic()
     assert set(observed) == set(ref["values"])
     for key, want in ref["values"].items():
         got = observed[key]
@@ -152,12 +168,12 @@ def test_default_model_is_bit_identical_to_the_engine_before_the_split(default_m
         got["score/greedy"] = torch.tensor([x for r in scores for x in r.greedy])
     finally:
         eng.shutdown()
-    observed = {"cpu": torch.backends.cpu.get_cpu_capability(),
+    observed = {"cpu": cpu_arithmetic(),
                 "tokens": {k: v.tolist() for k, v in got.items() if k.endswith("tokens")},
                 "digests": {k: digest(v) for k, v in got.items()}}
     if RECORD:
         DEFAULT_REFERENCE.write_text(json.dumps(observed, indent=1) + "\n")
     ref = json.loads(DEFAULT_REFERENCE.read_text())
     assert observed["tokens"] == ref["tokens"]
-    if ref["cpu"] == observed["cpu"]:  # float bits are only comparable on the CPU capability they were recorded on
+    if ref["cpu"] == observed["cpu"]:  # float bits are only comparable on the CPU they were recorded on
         assert observed["digests"] == ref["digests"]
