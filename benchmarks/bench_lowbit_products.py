@@ -1,6 +1,6 @@
-"""llmq's low-bit CPU products (runtime/layers/cpu_kernels: INT4 / INT8 lowbit_linear_bf16 on 16-bit activations,
-NVFP4 fp4_linear on float32 ones) on the tile unit (AMX-BF16) against the vector paths (vdpbf16ps; float32 FMAs for
-FP4) in one run, on the default model's layer shapes.
+"""llmq's CPU products (runtime/layers/cpu_kernels: INT4 / INT8 lowbit_linear_bf16 on 16-bit activations, NVFP4
+fp4_linear and bfloat16 / float16 dense16_linear on float32 ones) on the tile unit (AMX-BF16) against the vector paths
+(vdpbf16ps; float32 FMAs for FP4 and 16-bit weights) in one run, on the default model's layer shapes.
 
 For each format, thread count and row count M: the median time of one call on every projection of a SmolLM2-135M
 layer (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; INT4 in groups of 32, INT8 per channel, NVFP4 in its
@@ -8,8 +8,8 @@ blocks of 16), as G multiply-adds a second, with AMX on, then off (cpu_kernels.a
 the ratio. Where Linux does not grant the AMX tile state (or the CPU has none) both columns are the vector path and
 it says so.
 
-    python benchmarks/bench_lowbit_products.py [--formats int4 int8 nvfp4] [--rows 1 8 16 32 64 128] [--threads 1 2]
-        [--reps 30]
+    python benchmarks/bench_lowbit_products.py [--formats int4 int8 nvfp4 bf16 f16] [--rows 1 8 16 32 64 128]
+        [--threads 1 2] [--reps 30]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from llmq import quant  # noqa: E402
 from llmq.bench.hw import machine_key  # noqa: E402
 from llmq.runtime.layers import cpu_kernels  # noqa: E402
 
+DENSE = {"bf16": torch.bfloat16, "f16": torch.float16}  # 16-bit weights as stored: dense16_linear
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
@@ -35,7 +36,9 @@ def packed(fmt: str, gen: torch.Generator) -> list[tuple]:
     """Every projection's packed weight with bfloat16 scales: (codes, s, group, n, k)."""
     out = []
     for n, k in SHAPES.values():
-        if fmt == "nvfp4":
+        if fmt in ("bf16", "f16"):
+            group, s, codes = 0, None, torch.randn(n, k, generator=gen).to(DENSE[fmt])
+        elif fmt == "nvfp4":
             group = 16
             e4m3 = torch.randint(8, 120, (n, k // group), generator=gen).to(torch.uint8).view(torch.float8_e4m3fn)
             s = cpu_kernels.pack_scales(quant.fp4_block_scale(e4m3))
@@ -53,7 +56,9 @@ def packed(fmt: str, gen: torch.Generator) -> list[tuple]:
 def layer_seconds(weights: list[tuple], x: dict[int, torch.Tensor], fmt: str) -> float:
     t = time.perf_counter()
     for codes, s, group, _, k in weights:
-        if fmt == "nvfp4":
+        if s is None:
+            cpu_kernels.dense16_linear(x[k], codes)
+        elif fmt == "nvfp4":
             cpu_kernels.fp4_linear(x[k], codes, s, group, 448.0 * 6.0)
         else:
             cpu_kernels.lowbit_linear_bf16(x[k], codes, s, int(fmt[3:]), group)
@@ -62,7 +67,8 @@ def layer_seconds(weights: list[tuple], x: dict[int, torch.Tensor], fmt: str) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", nargs="+", default=["int4", "int8", "nvfp4"], choices=["int4", "int8", "nvfp4"])
+    ap.add_argument("--formats", nargs="+", default=["int4", "int8", "nvfp4", "bf16", "f16"],
+                    choices=["int4", "int8", "nvfp4", *DENSE])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=30)

@@ -25,6 +25,14 @@ AVX512 = "avx512bw" in cpu_kernels.cpu_flags()
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="dense16_linear needs AVX-512, which this CPU lacks")
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "vector"])
+def amx(request):
+    """Each test twice: with the AMX path on (where Linux grants it, from a few rows) and off; on again afterwards."""
+    assert cpu_kernels.available()
+    yield cpu_kernels.amx(request.param)
+    cpu_kernels.amx(True)
+
+
 def test_kernels_build_here():
     """CI's machine has a compiler and ninja (a dependency): the kernels must build, not fall back silently."""
     assert cpu_kernels.available()
@@ -70,15 +78,16 @@ def test_lowbit_linear_equals_its_float64_arithmetic(bits, n, k, group, asym, bf
 
 @needs_avx512
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k", [(45, 112), (96, 576)])  # 112: every loop of the decode row (64, 32, 16)
-def test_dense16_linear_is_float32_arithmetic(dtype, n, k):
+@pytest.mark.parametrize("n,k", [(45, 112), (96, 576), (37, 256)])  # 112: every loop of the decode row (64, 32, 16)
+def test_dense16_linear_is_float32_arithmetic(dtype, n, k, amx):
     """The 16-bit weight widened exactly, float32 products and sums: against float64 within float32 summation error,
     far inside what rounding x to 16 bits would cost (~1e-4 of the sum of |products| here). Row counts cover the
-    row-at-a-time path, up to 15 rows sharing each load (4 + 4 + 1: the last row alone) and batches of 8, 4, 1."""
-    assert cpu_kernels.available()
+    row-at-a-time path, up to 15 rows sharing each load (4 + 4 + 1: the last row alone) and batches of 8, 4, 1; on
+    AMX where granted (K % 32 == 0; x split exactly into three bfloat16, float16 weights into two; 37 rows: a last
+    tile of 5)."""
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
-    for m in (1, 2, 3, 6, 9, 21, 29):
+    for m in (1, 2, 3, 6, 9, 16, 21, 29, 33):
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
         y = cpu_kernels.dense16_linear(x, w)
         want = x.double() @ w.double().t()
@@ -135,14 +144,6 @@ def _within_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: tor
     sum that cancels makes large relative to itself: bounded by K * 2^-24 * sum |x w|)."""
     bound = ref.abs() * 2 ** -7 + x.shape[1] * 2 ** -24 * (x.double().abs() @ w.abs().t()).float()
     return bool(((y - ref).abs() <= bound).all())
-
-
-@pytest.fixture(params=[True, False], ids=["amx", "vector"])
-def amx(request):
-    """Each test twice: with the AMX path on (where Linux grants it: from 10 / 8 rows) and off; on again afterwards."""
-    assert cpu_kernels.available()
-    yield cpu_kernels.amx(request.param)
-    cpu_kernels.amx(True)
 
 
 def test_amx_is_on_only_where_linux_grants_the_tiles():

@@ -414,6 +414,8 @@ LLMQ_BF16 void pair_rows_bf16(const uint32_t* pairs, const uint16_t* s, const ui
 //   s * q has at most 8 + 7 of them), both multiplied by x; one scale a channel multiplies the sums instead.
 // - FP4 (float32 x, float32 out): an E2M1 value times its E4M3 / E8M0 block scale has at most 6 significant bits, one
 //   bfloat16; x is split exactly into three bfloat16 (8 + 8 + 8 of float32's 24 bits), each multiplied by the weights.
+// - 16-bit weights as stored (dense16_linear, float32 x and out): bfloat16 ones as they are, float16 ones (11
+//   significant bits) split into hi + lo; x in three parts as for FP4.
 // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where a kernel or VM
 // withholds it, the first tile instruction faults (SIGILL), so the grant is checked, not cpuid's bits alone.
 #define LLMQ_AMX __attribute__((target("avx512f,avx512bw,fma,amx-tile,amx-bf16")))
@@ -438,12 +440,11 @@ bool amx(bool enable) {
   return enable && amx_granted();
 }
 
-// From this many rows of x AMX is faster (benchmarks/bench_lowbit_products.py, a Xeon's one and two threads; below,
-// 16-row tiles mostly empty lose to the vector paths' per-row work).
-bool use_amx(int64_t m, int64_t k, Codes codes) {
-  const int64_t from = codes == Codes::kInt4 ? 10 : codes == Codes::kInt8 ? 8 : 12;
-  return m >= from && k % 32 == 0 && amx_enabled && amx_granted();
-}
+// From this many rows of x AMX is faster, by weight format (benchmarks/bench_lowbit_products.py, a Xeon's one and two
+// threads; below, 16-row tiles mostly empty lose to the vector paths' per-row work).
+constexpr int64_t kAmxFromInt4 = 10, kAmxFromInt8 = 8, kAmxFromFp4 = 12, kAmxFromBf16 = 12, kAmxFromHalf = 16;
+
+bool use_amx(int64_t m, int64_t k, int64_t from) { return m >= from && k % 32 == 0 && amx_enabled && amx_granted(); }
 
 struct alignas(64) TileConfig {  // palette 1: eight tiles of up to 16 rows x 64 bytes
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -569,67 +570,77 @@ LLMQ_AMX void amx_rows(const uint32_t* xa, int64_t plane, int parts, int64_t k, 
   }
 }
 
-// `rows` rows of a tile's 16 x 16 sums into y (n apart): times s (one scale a channel; null: none) over `divisor`,
-// rounded to bfloat16 where `round`.
-LLMQ_AVX512 void amx_store(const float* c, int64_t rows, const uint16_t* s, float divisor, bool round, float* y,
-                           int64_t n) {
+// `rows` rows of a tile's 16 x 16 sums into y (n apart; the first `cols` columns): times s (one scale a channel;
+// null: none) over `divisor`, rounded to bfloat16 where `round`.
+LLMQ_AVX512 void amx_store(const float* c, int64_t rows, int64_t cols, const uint16_t* s, float divisor, bool round,
+                           float* y, int64_t n) {
   const __m512 sc = s == nullptr ? _mm512_set1_ps(1.f) : load_scales(s), d = _mm512_set1_ps(divisor);
+  const auto valid = static_cast<__mmask16>((1u << cols) - 1);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 v = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(c + r * 16), sc), d);
-    _mm512_storeu_ps(y + r * n, round ? round_bf16(v) : v);
+    _mm512_mask_storeu_ps(y + r * n, valid, round ? round_bf16(v) : v);
   }
 }
 
-// Tile pairs [lo, hi) of y [m, n] on one thread: x as `parts` planes of bf16_pairs rows (a multiple of 16, zeros past
-// m), the weights packed with bfloat16 scales; INT4 / INT8 out rounded to bfloat16, FP4 divided by `divisor`.
-template <Codes C>
-LLMQ_AMX void amx_pairs(int64_t lo, int64_t hi, const uint32_t* xa, int parts, int64_t m, int64_t k, const uint8_t* w,
-                        const uint16_t* s, int64_t tiles, int64_t groups, int64_t group, float divisor, float* y) {
+// Tile pairs [lo, hi) on one thread: fill(t, b) writes tile t's weights as `halves` of B pairs [K/2][16] at b;
+// store(t, c, r0, rows) takes rows [r0, r0 + rows) of its 16 x 16 sums c. x: `parts` planes of bf16_pairs rows (a
+// multiple of 16, zeros past m).
+template <typename Fill, typename Store>
+LLMQ_AMX void amx_tiles(int64_t lo, int64_t hi, const uint32_t* xa, int parts, int64_t m, int64_t k, int64_t tiles,
+                        int halves, const Fill& fill, const Store& store) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  const bool scale_out = C != Codes::kFp4 && groups == 1;  // one scale a channel multiplies the sums
-  const int halves = amx_split(C, groups) ? 2 : 1;
-  const int64_t n = tiles * kTile, mpad = (m + 15) / 16 * 16, tile_bytes = kTile * k * (C == Codes::kInt8 ? 8 : 4) / 8;
-  const int64_t bsize = halves * k / 2 * kTile, plane = mpad * k / 2;  // one tile's B pairs; one part of x
+  const int64_t mpad = (m + 15) / 16 * 16, plane = mpad * k / 2, bsize = halves * k / 2 * kTile;
   std::vector<uint32_t> b(2 * bsize);
   alignas(64) float c[4 * 256];
   for (int64_t pair = lo; pair < hi; ++pair) {
     const int64_t t[2] = {2 * pair, std::min(2 * pair + 1, tiles - 1)};
-    for (int j = 0; j < 2; ++j)
-      amx_weights<C>(w + t[j] * tile_bytes, s + t[j] * groups * kTile, k, group, groups, b.data() + j * bsize);
+    for (int j = 0; j < 2; ++j) fill(t[j], b.data() + j * bsize);
     for (int64_t r = 0; r < mpad; r += 32) {
       const bool two = r + 16 < mpad;
       if (two) amx_rows<true>(xa + r * k / 2, plane, parts, k, b.data(), b.data() + bsize, halves, c);
       else amx_rows<false>(xa + r * k / 2, plane, parts, k, b.data(), b.data() + bsize, halves, c);
       for (int blk = 0; blk < 1 + two; ++blk) {
         const int64_t r0 = r + 16 * blk, rows = std::min<int64_t>(16, m - r0);
-        for (int j = 0; j < 2 - (t[1] == t[0]) && rows > 0; ++j)
-          amx_store(c + blk * 512 + j * 256, rows, scale_out ? s + t[j] * kTile : nullptr, divisor,
-                    C != Codes::kFp4, y + r0 * n + t[j] * kTile, n);
+        for (int j = 0; j < 2 - (t[1] == t[0]) && rows > 0; ++j) store(t[j], c + blk * 512 + j * 256, r0, rows);
       }
     }
   }
   _tile_release();
 }
 
+// x [m, k] float32 as AMX's A planes: bfloat16(x) (one part), or x split exactly into three (exact).
+std::vector<uint32_t> amx_x(const float* x, int64_t m, int64_t k, bool exact) {
+  const int64_t plane = (m + 15) / 16 * 16 * k / 2;
+  std::vector<uint32_t> xa((exact ? 3 : 1) * plane, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    if (exact) bf16_split_pairs(x + r * k, k, xa.data() + r * k / 2, plane);
+    else bf16_pairs(x + r * k, k, xa.data() + r * k / 2);
+  }
+  return xa;
+}
+
 // y [m, n] for x [m, k] float32 times a packed weight with bfloat16 scales, on AMX (use_amx holds): INT4 / INT8 on
-// bfloat16(x), FP4 on x exactly (three parts), divided by `divisor`.
+// bfloat16(x), rounded to bfloat16; FP4 on x exactly (three parts), divided by `divisor`.
 template <Codes C>
 void amx_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const uint16_t* s, int64_t tiles,
                  int64_t groups, int64_t group, float divisor, float* y) {
-  const int64_t mpad = (m + 15) / 16 * 16, plane = mpad * k / 2;
-  const int parts = C == Codes::kFp4 ? 3 : 1;
-  std::vector<uint32_t> xa(parts * plane, 0);
-  for (int64_t r = 0; r < m; ++r) {
-    if constexpr (C == Codes::kFp4) bf16_split_pairs(x + r * k, k, xa.data() + r * k / 2, plane);
-    else bf16_pairs(x + r * k, k, xa.data() + r * k / 2);
-  }
+  const bool fp4 = C == Codes::kFp4, scale_out = !fp4 && groups == 1;  // one scale a channel multiplies the sums
+  const int halves = amx_split(C, groups) ? 2 : 1;
+  const int64_t n = tiles * kTile, tile_bytes = kTile * k * (C == Codes::kInt8 ? 8 : 4) / 8;
+  const std::vector<uint32_t> xa = amx_x(x, m, k, fp4);
+  const auto fill = [&](int64_t t, uint32_t* b) {
+    amx_weights<C>(w + t * tile_bytes, s + t * groups * kTile, k, group, groups, b);
+  };
+  const auto store = [&](int64_t t, const float* c, int64_t r0, int64_t rows) {
+    amx_store(c, rows, kTile, scale_out ? s + t * kTile : nullptr, divisor, !fp4, y + r0 * n + t * kTile, n);
+  };
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
-    amx_pairs<C>(lo, hi, xa.data(), parts, m, k, w, s, tiles, groups, group, divisor, y);
+    amx_tiles(lo, hi, xa.data(), fp4 ? 3 : 1, m, k, tiles, halves, fill, store);
   });
 }
 
@@ -669,7 +680,7 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
-  if (use_amx(m, k, bits == 4 ? Codes::kInt4 : Codes::kInt8)) {
+  if (use_amx(m, k, bits == 4 ? kAmxFromInt4 : kAmxFromInt8)) {
     if (bits == 4) amx_product<Codes::kInt4>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
     else amx_product<Codes::kInt8>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
     return y;
@@ -763,7 +774,7 @@ at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const float dv = static_cast<float>(divisor);
-  if (s.dtype() == at::kBFloat16 && use_amx(m, k, Codes::kFp4)) {
+  if (s.dtype() == at::kBFloat16 && use_amx(m, k, kAmxFromFp4)) {
     amx_product<Codes::kFp4>(xp, m, k, wp, reinterpret_cast<const uint16_t*>(s.data_ptr()), tiles, groups, group, dv,
                              yp);
     return y;
@@ -944,8 +955,45 @@ LLMQ_AVX512 void widen_tile(const T* w, int64_t rows, int64_t k, float* wide) {
   }
 }
 
+// Rows [n0, n0 + rows) of a 16-bit weight as AMX B pairs in bf16_pairs' order (rows past the weight's end: zeros):
+// bfloat16 as stored, float16 split exactly into hi + lo (its 11 significant bits), then for amx_tiles.
+template <typename T>
+LLMQ_AVX512 void dense_pairs(const T* w, int64_t rows, int64_t k, uint32_t* hi) {
+  uint32_t* lo = std::is_same_v<T, at::Half> ? hi + k / 2 * kTile : nullptr;
+  for (int64_t i = 0; i < k; i += 16) {
+    __m512 r[16], c[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < rows ? widen16(w + j * k + i) : _mm512_setzero_ps();
+    transpose16(r, c);  // c[e]: input i + e of the 16 rows
+    for (int q = 0; q < 16; q += 4) {  // inputs q..q + 3: pairs (q, q + 2), (q + 1, q + 3)
+      const int64_t p = (i + q) / 2;
+      split_pairs(c[q], c[q + 2], hi + p * kTile, lo == nullptr ? lo : lo + p * kTile);
+      split_pairs(c[q + 1], c[q + 3], hi + (p + 1) * kTile, lo == nullptr ? lo : lo + (p + 1) * kTile);
+    }
+  }
+}
+
+// dense16_linear's product on AMX (use_amx holds): x split exactly into three bfloat16, so float32 products as above.
+template <typename T>
+void amx_dense(const float* x, const T* w, float* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const std::vector<uint32_t> xa = amx_x(x, m, k, true);
+  const auto fill = [&](int64_t t, uint32_t* b) {
+    dense_pairs(w + t * kTile * k, std::min(kTile, n - t * kTile), k, b);
+  };
+  const auto store = [&](int64_t t, const float* c, int64_t r0, int64_t rows) {
+    amx_store(c, rows, std::min(kTile, n - t * kTile), nullptr, 1.f, false, y + r0 * n + t * kTile, n);
+  };
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+    amx_tiles(lo, hi, xa.data(), 3, m, k, tiles, std::is_same_v<T, at::Half> ? 2 : 1, fill, store);
+  });
+}
+
 template <typename T>
 void dense16_impl(const float* x, const T* w, float* y, int64_t m, int64_t n, int64_t k) {
+  if (use_amx(m, k, std::is_same_v<T, at::Half> ? kAmxFromHalf : kAmxFromBf16)) {
+    amx_dense(x, w, y, m, n, k);
+    return;
+  }
   if (m >= 16) {  // the transposing widen costs about two passes of 4 rows of x: wide pays from 16 rows on
     wide_product(x, y, m, n, k, [&](int64_t t, float* wide) {
       widen_tile(w + t * kTile * k, std::min(kTile, n - t * kTile), k, wide);

@@ -40,7 +40,9 @@ products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies
 - `silu_mul`: the MLP's silu(gate) * up in one pass (three operations eagerly).
 - `dense16_linear`, by default on CPUs with AVX-512: a bfloat16 / float16 weight as the checkpoint stores it, times
   float32 activations: each weight widened exactly, float32 products and sums, so F.linear's numbers on the float32
-  cast (the CPU layers' arithmetic) from half the bytes; 2x+ at batch 1, where oneDNN read a float32 copy.
+  cast (the CPU layers' arithmetic) from half the bytes; 2x+ at batch 1, where oneDNN read a float32 copy. From 12
+  (bfloat16) / 16 (float16) rows on AMX where granted: x split exactly into three bfloat16, float16 weights into two,
+  so the same float32 products.
 - `DecoderStack`: consecutive decoder layers of a decode-only step whose projections are INT4 / INT8 (with or
   without int8 activations) or 16-bit on dense16_linear, one call a step: the same kernels and ATen operations in
   DecoderLayer's order, without returning to Python between them (~25 calls a layer eagerly; one call a layer still
@@ -105,8 +107,9 @@ def available() -> bool:
 
 
 def amx(enable: bool) -> bool:
-    """Turn on or off the INT4 / INT8 / FP4 products' AMX-BF16 path (from 10 / 8 / 12 rows, where Linux grants the
-    tile state); whether it is on now. LLMQ_AMX=0 starts a process with it off, for comparing the two paths."""
+    """Turn on or off the products' AMX-BF16 path (INT4 / INT8 / FP4 / bfloat16 / float16 weights from 10 / 8 / 12 /
+    12 / 16 rows, where Linux grants the tile state); whether it is on now. LLMQ_AMX=0 starts a process with it off,
+    for comparing the two paths."""
     return bool(torch.ops.llmq_cpu.amx(enable))
 
 
