@@ -304,10 +304,11 @@ def test_kv_cache_schemes_match_transformers(source, ids, kv, granularity):
     with torch.no_grad():
         ref = hf(ids).logits[0]
     got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
-    bound = 1e-8
-    if _family(src) == "gemma3_text":  # its four (1 + w) norms a layer, in float32 op orders that differ from
-        bound = 1e-6                  # transformers', move a K / V value across an FP8 step now and then (1.6e-7
-        assert art.metrics["probe"]["kld_mean"] > 10 * bound  # measured), far under what the cache's rounding costs
+    # float32 op orders that differ from transformers' move a K / V value across an FP8 / INT8 step now and then:
+    # Gemma 3's four (1 + w) norms a layer (1.6e-7 measured), a product on AMX (three bfloat16 parts of x summed in
+    # the tile unit: 1.5e-8 on Qwen 3, FP8 per tensor, on a Xeon); far under what the cache's rounding costs
+    bound = 1e-6 if _family(src) == "gemma3_text" else 1e-7
+    assert art.metrics["probe"]["kld_mean"] > 10 * bound
     assert got["kld_mean"] < bound and got["top1"] == 1.0, got
 
 
