@@ -120,13 +120,13 @@ def _flags(run: str) -> set[str]:
 def test_vllm_one_node_and_several(arts):
     rec, _ = _deployed(arts, "model", engine="vllm")
     assert [s["run"] for s in rec["steps"]] == [
-        "vllm serve $MODEL_DIR --served-model-name tiny --tensor-parallel-size 1 --max-model-len 512 "
+        "vllm serve \"$MODEL_DIR\" --served-model-name tiny --tensor-parallel-size 1 --max-model-len 512 "
         "--max-num-seqs 32 --gpu-memory-utilization 0.9 --host 0.0.0.0 --port 8000"]
     assert rec["sizing"]["gpus_per_node"] == 1 and rec["kv_cache_dtype"] == "auto"
     rec, readme = _deployed(arts, "fp8kv", engine="vllm", gpus_per_node=2, nodes=2)
     head, workers, serve = rec["steps"]
     assert (head["run"], workers) == ("ray start --head --port 6379", {
-        "where": "node 1", "run": "ray start --address $HEAD_IP:6379 --block"})
+        "where": "node 1", "run": 'ray start --address "$HEAD_IP":6379 --block'})
     assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 " in serve["run"]
             and "--kv-cache-dtype fp8 --distributed-executor-backend ray " in serve["run"])
     assert (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (2, 2)
@@ -139,14 +139,14 @@ def test_vllm_one_node_and_several(arts):
 def test_sglang_one_node_and_several(arts):
     rec, _ = _deployed(arts, "model", engine="sglang", gpus_per_node=2, nodes=1)
     (only,) = rec["steps"]
-    assert only["run"].startswith("python -m sglang.launch_server --model-path $MODEL_DIR --served-model-name tiny "
+    assert only["run"].startswith('python -m sglang.launch_server --model-path "$MODEL_DIR" --served-model-name tiny '
                                   "--tp-size 2 --context-length 512") and "--nnodes" not in only["run"]
     assert "--kv-cache-dtype" not in only["run"]   # no calibrated FP8 scales in a dense model
     rec, _ = _deployed(arts, "fp8kv", engine="sglang", gpus_per_node=2, nodes=2, max_seq_len=256,
                        max_concurrency=8)
     assert [s["where"] for s in rec["steps"]] == ["node 0", "node 1"]
     for r, s in enumerate(rec["steps"]):
-        assert (f"--tp-size 2 --pp-size 2 --nnodes 2 --node-rank {r} --dist-init-addr $HEAD_IP:5000 "
+        assert (f"--tp-size 2 --pp-size 2 --nnodes 2 --node-rank {r} --dist-init-addr \"$HEAD_IP\":5000 "
                 "--context-length 256 --max-running-requests 8 --mem-fraction-static 0.9 --kv-cache-dtype fp8_e4m3"
                 in s["run"])
 
@@ -155,14 +155,14 @@ def test_trtllm_one_node_and_several(arts):
     store, a = arts
     rec, _ = _deployed(arts, "model", engine="trtllm")
     assert rec["steps"][0]["run"] == (
-        "trtllm-serve $MODEL_DIR --backend pytorch --tp_size 1 --pp_size 1 --max_batch_size 32 --max_seq_len 512 "
+        'trtllm-serve "$MODEL_DIR" --backend pytorch --tp_size 1 --pp_size 1 --max_batch_size 32 --max_seq_len 512 '
         "--kv_cache_free_gpu_memory_fraction 0.9 --host 0.0.0.0 --port 8000") and rec["files"] == []
     art = deploy(a["trt"], store, DeployOptions(engine="trtllm", gpus_per_node=2, nodes=2))
     rec = json.loads(art.file("deploy.json").read_text())
     (step,) = rec["steps"]
-    assert step["run"].startswith("mpirun -H $NODE0:2,$NODE1:2 -n 4 trtllm-llmapi-launch trtllm-serve "
-                                  "$MODEL_DIR/trtllm --backend pytorch --tp_size 2 --pp_size 2")
-    assert "--extra_llm_api_options $DEPLOY_DIR/trtllm-llm-api-options.yaml" in step["run"]
+    assert step["run"].startswith('mpirun -H "$NODE0":2,"$NODE1":2 -n 4 trtllm-llmapi-launch trtllm-serve '
+                                  '"$MODEL_DIR"/trtllm --backend pytorch --tp_size 2 --pp_size 2')
+    assert '--extra_llm_api_options "$DEPLOY_DIR"/trtllm-llm-api-options.yaml' in step["run"]
     assert art.file("trtllm-llm-api-options.yaml").read_text() == "kv_cache_config:\n  dtype: fp8\n"
 
 
@@ -171,7 +171,7 @@ def test_llama_server_one_node(arts):
     gguf = arts[1]["gguf"]
     (step,) = rec["steps"]
     # llama-server's -c is the context of all slots together: 512 tokens x 4 slots
-    assert step["run"] == (f"llama-server -m $MODEL_DIR/{rec['model']} -c 2048 -np 4 -t 8 -ngl 999 --host 0.0.0.0 "
+    assert step["run"] == (f'llama-server -m "$MODEL_DIR"/{rec["model"]} -c 2048 -np 4 -t 8 -ngl 999 --host 0.0.0.0 '
                            "--port 8080") and rec["model"].endswith(".gguf")
     assert rec["sizing"]["weights"] == (gguf.path / rec["model"]).stat().st_size
     rec, _ = _deployed(arts, "gguf", engine="llama.cpp", gpus_per_node=2, nodes=1)
@@ -235,7 +235,8 @@ def test_speculative_ngram_in_each_engines_own_terms(arts):
     (serve,) = rec["steps"]
     assert json.loads(_spec_of(serve["run"], "--speculative-config")) == vllm_spec
     assert ray["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["speculative_config"] == vllm_spec
-    assert svc["spec"]["template"]["containers"][0]["command"][-1] == serve["run"].replace("$MODEL_DIR", "/mnt/models")
+    assert svc["spec"]["template"]["containers"][0]["command"][-1] == serve["run"].replace('"$MODEL_DIR"',
+                                                                                           "/mnt/models")
     assert rec["sizing"]["draft"] == 0 and rec["speculative"] == {"method": "ngram", "num_speculative_tokens": 3,
                                                                   "draft": None}
     assert "DRAFT_DIR" not in readme and "- Speculative decoding: prompt lookup (ngram), 3 draft tokens" in readme
@@ -244,7 +245,7 @@ def test_speculative_ngram_in_each_engines_own_terms(arts):
     store, a = arts
     art = deploy(a["model"], store, DeployOptions(engine="trtllm", speculative="ngram", num_speculative_tokens=3))
     (step,) = json.loads(art.file("deploy.json").read_text())["steps"]
-    assert "--extra_llm_api_options $DEPLOY_DIR/trtllm-llm-api-options.yaml" in step["run"]
+    assert '--extra_llm_api_options "$DEPLOY_DIR"/trtllm-llm-api-options.yaml' in step["run"]
     assert yaml.safe_load(art.file("trtllm-llm-api-options.yaml").read_text()) == {"speculative_config": {
         "decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 4}}
     rec, _ = _deployed(arts, "gguf", engine="llama.cpp", speculative="ngram", num_speculative_tokens=3)
@@ -268,10 +269,10 @@ def test_speculative_draft_model_in_each_engines_own_terms(arts):
     vllm_spec = {"method": "draft_model", "model": "$DRAFT_DIR", "num_speculative_tokens": 3}
     (serve,) = rec["steps"]
     assert json.loads(_spec_of(serve["run"], "--speculative-config")) == vllm_spec
-    assert '--speculative-config "{\\"method\\": \\"draft_model\\", \\"model\\": \\"$DRAFT_DIR\\"' in serve["run"]
+    assert '--speculative-config \'{"method": "draft_model", "model": "\'"$DRAFT_DIR"\'", ' in serve["run"]
     assert ray["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["speculative_config"] == vllm_spec
     assert docs is None and rec["files"] == [RAY_FILE] and [s["run"] for s in rec["instead"]] == [
-        "envsubst '$MODEL_DIR $DRAFT_DIR' < $DEPLOY_DIR/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
+        "envsubst '$MODEL_DIR $DRAFT_DIR' < \"$DEPLOY_DIR\"/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
     assert any(n.startswith("no KServe manifest with a draft model") for n in rec["notes"])
     s = rec["sizing"]
     assert s["draft"] == DRAFT_PARAMS * 4 + DRAFT_KV and s["need"] == (s["weights"] + s["kv_cache"] + s["draft"]
@@ -282,19 +283,19 @@ def test_speculative_draft_model_in_each_engines_own_terms(arts):
     art = deploy(a["model"], store, DeployOptions(engine="sglang", speculative=ref, num_speculative_tokens=3))
     assert art.parents == [a["model"].id, a["draft"].id]
     rec = json.loads(art.file("deploy.json").read_text())
-    assert ("--speculative-algorithm STANDALONE --speculative-draft-model-path $DRAFT_DIR --speculative-num-steps 3 "
+    assert ('--speculative-algorithm STANDALONE --speculative-draft-model-path "$DRAFT_DIR" --speculative-num-steps 3 '
             "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --host") in rec["steps"][0]["run"]
     art = deploy(a["model"], store, DeployOptions(engine="trtllm", speculative=ref, num_speculative_tokens=3))
     expand, serve = json.loads(art.file("deploy.json").read_text())["steps"]
     assert (expand["where"], expand["run"]) == (
-        "every node", "envsubst '$DRAFT_DIR' < $DEPLOY_DIR/trtllm-llm-api-options.yaml > "
+        "every node", "envsubst '$DRAFT_DIR' < \"$DEPLOY_DIR\"/trtllm-llm-api-options.yaml > "
         "/tmp/trtllm-llm-api-options.yaml")
     assert "--extra_llm_api_options /tmp/trtllm-llm-api-options.yaml" in serve["run"]
     assert yaml.safe_load(art.file("trtllm-llm-api-options.yaml").read_text()) == {"speculative_config": {
         "decoding_type": "Draft_Target", "max_draft_len": 3, "speculative_model": "$DRAFT_DIR"}}
     rec, _ = _deployed(arts, "gguf", engine="llama.cpp", speculative=a["draft_gguf"].ref, num_speculative_tokens=3)
     gguf = rec["speculative"]["draft"]["model"]
-    assert (f"--spec-type draft-simple -md $DRAFT_DIR/{gguf} --spec-draft-n-max 3 -ngld 999 --host"
+    assert (f'--spec-type draft-simple -md "$DRAFT_DIR"/{gguf} --spec-draft-n-max 3 -ngld 999 --host'
             in rec["steps"][0]["run"]) and gguf.endswith(".gguf")
     assert rec["sizing"]["draft"] == (a["draft_gguf"].path / gguf).stat().st_size + DRAFT_KV
 
@@ -380,8 +381,8 @@ def test_kserve_and_ray_serve_carry_the_launch_commands_layout(arts):
     assert leader["resources"] == worker["resources"] == {"limits": {"nvidia.com/gpu": 2},
                                                           "requests": {"nvidia.com/gpu": 2}}
     assert leader["command"] == ["/bin/bash", "-c", "ray start --head --port 6379 && "
-                                 + serve.replace("$MODEL_DIR", "/mnt/models")]
-    assert worker["command"][-1] == "ray start --address $LWS_LEADER_ADDRESS:6379 --block"
+                                 + serve.replace('"$MODEL_DIR"', "/mnt/models")]
+    assert worker["command"][-1] == 'ray start --address "$LWS_LEADER_ADDRESS":6379 --block'
     (app,) = ray["applications"]
     (llm,) = app["args"]["llm_configs"]
     assert llm["engine_kwargs"] == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_model_len": 512,
@@ -391,15 +392,15 @@ def test_kserve_and_ray_serve_carry_the_launch_commands_layout(arts):
         {"model_id": "tiny-kvfp8", "model_source": "$MODEL_DIR"}, "H100",
         {"bundle_per_worker": {"GPU": 1}, "strategy": "PACK"})
     assert [s["run"] for s in rec["instead"]] == [
-        "envsubst '$MODEL_URI' < $DEPLOY_DIR/kserve-llminferenceservice.yaml | kubectl apply -f -",
-        "envsubst '$MODEL_DIR' < $DEPLOY_DIR/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
+        "envsubst '$MODEL_URI' < \"$DEPLOY_DIR\"/kserve-llminferenceservice.yaml | kubectl apply -f -",
+        "envsubst '$MODEL_DIR' < \"$DEPLOY_DIR\"/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
     assert "Or, instead, with a cluster manager" in readme and "| kubectl apply -f -\n" in readme
     # one node: no worker, no pipeline stages, a dense KV cache, Ray's A100 label, every bundle on the node
     rec, readme, docs, ray = _vllm_files(arts, "model", gpu="a100-80gb", gpus_per_node=1, nodes=1)
     ((svc,), (llm,)) = docs, ray["applications"][0]["args"]["llm_configs"]
     assert "worker" not in svc["spec"] and svc["spec"]["parallelism"] == {"tensor": 1}
     assert svc["spec"]["template"]["containers"][0]["command"][-1] == rec["steps"][0]["run"].replace(
-        "$MODEL_DIR", "/mnt/models")
+        '"$MODEL_DIR"', "/mnt/models")
     assert "kv_cache_dtype" not in llm["engine_kwargs"] and "pipeline_parallel_size" not in llm["engine_kwargs"]
     assert (llm["accelerator_type"], llm["placement_group_config"]["strategy"]) == ("A100", "STRICT_PACK")
     rec, readme = _deployed(arts, "model", engine="sglang")
@@ -489,3 +490,124 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch
     assert "--context-length 256 " in run.output
     with pytest.raises(LlmqError, match="^--max-seq-len 513 exceeds the model's 512 positions$"):
         deploy(a["model"], store, DeployOptions(engine="vllm", max_seq_len=513))
+
+
+# --- hostile names: every word quoted for the shell, names outside a safe set refused ----------------------------
+
+# each would run `touch` (or split into several arguments) if it reached a shell unquoted
+HOSTILE = ["x$(touch PWNED)`touch PWNED2`;touch PWNED3 hi.gguf", "a'b\"c\\d $HOME *?.gguf",
+           "new\nline;touch PWNED.gguf"]
+PROGRAMS = ("vllm", "ray", "python", "trtllm-serve", "mpirun", "trtllm-llmapi-launch", "llama-server", "envsubst",
+            "kubectl", "serve")
+ENV = {"MODEL_DIR": "/models/a b", "DRAFT_DIR": "/drafts/c d", "HEAD_IP": "10.0.0.1", "NODE0": "n0", "NODE1": "n1",
+       "LWS_LEADER_ADDRESS": "10.0.0.2"}
+
+
+def _resealed(store, art, old: str, new: str, key: tuple[str, ...]):
+    """A copy of engine artifact `art` whose output `old` is renamed `new` (engine.json's outputs[key...] too), its
+    manifest resealed with llmq's own hash functions, as anyone with write access to a shared store can."""
+    import shutil
+
+    from llmq.artifacts import hashing
+    from llmq.artifacts import manifest as mf
+
+    d = store.root / f"{art.name}-renamed" / "v1"
+    shutil.copytree(art.path, d)
+    (d / old).rename(d / new)
+    spec = json.loads((d / "engine.json").read_text())
+    (*path, last), node = key, spec["outputs"]
+    for k in path:
+        node = node[k]
+    node[last] = new
+    (d / "engine.json").write_text(json.dumps(spec))
+    files = hashing.hash_payload(d)
+    m = {k: v for k, v in art.manifest.items() if k != "digest"} | {
+        "name": d.parent.name, "version": 1, "files": files, "id": hashing.content_id(files)}
+    m["digest"] = mf.digest(m)
+    mf.write(d / hashing.MANIFEST_NAME, m)
+    return store.resolve(f"{d.parent.name}/v1")
+
+
+@pytest.mark.parametrize("engine,src,key", [("llama.cpp", "gguf", ("gguf", "file")),
+                                            ("trtllm", "trt", ("hf_checkpoint",))])
+def test_a_file_name_outside_the_safe_set_is_refused_in_one_line(arts, tmp_path, monkeypatch, engine, src, key):
+    from click.testing import CliRunner
+
+    from llmq.cli.main import cli
+
+    store, a = arts
+    spec = json.loads(a[src].file("engine.json").read_text())["outputs"]
+    old = spec[key[0]][key[1]] if len(key) == 2 else spec[key[0]]
+    bad = _resealed(store, a[src], old, HOSTILE[0], key)
+    monkeypatch.chdir(tmp_path)
+    before = {x.path for x in store.list()}
+    run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", bad.ref, "--engine", engine])
+    assert run.exit_code == 2 and run.output.count("\n") == 1, run.output
+    assert run.output.startswith(f"error: {bad.ref} names the file ") and "outside the safe set" in run.output
+    assert {x.path for x in store.list()} == before and list(tmp_path.iterdir()) == []
+
+
+def _launches(arts, name: str):
+    """(engine, command line) of every command each engine's launch holds, on one node and several, with and without
+    speculative decoding, for a model (and draft) under the file name `name`; KServe's pod commands too."""
+    from llmq.pipeline.deploy.engines import Loadable, Speculation
+
+    store, a = arts
+    spec = ModelSpec.from_config(TINY)
+    m = Loadable(name, spec, 10**6, kv_fp8=True)
+    draft = Speculation(3, Loadable("draft-" + name, spec, 10**5, kv_fp8=False))
+    for engine in ENGINES.values():
+        for g, n in ((1, 1), (2, 1)) if engine.name == "llama.cpp" else ((1, 1), (2, 2)):
+            tp, pp = engine.to_ranks(g, n)
+            sizing = size(Load(spec, 10**6, 1, 512, 8), "h100", g, n, tp, pp)
+            for sp in (None, Speculation(3), draft):
+                launch = engine.launch(m, sizing, {"served_name": "tiny", "max_seq_len": 512, "max_concurrency": 8,
+                                                   "threads": 4, "speculation": sp})
+                for step in (*launch.steps, *launch.instead):
+                    yield engine.name, step.run
+                if KSERVE_FILE in launch.files:
+                    for doc in yaml.safe_load_all(launch.files[KSERVE_FILE]):
+                        for pod in ("template", "worker"):
+                            if pod in doc["spec"]:
+                                yield engine.name, doc["spec"][pod]["containers"][0]["command"][-1]
+
+
+@pytest.mark.parametrize("name", HOSTILE, ids=["subst", "quotes", "newline"])
+def test_every_command_line_is_quoted_for_the_shell(arts, tmp_path, name):
+    """Each command of each engine parses (`bash -n`) and, run by bash with fake programs on PATH, hands the
+    program the model's and the draft's paths as one argument each (or inside one JSON argument), with $MODEL_DIR
+    (holding a space) expanded and nothing else: no file is made."""
+    import subprocess
+
+    bin_dir, log, work, deploy_dir = (tmp_path / d for d in ("bin", "log", "work", "deploy"))
+    for d in (bin_dir, log, work, deploy_dir):
+        d.mkdir()
+    for p in PROGRAMS:
+        (bin_dir / p).write_text('#!/bin/bash\nprintf \'%s\\0\' "${0##*/}" "$@" > "$(mktemp "$FAKE_LOG/XXXXXX")"\n')
+        (bin_dir / p).chmod(0o755)
+    for f in (KSERVE_FILE, RAY_FILE, "trtllm-llm-api-options.yaml"):
+        (deploy_dir / f).write_text("")
+    env = {**ENV, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log), "DEPLOY_DIR": str(deploy_dir),
+           "HOME": str(tmp_path)}
+    paths = {f"{d}/{n}" for d in (ENV["MODEL_DIR"], "/mnt/models") for n in (name,)} | {
+        f"{ENV['DRAFT_DIR']}/draft-{name}"}
+    seen = set()
+    for engine, run in _launches(arts, name):
+        check = subprocess.run(["bash", "-n", "-c", run], capture_output=True, text=True)
+        assert check.returncode == 0, (engine, run, check.stderr)
+        if "/tmp/" in run:   # trtllm's copy of its options file to /tmp: parsed above, not run here
+            continue
+        for f in log.iterdir():
+            f.unlink()
+        done = subprocess.run(["bash", "-c", run], cwd=work, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, (engine, run, done.stderr)
+        assert not {p.name for p in work.iterdir()} - {"serve.yaml"}, (engine, run)
+        assert not list(tmp_path.glob("PWNED*")) and not list(Path.cwd().glob("PWNED*")), (engine, run)
+        calls = [f.read_bytes().decode().split("\0")[:-1] for f in log.iterdir()]
+        assert calls, (engine, run)
+        for argv in calls:
+            for arg in argv[1:]:
+                named = {arg} | ({str(v) for v in json.loads(arg).values()} if arg.startswith("{") else set())
+                seen |= named & paths
+                assert not any(p in arg for p in paths) or named & paths, (engine, run, arg)
+    assert seen == paths

@@ -11,6 +11,7 @@ it loads as it loads a target.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 MODEL_DIR = "$MODEL_DIR"   # the source artifact's directory, copied to the same path on every node
 DRAFT_DIR = "$DRAFT_DIR"   # the draft model's artifact directory, copied to the same path on every node
 HEAD = "$HEAD_IP"          # node 0's address, reachable from the other nodes
+DEPLOY_DIR = "$DEPLOY_DIR"  # the deploy artifact's directory
+# the variables the commands leave to the shell that runs them; every other character of a word is quoted
+_VARIABLE = re.compile(r"\$(?:MODEL_DIR|DRAFT_DIR|HEAD_IP|DEPLOY_DIR|LWS_LEADER_ADDRESS|NODE\d+)(?![A-Za-z0-9_])")
+# the file names (relative paths) of an artifact that reach a command line: no shell syntax, no option, no `..`
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*")
 
 
 @dataclass(frozen=True)
@@ -95,18 +101,31 @@ class Engine:
     port: int
 
 
+class _Op(str):
+    """A shell operator between words (`&&`, `|`, `<`, `>`), written as it is."""
+
+
+class _Verbatim(str):
+    """A word whose `$NAME`s reach the program unexpanded (envsubst's list of variables)."""
+
+
 def _quote(word: str) -> str:
-    """A shell word: `$DIR/...` as it is, one holding a `$VAR` elsewhere (JSON naming $DRAFT_DIR) in double quotes so
-    the shell still expands it, anything else single-quoted where it needs quoting."""
-    if word.startswith("$"):
+    """One shell word: the variables in _VARIABLE in double quotes (expanded, never split), the rest single-quoted
+    where it needs quoting, so that no name an artifact carries can run as shell syntax."""
+    if isinstance(word, _Op):
         return word
-    if "$" in word:
-        return '"' + "".join("\\" + c if c in '"\\`' else c for c in word) + '"'
-    return shlex.quote(word)
+    if isinstance(word, _Verbatim):
+        return shlex.quote(word)
+    parts, at = [], 0
+    for m in _VARIABLE.finditer(word):
+        parts += [shlex.quote(word[at:m.start()]) if m.start() > at else "", f'"{m[0]}"']
+        at = m.end()
+    return "".join(parts) + (shlex.quote(word[at:]) if at < len(word) or not parts else "")
 
 
 def _cmd(*parts) -> str:
-    """A command line from words and (flag, value) pairs; a None value drops its flag, a dict value is JSON."""
+    """A command line from words and (flag, value) pairs; a None value drops its flag, a dict value is JSON. The one
+    place commands are rendered: every word goes through _quote."""
     words = []
     for p in parts:
         if isinstance(p, tuple):
@@ -116,6 +135,15 @@ def _cmd(*parts) -> str:
         else:
             words.append(p)
     return " ".join(map(_quote, words))
+
+
+def _safe_name(art: Artifact, name: str) -> str:
+    """A file name an engine.json records, refused unless in _SAFE_NAME: it is written into shell commands, and
+    anyone who can write a shared store can reseal a manifest around any name."""
+    if not _SAFE_NAME.fullmatch(name):
+        raise LlmqError(f"{art.ref} names the file {name!r}, outside the safe set for a command line (letters, "
+                        "digits, '_', '.', '+', '-' and '/' between them); rebuild it with llmq build")
+    return name
 
 
 def _hf_checkpoint(art: Artifact, model: str = "", kv_fp8: bool | None = None, notes=()) -> Loadable:
@@ -180,7 +208,7 @@ def _load_trtllm(art: Artifact, store: Store) -> Loadable:
         old = " for the removed engine builder" if engine and engine.target == "trtllm" else ""
         raise LlmqError(f"{art.ref} is {_what(art, engine)}{old}; trtllm-serve loads a dense model or a trtllm engine: "
                         f"run `llmq build {engine.source['name'] if engine else art.name} --target trtllm`")
-    return _hf_checkpoint(art, engine.outputs["hf_checkpoint"], kv_fp8=engine.kv_cache_dtype == "fp8",
+    return _hf_checkpoint(art, _safe_name(art, engine.outputs["hf_checkpoint"]), kv_fp8=engine.kv_cache_dtype == "fp8",
                           notes=["quantization and KV-cache scheme from the checkpoint's hf_quant_config.json"])
 
 
@@ -192,7 +220,7 @@ def _load_gguf(art: Artifact, store: Store) -> Loadable:
     if engine is None or engine.target != "gguf":
         raise LlmqError(f"{art.ref} is {_what(art, engine)}; llama-server loads a GGUF file: run "
                         f"`llmq build {engine.source['name'] if engine else art.name} --target gguf`")
-    gguf = engine.outputs["gguf"]["file"]
+    gguf = _safe_name(art, engine.outputs["gguf"]["file"])
     spec = ModelSpec.from_config(store.by_id(engine.source["id"]).path)
     return Loadable(gguf, spec, (art.path / gguf).stat().st_size, kv_fp8=False,
                     notes=("llama.cpp keeps the KV cache in f16 (its default -ctk / -ctv)",))
@@ -230,16 +258,19 @@ def vllm_args(m: Loadable, s: Sizing, o: dict) -> dict:
     return {k: v for k, v in args.items() if v is not None}
 
 
-def _ray_worker(head: str) -> str:
-    return f"ray start --address {head}:6379 --block"
+_RAY_HEAD = ("ray", "start", "--head", ("--port", 6379))
+
+
+def _ray_worker(head: str) -> tuple:
+    return "ray", "start", ("--address", f"{head}:6379"), "--block"
 
 
 def _launch_vllm(m: Loadable, s: Sizing, o: dict) -> Launch:
-    def serve(model_dir: str) -> str:
-        return _cmd("vllm", "serve", m.under(model_dir), ("--served-model-name", o["served_name"]),
-                    *((f"--{k.replace('_', '-')}", v) for k, v in vllm_args(m, s, o).items()),
-                    ("--distributed-executor-backend", "ray" if s.nodes > 1 else None),
-                    ("--host", "0.0.0.0"), ("--port", 8000))
+    def serve(model_dir: str) -> tuple:
+        return ("vllm", "serve", m.under(model_dir), ("--served-model-name", o["served_name"]),
+                *((f"--{k.replace('_', '-')}", v) for k, v in vllm_args(m, s, o).items()),
+                ("--distributed-executor-backend", "ray" if s.nodes > 1 else None),
+                ("--host", "0.0.0.0"), ("--port", 8000))
 
     multi = s.nodes > 1
     draft = o["speculation"] is not None and o["speculation"].draft is not None
@@ -250,22 +281,24 @@ def _launch_vllm(m: Loadable, s: Sizing, o: dict) -> Launch:
     else:
         in_pod = serve(manifests.KSERVE_MODEL_DIR)
         files[manifests.KSERVE_FILE] = manifests.kserve(
-            o["served_name"], "$MODEL_URI", f"ray start --head --port 6379 && {in_pod}" if multi else in_pod,
-            _ray_worker("$LWS_LEADER_ADDRESS") if multi else None, s, 8000)
+            o["served_name"], "$MODEL_URI", _cmd(*_RAY_HEAD, _Op("&&"), *in_pod) if multi else _cmd(*in_pod),
+            _cmd(*_ray_worker("$LWS_LEADER_ADDRESS")) if multi else None, s, 8000)
         instead.append(Step("a Kubernetes cluster with KServe's LLMInferenceService (llm-d) and, for several nodes, "
                             "LeaderWorkerSet; `MODEL_URI` set to where it reads the artifact (hf://, s3://, pvc://)",
-                            f"envsubst '$MODEL_URI' < $DEPLOY_DIR/{manifests.KSERVE_FILE} | kubectl apply -f -"))
+                            _cmd("envsubst", _Verbatim("$MODEL_URI"), _Op("<"), f"{DEPLOY_DIR}/{manifests.KSERVE_FILE}",
+                                 _Op("|"), "kubectl", "apply", "-f", "-")))
     files[manifests.RAY_FILE] = manifests.ray_serve(o["served_name"], m.path, vllm_args(m, s, o), s,
                                                     o["max_concurrency"])
     dirs = f"{MODEL_DIR} {DRAFT_DIR}" if draft else MODEL_DIR
     instead.append(Step("node 0 of the Ray cluster above (in place of `vllm serve`), with `ray[serve,llm]` installed"
                         if multi else "the node, with `ray[serve,llm]` installed (Ray Serve LLM)",
-                        f"envsubst '{dirs}' < $DEPLOY_DIR/{manifests.RAY_FILE} > serve.yaml && serve run serve.yaml"))
+                        _cmd("envsubst", _Verbatim(dirs), _Op("<"), f"{DEPLOY_DIR}/{manifests.RAY_FILE}", _Op(">"),
+                             "serve.yaml", _Op("&&"), "serve", "run", "serve.yaml")))
     if not multi:
-        return Launch([Step("the node", serve(MODEL_DIR))], files, instead, notes)
+        return Launch([Step("the node", _cmd(*serve(MODEL_DIR)))], files, instead, notes)
     workers = "node 1" if s.nodes == 2 else f"nodes 1..{s.nodes - 1}"
-    return Launch([Step("node 0", "ray start --head --port 6379"), Step(workers, _ray_worker(HEAD)),
-                   Step("node 0, once `ray status` shows every GPU", serve(MODEL_DIR))], files, instead, notes)
+    return Launch([Step("node 0", _cmd(*_RAY_HEAD)), Step(workers, _cmd(*_ray_worker(HEAD))),
+                   Step("node 0, once `ray status` shows every GPU", _cmd(*serve(MODEL_DIR)))], files, instead, notes)
 
 
 def _sglang_speculative(sp: Speculation | None) -> list[tuple]:
@@ -317,8 +350,9 @@ def _launch_trtllm(m: Loadable, s: Sizing, o: dict) -> Launch:
     files = {TRTLLM_OPTIONS: yaml.safe_dump(options, sort_keys=False)} if options else {}
     # the LLM API reads the YAML as it is: one naming $DRAFT_DIR is expanded into a copy on each node first
     expand = DRAFT_DIR in files.get(TRTLLM_OPTIONS, "")
-    path = f"/tmp/{TRTLLM_OPTIONS}" if expand else f"$DEPLOY_DIR/{TRTLLM_OPTIONS}"
-    steps = [Step("every node", f"envsubst '{DRAFT_DIR}' < $DEPLOY_DIR/{TRTLLM_OPTIONS} > {path}")] if expand else []
+    path = f"/tmp/{TRTLLM_OPTIONS}" if expand else f"{DEPLOY_DIR}/{TRTLLM_OPTIONS}"
+    steps = [Step("every node", _cmd("envsubst", _Verbatim(DRAFT_DIR), _Op("<"), f"{DEPLOY_DIR}/{TRTLLM_OPTIONS}",
+                                     _Op(">"), path))] if expand else []
     serve = ["trtllm-serve", m.path, ("--backend", "pytorch"), ("--tp_size", s.tp), ("--pp_size", s.pp),
              ("--max_batch_size", o["max_concurrency"]), ("--max_seq_len", o["max_seq_len"]),
              ("--kv_cache_free_gpu_memory_fraction", MEMORY_FRACTION),
