@@ -746,3 +746,78 @@ def test_models_root_is_the_artifact_ref_not_its_path(store, make_tiny_model, tm
     art = resolve_model(str(make_tiny_model(tmp_path / "m")), store)
     assert artifact_ref(art.path) == art.ref and str(store.root) not in art.ref
     assert artifact_ref(tmp_path / "m") is None
+
+
+@pytest.fixture(scope="module")
+def whole(tiny):
+    """--max-logprobs -1 with small log-probability bounds: 2,000 a request, 3,000 in flight."""
+    from llmq.runtime.server import Limits
+
+    with live_server(tiny, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
+                                        kv_cache_memory=2 << 20),
+                     limits=Limits(max_logprobs=-1, max_logprob_entries=2000,
+                                   max_logprob_entries_in_flight=3000)) as live:
+        yield live
+
+
+def test_whole_vocabulary_logprobs_are_bounded_before_any_work(whole):
+    """Issue 54 item 3: with --max-logprobs -1, one prompt_logprobs: -1 request on a 200-word prompt answered 767 MB
+    in 80 s and grew the server by 7.6 GB. Positions x log-probabilities per answer are bounded whatever
+    --max-logprobs allows: a one-line 400 naming the field before the engine sees the request; within the bound the
+    whole vocabulary is answered."""
+    vocab = whole.fe.vocab_size  # 320: 6 positions of the whole vocabulary (321 each) fit 2,000
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1, "max_tokens": 7}
+    before = whole.fe.engine.prompt_tokens_total
+    for body, route, param in [
+            ({"prompt": list(range(3, 11)), "max_tokens": 0, "prompt_logprobs": -1}, "completions", "prompt_logprobs"),
+            ({"prompt": list(range(3, 11)), "max_tokens": 0, "echo": True, "logprobs": -1}, "completions", "logprobs"),
+            ({"prompt": "Hi", "max_tokens": 7, "logprobs": -1}, "completions", "logprobs"),
+            ({"prompt": "Hi", "logprobs": 1}, "completions", "logprobs"),  # 16 tokens of the top 1: fits
+            (chat, "chat/completions", "top_logprobs")]:
+        r = _post(whole, body, route)
+        if param == "logprobs" and body.get("logprobs") == 1:
+            assert r.status_code == 200, r.text
+            continue
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "\n" not in err["message"] and "--max-logprob-entries" in err["message"], err
+    # only the request that fitted reached the engine
+    assert whole.fe.engine.prompt_tokens_total == before + len(whole.fe.tokenizer.encode("Hi"))
+    ok = _post(whole, {"prompt": list(range(3, 10)), "max_tokens": 0, "prompt_logprobs": -1})
+    plp = ok.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == 7 and all(len(e) == vocab for e in plp[1:])
+    assert whole.fe.owed_in_flight == 0 and not whole.fe.owing
+    _idle(whole)
+
+
+def test_logprobs_in_flight_are_bounded_per_server(whole, monkeypatch):
+    """Requests that each fit --max-logprob-entries but together pass --max-logprob-entries-in-flight: the later one
+    gets 429 (retry later) until the earlier one is answered."""
+    import threading
+
+    import llmq.runtime.engine as engine_mod
+
+    real, release = engine_mod.sample, threading.Event()
+
+    def held(logits, params, generators):
+        if any(p.seed == 777 for p in params):
+            release.wait(30)
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(engine_mod, "sample", held)
+    big = {"prompt": list(range(3, 9)), "max_tokens": 1, "prompt_logprobs": -1}  # 5 x 321 = 1,605 entries
+
+    async def main():
+        async with httpx.AsyncClient(base_url=whole.url, timeout=60) as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={**big, "seed": 777}))
+            await asyncio.to_thread(wait_for, lambda: whole.fe.owed_in_flight > 0)
+            second = await c.post("/v1/completions", json=big)
+            fits = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 2})
+            release.set()
+            return await first, second, fits, await c.post("/v1/completions", json=big)
+
+    first, second, fits, again = asyncio.run(main())
+    assert second.status_code == 429 and second.json()["error"]["code"] == "logprobs_in_flight", second.text[:300]
+    assert (first.status_code, fits.status_code, again.status_code) == (200, 200, 200)
+    assert whole.fe.owed_in_flight == 0
+    _idle(whole)

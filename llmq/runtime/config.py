@@ -86,6 +86,12 @@ class Limits(Options):
     max_logprobs: int = option(20, "Most log-probabilities per position one request may ask for (logprobs, "
                                "top_logprobs, prompt_logprobs); -1: the whole vocabulary, which a request asks for as "
                                "-1 (as vLLM's --max-logprobs).", ge=-1)
+    # every log-probability answered is a JSON object the server builds in memory: bounded whatever --max-logprobs
+    # allows (docs/serve.md has what one costs)
+    max_logprob_entries: int = option(1 << 18, "Most log-probabilities one answer may hold (positions x (top N + "
+                                      "the position's token); -1 counts the whole vocabulary); more get 400.", ge=0)
+    max_logprob_entries_in_flight: int = option(1 << 20, "Most log-probabilities the requests in flight may hold "
+                                                "together; a request past it gets 429.", ge=0)
     max_body_bytes: int = option(8 << 20, "Largest request body; larger get 413.", flag="--max-body-size", size=True,
                                  ge=0)
     header_timeout: float = option(10.0, "Seconds a client has to send a request's headers; slower connections are "

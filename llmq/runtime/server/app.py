@@ -148,7 +148,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         # echo with logprobs N scores the prompt's tokens as the generated ones: the engine's prompt_logprobs, the
         # top N or K of both asked
         wants = [k for k in (n_plp, n_lp if body.echo else None) if k is not None]
-        params = fe.params(body, len(ids), body.max_tokens, 16, n_lp, max(wants) if wants else None)
+        params = fe.params(body, len(ids), body.max_tokens, 16, n_lp, max(wants) if wants else None,
+                           prompt_param="prompt_logprobs" if n_plp is not None else "logprobs")
         rid = f"cmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -199,7 +200,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         ids = fe.check_ids(await fe.off_loop(template))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (fe.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.logprobs else None
-        params = fe.params(body, len(ids), max_tokens, None, n_top)
+        params = fe.params(body, len(ids), max_tokens, None, n_top, logprobs_param="top_logprobs")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -245,6 +245,23 @@ class EngineLoop:
         except queue.Empty:
             return None
 
+    def _step(self, failures: int) -> int:
+        """One engine step, its outputs delivered; returns the failed steps in a row. A method, so that no output
+        (and the prompt log-probabilities it may hold) outlives the step while the loop waits for work."""
+        try:
+            outs = self.engine.step()
+            failures = 0
+        except StepFailed as e:
+            outs = e.outputs
+            failures = failures + 1 if e.whole_batch else 0
+            self._fail_requests(e)
+            if failures >= FATAL_STEP_FAILURES:
+                raise RuntimeError(f"{failures} engine steps in a row failed: {e}") from e
+        now = time.monotonic()
+        for out in outs:
+            self._deliver(out, now)
+        return failures
+
     def _run(self) -> None:
         eng = self.engine
         failures = 0
@@ -256,18 +273,7 @@ class EngineLoop:
                     running = self._command(cmd)
                     cmd = self._next_command(block=False) if running else None
                 if running and eng.has_unfinished():
-                    try:
-                        outs = eng.step()
-                        failures = 0
-                    except StepFailed as e:
-                        outs = e.outputs
-                        failures = failures + 1 if e.whole_batch else 0
-                        self._fail_requests(e)
-                        if failures >= FATAL_STEP_FAILURES:
-                            raise RuntimeError(f"{failures} engine steps in a row failed: {e}") from e
-                    now = time.monotonic()
-                    for out in outs:
-                        self._deliver(out, now)
+                    failures = self._step(failures)
                 self.metrics.update(eng.stats())
         except BaseException as e:  # a bug or a dead TP worker: fail every request, never hang the clients
             log.exception("engine loop failed")

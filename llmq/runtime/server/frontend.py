@@ -53,6 +53,8 @@ class Frontend:
         # requests never use the tokenizer at once
         self.text_thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenize")
         self.waiting: set[asyncio.Queue] = set()  # the output queues of the requests being answered
+        self.owing: dict[str, int] = {}  # per request in flight, the log-probabilities its answer may hold
+        self.owed_in_flight = 0
 
     def cut(self) -> None:
         """The drain's deadline: every request still waiting for its output gets NotAccepting (a 503, or for a
@@ -102,7 +104,10 @@ class Frontend:
         raise bad_request(f"{param}: {asked} asked for; this server gives {bound}", param)
 
     def params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default_max: int | None,
-               logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+               logprobs: int | None, prompt_logprobs: int | None = None, logprobs_param: str = "logprobs",
+               prompt_param: str = "prompt_logprobs") -> SamplingParams:
+        """The request's SamplingParams; a 400 for anything out of bounds, an answer of more log-probabilities than
+        --max-logprob-entries included (named by `logprobs_param` / `prompt_param`)."""
         if body.n != 1:
             raise bad_request("only n=1 is supported", "n")
         lim = self.limits
@@ -121,17 +126,39 @@ class Frontend:
                               "for the completion).", "max_tokens", "context_length_exceeded")
         try:
             temperature = 1.0 if body.temperature is None else body.temperature
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                  top_k=-1 if body.top_k in (None, 0) else body.top_k,
-                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
-                                  stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                    top_k=-1 if body.top_k in (None, 0) else body.top_k,
+                                    top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
+                                    stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except LlmqError as e:
             raise bad_request(str(e)) from None
+        prompt, generated = self.owed(params, prompt_len)
+        if prompt + generated > lim.max_logprob_entries:
+            param, k = (prompt_param, params.prompt_logprobs) if prompt >= generated else (logprobs_param,
+                                                                                           params.logprobs)
+            raise bad_request(f"{param}: the answer would hold {prompt + generated:,} log-probabilities "
+                              f"({min(k, self.vocab_size) + 1:,} a position); this server answers at most "
+                              f"{lim.max_logprob_entries:,} (--max-logprob-entries)", param)
+        return params
+
+    def owed(self, params: SamplingParams, prompt_len: int) -> tuple[int, int]:
+        """The most log-probabilities a request's answer holds, (the prompt's, the generated tokens'): per position
+        its top N and its own token."""
+        per = [0 if k is None else min(k, self.vocab_size) + 1 for k in (params.prompt_logprobs, params.logprobs)]
+        return (prompt_len - 1) * per[0], params.max_tokens * per[1]
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams, view=None) -> asyncio.Queue:
+        """Queue a request (429 past --max-logprob-entries-in-flight); call `settle(rid)` once it is answered."""
+        owed = sum(self.owed(params, len(ids)))
+        if owed and self.owed_in_flight + owed > self.limits.max_logprob_entries_in_flight:
+            self.metrics.rejected("logprobs_in_flight")
+            raise APIError(429, f"the requests in flight hold {self.owed_in_flight:,} log-probabilities and this one "
+                           f"{owed:,}; this server holds at most {self.limits.max_logprob_entries_in_flight:,} "
+                           "(--max-logprob-entries-in-flight); retry later", "rate_limit_exceeded",
+                           code="logprobs_in_flight", headers={"Retry-After": "1"})
         try:
-            return self.loop.submit(rid, ids, params, asyncio.get_running_loop(), view)
+            q = self.loop.submit(rid, ids, params, asyncio.get_running_loop(), view)
         except QueueFull as e:
             self.metrics.rejected("queue_full")
             raise APIError(429, f"{e}; retry later", "rate_limit_exceeded", code="queue_full",
@@ -139,6 +166,15 @@ class Frontend:
         except NotAccepting as e:
             self.metrics.rejected("unavailable")
             raise APIError(503, str(e), "service_unavailable", code="unavailable") from None
+        self.owing[rid] = owed
+        self.owed_in_flight += owed
+        return q
+
+    def settle(self, rid: str) -> int:
+        """A request is answered: its log-probabilities leave the in-flight count (returned)."""
+        owed = self.owing.pop(rid, 0)
+        self.owed_in_flight -= owed
+        return owed
 
     # -- response pieces ---------------------------------------------------------------------------------------------
     def completion_logprobs(self, lps: list[dict[int, float] | None], tokens: list[int], offset: int, as_ids: bool,

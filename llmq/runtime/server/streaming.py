@@ -11,13 +11,17 @@ from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from ...errors import LlmqError
 from ..engine import RequestOutput
+from ..host_memory import release_free_heap
 from ..sampling import SamplingParams
 from .engine_loop import NotAccepting
 from .frontend import Frontend
 from .protocol import APIError, bad_request
+
+TRIM_ENTRIES = 1 << 16  # log-probabilities in an answer past which its freed heap is handed back to the OS
 
 
 def usage(out: RequestOutput) -> dict:
@@ -150,6 +154,7 @@ async def respond(fe: Frontend, request: Request, rid: str, ids: list[int], para
 
     def close() -> None:
         fe.waiting.discard(q)
+        fe.settle(rid)
         fe.loop.abort(rid)  # no-op when finished; frees the blocks when the client left or we failed
 
     watcher = asyncio.create_task(_watch_disconnect(request, q))
@@ -166,7 +171,10 @@ async def respond(fe: Frontend, request: Request, rid: str, ids: list[int], para
                     return Response(status_code=499)
                 lps += out.new_logprobs or []
                 toks += out.new_token_ids
-            return JSONResponse(full(out, lps, toks, prompt))
+            # off the event loop: an answer of many log-probabilities takes a while to build and encode, and leaves
+            # freed heap behind that glibc would keep: handed back once the answer is sent
+            after = BackgroundTask(release_free_heap) if fe.owing.get(rid, 0) > TRIM_ENTRIES else None
+            return await asyncio.to_thread(lambda: JSONResponse(full(out, lps, toks, prompt), background=after))
 
         async def events() -> AsyncIterator[str]:
             offset, (o, text) = 0, out
