@@ -222,6 +222,23 @@ def test_corrupt_tensors_are_one_line_errors(made, corrupt, match):
             ck.kv_scales(i)
 
 
+@pytest.mark.parametrize("key, value, match", [
+    ("model.layers.0.mlp.up_proj.weight_scale", float("nan"), r"up_proj: weight scale holds nan at \[0\]"),
+    ("model.layers.1.self_attn.o_proj.input_scale", 0.0, r"o_proj: input scale holds 0.0 at \[0\]"),
+    ("model.layers.0.self_attn.k_proj.k_scale", float("inf"), r"layers.0.self_attn.k_scale holds inf at \[0\]"),
+])
+def test_non_finite_or_zero_scales_are_one_line_errors_and_are_not_imported(made, key, value, match):
+    store, _, path, root = made
+    dst = root / f"scale-{len(list(root.iterdir()))}"
+    tensors = write_fp8(path, dst)
+    tensors[key] = torch.tensor(value)
+    save_file(tensors, dst / "model.safetensors")
+    before = {a.path for a in store.list()}
+    with pytest.raises(LlmqError, match=match) as e:
+        resolve_model(str(dst), store)
+    assert "\n" not in str(e.value) and {a.path for a in store.list()} == before
+
+
 def test_nvfp4_and_awq_tensors_that_do_not_fit_are_refused():
     cfg = modelopt.parse_config({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16})
     t = {"x.weight": torch.zeros(8, 16, dtype=torch.uint8), "x.weight_scale": torch.zeros(8, 2).to(quant.FP8),

@@ -85,7 +85,7 @@ def scheme(algo: str, group_size: int | None) -> tuple[QuantArgs, QuantArgs | No
     if algo in ("W8A16", "W4A16"):
         return QuantArgs(8 if algo == "W8A16" else 4, strategy="channel"), None
     if algo == "W4A16_AWQ" and group_size:
-        return QuantArgs(4, strategy="group", group_size=int(group_size)), None
+        return QuantArgs(4, strategy="group", group_size=group_size), None
     raise LlmqError(f"ModelOpt quant_algo {algo!r} (group_size {group_size}) is not read by llmq; it reads "
                     f"{', '.join(ALGOS)}, each alone or per layer ({MIXED}) (FP8_BLOCK_SCALES in blocks of 128, "
                     "NVFP4 in groups of 16, W4A16_AWQ with a group_size), and FP8 KV caches")

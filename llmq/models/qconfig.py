@@ -25,6 +25,7 @@ FP4_FORMATS = {"nvfp4": (quant.NVFP4_BLOCK, "nvfp4-pack-quantized"),   # format:
                "mxfp4": (quant.MXFP4_BLOCK, "mxfp4-pack-quantized")}
 FP4_NAMES = {name for _, name in FP4_FORMATS.values()}
 MIXED = "mixed-precision"  # compressed-tensors' format of a config whose groups have different formats
+BITS = {"int": (4, 5, 8), "float": (4, 8)}  # the widths llmq computes, by type: INT4 / INT5 / INT8, FP4 / FP8
 CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
 CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
 
@@ -61,6 +62,25 @@ class QuantArgs:
     dynamic: bool | str = False    # "local": dynamic groups under a static global scale (NVFP4 activations)
     block_structure: tuple[int, int] | None = None
 
+    def __post_init__(self):
+        """Refuse, in one line naming the field, a scheme llmq cannot compute, whoever wrote the config (a
+        compressed-tensors, Hugging Face fp8 or ModelOpt one): before a tensor is read by it."""
+        def whole(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if self.type not in BITS or not whole(self.num_bits) or self.num_bits not in BITS[self.type]:
+            raise LlmqError(f"quantization scheme: num_bits {self.num_bits!r} (type {self.type}) is not a width llmq "
+                            f"computes ({'; '.join(f'{t}: {list(b)}' for t, b in BITS.items())})")
+        grouped = self.strategy in ("group", "tensor_group")
+        if (grouped or self.group_size is not None) and not (whole(self.group_size) and (
+                self.group_size > 0 or (self.group_size == -1 and not grouped))):
+            raise LlmqError(f"quantization scheme: group_size {self.group_size!r} is not a positive integer (strategy "
+                            f"{self.strategy}; -1, compressed-tensors' per channel, only outside group strategies)")
+        if (self.strategy == "block") != (self.block_structure is not None) or self.block_structure is not None and (
+                len(self.block_structure) != 2 or not all(whole(b) and b > 0 for b in self.block_structure)):
+            raise LlmqError(f"quantization scheme: block_structure {self.block_structure!r} with strategy "
+                            f"{self.strategy} is not two positive integers under strategy block")
+
     @property
     def fp4(self) -> str | None:
         """"nvfp4" / "mxfp4" for FP4 weights (told apart by their block size), else None."""
@@ -85,11 +105,11 @@ class QuantArgs:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "QuantArgs":
-        return cls(num_bits=int(d["num_bits"]), type=str(d.get("type", "int")),
+        return cls(num_bits=d.get("num_bits"), type=str(d.get("type", "int")),
                    symmetric=bool(d.get("symmetric", True)),
                    strategy=str(d.get("strategy") or "tensor"), group_size=d.get("group_size"),
                    dynamic="local" if d.get("dynamic") == "local" else bool(d.get("dynamic", False)),
-                   block_structure=tuple(int(b) for b in d["block_structure"]) if d.get("block_structure") else None)
+                   block_structure=tuple(d["block_structure"]) if d.get("block_structure") else None)
 
 
 @dataclass(frozen=True)
@@ -267,7 +287,7 @@ def _hf_fp8_config(qc: Mapping) -> QConfig:
         raise LlmqError("Hugging Face fp8 checkpoints are read when block-quantized (weight_block_size [rows, cols]) "
                         f"with dynamic activations; this one has weight_block_size {block} and activation_scheme "
                         f"{qc.get('activation_scheme')!r}")
-    weights, acts = fp8_block_args((int(block[0]), int(block[1])))
+    weights, acts = fp8_block_args(tuple(block))
     return QConfig(format="float-quantized", weights=weights, input_activations=acts,
                    ignore=tuple(qc.get("modules_to_not_convert") or (LM_HEAD,)), kv=None,
                    scale_name="weight_scale_inv")

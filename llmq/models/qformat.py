@@ -61,7 +61,7 @@ from .qconfig import fp8_block_args as fp8_block_args
 from .qconfig import quantization_config as quantization_config
 from .qweight import Q4KWeight as Q4KWeight
 from .qweight import QuantizedWeight as QuantizedWeight
-from .qweight import get_tensor
+from .qweight import check_scale, get_tensor
 
 
 def parse_quantization_config(config: Mapping) -> QConfig | None:
@@ -76,9 +76,28 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
 def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
                 ) -> QuantizedWeight | Q4KWeight | None:
     """The QuantizedWeight (or Q4KWeight) of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is
-    stored dense."""
-    if qconfig.read is not None:
-        return qconfig.read(tensors, name, qconfig)
+    stored dense; a QuantizedWeight is checked (QuantizedWeight.check) whichever layout it was read from, so that
+    import refuses what a stage would fail on later."""
+    qw = (qconfig.read or _read_compressed_tensors)(tensors, name, qconfig)
+    return qw.check(name) if isinstance(qw, QuantizedWeight) else qw
+
+
+def _packed(name: str, key: str, t: torch.Tensor, want: tuple[int, int], holds: str) -> None:
+    """Refuse a packed tensor that is not int32 of the shape its unpacked form needs, before unpacking it."""
+    if t.dtype != torch.int32 or tuple(t.shape) != want:
+        raise LlmqError(f"{name}: {key} {str(t.dtype).removeprefix('torch.')} {list(t.shape)} does not hold {holds}; "
+                        f"expected int32 {list(want)}")
+
+
+def _weight_shape(name: str, t: torch.Tensor) -> torch.Size:
+    shape = t.tolist() if t.dim() == 1 and t.numel() == 2 and not t.dtype.is_floating_point else None
+    if shape is None or min(shape) <= 0:
+        raise LlmqError(f"{name}: weight_shape {t.tolist()} is not two positive integers [out, in]")
+    return torch.Size(shape)
+
+
+def _read_compressed_tensors(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
+                             ) -> QuantizedWeight | Q4KWeight | None:
     if name in qconfig.q4_k:
         return Q4KWeight.from_blocks(get_tensor(tensors, f"{name}.weight_q4_k"), name)
     scheme = qconfig.scheme_of(name)
@@ -99,12 +118,17 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
                             "MXFP4: 32; weight-only, or W4A4 with activations in the weights' FP4 format and groups)")
         return _read_fp4(tensors, name, w, scale, a is not None)
     zero = None
-    if fmt == "pack-quantized":
-        shape = torch.Size(get_tensor(tensors, f"{name}.weight_shape").tolist())
-        q = unpack_from_int32(get_tensor(tensors, f"{name}.weight_packed"), w.num_bits, shape)
+    if fmt == "pack-quantized":   # packed densely: ceil(count x bits / 32) int32 words
+        shape, bits = _weight_shape(name, get_tensor(tensors, f"{name}.weight_shape")), w.num_bits
+        packed = get_tensor(tensors, f"{name}.weight_packed")
+        _packed(name, "weight_packed", packed, (shape[0], -(-shape[1] * bits // 32)),
+                f"weight_shape {list(shape)} at {bits} bits")
+        q = unpack_from_int32(packed, bits, shape)
         if not w.symmetric:
-            zero = unpack_from_int32(get_tensor(tensors, f"{name}.weight_zero_point"), w.num_bits,
-                                     torch.Size([shape[0], scale.shape[-1]]), packed_dim=0)
+            zp, groups = get_tensor(tensors, f"{name}.weight_zero_point"), scale.shape[-1] if scale.dim() else 1
+            _packed(name, "weight_zero_point", zp, (-(-shape[0] * bits // 32), groups),
+                    f"{shape[0]} x {groups} zero points at {bits} bits (packed along the outputs)")
+            zero = unpack_from_int32(zp, bits, torch.Size([shape[0], groups]), packed_dim=0)
     else:
         q = get_tensor(tensors, f"{name}.weight")
         if not w.symmetric:
@@ -112,10 +136,8 @@ def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
     want = torch.float8_e4m3fn if w.type == "float" else torch.int8
     if q.dtype != want or q.dim() != 2:
         raise LlmqError(f"{name}: quantized weight has dtype {q.dtype} and {q.dim()} dims; expected 2-D {want}")
-    n, k = q.shape
+    k = q.shape[1]
     g = 1 if scale.numel() == 1 else scale.shape[-1]
-    if scale.numel() > 1 and (scale.shape[0] != n or k % g):
-        raise LlmqError(f"{name}: weight_scale of shape {tuple(scale.shape)} does not fit a [{n}, {k}] weight")
     input_scale = tensors[f"{name}.input_scale"] if (a and not a.dynamic) else None
     if a and not a.dynamic and input_scale is None:
         raise LlmqError(f"tensor {name}.input_scale is missing: the config says activations use static scales")
@@ -194,9 +216,11 @@ def read_kv_scales(tensors: Mapping[str, torch.Tensor], prefix: str,
     checkpoint has no KV-cache scheme."""
     if qconfig is None or qconfig.kv is None:
         return None
-    if qconfig.read_kv is not None:
-        return qconfig.read_kv(tensors, prefix)
-    return tuple(get_tensor(tensors, f"{prefix}.{n}_scale").float().flatten() for n in "kv")
+    scales = qconfig.read_kv(tensors, prefix) if qconfig.read_kv is not None else \
+        tuple(get_tensor(tensors, f"{prefix}.{n}_scale").float().flatten() for n in "kv")
+    for n, s in zip("kv", scales):
+        check_scale(s, f"{prefix}.{n}_scale")
+    return scales
 
 
 def write_kv_scales(prefix: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict[str, torch.Tensor]:

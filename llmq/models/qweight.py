@@ -1,6 +1,6 @@
 """A quantized linear in memory, whatever layout it was read from (qformat.py's compressed-tensors, modelopt.py's
 ModelOpt): `QuantizedWeight` (integers, FP8 or FP4 codes with their scales) and `Q4KWeight` (GGML Q4_K blocks); and
-`get_tensor`, the one missing-tensor error their readers give."""
+`get_tensor` / `check_scale`, the one missing-tensor and bad-scale errors their readers give."""
 
 from __future__ import annotations
 
@@ -18,6 +18,16 @@ def get_tensor(tensors: Mapping[str, torch.Tensor], key: str, layout: str = "qua
         return tensors[key]
     except KeyError:
         raise LlmqError(f"tensor {key} is missing from the {layout} checkpoint") from None
+
+
+def check_scale(t: torch.Tensor, what: str, nonzero: bool = True) -> None:
+    """Refuse, in one line, a NaN or infinite scale (an E8M0 exponent of 255 is NaN), or a zero one where it
+    multiplies codes that need not be zero: what would otherwise surface as NaN logits."""
+    bad = (t == 255) if t.dtype == torch.uint8 else ~t.float().isfinite() | ((t.float() == 0) if nonzero else False)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        value = "255 (NaN)" if t.dtype == torch.uint8 else t.float()[tuple(at)].item()
+        raise LlmqError(f"{what} holds {value} at {at}: a scale must be finite{' and nonzero' if nonzero else ''}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,37 @@ class QuantizedWeight:
         sym = "" if self.is_float else ("-sym" if self.symmetric else "-asym")
         act = "" if self.activation_bits is None else ("-dynamic" if self.dynamic else "-static")
         return f"{kind}-{detail}{sym}{act}"
+
+    def check(self, name: str) -> QuantizedWeight:
+        """This weight, refused in one line naming linear `name` where its codes, scales, groups and zero points do
+        not fit each other or a scale is not finite and nonzero (an FP4 block of zeros has a zero block scale):
+        whatever layout it came from, a damaged or hostile checkpoint stops here rather than as a traceback or NaN
+        logits later. A weight narrower than one group (a rank's slice) keeps that group's scale."""
+        if self.q.dim() != 2 or self.q.dtype not in (torch.int8, torch.float8_e4m3fn, torch.uint8):
+            raise LlmqError(f"{name}: quantized weight {self.q.dtype} {list(self.q.shape)} is not int8, FP8 or FP4 "
+                            "codes [out, in]")
+        n, k = self.q.shape
+        g = self.group_size
+        if g and k % g and k > g:
+            raise LlmqError(f"{name}: group_size {g} does not divide the weight's {k} inputs")
+        shape = tuple(self.scale.shape)
+        if self.block or g:
+            fits = shape == ((-(-n // self.block[0]), -(-k // self.block[1])) if self.block else (n, -(-k // g)))
+        else:
+            fits = self.scale.numel() == 1 or shape == (n, 1)
+        if not fits:
+            raise LlmqError(f"{name}: weight scale of shape {list(self.scale.shape)} does not fit a [{n}, {k}] weight"
+                            + (f" in groups of {g}" if g else f" in {self.block[0]} x {self.block[1]} blocks"
+                               if self.block else " (expected one scale, or one per output row)"))
+        if self.zero_point is not None and self.zero_point.numel() != self.scale.numel():
+            raise LlmqError(f"{name}: weight zero point of shape {list(self.zero_point.shape)} does not match its "
+                            f"scale's {list(self.scale.shape)}")
+        check_scale(self.scale, f"{name}: weight scale", nonzero=not self.fp4)
+        for what, s in (("global scale", self.global_scale), ("input scale", self.input_scale),
+                        ("input global scale", self.input_global_scale)):
+            if s is not None:
+                check_scale(s, f"{name}: {what}")
+        return self
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.fp4:

@@ -87,6 +87,26 @@ def import_gguf(gguf: Path, store: Store, name: str, source: dict) -> Artifact:
     return w.artifact
 
 
+def _check_quantized(d: Path, spec: ModelSpec) -> None:
+    """check_tensors' counterpart for a quantized checkpoint: every linear is read through the one reader, which
+    refuses codes, scales and groups that do not fit the quantization config (qformat.read_linear), at the shape
+    config.json gives, and every KV-cache scale; one line naming the tensor or field."""
+    from .reader import CheckpointReader
+
+    def fits(lw, want: tuple[int, int]) -> None:
+        if tuple(lw.shape) != tuple(want):
+            raise LlmqError(f"{d}: tensor {lw.name} has shape {list(lw.shape)}, but config.json gives {list(want)}")
+
+    ck = CheckpointReader(d)
+    embed = ck.embedding()
+    for lw in (embed, ck.lm_head(embed)):
+        fits(lw, (spec.vocab_size, spec.hidden_size))
+    for i in range(spec.num_layers):   # one layer held at a time
+        for role, lw in ck.layer_linears(i).items():
+            fits(lw, spec.linear_shape(role))
+        ck.kv_scales(i)
+
+
 def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: bool) -> Artifact:
     """Copy a Hugging Face directory's safetensors as they are; convert pickle weights only on opt-in."""
     config = read_config(d)
@@ -100,14 +120,17 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
         from . import bnbformat, qformat  # where llmq cannot read it, before anything is copied
 
         bnbformat.parse_config(config) or qformat.parse_quantization_config(config)
-    if st and not quantized:  # names, shapes and dtypes against the config, before any write
+    if st:  # names, shapes and dtypes (quantized: codes, scales and groups too) against the config, before any write
         from .reader import LazyTensors
 
         try:
             lazy = LazyTensors(st)
         except Exception as e:  # corrupt or truncated header
             raise LlmqError(f"{d}: a *.safetensors file is not readable ({e})") from None
-        check_tensors(spec, {n: lazy.info(n) for n in lazy}, str(d))
+        if quantized:
+            _check_quantized(d, spec)
+        else:
+            check_tensors(spec, {n: lazy.info(n) for n in lazy}, str(d))
     with store.create("model", name, config={"source": source, "architecture": spec.to_dict(), "dtype": dtype},
                       needs=sum(f.stat().st_size for f in st)) as w:
         if st:
