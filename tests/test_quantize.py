@@ -4,6 +4,7 @@ computing what the quantizer optimised. Integration tests check issue 3's bars o
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -402,6 +403,29 @@ def test_a_template_without_system_turns_gets_the_system_prompt_in_the_first_use
     t.chat_template = "{{ raise_exception('never') }}"
     with pytest.raises(LlmqError, match="cannot render a calibration conversation \\(never\\); --no-chat-template"):
         calib.ChatFormat.of(t).render(t, CONVERSATION)
+
+
+HOSTILE_TEMPLATES = [  # issue 54 item 6: each ran for ever, took 6.3 GB, or printed a 1,427-line traceback
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "did not finish within 1 s"),
+    ("{{ 'x' * 2000000000 }}", "needed more than 512 MiB"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed too deeply"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "characters, more than")]
+
+
+@pytest.mark.parametrize("template,message", HOSTILE_TEMPLATES, ids=["loops", "repeat", "recursion", "output"])
+def test_hostile_chat_templates_fail_calibration_in_one_line(monkeypatch, template, message):
+    """A template that loops for ever, multiplies a string to gigabytes, recurses or renders past the output bound
+    fails calibration in one line (exit 2 from the command line), within the render deadline and its memory."""
+    import llmq.models.chat as chat
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0)
+    t = _thinking_tok()
+    t.chat_template = template
+    t0 = time.monotonic()
+    with pytest.raises(LlmqError, match="cannot render a calibration conversation") as e:
+        calib.ChatFormat.of(t).render(t, CONVERSATION)
+    assert message in str(e.value) and "\n" not in str(e.value) and e.value.exit_code == 2
+    assert time.monotonic() - t0 < 5
 
 
 def test_dataset_name_offline_is_a_clear_error(tok, monkeypatch):

@@ -210,13 +210,13 @@ class ChatFormat:
             messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
         if self.template is None:
             return "\n".join(f"{m['role']}: {m['content']}" for m in messages), None
-        from jinja2 import TemplateError
+        from ...models.chat import TemplateError, render_chat
 
         try:
             kw = {} if think is None else {"enable_thinking": think}
-            return tokenizer.apply_chat_template(messages, tokenize=False, **kw), think
+            return render_chat(tokenizer, messages, **kw), think
         except TemplateError as e:
-            if len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
+            if e.rejected and len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
                 first = {**messages[1], "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}
                 return self.render(tokenizer, [first, *messages[2:]])
             raise LlmqError(f"the chat template cannot render a calibration conversation ({e}); "

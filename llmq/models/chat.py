@@ -1,0 +1,108 @@
+"""Rendering a tokenizer's chat template, bounded. A template is code from whoever published the model: Jinja's
+sandbox keeps it from the host, but not from looping for ever, building a string of gigabytes in one operation or
+recursing until the traceback fills a screen. A Python thread cannot be stopped and a single C-level operation
+cannot be interrupted, so the render runs in a forked child with an address-space limit and a deadline, killed
+when it passes; every failure is one line."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+import select
+import signal
+import time
+
+from ..errors import LlmqError
+
+RENDER_SECONDS = 10.0  # a real template renders in milliseconds
+RENDER_BYTES = 512 << 20  # memory a render may allocate beyond what the process already maps
+RENDER_CHARS = 64 << 20  # longest rendered text
+
+
+class TemplateError(LlmqError):
+    """A chat template that failed, ran past its deadline or its memory, or rendered too much text; `rejected`: it
+    raised a Jinja TemplateError itself (a template refusing these messages, e.g. a system turn)."""
+
+    def __init__(self, message: str, rejected: bool = False):
+        super().__init__(message)
+        self.rejected = rejected
+
+
+def render_chat(tokenizer, messages: list[dict], max_chars: int = RENDER_CHARS, **kwargs) -> str:
+    """`tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)` within RENDER_SECONDS, RENDER_BYTES of new
+    memory and `max_chars` of output; TemplateError (one line) otherwise."""
+    seconds = RENDER_SECONDS
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: render, send (ok, text or message), exit without running the parent's cleanup
+        try:
+            os.close(r)
+            _limit_memory(RENDER_BYTES)
+            _write_all(w, pickle.dumps(_render(tokenizer, messages, max_chars, kwargs)))
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        data = _read_until(r, pid, time.monotonic() + seconds)
+    finally:
+        os.close(r)
+    if data is None:
+        raise TemplateError(f"the chat template did not finish within {seconds:g} s")
+    try:
+        kind, value = pickle.loads(data)
+    except Exception:  # the child died mid-answer (killed for memory)
+        raise TemplateError(f"the chat template needed more than {RENDER_BYTES >> 20} MiB") from None
+    if kind != "ok":
+        raise TemplateError(value, rejected=kind == "rejected")
+    return value
+
+
+def _render(tokenizer, messages: list[dict], max_chars: int, kwargs: dict) -> tuple[str, str]:
+    """("ok", text), or ("rejected" / "failed", one line)."""
+    from jinja2 import TemplateError as JinjaError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except MemoryError:
+        return "failed", f"the chat template needed more than {RENDER_BYTES >> 20} MiB"
+    except RecursionError:
+        return "failed", "the chat template recursed too deeply"
+    except Exception as e:
+        line = (str(e).splitlines() or [""])[0][:300]
+        return ("rejected", line) if isinstance(e, JinjaError) else ("failed", f"{type(e).__name__}: {line}")
+    if not isinstance(text, str):
+        return "failed", f"the chat template rendered a {type(text).__name__}, not text"
+    if len(text) > max_chars:
+        return "failed", f"the chat template rendered {len(text):,} characters, more than {max_chars:,}"
+    return "ok", text
+
+
+def _limit_memory(extra: int) -> None:
+    """Cap the address space at what is mapped now plus `extra` bytes."""
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra, mapped + extra))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_until(fd: int, pid: int, deadline: float) -> bytes | None:
+    """Everything the child writes before it closes the pipe, or None when the deadline passes (it is killed)."""
+    chunks = []
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.waitpid(pid, 0)
