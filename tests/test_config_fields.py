@@ -13,7 +13,8 @@ from llmq.models.spec import IMPLEMENTED, INERT, REFUSED
 CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "gemma3_text": transformers.Gemma3TextConfig,
            "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "mixtral": transformers.MixtralConfig}
+           "mixtral": transformers.MixtralConfig, "smollm3": transformers.SmolLM3Config,
+           "qwen3_5_text": transformers.Qwen3_5TextConfig}
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
@@ -55,6 +56,13 @@ def test_lists_cover_exactly_the_fields_of_the_supported_configs():
     ("mistral", {"sliding_window": 0}, "sliding_window"),
     ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_5_text", {"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
+    ("qwen3_5_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3}},
+     "rope_parameters"),  # 0.3 of a 256-wide head turns no whole number of pairs
+    ("smollm3", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers"),   # 3 flags for 2 layers
+    ("smollm3", {"no_rope_layers": [1, 2]}, "no_rope_layers"),
+    # SmolLM3's sliding layers are its NoPE layers: windows on some layers only, which this family does not run
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 16, "no_rope_layers": [1, 0]}, "layer_types"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     # Phi-3 128k / 3.5: LongRoPE (short and long factors per frequency), as their config.json spells it

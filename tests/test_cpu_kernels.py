@@ -485,6 +485,30 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
 
 
+def test_nope_layers_decode_in_a_stack_of_their_own(tmp_path, make_tiny_model):
+    """A SmolLM3 whose last layer attends without the rotary embedding, in INT4: decode steps run layers 0-2 in one
+    DecoderStack and the NoPE layer in another (one rotary table a stack), equal to every layer op by op."""
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(make_tiny_model(tmp_path / "m", seed=9, model_type="smollm3", num_hidden_layers=4)), store)
+    art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, num_samples=2, seq_len=32,
+                                        probe_tokens=0), store, progress=False)
+    prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
+    real, stacked = cpu_kernels.run_stack, []
+    with mock.patch.object(cpu_kernels, "run_stack", lambda stack, x, rope, caches, *a:
+                           stacked.append((len(caches), bool(rope[1].any()))) or real(stack, x, rope, caches, *a)):
+        tokens, fused = _step_logits(art.path, prompts)
+    assert set(stacked) == {(3, True), (1, False)}   # the NoPE layer's stack gets sin = 0
+    with mock.patch.object(cpu_kernels, "fused_layer_args", lambda layer: None):
+        op_tokens, op_by_op = _step_logits(art.path, prompts)
+    assert tokens == op_tokens
+    for g, w in zip(fused, op_by_op):
+        assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
+
+
 @pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_bf16), 8])
 def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny_model, bits):
     """A bfloat16 model's INT4 / INT8 artifact (bfloat16 scales, as the default model's): prefill and decode steps on

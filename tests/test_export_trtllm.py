@@ -177,6 +177,18 @@ def test_what_the_backend_cannot_load_is_refused_with_the_reason(arts):
             build_engine(art, store, BuildOptions(target="trtllm"))
 
 
+def test_a_family_the_backend_has_no_model_of_is_refused(tmp_path, make_tiny_model):
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(make_tiny_model(tmp_path / "m", model_type="smollm3")), store)
+    with pytest.raises(LlmqError, match="^--target trtllm: TensorRT-LLM's PyTorch backend has no SmolLM3 model; use "
+                                        "--target llmq"):
+        build_engine(src, store, BuildOptions(target="trtllm"))
+    assert not list(store.root.rglob("engine.json"))
+
+
 def test_fp4_weights_are_refused_in_one_line_before_anything_is_written(arts):
     """Neither of llmq's FP4 formats has a TensorRT-LLM dense linear that computes what llmq evaluated: NVFP4 there
     needs a calibrated activation scale, MXFP4 is MoE-only."""

@@ -25,7 +25,14 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_wor
                           "norm_topk_prob": False},
             "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
             # fused qkv_proj / gate_up_proj, read by role; every layer slides over 8 of the 40 scored tokens
-            "phi3": {"sliding_window": 8}}
+            "phi3": {"sliding_window": 8},
+            # 4 layers: the last attends without the rotary embedding (no_rope_layer_interval 4, transformers' default)
+            "smollm3": {"num_hidden_layers": 4},
+            # hybrid: a Gated DeltaNet layer (2 key heads of 16, 4 value heads of 12), then full attention with its
+            # output gate, q / k norms and a rotary embedding over a quarter of each head (tests/test_hybrid.py)
+            "qwen3_5_text": {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                             "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                             "layer_types": ["linear_attention", "full_attention"]}}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
@@ -53,17 +60,19 @@ def test_declaration_names_exactly_the_checkpoint_tensors(models, family):
     if not spec.tie_word_embeddings:
         declared.add(f"{qformat.LM_HEAD}.weight")
     for i in range(spec.num_layers):
-        declared |= {f"{n}.weight" for n in arch.linear_names(i, spec.num_experts)} | \
-            {arch.norm(i, r) for r in arch.norms}
+        declared |= {f"{arch.prefix(i)}.{p}.weight" for p in spec.stored_linears(i).values()} | \
+            {arch.norm(i, r) for r in spec.norm_roles(i)} | {f"{arch.prefix(i)}.{p}" for p in spec.linear_tensors(i)}
         if spec.attention_bias:
             declared |= {f"{arch.linear(i, r)}.bias" for r in ("q_proj", "k_proj", "v_proj")}
     assert set(ckpt.tensors) == declared
-    stored = arch.stored_linears(spec.num_experts)
-    for i in range(spec.num_layers):  # and every declared linear has the shape the spec says
+    for i in range(spec.num_layers):  # and every declared linear and tensor has the shape the spec says
+        stored = spec.stored_linears(i)
         assert {n: ckpt.tensors.info(f"{arch.prefix(i)}.{p}.weight")[1] for n, p in stored.items()} == \
             {n: list(spec.linear_shape(n)) for n in stored}
         assert {r: list(lw.shape) for r, lw in ckpt.layer_linears(i).items()} == \
-            {r: list(spec.linear_shape(r)) for r in spec.roles()}
+            {r: list(spec.linear_shape(r)) for r in spec.roles(i)}
+        assert {p: ckpt.tensors.info(f"{arch.prefix(i)}.{p}")[1] for p in spec.linear_tensors(i)} == \
+            {p: list(shape) for p, shape in spec.linear_tensors(i).items()}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -78,8 +87,13 @@ def test_runtime_equals_transformers(models, family, tp):
         ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)
         want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    config = EngineConfig(tp=tp, max_model_len=128, kv_cache_memory=32 << 20, max_num_batched_tokens=16)
+    if tp > 1 and ARCHS[family].linear_attention is not None:
+        with pytest.raises(LlmqError, match="tensor parallelism of Gated DeltaNet layers is not implemented yet"):
+            LLMEngine(path, config)
+        return
     # chunked prefill: later chunks read their window of the cache through block tables
-    eng = LLMEngine(path, EngineConfig(tp=tp, max_model_len=128, kv_cache_memory=32 << 20, max_num_batched_tokens=16))
+    eng = LLMEngine(path, config)
     try:
         got = eng.prompt_logprobs(ids).double()
         out = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
@@ -111,6 +125,35 @@ def test_qwen3_q_k_norms_are_computed_not_ignored(models, tmp_path):
     got = LLMEngine(d, EngineConfig(max_model_len=128, kv_cache_memory=32 << 20)).prompt_logprobs(ids).double()
     assert float((ref.exp() * (ref - plain)).sum(-1).mean()) > 1e-3   # the norms matter
     assert float((ref.exp() * (ref - got)).sum(-1).mean()) <= 1e-6
+
+
+def test_smollm3_nope_layers_are_computed_not_ignored(models, tmp_path):
+    """The same SmolLM3 weights with every layer rotating give other logits in transformers; llmq follows
+    no_rope_layers (a runtime that rotated every layer would equal that model instead), in prefill and in decode
+    (whose fused CPU layers run the NoPE layer apart)."""
+    import json
+    import shutil
+
+    d = shutil.copytree(models["smollm3"], tmp_path / "all-rope")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["no_rope_layers"] == [1, 1, 1, 0]
+    (d / "config.json").write_text(json.dumps(cfg | {"no_rope_layers": [1, 1, 1, 1]}))
+    ids = list(range(40, 80))
+    with torch.no_grad():
+        ref = hf_model(models["smollm3"])(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        roped = hf_model(d)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    eng = LLMEngine(models["smollm3"], EngineConfig(max_model_len=128, kv_cache_memory=32 << 20))
+    try:
+        got = eng.prompt_logprobs(ids).double()
+        out = eng.generate([ids[:8]], GREEDY)[0].output_token_ids
+    finally:
+        eng.shutdown()
+    assert float((ref.exp() * (ref - roped)).sum(-1).mean()) > 1e-3   # NoPE matters
+    assert float((ref.exp() * (ref - got)).sum(-1).mean()) <= 1e-6
+    with torch.no_grad():
+        want = hf_model(models["smollm3"]).generate(torch.tensor([ids[:8]]), max_new_tokens=GREEDY.max_tokens,
+                                                    do_sample=False, pad_token_id=0)[0, 8:].tolist()
+    assert out == want
 
 
 def test_an_undeclared_family_is_refused_naming_the_supported_ones():

@@ -119,11 +119,16 @@ class CheckpointReader:
             name = f"{self.arch.prefix(i)}.{path}"
             if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:
                 parts |= split_group(self.linear(name), self.spec, group, i)
-        return {r: parts[r] if r in parts else self.linear(self.arch.linear(i, r)) for r in self.spec.roles()}
+        return {r: parts[r] if r in parts else self.linear(self.arch.linear(i, r)) for r in self.spec.roles(i)}
 
     def layer_norms(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's norm weights by role (attn_norm, mlp_norm, and q_norm / k_norm where the family has them)."""
-        return {r: self.tensor(self.arch.norm(i, r)) for r in self.arch.norms}
+        return {r: self.tensor(self.arch.norm(i, r)) for r in self.spec.norm_roles(i)}
+
+    def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's other parameters (a Gated DeltaNet layer's convolution, decay and norm: ModelSpec.linear_tensors)
+        by their path in the layer."""
+        return {p: self.tensor(f"{self.arch.prefix(i)}.{p}") for p in self.spec.linear_tensors(i)}
 
     def final_norm(self) -> torch.Tensor:
         return self.tensor(f"{self.arch.final_norm}.weight")

@@ -356,3 +356,5 @@ class RankWeights:
     final_norm: torch.Tensor
     lm_head: LinearWeights                          # this rank's vocab rows (the embedding itself where tied)
     kv_scales: list = field(default_factory=list)   # per layer: (k_scale, v_scale) as stored, or None
+    # per layer: a Gated DeltaNet layer's other parameters by path (CheckpointReader.layer_tensors), else {}
+    tensors: list = field(default_factory=list)

@@ -8,11 +8,13 @@ inert at inference, or refused for the values the runtime does not implement.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import LlmqError
-from .arch import ARCHS, Arch, arch_for
+from .arch import ARCHS, ATTN, ROUTER, Arch, arch_for
+from .arch.base import LINEAR_ATTN
 
 # model_type -> architecture class, from the declarations (llmq.models.arch).
 SUPPORTED_ARCHITECTURES = {t: a.architecture for t, a in ARCHS.items()}
@@ -28,6 +30,10 @@ IMPLEMENTED = frozenset({
     # mixture of experts (Qwen3-MoE, Mixtral): how many experts (config.json's num_experts is transformers'
     # num_local_experts), how many a token takes, their width, renormalizing
     "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "no_rope_layer_interval",  # SmolLM3: transformers turns it into no_rope_layers, checked below
+    # Gated DeltaNet layers (Arch.linear_attention): their key / value heads and widths, the convolution's kernel
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 })
 
 # Fields that do not change the logits of an inference forward, with the reason.
@@ -68,6 +74,8 @@ def _local_layers(hf_config) -> tuple[int, ...]:
 
 def _layer_types_unsupported(c) -> bool:
     types = set(getattr(c, "layer_types", None) or ())
+    if ARCHS[c.model_type].linear_attention is not None:   # hybrid: linear-attention layers among full ones
+        return not types <= {"linear_attention", "full_attention"}
     if ARCHS[c.model_type].window == "per_layer":
         return not types <= {"sliding_attention", "full_attention"}
     return bool(types) and types != {"sliding_attention" if _window(c) is not None else "full_attention"}
@@ -80,7 +88,14 @@ def _rope_tables(rope: dict | None) -> list[dict]:
 
 
 def _rope_unsupported(c) -> bool:
-    return any(r.get("rope_type", "default") not in ROPE_TYPES or r.get("partial_rotary_factor", 1.0) != 1.0
+    """Refuses rotary types the runtime does not tabulate, and a partial rotary embedding where the family has none
+    (Arch.partial_rotary) or it turns no whole number of pairs."""
+    def partial_unsupported(factor) -> bool:
+        dim = (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) * factor
+        return factor != 1.0 and (not ARCHS[c.model_type].partial_rotary or dim != int(dim) or int(dim) % 2 or
+                                  not 0 < factor < 1)
+    return any(r.get("rope_type", "default") not in ROPE_TYPES or partial_unsupported(r.get("partial_rotary_factor",
+                                                                                               1.0))
                for r in _rope_tables(c.rope_parameters))
 
 
@@ -107,6 +122,14 @@ def _dense_layers(field: str):
     return refuse
 
 
+def _rope_layers_unsupported(c) -> bool:
+    """Refuses a per-layer rotary list (Arch.rope_layers) that is not one 0 / 1 per layer."""
+    field = ARCHS[c.model_type].rope_layers
+    flags = getattr(c, field, None) if field else None
+    return field is not None and (not isinstance(flags, list) or len(flags) != c.num_hidden_layers or
+                                  any(f not in (0, 1) for f in flags))
+
+
 # Fields the runtime implements for some values only: field -> (refuse(config), why).
 REFUSED = {
     "architectures": (lambda c: any(not a.endswith("ForCausalLM") for a in c.architectures or ()),
@@ -124,7 +147,23 @@ REFUSED = {
                                     "llmq runs causal attention"),
     "mlp_only_layers": (_dense_layers("mlp_only_layers"), "llmq runs MoE models whose every layer is sparse"),
     "decoder_sparse_step": (_dense_layers("decoder_sparse_step"), "llmq runs MoE models whose every layer is sparse"),
+    "no_rope_layers": (_rope_layers_unsupported, "it must hold one 0 (no rotary embedding) or 1 per layer"),
 }
+
+
+def _linear_attention(arch: Arch, hf) -> dict:
+    """ModelSpec's fields of a hybrid model's Gated DeltaNet layers (none for other families)."""
+    la = arch.linear_attention
+    if la is None:
+        return {}
+    kh, vh = int(getattr(hf, la.key_heads)), int(getattr(hf, la.value_heads))
+    if kh < 1 or vh % kh:
+        raise LlmqError(f"{hf.model_type} config: {la.value_heads}={vh} is not a multiple of {la.key_heads}={kh} "
+                        "(each key head serves a whole group of value heads)")
+    return dict(linear_layers=tuple(i for i, t in enumerate(hf.layer_types) if t == "linear_attention"),
+                linear_key_heads=int(getattr(hf, la.key_heads)), linear_value_heads=int(getattr(hf, la.value_heads)),
+                linear_key_dim=int(getattr(hf, la.key_dim)), linear_value_dim=int(getattr(hf, la.value_dim)),
+                linear_kernel=int(getattr(hf, la.kernel)))
 
 
 def attends(q_pos, kv_pos, window: int | None):
@@ -181,6 +220,16 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_size: int = 0             # an expert's MLP width
     renormalize: bool = False        # the chosen experts' weights are scaled to sum to 1
+    nope_layers: tuple[int, ...] = ()  # layers that attend without the rotary embedding (Arch.rope_layers)
+    rotary_dim: int | None = None    # a partial rotary embedding turns the first rotary_dim of each head (None: all)
+    # hybrid models (Arch.linear_attention): the Gated DeltaNet layers (the others attend), their key / value heads
+    # and widths, their convolution's kernel
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_kernel: int = 0
 
     @classmethod
     def from_config(cls, config: dict | str | Path) -> "ModelSpec":
@@ -232,6 +281,11 @@ class ModelSpec:
                 local_rope_theta=float(hf.rope_parameters["sliding_attention"]["rope_theta"]) if local else None,
                 attn_scale=float(qpas) ** -0.5 if qpas else None,
                 final_softcap=config.get("final_logit_softcapping"),
+                nope_layers=tuple(i for i, f in enumerate(getattr(hf, arch.rope_layers)) if not f)
+                if arch.rope_layers else (),
+                rotary_dim=int(int(config.get("head_dim") or hidden // heads) * rope["partial_rotary_factor"])
+                if rope.get("partial_rotary_factor", 1.0) != 1.0 else None,
+                **_linear_attention(arch, hf),
                 **moe,
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -242,9 +296,55 @@ class ModelSpec:
         """The family's declaration: tensor names, fused groups, splits, export names."""
         return ARCHS[self.model_type]
 
-    def roles(self) -> tuple[str, ...]:
-        """A decoder layer's linear roles (Arch.roles with this model's experts)."""
-        return self.arch.roles(self.num_experts)
+    def roles(self, i: int | None = None) -> tuple[str, ...]:
+        """A decoder layer's linear roles (Arch.roles with this model's experts): layer i's, or an attention
+        layer's."""
+        return self.arch.roles(self.num_experts, i in self.linear_layers)
+
+    def stored_linears(self, i: int) -> dict[str, str]:
+        """Layer i's linears as stored (Arch.stored_linears): name -> path in the layer."""
+        return self.arch.stored_linears(self.num_experts, i in self.linear_layers)
+
+    def norm_roles(self, i: int) -> tuple[str, ...]:
+        """Layer i's norms: a Gated DeltaNet layer has none of its family's attention module's (q_norm, k_norm)."""
+        inside = f"{self.arch.attention}."
+        return tuple(r for r, path in self.arch.norms.items()
+                     if i not in self.linear_layers or not path.startswith(inside))
+
+    def linear_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Layer i's parameters besides linears and norms (a Gated DeltaNet layer's, Arch.linear_attention): path
+        in the layer -> shape."""
+        la = self.arch.linear_attention
+        if la is None or i not in self.linear_layers:
+            return {}
+        hv = self.linear_value_heads
+        shapes = ((self.linear_conv_dim, 1, self.linear_kernel), (hv,), (hv,), (self.linear_value_dim,))
+        return {f"{la.module}.{t}": shape for t, shape in zip(la.tensors, shapes)}
+
+    def kept_16bit(self) -> list[str]:
+        """The decoder linears every method keeps 16-bit, never calibrated, priced as dense tensors: MoE routers (a
+        rounded router picks other experts) and the Gated DeltaNet layers' rate projections (LinearAttention
+        .kept_16bit)."""
+        la = self.arch.linear_attention
+        return ([self.arch.linear(i, ROUTER) for i in range(self.num_layers)] if self.num_experts else []) + \
+            [self.arch.linear(i, r) for i in self.linear_layers for r in la.kept_16bit]
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's convolution: its q, k and v."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache (all but a hybrid model's Gated DeltaNet layers)."""
+        return self.num_layers - len(self.linear_layers)
+
+    def recurrent_state_bytes(self, bytes_per_element: float) -> float:
+        """One sequence's Gated DeltaNet states, every such layer: the convolution's last kernel - 1 inputs in the
+        compute dtype and the float32 delta-rule state. Fixed per sequence, not per token."""
+        conv = self.linear_conv_dim * (self.linear_kernel - 1) * bytes_per_element
+        state = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4
+        return len(self.linear_layers) * (conv + state)
 
     def linear_shape(self, role: str) -> tuple[int, int]:
         """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>), or of a
@@ -258,8 +358,11 @@ class ModelSpec:
             return self.num_experts, h
         if role.startswith("experts."):
             role, ff = role.rpartition(".")[2], self.expert_size
-        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ff, h),
-                "up_proj": (ff, h), "down_proj": (h, ff)}[role]
+        vd, hv = self.linear_value_heads * self.linear_value_dim, self.linear_value_heads
+        return {"in_proj_qkv": (self.linear_conv_dim, h), "in_proj_z": (vd, h), "in_proj_b": (hv, h),
+                "in_proj_a": (hv, h), "out_proj": (h, vd),
+                "q_proj": (q * (2 if self.arch.attn_gate else 1), h), "k_proj": (kv, h), "v_proj": (kv, h),
+                "o_proj": (h, q), "gate_proj": (ff, h), "up_proj": (ff, h), "down_proj": (h, ff)}[role]
 
     def norm_shape(self, role: str) -> tuple[int]:
         """The weight shape of a decoder layer's norm `role`: per head for q / k norms, else the residual width."""
@@ -269,18 +372,24 @@ class ModelSpec:
         """KV-cache size of one token on one of `tp` ranks: 2 x layers x KV heads x head_dim x bytes per element (a
         rank holds its share of the KV heads, at least one). The one place this is computed: the worker sizes its
         cache with it, serve and the benchmarks report with it."""
-        return 2 * self.num_layers * max(self.num_kv_heads // tp, 1) * self.head_dim * bytes_per_element
+        return 2 * self.attention_layers * max(self.num_kv_heads // tp, 1) * self.head_dim * bytes_per_element
 
     def num_parameters(self, active: bool = False) -> int:
         """All parameters, or (`active`) those one token computes with: its experts only in a MoE model."""
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
         if self.num_experts:
             mlp = self.hidden_size * (self.num_experts + 3 * self.expert_size *
                                       (self.experts_per_token if active else self.num_experts))
-        norms = sum(self.norm_shape(r)[0] for r in self.arch.norms)
+
+        def mixer(i: int) -> int:  # attention, or a Gated DeltaNet with its other parameters, and the layer's norms
+            roles = [r for r in self.roles(i) if r in ATTN or r in LINEAR_ATTN]
+            return sum(math.prod(self.linear_shape(r)) for r in roles) + \
+                sum(math.prod(t) for t in self.linear_tensors(i).values()) + \
+                sum(self.norm_shape(r)[0] for r in self.norm_roles(i))
+
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms) + emb + self.hidden_size
+        layers = sum(mixer(i) + mlp for i in range(self.num_layers))
+        return layers + emb + self.hidden_size
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -297,12 +406,13 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
     optional = {}
     (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
-        for name, path in arch.stored_linears(spec.num_experts).items():
+        for name, path in spec.stored_linears(i).items():
             shape = spec.linear_shape(name)
             want[f"{arch.prefix(i)}.{path}.weight"] = shape
             optional[f"{arch.prefix(i)}.{path}.bias"] = shape[:1]
-        for role in arch.norms:
+        for role in spec.norm_roles(i):
             want[arch.norm(i, role)] = spec.norm_shape(role)
+        want |= {f"{arch.prefix(i)}.{path}": shape for path, shape in spec.linear_tensors(i).items()}
     for name in want.keys() - tensors.keys():
         raise LlmqError(f"{where}: tensor {name} is missing ({spec.architecture}, {spec.num_layers} layers)")
     for name, (dtype, shape) in tensors.items():

@@ -91,6 +91,10 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if ckpt.bnb is not None:
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint, whose format has no KV-cache scales; run "
                         "quantize-kv on a compressed-tensors artifact (rtn, gptq, awq, smoothquant, fp8) or a model")
+    if ckpt.spec.linear_layers:
+        raise LlmqError(f"{source.ref}: KV-cache scales of a hybrid model ({ckpt.spec.architecture}: its Gated "
+                        "DeltaNet layers keep a float32 state, not a KV cache) are not calibrated yet; serve it with "
+                        "a 16-bit KV cache")
     have = ckpt.kv_cache_dtype()
     if have is not None:
         raise LlmqError(f"{source.ref} already carries calibrated {have} KV-cache scales; "

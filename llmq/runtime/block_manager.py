@@ -1,5 +1,8 @@
 """Paged KV-cache bookkeeping: fixed-size blocks with reference counts and automatic prefix caching.
 
+A hybrid model's recurrent layers keep a fixed-size state per sequence instead: a sequence holding blocks also holds
+one state slot (Sequence.state_slot), taken with its first block and returned with its last.
+
 A full block is identified by the hash chain of its tokens (the hash of its parent block plus its own tokens), so
 two requests with a common prefix share the blocks of that prefix. Freed blocks keep their contents and stay
 findable until they are reused; free blocks are reused least-recently-freed first (LRU), blocks that hold nothing
@@ -15,8 +18,10 @@ from .sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0):
         self.num_blocks = num_blocks
+        self.free_slots = list(range(state_slots))[::-1]  # a hybrid model's recurrent-state slots (0: none)
+        self.has_slots = state_slots > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
@@ -103,6 +108,10 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free):
             return False
+        if self.has_slots and seq.state_slot < 0:
+            if not self.free_slots:
+                return False
+            seq.state_slot = self.free_slots.pop()
         seq.block_table.extend(self._take() for _ in range(need))
         return True
 
@@ -128,6 +137,9 @@ class BlockManager:
         for block in reversed(seq.block_table):  # tail blocks are the least likely to be shared: reuse them first
             self._unref(block)
         seq.block_table = []
+        if seq.state_slot >= 0:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_key = None

@@ -61,6 +61,31 @@ class LayerKV:
         return self._decode(k, self.k_scale), self._decode(v, self.v_scale)
 
 
+class LayerRecurrent:
+    """One Gated DeltaNet layer's state of every sequence slot (BlockManager.state_slot): the convolution's last
+    kernel - 1 inputs [slots, channels, kernel - 1] in the compute dtype and the delta rule's state [slots, value
+    heads, key dim, value dim] in float32. Fixed per sequence; a slot is overwritten, not reset, when a new sequence
+    takes it: a prefill from position 0 starts from zeros."""
+
+    def __init__(self, slots: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
+                 compute_dtype: torch.dtype, device):
+        self.conv = torch.zeros(slots, channels, kernel - 1, dtype=compute_dtype, device=device)
+        self.state = torch.zeros(slots, heads, key_dim, value_dim, dtype=torch.float32, device=device)
+
+
+def allocate_layer_caches(spec, num_blocks: int, block_size: int, num_kv_heads: int, kv_dtype: str,
+                          compute_dtype: torch.dtype, device, scales: list | None, state_slots: int
+                          ) -> list[LayerKV | LayerRecurrent]:
+    """Every layer's cache, by what the layer keeps between steps: the paged KV cache of an attention layer (scales:
+    the attention layers' only, in order), the per-sequence state of a Gated DeltaNet layer (ModelSpec
+    .linear_layers)."""
+    kv = iter(allocate_kv_cache(spec.attention_layers, num_blocks, block_size, num_kv_heads, spec.head_dim, kv_dtype,
+                                compute_dtype, device, scales))
+    return [LayerRecurrent(state_slots, spec.linear_conv_dim, spec.linear_kernel, spec.linear_value_heads,
+                           spec.linear_key_dim, spec.linear_value_dim, compute_dtype, device)
+            if i in spec.linear_layers else next(kv) for i in range(spec.num_layers)]
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed cache tensor. On CPU it lives in an anonymous mapping: zero pages are committed only when a block is
     first written, so a generous KV budget costs no memory (and no seconds of memset) until it is used. Zeros, not

@@ -20,6 +20,7 @@ import torch
 from ..errors import LlmqError
 from ..models import ModelSpec
 from ..models.arch import ROUTER, expert_role
+from ..models.arch.base import LINEAR_ATTN
 from ..models.engine_spec import EngineSpec
 from ..models.linear_weights import LinearWeights
 from ..models.reader import CheckpointReader
@@ -28,13 +29,14 @@ from ..models.spec import attends
 from .compiled import compile_decode
 from .distributed import LocalGroup, LocalTPContext, TPContext, init_group, rank_device, threads_per_rank
 from .host_memory import release_free_heap
-from .kv_cache import allocate_kv_cache
+from .kv_cache import LayerKV, allocate_layer_caches
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.linear import keeps_16bit
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_inv_freq
 from .loader import build_linear
 from .models.decoder import CausalLM, DecoderLayer, LayerWeights, SparseMoE
+from .models.linear_attention import GatedDeltaNet
 
 
 @dataclass
@@ -49,8 +51,10 @@ class StepInput:
             return self
         mv = lambda t: t.to(device) if t is not None else None  # noqa: E731
         m = self.meta
-        meta = AttentionMetadata(mv(m.slot_mapping), m.num_decode, mv(m.decode_blocks), mv(m.decode_mask),
-                                 [PrefillChunk(p.q_start, p.q_len, mv(p.blocks), mv(p.mask)) for p in m.prefills])
+        meta = dataclasses.replace(m, slot_mapping=mv(m.slot_mapping), decode_blocks=mv(m.decode_blocks),
+                                   decode_mask=mv(m.decode_mask), decode_slots=mv(m.decode_slots),
+                                   prefills=[dataclasses.replace(p, blocks=mv(p.blocks), mask=mv(p.mask))
+                                             for p in m.prefills])
         return StepInput(mv(self.input_ids), mv(self.positions), meta, mv(self.logits_indices))
 
 
@@ -107,7 +111,7 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
     if plan is not None:
         head = split_rows(head, plan.vocab_rows(rank))
     return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.final_norm(),
-                       lm_head=head)
+                       lm_head=head, tensors=[ckpt.layer_tensors(i) for i in range(n)])
 
 
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
@@ -143,7 +147,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         return RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
 
     # the global layers' table (a model whose layers all slide looks the local one up for them, unused)
-    rotary = rotary_table(None if not arch.rotary else
+    rotary = rotary_table(None if arch.window != "per_layer" else
                           "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention")
     local = (rotary_table("sliding_attention"), spec.local_window) if spec.local_layers else None
     layers = []
@@ -157,15 +161,26 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         return dict(gate_up=None, down=None, down_bias=None,
                     moe=SparseMoE(linear([lin[ROUTER]]), experts, spec.experts_per_token, spec.renormalize))
 
+    def mixer(i: int, lin: dict[str, LinearWeights]) -> dict:
+        """A layer's token mixer: attention (q/k/v fused, o's row-parallel bias apart), or a Gated DeltaNet."""
+        if i not in spec.linear_layers:
+            o_bias, o = row_bias(lin["o_proj"])
+            return dict(qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]), o=linear([o]), o_bias=o_bias,
+                        attn_gate=arch.attn_gate)
+        conv, a_log, dt_bias, gated_norm = (rw.tensors[i][f"{la.module}.{n}"].to(device) for n in la.tensors)
+        net = GatedDeltaNet(linear([lin[r] for r in LINEAR_ATTN[:4]]), linear([lin["out_proj"]]), conv.to(dtype),
+                            a_log, dt_bias, gated_norm.to(dtype), spec.rms_norm_eps, spec.linear_key_heads,
+                            spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim)
+        return dict(qkv=None, o=None, o_bias=None, mixer=net)
+
+    la = arch.linear_attention
     for i, (lin, norms) in enumerate(zip(rw.layers, rw.norms)):
-        o_bias, o = row_bias(lin["o_proj"])
         w = LayerWeights(
-            input_norm=norm(norms["attn_norm"]), qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
-            o=linear([o]), o_bias=o_bias, post_norm=norm(norms["mlp_norm"]), **mlp(lin),
+            input_norm=norm(norms["attn_norm"]), **mixer(i, lin), post_norm=norm(norms["mlp_norm"]), **mlp(lin),
             q_norm=norm(norms.get("q_norm")), k_norm=norm(norms.get("k_norm")),
             attn_out_norm=norm(norms.get("attn_out_norm")), mlp_out_norm=norm(norms.get("mlp_out_norm")))
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc, spec.attn_scale, arch.activation,
-                                   i in spec.local_layers))
+                                   i in spec.local_layers, i not in spec.nope_layers))
         release_free_heap()
     head, table, scale = rw.lm_head, rw.embed.weight, None
     if rw.embed.qw is not None:  # INT8 rows and their scales, looked up as stored (a tied head is built from them)
@@ -206,6 +221,7 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
     for i, row in enumerate(ids.tolist()):
         seq = Sequence(f"check-{i}", row, SamplingParams(max_tokens=1))
         seq.block_table = list(range(i * nblk, (i + 1) * nblk))
+        seq.state_slot = i
         seqs.append(seq)
     step = prepare_step(seqs, [t] * b, block_size, fresh_prefill_direct=kv_cache_dtype == "auto", all_logits=True,
                         window=spec.sliding_window)
@@ -215,8 +231,8 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
         try:
             scales = None if kv_cache_dtype == "auto" else [tuple(torch.as_tensor(x).float().flatten() for x in kv)
                                                             for kv in ranks[r].kv_scales]
-            caches = allocate_kv_cache(spec.num_layers, b * nblk, block_size, kv_heads, spec.head_dim, kv_cache_dtype,
-                                       dtype, device, scales)
+            caches = allocate_layer_caches(spec, b * nblk, block_size, kv_heads, kv_cache_dtype, dtype, device,
+                                           scales, b)
             with torch.inference_mode():
                 results[r] = models[r](step.input_ids, step.positions, caches, step.meta, step.logits_indices)
         except BaseException as e:   # free the others from the barrier they would wait at forever
@@ -253,7 +269,7 @@ class ModelRunner:
 
     def __init__(self, path: str, engine: EngineSpec | None, tp: int, rank: int, world: int, device: str, dtype,
                  num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int, compile: bool = False,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, state_slots: int = 0):
         assert world == tp
         self.device = torch.device(device)
         self.rank_dir = Path(path) / f"rank{rank}" if engine is not None else Path(path)
@@ -266,15 +282,16 @@ class ModelRunner:
         self.block_size = block_size
         plan = make_plan(ckpt.spec, tp) if (engine is None and tp > 1) else None
         scales = load_kv_scales(ckpt, plan, rank, ckpt.spec.num_layers) if kv_cache_dtype != "auto" else None
-        self.caches = allocate_kv_cache(ckpt.spec.num_layers, num_blocks, block_size, self.num_kv_heads,
-                                        ckpt.spec.head_dim, kv_cache_dtype, self.dtype, self.device, scales)
+        self.caches = allocate_layer_caches(ckpt.spec, num_blocks, block_size, self.num_kv_heads, kv_cache_dtype,
+                                            self.dtype, self.device, scales, state_slots)
         self.kv_cache_dtype = kv_cache_dtype
         self.decode = compile_decode(self.model, self.device) if compile else None
 
     def observe_kv(self, fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> None:
-        """Have every layer's cache call fn(layer, k, v) with the K/V it is given to store (None: stop)."""
+        """Have every layer's KV cache call fn(layer, k, v) with the K/V it is given to store (None: stop)."""
         for i, cache in enumerate(self.caches):
-            cache.observer = None if fn is None else functools.partial(fn, i)
+            if isinstance(cache, LayerKV):
+                cache.observer = None if fn is None else functools.partial(fn, i)
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         step = step.to(self.device)
@@ -310,6 +327,7 @@ def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct
     if bd:
         nblk = max(starts[:bd]) // block_size + 1
         meta.num_decode = bd
+        meta.decode_slots = torch.tensor([s.state_slot for s in seqs[:bd]], dtype=torch.long)
         meta.decode_blocks = torch.tensor([_padded(s.block_table, nblk) for s in seqs[:bd]], dtype=torch.long)
         last = torch.tensor(starts[:bd], dtype=torch.long)  # each decode's query position
         meta.decode_mask = attends(last[:, None], torch.arange(nblk * block_size)[None, :], window).view(bd, 1, 1, -1)
@@ -320,10 +338,10 @@ def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct
         rows, cols = torch.arange(st, ctx)[:, None], torch.arange(ctx)[None, :]
         if st == 0 and fresh_prefill_direct:  # its own fresh K/V: SDPA's is_causal, unless the window cuts in
             mask = attends(rows, cols, window) if window is not None and n > window else None
-            meta.prefills.append(PrefillChunk(q_start, n, None, mask))
+            meta.prefills.append(PrefillChunk(q_start, n, None, mask, st, seqs[i].state_slot))
         else:
             blocks = torch.tensor([_padded(seqs[i].block_table, -(-ctx // block_size))], dtype=torch.long)
-            meta.prefills.append(PrefillChunk(q_start, n, blocks, attends(rows, cols, window)))
+            meta.prefills.append(PrefillChunk(q_start, n, blocks, attends(rows, cols, window), st, seqs[i].state_slot))
         q_start += n
     if all_logits:
         logits_idx = torch.arange(len(ids))

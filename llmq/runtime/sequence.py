@@ -33,6 +33,7 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.state_slot = -1  # its row of every recurrent-state layer while it holds blocks (hybrid models)
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading full blocks already registered in the prefix cache
         self.last_block_key: tuple | None = None  # prefix-cache key of the last of them

@@ -73,6 +73,21 @@ def kv_cache_dtype_for(requested: str, ckpt: CheckpointReader, engine: EngineSpe
     return requested
 
 
+def refuse_for_hybrid(spec: ModelSpec, tp: int, compile: bool, speculative: str | None, kv_cache_dtype: str) -> None:
+    """One line for what the runtime does not yet run with a hybrid model's Gated DeltaNet layers."""
+    what = spec.architecture
+    if tp > 1:
+        raise LlmqError(f"{what}: tensor parallelism of Gated DeltaNet layers is not implemented yet; use tp 1")
+    if compile:
+        raise LlmqError(f"{what}: --compile does not trace Gated DeltaNet layers yet; drop --compile")
+    if speculative:
+        raise LlmqError(f"{what}: speculative decoding would have to roll Gated DeltaNet states back past rejected "
+                        "drafts, which the runtime does not do yet; drop --speculative")
+    if kv_cache_dtype != "auto":
+        raise LlmqError(f"{what}: quantized KV caches of hybrid models are not calibrated yet; use --kv-cache-dtype "
+                        "auto")
+
+
 class Worker:
     def __init__(self, src: ModelSource, cfg: EngineConfig):
         cfg.check()  # the bounds and choices its flags declare, for code that builds one as for `llmq serve`
@@ -102,6 +117,9 @@ class Worker:
         if self.max_model_len > self.spec.max_position_embeddings:
             raise LlmqError(f"max_model_len {self.max_model_len} exceeds the model's "
                             f"{self.spec.max_position_embeddings} positions")
+        if self.spec.linear_layers:
+            refuse_for_hybrid(self.spec, tp=self.tp, compile=cfg.compile, speculative=cfg.speculative,
+                              kv_cache_dtype=cfg.kv_cache_dtype)
         if cfg.compile and self.tp > 1:
             raise LlmqError("--compile compiles the decode step of one rank; use it with tp 1 (tensor-parallel "
                             "ranks run eagerly)")
@@ -110,12 +128,15 @@ class Worker:
         self.max_num_seqs = min(cfg.max_num_seqs, engine.max_batch_size) if engine else cfg.max_num_seqs
         self.kv_cache_dtype = kv_cache_dtype_for(cfg.kv_cache_dtype, ckpt, engine)
         dtype = compute_dtype_for(self.device, cfg.dtype, ckpt.config)
+        # a recurrent-state slot for every sequence the scheduler runs, and one for the scorer's prompt_logprobs
+        self.state_slots = self.max_num_seqs + 1 if self.spec.linear_layers else 0
+        self.state_bytes = int(self.state_slots * self.spec.recurrent_state_bytes(dtype.itemsize))
         self.num_blocks = self._num_blocks(ckpt, dtype, sliced=engine is not None)
 
         load_args = dict(path=str(src.path), engine=engine, tp=self.tp, device=str(self.device), dtype=cfg.dtype,
                          num_blocks=self.num_blocks, block_size=block_size, kv_cache_dtype=self.kv_cache_dtype,
                          max_positions=self.max_model_len, compile=cfg.compile,
-                         int8_activations=cfg.int8_activations)
+                         int8_activations=cfg.int8_activations, state_slots=self.state_slots)
         self.ranks = None  # the other tensor-parallel ranks' processes
         self._ranks_ready = False
         self._saved_threads = None
@@ -139,7 +160,10 @@ class Worker:
                 raise
         else:
             self.runner = ModelRunner(**load_args, rank=0, world=1)
-        self.block_manager = BlockManager(self.num_blocks, block_size, cfg.enable_prefix_caching)
+        # prefix caching reuses KV blocks, but a recurrent layer's state after a prefix is no block: hybrid models
+        # compute every prompt whole
+        self.block_manager = BlockManager(self.num_blocks, block_size,
+                                          cfg.enable_prefix_caching and not self.spec.linear_layers, self.state_slots)
 
     def _num_blocks(self, ckpt: CheckpointReader, dtype: torch.dtype, sliced: bool) -> int:
         """KV-cache blocks per rank; `sliced`: ckpt is already one rank's share (an engine's rank0)."""
@@ -150,7 +174,8 @@ class Worker:
             budget = int(cfg.kv_cache_memory)
         else:
             kept = functools.partial(keeps_as_stored, dtype=dtype, device=self.device)
-            free = available_memory(self.device) - ckpt.runtime_bytes(dtype, kept) // (1 if sliced else self.tp)
+            free = available_memory(self.device) - ckpt.runtime_bytes(dtype, kept) // (1 if sliced else self.tp) - \
+                self.state_bytes
             # never more than every sequence slot filled to the context length
             budget = min(int(max(free, 0) * cfg.kv_fraction),
                          self.max_num_seqs * self.max_model_len * per_token + block_bytes)

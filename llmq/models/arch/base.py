@@ -19,6 +19,10 @@ LINEARS = ATTN + MLP
 SPLIT = {"q_proj": ("rows", "q"), "k_proj": ("rows", "kv"), "v_proj": ("rows", "kv"), "o_proj": ("cols", "q"),
          "gate_proj": ("rows", "mlp"), "up_proj": ("rows", "mlp"), "down_proj": ("cols", "mlp")}
 
+# A Gated DeltaNet (linear-attention) layer's linears, by role (Qwen3.5's names): q / k / v into the short
+# convolution as one, the output gate z, the per-head rates b (beta) and a (decay), the output.
+LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
 # A mixture-of-experts layer's linears beyond attention: the router (replicated on every rank and never quantized:
 # a rounded router picks other experts) and each expert's MLP, split like a dense MLP over its own width ("moe").
 ROUTER = "router"
@@ -71,6 +75,30 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The layers config.json's `layer_types` marks "linear_attention" mix tokens by the gated delta rule over a
+    recurrent state (runtime.layers.delta_rule) in place of attention: q / k / v pass a depthwise causal convolution
+    (its last kernel - 1 inputs kept per sequence), q and k are L2-normalized, beta = sigmoid(b), the decay
+    g = -exp(A_log) softplus(a + dt_bias), and the output is RMS-normalized per value head (weight as stored), times
+    silu(z), into out_proj. The layers marked "full_attention" attend over the paged KV cache."""
+
+    module: str = "linear_attn"   # its module in a layer; its linears are LINEAR_ATTN under it
+    # config fields: key / value heads and their widths, the convolution's kernel
+    key_heads: str = "linear_num_key_heads"
+    value_heads: str = "linear_num_value_heads"
+    key_dim: str = "linear_key_head_dim"
+    value_dim: str = "linear_value_head_dim"
+    kernel: str = "linear_conv_kernel_dim"
+    # its other parameters, kept 16-bit by every stage: the convolution, the decay's log rate and bias, the norm
+    tensors: tuple[str, ...] = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")
+    # linears kept 16-bit too: b and a, one row per value head, set beta (a sigmoid) and the decay (an exponential)
+    # that every later token's state compounds, for a few hundredths of the layer's bytes
+    kept_16bit: tuple[str, ...] = ("in_proj_b", "in_proj_a")
+    # the quantized linears one input feeds (Arch.units' sense): q / k / v and the gate z, then the output
+    units: tuple[tuple[str, ...], ...] = (("in_proj_qkv", "in_proj_z"), ("out_proj",))
+
+
+@dataclass(frozen=True)
 class Arch:
     model_type: str               # config.json's model_type
     architecture: str             # the Hugging Face class
@@ -116,6 +144,16 @@ class Arch:
     units: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
                                           ("down_proj",))
     moe: Experts | None = None    # every layer's MLP is a mixture of experts (no dense MLP roles then)
+    # the config field saying, per layer, whether it applies the rotary embedding (1) or attends without it (0:
+    # NoPE, SmolLM3); None: every layer rotates
+    rope_layers: str | None = None
+    # why `build --target trtllm` refuses this family (None: it writes it)
+    trtllm_refused: str | None = None
+    linear_attention: LinearAttention | None = None  # hybrid: some layers are Gated DeltaNet layers
+    # q_proj holds each head's query and then its output gate (2 x head_dim rows a head): the attention's output is
+    # multiplied by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next)
+    attn_gate: bool = False
+    partial_rotary: bool = False  # the rotary embedding may turn only the first partial_rotary_factor of a head
 
     def prefix(self, i: int) -> str:
         return f"{self.layers}.{i}"
@@ -124,11 +162,13 @@ class Arch:
         """The module name of layer i's linear `role` (its tensors are <name>.weight, <name>.bias, ...)."""
         return f"{self.prefix(i)}.{self.path(role)}"
 
-    def roles(self, experts: int = 0) -> tuple[str, ...]:
-        """A layer's linear roles: attention and the MLP, or attention, the router and each of `experts` experts'."""
+    def roles(self, experts: int = 0, linear: bool = False) -> tuple[str, ...]:
+        """A layer's linear roles: attention (or, `linear`, a Gated DeltaNet's) and the MLP, or attention, the router
+        and each of `experts` experts'."""
+        mixer = LINEAR_ATTN if linear else ATTN
         if self.moe is None:
-            return LINEARS
-        return ATTN + (ROUTER,) + tuple(expert_role(e, r) for e in range(experts) for r in MLP)
+            return mixer + MLP
+        return mixer + (ROUTER,) + tuple(expert_role(e, r) for e in range(experts) for r in MLP)
 
     def _expand(self, roles: tuple[str, ...], experts: int) -> list[tuple[str, ...]]:
         """A group of dense MLP roles as it is in this family: once per expert in a MoE layer."""
@@ -136,16 +176,16 @@ class Arch:
             return [roles]
         return [tuple(expert_role(e, r) for r in roles) for e in range(experts)]
 
-    def stored_linears(self, experts: int = 0) -> dict[str, str]:
-        """The linears of a layer as the checkpoint (and transformers' layer) holds them: name (a role, or a fused
-        group) -> path in the layer."""
+    def stored_linears(self, experts: int = 0, linear: bool = False) -> dict[str, str]:
+        """The linears of a layer (`linear`: a Gated DeltaNet layer) as the checkpoint (and transformers' layer) holds
+        them: name (a role, or a fused group) -> path in the layer."""
         grouped = {r for _, roles in self.fused.values() for r in roles}
         return {g: path for g, (path, _) in self.fused.items()} | \
-            {r: self.path(r) for r in self.roles(experts) if r not in grouped}
+            {r: self.path(r) for r in self.roles(experts, linear) if r not in grouped}
 
-    def linear_names(self, i: int, experts: int = 0) -> list[str]:
-        """Layer i's linears' module names as the checkpoint stores them."""
-        return [f"{self.prefix(i)}.{p}" for p in self.stored_linears(experts).values()]
+    def linear_names(self, i: int, experts: int = 0, linear: bool = False) -> list[str]:
+        """Layer i's linears' module names as the checkpoint stores them (`linear`: it is a Gated DeltaNet layer)."""
+        return [f"{self.prefix(i)}.{p}" for p in self.stored_linears(experts, linear).values()]
 
     def role_modules(self, module: str) -> list[str]:
         """The role linears a full module name holds: a stored fused group's roles' names, else the module itself
@@ -171,6 +211,8 @@ class Arch:
         if m is not None and role.startswith("experts."):
             _, e, r = role.split(".")
             return f"{m.block}.{m.experts}.{e}.{m.names[r]}"
+        if self.linear_attention is not None and role in LINEAR_ATTN:
+            return f"{self.linear_attention.module}.{role}"
         return self.linears.get(role) or (self.fused[role][0] if role in self.fused else self.norms[role])
 
     def feed_roles(self, experts: int = 0) -> list[tuple[str, tuple[str, ...]]]:
@@ -192,8 +234,11 @@ class Arch:
                 for p, cons in self.feed_roles(experts)]
 
     def unit_roles(self, experts: int = 0) -> list[tuple[str, ...]]:
-        """`units` by role; a MoE layer's MLP units once per expert (the router is no unit: it stays 16-bit)."""
-        return [u for unit in self.units for u in self._expand(unit, experts)]
+        """`units` by role; a MoE layer's MLP units once per expert (the router is no unit: it stays 16-bit); a
+        hybrid family's Gated DeltaNet units too (a layer has the units of one kind or the other: callers take those
+        whose linears the layer has)."""
+        linear = self.linear_attention.units if self.linear_attention is not None else ()
+        return [u for unit in self.units for u in self._expand(unit, experts)] + list(linear)
 
     def gguf_drops_scale(self, roles: tuple[str, ...]) -> bool:
         """Whether llama.cpp's graph leaves out NVFP4's global scale of a linear of these roles (gguf_ffn_scale)."""

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.arch import ROUTER, Arch
+from ...models.arch import Arch
 
 
 class _Expert(nn.Module):
@@ -85,12 +85,6 @@ def install(model: nn.Module, arch: Arch, config) -> None:
         setattr(layer, m.block, block)
         if module != m.block:
             object.__setattr__(layer, module, block)  # not a registered child: its tensors stay under m.block
-
-
-def routers(spec) -> list[str]:
-    """The MoE routers' module names (a ModelSpec's): kept 16-bit (a rounded router picks other experts), never
-    calibrated, priced as dense tensors."""
-    return [spec.arch.linear(i, ROUTER) for i in range(spec.num_layers)] if spec.num_experts else []
 
 
 def blocks(layer: nn.Module) -> list[ExpertsBlock]:

@@ -223,7 +223,7 @@ def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWi
     layers = model.get_submodule(arch.layers)
     widths, formats = widths or {}, formats or {}
     ignore = qformat.QConfig(format="pack-quantized", weights=None, input_activations=None, kv=None,
-                             ignore=(*opts.ignore, *experts.routers(spec), *(n for n, b in widths.items() if b == 16)))
+                             ignore=(*opts.ignore, *spec.kept_16bit(), *(n for n, b in widths.items() if b == 16)))
 
     emitted: set[str] = set()
     probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], [])

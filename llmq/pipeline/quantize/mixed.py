@@ -37,7 +37,6 @@ from ...models import ModelSpec, qformat
 from ...options import parse_size
 from . import schemes
 from .calib import TokenWindows
-from .experts import routers
 from .schemes import SCHEMES, Scheme, linear_bytes
 from .streamed import (
     capture_layer0,
@@ -278,7 +277,7 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
 
     tensors = LazyTensors(safetensors_files(model_dir))
     linears = {f"{n}.weight" for i in range(spec.num_layers) for n in spec.arch.linear_names(i, spec.num_experts)} \
-        - {f"{r}.weight" for r in routers(spec)}
+        - {f"{r}.weight" for r in spec.kept_16bit()}
     table, head = f"{qformat.EMBEDDING}.weight", f"{qformat.LM_HEAD}.weight"
     int8 = {table: opts.embedding == "int8", head: opts.lm_head == "int8"}
 

@@ -26,7 +26,7 @@ from .options import QuantizeOptions
 def _in_features(spec: ModelSpec) -> dict[str, int]:
     """The decoder linears' input widths, each with the roles that have it ("q_proj/k_proj/...")."""
     by_width: dict[int, list[str]] = {}
-    for role in spec.roles():
+    for role in dict.fromkeys(r for i in range(spec.num_layers) for r in spec.roles(i)):
         name = role.rpartition(".")[2]
         if role != "router" and name not in by_width.setdefault(spec.linear_shape(role)[1], []):
             by_width[spec.linear_shape(role)[1]].append(name)
@@ -44,6 +44,10 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
     o = opts.resolved(tuple(_in_features(spec).values()))
+    if spec.linear_layers and (o.method in ("awq", "smoothquant") or o.mixed):
+        raise LlmqError(f"{spec.architecture}: {'mixed precision (--target-bpw / --max-size)' if o.mixed else o.method}"
+                        " does not yet know what feeds a Gated DeltaNet layer's linears; use --method rtn, gptq, fp8, "
+                        "nvfp4 or mxfp4")
     if hasattr(method, "validate"):  # what the method cannot honour first (a bitsandbytes packing of fused Phi-3)
         method.validate(o, spec)
     if o.group_size < 0:
@@ -136,9 +140,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             from .mixed import plan as mixed_plan
 
             plan = mixed_plan(source.path, spec, opts, calib, pick_device(opts.device), progress)
-        from .experts import routers
-
-        sink = CheckpointSink(out, opts, (*(plan.dense if plan else ()), *routers(spec)))
+        sink = CheckpointSink(out, opts, (*(plan.dense if plan else ()), *spec.kept_16bit()))
         result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,
                                progress=progress, widths=plan.bits if plan else None,
                                formats=plan.formats if plan else None)

@@ -59,7 +59,7 @@ def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device) -> tu
     for i, (_, kw) in enumerate(seen):
         kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
         if "position_embeddings" in kw:
-            extra = {"layer_type": types[i]} if arch.rotary else {}
+            extra = {"layer_type": types[i]} if arch.window == "per_layer" else {}
             kw["position_embeddings"] = tuple(t.float() for t in body.rotary_emb(hidden[0], kw["position_ids"],
                                                                                   **extra))
         per_layer.append(kw)

@@ -45,6 +45,11 @@ def refuse(src: CheckpointReader, engine) -> None:
         raise LlmqError(f"--target gguf: sliding-window attention ({s.sliding_window} of "
                         f"{s.max_position_embeddings} positions) is not in llama.cpp's {src.arch.gguf_arch} "
                         "architecture; use --target llmq")
+    nope = tuple(i for i in range(s.num_layers) if (i + 1) % 4 == 0)
+    if src.arch.rope_layers and s.nope_layers != nope:
+        raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} leaves the rotary embedding out of every "
+                        f"fourth layer ({list(nope)}), this model out of layers {list(s.nope_layers)}; use --target "
+                        "llmq")
     if s.rope_scaling:
         raise LlmqError(f"--target gguf: RoPE scaling {s.rope_scaling.get('rope_type') or s.rope_scaling.get('type')!r}"
                         " is not written to GGUF by llmq yet; use --target llmq")

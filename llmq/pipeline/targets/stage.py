@@ -97,6 +97,10 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint: serve and eval it as it is (llmq, transformers, "
                         "vLLM's bitsandbytes loader and TGI load it directly); build targets take compressed-tensors "
                         "artifacts (rtn, gptq, awq, smoothquant, fp8)")
+    if src.spec.linear_layers:
+        raise LlmqError(f"--target {opts.target}: build does not write {src.spec.architecture}'s Gated DeltaNet layers "
+                        f"yet; serve and eval {source.ref} itself (llmq serve / llmq eval), or load it in vLLM "
+                        "(compressed-tensors)")
     plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
     kv = kv_cache_dtype(opts.kv, src)
     max_seq_len = opts.max_seq_len or min(src.spec.max_position_embeddings, 4096)

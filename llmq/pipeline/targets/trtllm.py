@@ -235,6 +235,9 @@ def quant_configs(entries: dict[str, dict], kv_algo: str | None, dense: list[str
 
 def refuse(src: CheckpointReader, engine) -> None:
     """What this backend cannot load, refused before anything is written."""
+    if src.arch.trtllm_refused:
+        raise LlmqError(f"--target trtllm: {src.arch.trtllm_refused}; use --target llmq, or the artifact itself "
+                        "(compressed-tensors) for vLLM / SGLang")
     q = src.qconfig
     fp4 = sorted({a.fp4 for a in (q.weights, *q.modules.values()) if a is not None and a.fp4}) if q else []
     w4a4 = fp4 == ["nvfp4"] and not q.modules and q.input_activations == qformat.fp4_activations_args("nvfp4")

@@ -9,6 +9,7 @@ runner draws every mask with models.spec.attends, which also applies a model's s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,8 @@ class PrefillChunk:
     q_len: int
     blocks: torch.Tensor | None  # [1, nblocks] when the chunk reads cached K/V, None when it only needs its own
     mask: torch.Tensor | None  # [q_len, ctx] bool (True = attend), None = plain causal over the chunk
+    start: int = 0  # the chunk's first position in its sequence
+    slot: int = -1  # its sequence's recurrent-state slot (Sequence.state_slot; -1: none)
 
 
 @dataclass
@@ -35,6 +38,7 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None  # [Bd] the decodes' recurrent-state slots (hybrid models)
 
 
 def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
@@ -54,8 +58,8 @@ def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
             ctx = p.mask.shape[1]
             rows, cols = torch.arange(ctx - p.q_len, ctx, device=dev), torch.arange(ctx, device=dev)
             mask = p.mask & attends(rows[:, None], cols[None, :], window)
-        prefills.append(PrefillChunk(p.q_start, p.q_len, p.blocks, mask))
-    return AttentionMetadata(meta.slot_mapping, meta.num_decode, meta.decode_blocks, decode_mask, prefills)
+        prefills.append(dataclasses.replace(p, mask=mask))
+    return dataclasses.replace(meta, decode_mask=decode_mask, prefills=prefills)
 
 
 def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
@@ -63,12 +67,14 @@ def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k (rotated) and v of the fused qkv rows [T, (H + 2 Hkv) D], k and v stored at their cache slots: on CPU with
     a 16/32-bit cache nobody observes, in one pass by llmq's kernel; else apply_rotary, then LayerKV.write."""
-    t, d = qkv.shape[0], rope[0].shape[-1]
+    t, d = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
-    if cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(qkv):
+    rot = rope[0].shape[-1]  # less than d: a partial rotary embedding turns the first `rot` of each head
+    if rot == d and cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(qkv):
         q, k = cpu_kernels.rope_kv_write(qkv, *rope, cache.k, cache.v, meta.slot_mapping, num_heads, num_kv_heads)
         return q, k, v
-    qk = apply_rotary(qkv[:, :(num_heads + num_kv_heads) * d].view(t, -1, d), *rope)  # q and k at once
+    qk = qkv[:, :(num_heads + num_kv_heads) * d].view(t, -1, d)
+    qk = apply_rotary(qk, *rope) if rot == d else torch.cat([apply_rotary(qk[..., :rot], *rope), qk[..., rot:]], -1)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     cache.write(meta.slot_mapping, k, v)
     return q, k, v

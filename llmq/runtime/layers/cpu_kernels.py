@@ -300,8 +300,8 @@ def fused_layer_args(layer) -> tuple[tuple, int] | None:
     """(the constant arguments of a DecoderStack for a models.decoder.DecoderLayer, the most decodes a step may hold)
     when its four projections are layers with a kernel for decode batches (their `fused_spec`), on one
     rank without row-parallel biases, q/k or output norms, GeGLU or a local window (the stack computes none of
-    them); None for any other layer, a mixture of experts' too (it runs op by op)."""
-    if layer.moe is not None:
+    them); None for any other layer, a mixture of experts' or a Gated DeltaNet's too (they run op by op)."""
+    if layer.moe is not None or layer.mixer is not None:
         return None
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     specs = [getattr(m, "fused_spec", lambda: None)() for m in linears]

@@ -12,7 +12,8 @@ from torch import nn
 
 def rope_inv_freq(hf_config, rotary: str | None = None, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) exactly as transformers computes them for this config: Llama's one table, or
-    `layer_type`'s from the family's own rotary class (Arch.rotary, a dotted path) where each type has its own."""
+    the family's own rotary class's (Arch.rotary, a dotted path): its table, or `layer_type`'s where each type has
+    its own."""
     if rotary is None:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -22,8 +23,9 @@ def rope_inv_freq(hf_config, rotary: str | None = None, layer_type: str | None =
 
     module, _, name = rotary.rpartition(".")
     rot = getattr(importlib.import_module(module), name)(config=hf_config)
-    return (getattr(rot, f"{layer_type}_inv_freq").detach().float().cpu(),
-            float(getattr(rot, f"{layer_type}_attention_scaling", 1.0)))
+    prefix = f"{layer_type}_" if layer_type else ""   # one table (a partial one: Qwen3.5's), or a layer type's
+    return (getattr(rot, f"{prefix}inv_freq").detach().float().cpu(),
+            float(getattr(rot, f"{prefix}attention_scaling", 1.0)))
 
 
 class RotaryEmbedding(nn.Module):

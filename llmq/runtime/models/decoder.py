@@ -18,12 +18,13 @@ from torch import nn
 
 from ..distributed import TPContext
 from ..host_memory import gather_weights
-from ..kv_cache import LayerKV
+from ..kv_cache import LayerKV, LayerRecurrent
 from ..layers import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store, windowed
 from ..layers.linear import LinearBase
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from .linear_attention import GatedDeltaNet
 
 
 def glu(gu: torch.Tensor, activation: str) -> torch.Tensor:
@@ -90,8 +91,8 @@ class LayerWeights:
     its experts in place of gate_up / down)."""
 
     input_norm: RMSNorm
-    qkv: LinearBase
-    o: LinearBase
+    qkv: LinearBase | None      # None in a Gated DeltaNet layer, whose token mixer is `mixer`
+    o: LinearBase | None
     o_bias: torch.Tensor | None  # row-parallel bias: added once, after the all-reduce
     post_norm: RMSNorm
     gate_up: LinearBase | None
@@ -102,24 +103,27 @@ class LayerWeights:
     k_norm: RMSNorm | None = None
     attn_out_norm: RMSNorm | None = None  # on the attention's and the MLP's outputs before the residual add
     mlp_out_norm: RMSNorm | None = None   # (Gemma 3's four norms a layer)
+    mixer: GatedDeltaNet | None = None    # a hybrid model's linear-attention layer, in place of attention
+    attn_gate: bool = False  # q_proj's rows hold each head's query then its output gate (Arch.attn_gate)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, w: LayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, tp: TPContext,
-                 scale: float | None = None, activation: str = "silu", local: bool = False):
+                 scale: float | None = None, activation: str = "silu", local: bool = False, rotates: bool = True):
         """scale: the attention's softmax scale (None: head_dim ** -0.5); activation: Arch.activation; local: the
-        layer attends over ModelSpec.local_window with its own rotary table."""
+        layer attends over ModelSpec.local_window with its own rotary table; rotates: False for a layer that attends
+        without the rotary embedding (ModelSpec.nope_layers)."""
         super().__init__()
         self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.qkv, self.o, self.gate_up, self.down = w.qkv, w.o, w.gate_up, w.down
         self.o_bias, self.down_bias = w.o_bias, w.down_bias
         self.q_norm, self.k_norm = w.q_norm, w.k_norm
         self.attn_out_norm, self.mlp_out_norm = w.attn_out_norm, w.mlp_out_norm
-        self.moe = w.moe
+        self.moe, self.mixer, self.attn_gate = w.moe, w.mixer, w.attn_gate
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
-        self.activation, self.local = activation, local
+        self.activation, self.local, self.rotates = activation, local, rotates
         self.tp = tp
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -134,15 +138,26 @@ class DecoderLayer(nn.Module):
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         return torch.cat([q, k, v], dim=-1)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
+                   meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv(self.input_norm(x))
+        qkv = self.qkv(x)
+        gate = None
+        if self.attn_gate:  # [query, gate] per head, then k and v
+            qg = qkv[:, :2 * self.q_size].view(t, self.num_heads, 2 * self.head_dim)
+            gate = qg[..., self.head_dim:].reshape(t, self.q_size)
+            qkv = torch.cat([qg[..., :self.head_dim].reshape(t, self.q_size), qkv[:, 2 * self.q_size:]], dim=-1)
         if self.q_norm is not None:
             qkv = self._qk_normed(qkv)
         q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
-        a = paged_attention(q, k, v, cache, meta, self.scale)
-        h = self._reduce(self.o(a.reshape(t, self.q_size)), self.o_bias)
+        a = paged_attention(q, k, v, cache, meta, self.scale).reshape(t, self.q_size)
+        return self.o(a if gate is None else a * torch.sigmoid(gate))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV | LayerRecurrent,
+                meta: AttentionMetadata) -> torch.Tensor:
+        y = self.input_norm(x)
+        h = self.mixer(y, cache, meta) if self.mixer is not None else self._attention(y, rope, cache, meta)
+        h = self._reduce(h, self.o_bias)
         x = x + (self.attn_out_norm(h) if self.attn_out_norm is not None else h)
         y = self.post_norm(x)
         h = self.moe(y) if self.moe is not None else self.down(glu(self.gate_up(y), self.activation))
@@ -171,8 +186,10 @@ class CausalLM(nn.Module):
             gather_weights(self)  # before the stacks below capture the weights
         # runs of consecutive layers as (first, end, their cpu_kernels.DecoderStack or None, the most decodes it takes)
         fused = [cpu_kernels.fused_layer_args(layer) for layer in layers]  # (a stack's arguments, most decodes) / None
+        # (a run's layers share one rotary table: NoPE layers run apart)
         self.runs = []
-        for stacked, group in itertools.groupby(range(len(layers)), key=lambda i: fused[i] is not None):
+        for (stacked, _), group in itertools.groupby(range(len(layers)),
+                                                     key=lambda i: (fused[i] is not None, layers[i].rotates)):
             idx = list(group)
             args = [fused[i] for i in idx] if stacked else None
             self.runs.append((idx[0], idx[-1] + 1, cpu_kernels.decoder_stack([a for a, _ in args]) if args else None,
@@ -182,30 +199,33 @@ class CausalLM(nn.Module):
     def _stacks_serve(self, caches: list[LayerKV], meta: AttentionMetadata) -> bool:
         """Whether this step runs the DecoderStacks: decodes only, 16/32-bit caches nobody observes, eagerly (a compiled
         step traces the layers' operations)."""
-        return self.has_stacks and not meta.prefills and caches[0].kv_dtype == "auto" and \
-            cpu_kernels.usable(caches[0].k) and all(c.observer is None for c in caches)
+        kv = [c for c in caches if isinstance(c, LayerKV)]
+        return self.has_stacks and not meta.prefills and kv[0].kv_dtype == "auto" and \
+            cpu_kernels.usable(kv[0].k) and all(c.observer is None for c in kv)
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[LayerKV],
                 meta: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
-        if self.rotary_local is not None:  # global and local layers, each kind with its rotary table and masks
-            kinds = {False: (rope, meta),
-                     True: (self.rotary_local.table(positions), windowed(meta, self.local_window))}
-            for layer, cache in zip(self.layers, caches):
-                layer_rope, layer_meta = kinds[layer.local]
-                x = layer(x, layer_rope, cache, layer_meta)
-            return x
-        if not self._stacks_serve(caches, meta):
-            for layer, cache in zip(self.layers, caches):
-                x = layer(x, rope, cache, meta)
-            return x
+        steps = {}  # (local, rotates) -> the rotary table and metadata of such layers, made on first use
+
+        def step(layer: DecoderLayer) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
+            key = (layer.local, layer.rotates)
+            if key not in steps:
+                r, m = (self.rotary_local.table(positions), windowed(meta, self.local_window)) if layer.local \
+                    else (rope, meta)
+                # a NoPE layer rotates by the identity (cos 1, sin 0): exactly its q and k, on the same kernels
+                steps[key] = (r if layer.rotates else (torch.ones_like(r[0]), torch.zeros_like(r[1]))), m
+            return steps[key]
+
+        stacks = self._stacks_serve(caches, meta)
         first = self.layers[0]
         for lo, hi, stack, rows in self.runs:
-            if stack is not None and meta.num_decode <= rows:
-                x = cpu_kernels.run_stack(stack, x, rope, caches[lo:hi], meta, first.num_heads, first.num_kv_heads,
-                                          first.scale)
+            if stacks and stack is not None and meta.num_decode <= rows:
+                x = cpu_kernels.run_stack(stack, x, step(self.layers[lo])[0], caches[lo:hi], meta, first.num_heads,
+                                          first.num_kv_heads, first.scale)
             else:
                 for layer, cache in zip(self.layers[lo:hi], caches[lo:hi]):
-                    x = layer(x, rope, cache, meta)
+                    layer_rope, layer_meta = step(layer)
+                    x = layer(x, layer_rope, cache, layer_meta)
         return x
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,14 @@
+"""Qwen3.5 (dense text model, `Qwen3_5ForCausalLM`, model_type qwen3_5_text): a hybrid. `layer_types` makes three
+of every four layers Gated DeltaNet layers (linear attention over a recurrent state: base.LinearAttention) and the
+fourth full attention, whose q_proj also yields an output gate per head (sigmoid, before o_proj), with q / k norms and
+a rotary embedding over the first quarter of each head (partial_rotary_factor; text positions are one value on
+every M-RoPE axis, so the sections change nothing). Every RMSNorm scales by (1 + w), the DeltaNet's gated norm by w.
+llama.cpp calls it `qwen35`."""
+
+from .base import Arch, LinearAttention
+
+QWEN3_5 = Arch("qwen3_5_text", "Qwen3_5ForCausalLM", gguf_arch="qwen35", norm_offset=1.0,
+               norms={"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                      "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+               linear_attention=LinearAttention(), attn_gate=True, partial_rotary=True,
+               rotary="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding")

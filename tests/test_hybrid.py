@@ -1,0 +1,215 @@
+"""Hybrid models: Qwen3.5's Gated DeltaNet layers (a recurrent state per sequence) among full-attention layers, in
+llmq's runtime against transformers 5.23 in float32: chunked prefill resuming a state, batched decodes on their state
+slots, preemption, the delta rule against a float64 recurrence, quantized artifacts against transformers' loader, and
+the one-line refusals of what the other stages do not take yet."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import bf16_kernels_off, hf_model, make_tiny_model
+
+from llmq.errors import LlmqError
+from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
+
+# 4 layers, three of them Gated DeltaNet (Qwen3.5's pattern); 2 key heads of 16 serving 4 value heads of 12
+QWEN35 = dict(model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=96, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=12)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny Qwen3.5 with every norm weight and dt_bias drawn at random (transformers initialises the (1 + w) norms
+    to zero and dt_bias to one), so that each of them must be computed."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(tmp_path_factory.mktemp("hybrid") / "qwen35", seed=4, **QWEN35)
+    f = next(path.glob("*.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    st = {k: (torch.rand(v.shape, generator=g) - 0.5 if k.endswith(("norm.weight", "dt_bias")) else v)
+          for k, v in load_file(f).items()}
+    save_file(st, f, metadata={"format": "pt"})
+    return path
+
+
+def _greedy(path, prompts: list[list[int]]) -> list[list[int]]:
+    hf = hf_model(path)
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def _kld(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+def _reference_delta_rule(state, q, k, v, g, beta):
+    """The gated delta rule token by token in float64: [T, H, D] inputs, state [H, Dk, Dv]."""
+    s, out = state.double().clone(), []
+    for t in range(q.shape[0]):
+        s = s * g[t].double().exp()[:, None, None]
+        u = (v[t].double() - torch.einsum("hkv,hk->hv", s, k[t].double())) * beta[t].double()[:, None]
+        s = s + k[t].double()[:, :, None] * u[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", s, q[t].double()))
+    return torch.stack(out), s
+
+
+@pytest.mark.parametrize("block", [64, 5])
+def test_chunked_delta_rule_and_its_steps_equal_the_recurrence_in_float64(block):
+    from llmq.runtime.layers import delta_rule
+
+    gen = torch.Generator().manual_seed(block)
+    t, h, dk, dv = 150, 3, 16, 24
+    q, k = (torch.nn.functional.normalize(torch.randn(t, h, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(t, h, dv, generator=gen)
+    g, beta = -2 * torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
+    start = torch.randn(h, dk, dv, generator=gen)
+    want, want_state = _reference_delta_rule(start, q, k, v, g, beta)
+    state = start.clone()
+    got = delta_rule.chunked(state, q, k, v, g, beta, block=block)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert float((state - want_state).abs().max() / want_state.abs().max()) < 1e-5
+    batched = torch.stack([start, start])   # two sequences at once, one step each
+    steps = [delta_rule.step(batched, q[i].expand(2, h, dk), k[i].expand(2, h, dk), v[i].expand(2, h, dv),
+                             g[i].expand(2, h), beta[i].expand(2, h)) for i in range(t)]
+    assert float((torch.stack(steps, 1)[1] - want).abs().max() / want.abs().max()) < 1e-5
+    # without the decay the outputs are far off: the tolerance above tells a wrong rule apart
+    undecayed, _ = _reference_delta_rule(start, q, k, v, torch.zeros_like(g), beta)
+    assert float((undecayed - want).abs().max() / want.abs().max()) > 1e-2
+
+
+def test_runtime_equals_transformers_with_chunked_prefill_and_batched_decodes(model):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (40,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 23, 17)]
+    with torch.no_grad():
+        ref = hf_model(model)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    # 16-token steps: the prompt's later chunks resume the recurrent state its earlier ones left
+    eng = LLMEngine(model, EngineConfig(max_model_len=128, kv_cache_memory=32 << 20, max_num_batched_tokens=16))
+    try:
+        got = eng.prompt_logprobs(ids).double()
+        out = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        assert not eng.block_manager.enable_prefix_caching   # a recurrent state after a prefix is no KV block
+        assert len(eng.block_manager.free_slots) == eng.max_num_seqs + 1   # every state slot handed back
+    finally:
+        eng.shutdown()
+    assert _kld(ref, got) <= 1e-6
+    assert out == _greedy(model, prompts)
+
+
+def test_preempted_sequences_recompute_their_state(model):
+    """A KV cache of 10 blocks of 4 tokens for 4 sequences that grow to 30 tokens: the youngest are preempted and
+    recomputed from position 0 (their state slot handed back and taken again), with transformers' continuations."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (18,), generator=gen).tolist() for _ in range(4)]
+    per_block = 4 * 2 * 1 * 2 * 24 * 4   # block size x K/V x attention layers x KV heads x head_dim x float32
+    eng = LLMEngine(model, EngineConfig(max_model_len=32, block_size=4, kv_cache_memory=10 * per_block))
+    try:
+        out = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        assert eng.num_blocks == 10 and eng.scheduler.num_preemptions > 0
+    finally:
+        eng.shutdown()
+    assert out == _greedy(model, prompts)
+
+
+def test_what_the_runtime_does_not_run_with_gated_deltanet_layers_is_refused(model):
+    for config, words in ((dict(tp=2), "tensor parallelism"), (dict(compile=True), "--compile"),
+                          (dict(kv_cache_dtype="fp8"), "KV caches")):
+        with pytest.raises(LlmqError, match=f"^Qwen3_5ForCausalLM: .*{words}") as e:
+            LLMEngine(model, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20, **config))
+        assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def artifacts(model, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    d = tmp_path_factory.mktemp("hybrid-store")
+    path = shutil.copytree(model, d / "bf16")
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    store = Store(d / "store")
+    return store, resolve_model(str(path), store)
+
+
+@pytest.mark.parametrize("method", [dict(method="rtn", bits=4, group_size=16), dict(method="gptq", bits=4,
+                                                                                    group_size=16)],
+                         ids=["rtn-w4g16", "gptq-w4g16"])
+def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, monkeypatch):
+    """Every linear but the DeltaNet's rate projections in INT4 (compressed-tensors, as vLLM loads it): llmq's
+    runtime on its exact dequantize path gives transformers' distributions on the same artifact."""
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = artifacts
+    art = quantize(src, QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=128, **method), store,
+                   progress=False)
+    ignore = json.loads((art.path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {f"model.layers.{i}.linear_attn.in_proj_{r}" for i in (0, 1, 2) for r in "ab"} <= set(ignore)
+    ckpt = CheckpointReader(art.path)
+    assert ckpt.layer_linears(0)["in_proj_qkv"].qw is not None and ckpt.layer_linears(0)["in_proj_b"].qw is None
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf_model(art.path)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        source = hf_model(src.path)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    bf16_kernels_off(monkeypatch)
+    eng = LLMEngine(art.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
+    try:
+        got = eng.prompt_logprobs(ids).double()
+    finally:
+        eng.shutdown()
+    assert _kld(ref, got) <= 1e-5 < _kld(source, got)   # the quantized model, not its source
+
+
+def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts):
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, src = artifacts
+    calls = [(lambda: quantize(src, QuantizeOptions(method="awq", bits=4, group_size=16), store, progress=False),
+              "awq does not yet know what feeds a Gated DeltaNet layer"),
+             (lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
+                               progress=False), "mixed precision"),
+             (lambda: quantize_kv(src, store, KVOptions(kv="int8"), show_progress=False), "hybrid model"),
+             (lambda: build_engine(src, store, BuildOptions(target="gguf")), "Gated DeltaNet layers"),
+             (lambda: build_engine(src, store, BuildOptions(target="llmq", tp=2)), "Gated DeltaNet layers")]
+    before = sorted(p.name for p in store.root.iterdir())
+    for call, words in calls:
+        with pytest.raises(LlmqError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert sorted(p.name for p in store.root.iterdir()) == before
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda cfg, st: cfg.update(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     "layer_types"),
+    (lambda cfg, st: st.pop("model.layers.1.linear_attn.conv1d.weight"), "model.layers.1.linear_attn.conv1d.weight"),
+    (lambda cfg, st: st.update({"model.layers.0.linear_attn.A_log": torch.zeros(3)}), "linear_attn.A_log"),
+    (lambda cfg, st: cfg.update(linear_num_value_heads=3), "linear_num_value_heads=3"),
+], ids=["unknown-layer-type", "missing-conv", "bad-decay-shape", "value-heads-not-grouped"])
+def test_a_bad_hybrid_checkpoint_is_refused_naming_the_field_or_tensor(model, tmp_path, change, words):
+    from safetensors.torch import load_file, save_file
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    d = shutil.copytree(model, tmp_path / "bad")
+    f = next(d.glob("*.safetensors"))
+    cfg, st = json.loads((d / "config.json").read_text()), load_file(f)
+    change(cfg, st)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(st, f, metadata={"format": "pt"})
+    store = Store(tmp_path / "store")
+    with pytest.raises(LlmqError, match=words) as e:
+        resolve_model(str(d), store)
+    assert "\n" not in str(e.value)
+    assert not list(store.root.rglob("llmq.json"))
