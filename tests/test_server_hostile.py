@@ -104,6 +104,10 @@ def test_non_finite_logits_are_a_json_500_for_that_request(srv, monkeypatch):
             assert "logits are not finite" in r.json()["error"]["message"], r.text
         code, text = _consume(srv, {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1})
         assert code == 500 and "logits are not finite" in text, text
+        # max_tokens 0 + echo + logprobs: the prompt's distributions alone, never sampled (issue 54 item 8: a bare
+        # 500 and a 78-line traceback)
+        r = _post(srv, {"prompt": "Hi", "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert r.status_code == 500 and "logits are not finite" in r.json()["error"]["message"], r.text
     monkeypatch.setattr(eng.worker, "forward", real)
     assert _post(srv, {"prompt": "Hi", "max_tokens": 2, "logprobs": 2}).status_code == 200
     assert srv.fe.loop.healthy
@@ -698,7 +702,10 @@ def test_echo_and_prompt_logprobs_misuse_is_a_one_line_400(srv):
             ({"prompt": "Hi", "max_tokens": -1, "echo": True}, "completions", "max_tokens"),
             ({**chat, "echo": True}, "chat/completions", "echo"),
             ({**chat, "prompt_logprobs": 2}, "chat/completions", "prompt_logprobs"),
-            ({**chat, "logprobs": True, "top_logprobs": 21}, "chat/completions", "top_logprobs")]:
+            ({**chat, "logprobs": True, "top_logprobs": 21}, "chat/completions", "top_logprobs"),
+            # issue 54 item 8: accepted and silently ignored before
+            ({"prompt": "Hi", "logit_bias": {"5": 100}}, "completions", "logit_bias"),
+            ({**chat, "logit_bias": {"5": -100}}, "chat/completions", "logit_bias")]:
         r = _post(srv, body, route)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LlmqError
 from .config import EngineConfig
-from .sampling import PromptLogprobs, SamplingParams, make_generator, sample
+from .sampling import NonFiniteLogits, PromptLogprobs, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .scorer import ScoreOutput, Scorer, ScoreRequest
 from .sequence import Sequence
@@ -151,21 +151,26 @@ class LLMEngine:
         except Exception as e:
             self.scheduler.take_back_drafts(out)
             raise StepFailed([], {seq.request_id: self._fail(seq, e) for seq in out.seqs}, True) from e
+        bad = {}
         for seq, idx in prompt_rows:  # the prompt's distributions, from this same forward pass
             p0 = seq.next_prompt_logprob
-            seq.prompt_logprobs.add(logits[idx], seq.token_ids[p0 + 1:p0 + 1 + len(idx)], seq.params.prompt_logprobs)
+            try:
+                seq.prompt_logprobs.add(logits[idx], seq.token_ids[p0 + 1:p0 + 1 + len(idx)],
+                                        seq.params.prompt_logprobs)
+            except NonFiniteLogits as e:
+                bad[seq] = e
         if chosen:
             spec_logits, logits = logits[spec_rows], logits[rows]
         self.scheduler.computed(out)
-        outputs, failed = [], {}
+        outputs, failed = [], {seq.request_id: self._fail(seq, e) for seq, e in bad.items()}
         now = time.monotonic()
-        prompt_only = [s for s in samplers if s.params.max_tokens == 0]
+        prompt_only = [s for s in samplers if s.params.max_tokens == 0 and s not in bad]
         for seq in prompt_only:  # max_tokens 0: the prompt alone (its prompt_logprobs), nothing sampled
             self.scheduler.finish(seq, "length")
             seq.finished_time = now
             outputs.append(self._output(seq))
-        if prompt_only:
-            keep = [i for i, s in enumerate(samplers) if s.params.max_tokens]
+        if prompt_only or bad:
+            keep = [i for i, s in enumerate(samplers) if s.params.max_tokens and s not in bad]
             samplers, logits = [samplers[i] for i in keep], logits[keep]
         if samplers:
             for seq, picked in zip(samplers, self._sample(logits, samplers)):

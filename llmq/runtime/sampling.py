@@ -57,6 +57,15 @@ class NonFiniteLogits(RuntimeError):
     """The model produced NaN / inf logits: that request fails (a 500), the server goes on."""
 
 
+def check_finite(logits: torch.Tensor) -> None:
+    """NonFiniteLogits where a row holds NaN or +inf (or only -inf): a broken model, whose tokens would be noise and
+    whose logprobs no JSON can carry."""
+    top = logits.amax(-1)  # NaN wherever a row holds one, +inf likewise
+    if not bool(torch.isfinite(top).all()):
+        raise NonFiniteLogits(f"the model's logits are not finite (largest {top.tolist()[:4]}): NaN or inf in its "
+                              "weights or activations")
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """A per-request generator, so a seeded request samples the same tokens whatever else shares its batch."""
     g = torch.Generator(device=device)
@@ -136,7 +145,8 @@ class PromptLogprobs:
     ranks: list[int] = field(default_factory=list)
 
     def add(self, logits: torch.Tensor, tokens: list[int], n: int) -> None:
-        """Append the positions whose logits are the rows of `logits`, before `tokens`."""
+        """Append the positions whose logits are the rows of `logits`, before `tokens` (NonFiniteLogits: none)."""
+        check_finite(logits)
         lsm = logits.float().log_softmax(-1)
         own = lsm.gather(1, torch.tensor(tokens, device=lsm.device)[:, None])
         self.ranks += (lsm >= own).sum(-1).tolist()
@@ -145,13 +155,9 @@ class PromptLogprobs:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
            ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked.
-    Raises NonFiniteLogits where a row holds NaN or +inf (or only -inf): a broken model, whose tokens would be
-    noise and whose logprobs no JSON can carry."""
-    top = logits.amax(-1)  # NaN wherever a row holds one, +inf likewise
-    if not bool(torch.isfinite(top).all()):
-        raise NonFiniteLogits(f"the model's logits are not finite (largest {top.tolist()[:4]}): NaN or inf in its "
-                              "weights or activations")
+    """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked
+    (NonFiniteLogits: see check_finite)."""
+    check_finite(logits)
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -110,6 +110,8 @@ class Frontend:
         --max-logprob-entries included (named by `logprobs_param` / `prompt_param`)."""
         if body.n != 1:
             raise bad_request("only n=1 is supported", "n")
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         lim = self.limits
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stop) > lim.max_stop_strings or any(len(x) > lim.max_stop_chars for x in stop):

@@ -38,6 +38,7 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's extension)
+    logit_bias: dict | None = None  # refused when given (Frontend.params): never silently ignored
 
 
 LogprobCount = Annotated[int, Field(ge=-1)]
