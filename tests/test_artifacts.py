@@ -230,6 +230,25 @@ def test_a_killed_writers_staging_is_removed_by_the_next_writer_only(tmp_path):
     assert live[0] not in left and other_host.name in left and art.version == 2
 
 
+def test_a_killed_writers_staging_is_removed_at_the_next_store_open(tmp_path):
+    """Issue 54 item 8: a killed writer's staging stayed until the next write of that name. Opening the store removes
+    it (this host's, its process gone); a live writer's and another host's stay."""
+    import subprocess
+
+    from llmq.artifacts.store import _host
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / "crashy" / f".staging-{_host()}-{dead.pid}-{'a' * 32}"
+    live = tmp_path / "other" / f".staging-{_host()}-{os.getpid()}-{'b' * 32}"
+    elsewhere = tmp_path / "crashy" / f".staging-elsewhere-{dead.pid}-{'c' * 32}"
+    for d in (left, live, elsewhere):
+        d.mkdir(parents=True)
+        (d / "half.bin").write_bytes(b"x")
+    Store.open(tmp_path)
+    assert not left.exists() and live.exists() and elsewhere.exists()
+
+
 def test_lineage_follows_parents(store):
     src = _write(store, name="src")
     mid = _write(store, name="mid", payload=b"m", parents=[src.id])

@@ -3,8 +3,8 @@
 Writers fill a hidden staging directory beside the versions and rename it into place, so readers never see a
 half-written artifact, and two concurrent writers of one name end up with distinct versions: rename onto an
 existing non-empty directory fails, and the loser simply takes the next number. A staging directory is named after
-its writer's host and process, so one left behind by a killed writer is removed by the next writer of that name on
-the same host once that process is gone (never one of another host's, whose processes we cannot see).
+its writer's host and process, so one left behind by a killed writer is removed when the store is next opened on the
+same host, once that process is gone (never one of another host's, whose processes we cannot see).
 
 Writers hash every file; loads check sizes and per-file stamps kept in `<store>/.stamps/` and re-hash only files
 whose stamp no longer matches (stamps.py); `Artifact.verify(full=True)` (`llmq verify`) re-hashes everything.
@@ -257,7 +257,14 @@ class Store:
 
     @classmethod
     def open(cls, path: Path | str | None = None) -> "Store":
-        return cls(path if path is not None else default_store_path())
+        """The store at `path` (default: LLMQ_STORE or the user's data directory), rid of the staging directories
+        killed writers of this host left behind (not only at the next write of their name)."""
+        store = cls(path if path is not None else default_store_path())
+        if store.root.is_dir():
+            for d in store.root.iterdir():
+                if _NAME.match(d.name):
+                    _remove_abandoned_staging(d)
+        return store
 
     def create(self, kind: str, name: str, parents: list[str] | None = None, config: dict | None = None,
                command: str | None = None, needs: int = 0) -> ArtifactWriter:
