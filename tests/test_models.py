@@ -77,6 +77,28 @@ def test_bad_references_fail_clearly(store, tiny_model_dir, tmp_path):
     assert store.names() == []
 
 
+def test_a_gguf_without_tokenizer_metadata_is_one_line(store, tmp_path):
+    """Issue 54 item 8: a GGUF whose architecture reads but which carries no tokenizer.ggml.* metadata gave a 57-line
+    traceback; now one line, and nothing stored."""
+    import gguf
+    import numpy as np
+
+    f = tmp_path / "notok.gguf"
+    w = gguf.GGUFWriter(str(f), "llama")
+    for add, v in [(w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 8),
+                   (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_head_count_kv, 2),
+                   (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 1e4), (w.add_vocab_size, 16)]:
+        add(v)
+    w.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(LlmqError, match="cannot build its tokenizer") as e:
+        resolve_model(str(f), store)
+    assert "\n" not in str(e.value) and store.names() == []
+
+
 def test_hub_id_without_network_is_one_clear_error(store, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what a machine without a network sees, without waiting on DNS
     t0 = time.monotonic()

@@ -72,7 +72,11 @@ def import_gguf(gguf: Path, store: Store, name: str, source: dict) -> Artifact:
         raise LlmqError(f"{gguf}: cannot read this GGUF ({str(e).splitlines()[0][:200]}); supported architectures: "
                         + ", ".join(SUPPORTED_ARCHITECTURES.values())) from None
     spec = ModelSpec.from_config(hf_config.to_dict())
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # no or unknown tokenizer.ggml.* metadata: transformers raises ValueError / KeyError
+        raise LlmqError(f"{gguf}: cannot build its tokenizer ({(str(e).splitlines() or [''])[0][:200]}); llmq needs "
+                        "a GGUF that carries its tokenizer (tokenizer.ggml.* metadata)") from None
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()
              if not (spec.tie_word_embeddings and k == "lm_head.weight")}
