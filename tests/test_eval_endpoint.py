@@ -205,11 +205,20 @@ def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
     assert f"tiny at {live.url}" in md and "From top-" not in md and "refused" not in md
 
 
+EVENT = b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'
+ANSWER = b'{"choices": [{"index": 0, "text": "1", "finish_reason": "length"}]}'
+
+
 @contextmanager
-def _fake(kind: str):
-    """A server on a free port that is no OpenAI endpoint: `html` answers every GET / POST with a web page, `models`
-    lists a model but answers completions with a page, `hang` accepts connections and never answers."""
-    port = free_port()
+def _fake(kind: str, key: str = ""):
+    """A server on a free loopback port that is no OpenAI endpoint: `html` answers every GET / POST with a web page,
+    `models` lists a model but answers completions with a page, `hang` accepts connections and never answers. The
+    hostile ones list a model and then answer completions with: `sse` an event stream that never ends, `drip` a valid
+    answer a byte at a time, `endless` a chunked body that never ends, `error500` a 500, `impossible` logprobs of 1e308
+    in vLLM's prompt_logprobs shape, `nologprobs` a text answer, or to any logprobs request a 400 quoting the key
+    sent (as a careless server might); `huge` answers /v1/models with a 1 GB Content-Length body. The endless
+    ones end when the with-block does. `key`: the bearer token every GET must carry."""
+    port, stop = free_port(), threading.Event()
     if kind == "hang":
         sock = socket.socket()
         sock.bind(("127.0.0.1", port))
@@ -221,36 +230,88 @@ def _fake(kind: str):
         return
 
     class H(http.server.BaseHTTPRequestHandler):
-        def _send(self, body: bytes, ctype: str):
-            self.send_response(200)
+        protocol_version = "HTTP/1.1"
+
+        def _head(self, status: int, ctype: str, **headers):
+            self.close_connection = kind in ("sse", "endless", "huge")  # a never-ending answer ends its connection
+            self.send_response(status)
             self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
+            for k, v in headers.items():
+                self.send_header(k.replace("_", "-"), str(v))
             self.end_headers()
+
+        def _send(self, body: bytes, ctype: str = "application/json", status: int = 200):
+            self._head(status, ctype, Content_Length=len(body))
             self.wfile.write(body)
 
         def do_GET(self):
-            if kind == "models" and self.path == "/v1/models":
-                return self._send(b'{"data": [{"id": "m", "max_model_len": 64}]}', "application/json")
+            if self.headers.get("Authorization", "") != (f"Bearer {key}" if key else ""):
+                return self._send(b'{"error": {"message": "bad key"}}', status=401)
+            if kind == "huge":
+                self._head(200, "application/json", Content_Length=1 << 30)
+                while not stop.is_set():  # or until the client leaves
+                    self.wfile.write(b" " * (1 << 16))
+                return
+            if kind != "html" and self.path == "/v1/models":
+                return self._send(b'{"data": [{"id": "m", "max_model_len": 64}]}')
             self._send(b"<html>hello</html>", "text/html")
 
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if kind == "sse":
+                self._head(200, "text/event-stream", Transfer_Encoding="chunked")
+                while not stop.is_set():
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(EVENT), EVENT))
+                    time.sleep(0.01)
+                return
+            if kind == "drip":
+                self._head(200, "application/json", Content_Length=len(ANSWER))
+                for i in range(len(ANSWER)):
+                    self.wfile.write(ANSWER[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.2)
+                return
+            if kind == "endless":
+                self._head(200, "application/json", Transfer_Encoding="chunked")
+                chunk = b"x" * (1 << 16)
+                while not stop.is_set():
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                return
+            if kind == "error500":
+                return self._send(b'{"error": {"message": "internal error"}}', status=500)
+            if kind == "impossible":
+                k = max(body.get("prompt_logprobs") or 0, 20)
+                rows = [None] + [{str(t): {"logprob": 1e308, "rank": 1}, **{str(i): {"logprob": 1e308, "rank": 1}
+                                                                             for i in range(k)}}
+                                 for t in body["prompt"][1:]]
+                return self._send(json.dumps({"choices": [{"text": "1", "prompt_logprobs": rows}]}).encode())
+            if kind == "nologprobs":
+                if not any(body.get(k) for k in ("logprobs", "prompt_logprobs", "n_probs", "echo")):
+                    return self._send(ANSWER)
+                msg = f"no logprobs for key {self.headers.get('Authorization', '').split(' ')[-1]}"
+                return self._send(json.dumps({"error": {"message": msg}}).encode(), status=400)
             self._send(b"<html>hello</html>", "text/html")
 
         def log_message(self, *a):
             pass
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # a client that left mid-answer: what the hostile kinds wait for
+
+    srv = Server(("127.0.0.1", port), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        stop.set()
         srv.shutdown()
+        srv.server_close()
 
 
 @pytest.mark.parametrize("kind,message", [
     ("dead", "cannot reach"), ("html", "did not return an OpenAI model list"),
-    ("models", "did not answer a JSON object"), ("hang", "cannot reach .*ReadTimeout"),
+    ("models", "did not answer a JSON object"), ("hang", "cannot reach .*ReadTimeout|no complete answer within 1 s"),
     ("both", "give REF or --endpoint URL, not both")])
 def test_bad_endpoints_fail_in_one_line(setup, kind, message):
     store, base, _, _ = setup

@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from .secrets import redact_argv, scrub
+
 SCHEMA_VERSION = 2
 UNSEALED_SCHEMA = 1  # still read: manifests from before the digest
 UNSEALED_KEYS = frozenset({"digest", "created"})
@@ -59,11 +61,12 @@ def environment() -> dict:
 
 
 def current_command() -> str:
-    """The command line that is writing, as the user typed it (`llmq ...` also for `python -m llmq ...`)."""
+    """The command line that is writing, as the user typed it (`llmq ...` also for `python -m llmq ...`), its
+    secrets masked."""
     argv0 = sys.argv[0] if sys.argv else ""
     if argv0.endswith("llmq") or argv0.endswith("llmq/__main__.py"):
-        return shlex.join(["llmq", *sys.argv[1:]])
-    return shlex.join(sys.argv)
+        return shlex.join(["llmq", *redact_argv(sys.argv[1:])])
+    return shlex.join(redact_argv(sys.argv))
 
 
 def digest(manifest: dict) -> str:
@@ -91,6 +94,7 @@ def build(*, kind: str, name: str, version: int, id: str, parents: list[str], co
         "metrics": metrics,
     }
     manifest = json.loads(json.dumps(manifest, default=str))  # exactly what a reader will parse, digested
+    manifest.update(command=scrub(manifest["command"]), config=scrub(manifest["config"]))
     manifest["digest"] = digest(manifest)
     return manifest
 

@@ -5,6 +5,10 @@ next request when the last one finished) and open loop (Poisson arrivals at a gi
 how fast the server answers). Requests still running when the time limit hits are cancelled and marked so.
 Token counts come from the server's `usage` (requested with stream_options.include_usage); a server that sends
 none gets its counts estimated (by tokenizing the output when a tokenizer is known, else one token per chunk).
+
+Every request to an endpoint, here and in `llmq eval --endpoint` / `deploy verify`, is bounded as a whole: its answer
+must be complete within a deadline (a bound per read never ends a server that drips its answer or streams forever)
+and within answer_limit bytes of what was asked, read as it arrives (an endless or huge body is refused, not held).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..artifacts.secrets import redact
 from ..errors import LlmqError
 from .prompts import Prompt
 from .stats import RequestRecord
@@ -46,23 +51,65 @@ def normalize_url(url: str) -> str:
     return url
 
 
+ANSWER_BYTES = 8 << 20  # what any answer may hold, beyond ITEM_BYTES for each token or logprob entry asked for
+ITEM_BYTES = 512  # a streamed chunk, or a JSON logprob entry with its decoded token, generously
+
+
+def answer_limit(items: int = 0) -> int:
+    """The most bytes an answer holding `items` tokens or logprob entries may take."""
+    return ANSWER_BYTES + ITEM_BYTES * items
+
+
+async def body_chunks(resp, limit: int):
+    """`resp`'s body as it arrives; a one-line LlmqError once it passes `limit` bytes (or declares more)."""
+    big = f"{resp.request.url}: the answer is larger than {limit / 2**20:.4g} MiB"
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise LlmqError(big)
+    got = 0
+    async for chunk in resp.aiter_bytes():
+        got += len(chunk)
+        if got > limit:
+            raise LlmqError(big)
+        yield chunk
+
+
+async def read_body(resp, limit: int) -> bytes:
+    """`resp`'s whole body, at most `limit` bytes (body_chunks)."""
+    return b"".join([c async for c in body_chunks(resp, limit)])
+
+
+async def fetch(client, method: str, url: str, deadline: float, limit: int, **kw) -> tuple[int, bytes]:
+    """(status, body) of one request, all of it within `deadline` seconds and `limit` bytes; a one-line LlmqError
+    for a transport failure or either bound."""
+    import httpx
+
+    async def whole():
+        async with client.stream(method, url, **kw) as resp:
+            return resp.status_code, await read_body(resp, limit)
+
+    try:
+        return await asyncio.wait_for(whole(), deadline)
+    except asyncio.TimeoutError:
+        raise LlmqError(f"{url}: no complete answer within {deadline:g} s") from None
+    except httpx.HTTPError as e:
+        raise LlmqError(f"cannot reach {url}: {type(e).__name__}: {e or 'no answer'}") from None
+
+
 async def probe(url: str, model: str | None, api_key: str | None = None, timeout: float = 10.0) -> Endpoint:
     """Check that `url` serves the OpenAI API (GET /v1/models) and `model`; a clear LlmqError before any load."""
     import httpx
 
     base = normalize_url(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        status, content = await fetch(client, "GET", base + "/v1/models", timeout, answer_limit(), headers=headers)
+    if status in (401, 403):
+        raise LlmqError(f"{base} refused the request (HTTP {status}); give the key with --api-key")
+    if status != 200:
+        raise LlmqError(f"{base}/v1/models answered HTTP {status}; is this an OpenAI-compatible endpoint?")
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            resp = await client.get(base + "/v1/models", headers=headers)
-    except httpx.HTTPError as e:
-        raise LlmqError(f"cannot reach {base}: {type(e).__name__}: {e or 'no answer'}") from None
-    if resp.status_code in (401, 403):
-        raise LlmqError(f"{base} refused the request (HTTP {resp.status_code}); give the key with --api-key")
-    if resp.status_code != 200:
-        raise LlmqError(f"{base}/v1/models answered HTTP {resp.status_code}; is this an OpenAI-compatible endpoint?")
-    try:
-        data = resp.json()["data"]
+        data = json.loads(content)["data"]
         served = {m["id"]: m for m in data}
     except (ValueError, KeyError, TypeError):
         raise LlmqError(f"{base}/v1/models did not return an OpenAI model list; is this an OpenAI-compatible "
@@ -81,13 +128,15 @@ async def probe(url: str, model: str | None, api_key: str | None = None, timeout
 
 
 def error_message(body: bytes) -> str:
-    """The message of an OpenAI-style error body (else the body's start), for a one-line error."""
+    """The message of an OpenAI-style error body (else the body's start), on one line and without secrets: the one
+    way a server's words reach an error line or a report."""
     try:
         err = json.loads(body)
         err = err.get("error", err) if isinstance(err, dict) else err
-        return str(err.get("message", err) if isinstance(err, dict) else err)[:200]
+        text = str(err.get("message", err) if isinstance(err, dict) else err)
     except ValueError:
-        return body.decode(errors="replace")[:200]
+        text = body[:4096].decode(errors="replace")
+    return redact(" ".join(text.split()))[:200]
 
 
 class LoadGenerator:
@@ -139,57 +188,67 @@ class LoadGenerator:
             rec.prompt_tokens = prompt.input_len
 
     async def send(self, client, index: int, prompt: Prompt, t0: float, records: list[RequestRecord]) -> None:
-        """One streamed request; its record is appended first, so a cancelled request is still accounted for."""
+        """One streamed request, whole within request_timeout seconds and answer_limit(max_tokens) bytes; its record
+        is appended first, so a cancelled request is still accounted for."""
         import httpx
 
         url, body = self._request(prompt)
         rec = RequestRecord(index=index, start=time.perf_counter() - t0)
         records.append(rec)
         parts: list[str] = []
-        usage = None
         try:
-            async with client.stream("POST", url, json=body, headers=self.endpoint.headers,
-                                     timeout=self.request_timeout) as resp:
-                if resp.status_code != 200:
-                    rec.error = f"HTTP {resp.status_code}: {error_message(await resp.aread())}"
-                    rec.end = time.perf_counter() - t0
-                    return
-                async for line in resp.aiter_lines():
-                    now = time.perf_counter() - t0
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if not isinstance(chunk, dict):
-                        raise ValueError(f"unexpected stream event {data[:80]!r}")
-                    if "error" in chunk:
-                        rec.error = f"in-stream error: {error_message(data.encode())}"
-                        break
-                    text = self._content(chunk)
-                    if text:
-                        if rec.ttft is None:
-                            rec.ttft = now - rec.start
-                        rec.chunk_times.append(now)
-                        parts.append(text)
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-            rec.end = time.perf_counter() - t0
+            usage = await asyncio.wait_for(self._stream(client, url, body, rec, t0, parts), self.request_timeout)
         except asyncio.CancelledError:
             rec.cancelled = True
             raise
+        except asyncio.TimeoutError:
+            rec.error = f"no complete answer within {self.request_timeout:g} s"
+        except LlmqError as e:  # an error status, or an answer past its size
+            rec.error = str(e)
         except (httpx.HTTPError, ValueError) as e:
             rec.error = f"{type(e).__name__}: {str(e)[:200]}"
-            rec.end = time.perf_counter() - t0
-            return
-        if rec.error is None and rec.ttft is None:
-            rec.error = "the response carried no output text"
-        if usage and usage.get("completion_tokens") is not None:
-            rec.completion_tokens = int(usage["completion_tokens"])
-            rec.prompt_tokens = usage.get("prompt_tokens")
         else:
-            self._estimate(rec, prompt, "".join(parts))
+            rec.end = time.perf_counter() - t0
+            if rec.error is None and rec.ttft is None:
+                rec.error = "the response carried no output text"
+            if usage and usage.get("completion_tokens") is not None:
+                rec.completion_tokens = int(usage["completion_tokens"])
+                rec.prompt_tokens = usage.get("prompt_tokens")
+            else:
+                self._estimate(rec, prompt, "".join(parts))
+            return
+        rec.end = time.perf_counter() - t0
+
+    async def _stream(self, client, url: str, body: dict, rec: RequestRecord, t0: float, parts: list[str]
+                      ) -> dict | None:
+        """Read one answer's events into `rec` (chunk times, an error) and `parts` (its text); its usage, if sent."""
+        usage = None
+        limit = answer_limit(body["max_tokens"])
+        async with client.stream("POST", url, json=body, headers=self.endpoint.headers) as resp:
+            if resp.status_code != 200:
+                raise LlmqError(f"HTTP {resp.status_code}: {error_message(await read_body(resp, limit))}")
+            async for line in _lines(body_chunks(resp, limit)):
+                now = time.perf_counter() - t0
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"unexpected stream event {error_message(data.encode())[:80]!r}")
+                if "error" in chunk:
+                    rec.error = f"in-stream error: {error_message(data.encode())}"
+                    break
+                text = self._content(chunk)
+                if text:
+                    if rec.ttft is None:
+                        rec.ttft = now - rec.start
+                    rec.chunk_times.append(now)
+                    parts.append(text)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        return usage
 
     def _client(self, connections: int):
         import httpx
@@ -243,6 +302,17 @@ class LoadGenerator:
                 tasks.append(asyncio.create_task(self.send(client, i, p, t0, records)))
             await self._finish(tasks, deadline)
         return sorted(records, key=lambda r: r.index)
+
+
+async def _lines(chunks):
+    """The lines of a body arriving in `chunks` (bytes), decoded; a line's end is LF or CRLF."""
+    rest = b""
+    async for chunk in chunks:
+        *done, rest = (rest + chunk).split(b"\n")
+        for line in done:
+            yield line.rstrip(b"\r").decode(errors="replace")
+    if rest:
+        yield rest.decode(errors="replace")
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> np.ndarray:

@@ -19,10 +19,12 @@ answers k = -1 with the whole vocabulary (vLLM's and `llmq serve`'s `--max-logpr
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 
 import torch
 
-from ..bench.loadgen import Endpoint, error_message
+from ..bench.loadgen import Endpoint, answer_limit, error_message, fetch
 from ..errors import LlmqError
 from ..runtime import ScoreRequest
 from .lm import DEFAULT_MAX_LENGTH, EvalLM, ProgressFn, Score
@@ -30,6 +32,7 @@ from .lm import DEFAULT_MAX_LENGTH, EvalLM, ProgressFn, Score
 TOP_K = 20  # the most OpenAI's API, vLLM's default max_logprobs and `llmq serve` return
 PROMPT_SHAPES = ("prompt_logprobs", "echo")  # shapes that give the logprobs of given tokens
 FORCE_BIAS = 1e4  # a logit bias no other token's logit can beat: the token generated is the one scored
+MASS_SLACK = 1e-3  # the rounding a server's logprobs may carry: probabilities summing past 1 + this are impossible
 CONCURRENCY = 8
 
 
@@ -38,6 +41,7 @@ class EndpointLM(EvalLM):
     logprobs a position gives, None where the server gives whole distributions."""
 
     top_k: int | None = TOP_K
+    declined: str | None = None  # the last error status the server answered, for a refusal's line
 
     def __init__(self, ep: Endpoint, tokenizer, seed: int = 0, progress: ProgressFn | None = None,
                  max_length: int = DEFAULT_MAX_LENGTH, timeout: float = 60.0):
@@ -50,27 +54,31 @@ class EndpointLM(EvalLM):
 
     # -- HTTP --------------------------------------------------------------------------------------------------------
     async def _post(self, client, path: str, body: dict, strict: bool = True) -> dict | None:
-        """The JSON answer; a one-line LlmqError for a transport failure, a timeout, a non-JSON answer, or (strict) an
-        error status; None for an error status when not strict: a capability the server lacks (llama-server answers
-        `echo` with a 500)."""
-        import httpx
-
+        """The JSON answer, whole within --timeout and its size bound (loadgen.fetch); a one-line LlmqError for a
+        transport failure, either bound, a non-JSON answer, or (strict) an error status; None for an error status
+        when not strict: a capability the server lacks (llama-server answers `echo` with a 500)."""
         url = self.ep.base + path
-        try:
-            r = await client.post(url, json=body, headers=self.ep.headers)
-        except httpx.HTTPError as e:
-            raise LlmqError(f"{url}: {type(e).__name__}: {e or 'no answer'} (timeout {self.timeout:g} s)") from None
-        if r.status_code != 200:
+        status, content = await fetch(client, "POST", url, self.timeout, self._limit(body), json=body,
+                                      headers=self.ep.headers)
+        if status != 200:
+            self.declined = f"HTTP {status}: {error_message(content)}"
             if strict:
-                raise LlmqError(f"{url} answered HTTP {r.status_code}: {error_message(r.content)}")
+                raise LlmqError(f"{url} answered {self.declined}")
             return None
         try:
-            data = r.json()
+            data = json.loads(content)
         except ValueError:
             data = None
         if not isinstance(data, dict):
             raise LlmqError(f"{url} did not answer a JSON object; is this an OpenAI-compatible endpoint?")
         return data
+
+    def _limit(self, body: dict) -> int:
+        """The size bound of an answer to `body`: a logprob entry for each of its top k (or, k = -1, the vocabulary)
+        at each prompt and generated token."""
+        ks = [body.get(key) for key in ("prompt_logprobs", "logprobs", "n_probs")]
+        per = len(self.tokenizer) if -1 in ks else max(k or 0 for k in ks) + 1
+        return answer_limit((len(body["prompt"]) + body.get("max_tokens", body.get("n_predict", 0))) * per)
 
     def _post_all(self, path: str, bodies: list[dict], progress: bool = True, strict: bool = True
                   ) -> list[dict | None]:
@@ -155,7 +163,8 @@ class EndpointLM(EvalLM):
         got = {None: "returns no logprobs named by token id",
                "logprobs": "returns next-token logprobs only"}.get(self.shape, self.shape)
         return (f"{what} refused: {self.ep.base} {got} (tried vLLM's prompt_logprobs, echo + logprobs, logprobs with "
-                "return_tokens_as_token_ids, llama-server's n_probs)")
+                "return_tokens_as_token_ids, llama-server's n_probs" +
+                (f"; its last error answer: {self.declined})" if self.declined else ")"))
 
     def _prompts(self, prompts: list[list[int]], k: int, progress: bool = False) -> list[list[dict[int, float]]]:
         """For a prompt shape, one request a prompt: {token id: logprob} of the distribution before each of its tokens
@@ -167,7 +176,22 @@ class EndpointLM(EvalLM):
     def _checked(self, out: list | None, n: int) -> list[dict[int, float]]:
         if out is None or len(out) != n or not all(out):
             raise LlmqError(f"{self.ep.base} answered logprobs in an unexpected shape ({self.shape})")
+        for row in out:
+            self._possible(row.values())
         return out
+
+    def _possible(self, logprobs) -> None:
+        """Refuse, in one line, the logprobs of one position no distribution has: one above 0, probabilities
+        summing past 1, NaN (beyond MASS_SLACK of rounding). Taken as given they would pass any gate: a logprob of
+        1e308 everywhere makes every KL divergence 0."""
+        lps = list(logprobs)
+        worst = max(lps)  # NaN when it comes first; a NaN after it makes the mass NaN
+        if not worst <= math.log1p(MASS_SLACK):
+            raise LlmqError(f"{self.ep.base} answered a logprob of {worst:g}, which no probability has; refused")
+        mass = math.fsum(map(math.exp, lps))
+        if not mass <= 1 + MASS_SLACK:
+            raise LlmqError(f"{self.ep.base} answered probabilities summing to {mass:.6g} at one position: no "
+                            "distribution holds more than 1; refused")
 
     def _positions(self, tokens: list[int], k: int) -> list[dict[int, float]]:
         """{token id: logprob} of the distribution after each of tokens[:-1], its top k at least."""
@@ -199,6 +223,7 @@ class EndpointLM(EvalLM):
                 if gid != tok:
                     raise LlmqError(f"{self.ep.base} ignored logit_bias (generated token {gid}, forced {tok}): it "
                                     "cannot score given text this way")
+                self._possible([lp])
                 logprob, greedy = logprob + lp, greedy and top == tok
             out.append(Score(logprob, greedy))
             self.progress(0, 1)

@@ -6,7 +6,8 @@ are compared with it. KL divergence needs both models' distributions, so it is a
 
 The evaluated model is an artifact (run in-process) or `Served`: an OpenAI-compatible endpoint (endpoint.py), whose
 baseline still runs in-process. What the endpoint cannot give (scoring tasks without prompt logprobs, kld without
-logprobs) is refused in the report's `refused` lines; the rest runs.
+logprobs) fails the run before anything runs, or with `skip_unsupported` is refused in the report's `refused` lines
+while the rest runs.
 """
 
 from __future__ import annotations
@@ -168,6 +169,10 @@ def run_eval(store: Store, evaluated: Artifact | Served, baseline: Artifact | No
     try:
         if served:
             refused = _refuse(lm, ts, settings)
+            if refused and not settings.skip_unsupported:
+                raise LlmqError("; ".join(refused) + " (--skip-unsupported runs the rest)")
+            if not settings.lm_tasks and not settings.kld:
+                raise LlmqError("the endpoint can give none of the tasks: " + "; ".join(refused))
         base_settings = replace(settings, backend="llmq", speculative={}) if served else settings  # in-process
         scores = run_lm_tasks(lm, ts, settings)
         base_scores, cached, hit, kld, base_lm = None, None, None, None, None

@@ -39,6 +39,7 @@ class EvalSettings:
     lm_tasks: list[str] = field(default_factory=list)  # expanded lm-eval task names (filled by plan())
     kld: bool = False
     kld_top_k: int | None = None  # score the evaluated model's KL from its top k only, as an endpoint's (kld.py)
+    skip_unsupported: bool = False  # an endpoint's tasks it cannot give are refused in the report, not a failure
     # EngineConfig's speculative fields for the evaluated model: lossless, so not part of scores_key
     speculative: dict = field(default_factory=dict)
 
@@ -85,7 +86,9 @@ class EvalOptions(SpeculativeOptions):
                                   metavar="URL")
     model: str | None = option(None, "Model id to request from --endpoint (default: the only one it serves).")
     api_key: str | None = option(None, "Bearer key for --endpoint (env LLMQ_API_KEY).", envvar="LLMQ_API_KEY")
-    timeout: float = option(60.0, "Seconds to wait for each answer of --endpoint.", gt=0)
+    timeout: float = option(60.0, "Seconds each answer of --endpoint may take, all of it.", gt=0)
+    skip_unsupported: bool = option(False, "Run the tasks the endpoint can give and list the others as refused in "
+                                    "the report (default: such a task fails the run before anything runs).")
     kld_top_k: int | None = option(None, "Take REF's KL divergence from its top K logprobs plus one bin for the "
                                    "rest, as an endpoint's is (to compare the two); default: whole distributions.",
                                    ge=1, metavar="K")
@@ -109,6 +112,7 @@ class EvalOptions(SpeculativeOptions):
         return EvalSettings(tasks=list(self.tasks), limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),
                             seed=self.seed, backend="endpoint" if self.endpoint else self.backend,
                             allow_code_execution=self.allow_code_execution, kld_top_k=self.kld_top_k,
+                            skip_unsupported=self.skip_unsupported,
                             speculative=self.engine_fields(store) if self.speculative else {})
 
 
@@ -119,7 +123,9 @@ class VerifyOptions(Options):
     endpoint: str = option(help="The deployment's OpenAI-compatible URL.", metavar="URL")
     model: str | None = option(None, "Model id to request (default: the only one it serves).")
     api_key: str | None = option(None, "Bearer key for the endpoint (env LLMQ_API_KEY).", envvar="LLMQ_API_KEY")
-    timeout: float = option(60.0, "Seconds to wait for each answer.", gt=0)
+    timeout: float = option(60.0, "Seconds each answer may take, all of it.", gt=0)
+    skip_unsupported: bool = option(False, "Run the tasks the endpoint can give and list the others as refused in "
+                                    "the report (default: such a task fails the run before anything runs).")
     tasks: list[str] = option(["kld", "code", "math"], "Comma-separated: what both sides run (as llmq eval's "
                               "--tasks).", min_items=1)
     limit: int | None = option(None, f"Items per task (default {DEFAULT_LIMIT}; 0 = all).", ge=0)
@@ -134,7 +140,8 @@ class VerifyOptions(Options):
 
     def settings(self) -> EvalSettings:
         return EvalSettings(tasks=list(self.tasks), seed=self.seed, backend="endpoint",
-                            limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None))
+                            limit=DEFAULT_LIMIT if self.limit is None else (self.limit or None),
+                            skip_unsupported=self.skip_unsupported)
 
 
 def task_cache_dir() -> Path:
