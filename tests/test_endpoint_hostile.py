@@ -124,6 +124,18 @@ def test_a_keyed_run_writes_its_key_nowhere(tiny, monkeypatch, tmp_path):
     assert not [o for o in outputs if KEY in o]
 
 
+def test_secrets_are_masked_on_the_command_line_and_in_any_text(monkeypatch):
+    """--api-key's value whatever its length (as the next word or after `=`), `*_API_KEY` values, bearer tokens."""
+    from llmq.artifacts.manifest import current_command
+    from llmq.artifacts.secrets import redact
+
+    monkeypatch.setenv("SOME_PROVIDER_API_KEY", "provider-secret-value")
+    monkeypatch.setattr(sys, "argv", ["llmq", "eval", "--api-key", "k1", "--name", "provider-secret-value",
+                                      "--api-key=k2"])
+    assert current_command() == "llmq eval --api-key '***' --name '***' '--api-key=***'"
+    assert redact("no provider-secret-value; Authorization: Bearer abc.def") == "no ***; Authorization: Bearer ***"
+
+
 def test_impossible_logprobs_are_refused_in_one_line(tiny, monkeypatch):
     """Logprobs of 1e308 at every entry (before: KLD 0 and a passing `kld<=1` gate) end the run in one line, exit 2,
     nothing stored; so do probabilities summing past 1 and NaN, while float32 rounding passes."""

@@ -40,19 +40,20 @@ def secrets() -> list[str]:
     return sorted((s for s in found if len(s) >= MIN_LEN), key=len, reverse=True)
 
 
-def redact(text: str) -> str:
-    """`text` with every secret masked."""
-    for s in secrets():
+def redact(text: str, found: list[str] | None = None) -> str:
+    """`text` with every secret (`found`, by default secrets()) masked."""
+    for s in secrets() if found is None else found:
         text = text.replace(s, MASK)
     return _BEARER.sub(rf"\g<1>{MASK}", text)
 
 
-def scrub(value):
+def scrub(value, found: list[str] | None = None):
     """A JSON-like value with every string in it redacted."""
+    found = secrets() if found is None else found
     if isinstance(value, str):
-        return redact(value)
+        return redact(value, found)
     if isinstance(value, dict):
-        return {scrub(k): scrub(v) for k, v in value.items()}
+        return {scrub(k, found): scrub(v, found) for k, v in value.items()}
     if isinstance(value, list):
-        return [scrub(v) for v in value]
+        return [scrub(v, found) for v in value]
     return value
