@@ -87,13 +87,9 @@ def test_runtime_equals_transformers(models, family, tp):
         ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)
         want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    config = EngineConfig(tp=tp, max_model_len=128, kv_cache_memory=32 << 20, max_num_batched_tokens=16)
-    if tp > 1 and ARCHS[family].linear_attention is not None:
-        with pytest.raises(LlmqError, match="tensor parallelism of Gated DeltaNet layers is not implemented yet"):
-            LLMEngine(path, config)
-        return
-    # chunked prefill: later chunks read their window of the cache through block tables
-    eng = LLMEngine(path, config)
+    # chunked prefill: later chunks read their window of the cache through block tables (and resume recurrent
+    # states: a Gated DeltaNet's at tp 2 split by value heads)
+    eng = LLMEngine(path, EngineConfig(tp=tp, max_model_len=128, kv_cache_memory=32 << 20, max_num_batched_tokens=16))
     try:
         got = eng.prompt_logprobs(ids).double()
         out = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]

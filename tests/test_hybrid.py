@@ -1,7 +1,8 @@
 """Hybrid models: Qwen3.5's Gated DeltaNet layers (a recurrent state per sequence) among full-attention layers, in
 llmq's runtime against transformers 5.23 in float32: chunked prefill resuming a state, batched decodes on their state
 slots, preemption, the delta rule against a float64 recurrence, quantized artifacts against transformers' loader, and
-the one-line refusals of what the other stages do not take yet."""
+the one-line refusals of what the other stages do not take yet. Tensor parallelism (value heads split with their key
+heads): tests/test_families.py at tp 2."""
 
 from __future__ import annotations
 
@@ -118,8 +119,7 @@ def test_preempted_sequences_recompute_their_state(model):
 
 
 def test_what_the_runtime_does_not_run_with_gated_deltanet_layers_is_refused(model):
-    for config, words in ((dict(tp=2), "tensor parallelism"), (dict(compile=True), "--compile"),
-                          (dict(kv_cache_dtype="fp8"), "KV caches")):
+    for config, words in ((dict(compile=True), "--compile"), (dict(kv_cache_dtype="fp8"), "KV caches")):
         with pytest.raises(LlmqError, match=f"^Qwen3_5ForCausalLM: .*{words}") as e:
             LLMEngine(model, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20, **config))
         assert "\n" not in str(e.value)
@@ -190,8 +190,8 @@ def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts)
 
 
 @pytest.mark.parametrize("change,words", [
-    (lambda cfg, st: cfg.update(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
-     "layer_types"),
+    (lambda cfg, st: cfg.update(layer_types=["linear_attention", "sliding_attention", "linear_attention",
+                                             "full_attention"]), "layer_types"),
     (lambda cfg, st: st.pop("model.layers.1.linear_attn.conv1d.weight"), "model.layers.1.linear_attn.conv1d.weight"),
     (lambda cfg, st: st.update({"model.layers.0.linear_attn.A_log": torch.zeros(3)}), "linear_attn.A_log"),
     (lambda cfg, st: cfg.update(linear_num_value_heads=3), "linear_num_value_heads=3"),

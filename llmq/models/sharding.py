@@ -73,6 +73,12 @@ class ShardPlan:
     padded_vocab_size: int    # multiple of tp; lm_head (and a parallel embedding) rows past vocab_size are zero
     parallel_embedding: bool
     expert_size: int = 0      # a MoE layer's expert width, split like the MLP's (every rank holds every expert)
+    attn_gate: bool = False   # q_proj holds each head's query and output gate (Arch.attn_gate)
+    # a hybrid model's Gated DeltaNet layers (ModelSpec.linear_*): split by value heads, each rank with their key heads
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
 
     @property
     def heads_per_rank(self) -> int:
@@ -108,8 +114,28 @@ class ShardPlan:
         """q_proj output rows of this rank; also o_proj's input columns."""
         return head_rows(self.q_heads(rank), self.head_dim)
 
+    def q_proj_rows(self, rank: int) -> torch.Tensor:
+        """q_proj output rows of this rank: q_rows, or with the family's output gate each head's query and gate."""
+        return head_rows(self.q_heads(rank), self.head_dim * (2 if self.attn_gate else 1))
+
     def kv_rows(self, rank: int) -> torch.Tensor:
         return head_rows(self.kv_heads(rank), self.head_dim)
+
+    def linear_heads(self, rank: int) -> torch.Tensor:
+        """This rank's Gated DeltaNet value heads (its in_proj_b / in_proj_a rows, A_log and dt_bias entries)."""
+        n = self.linear_value_heads // self.tp
+        return torch.arange(rank * n, (rank + 1) * n)
+
+    def linear_v_rows(self, rank: int) -> torch.Tensor:
+        """in_proj_z output rows of this rank's value heads; also out_proj's input columns."""
+        return head_rows(self.linear_heads(rank).tolist(), self.linear_value_dim)
+
+    def linear_qkv_rows(self, rank: int) -> torch.Tensor:
+        """in_proj_qkv output rows (and convolution channels) of this rank: the q and k channels of its key heads
+        (value heads are grouped by key head, so a rank's value heads read its own key heads), then its v channels."""
+        n, width = self.linear_key_heads // self.tp, self.linear_key_heads * self.linear_key_dim
+        keys = head_rows(list(range(rank * n, (rank + 1) * n)), self.linear_key_dim)
+        return torch.cat([keys, width + keys, 2 * width + self.linear_v_rows(rank)])
 
     def mlp_rows(self, rank: int) -> torch.Tensor:
         """gate/up output rows of this rank; also down_proj's input columns."""
@@ -158,11 +184,16 @@ def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embe
         raise LlmqError(f"--tp {tp} does not divide the experts' MLP width {spec.expert_size}")
     if not spec.num_experts and spec.intermediate_size % tp:
         raise LlmqError(f"--tp {tp} does not divide the MLP width {spec.intermediate_size}")
+    if spec.linear_layers and spec.linear_key_heads % tp:
+        raise LlmqError(f"--tp {tp} does not divide the Gated DeltaNet layers' {spec.linear_key_heads} key heads")
     padded_vocab = -(-spec.vocab_size // tp) * tp
     return ShardPlan(tp=tp, num_heads=heads, num_kv_heads=kv, head_dim=spec.head_dim, padded_heads=padded,
                      padded_kv_heads=kv_padded, intermediate_size=spec.intermediate_size,
                      hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, padded_vocab_size=padded_vocab,
-                     parallel_embedding=parallel_embedding, expert_size=spec.expert_size)
+                     parallel_embedding=parallel_embedding, expert_size=spec.expert_size,
+                     attn_gate=spec.arch.attn_gate, linear_key_heads=spec.linear_key_heads,
+                     linear_value_heads=spec.linear_value_heads, linear_key_dim=spec.linear_key_dim,
+                     linear_value_dim=spec.linear_value_dim)
 
 
 def take(t: torch.Tensor, idx: torch.Tensor, dim: int, fill: float = 0) -> torch.Tensor:
@@ -311,12 +342,28 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
 
 def split_layer(full: dict[str, LinearWeights], plan: ShardPlan, rank: int) -> dict[str, LinearWeights]:
     """One rank's slice of a layer's linears (by role), each split as arch.split_of says (a router whole)."""
-    index = {"q": plan.q_rows(rank), "kv": plan.kv_rows(rank), "mlp": plan.mlp_rows(rank), "moe": plan.moe_rows(rank)}
+    index = {"q": plan.q_rows, "q_proj": plan.q_proj_rows, "kv": plan.kv_rows, "mlp": plan.mlp_rows,
+             "moe": plan.moe_rows, "linear_qkv": plan.linear_qkv_rows, "linear_v": plan.linear_v_rows,
+             "linear_heads": plan.linear_heads}
     cut = {"rows": split_rows, "cols": split_cols}
     out = {}
     for role, lw in full.items():
         axis, which = split_of(role)
-        out[role] = lw if axis == "replicated" else cut[axis](lw, index[which])
+        out[role] = lw if axis == "replicated" else cut[axis](lw, index[which](rank))
+    return out
+
+
+def split_linear_tensors(tensors: dict[str, torch.Tensor], plan: ShardPlan, rank: int) -> dict[str, torch.Tensor]:
+    """One rank's share of a Gated DeltaNet layer's other tensors (ModelSpec.linear_tensors, by path): the
+    convolution's channels and the per-head decay parameters follow the rank's heads, the norm (per value dim) is
+    whole."""
+    out = {}
+    for path, t in tensors.items():
+        if path.endswith("conv1d.weight"):
+            t = t.index_select(0, plan.linear_qkv_rows(rank))
+        elif path.endswith(("A_log", "dt_bias")):
+            t = t.index_select(0, plan.linear_heads(rank))
+        out[path] = t
     return out
 
 

@@ -339,12 +339,12 @@ class ModelSpec:
         """Layers with a KV cache (all but a hybrid model's Gated DeltaNet layers)."""
         return self.num_layers - len(self.linear_layers)
 
-    def recurrent_state_bytes(self, bytes_per_element: float) -> float:
-        """One sequence's Gated DeltaNet states, every such layer: the convolution's last kernel - 1 inputs in the
-        compute dtype and the float32 delta-rule state. Fixed per sequence, not per token."""
+    def recurrent_state_bytes(self, bytes_per_element: float, tp: int = 1) -> float:
+        """One sequence's Gated DeltaNet states on one of `tp` ranks, every such layer: the convolution's last
+        kernel - 1 inputs in the compute dtype and the float32 delta-rule state. Fixed per sequence, not per token."""
         conv = self.linear_conv_dim * (self.linear_kernel - 1) * bytes_per_element
         state = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4
-        return len(self.linear_layers) * (conv + state)
+        return len(self.linear_layers) * (conv + state) / tp
 
     def linear_shape(self, role: str) -> tuple[int, int]:
         """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>), or of a

@@ -74,14 +74,14 @@ class LayerRecurrent:
 
 
 def allocate_layer_caches(spec, num_blocks: int, block_size: int, num_kv_heads: int, kv_dtype: str,
-                          compute_dtype: torch.dtype, device, scales: list | None, state_slots: int
+                          compute_dtype: torch.dtype, device, scales: list | None, state_slots: int, tp: int = 1
                           ) -> list[LayerKV | LayerRecurrent]:
-    """Every layer's cache, by what the layer keeps between steps: the paged KV cache of an attention layer (scales:
-    the attention layers' only, in order), the per-sequence state of a Gated DeltaNet layer (ModelSpec
-    .linear_layers)."""
+    """One rank's cache of every layer, by what the layer keeps between steps: the paged KV cache of an attention
+    layer (scales: the attention layers' only, in order), the per-sequence state of a Gated DeltaNet layer
+    (ModelSpec.linear_layers; a rank holds its 1 / tp of the heads)."""
     kv = iter(allocate_kv_cache(spec.attention_layers, num_blocks, block_size, num_kv_heads, spec.head_dim, kv_dtype,
                                 compute_dtype, device, scales))
-    return [LayerRecurrent(state_slots, spec.linear_conv_dim, spec.linear_kernel, spec.linear_value_heads,
+    return [LayerRecurrent(state_slots, spec.linear_conv_dim // tp, spec.linear_kernel, spec.linear_value_heads // tp,
                            spec.linear_key_dim, spec.linear_value_dim, compute_dtype, device)
             if i in spec.linear_layers else next(kv) for i in range(spec.num_layers)]
 

@@ -24,7 +24,15 @@ from ..models.arch.base import LINEAR_ATTN
 from ..models.engine_spec import EngineSpec
 from ..models.linear_weights import LinearWeights
 from ..models.reader import CheckpointReader
-from ..models.sharding import RankWeights, ShardPlan, kv_scale_slice, layer_slices, make_plan, split_rows
+from ..models.sharding import (
+    RankWeights,
+    ShardPlan,
+    kv_scale_slice,
+    layer_slices,
+    make_plan,
+    split_linear_tensors,
+    split_rows,
+)
 from ..models.spec import attends
 from .compiled import compile_decode
 from .distributed import LocalGroup, LocalTPContext, TPContext, init_group, rank_device, threads_per_rank
@@ -110,8 +118,11 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
     head = ckpt.lm_head(embed)  # tied: the same table, so assemble() keeps a 16-bit one sharing its memory
     if plan is not None:
         head = split_rows(head, plan.vocab_rows(rank))
-    return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.final_norm(),
-                       lm_head=head, tensors=[ckpt.layer_tensors(i) for i in range(n)])
+    tensors = [ckpt.layer_tensors(i) for i in range(n)]   # a Gated DeltaNet layer's few small ones, else none
+    if plan is not None:
+        tensors = [split_linear_tensors(t, plan, rank) for t in tensors]
+    return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.final_norm(), lm_head=head,
+                       tensors=tensors)
 
 
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
@@ -169,8 +180,8 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
                         attn_gate=arch.attn_gate)
         conv, a_log, dt_bias, gated_norm = (rw.tensors[i][f"{la.module}.{n}"].to(device) for n in la.tensors)
         net = GatedDeltaNet(linear([lin[r] for r in LINEAR_ATTN[:4]]), linear([lin["out_proj"]]), conv.to(dtype),
-                            a_log, dt_bias, gated_norm.to(dtype), spec.rms_norm_eps, spec.linear_key_heads,
-                            spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim)
+                            a_log, dt_bias, gated_norm.to(dtype), spec.rms_norm_eps, spec.linear_key_heads // tpc.world,
+                            spec.linear_value_heads // tpc.world, spec.linear_key_dim, spec.linear_value_dim)
         return dict(qkv=None, o=None, o_bias=None, mixer=net)
 
     la = arch.linear_attention
@@ -232,7 +243,7 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
             scales = None if kv_cache_dtype == "auto" else [tuple(torch.as_tensor(x).float().flatten() for x in kv)
                                                             for kv in ranks[r].kv_scales]
             caches = allocate_layer_caches(spec, b * nblk, block_size, kv_heads, kv_cache_dtype, dtype, device,
-                                           scales, b)
+                                           scales, b, world)
             with torch.inference_mode():
                 results[r] = models[r](step.input_ids, step.positions, caches, step.meta, step.logits_indices)
         except BaseException as e:   # free the others from the barrier they would wait at forever
@@ -283,7 +294,7 @@ class ModelRunner:
         plan = make_plan(ckpt.spec, tp) if (engine is None and tp > 1) else None
         scales = load_kv_scales(ckpt, plan, rank, ckpt.spec.num_layers) if kv_cache_dtype != "auto" else None
         self.caches = allocate_layer_caches(ckpt.spec, num_blocks, block_size, self.num_kv_heads, kv_cache_dtype,
-                                            self.dtype, self.device, scales, state_slots)
+                                            self.dtype, self.device, scales, state_slots, tp)
         self.kv_cache_dtype = kv_cache_dtype
         self.decode = compile_decode(self.model, self.device) if compile else None
 

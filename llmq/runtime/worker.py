@@ -73,11 +73,9 @@ def kv_cache_dtype_for(requested: str, ckpt: CheckpointReader, engine: EngineSpe
     return requested
 
 
-def refuse_for_hybrid(spec: ModelSpec, tp: int, compile: bool, speculative: str | None, kv_cache_dtype: str) -> None:
+def refuse_for_hybrid(spec: ModelSpec, compile: bool, speculative: str | None, kv_cache_dtype: str) -> None:
     """One line for what the runtime does not yet run with a hybrid model's Gated DeltaNet layers."""
     what = spec.architecture
-    if tp > 1:
-        raise LlmqError(f"{what}: tensor parallelism of Gated DeltaNet layers is not implemented yet; use tp 1")
     if compile:
         raise LlmqError(f"{what}: --compile does not trace Gated DeltaNet layers yet; drop --compile")
     if speculative:
@@ -118,7 +116,7 @@ class Worker:
             raise LlmqError(f"max_model_len {self.max_model_len} exceeds the model's "
                             f"{self.spec.max_position_embeddings} positions")
         if self.spec.linear_layers:
-            refuse_for_hybrid(self.spec, tp=self.tp, compile=cfg.compile, speculative=cfg.speculative,
+            refuse_for_hybrid(self.spec, compile=cfg.compile, speculative=cfg.speculative,
                               kv_cache_dtype=cfg.kv_cache_dtype)
         if cfg.compile and self.tp > 1:
             raise LlmqError("--compile compiles the decode step of one rank; use it with tp 1 (tensor-parallel "
@@ -130,7 +128,7 @@ class Worker:
         dtype = compute_dtype_for(self.device, cfg.dtype, ckpt.config)
         # a recurrent-state slot for every sequence the scheduler runs, and one for the scorer's prompt_logprobs
         self.state_slots = self.max_num_seqs + 1 if self.spec.linear_layers else 0
-        self.state_bytes = int(self.state_slots * self.spec.recurrent_state_bytes(dtype.itemsize))
+        self.state_bytes = int(self.state_slots * self.spec.recurrent_state_bytes(dtype.itemsize, self.tp))
         self.num_blocks = self._num_blocks(ckpt, dtype, sliced=engine is not None)
 
         load_args = dict(path=str(src.path), engine=engine, tp=self.tp, device=str(self.device), dtype=cfg.dtype,

@@ -15,9 +15,14 @@ LINEARS = ATTN + MLP
 
 # How each linear splits across tensor-parallel ranks: (kept axis, index set). "rows": column-parallel, the rank keeps
 # output rows; "cols": row-parallel, the rank keeps input columns and the outputs are summed. The index sets are the
-# sharding plan's: "q" (the rank's query heads), "kv" (its KV heads), "mlp" (its MLP columns).
-SPLIT = {"q_proj": ("rows", "q"), "k_proj": ("rows", "kv"), "v_proj": ("rows", "kv"), "o_proj": ("cols", "q"),
-         "gate_proj": ("rows", "mlp"), "up_proj": ("rows", "mlp"), "down_proj": ("cols", "mlp")}
+# sharding plan's: "q" (the rank's query heads), "q_proj" (the same, with each head's output gate where the family has
+# one), "kv" (its KV heads), "mlp" (its MLP columns).
+SPLIT = {"q_proj": ("rows", "q_proj"), "k_proj": ("rows", "kv"), "v_proj": ("rows", "kv"), "o_proj": ("cols", "q"),
+         "gate_proj": ("rows", "mlp"), "up_proj": ("rows", "mlp"), "down_proj": ("cols", "mlp"),
+         # a Gated DeltaNet layer's: by value heads, each with its key head ("linear_qkv": the rank's q, k and v
+         # channels; "linear_v": its value heads' rows; "linear_heads": one row per value head)
+         "in_proj_qkv": ("rows", "linear_qkv"), "in_proj_z": ("rows", "linear_v"),
+         "in_proj_b": ("rows", "linear_heads"), "in_proj_a": ("rows", "linear_heads"), "out_proj": ("cols", "linear_v")}
 
 # A Gated DeltaNet (linear-attention) layer's linears, by role (Qwen3.5's names): q / k / v into the short
 # convolution as one, the output gate z, the per-head rates b (beta) and a (decay), the output.
