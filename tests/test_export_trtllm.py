@@ -246,7 +246,8 @@ def test_a_mixed_artifact_with_an_fp4_unit_is_refused():
     q = QConfig(format="mixed-precision", weights=int4, input_activations=None, ignore=(), kv=None,
                 modules={"model.layers.1.mlp.down_proj": nvfp4})
     with pytest.raises(LlmqError, match=r"^NVFP4 weight-only: "):
-        refuse(types.SimpleNamespace(qconfig=q), types.SimpleNamespace(kv_cache_dtype="auto"))
+        refuse(types.SimpleNamespace(qconfig=q, arch=types.SimpleNamespace(trtllm_refused=None)),
+               types.SimpleNamespace(kv_cache_dtype="auto"))
 
 
 def test_sliding_window_goes_into_the_llm_api_options(make_tiny_model, store, tmp_path):
