@@ -54,6 +54,17 @@ def _endpoint_lm(live, store, cand):
     return lm
 
 
+def test_whole_distributions_are_used_only_where_a_window_of_them_is_given(setup):
+    """A server that gives the whole vocabulary for a short prompt but bounds positions x vocabulary below a KLD
+    window's (512 x 321 here) is scored by top-k KLD, not refused mid-run."""
+    from llmq.runtime.server import Limits
+
+    store, _, cand, _ = setup
+    with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny",
+                     limits=Limits(max_logprobs=-1, max_logprob_entries=50_000)) as bounded:
+        assert _endpoint_lm(bounded, store, cand).top_k == 20
+
+
 def _same_top(top, ids, full):
     """The endpoint's top-k is the in-process top-k: the same values, and each named token has its value in-process
     (within float32 noise: near-ties may swap places)."""

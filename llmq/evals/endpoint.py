@@ -147,8 +147,13 @@ class EndpointLM(EvalLM):
         return None
 
     def _whole_vocabulary(self) -> bool:
-        """Whether the server answers k = -1 with every token of the vocabulary at every position."""
-        probe = [self.prefix_token_id] + self.encode("1 + 1 = 2")[:3]
+        """Whether the server answers k = -1 with every token of the vocabulary at every position of a prompt as long
+        as a KLD window: a server bounding positions x vocabulary (`llmq serve --max-logprob-entries`) may give a
+        short prompt's and refuse a window's, and then only top-k KLD is possible."""
+        from .kld import WINDOW
+
+        text = self.encode("1 + 1 = 2. " * WINDOW)
+        probe = ([self.prefix_token_id] + text)[:min(WINDOW, self.max_length)]
         path, body = self._body(self.shape, probe, -1)
         data = self._post_all(path, [body], progress=False, strict=False)[0]
         rows = None if data is None else self._parse(self.shape, data, probe)
