@@ -32,14 +32,25 @@ class TemplateError(LlmqError):
 def render_chat(tokenizer, messages: list[dict], max_chars: int = RENDER_CHARS, **kwargs) -> str:
     """`tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)` within RENDER_SECONDS, RENDER_BYTES of new
     memory and `max_chars` of output; TemplateError (one line) otherwise."""
+    kind, value = render_chats(tokenizer, [(messages, kwargs)], max_chars)[0]
+    if kind != "ok":
+        raise TemplateError(value, rejected=kind == "rejected")
+    return value
+
+
+def render_chats(tokenizer, chats: list[tuple[list[dict], dict]], max_chars: int = RENDER_CHARS
+                 ) -> list[tuple[str, str]]:
+    """Many conversations (messages, apply_chat_template's keyword arguments) rendered in one child within the same
+    bounds, all together (a calibration set forks once, not once a conversation): ("ok", text), or ("rejected" /
+    "failed", one line) each; TemplateError when the child passes its deadline or memory."""
     seconds = RENDER_SECONDS
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: render, send (ok, text or message), exit without running the parent's cleanup
+    if pid == 0:  # the child: render, send [(kind, text or message)], exit without running the parent's cleanup
         try:
             os.close(r)
             _limit_memory(RENDER_BYTES)
-            _write_all(w, pickle.dumps(_render(tokenizer, messages, max_chars, kwargs)))
+            _write_all(w, pickle.dumps([_render(tokenizer, m, max_chars, kw) for m, kw in chats]))
         finally:
             os._exit(0)
     os.close(w)
@@ -50,12 +61,9 @@ def render_chat(tokenizer, messages: list[dict], max_chars: int = RENDER_CHARS, 
     if data is None:
         raise TemplateError(f"the chat template did not finish within {seconds:g} s")
     try:
-        kind, value = pickle.loads(data)
+        return pickle.loads(data)
     except Exception:  # the child died mid-answer (killed for memory)
         raise TemplateError(f"the chat template needed more than {RENDER_BYTES >> 20} MiB") from None
-    if kind != "ok":
-        raise TemplateError(value, rejected=kind == "rejected")
-    return value
 
 
 def _render(tokenizer, messages: list[dict], max_chars: int, kwargs: dict) -> tuple[str, str]:

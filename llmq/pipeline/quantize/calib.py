@@ -204,23 +204,51 @@ class ChatFormat:
 
     def render(self, tokenizer, messages: list[dict]) -> tuple[str, bool | None]:
         """(the conversation as text, whether it was rendered thinking: None without a thinking switch)."""
-        think = None if self.thinking is None else self.thinking == "on" or (
-            self.thinking == "auto" and any(m.get("reasoning_content") for m in messages))
-        if not think:
-            messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
-        if self.template is None:
-            return "\n".join(f"{m['role']}: {m['content']}" for m in messages), None
-        from ...models.chat import TemplateError, render_chat
+        return self.render_all(tokenizer, [messages])[0]
 
-        try:
-            kw = {} if think is None else {"enable_thinking": think}
-            return render_chat(tokenizer, messages, **kw), think
-        except TemplateError as e:
-            if e.rejected and len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
-                first = {**messages[1], "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}
-                return self.render(tokenizer, [first, *messages[2:]])
-            raise LlmqError(f"the chat template cannot render a calibration conversation ({e}); "
-                            "--no-chat-template renders plain 'role: text' turns instead") from None
+    def render_all(self, tokenizer, conversations: list[list[dict]]) -> list[tuple[str, bool | None]]:
+        """render() of each conversation, all in one bounded render (models.chat.render_chats)."""
+        if not conversations:
+            return []
+        thinks = [None if self.thinking is None else self.thinking == "on" or (
+            self.thinking == "auto" and any(m.get("reasoning_content") for m in messages))
+            for messages in conversations]
+        conversations = [messages if think else [{k: v for k, v in m.items() if k != "reasoning_content"}
+                                                 for m in messages] for messages, think in zip(conversations, thinks)]
+        if self.template is None:
+            return [("\n".join(f"{m['role']}: {m['content']}" for m in messages), None) for messages in conversations]
+        from ...models.chat import TemplateError, render_chats
+
+        def rendered(chats: list[list[dict]]) -> list[tuple[str, str]]:
+            try:
+                return render_chats(tokenizer, [(m, {} if t is None else {"enable_thinking": t})
+                                                for m, t in zip(chats, thinks)])
+            except TemplateError as e:
+                raise self._refused(e) from None
+
+        out = rendered(conversations)
+        # a template that rejects system turns: the system prompt goes into the first user turn
+        retry = [i for i, (kind, _) in enumerate(out) if kind == "rejected" and self._merges(conversations[i])]
+        if retry:
+            merged = list(conversations)
+            for i in retry:
+                system, user, *rest = conversations[i]
+                merged[i] = [{**user, "content": f"{system['content']}\n\n{user['content']}"}, *rest]
+            again = rendered(merged)
+            out = [again[i] if i in retry else o for i, o in enumerate(out)]
+        for kind, value in out:
+            if kind != "ok":
+                raise self._refused(value)
+        return [(text, think) for (_, text), think in zip(out, thinks)]
+
+    @staticmethod
+    def _merges(messages: list[dict]) -> bool:
+        return len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user"
+
+    @staticmethod
+    def _refused(why) -> LlmqError:
+        return LlmqError(f"the chat template cannot render a calibration conversation ({why}); "
+                         "--no-chat-template renders plain 'role: text' turns instead")
 
     def manifest(self, thinking: Counter) -> dict:
         """What the manifest records, given how many conversations were rendered thinking (True) or not (False)."""
@@ -291,9 +319,10 @@ def load_calibration(calib: str | None, tokenizer, num_samples: int, seq_len: in
     fmt = ChatFormat.of(tokenizer, chat_template, thinking)
     texts: dict[str, list[str]] = {}
     thinks: Counter = Counter()
+    chats = iter(fmt.render_all(tokenizer, [c for _, c in docs if isinstance(c, list)]))
     for domain, content in docs:
         if isinstance(content, list):
-            content, think = fmt.render(tokenizer, content)
+            content, think = next(chats)
             thinks[think] += 1
         texts.setdefault(domain, []).append(content)
     streams = {d: _stream(tokenizer, t, sep=d != "chat" or fmt.template is None) for d, t in texts.items()}
