@@ -830,23 +830,3 @@ def test_logprobs_in_flight_are_bounded_per_server(whole, monkeypatch):
     _idle(whole)
 
 
-def test_hostile_chat_templates_are_a_bounded_one_line_400(srv, monkeypatch):
-    """Issue 54 item 6: a chat template that loops for ever, multiplies a string to gigabytes (6.3 GB), recurses (a
-    1,427-line traceback) or renders more text than the context holds is a one-line 400 within the render deadline,
-    and the server goes on."""
-    from test_quantize import HOSTILE_TEMPLATES
-
-    import llmq.models.chat as chat
-
-    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0)
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for template, message in HOSTILE_TEMPLATES:
-        monkeypatch.setattr(srv.fe.tokenizer, "chat_template", template)
-        t0 = time.monotonic()
-        r = _post(srv, body, "chat/completions")
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == "messages" and message in err["message"], r.text
-        assert "\n" not in err["message"] and time.monotonic() - t0 < 5
-    monkeypatch.undo()
-    assert _post(srv, body, "chat/completions").status_code == 200
-    _idle(srv)
