@@ -29,15 +29,6 @@ class TemplateError(LlmqError):
         self.rejected = rejected
 
 
-def render_chat(tokenizer, messages: list[dict], max_chars: int = RENDER_CHARS, **kwargs) -> str:
-    """`tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)` within RENDER_SECONDS, RENDER_BYTES of new
-    memory and `max_chars` of output; TemplateError (one line) otherwise."""
-    kind, value = render_chats(tokenizer, [(messages, kwargs)], max_chars)[0]
-    if kind != "ok":
-        raise TemplateError(value, rejected=kind == "rejected")
-    return value
-
-
 def render_chats(tokenizer, chats: list[tuple[list[dict], dict]], max_chars: int = RENDER_CHARS
                  ) -> list[tuple[str, str]]:
     """Many conversations (messages, apply_chat_template's keyword arguments) rendered in one child within the same
