@@ -21,12 +21,7 @@ RENDER_CHARS = 64 << 20  # longest rendered text
 
 
 class TemplateError(LlmqError):
-    """A chat template that failed, ran past its deadline or its memory, or rendered too much text; `rejected`: it
-    raised a Jinja TemplateError itself (a template refusing these messages, e.g. a system turn)."""
-
-    def __init__(self, message: str, rejected: bool = False):
-        super().__init__(message)
-        self.rejected = rejected
+    """A chat template render that ran past its deadline or its memory (the child was killed)."""
 
 
 def render_chats(tokenizer, chats: list[tuple[list[dict], dict]], max_chars: int = RENDER_CHARS
