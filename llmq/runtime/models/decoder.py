@@ -199,9 +199,10 @@ class CausalLM(nn.Module):
     def _stacks_serve(self, caches: list[LayerKV], meta: AttentionMetadata) -> bool:
         """Whether this step runs the DecoderStacks: decodes only, 16/32-bit caches nobody observes, eagerly (a compiled
         step traces the layers' operations)."""
-        kv = [c for c in caches if isinstance(c, LayerKV)]
-        return self.has_stacks and not meta.prefills and kv[0].kv_dtype == "auto" and \
-            cpu_kernels.usable(kv[0].k) and all(c.observer is None for c in kv)
+        if not self.has_stacks or meta.prefills:
+            return False
+        kv = [c for c in caches if isinstance(c, LayerKV)]  # a hybrid model's recurrent layers keep no KV
+        return kv[0].kv_dtype == "auto" and cpu_kernels.usable(kv[0].k) and all(c.observer is None for c in kv)
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[LayerKV],
                 meta: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
