@@ -193,8 +193,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         def template() -> list[int]:
             try:
                 # in-process: a forked render (models.chat) holds the GIL while the kernel copies the page tables of
-                # the whole server (~60 ms at 5 GB), which starved the event loop under load; bounding it needs a
-                # persistent render worker
+                # the whole server, which starved the event loop under load; bounding it needs a persistent render
+                # worker
                 text = fe.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
                 raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
