@@ -353,18 +353,14 @@ def split_layer(full: dict[str, LinearWeights], plan: ShardPlan, rank: int) -> d
     return out
 
 
-def split_linear_tensors(tensors: dict[str, torch.Tensor], plan: ShardPlan, rank: int) -> dict[str, torch.Tensor]:
-    """One rank's share of a Gated DeltaNet layer's other tensors (ModelSpec.linear_tensors, by path): the
-    convolution's channels and the per-head decay parameters follow the rank's heads, the norm (per value dim) is
-    whole."""
-    out = {}
-    for path, t in tensors.items():
-        if path.endswith("conv1d.weight"):
-            t = t.index_select(0, plan.linear_qkv_rows(rank))
-        elif path.endswith(("A_log", "dt_bias")):
-            t = t.index_select(0, plan.linear_heads(rank))
-        out[path] = t
-    return out
+def split_linear_tensors(tensors: dict[str, torch.Tensor], plan: ShardPlan, rank: int, la) -> dict[str, torch.Tensor]:
+    """One rank's share of a Gated DeltaNet layer's other tensors (ModelSpec.linear_tensors, by path), cut as its
+    declaration (`la`, an arch LinearAttention) says: the convolution's channels and the per-head decay parameters
+    follow the rank's heads, the rest (the norm, per value dim) is whole."""
+    channels = {f"{la.module}.{t}" for t in la.channel_tensors}
+    heads = {f"{la.module}.{t}" for t in la.head_tensors}
+    return {path: t.index_select(0, plan.linear_qkv_rows(rank)) if path in channels else
+            t.index_select(0, plan.linear_heads(rank)) if path in heads else t for path, t in tensors.items()}
 
 
 def layer_slices(reader, plan: ShardPlan, i: int, ranks=None) -> list[dict[str, LinearWeights]]:

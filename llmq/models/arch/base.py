@@ -96,6 +96,10 @@ class LinearAttention:
     kernel: str = "linear_conv_kernel_dim"
     # its other parameters, kept 16-bit by every stage: the convolution, the decay's log rate and bias, the norm
     tensors: tuple[str, ...] = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")
+    # how tensor parallelism cuts them (the rest stay whole): by the convolution's channels (in_proj_qkv's rows), by
+    # value heads
+    channel_tensors: tuple[str, ...] = ("conv1d.weight",)
+    head_tensors: tuple[str, ...] = ("A_log", "dt_bias")
     # linears kept 16-bit too: b and a, one row per value head, set beta (a sigmoid) and the decay (an exponential)
     # that every later token's state compounds, for a few hundredths of the layer's bytes
     kept_16bit: tuple[str, ...] = ("in_proj_b", "in_proj_a")
