@@ -19,6 +19,8 @@ tokenizer given by --tokenizer, then run through the real commands (`llmq import
   time (eager, and with its static cache, which compiles the decoding step), as ratios.
 --part gptq (Llama-3-8B shape): `llmq quantize --method gptq --bits 4 --device cuda`: wall time, peak GPU memory.
 --part layers: each quantized linear class on the GPU against itself on the CPU in float32 (fresh random weights).
+--part families: every declared family's tiny random model on the GPU (float32 and bf16) against transformers float32
+  on the CPU, and a Qwen3.5-shaped hybrid at real layer width against transformers on the GPU, with its decode speed.
 --part layer_speed: the Llama-3-8B layer's four linears (qkv, o, gate_up, down) in every weight format at 1 / 16 /
   128 rows: median CUDA-event time, weight bytes read per second, ratio to bf16 (no model files: seconds, not minutes).
 
@@ -483,6 +485,99 @@ def _check_serve(model: Path, dev: str) -> dict:
         stop(proc)
 
 
+# -- part: families -----------------------------------------------------------------------------------------------
+QWEN35_WIDTH = dict(vocab_size=49152, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=8192,
+                    tie_word_embeddings=False)
+QWEN35_SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+
+
+def family_on_device(path: Path, dev: str, dtype: str, ids: list[int], prompts: list[list[int]], steps: int,
+                     chunk: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """llmq's runtime on `dev` in `dtype`: prompt log-probs of ids (prefilled in chunks of `chunk` tokens) and greedy
+    continuations of the prompts, all in flight together."""
+    eng = LLMEngine(path, EngineConfig(device=dev, dtype=dtype, max_model_len=len(ids) + 64,
+                                       kv_cache_memory=256 << 20, max_num_batched_tokens=chunk))
+    try:
+        got = eng.prompt_logprobs(ids).double().cpu()
+        out = [o.output_token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=steps, temperature=0,
+                                                                                ignore_eos=True))]
+    finally:
+        eng.shutdown()
+    return got, out
+
+
+def part_families(args, res: Results, work: Path) -> None:
+    """Every declared family's tiny random model (tests/helpers.py FAMILIES) on the device in float32 and bf16
+    against transformers float32 on the CPU: KLD / top-1 over a chunked prefill, greedy continuations of prompts
+    decoded together (float32: equal). Then a Qwen3.5-shaped hybrid at a real layer width (Gated DeltaNet heads of
+    128, 8 layers) in bf16 against transformers float32 on the same device, and its decode speed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import FAMILIES, family_model, hf_greedy, hf_logits
+
+    dev = args.device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (96,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 23, 40)]
+    for family in args.only or FAMILIES:
+        def run(family=family):
+            path = family_model(work / "families" / family, family)
+            ref = hf_logits(path, ids).double().log_softmax(-1)
+            want = hf_greedy(path, prompts, 16)
+            row = {}
+            for dtype in ("float32", "bfloat16"):
+                got, out = family_on_device(path, dev, dtype, ids, prompts, 16, chunk=32)
+                row[dtype] = {**compare(ref, got), "greedy_equal": sum(o == w for o, w in zip(out, want)),
+                              "prompts": len(prompts)}
+            return row
+        guarded(res, "families", family, run)
+
+    def width():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = work / "qwen35-width"
+        if not (path / "config.json").is_file():
+            torch.manual_seed(0)
+            shape = {**QWEN35_WIDTH, **(QWEN35_SMALL if args.small else {})}
+            cfg = AutoConfig.for_model("qwen3_5_text", **shape, bos_token_id=1, eos_token_id=2,
+                                       pad_token_id=2)
+            model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+            with torch.no_grad():
+                model.lm_head.weight.normal_(0, 0.1)   # peaked distributions (KLD is not blind), not one-hot
+            model.save_pretrained(str(path))
+            for f in args.tokenizer.iterdir():
+                shutil.copy(f, path / f.name)
+            del model
+        vocab = QWEN35_WIDTH["vocab_size"]
+        long = torch.randint(0, vocab, (256 if args.small else 1024,), generator=gen).tolist()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(dev).eval()
+        with torch.no_grad():
+            ref = hf(torch.tensor([long], device=dev)).logits[0].double().log_softmax(-1).cpu()
+        del hf
+        half = len(long) // 2
+        got, out = family_on_device(path, dev, "bfloat16", long, [long[:half]], 64, chunk=256)
+        with torch.no_grad():   # the greedy tokens teacher-forced through the float32 reference
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(dev).eval()
+            forced = hf(torch.tensor([long[:half] + out[0]], device=dev)).logits[0].double().log_softmax(-1).cpu()
+        del hf
+        row = {"bf16_vs_hf_fp32": compare(ref, got), "greedy": greedy_check(out[0], half, forced, args.tie)}
+        peak = copy_bandwidth(dev)
+        row["decode_b1"] = batch1_decode(path, long[:128], 64, peak, EngineConfig(device=dev, max_num_seqs=1))
+        eng = LLMEngine(path, EngineConfig(device=dev, max_num_seqs=32, max_model_len=1024))
+        try:
+            row["concurrency_32"] = runtime_concurrency(eng, make_prompts(64, 128, vocab), 32, 128)
+        finally:
+            eng.shutdown()
+        row["hf_sequential_bf16"] = hf_sequential(path, make_prompts(4, 128, vocab), 128, device=dev,
+                                                  dtype=torch.bfloat16)
+        return row
+
+    guarded(res, "families", "qwen3_5_text_width", width)
+
+
 # -- part: layers -------------------------------------------------------------------------------------------------
 def part_layers(args, res: Results, work: Path) -> None:
     """Each quantized linear class on the GPU against the same class on the CPU in float32 (itself checked against
@@ -736,9 +831,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="results directory (gpu_check.json)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/llmq-gpu-check"), help="models and store")
     ap.add_argument("--part", nargs="+", default=["correctness", "speed", "gptq"],
-                    choices=["layers", "layer_speed", "correctness", "speed", "gptq"])
+                    choices=["layers", "layer_speed", "correctness", "families", "speed", "gptq"])
     ap.add_argument("--only", nargs="*", default=None,
-                    help="layers / correctness: only these schemes and engine checks (default: all)")
+                    help="layers / correctness / families: only these schemes, engine checks or families "
+                         "(default: all)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny models, to try the script without a GPU")
     ap.add_argument("--tokens", type=int, default=512, help="positions compared per scheme")
@@ -753,7 +849,7 @@ def main() -> None:
     res.put("env", "torch", {"torch": torch.__version__, "cuda": torch.version.cuda,
                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None})
     parts = {"layers": part_layers, "layer_speed": part_layer_speed, "correctness": part_correctness,
-             "speed": part_speed, "gptq": part_gptq}
+             "families": part_families, "speed": part_speed, "gptq": part_gptq}
     for p in args.part:
         t = time.perf_counter()
         parts[p](args, res, args.work)

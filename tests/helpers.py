@@ -14,6 +14,26 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# family -> config overrides that exercise what it declares (biases, tied tables, head_dim != hidden / heads)
+FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_word_embeddings": True},
+            "qwen3": {"head_dim": 24},
+            # local layers slide over 8 of the 40 scored tokens with their own rotary base, beside a global one
+            "gemma3_text": {"head_dim": 24, "sliding_window": 8, "query_pre_attn_scalar": 20,
+                            "final_logit_softcapping": 5.0, "layer_types": ["sliding_attention", "full_attention"]},
+            # 8 experts of width 32, 2 a token (renormalized in one family, not in the other)
+            "qwen3_moe": {"head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "norm_topk_prob": False},
+            "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+            # fused qkv_proj / gate_up_proj, read by role; every layer slides over 8 of the 40 scored tokens
+            "phi3": {"sliding_window": 8},
+            # 4 layers: the last attends without the rotary embedding (no_rope_layer_interval 4, transformers' default)
+            "smollm3": {"num_hidden_layers": 4},
+            # hybrid: a Gated DeltaNet layer (2 key heads of 16, 4 value heads of 12), then full attention with its
+            # output gate, q / k norms and a rotary embedding over a quarter of each head (tests/test_hybrid.py)
+            "qwen3_5_text": {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                             "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                             "layer_types": ["linear_attention", "full_attention"]}}
+
 
 def byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: 256 byte tokens + 3 specials, every string round-trips."""
@@ -72,6 +92,13 @@ def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> P
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
+
+
+def family_model(path: Path, family: str, seed: int = 4) -> Path:
+    """A tiny random model of a declared family, with what FAMILIES says it exercises (6 heads / 2 KV heads, hidden
+    96)."""
+    return make_tiny_model(path, seed=seed, model_type=family, num_attention_heads=6, num_key_value_heads=2,
+                           hidden_size=96, **FAMILIES[family])
 
 
 def tiny_bf16_store(d: Path, seed: int, **overrides):
