@@ -7,11 +7,14 @@ import shutil
 from pathlib import Path
 
 from ..errors import LlmqError
+from .vision import PROCESSOR_FILES
 
 SHARD_BYTES = 4 << 30
 INDEX_NAME = "model.safetensors.index.json"
+# the tokenizer's files and, for a vision-language model, its processor's (how an image becomes input)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   *PROCESSOR_FILES)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 

@@ -38,20 +38,48 @@ def split_group(lw: LinearWeights, spec: ModelSpec, group: str, i: int) -> dict[
 
 class LazyTensors(Mapping):
     """name -> tensor over every *.safetensors file of a directory, each tensor read from disk when asked for and
-    kept by nobody but the caller (see `safetensors_io`: no file is mapped into memory)."""
+    kept by nobody but the caller (see `safetensors_io`: no file is mapped into memory). A vision-language
+    checkpoint's are its language model's under the text model's names (models.vision.text_name); its tower's and
+    projector's are `vision` (stored name -> file), and `stored_name` maps a text name back."""
 
     def __init__(self, files: list[Path]):
         from .safetensors_io import TensorFile
+        from .vision import text_name
 
         self._where: dict[str, TensorFile] = {}
+        self._stored: dict[str, str] = {}   # text name -> stored name, where they differ
+        self.vision: dict[str, TensorFile] = {}
         for f in files:
             h = TensorFile(f)
             for k in h.keys():
-                self._where[k] = h
+                name = text_name(k)
+                if name is None:
+                    self.vision[k] = h
+                    continue
+                self._where[name] = h
+                if name != k:
+                    self._stored[name] = k
+
+    def stored_name(self, name: str) -> str:
+        """The name a text-view tensor (or one to be written beside it) has in the checkpoint's own layout."""
+        if name in self._stored or not self._stored:
+            return self._stored.get(name, name)
+        # a new tensor (a quantized linear's scales): under its module's stored prefix
+        from .vision import LANGUAGE_PREFIXES
+
+        stored_prefix = {text: p for p, text in LANGUAGE_PREFIXES if any(v.startswith(p) for v in
+                                                                          self._stored.values())}
+        for text, p in stored_prefix.items():
+            if name.startswith(text):
+                return p + name[len(text):]
+        return name
+
+    def vision_tensor(self, name: str) -> torch.Tensor:
+        return self.vision[name].get(name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
-            return self._where[name].get(name)
+            return self._where[name].get(self._stored.get(name, name))
         except KeyError:
             raise KeyError(name) from None
 
@@ -66,8 +94,12 @@ class LazyTensors(Mapping):
 
     def info(self, name: str) -> tuple[torch.dtype, list[int]]:
         """(dtype, shape) of a tensor, from the file's header: nothing is read."""
-        dtype, shape, _ = self._where[name].entries[name]
+        dtype, shape, _ = self._where[name].entries[self._stored.get(name, name)]
         return dtype, shape
+
+    def vision_info(self) -> dict[str, tuple[torch.dtype, list[int]]]:
+        """(dtype, shape) of every tower / projector tensor, by stored name."""
+        return {n: tuple(h.entries[n][:2]) for n, h in self.vision.items()}
 
 
 class CheckpointReader:
@@ -75,9 +107,12 @@ class CheckpointReader:
     called) and its tensors, dense or quantized."""
 
     def __init__(self, path: Path | str):
+        from .vision import language_config
+
         self.path = Path(path)
-        self.config = read_config(self.path)
-        self.spec = ModelSpec.from_config(self.config)
+        self.stored_config = read_config(self.path)
+        self.config = language_config(self.stored_config)   # a vision-language checkpoint's language model's
+        self.spec = ModelSpec.from_config(self.stored_config)
         self.arch = self.spec.arch
         files = safetensors_files(self.path)
         if not files:
@@ -176,6 +211,9 @@ class CheckpointReader:
             wide = dtype.is_floating_point and dtype.itemsize > 1 and not name.endswith(("_scale", "_zero_point")) \
                 and not (kept is not None and kept(dtype, tuple(shape)))
             total += numel * (max(compute_dtype.itemsize, dtype.itemsize) if wide else dtype.itemsize)
+        # a vision-language model's tower and projector, computed with in the compute dtype (models.vision)
+        total += sum(math.prod(shape) * max(compute_dtype.itemsize, dtype.itemsize)
+                     for dtype, shape in self.tensors.vision_info().values())
         if self.embedding_quantized():
             scales = math.prod(self.tensors.info(f"{qformat.EMBEDDING}.weight_scale")[1])
             total += scales * 2  # the table's row scales are held in float32 for the lookup

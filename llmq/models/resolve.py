@@ -55,7 +55,8 @@ def _dir_fingerprint(d: Path) -> str:
 def _clean_config(config: dict, spec: ModelSpec, dtype: str, keep_quantization: bool = False) -> dict:
     drop = ("_name_or_path", "transformers_version") + (() if keep_quantization else ("quantization_config",))
     config = {k: v for k, v in config.items() if k not in drop}
-    config["architectures"] = [spec.architecture]
+    if spec.vision is None:   # a vision-language checkpoint keeps its own class (models.vision)
+        config["architectures"] = [spec.architecture]
     config["dtype"] = dtype
     config.pop("torch_dtype", None)
     return config
@@ -135,6 +136,11 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
             _check_quantized(d, spec)
         else:
             check_tensors(spec, {n: lazy.info(n) for n in lazy}, str(d))
+        if spec.vision is not None:
+            from . import vision
+
+            vision.check_tensors(lazy.vision_info(), str(d))
+            vision.load_processor(d)
     with store.create("model", name, config={"source": source, "architecture": spec.to_dict(), "dtype": dtype},
                       needs=sum(f.stat().st_size for f in st)) as w:
         if st:

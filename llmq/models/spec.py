@@ -230,6 +230,9 @@ class ModelSpec:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_kernel: int = 0
+    # a vision-language checkpoint's model_type (models.vision): its tower and projector sit beside this language
+    # model, which is what the fields above describe
+    vision: str | None = None
 
     @classmethod
     def from_config(cls, config: dict | str | Path) -> "ModelSpec":
@@ -242,6 +245,10 @@ class ModelSpec:
                 raise LlmqError(f"{p}: no config.json (not a Hugging Face model directory)") from None
             except json.JSONDecodeError as e:
                 raise LlmqError(f"{p}: config.json is not valid JSON ({e})") from None
+        from .vision import is_multimodal, language_config
+
+        vision = config.get("model_type") if is_multimodal(config) else None
+        config = language_config(config)
         model_type = config.get("model_type")
         arch = arch_for(model_type, (config.get("architectures") or [model_type])[0])
         hf = _checked_hf_config(config)
@@ -287,6 +294,7 @@ class ModelSpec:
                 if rope.get("partial_rotary_factor", 1.0) != 1.0 else None,
                 **_linear_attention(arch, hf),
                 **moe,
+                vision=vision,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LlmqError(f"config.json of this {model_type} model is missing or has a bad field: {e}") from None

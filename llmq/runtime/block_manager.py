@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from .sequence import Sequence
+from .sequence import ImageSpan, Sequence
 
 
 class BlockManager:
@@ -41,16 +41,20 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     # -- prefix cache -------------------------------------------------------------------------------------
-    def block_keys(self, token_ids: list[int], end: int, start: int = 0, prev: tuple | None = None
-                   ) -> Iterator[tuple]:
+    def block_keys(self, token_ids: list[int], end: int, start: int = 0, prev: tuple | None = None,
+                   images: tuple[ImageSpan, ...] = ()) -> Iterator[tuple]:
         """The prefix-cache keys of full blocks start..end-1 of token_ids (prev: block start-1's key).
 
-        A key is (hash of the previous block's key, this block's tokens): the hash chain that makes equal keys
-        mean equal whole prefixes. Computed here only: match_prefix, commit and the scorer use it.
+        A key is (hash of the previous block's key, this block's tokens), and for a block holding image tokens (whose
+        ids are all one placeholder) the digests and positions of those images: the hash chain that makes equal keys
+        mean equal whole prefixes, pixels included. Computed here only: match_prefix, commit and the scorer use it.
         """
         bs = self.block_size
         for i in range(start, end):
             key = (None if prev is None else hash(prev), tuple(token_ids[i * bs:(i + 1) * bs]))
+            seen = tuple((im.start, im.digest) for im in images if im.start < (i + 1) * bs and im.end > i * bs)
+            if seen:
+                key += (seen,)
             yield key
             prev = key
 
@@ -65,7 +69,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         end = seq.num_tokens if limit is None else limit
-        for key in self.block_keys(seq.token_ids, (end - 1) // bs):
+        for key in self.block_keys(seq.token_ids, (end - 1) // bs, images=seq.images):
             block = self.cached.get(key)
             if block is None:
                 break
@@ -84,7 +88,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         first = seq.num_hashed_blocks
-        keys = self.block_keys(seq.token_ids, seq.num_computed_tokens // self.block_size, first, seq.last_block_key)
+        keys = self.block_keys(seq.token_ids, seq.num_computed_tokens // self.block_size, first, seq.last_block_key,
+                               seq.images)
         for i, key in enumerate(keys, first):
             block = seq.block_table[i]
             if key not in self.cached and self.block_key[block] is None:

@@ -9,6 +9,7 @@ single-threaded: the server drives it from one thread.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from .config import EngineConfig
 from .sampling import NonFiniteLogits, PromptLogprobs, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .scorer import ScoreOutput, Scorer, ScoreRequest
-from .sequence import Sequence
+from .sequence import ImageSpan, Sequence
 from .speculative import SpecStats, make_speculator, verify
 from .worker import ModelSource, Worker
 
@@ -110,7 +111,10 @@ class LLMEngine:
         return self.worker.runner
 
     # -- requests -------------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams,
+                    images: torch.Tensor | None = None) -> None:
+        """images: a vision-language model's pixel values [n, 3, H, W] (its processor's), one per run of image
+        placeholder tokens in the prompt, in order (runtime.images.ImagePrompt makes both)."""
         if request_id in self.requests:
             raise LlmqError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -123,11 +127,38 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise LlmqError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                             f"{self.max_model_len} tokens")
+        spans = self._image_spans(ids, images) if images is not None else ()
         gen = None if params.greedy else make_generator(params.seed, self.runner.device)
-        seq = Sequence(request_id, ids, params, gen)
+        seq = Sequence(request_id, ids, params, gen, spans)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(ids)
+
+    def _image_spans(self, ids: list[int], pixels: torch.Tensor) -> tuple[ImageSpan, ...]:
+        """The prompt's images: each run of placeholder tokens, the encoder's embeddings for it and its pixels'
+        digest; one line when the model takes no images or the runs do not match the images."""
+        vision = self.runner.vision
+        if vision is None:
+            raise LlmqError(f"this model ({self.spec.architecture}) is text-only: it takes no images")
+        if self.speculator is not None:
+            raise LlmqError("speculative decoding does not take images yet (the draft model sees no image); serve "
+                            "without --speculative")
+        runs, i = [], 0
+        while i < len(ids):
+            if ids[i] == vision.image_token:
+                j = i
+                while j < len(ids) and ids[j] == vision.image_token:
+                    j += 1
+                runs.append((i, j - i))
+                i = j
+            else:
+                i += 1
+        if len(runs) != len(pixels) or any(n != vision.tokens_per_image for _, n in runs):
+            raise LlmqError(f"{len(pixels)} image(s) but {len(runs)} run(s) of image tokens in the prompt (each of "
+                            f"{vision.tokens_per_image} tokens); place images with the model's processor")
+        embeds = self.runner.encode_images(pixels)
+        return tuple(ImageSpan(start, n, e, hashlib.sha256(p.float().contiguous().cpu().numpy().tobytes()).hexdigest())
+                     for (start, n), e, p in zip(runs, embeds, pixels))
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
@@ -241,17 +272,18 @@ class LLMEngine:
                              seq.prompt_logprobs if first else None)
 
     # -- offline helpers --------------------------------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 images: list[torch.Tensor | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (alongside any requests already in flight); final outputs in input order,
-        their new_token_ids / new_logprobs covering the whole completion, with their prompt_logprobs."""
+        their new_token_ids / new_logprobs covering the whole completion, with their prompt_logprobs. images: each
+        prompt's pixel values (add_request's), or None."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise LlmqError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
         tag = f"gen-{time.monotonic_ns()}-"
         ids = [f"{tag}{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, im in zip(ids, prompts, plist, images or [None] * len(prompts)):
+            self.add_request(rid, prompt, p, im)
         wanted = set(ids)
         final: dict[str, RequestOutput] = {}
         logprobs: dict[str, list] = {r: [] for r in ids}

@@ -45,6 +45,7 @@ from .layers.rotary import RotaryEmbedding, rope_inv_freq
 from .loader import build_linear
 from .models.decoder import CausalLM, DecoderLayer, LayerWeights, SparseMoE
 from .models.linear_attention import GatedDeltaNet
+from .models.vision import load_vision
 
 
 @dataclass
@@ -53,6 +54,8 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
+    # image embeddings that replace the embedding rows of their placeholder tokens: (flat rows, [rows, hidden])
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device) -> "StepInput":
         if self.input_ids.device == torch.device(device):
@@ -63,7 +66,8 @@ class StepInput:
                                    decode_mask=mv(m.decode_mask), decode_slots=mv(m.decode_slots),
                                    prefills=[dataclasses.replace(p, blocks=mv(p.blocks), mask=mv(p.mask))
                                              for p in m.prefills])
-        return StepInput(mv(self.input_ids), mv(self.positions), meta, mv(self.logits_indices))
+        images = tuple(mv(t) for t in self.images) if self.images is not None else None
+        return StepInput(mv(self.input_ids), mv(self.positions), meta, mv(self.logits_indices), images)
 
 
 def compute_dtype_for(device: torch.device, requested: str | torch.dtype | None, config: dict) -> torch.dtype:
@@ -297,6 +301,9 @@ class ModelRunner:
                                             self.dtype, self.device, scales, state_slots, tp)
         self.kv_cache_dtype = kv_cache_dtype
         self.decode = compile_decode(self.model, self.device) if compile else None
+        # a vision-language model's tower and projector, on rank 0 (whose image embeddings every rank's step gets)
+        self.vision = load_vision(ckpt.tensors, ckpt.stored_config, self.dtype, self.device) \
+            if ckpt.spec.vision and rank == 0 else None
 
     def observe_kv(self, fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> None:
         """Have every layer's KV cache call fn(layer, k, v) with the K/V it is given to store (None: stop)."""
@@ -304,13 +311,18 @@ class ModelRunner:
             if isinstance(cache, LayerKV):
                 cache.observer = None if fn is None else functools.partial(fn, i)
 
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The processor's pixel values [n, 3, H, W] -> image embeddings [n, tokens per image, hidden]."""
+        with torch.inference_mode():
+            return self.vision(pixels.to(self.device))
+
     def execute(self, step: StepInput) -> torch.Tensor | None:
         step = step.to(self.device)
         args = (step.input_ids, step.positions, self.caches, step.meta, step.logits_indices)
         if self.decode is not None and not step.meta.prefills:
             return self.decode(*args)
         with torch.inference_mode():
-            return self.model(*args)
+            return self.model(*args, images=step.images)
 
 
 def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct: bool,
@@ -343,16 +355,29 @@ def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct
         last = torch.tensor(starts[:bd], dtype=torch.long)  # each decode's query position
         meta.decode_mask = attends(last[:, None], torch.arange(nblk * block_size)[None, :], window).view(bd, 1, 1, -1)
     q_start = bd
+    image_rows, image_embeds = [], []
     for i in range(bd, len(seqs)):
         st, n = starts[i], num_new[i]
         ctx = st + n
         rows, cols = torch.arange(st, ctx)[:, None], torch.arange(ctx)[None, :]
-        if st == 0 and fresh_prefill_direct:  # its own fresh K/V: SDPA's is_causal, unless the window cuts in
-            mask = attends(rows, cols, window) if window is not None and n > window else None
+        spans = [im for im in seqs[i].images if im.start < ctx and im.end > st]
+        for im in spans:  # the chunk's share of each image (Sequence.chunk ends it at an image's end)
+            lo, hi = max(im.start, st), min(im.end, ctx)
+            image_rows.append(torch.arange(q_start + lo - st, q_start + hi - st))
+            image_embeds.append(im.embeds[lo - im.start:hi - im.start])
+        if st == 0 and fresh_prefill_direct and not spans:  # its own fresh K/V: SDPA's is_causal, unless the
+            mask = attends(rows, cols, window) if window is not None and n > window else None  # window cuts in
+            meta.prefills.append(PrefillChunk(q_start, n, None, mask, st, seqs[i].state_slot))
+            q_start += n
+            continue
+        mask = attends(rows, cols, window)
+        for im in spans:  # an image's tokens see each other both ways (Gemma 3's mask)
+            mask |= (rows >= im.start) & (rows < im.end) & (cols >= im.start) & (cols < im.end)
+        if st == 0 and fresh_prefill_direct:
             meta.prefills.append(PrefillChunk(q_start, n, None, mask, st, seqs[i].state_slot))
         else:
             blocks = torch.tensor([_padded(seqs[i].block_table, -(-ctx // block_size))], dtype=torch.long)
-            meta.prefills.append(PrefillChunk(q_start, n, blocks, attends(rows, cols, window), st, seqs[i].state_slot))
+            meta.prefills.append(PrefillChunk(q_start, n, blocks, mask, st, seqs[i].state_slot))
         q_start += n
     if all_logits:
         logits_idx = torch.arange(len(ids))
@@ -360,7 +385,9 @@ def prepare_step(seqs, num_new: list[int], block_size: int, fresh_prefill_direct
         ends = itertools.accumulate(num_new)
         logits_idx = torch.tensor([e - 1 for e, s, st, n in zip(ends, seqs, starts, num_new) if st + n == s.num_tokens],
                                   dtype=torch.long)
-    return StepInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, logits_idx)
+    images = (torch.cat(image_rows), torch.cat(image_embeds)) if image_rows else None
+    return StepInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, logits_idx,
+                     images)
 
 
 def _padded(table: list[int], n: int) -> list[int]:

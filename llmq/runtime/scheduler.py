@@ -117,8 +117,7 @@ class Scheduler:
         it holds blocks, then blocks for up to `budget` more tokens, all or nothing. Returns the cached tokens, or
         None (the sequence holding nothing) when the blocks are not free or hold(seq) says to wait."""
         cached = self.bm.match_prefix(seq, match_limit) if not seq.block_table else 0
-        if (hold is not None and hold(seq)) or not self.bm.allocate(
-                seq, min(seq.num_tokens, seq.num_computed_tokens + budget)):
+        if (hold is not None and hold(seq)) or not self.bm.allocate(seq, seq.num_computed_tokens + seq.chunk(budget)):
             self.bm.release(seq)
             return None
         return cached
@@ -131,11 +130,11 @@ class Scheduler:
         # decodes before prefill chunks, so a long prompt never stalls the sequences that are generating
         order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         for seq in order:
-            if budget == 0:
+            if budget <= 0:  # below 0: a chunk took a whole image past it (Sequence.chunk)
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.chunk(budget)
             while not self.bm.allocate(seq, seq.num_computed_tokens + n):
                 preempted = True
                 victim = self.running[-1]  # the youngest
@@ -152,7 +151,7 @@ class Scheduler:
             cached = self.admit(seq, budget, None if p0 is None else p0 + 1)
             if cached is None:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.chunk(budget)
             if not seq.admitted:  # count the prompt once, not again after a preemption
                 seq.admitted = True
                 seq.num_cached_tokens = cached

@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
 
 from .detokenize import IncrementalText
 from .sampling import PromptLogprobs, SamplingParams
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image in a prompt: its placeholder tokens' positions [start, start + length), the embeddings that replace
+    them (the vision encoder's, [length, hidden]) and a digest of its pixels (prefix-cache keys include it)."""
+
+    start: int
+    length: int
+    embeds: torch.Tensor
+    digest: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 class SequenceStatus(Enum):
@@ -25,8 +41,9 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, images: tuple[ImageSpan, ...] = ()):
         self.request_id = request_id
+        self.images = images  # its prompt's images, in order
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
@@ -69,6 +86,17 @@ class Sequence:
             return None
         p = len(self.prompt_logprobs.ranks)
         return p if p < self.num_prompt_tokens - 1 else None
+
+    def chunk(self, budget: int) -> int:
+        """How many of its next tokens a step computes within `budget`: all it can, except that a step never ends
+        inside an image (its tokens attend to each other both ways, so they are computed together): the chunk stops
+        before an image it would cut, or takes the whole image where one starts it, past the budget if need be."""
+        start = self.num_computed_tokens
+        end = min(self.num_tokens, start + budget)
+        for im in self.images:
+            if im.start < end < im.end:
+                end = im.start if im.start > start else im.end
+        return end - start
 
     @property
     def is_finished(self) -> bool:

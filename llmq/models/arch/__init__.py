@@ -18,7 +18,11 @@ ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3
 
 
 def supported() -> str:
-    return ", ".join(f"{a.architecture} ({t})" for t, a in ARCHS.items())
+    from ..vision import FAMILIES
+
+    return ", ".join([f"{a.architecture} ({t})" for t, a in ARCHS.items()] +
+                     [f"{ARCHS[text].architecture.replace('ForCausalLM', 'ForConditionalGeneration')} ({t}, with its "
+                      "vision tower)" for t, text in FAMILIES.items()])
 
 
 def arch_for(model_type: str | None, shown: str | None = None) -> Arch:

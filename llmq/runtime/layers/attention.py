@@ -27,6 +27,7 @@ class PrefillChunk:
     q_len: int
     blocks: torch.Tensor | None  # [1, nblocks] when the chunk reads cached K/V, None when it only needs its own
     mask: torch.Tensor | None  # [q_len, ctx] bool (True = attend), None = plain causal over the chunk
+    # (blocks None with a mask: the chunk's own fresh K/V under that mask)
     start: int = 0  # the chunk's first position in its sequence
     slot: int = -1  # its sequence's recurrent-state slot (Sequence.state_slot; -1: none)
 
@@ -54,10 +55,10 @@ def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
         if p.mask is None:  # causal over its own fresh K/V, from position 0
             rows = torch.arange(p.q_len, device=dev)
             mask = attends(rows[:, None], rows[None, :], window) if p.q_len > window else None
-        else:
+        else:  # the window's lower edge only: the mask already says what is visible later (an image's tokens)
             ctx = p.mask.shape[1]
             rows, cols = torch.arange(ctx - p.q_len, ctx, device=dev), torch.arange(ctx, device=dev)
-            mask = p.mask & attends(rows[:, None], cols[None, :], window)
+            mask = p.mask & (cols[None, :] > rows[:, None] - window)
         prefills.append(dataclasses.replace(p, mask=mask))
     return dataclasses.replace(meta, decode_mask=decode_mask, prefills=prefills)
 

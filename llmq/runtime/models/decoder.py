@@ -248,12 +248,16 @@ class CausalLM(nn.Module):
         return self.tp.all_reduce(h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab] in float32 on rank 0 (None on the other ranks). Callers choose the
-        autograd mode: inference_mode eagerly, no_grad around the compiled decode step."""
+        autograd mode: inference_mode eagerly, no_grad around the compiled decode step. images: (flat rows, image
+        embeddings) that replace those rows' (scaled) token embeddings."""
         x = self._embed(input_ids)
         if self.embed_mult is not None:  # in the rows' dtype, as transformers scales them
             x = x * torch.tensor(self.embed_mult, dtype=x.dtype)
+        if images is not None:
+            x[images[0]] = images[1].to(x.dtype)
         rope = self.rotary.table(positions)
         x = self._layers(x, rope, caches, meta, positions)
         h = self.norm(x.index_select(0, logits_indices))

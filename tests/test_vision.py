@@ -1,0 +1,204 @@
+"""Vision-language checkpoints (Gemma3ForConditionalGeneration): imported with the tower and projector carried as
+stored, run by llmq's runtime on image + text prompts equal to transformers in float32 (whole prefill, chunked prefill
+whatever the chunk, prefix caching keyed on the pixels), and what is refused in one line. A tiny random model
+(tests/vlm.py) and generated images: nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import make_tiny_model
+from vlm import image, make_tiny_vlm
+
+from llmq.artifacts import Store
+from llmq.errors import LlmqError
+
+VOCAB = 320
+CONVERSATION = [{"role": "user", "content": [{"type": "text", "text": "the abc"}, {"type": "image"},
+                                             {"type": "text", "text": "abc the"}, {"type": "image"}]},
+                {"role": "assistant", "content": "the bc abc the cab"}]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from llmq.models import resolve_model
+
+    d = tmp_path_factory.mktemp("vlm")
+    src = make_tiny_vlm(d / "src")
+    return src, resolve_model(str(src), Store(d / "store"))
+
+
+@pytest.fixture(scope="module")
+def prompt(vlm):
+    from llmq.runtime.images import ImagePrompt
+
+    ip = ImagePrompt(vlm[1].path)
+    text = ip.processor.apply_chat_template(CONVERSATION, tokenize=False)
+    images = [image("digit", seed=1), image("shapes", seed=2)]
+    ids, pixels = ip(text, images)
+    return text, images, ids, pixels
+
+
+@pytest.fixture(scope="module")
+def reference(vlm, prompt):
+    """transformers' float32 log-probabilities and greedy continuation of the prompt (its processor's inputs)."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    text, images, ids, _ = prompt
+    hf = Gemma3ForConditionalGeneration.from_pretrained(vlm[0], dtype=torch.float32).eval()
+    inputs = AutoProcessor.from_pretrained(vlm[0])(text=text, images=images, add_special_tokens=False,
+                                                   return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == ids and inputs["token_type_ids"].sum() == 8   # 2 images x 4 tokens
+    with torch.no_grad():
+        lp = hf(**inputs).logits[0].double().log_softmax(-1)
+        greedy = hf.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    return lp, greedy
+
+
+def engine(path, **cfg):
+    from llmq.runtime import EngineConfig, LLMEngine
+
+    return LLMEngine(path, EngineConfig(**({"kv_cache_memory": 8 << 20, "max_model_len": 160} | cfg)))
+
+
+def run(eng, ids, pixels, max_tokens=1):
+    """(log-probabilities [len(ids) - 1, vocab] of the prompt's positions, the greedy continuation)."""
+    from llmq.runtime import SamplingParams
+
+    out = eng.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                             prompt_logprobs=VOCAB), [pixels])[0]
+    lp = torch.tensor([[e[t] for t in range(VOCAB)] for e in out.prompt_logprobs.entries]).double()
+    return lp, out.output_token_ids
+
+
+def kld(ref, got):
+    return (ref.exp() * (ref - got)).sum(-1)
+
+
+def answer_rows(ids):
+    """The positions predicting the assistant's answer (after the last image's end)."""
+    return slice(max(i for i, t in enumerate(ids) if t == 278) + 1, len(ids) - 1)
+
+
+def test_import_keeps_the_checkpoint_and_carries_the_tower_as_stored(vlm):
+    from safetensors import safe_open
+
+    from llmq.models.reader import CheckpointReader
+
+    src, art = vlm
+    cfg = json.loads((art.path / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"] and "vision_config" in cfg
+    assert art.config["architecture"]["vision"] == "gemma3"
+    assert art.config["architecture"]["architecture"] == "Gemma3ForCausalLM"   # the language model llmq runs
+    assert (art.path / "processor_config.json").is_file()
+    r = CheckpointReader(art.path)
+    assert r.spec.num_layers == 2 and "model.layers.0.self_attn.q_proj.weight" in r.tensors
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        tower = [k for k in f.keys() if k.startswith(("vision_tower.", "multi_modal_projector."))]
+        assert sorted(r.tensors.vision) == sorted(tower) and len(tower) > 20
+        for k in tower:
+            assert torch.equal(r.tensors.vision_tensor(k), f.get_tensor(k))
+
+
+def test_the_runtime_equals_transformers_on_an_image_prompt(vlm, prompt, reference):
+    _, _, ids, pixels = prompt
+    ref, greedy = reference
+    eng = engine(vlm[1].path)
+    try:
+        lp, _ = run(eng, ids, pixels)
+        out = run(eng, ids, pixels, max_tokens=8)[1]
+    finally:
+        eng.shutdown()
+    assert kld(ref[:-1], lp)[answer_rows(ids)].max() <= 1e-5
+    assert kld(ref[:-1], lp).max() <= 1e-5   # every position, the image tokens' own included
+    assert out == greedy
+
+
+@pytest.mark.parametrize("budget", [3, 5, 30])
+def test_chunked_prefill_cuts_at_image_ends_and_stays_equal(vlm, prompt, reference, budget):
+    """Budgets that would end a chunk inside an image (3, 5: the image's 4 tokens attend to each other both ways, so
+    a chunk ends before it or takes it whole) and one that takes both images in one chunk."""
+    _, _, ids, pixels = prompt
+    eng = engine(vlm[1].path, max_num_batched_tokens=budget)
+    try:
+        lp, _ = run(eng, ids, pixels)
+    finally:
+        eng.shutdown()
+    assert kld(reference[0][:-1], lp).max() <= 1e-5
+
+
+def last(eng, ids, pixels):
+    """The next-token log-probabilities [vocab] after the prompt (prefix caching applies: no prompt_logprobs)."""
+    from llmq.runtime import SamplingParams
+
+    out = eng.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, logprobs=VOCAB), [pixels])[0]
+    return torch.tensor([out.new_logprobs[0][t] for t in range(VOCAB)]).double()
+
+
+def test_prefix_cache_keys_hold_the_pixels(vlm, prompt, reference):
+    from llmq.runtime.images import ImagePrompt
+
+    text, _, ids, pixels = prompt
+    other_ids, other = ImagePrompt(vlm[1].path)(text, [image("digit", seed=1), image("digit", seed=7)])
+    assert other_ids == ids and not torch.equal(other, pixels)
+    second = [i for i, t in enumerate(ids) if t == 277][4]   # the second image's first token
+    eng = engine(vlm[1].path, block_size=16)
+    try:
+        first = last(eng, ids, pixels)
+        assert kld(reference[0][-1], first) <= 1e-5
+        hits = eng.stats().prefix_cache_hits
+        assert kld(first, last(eng, ids, pixels)) <= 1e-6
+        assert eng.stats().prefix_cache_hits - hits == 16 * ((len(ids) - 1) // 16)   # every full block reused
+        hits = eng.stats().prefix_cache_hits
+        changed = last(eng, other_ids, other)   # the same tokens, the second image changed
+        assert eng.stats().prefix_cache_hits - hits == 16 * (second // 16)   # only the blocks before it
+        assert kld(first, changed) > 1e-3
+    finally:
+        eng.shutdown()
+    fresh = engine(vlm[1].path, enable_prefix_caching=False)
+    try:
+        assert kld(last(fresh, other_ids, other), changed) <= 1e-6
+    finally:
+        fresh.shutdown()
+
+
+def test_images_for_a_text_only_model_or_the_wrong_count_are_one_line(vlm, prompt, tmp_path):
+    from llmq.runtime import SamplingParams
+
+    _, _, ids, pixels = prompt
+    eng = engine(vlm[1].path)
+    try:
+        with pytest.raises(LlmqError, match=r"2 image\(s\) but 1 run"):
+            eng.add_request("a", ids[:ids.index(277) + 8], SamplingParams(max_tokens=1), pixels)
+        assert not eng.has_unfinished()
+    finally:
+        eng.shutdown()
+    text = engine(make_tiny_model(tmp_path / "text"))
+    try:
+        with pytest.raises(LlmqError, match="text-only: it takes no images"):
+            text.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1), pixels)
+    finally:
+        text.shutdown()
+
+
+def test_vision_language_checkpoints_llmq_does_not_run_are_refused_in_one_line(vlm, tmp_path):
+    from llmq.models import ModelSpec, resolve_model
+
+    src = vlm[0]
+    cfg = json.loads((src / "config.json").read_text())
+    for mt, why in (("qwen3_vl", "M-RoPE"), ("smolvlm", "SmolVLM"), ("gemma4", "Gemma 4"), ("llava", "unsupported")):
+        with pytest.raises(LlmqError, match=why):
+            ModelSpec.from_config(cfg | {"model_type": mt})
+    capped = cfg | {"text_config": cfg["text_config"] | {"final_logit_softcapping": 30.0}}
+    with pytest.raises(LlmqError, match="final_logit_softcapping"):
+        ModelSpec.from_config(capped)
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    (bare / "processor_config.json").unlink()
+    store = Store(tmp_path / "store")
+    with pytest.raises(LlmqError, match="without its processor's config"):
+        resolve_model(str(bare), store)
+    assert store.list() == []
