@@ -530,8 +530,11 @@ def part_families(args, res: Results, work: Path) -> None:
             row = {}
             for dtype in ("float32", "bfloat16"):
                 got, out = family_on_device(path, dev, dtype, ids, prompts, 16, chunk=32)
+                # a token other than the reference's own counts where the reference preferred its own by > --tie
+                checks = [greedy_check(o, len(p), hf_logits(path, p + o).double().log_softmax(-1), args.tie)
+                          for p, o in zip(prompts, out)]
                 row[dtype] = {**compare(ref, got), "greedy_equal": sum(o == w for o, w in zip(out, want)),
-                              "prompts": len(prompts)}
+                              "prompts": len(prompts), "beyond_tie": sum(c["beyond_tie"] for c in checks)}
             return row
         guarded(res, "families", family, run)
 
@@ -553,17 +556,22 @@ def part_families(args, res: Results, work: Path) -> None:
             del model
         vocab = QWEN35_WIDTH["vocab_size"]
         long = torch.randint(0, vocab, (256 if args.small else 1024,), generator=gen).tolist()
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(dev).eval()
-        with torch.no_grad():
-            ref = hf(torch.tensor([long], device=dev)).logits[0].double().log_softmax(-1).cpu()
-        del hf
+        ref, hf_bf16 = ({}, {})
+        for dtype, logp in ((torch.float32, ref), (torch.bfloat16, hf_bf16)):
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(dev).eval()
+            with torch.no_grad():
+                logp["x"] = hf(torch.tensor([long], device=dev)).logits[0].double().log_softmax(-1).cpu()
+            del hf
+        ref = ref["x"]
         half = len(long) // 2
+        fp32, _ = family_on_device(path, dev, "float32", long, [long[:8]], 1, chunk=256)
         got, out = family_on_device(path, dev, "bfloat16", long, [long[:half]], 64, chunk=256)
         with torch.no_grad():   # the greedy tokens teacher-forced through the float32 reference
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(dev).eval()
             forced = hf(torch.tensor([long[:half] + out[0]], device=dev)).logits[0].double().log_softmax(-1).cpu()
         del hf
-        row = {"bf16_vs_hf_fp32": compare(ref, got), "greedy": greedy_check(out[0], half, forced, args.tie)}
+        row = {"fp32_vs_hf_fp32": compare(ref, fp32), "bf16_vs_hf_fp32": compare(ref, got),
+               "hf_bf16_vs_hf_fp32": compare(ref, hf_bf16["x"]), "greedy": greedy_check(out[0], half, forced, args.tie)}
         peak = copy_bandwidth(dev)
         row["decode_b1"] = batch1_decode(path, long[:128], 64, peak, EngineConfig(device=dev, max_num_seqs=1))
         eng = LLMEngine(path, EngineConfig(device=dev, max_num_seqs=32, max_model_len=1024))
