@@ -202,3 +202,86 @@ def test_vision_language_checkpoints_llmq_does_not_run_are_refused_in_one_line(v
     with pytest.raises(LlmqError, match="without its processor's config"):
         resolve_model(str(bare), store)
     assert store.list() == []
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat_body(*parts, text: str = "abc the") -> dict:
+    return {"model": "tiny", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height but holds one scanline: it must be refused from the header."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 7)) + \
+        chunk(b"IEND", b"")
+
+
+def test_serve_takes_data_url_images_and_refuses_bad_ones_in_one_line(vlm, tmp_path):
+    import httpx
+    from helpers import live_server
+    from vlm import encoded
+
+    from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
+    from llmq.runtime.images import ImagePrompt
+
+    path = vlm[1].path
+    digit, shapes = image("digit", seed=3), image("shapes", seed=4)
+    # what the engine answers for this conversation, the images as the server decodes them (PNG round trip)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "abc the"}]}]
+    ip = ImagePrompt(path)
+    ids, pixels = ip(ip.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                     [digit, shapes.convert("RGB")])
+    eng = LLMEngine(path, EngineConfig(kv_cache_memory=8 << 20, max_model_len=160))
+    try:
+        want = eng.generate([ids], SamplingParams(max_tokens=4, temperature=0.0), [pixels])[0].text
+    finally:
+        eng.shutdown()
+    good = chat_body(image_part(data_url(encoded(digit))), image_part(data_url(encoded(shapes, "JPEG"),
+                                                                                "image/jpeg")))
+    with live_server(path, EngineConfig(kv_cache_memory=8 << 20, max_model_len=160)) as live:
+        with httpx.Client(base_url=live.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json=chat_body(image_part(data_url(encoded(digit))),
+                                                              image_part(data_url(encoded(shapes)))))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want
+            assert r.json()["usage"]["prompt_tokens"] == len(ids)
+            assert c.post("/v1/chat/completions", json=good).status_code == 200   # JPEG too
+            truncated = encoded(digit)[:60]
+            for parts, why in [
+                ((image_part("https://example.com/cat.png"),), "https URLs are refused"),
+                ((image_part("file:///etc/passwd"),), "file URLs are refused"),
+                ((image_part(data_url(encoded(digit), "image/gif")),), "MIME type 'image/gif'"),
+                ((image_part(data_url(encoded(digit, "JPEG"))),), "not a readable PNG"),   # the type lies
+                ((image_part("data:image/png;base64,!!!"),), "not valid base64"),
+                ((image_part(data_url(bomb_png(60000, 60000))),), "more than 16,000,000 pixels"),
+                ((image_part(data_url(bomb_png(5000, 5000))),), "5000 x 5000 image is refused"),
+                ((image_part(data_url(truncated)),), "truncated or corrupt|not a readable"),
+                ((image_part(data_url(encoded(digit))),) * 9, "at most 8"),
+            ]:
+                r = c.post("/v1/chat/completions", json=chat_body(*parts))
+                msg = r.json()["error"]["message"]
+                assert r.status_code == 400 and "\n" not in msg, (why, r.text)
+                assert __import__("re").search(why, msg), (why, msg)
+            r = c.post("/v1/chat/completions", json=chat_body(image_part(data_url(encoded(digit)))))
+            assert r.status_code == 200   # still serving
+    with live_server(make_tiny_model(tmp_path / "text"), EngineConfig(kv_cache_memory=8 << 20)) as live:
+        with httpx.Client(base_url=live.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json=chat_body(image_part(data_url(encoded(digit)))))
+            assert r.status_code == 400 and "text-only: image_url parts are refused" in r.json()["error"]["message"]
+            assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200

@@ -52,9 +52,11 @@ def decode_image(mime: str, data: bytes, limits: ImageLimits):
 
     try:
         im = Image.open(io.BytesIO(data), formats=[FORMATS[mime]])
-    except (UnidentifiedImageError, OSError, ValueError):
+        w, h = im.size
+    except Image.DecompressionBombError:   # PIL's own bound, past ours, checked on the header too
+        raise LlmqError(f"image_url: an image of more than {limits.max_pixels:,} pixels is refused") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise LlmqError(f"image_url: not a readable {FORMATS[mime]} image") from None
-    w, h = im.size
     if w < 1 or h < 1 or w * h > limits.max_pixels:
         raise LlmqError(f"image_url: a {w} x {h} image is refused; at most {limits.max_pixels:,} pixels")
     try:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
+from ...errors import LlmqError
 from ..config import Limits
 from ..engine import LLMEngine, RequestOutput
 from ..sampling import PromptLogprobs
@@ -188,9 +189,14 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             raise bad_request(f"This model's maximum context length is {fe.max_model_len} tokens; the request has "
                               f"{len(body.messages)} messages.", "messages", "context_length_exceeded")
         messages = [m.template_dict() for m in body.messages]
-        fe.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        fe.check_chars(sum(len(c) if isinstance(c, str) else sum(len(p.get("text", "")) for p in c)
+                           for c in (m["content"] for m in messages)), "messages")
+        urls = [u for m in body.messages for u in m.image_urls()]
+        pixels = None
 
         def template() -> list[int]:
+            nonlocal pixels
+            images = fe.read_images(urls) if urls else []
             try:
                 # in-process: a forked render (models.chat) holds the GIL while the kernel copies the page tables of
                 # the whole server, which starved the event loop under load; bounding it needs a persistent render
@@ -198,7 +204,13 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                 text = fe.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
                 raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-            return fe.tokenizer.encode(text, add_special_tokens=False)
+            if fe.images is None:
+                return fe.tokenizer.encode(text, add_special_tokens=False)
+            try:   # the model's processor places each image's tokens (runtime.images)
+                ids, pixels = fe.images(text, images)
+            except LlmqError as e:
+                raise bad_request(str(e), "messages") from None
+            return ids
 
         ids = fe.check_ids(await fe.off_loop(template))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -228,6 +240,6 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                                  "finish_reason": out.finish_reason, "logprobs": lp}],
                     "usage": usage(out)}
 
-        return await respond(fe, request, rid, ids, params, body.stream, include_usage, chunk, first, full)
+        return await respond(fe, request, rid, ids, params, body.stream, include_usage, chunk, first, full, pixels)
 
     return app

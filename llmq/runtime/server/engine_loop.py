@@ -117,8 +117,8 @@ class EngineLoop:
         return self._in_flight
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop, view: Callable[[RequestOutput], object] | None = None
-               ) -> asyncio.Queue:
+               loop: asyncio.AbstractEventLoop, view: Callable[[RequestOutput], object] | None = None,
+               images=None) -> asyncio.Queue:
         """Queue a request; its RequestOutputs (or one exception) arrive on the returned queue, each passed through
         `view` first when given: on the engine thread, so that per-output work stays off the event loop."""
         with self._lock:
@@ -141,7 +141,7 @@ class EngineLoop:
                     pass
 
             # under the lock, so a failing loop (which empties the inbox under it) cannot strand this request
-            self._inbox.put(("add", request_id, prompt_ids, params, sink, time.monotonic()))
+            self._inbox.put(("add", request_id, prompt_ids, params, sink, time.monotonic(), images))
         return out
 
     def abort(self, request_id: str) -> None:
@@ -178,9 +178,9 @@ class EngineLoop:
         """Apply one command; False means stop."""
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, sink, arrival = cmd
+            _, rid, ids, params, sink, arrival, images = cmd
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, images)
             except Exception as e:  # LlmqError: a 400 for this request alone; anything else: a 500
                 with self._lock:
                     self._in_flight -= 1

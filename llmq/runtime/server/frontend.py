@@ -12,6 +12,7 @@ from pathlib import Path
 from ...errors import LlmqError
 from ..config import Limits
 from ..engine import LLMEngine
+from ..images import ImageLimits, ImagePrompt, data_url_bytes, decode_image
 from ..sampling import PromptLogprobs, SamplingParams
 from .engine_loop import EngineLoop, EngineThread, NotAccepting, QueueFull
 from .metrics import ServerMetrics
@@ -55,6 +56,22 @@ class Frontend:
         self.waiting: set[asyncio.Queue] = set()  # the output queues of the requests being answered
         self.owing: dict[str, int] = {}  # per request in flight, the log-probabilities its answer may hold
         self.owed_in_flight = 0
+        # a vision-language model's processor (image_url parts), else None: images are refused
+        self.images = ImagePrompt(engine.path) if engine.spec.vision else None
+        self.image_limits = ImageLimits()
+
+    def read_images(self, urls: list[str]) -> list:
+        """The request's images decoded within ImageLimits; a 400 in one line for anything refused."""
+        if self.images is None:
+            raise bad_request(f"this model ({self.engine.spec.architecture}) is text-only: image_url parts are "
+                              "refused", "messages")
+        lim = self.image_limits
+        if len(urls) > lim.max_images:
+            raise bad_request(f"{len(urls)} images; at most {lim.max_images} a request", "messages")
+        try:
+            return [decode_image(*data_url_bytes(u, lim), lim) for u in urls]
+        except LlmqError as e:
+            raise bad_request(str(e), "messages") from None
 
     def cut(self) -> None:
         """The drain's deadline: every request still waiting for its output gets NotAccepting (a 503, or for a
@@ -150,8 +167,9 @@ class Frontend:
         per = [0 if k is None else min(k, self.vocab_size) + 1 for k in (params.prompt_logprobs, params.logprobs)]
         return (prompt_len - 1) * per[0], params.max_tokens * per[1]
 
-    def submit(self, rid: str, ids: list[int], params: SamplingParams, view=None) -> asyncio.Queue:
-        """Queue a request (429 past --max-logprob-entries-in-flight); call `settle(rid)` once it is answered."""
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, view=None, images=None) -> asyncio.Queue:
+        """Queue a request (429 past --max-logprob-entries-in-flight); call `settle(rid)` once it is answered.
+        images: its pixel values (LLMEngine.add_request's)."""
         owed = sum(self.owed(params, len(ids)))
         if owed and self.owed_in_flight + owed > self.limits.max_logprob_entries_in_flight:
             self.metrics.rejected("logprobs_in_flight")
@@ -160,7 +178,7 @@ class Frontend:
                            "(--max-logprob-entries-in-flight); retry later", "rate_limit_exceeded",
                            code="logprobs_in_flight", headers={"Retry-After": "1"})
         try:
-            q = self.loop.submit(rid, ids, params, asyncio.get_running_loop(), view)
+            q = self.loop.submit(rid, ids, params, asyncio.get_running_loop(), view, images)
         except QueueFull as e:
             self.metrics.rejected("queue_full")
             raise APIError(429, f"{e}; retry later", "rate_limit_exceeded", code="queue_full",

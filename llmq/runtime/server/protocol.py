@@ -59,17 +59,38 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Body):
+    """An image as a data: URL (runtime.images: remote URLs are refused, nothing is fetched)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     """Extra keys (name, tool_call_id, ...) pass through to the chat template."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for p in self.content or () if isinstance(p, ImagePart)]
 
     def template_dict(self) -> dict:
+        """The message as chat templates take it: text parts joined, or where it holds images its parts in order
+        ({"type": "text", "text"} / {"type": "image"}, as vision-language templates read them)."""
         d = self.model_dump(exclude_none=True)
         c = self.content
-        d["content"] = "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+        if self.image_urls():
+            d["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                            for p in c]
+        else:
+            d["content"] = "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
         return d
 
 

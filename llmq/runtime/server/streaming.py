@@ -145,11 +145,11 @@ def output_view(stream: bool, stop: list[str]):
 
 
 async def respond(fe: Frontend, request: Request, rid: str, ids: list[int], params: SamplingParams, stream: bool,
-                  include_usage: bool, chunk, first: dict | None, full):
+                  include_usage: bool, chunk, first: dict | None, full, images=None):
     """Run one request: a whole JSON body (`full(last output, logprobs, tokens, the first output's prompt_logprobs)`),
     or an SSE stream (`first`, then `chunk(...)`s, usage, [DONE]). A stream's outputs arrive as (output, text delta)
     pairs, the deltas worked out on the engine thread."""
-    q = fe.submit(rid, ids, params, output_view(stream, params.stop))
+    q = fe.submit(rid, ids, params, output_view(stream, params.stop), images)
     fe.waiting.add(q)
 
     def close() -> None:
