@@ -285,3 +285,56 @@ def test_serve_takes_data_url_images_and_refuses_bad_ones_in_one_line(vlm, tmp_p
             r = c.post("/v1/chat/completions", json=chat_body(image_part(data_url(encoded(digit)))))
             assert r.status_code == 400 and "text-only: image_url parts are refused" in r.json()["error"]["message"]
             assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_quantized_language_model_keeps_the_tower_and_runs_in_transformers_and_llmq(vlm, prompt, method,
+                                                                                    monkeypatch):
+    """The quantized artifact is the compressed-tensors export (what vLLM / SGLang load): the language model's
+    linears quantized, the tower and projector as stored and in `ignore`, the processor's config beside them;
+    transformers loads it and runs the image prompt, and llmq's runtime computes the same."""
+    from helpers import bf16_kernels_off
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    src, art = vlm
+    text, images, ids, pixels = prompt
+    q = quantize(art, QuantizeOptions(method=method, bits=4, group_size=16, num_samples=2, seq_len=32,
+                                      probe_tokens=0), Store(art.path.parent.parent), progress=False)
+    cfg = json.loads((q.path / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert {"re:.*vision_tower.*", "re:.*multi_modal_projector.*"} <= set(cfg["quantization_config"]["ignore"])
+    assert q.config["vision"]["format"] == "float32 as stored (not quantized)"
+    assert (q.path / "processor_config.json").is_file()
+    r, s = CheckpointReader(q.path), CheckpointReader(art.path)
+    assert r.layer_linears(0)["q_proj"].qw is not None   # the language model is quantized
+    assert sorted(r.tensors.vision) == sorted(s.tensors.vision)
+    assert all(torch.equal(r.tensors.vision_tensor(n), s.tensors.vision_tensor(n)) for n in s.tensors.vision)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(q.path, dtype=torch.float32).eval()
+    inputs = AutoProcessor.from_pretrained(q.path)(text=text, images=images, add_special_tokens=False,
+                                                   return_tensors="pt")
+    with torch.no_grad():
+        ref = hf(**inputs).logits[0].double().log_softmax(-1)
+    bf16_kernels_off(monkeypatch)
+    eng = engine(q.path)
+    try:
+        lp, _ = run(eng, ids, pixels)
+    finally:
+        eng.shutdown()
+    assert kld(ref[:-1], lp).max() <= 1e-5
+
+
+def test_build_and_quantize_kv_refuse_vision_language_models_in_one_line(vlm):
+    from llmq.pipeline.kv_options import KVOptions
+    from llmq.pipeline.kvcache import _check
+    from llmq.pipeline.targets.stage import BuildOptions, build_engine
+
+    art = vlm[1]
+    store = Store(art.path.parent.parent)
+    for target in ("llmq", "gguf", "trtllm"):
+        with pytest.raises(LlmqError, match="does not write vision-language models yet"):
+            build_engine(art, store, BuildOptions(target=target))
+    with pytest.raises(LlmqError, match="vision-language model are not calibrated yet"):
+        _check(art, KVOptions(kv="int8"))

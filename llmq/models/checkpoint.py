@@ -31,14 +31,17 @@ class ShardedWriter:
     `shard_bytes`, named as transformers names them (`model.safetensors` when one is enough, else
     `model-0000i-of-0000N.safetensors` with an index), so memory never holds more than the tensor being added."""
 
-    def __init__(self, out_dir: Path, shard_bytes: int = SHARD_BYTES):
-        self.out_dir, self.shard_bytes = Path(out_dir), shard_bytes
+    def __init__(self, out_dir: Path, shard_bytes: int = SHARD_BYTES, rename=None):
+        """rename: a tensor's name -> the name it is written under (a vision-language checkpoint's layout:
+        reader.LazyTensors.stored_name)."""
+        self.out_dir, self.shard_bytes, self.rename = Path(out_dir), shard_bytes, rename
         self._done: list[tuple[Path, list[str]]] = []
         self._current = None  # the SafetensorsWriter of the shard being written
         self._names: list[str] = []
         self.total = 0
 
     def add(self, name: str, tensor) -> None:
+        name = self.rename(name) if self.rename is not None else name
         nbytes = tensor.numel() * tensor.element_size()
         if self._current is not None and self._current.nbytes and self._current.nbytes + nbytes > self.shard_bytes:
             self._finish_shard()

@@ -135,3 +135,37 @@ def load_processor(d):
         return AutoProcessor.from_pretrained(str(d))
     except Exception as e:  # transformers raises many types for a config it cannot use
         raise LlmqError(f"{d}: its processor does not load ({(str(e).splitlines() or [''])[0][:200]})") from None
+
+
+def check_quantize(opts, spec) -> None:
+    """What quantize does not yet write for a vision-language model: one line each. The language model takes one
+    scheme (its linears matched by class, the tower and projector in `ignore`); named-module groups (mixed precision,
+    an INT8 head or embedding) would need module names that hold in both of transformers' layouts."""
+    what = [flag for flag, on in (("--target-bpw / --max-size", opts.mixed), ("--lm-head int8", opts.lm_head == "int8"),
+                                  ("--embedding int8", opts.embedding == "int8")) if on]
+    if what:
+        raise LlmqError(f"{spec.vision}: {what[0]} is not supported for vision-language models yet; quantize the "
+                        "language model with one scheme (the tower and projector stay 16-bit)")
+    if opts.method in ("bnb-int8", "bnb-nf4"):
+        raise LlmqError(f"{spec.vision}: method {opts.method} would quantize the vision tower's linears too "
+                        "(bitsandbytes skips modules by name only); use a compressed-tensors method")
+
+
+def quantization_config(qc: dict) -> dict:
+    """A language model's compressed-tensors config made to hold in the vision-language checkpoint: the tower and
+    projector ignored (their linears are Linear modules too), the other ignored modules named by their path under
+    the language model (a suffix of transformers' name in either layout)."""
+    for g in qc.get("config_groups", {}).values():
+        if any(t != "Linear" for t in g.get("targets") or ()):
+            raise LlmqError("a named-module quantization group is not written for vision-language models yet")
+    ignore = [m.removeprefix("model.") for m in qc.get("ignore") or ()]
+    return qc | {"ignore": ignore + [p for p in VISION_IGNORE if p not in ignore]}
+
+
+def manifest(vision: dict) -> dict:
+    """The quantized artifact's record of the tower and projector: kept as stored, their dtype and size."""
+    import math
+
+    dtypes = sorted({str(d).removeprefix("torch.") for d, _ in vision.values()})
+    return {"format": f"{'/'.join(dtypes)} as stored (not quantized)", "tensors": len(vision),
+            "parameters": sum(math.prod(s) for _, s in vision.values()), "calibration": "text only (no image)"}

@@ -48,6 +48,10 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         raise LlmqError(f"{spec.architecture}: {'mixed precision (--target-bpw / --max-size)' if o.mixed else o.method}"
                         " does not yet know what feeds a Gated DeltaNet layer's linears; use --method rtn, gptq, fp8, "
                         "nvfp4 or mxfp4")
+    if spec.vision is not None:
+        from ...models import vision
+
+        vision.check_quantize(o, spec)
     if hasattr(method, "validate"):  # what the method cannot honour first (a bitsandbytes packing of fused Phi-3)
         method.validate(o, spec)
     if o.group_size < 0:
@@ -103,11 +107,12 @@ def peak_memory(device: str) -> dict:
 def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bool = True,
              command: str | None = None) -> Artifact:
     """Quantize `source` (a model artifact) and commit the quantized artifact."""
-    from ...models import qformat
+    from ...models import qformat, vision
     from .calib import load_calibration, load_probe_text
     from .experts import expert_coverage
     from .layerwise import run_layerwise
     from .sink import CheckpointSink
+    from .streamed import source_tensors
 
     t0 = time.perf_counter()
     opts, spec, method = validate(source, opts)
@@ -132,8 +137,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         else "") + (f"-for{opts.for_engine}" if opts.for_engine else "")
     from ...models.checkpoint import ShardedWriter, copy_tokenizer
 
+    tensors = source_tensors(source.path)   # a vision-language model's tower, copied as stored
     with store.create("quantized", name, parents=[source.id], command=command, needs=source.payload_bytes) as w, \
-            ShardedWriter(w.dir) as out:  # never larger than its source
+            ShardedWriter(w.dir, rename=tensors.stored_name) as out:  # never larger than its source
         plan = None
         if opts.target_bpw is not None:
             from ...models.load import pick_device
@@ -144,12 +150,16 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         result = run_layerwise(source.path, method, opts, spec, calib=calib, probe=probe, sink=sink,
                                progress=progress, widths=plan.bits if plan else None,
                                formats=plan.formats if plan else None)
+        for n in sorted(tensors.vision):
+            out.add(n, tensors.vision_tensor(n))
         out.close()
         if result.importance:
             importance.write(w.dir, result.importance, calib.source, calib.tokens, len(calib.samples),
                              len(calib.samples[0]))
         config = dict(read_config(source.path))
         config["quantization_config"], fmt = sink.quantization_config()
+        if spec.vision is not None:
+            config["quantization_config"] = vision.quantization_config(config["quantization_config"])
         if qformat.LM_HEAD in sink.outside:
             config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
         per_module = sink.scheme_per_module()
@@ -168,6 +178,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             "calibration": calib.manifest() if calib is not None else None,
             **({"expert_coverage": expert_coverage(result.routed, calib)} if spec.num_experts else {}),
             "probe": probe.manifest() if probe is not None else None,
+            **({"vision": vision.manifest(tensors.vision_info())} if spec.vision is not None else {}),
             "source": {"id": source.id, "ref": source.ref},
         })
         write_json(w.dir / "config.json", config)

@@ -108,7 +108,7 @@ def skeleton(model_dir: Path, arch: Arch, dtype: torch.dtype, device):
     tensors from the checkpoint one at a time (`load`), so the whole model is never in memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()   # a vision-language model's language model
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     if arch.moe is not None:  # one linear per expert, under the checkpoint's names

@@ -97,6 +97,10 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint: serve and eval it as it is (llmq, transformers, "
                         "vLLM's bitsandbytes loader and TGI load it directly); build targets take compressed-tensors "
                         "artifacts (rtn, gptq, awq, smoothquant, fp8)")
+    if src.spec.vision is not None:
+        raise LlmqError(f"--target {opts.target}: build does not write vision-language models yet (the tower's mmproj "
+                        f"GGUF, its rank shards and TensorRT-LLM's checkpoint are not done); serve {source.ref} itself "
+                        "(llmq serve), or load it in vLLM / SGLang / transformers (compressed-tensors)")
     if src.spec.linear_layers:
         raise LlmqError(f"--target {opts.target}: build does not write {src.spec.architecture}'s Gated DeltaNet layers "
                         f"yet; serve and eval {source.ref} itself (llmq serve / llmq eval), or load it in vLLM "
