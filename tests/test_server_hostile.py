@@ -830,3 +830,37 @@ def test_logprobs_in_flight_are_bounded_per_server(whole, monkeypatch):
     _idle(whole)
 
 
+
+
+def test_hostile_chat_templates_are_a_bounded_one_line_400(srv, monkeypatch):
+    """Issue 54 item 6: a chat template that loops for ever, multiplies a string to gigabytes (6.3 GB), recurses (a
+    1,427-line traceback) or renders more text than the context holds is a one-line 400 within the render deadline,
+    and the server goes on. Renders happen in one long-lived child (no fork per request: forking the server holds
+    the interpreter while the kernel copies its page tables); a render past its bounds ends that child and the next
+    request starts another."""
+    from test_quantize import HOSTILE_TEMPLATES
+
+    import llmq.models.chat as chat
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert _post(srv, body, "chat/completions").status_code == 200
+    worker = srv.fe.renderer
+    pid = worker.child[0]
+    assert _post(srv, body, "chat/completions").status_code == 200
+    assert worker.child[0] == pid   # the same child rendered both
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0)
+    original = srv.fe.tokenizer.chat_template
+    for template, message in HOSTILE_TEMPLATES:
+        monkeypatch.setattr(srv.fe.tokenizer, "chat_template", template)
+        t0 = time.monotonic()
+        r = _post(srv, body, "chat/completions")
+        err = r.json()["error"]
+        assert r.status_code == 400, r.text
+        assert err["param"] == "messages", r.text
+        assert message in err["message"], r.text
+        assert "\n" not in err["message"], r.text
+        assert time.monotonic() - t0 < 5
+    monkeypatch.setattr(srv.fe.tokenizer, "chat_template", original)
+    assert _post(srv, body, "chat/completions").status_code == 200
+    assert worker.child[0] != pid   # the killed child was replaced
+    _idle(srv)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from ...errors import LlmqError
+from ...models.chat import TemplateError
 from ..config import Limits
 from ..engine import LLMEngine, RequestOutput
 from ..sampling import PromptLogprobs
@@ -50,6 +51,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         finally:
             await asyncio.to_thread(fe.loop.shutdown, drain_timeout)
             fe.text_thread.shutdown(wait=False, cancel_futures=True)
+            await asyncio.to_thread(fe.renderer.close)
 
     app = FastAPI(title="llmq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)  # served below, behind the key
@@ -198,12 +200,12 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             nonlocal pixels
             images = fe.read_images(urls) if urls else []
             try:
-                # in-process: a forked render (models.chat) holds the GIL while the kernel copies the page tables of
-                # the whole server, which starved the event loop under load; bounding it needs a persistent render
-                # worker
-                text = fe.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
-                raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+                kind, text = fe.renderer.render(messages, add_generation_prompt=True)
+            except TemplateError as e:  # past its deadline or memory
+                raise bad_request(str(e), "messages") from None
+            if kind != "ok":  # one that rejects these messages (e.g. roles out of order), or a hostile one
+                raise bad_request(f"the chat template rejected the messages: {text}" if kind == "rejected" else text,
+                                  "messages")
             if fe.images is None:
                 return fe.tokenizer.encode(text, add_special_tokens=False)
             try:   # the model's processor places each image's tokens (runtime.images)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...errors import LlmqError
+from ...models.chat import RenderWorker
 from ..config import Limits
 from ..engine import LLMEngine
 from ..images import ImageLimits, ImagePrompt, data_url_bytes, decode_image
@@ -53,6 +54,7 @@ class Frontend:
         # tokenizing and templating run here, off the event loop (the tokenizer releases the GIL); one thread, so
         # requests never use the tokenizer at once
         self.text_thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenize")
+        self.renderer = RenderWorker(self.tokenizer, self.max_prompt_chars)  # chat templates, bounded
         self.waiting: set[asyncio.Queue] = set()  # the output queues of the requests being answered
         self.owing: dict[str, int] = {}  # per request in flight, the log-probabilities its answer may hold
         self.owed_in_flight = 0
