@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from llmq.errors import GateFailed, LlmqError
 from llmq.models import ModelSpec, resolve_model
 from llmq.models.reader import CheckpointReader
-from llmq.models.sharding import LinearWeights, split_cols, split_rows
+from llmq.models.sharding import HeadSplitError, LinearWeights, split_cols, split_rows
 from llmq.pipeline.targets import BuildOptions, build_engine, make_plan
 from llmq.pipeline.targets.verify import (
     TOLERANCE,
@@ -38,9 +38,10 @@ def spec(heads=4, kv=2, **kw) -> ModelSpec:
 # ---- the plan -----------------------------------------------------------------------------------------------------
 
 def test_tp_that_does_not_divide_the_heads_is_refused_with_the_way_out():
-    with pytest.raises(LlmqError, match=r"--tp 2 does not divide this model's 9 attention heads / 3 KV heads "
-                                        r"\(tp values that do: 1\).*drop --no-pad-heads.*12 heads / 4 KV heads"):
+    with pytest.raises(HeadSplitError, match=r"^tp 2 does not divide this model's 9 attention heads / 3 KV heads "
+                                             r"\(tp values that do: 1\)$") as e:
         make_plan(spec(heads=9, kv=3), 2, pad_heads=False)
+    assert e.value.padded == (12, 4)   # what padding would give: build's refusal offers it (its --pad-heads)
     with pytest.raises(LlmqError, match="use one of 1, 2, 4, 8"):
         make_plan(spec(), 3)
     with pytest.raises(LlmqError, match="MLP width 130"):
@@ -279,7 +280,9 @@ def test_cli_builds_and_refuses_clearly(cli, make_tiny_model, tmp_path):
     d = make_tiny_model(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
     store = ["--store", str(tmp_path / "store")]
     r = CliRunner().invoke(cli, [*store, "build", str(d), "--tp", "2", "--no-pad-heads"])
-    assert r.exit_code == 2 and "error: --tp 2 does not divide this model's 6 attention heads" in r.output
+    assert r.exit_code == 2
+    assert "error: --tp 2 does not divide this model's 6 attention heads" in r.output
+    assert "drop --no-pad-heads to add zero heads (exact, 8 heads / 4 KV heads)" in r.output
     r = CliRunner().invoke(cli, [*store, "build", str(d), "--tp", "2", "--pp", "2"])
     assert r.exit_code == 2 and "pipeline parallelism is not supported" in r.output
     r = CliRunner().invoke(cli, [*store, "build", str(d), "--tp", "2", "--verify", "--target", "trtllm"])

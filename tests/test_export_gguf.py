@@ -606,7 +606,7 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line(tiny, make_tiny_model, tmp
     _one_line_refusal(store, fp8, BuildOptions(target="gguf"), "FP8")
     asym8 = quantize(model, QuantizeOptions(method="rtn", bits=8, group_size=32, symmetric=False), store,
                      progress=False)
-    _one_line_refusal(store, asym8, BuildOptions(target="gguf"), "Q8_0", "--asym")
+    _one_line_refusal(store, asym8, BuildOptions(target="gguf"), "Q8_0", "`llmq quantize --sym`")
     swa = resolve_model(str(make_tiny_model(tmp_path / "swa", model_type="mistral", sliding_window=64)), store)
     _one_line_refusal(store, swa, BuildOptions(target="gguf"), "sliding-window")
     nope = resolve_model(str(make_tiny_model(tmp_path / "nope", model_type="smollm3", no_rope_layers=[1, 0])), store)

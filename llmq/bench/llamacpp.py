@@ -167,7 +167,7 @@ class KldBase:
         with open(self.path, "rb") as f:
             head = f.read(20)
         if len(head) < 20 or head[:8] != b"_logits_":
-            raise LlmqError(f"{self.path} is not a llama-perplexity --kl-divergence-base file")
+            raise LlmqError(f"{self.path} is not a `llama-perplexity --kl-divergence-base` file")
         self.n_ctx, self.n_vocab, self.n_chunk = (int(x) for x in np.frombuffer(head[8:20], dtype="<i4"))
         self.tokens = np.fromfile(self.path, dtype="<i4", count=self.n_chunk * self.n_ctx, offset=20)
         self.rows = len(range(self.n_ctx)[scored(self.n_ctx)])

@@ -48,6 +48,9 @@ def verify_deployment(store: Store, source: Artifact, served: Served, settings: 
     {"figures": [...], "agree": bool, "gates": [...], "reports": {endpoint, in_process: eval-report refs},
     "refused": [...]}."""
     base = default_baseline(store, source)
+    if settings.kld and base is None:
+        raise LlmqError(f"kld compares {source.ref} with the model it was quantized from, and it has none: "
+                        "drop kld from --tasks")
     served = replace(served, artifact=source)
     remote = run_eval(store, served, base, settings, gates, progress, command, name=f"{source.name}-deployed-eval")
     # the in-process run: what the endpoint ran (its refusals dropped), its KL taken the endpoint's way

@@ -121,7 +121,7 @@ def load_state_dict(d: Path, allow_pickle: bool = False) -> dict:
         raise LlmqError(f"{d}: no *.safetensors weights found")
     if not allow_pickle:
         raise LlmqError(f"{d} has only pickle weights ({pk[0].name}); pickle can run arbitrary code, "
-                        "pass --allow-pickle if you trust this checkpoint")
+                        "import it with `llmq import PATH --allow-pickle` if you trust this checkpoint")
     import torch
 
     state = {}

@@ -31,7 +31,8 @@ def load_hf_model(path: str | Path, dtype=None, device: str | None = None):
 
     qc = qformat.parse_quantization_config(read_config(Path(path)))
     if qc is not None and qformat.EMBEDDING in qc.modules:
-        raise LlmqError(f"{path}: its embedding table is INT8 (quantize --embedding int8), which transformers cannot "
-                        "load (it needs a dense Embedding weight); run it with llmq's runtime (--backend llmq)")
+        raise LlmqError(f"{path}: its embedding table is INT8 (`llmq quantize --embedding int8`), which "
+                        "transformers cannot load (it needs a dense Embedding weight); run it with llmq's runtime "
+                        "(--backend llmq)")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
     return model.to(pick_device(device)).eval()

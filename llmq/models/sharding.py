@@ -163,10 +163,19 @@ class ShardPlan:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})  # engines built before a field: default
 
 
+class HeadSplitError(LlmqError):
+    """tp does not divide the head counts and padding was not allowed; `padded` is what padding would give."""
+
+    def __init__(self, message: str, padded: tuple[int, int]):
+        super().__init__(message)
+        self.padded = padded
+
+
 def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embedding: bool = False) -> ShardPlan:
-    """The plan for `spec` on `tp` ranks, or an LlmqError saying which tp values would work."""
+    """The plan for `spec` on `tp` ranks, or an LlmqError saying which tp values would work. Its messages begin "tp N"
+    and name no option: build and serve spell it --tp N, deploy in GPUs per node and nodes."""
     if tp not in SUPPORTED_TP:
-        raise LlmqError(f"--tp {tp} is not supported: use one of {', '.join(map(str, SUPPORTED_TP))}")
+        raise LlmqError(f"tp {tp} is not supported: use one of {', '.join(map(str, SUPPORTED_TP))}")
     heads, kv = spec.num_heads, spec.num_kv_heads
     if heads % kv:
         raise LlmqError(f"model has {heads} attention heads and {kv} KV heads: not a whole GQA group size")
@@ -176,16 +185,14 @@ def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embe
         padded, kv_padded = _padded_heads(heads, kv, tp)
     else:
         ok = [t for t in SUPPORTED_TP if _heads_fit(heads, kv, t)]
-        padded, kv_padded = _padded_heads(heads, kv, tp)
-        raise LlmqError(f"--tp {tp} does not divide this model's {heads} attention heads / {kv} KV heads "
-                        f"(tp values that do: {', '.join(map(str, ok))}); drop --no-pad-heads to add zero heads "
-                        f"(exact, {padded} heads / {kv_padded} KV heads)")
+        raise HeadSplitError(f"tp {tp} does not divide this model's {heads} attention heads / {kv} KV heads "
+                             f"(tp values that do: {', '.join(map(str, ok))})", _padded_heads(heads, kv, tp))
     if spec.num_experts and spec.expert_size % tp:
-        raise LlmqError(f"--tp {tp} does not divide the experts' MLP width {spec.expert_size}")
+        raise LlmqError(f"tp {tp} does not divide the experts' MLP width {spec.expert_size}")
     if not spec.num_experts and spec.intermediate_size % tp:
-        raise LlmqError(f"--tp {tp} does not divide the MLP width {spec.intermediate_size}")
+        raise LlmqError(f"tp {tp} does not divide the MLP width {spec.intermediate_size}")
     if spec.linear_layers and spec.linear_key_heads % tp:
-        raise LlmqError(f"--tp {tp} does not divide the Gated DeltaNet layers' {spec.linear_key_heads} key heads")
+        raise LlmqError(f"tp {tp} does not divide the Gated DeltaNet layers' {spec.linear_key_heads} key heads")
     padded_vocab = -(-spec.vocab_size // tp) * tp
     return ShardPlan(tp=tp, num_heads=heads, num_kv_heads=kv, head_dim=spec.head_dim, padded_heads=padded,
                      padded_kv_heads=kv_padded, intermediate_size=spec.intermediate_size,

@@ -82,8 +82,7 @@ def refuse_for_hybrid(spec: ModelSpec, compile: bool, speculative: str | None, k
         raise LlmqError(f"{what}: speculative decoding would have to roll Gated DeltaNet states back past rejected "
                         "drafts, which the runtime does not do yet; drop --speculative")
     if kv_cache_dtype != "auto":
-        raise LlmqError(f"{what}: quantized KV caches of hybrid models are not calibrated yet; use --kv-cache-dtype "
-                        "auto")
+        raise LlmqError(f"{what}: quantized KV caches of hybrid models are not calibrated yet; use --kv auto")
 
 
 class Worker:
@@ -101,7 +100,8 @@ class Worker:
         engine = src.engine
         if engine is not None:
             if cfg.tp not in (1, engine.tp):
-                raise LlmqError(f"this engine was built for tp={engine.tp}; rebuild it with --tp {cfg.tp}")
+                raise LlmqError(f"this engine was built for tp {engine.tp}: drop --tp, or build one for tp {cfg.tp} "
+                                f"(`llmq build --tp {cfg.tp}`)")
             self.tp = engine.tp
             block_size = engine.block_size
             limit = engine.max_seq_len

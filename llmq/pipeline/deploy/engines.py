@@ -155,15 +155,16 @@ def _hf_checkpoint(art: Artifact, model: str = "", kv_fp8: bool | None = None, n
 
     src = CheckpointReader(art.path / model)
     if src.embedding_quantized():
-        raise LlmqError(f"{art.ref} stores an INT8 embedding table (quantize --embedding int8), which the serving "
-                        "engines do not load; quantize again without --embedding int8")
+        raise LlmqError(f"{art.ref} stores an INT8 embedding table (`llmq quantize --embedding int8`), which the "
+                        "serving engines do not load; quantize again with a 16-bit one "
+                        "(`llmq quantize --embedding keep`)")
     qc = src.qconfig
     odd = {w.num_bits for w in ([qc.weights, *qc.modules.values()] if qc else ())
            if w is not None and w.type == "int"} - {4, 8}
     if odd:
         raise LlmqError(f"{art.ref} has {max(odd)}-bit integer weights, which vLLM and SGLang do not run (4 and 8 "
-                        "bits only); build --target gguf for llama-server, serve it with llmq, or quantize again "
-                        "with --bits 4 or 8")
+                        "bits only); `llmq build --target gguf` for llama-server, serve it with llmq, or quantize "
+                        "again (`llmq quantize --bits 4` or 8)")
     kv = src.kv_cache_dtype()
     notes = list(notes)
     if kv == "int8":

@@ -107,7 +107,7 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     missing = [n for _, cons in feeds for n in cons if n not in ctx.linears and not ctx.apart(n) and n != router]
     if missing:
         raise LlmqError(f"AWQ scales every linear a norm or a projection feeds; layer {ctx.index} keeps "
-                        f"{', '.join(missing)} dense (--ignore): drop it from --ignore or use --method gptq / rtn")
+                        f"{', '.join(missing)} dense; use --method gptq / rtn")
     heads = (spec.num_heads, spec.num_kv_heads)
     v_proj = spec.arch.path("v_proj")
     groups = [(p, cons) for p, cons in feeds if not ctx.apart(cons[0])]  # --target-bpw's 16-bit / FP units: no scales

@@ -61,11 +61,11 @@ def block_type(qw, name: str):
     group = qw.group_size or k  # per channel / per tensor: one scale for the whole row
     if k % BLOCK or group % BLOCK:
         raise LlmqError(f"{name}: groups of {group} of {k} input columns do not fill GGUF's {BLOCK}-weight blocks; "
-                        f"re-quantize with --group-size {BLOCK} (or a multiple of {BLOCK})")
+                        f"re-quantize with groups of {BLOCK} (`llmq quantize --group-size {BLOCK}`, or a multiple)")
     if qw.bits == 8:
         if not qw.symmetric:
             raise LlmqError(f"{name}: INT8 with zero points has no GGUF block format (Q8_0 is symmetric); "
-                            "re-quantize without --asym")
+                            "re-quantize symmetric (`llmq quantize --sym`)")
         return GT.Q8_0
     if qw.bits == 4:
         return GT.Q4_0 if qw.symmetric else GT.Q4_1

@@ -37,10 +37,11 @@ def refuse(src: CheckpointReader, engine) -> None:
                         "which this model's config (norm_topk_prob false) does not; use --target llmq")
     if plan.tp != 1:
         raise LlmqError(f"--target gguf writes one unsharded file; llama.cpp splits layers across devices itself "
-                        f"(--split-mode); use --tp 1, not --tp {plan.tp}")
+                        f"(`llama-server --split-mode`); use --tp 1, not --tp {plan.tp}")
     if src.kv_cache_dtype() is not None:
-        raise LlmqError("--target gguf: llama.cpp has no calibrated KV-cache scales (its --cache-type-k quantizes "
-                        "on the fly); build from the artifact before `llmq quantize-kv`, or use --target llmq")
+        raise LlmqError("--target gguf: llama.cpp has no calibrated KV-cache scales (its "
+                        "`llama-server --cache-type-k` quantizes on the fly); build from the artifact before "
+                        "`llmq quantize-kv`, or use --target llmq")
     if s.sliding_window is not None and s.sliding_window < s.max_position_embeddings:
         raise LlmqError(f"--target gguf: sliding-window attention ({s.sliding_window} of "
                         f"{s.max_position_embeddings} positions) is not in llama.cpp's {src.arch.gguf_arch} "

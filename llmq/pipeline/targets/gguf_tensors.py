@@ -87,8 +87,8 @@ class Tensors:
         if getattr(lws[0].qw, "global_scale", None) is not None:
             if not self.arch.gguf_ffn_scale and ".ffn_" in name and len(lws) == 1:   # Arch.gguf_ffn_scale
                 raise LlmqError(f"{name}: llama.cpp's {self.arch.gguf_arch} graph does not apply NVFP4's per-tensor "
-                                "scale to FFN matrices, so this file would compute them wrong; quantize with --method "
-                                "mxfp4 or INT4 / INT8, or build --target llmq")
+                                "scale to FFN matrices, so this file would compute them wrong; quantize to MXFP4 "
+                                "(`llmq quantize --method mxfp4`) or INT4 / INT8, or use --target llmq")
             g = torch.cat([lw.qw.global_scale.float().reshape(1) for lw in lws])
             self.dense(f"{name}.scale", self.rounding.reciprocal(g), force_f32=True)
 

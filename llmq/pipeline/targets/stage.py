@@ -89,7 +89,7 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     """Shard `source` for opts.tp ranks into a new engine artifact; optionally run the reference check first."""
     from ...models.engine_spec import EngineSpec  # torch: imported here, so the CLI reads BuildOptions without it
     from ...models.reader import CheckpointReader
-    from ...models.sharding import make_plan
+    from ...models.sharding import HeadSplitError, make_plan
 
     src = CheckpointReader(source.path)
     _check(opts, src)
@@ -105,7 +105,13 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         raise LlmqError(f"--target {opts.target}: build does not write {src.spec.architecture}'s Gated DeltaNet layers "
                         f"yet; serve and eval {source.ref} itself (llmq serve / llmq eval), or load it in vLLM "
                         "(compressed-tensors)")
-    plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
+    try:
+        plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
+    except HeadSplitError as e:
+        raise LlmqError(f"--{e}; drop --no-pad-heads to add zero heads (exact, {e.padded[0]} heads / {e.padded[1]} "
+                        "KV heads)") from None
+    except LlmqError as e:
+        raise LlmqError(f"--{e}") from None   # "tp N ...", as this command spells it
     kv = kv_cache_dtype(opts.kv, src)
     max_seq_len = opts.max_seq_len or min(src.spec.max_position_embeddings, 4096)
     name = opts.name or f"{source.name}-tp{opts.tp}" + ("" if opts.target == NATIVE else f"-{opts.target}")

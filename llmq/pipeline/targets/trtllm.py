@@ -86,7 +86,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")   # cut by input columns across ranks; th
 # asserts); `get_quant_method` has no dense MXFP4 method (W4A16_MXFP4 is MoE-only).
 FP4_REFUSED = {
     "nvfp4": "NVFP4 weight-only: TensorRT-LLM's NVFP4 linear rounds activations to FP4 with a calibrated input_scale "
-             "(none here; llmq invents none); re-quantize with --w4a4, or use --target llmq, gguf or the "
+             "(none here; llmq invents none); re-quantize W4A4 (`llmq quantize --method nvfp4 --w4a4`), or use "
+             "--target llmq, gguf or the "
              "compressed-tensors artifact (vLLM)",
     "mxfp4": "MXFP4 weight-only: TensorRT-LLM loads W4A16_MXFP4 for MoE experts only, its dense linears have no MXFP4 "
              "method (nor W4A4 MXFP4 one); use --target llmq, gguf or the compressed-tensors artifact (vLLM)",
@@ -116,27 +117,29 @@ def modelopt_algo(qw) -> str:
         if tuple(qw.block) == (BLOCK, BLOCK):
             return "FP8_BLOCK_SCALES"
         raise LlmqError(f"block FP8 in {qw.block[0]} x {qw.block[1]} blocks: TensorRT-LLM's FP8_BLOCK_SCALES takes "
-                        f"{BLOCK} x {BLOCK} ones; re-quantize with --method fp8 --group-size {BLOCK}")
+                        f"{BLOCK} x {BLOCK} ones; re-quantize (`llmq quantize --method fp8 --group-size {BLOCK}`)")
     if qw.is_float:
         if qw.dynamic:   # per-token activations; a per-tensor weight scale is written once a row, the same values
             return "FP8_PER_CHANNEL_PER_TOKEN"
         if qw.input_scale is None:
             raise LlmqError("FP8 weight-only (W8A16-FP8): TensorRT-LLM's FP8 linears all round activations to FP8; "
-                            "re-quantize with --method fp8, or use --target llmq or the compressed-tensors artifact "
-                            "(vLLM)")
+                            "re-quantize (`llmq quantize --method fp8`), or use --target llmq or the "
+                            "compressed-tensors artifact (vLLM)")
         if qw.strategy == "tensor":
             return "FP8"
         raise LlmqError("FP8 weights per channel with a static activation scale: TensorRT-LLM has no such linear "
                         "(FP8 takes per-tensor weights with it, FP8_PER_CHANNEL_PER_TOKEN per-token activations); "
-                        "re-quantize with --method fp8 (dynamic), or --per-tensor --activations static")
+                        "re-quantize (`llmq quantize --method fp8`, dynamic, or "
+                        "`llmq quantize --method fp8 --per-tensor --activations static`)")
     if qw.q.dtype.is_floating_point or qw.input_scale is not None or qw.dynamic:
         raise LlmqError(f"{qw.scheme} weights are not written for TensorRT-LLM by llmq yet; "
                         "use --target llmq (or quantize to INT4 / INT8 weight-only)")
     if not qw.symmetric:
         raise LlmqError("asymmetric weights: TensorRT-LLM's PyTorch backend runs INT4 groups without zero points; "
-                        "re-quantize with --sym")
+                        "re-quantize symmetric (`llmq quantize --sym`)")
     if qw.bits not in (4, 8):
-        raise LlmqError(f"INT{qw.bits} weights: TensorRT-LLM runs INT4 and INT8 only; re-quantize with --bits 4 or 8 "
+        raise LlmqError(f"INT{qw.bits} weights: TensorRT-LLM runs INT4 and INT8 only; re-quantize "
+                        "(`llmq quantize --bits 4` or 8) "
                         "(5-bit is for --target gguf and llmq's runtime)")
     if qw.group_size is None:
         return "W8A16" if qw.bits == 8 else "W4A16"
@@ -244,9 +247,10 @@ def refuse(src: CheckpointReader, engine) -> None:
     if fp4 and not w4a4:   # any unit in FP4 but NVFP4 W4A4, a mixed artifact's too
         raise LlmqError(FP4_REFUSED[fp4[0]])
     if src.embedding_quantized():
-        raise LlmqError("--target trtllm: this artifact's embedding table is INT8 (quantize --embedding int8) and "
-                        "TensorRT-LLM holds the embedding in the model dtype, where the dequantized rows would be "
-                        "re-rounded; use --target llmq or gguf, or quantize without --embedding int8")
+        raise LlmqError("--target trtllm: this artifact's embedding table is INT8 (`llmq quantize --embedding int8`) "
+                        "and TensorRT-LLM holds the embedding in the model dtype, where the dequantized rows would be "
+                        "re-rounded; use --target llmq or gguf, or quantize with a 16-bit one "
+                        "(`llmq quantize --embedding keep`)")
     if engine.kv_cache_dtype == "int8":
         raise LlmqError("an INT8 KV cache is not loaded by TensorRT-LLM's PyTorch backend (it ignores "
                         "kv_cache_config.dtype int8); calibrate FP8 with `llmq quantize-kv --kv fp8`")
