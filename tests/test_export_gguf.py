@@ -324,8 +324,10 @@ def exact_artifact_model(src_path: Path):
     state = {k: s.tensor(k).float() for k in s.tensors if k.endswith("norm.weight") or k.endswith(".bias")}
     state["model.embed_tokens.weight"] = s.embedding().dense(torch.float32)
     for i in range(s.spec.num_layers):
-        for name in s.arch.linear_names(i):
+        for path in s.spec.stored_linears(i).values():
+            name = f"{s.arch.prefix(i)}.{path}"
             state[f"{name}.weight"] = s.linear(name).dense(torch.float32)
+        state |= {f"{s.arch.prefix(i)}.{p}": t.float() for p, t in s.layer_tensors(i).items()}   # Gated DeltaNet's
     state["lm_head.weight"] = s.lm_head().dense(torch.float32)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     model.load_state_dict(state, strict=True)

@@ -54,10 +54,11 @@ LM_HEAD = "lm_head"
 _LLAMA_LINEARS = {r: f"self_attn.{r}" for r in ATTN} | {r: f"mlp.{r}" for r in MLP}
 _LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 # llama.cpp's tensor of each role (gguf-py's MODEL_TENSOR member names).
-_GGUF = {"q_proj": "ATTN_Q", "k_proj": "ATTN_K", "v_proj": "ATTN_V", "o_proj": "ATTN_OUT", "gate_proj": "FFN_GATE",
-         "up_proj": "FFN_UP", "down_proj": "FFN_DOWN", "attn_norm": "ATTN_NORM", "mlp_norm": "FFN_NORM",
-         "q_norm": "ATTN_Q_NORM", "k_norm": "ATTN_K_NORM", "attn_out_norm": "ATTN_POST_NORM",
-         "mlp_out_norm": "FFN_POST_NORM", "qkv_proj": "ATTN_QKV", "gate_up_proj": "FFN_UP"}
+GGUF_TENSORS = {"q_proj": "ATTN_Q", "k_proj": "ATTN_K", "v_proj": "ATTN_V", "o_proj": "ATTN_OUT",
+                "gate_proj": "FFN_GATE", "up_proj": "FFN_UP", "down_proj": "FFN_DOWN", "attn_norm": "ATTN_NORM",
+                "mlp_norm": "FFN_NORM", "q_norm": "ATTN_Q_NORM", "k_norm": "ATTN_K_NORM",
+                "attn_out_norm": "ATTN_POST_NORM", "mlp_out_norm": "FFN_POST_NORM", "qkv_proj": "ATTN_QKV",
+                "gate_up_proj": "FFN_UP"}
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,13 @@ class LinearAttention:
     kept_16bit: tuple[str, ...] = ("in_proj_b", "in_proj_a")
     # the quantized linears one input feeds (Arch.units' sense): q / k / v and the gate z, then the output
     units: tuple[tuple[str, ...], ...] = (("in_proj_qkv", "in_proj_z"), ("out_proj",))
+    # llama.cpp's tensors (gguf-py MODEL_TENSOR members) of the linears, and of the others with their name's suffix
+    gguf_linears: dict[str, str] = field(default_factory=lambda: {
+        "in_proj_qkv": "ATTN_QKV", "in_proj_z": "ATTN_GATE", "in_proj_b": "SSM_BETA", "in_proj_a": "SSM_ALPHA",
+        "out_proj": "SSM_OUT"})
+    gguf_tensors: dict[str, tuple[str, str]] = field(default_factory=lambda: {
+        "conv1d.weight": ("SSM_CONV1D", ".weight"), "A_log": ("SSM_A", ""), "dt_bias": ("SSM_DT", ".bias"),
+        "norm.weight": ("SSM_NORM", ".weight")})
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,9 @@ class Arch:
     # qwen2 / phi3 / gemma3 graphs build the FFN without it (src/models/<arch>.cpp passes NULL), so an NVFP4 FFN
     # matrix there would compute g (~1e3-1e5) times too large (llmq's Gemma 3 NVFP4 file scored NaN)
     gguf_ffn_scale: bool = True
+    # the M-RoPE sections llama.cpp's graph requires (rope.dimension_sections; text positions are one value on
+    # every axis, so they rotate as plain RoPE), None where it takes none
+    gguf_rope_sections: tuple[int, ...] | None = None
     # which layers slide: "none" (none do), "all" (config.sliding_window, when set, for every layer), "layer_types"
     # (one window for every layer, where transformers' layer_types says sliding_attention), "per_layer" (the
     # layer_types' sliding layers use the window and their own rotary table, the others attend fully: Gemma 3)
@@ -143,7 +154,7 @@ class Arch:
     # `linears`' paths
     fused: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     norms: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_NORMS))  # role -> path in a layer
-    gguf: dict[str, str] = field(default_factory=lambda: dict(_GGUF))
+    gguf: dict[str, str] = field(default_factory=lambda: dict(GGUF_TENSORS))
     # (producer, consumers): the producer's output is the consumers' input, so a per-channel factor can move from one
     # to the other (AWQ, SmoothQuant): a norm before the linears it feeds, or v_proj before o_proj
     feeds: tuple[tuple[str, tuple[str, ...]], ...] = (

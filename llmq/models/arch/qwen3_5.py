@@ -5,10 +5,12 @@ a rotary embedding over the first quarter of each head (partial_rotary_factor; t
 every M-RoPE axis, so the sections change nothing). Every RMSNorm scales by (1 + w), the DeltaNet's gated norm by w.
 llama.cpp calls it `qwen35`."""
 
-from .base import Arch, LinearAttention
+from .base import GGUF_TENSORS, Arch, LinearAttention
 
 QWEN3_5 = Arch("qwen3_5_text", "Qwen3_5ForCausalLM", gguf_arch="qwen35", norm_offset=1.0,
                norms={"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
                       "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
                linear_attention=LinearAttention(), attn_gate=True, partial_rotary=True,
-               rotary="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding")
+               rotary="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding",
+               gguf={**GGUF_TENSORS, "mlp_norm": "ATTN_POST_NORM"},   # llama.cpp's qwen35 has no ffn_norm
+               gguf_rope_sections=(11, 11, 10, 0))   # its converter's default, what the released configs say

@@ -51,6 +51,15 @@ def refuse(src: CheckpointReader, engine) -> None:
         raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} leaves the rotary embedding out of every "
                         f"fourth layer ({list(nope)}), this model out of layers {list(s.nope_layers)}; use --target "
                         "llmq")
+    if s.linear_layers and s.linear_key_dim != s.linear_value_dim:
+        raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} gives a Gated DeltaNet layer one head width "
+                        f"for keys and values, this model {s.linear_key_dim} and {s.linear_value_dim}; serve the "
+                        "artifact with llmq (llmq serve)")
+    sections = sum(src.arch.gguf_rope_sections or ())
+    if sections > s.head_dim:
+        raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} needs heads of at least {sections} "
+                        f"(its M-RoPE sections), this model's are {s.head_dim}; serve the artifact with llmq (llmq "
+                        "serve)")
     if s.rope_scaling:
         raise LlmqError(f"--target gguf: RoPE scaling {s.rope_scaling.get('rope_type') or s.rope_scaling.get('type')!r}"
                         " is not written to GGUF by llmq yet; use --target llmq")

@@ -30,6 +30,7 @@ from ...models.arch import MLP, expert_role
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import join_rows, split_rows
 from .gguf_blocks import Rounding, block_type, dense_array, pack_blocks
+from .gguf_linear_attention import reorder_linear_attention
 
 
 def rope_rows(heads: int, head_dim: int) -> torch.Tensor:
@@ -96,7 +97,9 @@ class Tensors:
 def gguf_name(role: str, arch, i: int) -> str:
     """llama.cpp's name of layer i's tensor `role` (without .weight / .bias), from the family's declaration (a MoE
     family's router and merged expert tensors from its Experts)."""
-    table = arch.moe.gguf if arch.moe is not None and role in arch.moe.gguf else arch.gguf
+    table = arch.moe.gguf if arch.moe is not None and role in arch.moe.gguf else \
+        arch.linear_attention.gguf_linears if arch.linear_attention is not None and \
+        role in arch.linear_attention.gguf_linears else arch.gguf
     return gguf.TENSOR_NAMES[MT[table[role]]].format(bid=i)
 
 
@@ -132,7 +135,10 @@ def add_weights(tensors: Tensors, src: CheckpointReader) -> None:
             t = t.float() + arch.norm_offset
             tensors.dense(f"{gguf_name(role, arch, i)}.weight", t * q_factor if role == "q_norm" else t, True)
         lin = src.layer_linears(i)
-        if arch.gguf_permutes_qk:
+        if i in s.linear_layers:   # a Gated DeltaNet layer (llama.cpp's qwen35)
+            for name, t in reorder_linear_attention(src, i, lin).items():
+                tensors.dense(name, t, True)
+        elif arch.gguf_permutes_qk:
             lin |= {r: split_rows(lin[r], rope_rows(heads, s.head_dim))
                     for r, heads in (("q_proj", s.num_heads), ("k_proj", s.num_kv_heads))}
         for group, (_, roles) in arch.fused.items():  # llama.cpp's phi3 reads them fused (attn_qkv, ffn_up)
