@@ -1,58 +1,7 @@
-"""`--target trtllm`: a ModelOpt-style Hugging Face checkpoint for TensorRT-LLM's PyTorch backend (`trtllm-serve`,
-the LLM API), plus the LLM-API options file that points at it. TensorRT-LLM removed its TensorRT engine backend in
-2026 (docs: legacy/tensorrt-backend-removal): this backend, which loads Hugging Face checkpoints directly, is the one
-left, so this is the checkpoint llmq writes for TensorRT-LLM.
-
-That backend shards an unsharded Hugging Face checkpoint itself and reads quantization from `hf_quant_config.json`
-(`_torch/model_config.py`); its compressed-tensors support covers none of llmq's weight-only schemes, so llmq
-translates. What its linear methods load (`_torch/modules/linear.py`), per layer:
-- W8A16 (`WeightOnlyQuantLinearMethod`): `weight` int8 [out, in] = llmq's integers, `weight_scale` [out]; W4A16 the
-  same with two rows per byte ([out/2, in], row 2j in the low nibble). Dequantization is q * scale, so symmetric
-  per-channel integers arrive unchanged.
-- W4A16_AWQ (`W4A16_AWQ_LinearMethod`): `weight` int8 [out/2, in], `weight_scale` [out, in/group]; the layers it
-  loads as one matrix (o_proj, down_proj, and Phi-3's stored qkv_proj / gate_up_proj: `load_weights_vanilla`) read
-  `pre_quant_scale` [in] unconditionally, written as ones (llmq folds nothing into the activations). The kernel is
-  called without zero points: asymmetric weights cannot be represented.
-- FP8 KV cache: `kv_cache_quant_algo` FP8, and llmq's scalar `k_scale` / `v_scale` per attention layer (under
-  `self_attn`, vLLM's names). The backend itself reads calibrated KV scales only in FP8QDQLinearMethod's fused q/k/v
-  loader, from `k_proj` / `v_proj`, and only with TRTLLM_LOAD_KV_SCALES=1 (`_torch/modules/linear.py`): otherwise its
-  FP8 cache runs at scale 1.0, which is not what llmq's quantize-kv calibrated: `--verify` scores the cache at 1.0
-  against llmq's calibrated one (`backend_computes`). An INT8 KV cache is not something this backend loads
-  (`kv_cache_config.dtype: int8` is ignored), so it is refused.
-- FP8_PER_CHANNEL_PER_TOKEN (`quantize --method fp8`; `FP8RowwiseLinearMethod`): `weight` float8_e4m3fn [out, in],
-  `weight_scale` float32 [out] (a per-tensor scale repeated a row), activations dynamic per token as llmq's: values
-  unchanged; fused parts' scale rows are copied at their row offsets, a row-parallel linear keeps its whole [out].
-- FP8 (`--method fp8 --per-tensor --activations static`; `FP8QDQLinearMethod`): `weight`, float32 scalars
-  `weight_scale` and `input_scale` (multipliers, llmq's values). Its fused q/k/v and gate/up take the parts' largest
-  weight and input scales and re-round the other parts' codes onto it (`rescale_fused_weights`): written as llmq has
-  them, that re-rounding is what `--verify` scores (`fp8_fused_rescale`). FP8 per-channel weights with a static
-  activation scale have no linear there and are refused.
-- NVFP4 W4A4 (`quantize --method nvfp4 --w4a4`; `NVFP4LinearMethod`, quant_algo NVFP4, group_size 16): `weight`
-  uint8 [out, in/2] (two E2M1 codes a byte, element 2j in the low nibble: compressed-tensors' packing is ModelOpt's),
-  `weight_scale` float8_e4m3fn [out, in/16] (the loader swizzles it), `weight_scale_2` and `input_scale` float32
-  scalars, each one per fused q/k/v and gate/up (asserted equal there). Both scalars are ModelOpt's multipliers,
-  amax / 2688, where llmq's global scales are the divisors 2688 / amax: llmq writes the float32 reciprocal, and for
-  `input_scale` the neighbour whose own reciprocal (the loader's `1 / input_scale`, the scale it quantizes
-  activations under) is llmq's input global scale again, so the backend rounds activations exactly as llmq's runtime
-  does; the GEMM's alpha = input_scale * weight_scale_2 then differs from 1 / (input global x weight global) by float32
-  rounding only (`nvfp4_rounding` records the largest relative difference).
-- Other FP4 weights are refused, every unit of a mixed artifact included (`FP4_REFUSED` says why).
-- FP8_BLOCK_SCALES (`quantize --method fp8 --group-size 128`; `FP8BlockScalesLinearMethod`): `weight` float8_e4m3fn
-  [out, in], `weight_scale` float32 [ceil(out/128), ceil(in/128)] (multipliers; the DeepSeek recipe's name
-  `weight_scale_inv` is read too), activations dynamic per 1 x 128 as llmq's: values unchanged, partial edge blocks
-  included. Its fused loader copies each part's scale rows to row block ceil(offset / 128) and tp splits weight and
-  scale independently, so a q / k / gate part ending inside a block, or a tp cut inside one, is refused.
-- MIXED_PRECISION: linears with different algorithms (`--target-bpw`): each one's `modelopt_algo` entry in
-  `quantized_layers` (hf_quant_config.json and quant_cfg.json, which `_torch/model_config.py` lays over it), 16-bit
-  ones in `exclude_modules`. The backend gives a fused q/k/v or gate/up the config of its first part and builds it
-  unquantized if any part is excluded (`modeling_utils.py`), so the parts of a group must share one algorithm.
-Heads are padded for the tensor-parallel size with zero heads (the backend asserts heads % tp == 0); the padded
-checkpoint is an ordinary Hugging Face model with more heads that computes exactly what the source computes.
-Tensor names are the source family's Hugging Face names: a group its checkpoint stores fused (Phi-3's qkv_proj,
-gate_up_proj) is written fused, its padded roles' rows stacked, as the backend's Phi-3 model loads it. That model loads
-those groups whole (`WeightMode.VANILLA`), so with tp > 1 it would cut them by rows across q / k / v and gate / up:
-a family with fused groups is written for tp 1 only.
-"""
+"""`--target trtllm`: a ModelOpt-style Hugging Face checkpoint for TensorRT-LLM's PyTorch backend (`trtllm-serve`, the
+LLM API, the one backend left since TensorRT-LLM removed its engine backend in 2026) and the LLM-API options file that
+points at it. That backend reads none of llmq's weight-only compressed-tensors schemes, so this translates; what its
+loader expects of each scheme, and why the refusals below exist, is docs/build.md#tensorrt-llms-loader."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What TensorRT-LLM's PyTorch backend makes of the checkpoint `--target trtllm` writes (trtllm.py's docstring has the
-loader's rules, from `_torch/modules/linear.py`): the values it holds, read independently for `--verify`'s split
-check, and what it computes, for `--verify`'s score against what llmq evaluated."""
+"""What TensorRT-LLM's PyTorch backend makes of the checkpoint `--target trtllm` writes (the loader's rules, from
+`_torch/modules/linear.py`, are in docs/build.md#tensorrt-llms-loader): the values it holds, read independently for
+`--verify`'s split check, and what it computes, for `--verify`'s score against what llmq evaluated."""
 
 from __future__ import annotations
 

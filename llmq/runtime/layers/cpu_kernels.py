@@ -1,63 +1,30 @@
-"""llmq's own CPU kernels (cpu_kernels.cpp), for the places where PyTorch's CPU operations, not the bytes, set a
-small model's decode step (profiled on SmolLM2-135M, one thread: 19 ms a step before, of which the INT4 / INT8
-products ~10 ms, RMSNorm ~1.8 ms, decode attention ~2.5 ms with its block copies).
+"""llmq's own CPU kernels (cpu_kernels.cpp), where PyTorch's CPU operations, not the bytes read, set a small model's
+decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance.md what they measured):
 
-- `lowbit_linear`, on CPUs with AVX512-VNNI, when the engine asks for int8 activations
-  (EngineConfig.int8_activations): INT4 / INT8 weight-only products. PyTorch's kernels for these weights
-  (aten._weight_int4pack_mm_for_cpu, _weight_int8pack_mm) convert every weight to floating point and multiply in
-  bfloat16 / float32, ~18 G multiply-adds a second on one core here. These do what llama.cpp's Q4_0 x Q8_0 products
-  do: each row's activations are rounded per block of 32 inputs to int8 (scale absmax / 127: quant.quantize_blocks)
-  and the products run on integers (vpdpbusd, 64 multiply-adds an instruction), exactly, before one float scale per
-  block and group: 2-4x faster at batch 1. Rounding the activations is their only error beyond the weights' own
-  (relative ~1/254 of a block's largest input, ~0.6% of a product): an approximation the quantize probe, the eval
-  and the export targets (16-bit activations) do not make, so it is opt-in and said wherever it is used.
-  `reference` is that arithmetic in float64.
-- `lowbit_linear_bf16`, by default, on CPUs with AVX512-BF16 (INT4) / AVX-512 (INT8): the same packed weights with
-  16-bit activations, computing what PyTorch's INT4 / INT8 kernels compute (bfloat16(x) times the exact weights,
-  float32 sums, bfloat16 out: each product is exact, so only the summation order differs), 2-3x faster at batch 1
-  (INT4: nibbles become bfloat16 by a table lookup and vdpbf16ps multiplies pairs; INT8: float32 FMAs a row at a
-  time, and from 8 rows each tile widened once to bfloat16 pairs for vdpbf16ps, or without AVX512-BF16 to float32
-  for FMAs on the rounded x: the same numbers at every batch size). Layers whose scales or zero points PyTorch's
-  kernels would round keep those kernels. From 10 (INT4) / 8 (INT8) rows, where Linux grants the process AMX's
-  tile state (checked with arch_prctl, not read off cpuid: a VM may advertise AMX and fault on it), the same products
-  run on the tile unit: each 16-row tile of weights built once as bfloat16 pairs, scaled weights split exactly into
-  two bfloat16 (hi + lo) where the scales change along K, so the products stay exact and only the float32 summation
-  order moves (Xeon, 128 rows: 4-7x the vector path; benchmarks/bench_lowbit_products.py). LLMQ_AMX=0 turns it off.
-- `fp4_linear`, on CPUs with AVX-512: NVFP4 / MXFP4 weights packed in the INT4 tiles (E2M1 codes as nibbles, block
-  scales in bfloat16: exact for E4M3 and E8M0), each code decoded exactly to float32 by a 16-entry table held in one
-  register, float32 activations and sums, block scales per group and the global divisor at the end: the dense FP4
-  path's numbers (F.linear on the exact weight, float32) from 4.5 / 4.25 bits a weight instead of 16 (SmolLM2, one
-  thread of a Zen 5 EPYC, side by side with the dense path: decode 2.5x, weights 269 -> 123 MB). From 12 rows, on
-  AMX where granted (below): x split exactly into three bfloat16 (each weight times its block scale is one), so the
-  same float32 products.
-- `rms_norm`: one pass a row instead of PyTorch's ~6 dispatched operations; norm.py's arithmetic. This and the three
-  below run by default on any x86-64 CPU: they compute what the PyTorch operations compute (float32 summation
-  order aside), tested equal.
-- `rope_kv_write`: the rotary embedding of q and k and the store of k and v in their cache slots, one pass (eagerly
-  ~10 operations a layer); rotary.py's arithmetic.
-- `decode_attention`: single-token queries read their paged K/V in place through the block table, where the eager
-  path copies every block out (index_select) and runs SDPA with a mask; float32 scores and softmax, the same mask.
-- `silu_mul`: the MLP's silu(gate) * up in one pass (three operations eagerly).
-- `dense16_linear`, by default on CPUs with AVX-512: a bfloat16 / float16 weight as the checkpoint stores it, times
-  float32 activations: each weight widened exactly, float32 products and sums, so F.linear's numbers on the float32
-  cast (the CPU layers' arithmetic) from half the bytes; 2x+ at batch 1, where oneDNN read a float32 copy. From 12
-  (bfloat16) / 16 (float16) rows on AMX where granted: x split exactly into three bfloat16, float16 weights into two,
-  so the same float32 products.
-- `DecoderStack`: consecutive decoder layers of a decode-only step whose projections are INT4 / INT8 (with or
-  without int8 activations) or 16-bit on dense16_linear, one call a step: the same kernels and ATen operations in
-  DecoderLayer's order, without returning to Python between them (~25 calls a layer eagerly; one call a layer still
-  cost ~15 us each).
+- `lowbit_linear` (AVX512-VNNI, opt-in: EngineConfig.int8_activations): INT4 / INT8 weight-only products with each
+  row's activations rounded to int8 per block of 32 inputs (quant.quantize_blocks), as llama.cpp's Q4_0 x Q8_0 are,
+  summed on integers; the rounding is an approximation beyond the weights', hence opt-in. `reference` is its float64
+  arithmetic.
+- `lowbit_linear_bf16` (default; INT4: AVX512-BF16, INT8: AVX-512): the same packed weights times bfloat16(x),
+  float32 sums: PyTorch's INT4 / INT8 kernels' numbers up to summation order; on AMX where Linux grants the tile
+  state (arch_prctl, not cpuid: a VM may advertise AMX and fault), scaled weights split exactly into bfloat16 hi + lo.
+  Layers whose scales or zero points PyTorch's kernels would round keep those kernels. LLMQ_AMX=0 turns AMX off.
+- `fp4_linear` (AVX-512): NVFP4 / MXFP4 codes in the INT4 tiles decoded exactly by a 16-entry table, float32 sums:
+  the dense FP4 path's numbers from the packed bytes.
+- `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
+  dispatches several operations; the same arithmetic as norm.py / rotary.py / attention.py.
+- `dense16_linear` (AVX-512): a 16-bit weight as stored times float32 activations, F.linear's numbers on the float32
+  cast without a float32 copy.
+- `DecoderStack`: consecutive decode-only layers in one call, the same kernels in DecoderLayer's order.
 
-Layout of a packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value
-(u - z) * s, in tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane (64 bytes = 16 rows x 4 inputs),
-INT4 8 (low nibbles inputs 0-3, high nibbles 4-7). s per (tile, group, row) in bfloat16 where that holds every scale
-exactly (llmq's artifacts store bfloat16 scales), else float32; s * z likewise in float32, or nothing where every z
-is the codes' offset 2^(bits - 1) (symmetric weights): 2 bytes a group and row where there were 8.
+Packed low-bit weight (`pack`): unsigned codes u (INT4: q + 8 when q is signed, INT8: q + 128), value (u - z) * s, in
+tiles of 16 output rows; INT8 holds 4 inputs of a row per 32-bit lane, INT4 8 (low nibbles inputs 0-3, high 4-7). s
+per (tile, group, row) in bfloat16 where that is exact, else float32; s * z likewise, or nothing where every z is the
+codes' offset 2^(bits - 1).
 
-Built on first use with PyTorch's extension builder (a C++ compiler and ninja; ~15 s, then cached under
-TORCH_EXTENSIONS_DIR, in a directory named by the source's hash: cpp_build.py, which also makes a killed build
-harmless). Where the build fails, or another process's build of it is still running after BUILD_WAIT seconds, the
-layers keep PyTorch's operations (one warning); LLMQ_CPU_KERNELS=0 keeps them too, for comparing the two.
+Built on first use by PyTorch's extension builder (cpp_build.py: cached by the source's hash, a killed build
+harmless). Where the build fails, or another process's build outlasts BUILD_WAIT seconds, the layers keep PyTorch's
+operations (one warning); LLMQ_CPU_KERNELS=0 keeps them too.
 """
 
 from __future__ import annotations
