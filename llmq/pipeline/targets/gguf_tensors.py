@@ -26,7 +26,7 @@ import torch
 from gguf import MODEL_TENSOR as MT
 
 from ...errors import LlmqError
-from ...models.arch import MLP, expert_role
+from ...models.arch import MLP, ROUTER, expert_role
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import join_rows, split_rows
 from .gguf_blocks import Rounding, block_type, dense_array, pack_blocks
@@ -145,6 +145,9 @@ def add_weights(tensors: Tensors, src: CheckpointReader) -> None:
             lin[group] = join_rows([lin.pop(r) for r in roles], gguf_name(group, arch, i))
         for role, lw in lin.items():
             if role.startswith("experts."):
+                continue
+            if role == ROUTER and lw.qw is None:   # F32, as llama.cpp's converter writes a router
+                tensors.dense(f"{gguf_name(role, arch, i)}.weight", lw.weight, True)
                 continue
             tensors.linear(gguf_name(role, arch, i), lw)
         if s.num_experts:  # one merged tensor per expert role, experts in order
