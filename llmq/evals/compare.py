@@ -4,8 +4,9 @@ Conventions (the report and the gates use exactly these):
 - Accuracy-type scores (acc, acc_norm, exact_match, pass@1) are in points: percentage points, 0..100.
 - A delta is evaluated minus baseline. For accuracy-type scores higher is better, so a quantization loss is a
   negative delta. For bits/byte and perplexity lower is better, so a loss is a positive delta.
-- A group score (`math`, `code`) is the unweighted mean, in points, of the accuracy-type primary metrics of the
-  group's tasks that ran; its standard error treats the tasks as independent: sqrt(sum se_i^2) / k.
+- A group score (`math`, `code`, `tools`, ...) is the unweighted mean, in points, of the accuracy-type primary
+  metrics (higher is better) of the group's tasks that ran; its standard error treats the tasks as independent:
+  sqrt(sum se_i^2) / k.
 - A delta's standard error is sqrt(se_eval^2 + se_base^2) (independent runs, conservative for paired items);
   its 95% interval is delta +- 1.96 se.
 """
@@ -54,7 +55,8 @@ def _sq(x) -> float:
 def group_scores(tasks: dict[str, dict], groups: dict[str, tuple[str, ...]]) -> dict[str, dict]:
     out = {}
     for g, members in groups.items():
-        got = [tasks[t] for t in members if t in tasks and tasks[t].get("unit") == "points"]
+        got = [tasks[t] for t in members if t in tasks and tasks[t].get("unit") == "points"
+               and tasks[t].get("higher_is_better", True)]
         if not got:
             continue
         k = len(got)

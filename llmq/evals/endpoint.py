@@ -27,7 +27,7 @@ import torch
 from ..bench.loadgen import Endpoint, answer_limit, error_message, fetch
 from ..errors import LlmqError
 from ..runtime import ScoreRequest
-from .lm import DEFAULT_MAX_LENGTH, EvalLM, ProgressFn, Score
+from .lm import DEFAULT_MAX_LENGTH, EvalLM, Generation, ProgressFn, Score
 
 TOP_K = 20  # the most OpenAI's API, vLLM's default max_logprobs and `llmq serve` return
 PROMPT_SHAPES = ("prompt_logprobs", "echo")  # shapes that give the logprobs of given tokens
@@ -247,15 +247,16 @@ class EndpointLM(EvalLM):
                              all(max(lp, key=lp.get) == t for lp, t in zip(lps, targets))))
         return out
 
-    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[str]:
+    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[Generation]:
         bodies = [{"model": self.ep.model, "prompt": ids, "max_tokens": n, "temperature": t, "seed": self.seed + i,
                    **({"stop": s} if s else {})}
                   for i, (ids, n, s, t) in enumerate(zip(prompts, max_tokens, stops, temperatures))]
         texts = []
         for data in self._post_all("/v1/completions", bodies):
             try:
-                texts.append(str(data["choices"][0]["text"]))
-            except (KeyError, IndexError, TypeError):
+                choice = data["choices"][0]
+                texts.append(Generation(str(choice["text"]), choice.get("finish_reason") == "stop"))
+            except (KeyError, IndexError, TypeError, AttributeError):
                 raise LlmqError(f"{self.ep.base}/v1/completions answered without choices[0].text; is this an "
                                 "OpenAI-compatible endpoint?") from None
         return texts

@@ -31,6 +31,12 @@ class Score:
     greedy: bool  # every scored token was the argmax
 
 
+@dataclass
+class Generation:
+    text: str
+    ended: bool  # it stopped at an end-of-sequence token or a stop string, not at its token budget
+
+
 class EvalLM(LM):
     """The backend-independent half: request → token items, results → lm-eval's answers. `top_k`: None when KL
     divergence reads whole distributions, else how many of the top logprobs a position gives (what an endpoint
@@ -56,7 +62,7 @@ class EvalLM(LM):
         raise NotImplementedError
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], stops: list[list[str]],
-                     temperatures: list[float]) -> list[str]:
+                     temperatures: list[float]) -> list[Generation]:
         raise NotImplementedError
 
     def full_logprobs(self, tokens: list[int]) -> torch.Tensor:
@@ -140,7 +146,7 @@ class EvalLM(LM):
         t = time.monotonic()
         out = self.generate_ids(prompts, max_tokens, stops, temps)
         self.seconds["generate_until"] += time.monotonic() - t
-        return out
+        return [g.text for g in out]
 
 
 class LlmqLM(EvalLM):
@@ -163,7 +169,7 @@ class LlmqLM(EvalLM):
             self.score_stats["computed_tokens"] += len(it.token_ids) - o.num_cached_tokens
         return [Score(sum(o.logprobs), all(o.greedy)) for o in outs]
 
-    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[str]:
+    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[Generation]:
         from ..runtime.sampling import SamplingParams
 
         params = [SamplingParams(max_tokens=n, temperature=t, seed=self.seed + i, stop=s)
@@ -172,7 +178,7 @@ class LlmqLM(EvalLM):
         step = 4 * self.engine.max_num_seqs  # progress granularity; the engine batches within each slice
         for i in range(0, len(prompts), step):
             outs = self.engine.generate(prompts[i:i + step], params[i:i + step])
-            texts.extend(o.text for o in outs)
+            texts.extend(Generation(o.text, o.finish_reason == "stop") for o in outs)
             self.progress(0, len(outs))
         return texts
 
@@ -218,7 +224,7 @@ class HFLM(EvalLM):
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[str]:
+    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[Generation]:
         texts = []
         for i, (ids, n, stop, temp) in enumerate(zip(prompts, max_tokens, stops, temperatures)):
             torch.manual_seed(self.seed + i)
@@ -228,9 +234,13 @@ class HFLM(EvalLM):
                 kw.update(stop_strings=stop, tokenizer=self.tokenizer)
             gen = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                       pad_token_id=self.prefix_token_id, **kw)
-            text = self.tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
+            new = gen[0, len(ids):]
+            text = self.tokenizer.decode(new, skip_special_tokens=True)
             cut = min((j for j in (text.find(s) for s in stop) if j >= 0), default=-1)
-            texts.append(text[:cut] if cut >= 0 else text)
+            eos = self.model.generation_config.eos_token_id
+            eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [self.prefix_token_id])
+            texts.append(Generation(text[:cut] if cut >= 0 else text,
+                                    cut >= 0 or (len(new) > 0 and int(new[-1]) in eos)))
             self.progress(0, 1)
         return texts
 

@@ -20,7 +20,7 @@ from ..options import Options, SpeculativeOptions, option
 from .compare import group_scores, mean_stderr, ratio_stderr
 from .gate import ALIASES, KLD_NAMES, parse_gates
 from .sandbox import require_sandbox
-from .tasks import GROUPS, TASKS, TaskSet, materialize
+from .tasks import CHAT_TASKS, GROUPS, TASKS, TaskSet, materialize
 
 DEFAULT_SEED = 1234
 # 100 items per task keeps `--tasks code,math` on the default model under 15 minutes on a 2-core CPU (see docs/eval.md)
@@ -69,8 +69,8 @@ def checked_gates(gate: str | None, tasks: list[str]) -> list:
 class EvalOptions(SpeculativeOptions):
     """What `llmq eval` (or a recipe's eval stage) asks for; `settings()` is the part the task runner reads."""
 
-    tasks: list[str] = option(["code", "math"], "Comma-separated: math, code, ppl, kld and/or lm-eval task names "
-                              "(those need their data).", min_items=1)
+    tasks: list[str] = option(["code", "math"], "Comma-separated: math, code, ppl, tools, json, chat, kld and/or "
+                              "lm-eval task names (those need their data).", min_items=1)
     baseline: str | None = option(None, "Artifact to compare with (default for a quantized/engine artifact: its root "
                                   "model; 'none' to skip).")
     limit: int | None = option(None, f"Items per task (default {DEFAULT_LIMIT}; 0 = all).", ge=0)
@@ -150,7 +150,8 @@ def task_cache_dir() -> Path:
 
 def plan(settings: EvalSettings) -> TaskSet:
     """Materialize the bundled tasks and expand the requested names into lm-eval task names."""
-    ts = materialize(task_cache_dir(), settings.seed, settings.allow_code_execution)
+    tools = any(t == "tools" or t.startswith("llmq_tools_") for t in settings.tasks)
+    ts = materialize(task_cache_dir(), settings.seed, settings.allow_code_execution, tools=tools)
     names: list[str] = []
     for t in settings.tasks:
         if t == "kld":
@@ -161,7 +162,8 @@ def plan(settings: EvalSettings) -> TaskSet:
             names.append(t)
     settings.lm_tasks = list(dict.fromkeys(names))
     if not settings.lm_tasks and not settings.kld:
-        raise LlmqError("no tasks to run; --tasks takes code, math, ppl, kld and lm-eval task names")
+        raise LlmqError("no tasks to run; --tasks takes code, math, ppl, tools, json, chat, kld and lm-eval task "
+                        "names")
     return ts
 
 
@@ -235,12 +237,14 @@ def _task_manager(ts: TaskSet, names: list[str]):
     tm = TaskManager(include_path=str(ts.include_path), include_defaults=external)
     unknown = [t for t in names if t not in tm.all_tasks]
     if unknown:
-        raise LlmqError(f"unknown task(s): {', '.join(unknown)} (bundled: math, code, ppl, kld; or an lm-eval task)")
+        raise LlmqError(f"unknown task(s): {', '.join(unknown)} (bundled: math, code, ppl, tools, json, chat, kld; "
+                        "or an lm-eval task)")
     return tm
 
 
 def scoring_tasks(ts: TaskSet, names: list[str]) -> list[str]:
     """The tasks among `names` that score given text (loglikelihood, multiple choice, rolling), not generate it."""
+    names = [n for n in names if n not in CHAT_TASKS]
     if not names:
         return []
     _quiet()
@@ -254,18 +258,27 @@ def run_lm_tasks(lm, ts: TaskSet, settings: EvalSettings) -> dict:
         return {"tasks": {}, "groups": {}}
     _quiet()
     from lm_eval import __version__ as lm_eval_version
-    from lm_eval import simple_evaluate
 
-    tm = _task_manager(ts, settings.lm_tasks)
-    s = settings.seed
-    res = simple_evaluate(model=lm, tasks=list(settings.lm_tasks), task_manager=tm, limit=settings.limit,
-                          log_samples=True, bootstrap_iters=0, random_seed=s, numpy_random_seed=s,
-                          torch_random_seed=s, fewshot_random_seed=s,
-                          confirm_run_unsafe_code=settings.allow_code_execution)
-    if res is None:
-        raise LlmqError("lm-eval returned no results")
-    tasks = {t: summarize(t, res["results"][t], res["samples"].get(t, [])) for t in settings.lm_tasks
-             if t in res["results"]}
+    harness = [t for t in settings.lm_tasks if t not in CHAT_TASKS]
+    chat = [t for t in settings.lm_tasks if t in CHAT_TASKS]
+    tasks = {}
+    if harness:
+        from lm_eval import simple_evaluate
+
+        tm = _task_manager(ts, harness)
+        s = settings.seed
+        res = simple_evaluate(model=lm, tasks=harness, task_manager=tm, limit=settings.limit,
+                              log_samples=True, bootstrap_iters=0, random_seed=s, numpy_random_seed=s,
+                              torch_random_seed=s, fewshot_random_seed=s,
+                              confirm_run_unsafe_code=settings.allow_code_execution)
+        if res is None:
+            raise LlmqError("lm-eval returned no results")
+        tasks = {t: summarize(t, res["results"][t], res["samples"].get(t, [])) for t in harness
+                 if t in res["results"]}
+    if chat:
+        from .chat import run_chat_tasks
+
+        tasks.update(run_chat_tasks(lm, ts, chat, settings.limit))
     return {"tasks": tasks, "groups": group_scores(tasks, GROUPS), "lm_eval": lm_eval_version,
             "seconds": {k: round(v, 1) for k, v in lm.seconds.items() if v}}
 

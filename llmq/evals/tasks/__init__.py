@@ -5,7 +5,8 @@ Each task is a YAML file plus JSONL data written by `materialize(dir, seed)`; lm
 standard library (a fixed list of long-stable modules, recorded with their hashes), English text is bundled.
 
 Groups (what `math` and `code` mean as one number) are defined in GROUPS: the unweighted mean, in points, of the
-primary accuracy-type metric of the member tasks that ran.
+primary accuracy-type metric of the member tasks that ran. The `tools`, `json` and `chat` tasks are asked through the
+model's chat template rather than lm-eval (evals/chat.py); their items are written here too (CHAT_TASKS).
 """
 
 from __future__ import annotations
@@ -39,9 +40,22 @@ CHUNK_BYTES = 512
 TASKS = {"llmq_arith_mc": "acc", "llmq_arith_gen": "exact_match", "llmq_gsm8k": "exact_match",
          "llmq_code_nextline": "acc_norm", "llmq_code_greedy": "acc", "llmq_humaneval": "pass@1",
          "llmq_code_bpb": "bits_per_byte", "llmq_ppl": "word_perplexity"}
+# the tasks asked through the model's chat template (evals/chat.py), not lm-eval: name -> the items they score
+TOOL_CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple",
+                   "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance")
+CHAT_TASKS = {"llmq_json_valid": "json", "llmq_json_fields": "json", "llmq_chat_end": "chat",
+              "llmq_chat_leak": "chat", "llmq_chat_think": "chat", "llmq_tools_unparsed": None,
+              **{f"llmq_tools_{c}": f"tools:{c}" for c in TOOL_CATEGORIES}}
+TASKS.update({"llmq_json_valid": "valid", "llmq_json_fields": "fields", "llmq_chat_end": "ended",
+              "llmq_chat_leak": "no_leak", "llmq_chat_think": "closed", "llmq_tools_unparsed": "unparsed",
+              **{f"llmq_tools_{c}": "ast_match" if c not in ("irrelevance", "live_irrelevance", "live_relevance")
+                 else "relevance" for c in TOOL_CATEGORIES}})
 GROUPS = {"math": ("llmq_arith_mc", "llmq_arith_gen", "llmq_gsm8k"),
           "code": ("llmq_code_nextline", "llmq_code_greedy", "llmq_humaneval", "llmq_code_bpb"),
-          "ppl": ("llmq_ppl",)}
+          "ppl": ("llmq_ppl",),
+          "tools": (*(f"llmq_tools_{c}" for c in TOOL_CATEGORIES), "llmq_tools_unparsed"),
+          "json": ("llmq_json_valid", "llmq_json_fields"),
+          "chat": ("llmq_chat_end", "llmq_chat_leak", "llmq_chat_think")}
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -262,8 +276,27 @@ class TaskSet:
     info: dict  # what the data was made from (seed, python, stdlib hashes, fingerprint)
 
 
-def materialize(cache_dir: Path, seed: int, allow_code_execution: bool = False) -> TaskSet:
-    """Write every available task for `seed` under cache_dir/<fingerprint>/ (deterministic; reused if present)."""
+def _chat_task_data(d: Path, seed: int, tools: bool) -> list[str]:
+    """The chat-template tasks' items (json, chat; tools when asked for: its data is fetched), shuffled by seed."""
+    names = []
+    for name in ("json_tasks", "chat_prompts"):
+        rows = [json.loads(x) for x in (resources.files(__package__) / "data" / f"{name}.jsonl").read_text(
+            encoding="utf-8").splitlines() if x.strip()]
+        random.Random(f"{name}-{seed}").shuffle(rows)
+        _write_jsonl(d / f"{name}.jsonl", rows)
+    names += [n for n, src in CHAT_TASKS.items() if src in ("json", "chat")]
+    if tools:
+        from .bfcl import category_rows
+
+        for cat, rows in category_rows(seed).items():
+            _write_jsonl(d / f"tools_{cat}.jsonl", rows)
+        names += [n for n, src in CHAT_TASKS.items() if src is None or src.startswith("tools:")]
+    return names
+
+
+def materialize(cache_dir: Path, seed: int, allow_code_execution: bool = False, tools: bool = False) -> TaskSet:
+    """Write every available task for `seed` under cache_dir/<fingerprint>/ (deterministic; reused if present).
+    tools: include the tools task (its data, BFCL's, is fetched once from PyPI)."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_dir))
@@ -274,6 +307,7 @@ def materialize(cache_dir: Path, seed: int, allow_code_execution: bool = False) 
     for extra in (_gsm8k_task(staging), _humaneval_task(staging) if allow_code_execution else None):
         if extra is not None:
             cfgs.append(extra)
+    chat_names = _chat_task_data(staging, seed, tools)
     digest = hashlib.sha256()
     for p in sorted(staging.glob("*.jsonl")):
         digest.update(p.name.encode() + p.read_bytes())
@@ -292,7 +326,11 @@ def materialize(cache_dir: Path, seed: int, allow_code_execution: bool = False) 
         _write_yaml(final / f"{cfg['task']}.yaml", cfg)
     _fix_function_tags(final)
     info = {"seed": seed, "tasks_version": TASKS_VERSION, "fingerprint": fp, **info}
-    return TaskSet(final, [c["task"] for c in cfgs], info)
+    if tools:
+        from .bfcl import WHEEL
+
+        info["tools_data"] = f"{WHEEL.requirement} sha256:{WHEEL.sha256[:16]}"
+    return TaskSet(final, [c["task"] for c in cfgs] + chat_names, info)
 
 
 def _fix_function_tags(d: Path) -> None:
