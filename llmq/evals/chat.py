@@ -147,9 +147,12 @@ def role_headers(tokenizer) -> list[str]:
     if kind != "ok" or not all(p in text for p in _PROBE):
         return []
     raw = [text[text.index(u) + len(u):text.index(a)], text[text.index(a) + len(a):text.index(v)]]
+    specials = [t for t in tokenizer.all_special_tokens if t]
     out = set()
     for h in raw:
         out.add(h.strip())
+        # the next turn's header alone, without the end of the turn before it: from each special token on
+        out.update(h[i:].strip() for i in range(1, len(h)) if any(h.startswith(t, i) for t in specials))
         out.add(tokenizer.decode(tokenizer.encode(h, add_special_tokens=False), skip_special_tokens=True).strip())
     return sorted(h for h in out if h)
 
