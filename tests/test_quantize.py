@@ -336,6 +336,43 @@ def test_default_calibration_mixes_chat_through_the_template_with_prose_and_code
     assert any("\nassistant: " in t for t in _texts(plain, tok, "chat"))
 
 
+# Hermes-style tools: the functions in a system turn, calls as <tool_call> JSON (Qwen's templates, shortened)
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}")
+
+
+def test_tool_call_conversations_calibrate_where_the_template_renders_tools(tmp_path, tok):
+    from helpers import byte_tokenizer
+
+    tools_tok = byte_tokenizer()
+    tools_tok.chat_template = TOOLS_TEMPLATE
+    w = calib.load_calibration(None, tools_tok, 20, 512, 0)
+    assert calib.CALIB_TOOLS in w.source and w.manifest()["domains"]["tools"] == 4 * 512  # 2 : 1 : 1 : 1
+    texts = _texts(w, tools_tok, "tools")
+    assert texts and all("<tools>" in t or "<tool_call>" in t for t in texts)
+    assert any('<tool_call>\n{"name": "' in t for t in texts) and not any("<tool_call>" in t for t in _texts(
+        w, tools_tok, "chat"))
+    assert "tools" not in calib.load_calibration(None, tok, 20, 512, 0).manifest()["domains"]  # CHATML: none
+    row = {"tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}],
+           "messages": [{"role": "user", "content": "Time?"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"type": "function", "function": {"name": "now", "arguments": {"tz": "UTC"}}}]},
+                        {"role": "tool", "content": "12:00"}, {"role": "assistant", "content": "Noon."}]}
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps(row) + "\n")
+    mine = calib.load_calibration(str(f), tools_tok, 1, 4096, 0)
+    assert mine.domains == ("tools",)
+    assert '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>' in tools_tok.decode(mine.samples[0])
+    with pytest.raises(LlmqError, match="renders tools"):
+        calib.load_calibration(str(f), tok, 1, 4096, 0)
+    f.write_text(json.dumps({"messages": row["messages"]}) + "\n")  # calls without their tools
+    with pytest.raises(LlmqError, match="tool_calls"):
+        calib.load_calibration(str(f), tools_tok, 1, 4096, 0)
+
+
 def test_windows_start_where_a_document_starts_inside_the_window_before():
     ids, starts = list(range(30)), [0, 5, 10]   # documents of 5, 5 and 20 tokens
     assert [w[0] for w in calib._cut(ids, starts, 8)] == [0, 5, 10, 18]   # the 20-token one continues at 18

@@ -18,6 +18,11 @@ calib_chat.jsonl: conversations, half multi-turn: coding, arithmetic with reason
 prose (calib_en.txt) and code (a fixed list of Python standard-library modules). Windows are drawn chat : prose :
 code = 2 : 1 : 1 (most use of an instruct model is chat; code and prose keep the base distribution calibrated); a
 domain that runs out leaves its share to the others. User data is drawn in proportion to what each domain holds.
+Where the template renders tools and declares a tool-call format (supports_tools), a fourth domain joins at share 1:
+tool-call conversations (bundled calib_tools.jsonl: calls, parallel calls, their results, and requests no tool fits),
+rendered with their `tools`, since an agent's calls are exactly what an uncalibrated quantization breaks. A user's
+JSONL row {"messages", "tools"} is such a conversation (domain "tools"), refused in one line for a template that cannot
+render it.
 
 Each domain is cut into windows of its own, and a window starts where a document (a conversation) starts when one
 began inside the window before it, so a conversation cut at a window's end is seen again from its first turn
@@ -45,13 +50,16 @@ from ...jsonl import read_jsonl
 
 DATA = Path(__file__).parent / "data"
 CALIB_CHAT = "calib_chat.jsonl"
+CALIB_TOOLS = "calib_tools.jsonl"
 CALIB_STDLIB = ("textwrap.py", "heapq.py", "bisect.py", "fractions.py", "calendar.py", "statistics.py", "shlex.py",
                 "string.py", "colorsys.py", "difflib.py")
 PROBE_STDLIB = ("fnmatch.py", "glob.py", "queue.py")
 PROBE_WINDOW = 512
-DEFAULT_SHARES = {"chat": 2, "prose": 1, "code": 1}  # windows of the bundled default, per domain
+DEFAULT_SHARES = {"chat": 2, "prose": 1, "code": 1, "tools": 1}  # windows of the bundled default, per domain
 
-Content = str | list[dict]  # a text, or a conversation (its messages)
+# a text, a conversation (its messages), or a conversation with tools ({"messages", "tools"}: OpenAI's tools, calls in
+# the assistant turns' "tool_calls", results in "tool" turns)
+Content = str | list[dict] | dict
 
 
 @dataclass(frozen=True)
@@ -87,18 +95,29 @@ def _stdlib(names: tuple[str, ...]) -> list[tuple[str, str]]:
     return [(f"stdlib:{n}", (root / n).read_text(encoding="utf-8")) for n in names if (root / n).is_file()]
 
 
+def _turn_ok(m) -> bool:
+    """A turn: a role and text, or an assistant turn of tool calls (its text may be empty or null)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    if isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
+        return m["role"] == "assistant" and (m.get("content") is None or isinstance(m.get("content"), str))
+    return isinstance(m.get("content"), str)
+
+
 def _content(row) -> Content | None:
-    """A JSONL line's or dataset row's text, or its conversation; None when it has neither."""
+    """A JSONL line's or dataset row's text, its conversation, or its conversation with tools; None when it has
+    none of them."""
     if not isinstance(row, dict):
         return None
     if isinstance(row.get("text"), str):
         return row["text"]
     msgs = row.get("messages")
-    if isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in msgs):
-        return msgs
-    return None
+    if not (isinstance(msgs, list) and msgs and all(map(_turn_ok, msgs))):
+        return None
+    tools = row.get("tools")
+    if tools is not None:
+        return {"messages": msgs, "tools": tools} if isinstance(tools, list) and tools else None
+    return None if any("tool_calls" in m for m in msgs) else msgs
 
 
 def _read_rows(p: Path) -> list[Content]:
@@ -107,7 +126,8 @@ def _read_rows(p: Path) -> list[Content]:
         c = _content(row)
         if c is None:
             raise LlmqError(f"{p}:{i}: each JSONL line needs a string field \"text\" or a \"messages\" list of "
-                            "{\"role\": ..., \"content\": ...} strings")
+                            "{\"role\": ..., \"content\": ...} strings (with a non-empty \"tools\" list where an "
+                            "assistant turn has \"tool_calls\")")
         out.append(c)
     return out
 
@@ -121,8 +141,12 @@ def _read_file(p: Path) -> list[Content]:
         raise LlmqError(f"{p}: not a UTF-8 text file") from None
 
 
+def _messages(c: Content) -> list[dict]:
+    return c["messages"] if isinstance(c, dict) else c  # type: ignore[return-value]
+
+
 def _chars(c: Content) -> int:
-    return len(c) if isinstance(c, str) else sum(len(m["content"]) for m in c)
+    return len(c) if isinstance(c, str) else sum(len(m.get("content") or "") for m in _messages(c))
 
 
 def _dataset(name: str, want_chars: int) -> list[Content]:
@@ -139,7 +163,7 @@ def _dataset(name: str, want_chars: int) -> list[Content]:
         out, n = [], 0
         for row in ds:
             c = _content(row)
-            if c and (isinstance(c, list) or c.strip()):
+            if c and (not isinstance(c, str) or c.strip()):
                 out.append(c)
                 n += _chars(c)
                 if n >= want_chars:
@@ -152,16 +176,29 @@ def _dataset(name: str, want_chars: int) -> list[Content]:
 
 
 def _user(contents: list[Content]) -> list[tuple[str, Content]]:
-    return [("chat" if isinstance(c, list) else "text", c) for c in contents]
+    return [("tools" if isinstance(c, dict) else "chat" if isinstance(c, list) else "text", c) for c in contents]
 
 
-def calibration_documents(calib: str | None, want_chars: int) -> tuple[str, list[tuple[str, Content]]]:
-    """(source description, [(domain, text or conversation)]) for a --calib value (None: the bundled default)."""
+def supports_tools(template: str | None) -> bool:
+    """The chat template renders `tools` and declares how calls are written (models.tool_calls)."""
+    from ...models.tool_calls import output_format_for
+
+    return template is not None and "tools" in template and output_format_for(template).tools is not None
+
+
+def calibration_documents(calib: str | None, want_chars: int, tools: bool = False
+                          ) -> tuple[str, list[tuple[str, Content]]]:
+    """(source description, [(domain, text or conversation)]) for a --calib value (None: the bundled default, with
+    its tool-call conversations where `tools`: the template renders them)."""
     if calib is None:
         code = _stdlib(CALIB_STDLIB)
         docs = [("prose", (DATA / "calib_en.txt").read_text(encoding="utf-8"))]
         docs += [("chat", c) for c in _read_rows(DATA / CALIB_CHAT)] + [("code", t) for _, t in code]
-        return "+".join(["bundled:calib_en.txt", CALIB_CHAT] + [n for n, _ in code]), docs
+        bundled = ["bundled:calib_en.txt", CALIB_CHAT]
+        if tools:
+            docs += [("tools", c) for c in _read_rows(DATA / CALIB_TOOLS)]
+            bundled.append(CALIB_TOOLS)
+        return "+".join(bundled + [n for n, _ in code]), docs
     p = Path(calib).expanduser()
     if p.is_file():
         return f"file:{p.resolve()}", _user(_read_file(p))
@@ -206,10 +243,17 @@ class ChatFormat:
         """(the conversation as text, whether it was rendered thinking: None without a thinking switch)."""
         return self.render_all(tokenizer, [messages])[0]
 
-    def render_all(self, tokenizer, conversations: list[list[dict]]) -> list[tuple[str, bool | None]]:
-        """render() of each conversation, all in one bounded render (models.chat.render_chats)."""
+    def render_all(self, tokenizer, conversations: list) -> list[tuple[str, bool | None]]:
+        """render() of each conversation (its messages, or {"messages", "tools"}), all in one bounded render
+        (models.chat.render_chats). Conversations with tools need a template that renders them (supports_tools)."""
         if not conversations:
             return []
+        tools = [c.get("tools") if isinstance(c, dict) else None for c in conversations]
+        conversations = [_messages(c) for c in conversations]
+        if any(tools) and not supports_tools(self.template):
+            raise LlmqError("calibration conversations with tools need a chat template that renders tools and "
+                            "declares a tool-call format, and " + ("this model's does not" if self.template else
+                                                                   "no chat template is applied"))
         thinks = [None if self.thinking is None else self.thinking == "on" or (
             self.thinking == "auto" and any(m.get("reasoning_content") for m in messages))
             for messages in conversations]
@@ -221,8 +265,9 @@ class ChatFormat:
 
         def rendered(chats: list[list[dict]]) -> list[tuple[str, str]]:
             try:
-                return render_chats(tokenizer, [(m, {} if t is None else {"enable_thinking": t})
-                                                for m, t in zip(chats, thinks)])
+                return render_chats(tokenizer, [(m, ({} if t is None else {"enable_thinking": t}) |
+                                                 ({"tools": tl} if tl else {}))
+                                                for m, t, tl in zip(chats, thinks, tools)])
             except TemplateError as e:
                 raise self._refused(e) from None
 
@@ -315,17 +360,19 @@ def load_calibration(calib: str | None, tokenizer, num_samples: int, seq_len: in
                      chat_template: bool = True, thinking: str = "auto") -> TokenWindows:
     """`num_samples` windows of `seq_len` tokens (fewer when the data is short: every window it has; a single
     shorter window of all of it when no domain fills one). Empty data is an error."""
-    source, docs = calibration_documents(calib, want_chars=num_samples * seq_len * 8)
     fmt = ChatFormat.of(tokenizer, chat_template, thinking)
+    source, docs = calibration_documents(calib, want_chars=num_samples * seq_len * 8,
+                                         tools=supports_tools(fmt.template))
     texts: dict[str, list[str]] = {}
     thinks: Counter = Counter()
-    chats = iter(fmt.render_all(tokenizer, [c for _, c in docs if isinstance(c, list)]))
+    chats = iter(fmt.render_all(tokenizer, [c for _, c in docs if not isinstance(c, str)]))
     for domain, content in docs:
-        if isinstance(content, list):
+        if not isinstance(content, str):
             content, think = next(chats)
             thinks[think] += 1
         texts.setdefault(domain, []).append(content)
-    streams = {d: _stream(tokenizer, t, sep=d != "chat" or fmt.template is None) for d, t in texts.items()}
+    streams = {d: _stream(tokenizer, t, sep=d not in ("chat", "tools") or fmt.template is None)
+               for d, t in texts.items()}
     if sum(len(ids) for ids, _ in streams.values()) < 2:
         raise LlmqError(f"calibration data {source} is empty (no text to calibrate on)")
     gen = torch.Generator().manual_seed(seed)
