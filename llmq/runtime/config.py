@@ -92,6 +92,10 @@ class Limits(Options):
                                       "the position's token); -1 counts the whole vocabulary); more get 400.", ge=0)
     max_logprob_entries_in_flight: int = option(1 << 20, "Most log-probabilities the requests in flight may hold "
                                                 "together; a request past it gets 429.", ge=0)
+    max_schema_bytes: int = option(64 << 10, "Largest JSON schema text one request may give (its tools' parameters "
+                                   "and response_format's schema together); larger get 400.", size=True, ge=0)
+    grammar_timeout: float = option(5.0, "Seconds a request's grammar (response_format, a forced tool call) may take "
+                                    "to compile; slower get 400.", gt=0)
     max_body_bytes: int = option(8 << 20, "Largest request body; larger get 413.", flag="--max-body-size", size=True,
                                  ge=0)
     header_timeout: float = option(10.0, "Seconds a client has to send a request's headers; slower connections are "

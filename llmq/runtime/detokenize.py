@@ -13,9 +13,11 @@ from __future__ import annotations
 
 
 class IncrementalText:
-    """token_ids[start:] as text; `update` after every appended token."""
+    """token_ids[start:] as text; `update` after every appended token. skip_special: leave special tokens out (a
+    chat format whose markers are special tokens keeps them, to read its tool calls)."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, skip_special: bool = True):
+        self.skip_special = skip_special
         self.text = ""
         self.prefix = start  # the window's first token: context for the tokens after `read`
         self.read = start  # tokens before this one are in self.text
@@ -24,8 +26,8 @@ class IncrementalText:
         """The text of token_ids[start:end]; while not final it leaves out an unfinished trailing character."""
         if end <= self.read:
             return self.text
-        head = tokenizer.decode(token_ids[self.prefix:self.read], skip_special_tokens=True)
-        window = tokenizer.decode(token_ids[self.prefix:end], skip_special_tokens=True)
+        head = tokenizer.decode(token_ids[self.prefix:self.read], skip_special_tokens=self.skip_special)
+        window = tokenizer.decode(token_ids[self.prefix:end], skip_special_tokens=self.skip_special)
         if not final and (window.endswith("\ufffd") or len(window) <= len(head)):
             return self.text
         self.text += window[len(head):]

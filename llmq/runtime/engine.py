@@ -21,6 +21,7 @@ import torch
 
 from ..errors import LlmqError
 from .config import EngineConfig
+from .grammar import advance
 from .sampling import NonFiniteLogits, PromptLogprobs, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .scorer import ScoreOutput, Scorer, ScoreRequest
@@ -208,6 +209,8 @@ class LLMEngine:
                 try:
                     if isinstance(picked, Exception):
                         raise picked
+                    if seq.matcher is not None and picked[0] not in self.eos_token_ids:
+                        advance(seq.matcher, picked[0])
                     self.scheduler.update(seq, [picked[0]], [picked[1]], now)
                     outputs.append(self._output(seq))
                 except Exception as e:
@@ -239,13 +242,14 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None] | Exception]:
         """(token, logprobs) per sequence; when the batched sampler fails, each row alone, to find the culprit."""
+        matchers = [s.matcher for s in seqs] if any(s.matcher is not None for s in seqs) else None
         try:
-            return list(zip(*sample(logits, [s.params for s in seqs], [s.generator for s in seqs])))
+            return list(zip(*sample(logits, [s.params for s in seqs], [s.generator for s in seqs], matchers)))
         except Exception:
             picks = []
             for i, seq in enumerate(seqs):
                 try:
-                    tokens, lps = sample(logits[i:i + 1], [seq.params], [seq.generator])
+                    tokens, lps = sample(logits[i:i + 1], [seq.params], [seq.generator], [seq.matcher])
                     picks.append((tokens[0], lps[0]))
                 except Exception as e:
                     picks.append(e)

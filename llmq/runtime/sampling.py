@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token's
     prompt_logprobs: int | None = None  # top-N logprobs before each prompt token after the first (PromptLogprobs)
+    skip_special_tokens: bool = True  # the text leaves special tokens out (as vLLM's field of the name)
+    # a grammar.Grammar the output must follow (constrained decoding): its matcher masks the sequence's logits
+    grammar: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -43,6 +46,8 @@ class SamplingParams:
             raise LlmqError(f"top_k must be -1 (off) or a positive integer up to {TOP_K_MAX}, got {self.top_k}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise LlmqError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        if self.grammar is not None and self.ignore_eos:
+            raise LlmqError("ignore_eos cannot be combined with a grammar (it ends the answer with EOS)")
         for name in ("logprobs", "prompt_logprobs"):  # counts past the vocabulary mean all of it
             n = getattr(self, name)
             if n is not None and not (isinstance(n, int) and n >= 0):
@@ -153,11 +158,18 @@ class PromptLogprobs:
         self.entries += _entries(lsm, tokens, [n] * len(tokens))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-           ) -> tuple[list[int], list[dict[int, float] | None]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           matchers: list | None = None) -> tuple[list[int], list[dict[int, float] | None]]:
     """Next token per row of `logits` [B, V] (float32), plus {token: logprob} dicts where logprobs were asked
-    (NonFiniteLogits: see check_finite)."""
+    (NonFiniteLogits: see check_finite). matchers: per row, the grammar matcher whose mask limits its tokens, or
+    None (the masks of all constrained rows are filled in one call; unconstrained rows pay nothing else). Logprobs
+    are the model's distribution, before the mask, as before temperature."""
     check_finite(logits)
+    raw = logits
+    if matchers is not None and any(m is not None for m in matchers):
+        from .grammar import constrain
+
+        logits = constrain(logits, matchers)
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -167,4 +179,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             pick = torch.multinomial(probs[j], 1, generator=generators[i])
             tokens[i] = order[j, pick[0]] if order is not None else pick[0]
     token_list = tokens.tolist()
-    return token_list, logprob_entries(logits, token_list, params)
+    return token_list, logprob_entries(raw, token_list, params)

@@ -58,9 +58,11 @@ class Sequence:
         self.admitted = False
         self.finish_reason: str | None = None
         self.text = ""  # the output's text so far (detokenizer's), cut at a stop string
-        self.detokenizer = IncrementalText(len(prompt_ids))
+        self.detokenizer = IncrementalText(len(prompt_ids), params.skip_special_tokens)
         self.logprobs: list[dict[int, float]] = []
         self.prompt_logprobs = PromptLogprobs() if params.prompt_logprobs is not None else None
+        # its grammar's matcher (constrained decoding; runtime.grammar), advanced by every sampled token
+        self.matcher = params.grammar.claim() if params.grammar is not None else None
         self.num_emitted = 0  # output tokens already returned by step()
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

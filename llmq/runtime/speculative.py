@@ -260,8 +260,8 @@ class Speculator:
         left = budget - sum(num_new)
         cands, ks = [], []
         for seq, n in zip(seqs, num_new):
-            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
-                continue  # a prefill chunk
+            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or seq.matcher is not None:
+                continue  # a prefill chunk, or a constrained sequence (drafts would bypass its grammar's masks)
             # no draft beyond the context, the request's max_tokens (k drafts emit up to k + 1 tokens) or the budget
             k = min(self.k, max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1, left)
             if k > 0:

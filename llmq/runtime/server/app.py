@@ -11,6 +11,7 @@ import hmac
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +32,7 @@ from .metrics import CONTENT_TYPE
 from .parsing import body_doc, read_body, validation_message
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
 from .streaming import respond, usage
+from .tools import ChatAnswer, plan_tools, prepare_tools
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
@@ -51,6 +53,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         finally:
             await asyncio.to_thread(fe.loop.shutdown, drain_timeout)
             fe.text_thread.shutdown(wait=False, cancel_futures=True)
+            fe.chat_tools.close()
             await asyncio.to_thread(fe.renderer.close)
 
     app = FastAPI(title="llmq", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -195,17 +198,22 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                            for c in (m["content"] for m in messages)), "messages")
         urls = [u for m in body.messages for u in m.image_urls()]
         pixels = None
+        tp = plan_tools(fe.chat_tools, body, fe.limits.max_schema_bytes)
+        grammar = await prepare_tools(fe.chat_tools, tp, fe.renderer, fe.off_loop, fe.limits.grammar_timeout)
+        in_reasoning = False
 
         def template() -> list[int]:
-            nonlocal pixels
+            nonlocal pixels, in_reasoning
             images = fe.read_images(urls) if urls else []
             try:
-                kind, text = fe.renderer.render(messages, add_generation_prompt=True)
+                kind, text = fe.renderer.render(messages, add_generation_prompt=True,
+                                                **({"tools": tp.tools} if tp.tools else {}))
             except TemplateError as e:  # past its deadline or memory
                 raise bad_request(str(e), "messages") from None
             if kind != "ok":  # one that rejects these messages (e.g. roles out of order), or a hostile one
                 raise bad_request(f"the chat template rejected the messages: {text}" if kind == "rejected" else text,
                                   "messages")
+            in_reasoning = fe.chat_tools.format.opens_reasoning(text)
             if fe.images is None:
                 return fe.tokenizer.encode(text, add_special_tokens=False)
             try:   # the model's processor places each image's tokens (runtime.images)
@@ -218,6 +226,9 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (fe.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.logprobs else None
         params = fe.params(body, len(ids), max_tokens, None, n_top, logprobs_param="top_logprobs")
+        # a grammar, and the format's markers kept as text where they are special tokens (to read the answer)
+        params = replace(params, grammar=grammar, skip_special_tokens=not fe.chat_tools.special)
+        answer = ChatAnswer(fe.chat_tools.format, in_reasoning, tp.parse_tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -229,17 +240,16 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             lp = None
             if n_top is not None and out.new_logprobs:
                 lp = fe.chat_logprobs(out.new_logprobs, out.new_token_ids, n_top, as_ids)
-            delta = {"content": text} if text else {}
-            return dict(base(), choices=[{"index": 0, "delta": delta, "logprobs": lp,
-                                          "finish_reason": out.finish_reason if final else None}])
+            return dict(base(), choices=[{"index": 0, "delta": answer.delta(text, final), "logprobs": lp,
+                                          "finish_reason": answer.finish_reason(out.finish_reason) if final else None}])
 
         first = dict(base(), choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                        "finish_reason": None}])
         def full(out: RequestOutput, lps: list, toks: list[int], prompt: PromptLogprobs | None) -> dict:
             lp = None if n_top is None else fe.chat_logprobs(lps, toks, n_top, as_ids)
             return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                                 "finish_reason": out.finish_reason, "logprobs": lp}],
+                    "choices": [{"index": 0, "message": answer.message(out.text),
+                                 "finish_reason": answer.finish_reason(out.finish_reason), "logprobs": lp}],
                     "usage": usage(out)}
 
         return await respond(fe, request, rid, ids, params, body.stream, include_usage, chunk, first, full, pixels)

@@ -18,6 +18,7 @@ from ..sampling import PromptLogprobs, SamplingParams
 from .engine_loop import EngineLoop, EngineThread, NotAccepting, QueueFull
 from .metrics import ServerMetrics
 from .protocol import APIError, SamplingFields, bad_request
+from .tools import ChatTools
 
 
 def artifact_ref(path: Path) -> str | None:
@@ -55,6 +56,7 @@ class Frontend:
         # requests never use the tokenizer at once
         self.text_thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenize")
         self.renderer = RenderWorker(self.tokenizer, self.max_prompt_chars)  # chat templates, bounded
+        self.chat_tools = ChatTools(self.tokenizer, self.vocab_size, engine.eos_token_ids)  # tools, grammars
         self.waiting: set[asyncio.Queue] = set()  # the output queues of the requests being answered
         self.owing: dict[str, int] = {}  # per request in flight, the log-probabilities its answer may hold
         self.owed_in_flight = 0

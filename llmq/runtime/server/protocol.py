@@ -8,6 +8,7 @@ count of -1 asks for the whole vocabulary; the server's `Limits.max_logprobs` bo
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -91,7 +92,55 @@ class ChatMessage(BaseModel):
                             for p in c]
         else:
             d["content"] = "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+        calls = d.get("tool_calls")
+        if isinstance(calls, list):  # an assistant's earlier calls: templates write their arguments with tojson
+            d["tool_calls"] = [_call_arguments(tc) for tc in calls]
         return d
+
+
+def _call_arguments(tc):
+    """A call's arguments as an object, where OpenAI sends them as JSON text."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**tc, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except ValueError:
+            pass
+    return tc
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema (server.tools checks it)
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionChoice(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -101,6 +150,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: LogprobCount | None = None
     echo: bool = False  # vLLM's chat extensions that /v1/completions alone supports here: refused when given
     prompt_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
