@@ -288,7 +288,7 @@ def test_kld_base_file_round_trip_and_llama_cpp_kld_against_exact(tmp_path):
     with pytest.raises(LlmqError, match="header promises"):
         L.KldBase(tmp_path / "short.kld")
     (tmp_path / "junk.kld").write_bytes(b"not a logits file at all")
-    with pytest.raises(LlmqError, match="not a llama-perplexity"):
+    with pytest.raises(LlmqError, match="is not a `llama-perplexity --kl-divergence-base` file"):
         L.KldBase(tmp_path / "junk.kld")
 
 
