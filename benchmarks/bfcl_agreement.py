@@ -13,7 +13,7 @@ as calls, and variants of it that the rules must judge (a parameter dropped, a v
 string re-cased and re-punctuated, parallel calls reversed, a call added). It prints, per category and case kind,
 how many verdicts agree, and every disagreement.
 
-    python benchmarks/bfcl_agreement.py --bfcl-python /tmp/bfcl/venv/bin/python [--model REF] [--limit 5]
+    python benchmarks/bfcl_agreement.py --bfcl-python /tmp/bfcl/venv/bin/python [--model REF] [--limit 5] [--save F]
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ print(json.dumps(out))
 def pick(v):
     """A value BFCL's possible answers allow: an object's (or a list of objects') own first allowed values."""
     if isinstance(v, dict):
-        return {k: pick(a[0]) for k, a in v.items() if a and a[0] != ""}
+        return {k: pick(a[0]) if isinstance(a, list) else a for k, a in v.items()
+                if not isinstance(a, list) or (a and a[0] != "")}
     if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
         return [pick(x) for x in v]
     return v
@@ -136,12 +137,19 @@ def main() -> None:
     ap.add_argument("--bfcl-python", required=True, help="python of a venv with bfcl-eval==2026.3.23 installed")
     ap.add_argument("--model", default=None, help="model REF whose answers are checked (default: the default model)")
     ap.add_argument("--limit", type=int, default=5, help="questions per category the model answers (0: no model)")
+    ap.add_argument("--save", default=None, help="JSON file keeping the model's cases (read back when it exists)")
     args = ap.parse_args()
 
     from llmq.evals.tasks.ast_match import ast_match
     from llmq.evals.tasks.bfcl import category_rows
 
-    cases = model_cases(args.model, args.limit) if args.limit else []
+    saved = Path(args.save) if args.save else None
+    if saved is not None and saved.is_file():
+        cases = json.loads(saved.read_text())
+    else:
+        cases = model_cases(args.model, args.limit) if args.limit else []
+        if saved is not None:
+            saved.write_text(json.dumps(cases))
     for cat, rows in category_rows(0).items():
         for r in rows:
             if r["answer"] is None:

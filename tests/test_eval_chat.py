@@ -85,7 +85,8 @@ def test_role_headers_come_from_the_template():
 def pick(v):
     """A value BFCL's possible answers allow: an object's (or a list of objects') own first allowed values."""
     if isinstance(v, dict):
-        return {k: pick(a[0]) for k, a in v.items() if a and a[0] != ""}
+        return {k: pick(a[0]) if isinstance(a, list) else a for k, a in v.items()
+                if not isinstance(a, list) or (a and a[0] != "")}
     if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
         return [pick(x) for x in v]
     return v
