@@ -368,6 +368,10 @@ def test_tool_call_conversations_calibrate_where_the_template_renders_tools(tmp_
     assert '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>' in tools_tok.decode(mine.samples[0])
     with pytest.raises(LlmqError, match="renders tools"):
         calib.load_calibration(str(f), tok, 1, 4096, 0)
+    probe = calib.load_probe_text(tools_tok, 4096)  # held-out tool conversations lead the probe's text
+    assert probe.source.startswith(f"bundled:{calib.PROBE_TOOLS}+") and "<tool_call>" in tools_tok.decode(
+        probe.samples[0])
+    assert "probe_tools" not in calib.load_probe_text(tok, 1024).source
     f.write_text(json.dumps({"messages": row["messages"]}) + "\n")  # calls without their tools
     with pytest.raises(LlmqError, match="tool_calls"):
         calib.load_calibration(str(f), tools_tok, 1, 4096, 0)

@@ -51,6 +51,7 @@ from ...jsonl import read_jsonl
 DATA = Path(__file__).parent / "data"
 CALIB_CHAT = "calib_chat.jsonl"
 CALIB_TOOLS = "calib_tools.jsonl"
+PROBE_TOOLS = "probe_tools.jsonl"
 CALIB_STDLIB = ("textwrap.py", "heapq.py", "bisect.py", "fractions.py", "calendar.py", "statistics.py", "shlex.py",
                 "string.py", "colorsys.py", "difflib.py")
 PROBE_STDLIB = ("fnmatch.py", "glob.py", "queue.py")
@@ -390,9 +391,15 @@ def load_calibration(calib: str | None, tokenizer, num_samples: int, seq_len: in
                         fmt.manifest(thinks) if thinks else None)
 
 
-def load_probe_text(tokenizer, tokens: int) -> TokenWindows:
-    """About `tokens` held-out tokens (whole windows of up to PROBE_WINDOW), in text order."""
+def load_probe_text(tokenizer, tokens: int, chat_template: bool = True) -> TokenWindows:
+    """About `tokens` held-out tokens (whole windows of up to PROBE_WINDOW), in text order: held-out tool-call
+    conversations first where the chat template renders tools (calibration's domain; none of them calibrated), then
+    English text and standard-library code. chat_template False: no conversations (quantize's --no-chat-template)."""
     docs = [("bundled:probe_en.txt", (DATA / "probe_en.txt").read_text(encoding="utf-8"))] + _stdlib(PROBE_STDLIB)
+    fmt = ChatFormat.of(tokenizer, chat_template)
+    if supports_tools(fmt.template):
+        rendered = fmt.render_all(tokenizer, _read_rows(DATA / PROBE_TOOLS))
+        docs = [(f"bundled:{PROBE_TOOLS}", "".join(text for text, _ in rendered))] + docs
     ids, _ = _stream(tokenizer, [t for _, t in docs], sep=True)
     window = min(PROBE_WINDOW, tokens, len(ids))
     n = max(1, min(tokens, len(ids)) // window)

@@ -127,7 +127,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     tokenizer = load_tokenizer(source.path)
     calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed, opts.chat_template,
                              opts.thinking) if calibrated else None
-    probe = load_probe_text(tokenizer, opts.probe_tokens) if opts.probe_tokens else None
+    probe = load_probe_text(tokenizer, opts.probe_tokens, opts.chat_template) if opts.probe_tokens else None
 
     name = opts.name or f"{source.name}-{opts.method}-" + (f"w{opts.bits}" + (
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") if opts.grid == "int"
