@@ -16,7 +16,7 @@ import torch
 
 from ..errors import LlmqError
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_BITS = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)  # bit i of a mask word
 
 
 class GrammarError(LlmqError):
@@ -121,8 +121,9 @@ def _masks(matchers: list, vocab: int) -> torch.Tensor:
 
 
 def constrain(logits: torch.Tensor, matchers: list) -> torch.Tensor:
-    """`logits` [B, V] with each constrained row's disallowed tokens at -inf (a copy; rows whose matcher is None are
-    left as they are). GrammarFailed when a matcher has stopped accepting."""
+    """`logits` [B, V] with each constrained row's disallowed tokens at -inf (a copy: the model's logits are inference
+    tensors, and logprobs read them unmasked; rows whose matcher is None are left as they are). GrammarFailed when a
+    matcher has stopped accepting."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     vocab = logits.shape[-1]
     bits = _masks([matchers[i] for i in rows], vocab)
@@ -130,10 +131,13 @@ def constrain(logits: torch.Tensor, matchers: list) -> torch.Tensor:
         if matchers[i].is_error():
             raise GrammarFailed(f"the request's grammar stopped accepting: {_line(matchers[i].get_error())}")
     bits = bits.to(logits.device, non_blocking=True)
-    allowed = ((bits.unsqueeze(-1) >> _SHIFTS.to(bits.device)) & 1).bool().flatten(1)[:, :vocab]
+    banned = (bits.unsqueeze(-1) & _BITS.to(bits.device)).eq(0).flatten(1)[:, :vocab]
     out = logits.clone()
-    idx = torch.tensor(rows, device=logits.device)
-    out[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    if rows == list(range(len(rows))):  # the constrained rows first (a slice: no gather)
+        out[:len(rows)].masked_fill_(banned, float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        out[idx] = out[idx].masked_fill_(banned, float("-inf"))
     return out
 
 
