@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import LlmqError
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 # below this temperature, logits / temperature overflows float32 and the softmax turns to NaN: sample greedily
 MIN_TEMPERATURE = 1e-5
@@ -28,7 +32,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs before each prompt token after the first (PromptLogprobs)
     skip_special_tokens: bool = True  # the text leaves special tokens out (as vLLM's field of the name)
     # a grammar.Grammar the output must follow (constrained decoding): its matcher masks the sequence's logits
-    grammar: object | None = field(default=None, compare=False, repr=False)
+    grammar: Grammar | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...errors import LlmqError
-from ...models.tool_calls import JSON_STYLE, OutputFormat, ToolFormat, output_format
+from ...models.tool_calls import JSON_STYLE, OutputFormat, output_format
 from ..grammar import Grammar, Grammars
 from .protocol import ChatCompletionRequest, NamedToolChoice, bad_request
 
@@ -177,8 +177,7 @@ class ChatAnswer:
         return "".join(content), "".join(reasoning), calls
 
     def _call(self, name: str, arguments: dict) -> dict:
-        f: ToolFormat = self.tools
-        call = {"index": self.calls, "id": f.call_id(), "type": "function",
+        call = {"index": self.calls, "id": self.tools.call_id() if self.tools else "", "type": "function",
                 "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
         self.calls += 1
         return call
