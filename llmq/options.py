@@ -38,6 +38,15 @@ def format_size(n: int) -> str:
     return str(n)
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': a size as people read it."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def option(default=dataclasses.MISSING, help: str = "", *, choices: tuple | None = None, aliases: tuple[str, ...] = (),
            flag: str | None = None, switches: dict | None = None, metavar: str | None = None,
            min_items: int | None = None, internal: bool = False, size: bool = False, envvar: str | None = None,

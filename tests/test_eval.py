@@ -475,3 +475,23 @@ def test_a_non_finite_kld_fails_loudly():
     masked[:, -4:] = float("-inf")  # padded vocabulary entries
     kl, agree = token_kl(masked.log_softmax(-1), masked.log_softmax(-1))
     assert torch.equal(kl, torch.zeros(6)) and bool(agree.all())
+
+
+def test_the_kl_histogram_counts_every_position_in_its_bin():
+    """The per-position KL histogram the probe and eval's kld record: numpy's histogram over the same edges (values
+    below the first inner edge in the first bin, above the last in the last), the probe's counts summed over chunks
+    equal to one count of all positions."""
+    import numpy as np
+    import torch
+
+    from llmq.evals.kld import KL_EDGES, kl_counts
+    from llmq.pipeline.quantize.probe import ProbeAccumulator, _terms, positions_per_chunk
+
+    kl = torch.cat([torch.zeros(3), 10 ** (torch.rand(500, dtype=torch.float64) * 10 - 7), torch.tensor([1e3])])
+    want, _ = np.histogram(np.clip(kl.numpy(), 0, KL_EDGES[-1]), bins=np.array(KL_EDGES))
+    assert kl_counts(kl) == want.tolist() and sum(kl_counts(kl)) == kl.numel()
+    p, q = torch.randn(1200, 8192), torch.randn(1200, 8192)
+    assert positions_per_chunk(8192) < 600
+    acc = ProbeAccumulator()
+    acc.add(p, q)   # in chunks of positions_per_chunk
+    assert acc.result()["histogram"]["counts"] == kl_counts(_terms(p, q)[0])

@@ -15,7 +15,7 @@ from llmq.pipeline.recipe import STAGE_ORDER, STAGES, Stages
 from llmq.runtime.config import EngineConfig, Limits, ServerOptions
 
 COMMANDS = {"quantize": ("quantize",), "quantize_kv": ("quantize-kv",), "build": ("build",), "eval": ("eval",),
-            "bench": ("bench", "offline")}
+            "bench": ("bench", "offline"), "report": ("report",)}
 COMMAND_ONLY = {"as_json"}  # output format, not a stage option
 
 

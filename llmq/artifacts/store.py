@@ -359,6 +359,11 @@ class Store:
             return self.by_id(ref, verify=verify)
         raise ArtifactNotFound(f"no artifact {ref!r} in store {self.root} ('llmq ls' lists what is there)")
 
+    def children(self, art: Artifact, kind: str | None = None) -> list[Artifact]:
+        """The artifacts made from `art` (it is their first parent), of `kind` if given, the newest first."""
+        kids = [a for a in self.list(kind=kind) if a.parents[:1] == [art.id]]
+        return sorted(kids, key=lambda a: a.manifest.get("created", ""), reverse=True)
+
     def lineage(self, art: Artifact) -> list[Artifact]:
         """The chain from `art` back to its source, following first parents; a missing parent ends the chain, a damaged
         one is an error."""

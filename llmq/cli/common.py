@@ -7,6 +7,7 @@ import json
 import click
 
 from ..artifacts import Store
+from ..options import human_bytes  # noqa: F401 (the subcommands import it from here)
 
 
 def get_store(ctx: click.Context) -> Store:
@@ -15,11 +16,3 @@ def get_store(ctx: click.Context) -> Store:
 
 def echo_json(data) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

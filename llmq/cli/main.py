@@ -14,6 +14,7 @@ from .deploy import deploy_
 from .eval import eval_
 from .quantize import quantize
 from .quantize_kv import quantize_kv
+from .report import report
 from .run import run
 from .serve import serve
 from .verify import verify
@@ -41,7 +42,7 @@ def cli(ctx, store):
     ctx.obj["store"] = store
 
 
-for _cmd in (import_, ls, inspect, lineage, quantize, quantize_kv, build, deploy_, eval_, serve, bench, run):
+for _cmd in (import_, ls, inspect, lineage, quantize, quantize_kv, build, deploy_, eval_, serve, bench, report, run):
     cli.add_command(_cmd)
 cli.add_command(verify)
 

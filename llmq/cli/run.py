@@ -57,7 +57,7 @@ def _table(result: RunResult) -> Table:
         art = r.artifact
         t.add_row(r.stage.replace("_", "-"), r.status, f"{art.ref}\n{art.path}" if art else "-",
                   _size(art) if art else "-", f"{r.seconds:.1f}" if r.status == "ran" else "-",
-                  _highlights(r.stage, art) if art else "")
+                  _highlights(r.stage, art) if art else r.summary.get("path", ""))
     return t
 
 
@@ -80,7 +80,8 @@ def run(ctx, recipe, from_stage, dry_run, as_json):
                    "stages": [{"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 2),
                                "artifact": r.artifact.ref if r.artifact else None,
                                "id": r.artifact.id if r.artifact else None,
-                               "path": str(r.artifact.path) if r.artifact else None} for r in result.stages]})
+                               "path": str(r.artifact.path) if r.artifact else r.summary.get("path")}
+                              for r in result.stages]})
     else:
         out = Console()
         if not out.is_terminal:  # piped or logged: rich would wrap the table at 80 columns

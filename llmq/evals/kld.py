@@ -23,6 +23,21 @@ WINDOW = 512
 # the least mass the rest of the vocabulary keeps beyond an evaluated top-k: a server's float32 top-k of a confident
 # position can sum to 1 or a hair above, which would make any baseline mass left outside it an infinite KL
 REST_FLOOR = 1e-7
+# the per-position KL histogram's bin edges (nats): 0, then four bins a decade from 1e-6 to 100; a KL below 1e-6 falls
+# in the first bin, one above 100 in the last. Fixed, so two artifacts' histograms can be drawn on one axis.
+KL_EDGES = (0.0, *(10.0 ** (e / 4) for e in range(-24, 9)))
+
+
+def kl_counts(kl: torch.Tensor) -> list[int]:
+    """How many of the per-position KL values fall in each bin of KL_EDGES."""
+    edges = torch.tensor(KL_EDGES[1:-1], dtype=torch.float64)
+    idx = torch.bucketize(kl.double().reshape(-1), edges, right=True)
+    return torch.bincount(idx, minlength=len(KL_EDGES) - 1).tolist()
+
+
+def kl_histogram(counts: list[int]) -> dict:
+    """The manifest's record of a per-position KL histogram: the edges and the counts of each bin."""
+    return {"edges": list(KL_EDGES), "counts": counts}
 
 
 def token_kl(lp_eval: torch.Tensor, lp_base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +107,7 @@ def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], Non
     top1, top1_se = mean_stderr(agree)
     n = len(kls)
     out = {"mean": mean, "stderr": se, "p99": float(torch.tensor(kls).quantile(0.99)), "max": max(kls),
+           "histogram": kl_histogram(kl_counts(torch.tensor(kls))),
            "top1": 100 * top1, "top1_stderr": 100 * top1_se, "tokens": n,
            "ppl": None if k else math.exp(nll_e / n), "ppl_baseline": math.exp(nll_b / n), "top_k": k}
     if k:

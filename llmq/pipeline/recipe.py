@@ -31,12 +31,13 @@ from ..bench.offline import OfflineOptions
 from ..errors import LlmqError
 from ..evals.runner import EvalOptions
 from ..options import default_of, user_fields
+from ..report.options import ReportOptions
 from .kv_options import KVOptions
 from .quantize import QuantizeOptions
 from .targets import BuildOptions
 
 STAGES = {"quantize": QuantizeOptions, "quantize_kv": KVOptions, "build": BuildOptions, "eval": EvalOptions,
-          "bench": OfflineOptions}
+          "bench": OfflineOptions, "report": ReportOptions}
 STAGE_ORDER = tuple(STAGES)
 
 
@@ -111,7 +112,7 @@ def stage_config(cls: type) -> type[StageConfig]:
     return model
 
 
-QuantizeStage, QuantizeKVStage, BuildStage, EvalStage, BenchStage = map(stage_config, STAGES.values())
+QuantizeStage, QuantizeKVStage, BuildStage, EvalStage, BenchStage, ReportStage = map(stage_config, STAGES.values())
 
 
 class Stages(_Strict):
@@ -120,6 +121,7 @@ class Stages(_Strict):
     build: BuildStage | None = None
     eval: EvalStage | None = None
     bench: BenchStage | None = None
+    report: ReportStage | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

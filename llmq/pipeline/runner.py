@@ -111,6 +111,24 @@ def _gates(report: Artifact, gate: str | None) -> list[tuple[str, bool]]:
     return [(f"{r.gate} ({r.what})", r.passed) for r in results]
 
 
+def _report(subject: Artifact, cfg, store: Store, recipe: Recipe, made: list[Artifact], dry_run: bool,
+            on_stage: Callable[[str, str], None] | None) -> StageResult:
+    """The report stage: the HTML page over the artifact the stages before it made, with this run's eval and bench
+    reports and its eval stage's gates."""
+    from ..report import write_report
+
+    opts = cfg.to_options(output=f"{recipe.name}-report.html")
+    if dry_run:
+        return StageResult("report", "would run", None, summary={"path": opts.output})
+    if on_stage:
+        on_stage("report", "writing")
+    t0 = time.perf_counter()
+    ev = recipe.stages.eval
+    path = write_report(store, [subject], opts, gate=ev.gate if ev is not None else None,
+                        reports=[a for a in made if a.kind in ("eval-report", "bench-report")])
+    return StageResult("report", "ran", None, time.perf_counter() - t0, summary={"path": str(path)})
+
+
 def run_recipe(recipe: Recipe, store: Store, from_stage: str | None = None, dry_run: bool = False,
                on_stage: Callable[[str, str], None] | None = None) -> RunResult:
     """Run (or with dry_run, plan) every stage of `recipe`; `from_stage` forces that stage and all later ones."""
@@ -124,8 +142,12 @@ def run_recipe(recipe: Recipe, store: Store, from_stage: str | None = None, dry_
     parent: Artifact | None = model
     results, gates = [], []
     forced = False
+    made: list[Artifact] = []
     for stage in present:
         cfg = getattr(recipe.stages, stage)
+        if stage == "report":   # last; not an artifact: the page is written again on every run
+            results.append(_report(parent or model, cfg, store, recipe, made, dry_run, on_stage))
+            break
         forced = forced or stage == from_stage
         key = _key(stage, parent, cfg, recipe) if parent is not None else None
         cached = cache.get(key) if key else None
@@ -143,9 +165,12 @@ def run_recipe(recipe: Recipe, store: Store, from_stage: str | None = None, dry_
             art, status = ADAPTERS[stage](parent, cfg, store, recipe), "ran"
             cache.put(key, art)
         results.append(StageResult(stage, status, art, time.perf_counter() - t0))
+        made.append(art)
         if stage == "eval":
             gates = _gates(art, cfg.gate)
-            if not all(passed for _, passed in gates):
+            if not all(passed for _, passed in gates):   # stop, but show the user why on the page
+                if recipe.stages.report is not None:
+                    results.append(_report(parent, recipe.stages.report, store, recipe, made, False, on_stage))
                 break
         if _feeds_next(stage, cfg):
             parent = art

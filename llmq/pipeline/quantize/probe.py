@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...evals.kld import token_kl
+from ...evals.kld import KL_EDGES, kl_counts, kl_histogram, token_kl
 
 
 def _terms(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +40,7 @@ class ProbeAccumulator:
 
     def __init__(self):
         self.kl_sum, self.agree, self.n, self.kl_max = 0.0, 0, 0, 0.0
+        self.counts = [0] * (len(KL_EDGES) - 1)
 
     def add(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> None:
         p = p_logits.reshape(-1, p_logits.shape[-1])
@@ -51,7 +52,9 @@ class ProbeAccumulator:
             self.kl_max = max(self.kl_max, float(kl.max()))
             self.agree += int(agree.sum())
             self.n += int(kl.numel())
+            self.counts = [a + b for a, b in zip(self.counts, kl_counts(kl))]
 
     def result(self) -> dict:
         n = max(self.n, 1)
-        return {"kld_mean": self.kl_sum / n, "kld_max": self.kl_max, "top1": self.agree / n, "tokens": self.n}
+        return {"kld_mean": self.kl_sum / n, "kld_max": self.kl_max, "top1": self.agree / n, "tokens": self.n,
+                "histogram": kl_histogram(self.counts)}

@@ -29,6 +29,7 @@ from .browser import BrowserGuard
 from .engine_loop import EngineThread
 from .frontend import Frontend
 from .metrics import CONTENT_TYPE
+from .page import add_page
 from .parsing import body_doc, read_body, validation_message
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, error_body
 from .streaming import respond, usage
@@ -105,6 +106,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                                                                  fe.api_key.encode()):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+
+    add_page(app, fe, auth)
 
     @app.get("/health")
     async def health():
