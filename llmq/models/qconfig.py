@@ -26,7 +26,7 @@ FP4_FORMATS = {"nvfp4": (quant.NVFP4_BLOCK, "nvfp4-pack-quantized"),   # format:
 FP4_NAMES = {name for _, name in FP4_FORMATS.values()}
 MIXED = "mixed-precision"  # compressed-tensors' format of a config whose groups have different formats
 BITS = {"int": (4, 5, 8), "float": (4, 8)}  # the widths llmq computes, by type: INT4 / INT5 / INT8, FP4 / FP8
-CT_MIN, CT_MAX = (0, 17), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
+CT_MIN, CT_MAX = (0, 20), (0, 21)  # compressed-tensors releases [CT_MIN, CT_MAX) whose format llmq writes and reads
 CT_REQUIREMENT = f"compressed-tensors>={CT_MIN[0]}.{CT_MIN[1]},<{CT_MAX[0]}.{CT_MAX[1]}"
 
 
