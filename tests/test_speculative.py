@@ -11,7 +11,7 @@ import torch
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, speculative
-from llmq.runtime.speculative import ngram_lookup
+from llmq.runtime.speculative import Proposer, ngram_lookup
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def run(eng, ps, params):
     return [o.output_token_ids for o in eng.generate(ps, params)]
 
 
-class Oracle:
+class Oracle(Proposer):
     """Proposes a sequence's true greedy continuation (from a run without speculation), corrupted at a random
     position half of the time: long accepted runs that cross block boundaries, and rejections anywhere in a draft."""
 
@@ -146,7 +146,7 @@ def test_bad_speculative_settings_are_refused(tiny):
 
 # -- rejection sampling keeps the target's distribution -------------------------------------------------------------
 
-class ModeDraft:
+class ModeDraft(Proposer):
     """Drafts from a table of the most frequent next token after each output prefix (learnt from plain samples):
     either that token (a point-mass q), or, with `spread`, a draw from q = that token with probability 1 - spread,
     else uniform over the vocabulary, reporting q (the draft-model path)."""

@@ -12,6 +12,7 @@ whose stamp no longer matches (stamps.py); `Artifact.verify(full=True)` (`llmq v
 
 from __future__ import annotations
 
+import builtins  # annotations in Store, whose own `list` method shadows the type there
 import errno
 import os
 import re
@@ -266,7 +267,7 @@ class Store:
                     _remove_abandoned_staging(d)
         return store
 
-    def create(self, kind: str, name: str, parents: list[str] | None = None, config: dict | None = None,
+    def create(self, kind: str, name: str, parents: builtins.list[str] | None = None, config: dict | None = None,
                command: str | None = None, needs: int = 0) -> ArtifactWriter:
         """The writer of the next version of `name`; `needs`: the payload's estimated bytes, checked against the free
         space before anything is written (a long stage fails at its start, not after minutes)."""
@@ -274,7 +275,7 @@ class Store:
             raise ArtifactError(f"unknown artifact kind {kind!r} (kinds: {', '.join(mf.KINDS)})")
         return ArtifactWriter(self, kind, validate_name(name), list(parents or []), dict(config or {}), command, needs)
 
-    def versions(self, name: str) -> list[int]:
+    def versions(self, name: str) -> builtins.list[int]:
         d = self.root / name
         if not d.is_dir():
             return []
@@ -299,13 +300,13 @@ class Store:
         v = self.versions(name)
         return v[-1] if v else 0
 
-    def names(self) -> list[str]:
+    def names(self) -> builtins.list[str]:
         if not self.root.is_dir():
             return []
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and _NAME.match(p.name) and self.versions(p.name))
 
-    def list(self, kind: str | None = None, damaged: list | None = None) -> list[Artifact]:
+    def list(self, kind: str | None = None, damaged: builtins.list | None = None) -> builtins.list[Artifact]:
         """All artifacts, manifests read and checked but payloads not hashed (use resolve() for a verified one).
 
         One damaged manifest must not hide the rest of the store: it is skipped, and appended to `damaged` as
@@ -359,12 +360,12 @@ class Store:
             return self.by_id(ref, verify=verify)
         raise ArtifactNotFound(f"no artifact {ref!r} in store {self.root} ('llmq ls' lists what is there)")
 
-    def children(self, art: Artifact, kind: str | None = None) -> list[Artifact]:
+    def children(self, art: Artifact, kind: str | None = None) -> builtins.list[Artifact]:
         """The artifacts made from `art` (it is their first parent), of `kind` if given, the newest first."""
         kids = [a for a in self.list(kind=kind) if a.parents[:1] == [art.id]]
         return sorted(kids, key=lambda a: a.manifest.get("created", ""), reverse=True)
 
-    def lineage(self, art: Artifact) -> list[Artifact]:
+    def lineage(self, art: Artifact) -> builtins.list[Artifact]:
         """The chain from `art` back to its source, following first parents; a missing parent ends the chain, a damaged
         one is an error."""
         chain, seen = [art], {art.id}

@@ -91,8 +91,8 @@ class QuantArgs:
     def to_ct(self):
         from compressed_tensors.quantization import QuantizationArgs
 
-        kw = dict(num_bits=self.num_bits, type=self.type, symmetric=self.symmetric, strategy=self.strategy,
-                  dynamic=self.dynamic)
+        kw: dict[str, object] = dict(num_bits=self.num_bits, type=self.type, symmetric=self.symmetric,
+                                     strategy=self.strategy, dynamic=self.dynamic)
         if self.group_size is not None:
             kw["group_size"] = self.group_size
         if self.block_structure is not None:

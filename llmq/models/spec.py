@@ -410,8 +410,8 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
     from .arch.base import EMBEDDING, LM_HEAD
 
     arch, h = spec.arch, spec.hidden_size
-    want = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
-    optional = {}
+    want: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
+    optional: dict[str, tuple[int, ...]] = {}
     (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         for name, path in spec.stored_linears(i).items():

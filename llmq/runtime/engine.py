@@ -176,15 +176,16 @@ class LLMEngine:
         out = self.scheduler.schedule(self.speculator)
         if not len(out):
             return []
-        samplers, rows, spec_rows, prompt_rows, wanted = out.logits_rows()
-        chosen = bool(out.drafts or prompt_rows)  # else the runner's default rows: the samplers' last positions
+        need = out.logits_rows()
+        samplers = need.samplers
+        chosen = bool(out.drafts or need.prompt_rows)  # else the runner's default rows: the samplers' last positions
         try:
-            logits = self.worker.run(out.seqs, out.num_new_tokens, rows=wanted if chosen else None)
+            logits = self.worker.run(out.seqs, out.num_new_tokens, rows=need.wanted if chosen else None)
         except Exception as e:
             self.scheduler.take_back_drafts(out)
             raise StepFailed([], {seq.request_id: self._fail(seq, e) for seq in out.seqs}, True) from e
         bad = {}
-        for seq, idx in prompt_rows:  # the prompt's distributions, from this same forward pass
+        for seq, idx in need.prompt_rows:  # the prompt's distributions, from this same forward pass
             p0 = seq.next_prompt_logprob
             try:
                 seq.prompt_logprobs.add(logits[idx], seq.token_ids[p0 + 1:p0 + 1 + len(idx)],
@@ -192,7 +193,7 @@ class LLMEngine:
             except NonFiniteLogits as e:
                 bad[seq] = e
         if chosen:
-            spec_logits, logits = logits[spec_rows], logits[rows]
+            spec_logits, logits = logits[need.spec_rows], logits[need.rows]
         self.scheduler.computed(out)
         outputs, failed = [], {seq.request_id: self._fail(seq, e) for seq, e in bad.items()}
         now = time.monotonic()

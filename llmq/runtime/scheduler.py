@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -34,6 +34,16 @@ def decodes_first(items: list[T], num_new: list[int]) -> tuple[list[T], list[int
     return [items[i] for i in order], [num_new[i] for i in order]
 
 
+class LogitsRows(NamedTuple):
+    """The positions whose logits a step needs, as rows of the logits the worker returns."""
+
+    samplers: list[Sequence]                          # the sequences that sample a token this step
+    rows: list[int]                                   # each sampler's row (its last position)
+    spec_rows: list[int]                              # every row of the verifications of drafts
+    prompt_rows: list[tuple[Sequence, list[int]]]     # per sequence collecting prompt log-probabilities, its rows
+    wanted: list[int]                                 # the flat token position of every row
+
+
 @dataclass
 class SchedulerOutput:
     """One step: sequences and their numbers of new tokens, single-token entries first. drafts: the speculating
@@ -47,12 +57,15 @@ class SchedulerOutput:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def logits_rows(self) -> tuple[list[Sequence], list[int], list[int], list[tuple[Sequence, list[int]]], list[int]]:
-        """The positions whose logits the step needs, a sampler's last, a verification's every one and the prompt
-        positions a sequence asked log-probabilities for: (the sequences that sample, their rows, the verifications'
-        rows, per sequence collecting prompt log-probabilities its rows (Sequence.next_prompt_logprob onwards), the
-        flat token position of every row)."""
-        samplers, rows, spec_rows, prompt_rows, wanted, q0 = [], [], [], [], [], 0
+    def logits_rows(self) -> LogitsRows:
+        """The positions whose logits the step needs: a sampler's last, a verification's every one and the prompt
+        positions a sequence asked log-probabilities for (Sequence.next_prompt_logprob onwards)."""
+        samplers: list[Sequence] = []
+        rows: list[int] = []
+        spec_rows: list[int] = []
+        prompt_rows: list[tuple[Sequence, list[int]]] = []
+        wanted: list[int] = []
+        q0 = 0
         for seq, n in zip(self.seqs, self.num_new_tokens):
             st, p0 = seq.num_computed_tokens, seq.next_prompt_logprob
             if seq in self.drafts:
@@ -67,7 +80,7 @@ class SchedulerOutput:
                     rows.append(len(wanted))
                     wanted.append(q0 + n - 1)
             q0 += n
-        return samplers, rows, spec_rows, prompt_rows, wanted
+        return LogitsRows(samplers, rows, spec_rows, prompt_rows, wanted)
 
 
 class Scheduler:

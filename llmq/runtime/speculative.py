@@ -73,7 +73,23 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int = NGRAM_MIN, n_max: int 
     return []
 
 
-class NgramProposer:
+class Proposer:
+    """What the Speculator asks of a proposer: drafts for sequences (and their q, or None: point masses); a proposer
+    holding something per request or process frees it in collect / close."""
+
+    name: str
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        raise NotImplementedError
+
+    def collect(self) -> None:
+        """Free what finished requests held (nothing, unless the proposer keeps state per request)."""
+
+    def close(self) -> None:
+        """Free what the proposer holds (nothing, unless it runs a model of its own)."""
+
+
+class NgramProposer(Proposer):
     """Prompt lookup: copy what followed the last occurrence of the current suffix in the prompt and output."""
 
     name = "ngram"
@@ -82,7 +98,7 @@ class NgramProposer:
         return [ngram_lookup(np.asarray(s.token_ids), k) for s, k in zip(seqs, ks)], None
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """A draft model with the target's tokenizer (a smaller sibling, or the target's own INT4 artifact) proposes
     greedily, k decode steps of its own per engine step, batched over the speculating sequences, on a worker of its
     own (the draft model's runner, KV cache and blocks).
@@ -244,7 +260,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
 class Speculator:
     """The engine's speculative decoding: which decoding sequences get a draft this step, and how long."""
 
-    def __init__(self, proposer, num_tokens: int, max_batch: int | None):
+    def __init__(self, proposer: Proposer, num_tokens: int, max_batch: int | None):
         self.proposer = proposer
         self.k = num_tokens
         self.max_batch = max_batch  # back off (no drafts) while more sequences than this are running
@@ -283,12 +299,10 @@ class Speculator:
 
     def collect(self) -> None:
         """Let the proposer free what it holds for finished requests (a draft model's KV blocks)."""
-        if hasattr(self.proposer, "collect"):
-            self.proposer.collect()
+        self.proposer.collect()
 
     def close(self) -> None:
-        if hasattr(self.proposer, "close"):
-            self.proposer.close()
+        self.proposer.close()
 
 
 def make_speculator(cfg, engine) -> Speculator:

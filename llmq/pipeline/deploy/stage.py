@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ...artifacts import Artifact, Store
 from ...errors import LlmqError
@@ -15,7 +16,7 @@ from .sizing import ACTIVATION_MARGIN, GPUS, MEMORY_FRACTION, Load, Sizing, choo
 
 @dataclass(frozen=True)
 @add_fields(DraftOptions)
-class DeployOptions(Options):
+class DeployOptions(DraftOptions if TYPE_CHECKING else Options):   # a type checker reads the added fields
     engine: str = option(help="The serving engine the commands are for.", choices=tuple(ENGINES))
     gpu: str = option("h100", "GPU kind the layout is sized for.", choices=tuple(GPUS))
     gpus_per_node: int | None = option(None, "GPUs per node: 1, 2, 4 or 8 (default: the fewest that fit).",

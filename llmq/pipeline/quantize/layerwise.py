@@ -30,7 +30,8 @@ from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
 from . import experts
 from .calib import TokenWindows
-from .methods import WEIGHT_ONLY
+from .methods import WEIGHT_ONLY, Method
+from .options import QuantizeOptions
 from .rtn import quantize_weight
 from .schemes import SCHEMES, width_grid
 from .streamed import (
@@ -69,7 +70,7 @@ class LayerContext:
     prefix: str
     layer: nn.Module
     linears: dict[str, nn.Linear]
-    opts: object
+    opts: QuantizeOptions
     spec: ModelSpec
     scale_dtype: torch.dtype
     device: torch.device
@@ -86,7 +87,7 @@ class LayerContext:
     def q4_k(self, name: str) -> bool:
         """Whether linear `name` goes on GGML's Q4_K grid (--grid q4_k and an input width that 256 divides; the
         others take the options' fallback grid, INT4 asymmetric groups of 32)."""
-        return getattr(self.opts, "grid", "int") == "q4_k" and self.linears[name].in_features % 256 == 0
+        return self.opts.grid == "q4_k" and self.linears[name].in_features % 256 == 0
 
     def apart(self, name: str) -> bool:
         """Whether --target-bpw took linear `name` from the method: kept at 16 bits, or put in a floating-point format
@@ -203,10 +204,10 @@ def _round_formats(linears: dict[str, nn.Linear], chosen: dict[str, str], spec: 
 
 
 @torch.no_grad()
-def run_layerwise(model_dir: Path, method, opts, spec: ModelSpec, calib: TokenWindows | None,
+def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: ModelSpec, calib: TokenWindows | None,
                   probe: TokenWindows | None, sink: Sink, progress: bool = True,
                   widths: dict[str, int] | None = None, formats: dict[str, str] | None = None) -> LayerwiseResult:
-    """Quantize every decoder layer's linears of the model in `model_dir` with `method` (a plug-in module), handing
+    """Quantize every decoder layer's linears of the model in `model_dir` with `method` (a plug-in), handing
     each finished tensor to `sink`. widths: full linear name -> bits where --target-bpw chose them (16: dense);
     formats: full linear name -> the floating-point scheme (fp8 / nvfp4 / mxfp4, schemes.py) it chose instead, rounded
     to nearest a unit at a time here rather than by the method.

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from types import ModuleType
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ...errors import LlmqError
 from ...options import option
+
+if TYPE_CHECKING:
+    from ...models import ModelSpec
+    from .layerwise import LayerContext
+    from .options import QuantizeOptions
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -106,8 +112,25 @@ def method_options() -> list[type[MethodOptions]]:
     return list(dict.fromkeys(METHODS.values()))
 
 
-def load_method(name: str) -> ModuleType:
-    """The plug-in module of a quantization method, checked for the interface above."""
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A method's plug-in module as read by `load_method` (the package docstring names each part)."""
+
+    name: str
+    bits: tuple[int, ...]
+    calibrated: bool | Callable[[QuantizeOptions], bool]
+    quantize_layer: Callable[[LayerContext], dict]
+    validate: Callable[[QuantizeOptions, ModelSpec], None] | None = None
+    group_size: int | None = None      # its default, or only, block of input columns
+    partial_groups: bool = False       # a --group-size need not divide the input widths (block FP8)
+
+    def needs_calibration(self, opts: QuantizeOptions) -> bool:
+        """CALIBRATED: a bool, or a function of the options (e.g. FP8 only for static activation scales)."""
+        return bool(self.calibrated(opts) if callable(self.calibrated) else self.calibrated)
+
+
+def load_method(name: str) -> Method:
+    """The plug-in of a quantization method, checked for the interface above."""
     if name not in METHODS:
         raise LlmqError(f"unknown quantization method {name!r} (methods: {', '.join(METHODS)})")
     module = f"{PACKAGE}.{name.replace('-', '_')}"  # bnb-nf4 -> bnb_nf4
@@ -117,6 +140,8 @@ def load_method(name: str) -> ModuleType:
         if e.name != module:
             raise
         raise LlmqError(f"quantization method {name!r} is not available in this installation") from None
-    if not all(hasattr(mod, a) for a in ("BITS", "CALIBRATED", "quantize_layer")):
-        raise LlmqError(f"quantization method {name!r} does not implement BITS / CALIBRATED / quantize_layer")
-    return mod
+    missing = [a for a in ("BITS", "CALIBRATED", "quantize_layer") if a not in vars(mod)]
+    if missing:
+        raise LlmqError(f"quantization method {name!r} does not implement {' / '.join(missing)}")
+    return Method(name, mod.BITS, mod.CALIBRATED, mod.quantize_layer, vars(mod).get("validate"),
+                  vars(mod).get("GROUP_SIZE"), vars(mod).get("PARTIAL_GROUPS", False))

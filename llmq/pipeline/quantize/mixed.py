@@ -27,6 +27,7 @@ a time, on the perturbed states: O(layers^2) layer passes, one layer's weights i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,7 +152,7 @@ class _Scorer:
 
 @torch.no_grad()
 def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True,
-            cands: list[Scheme] = (SCHEMES[MEASURED],), direct: tuple[str, ...] = (MEASURED,),
+            cands: Sequence[Scheme] = (SCHEMES[MEASURED],), direct: tuple[str, ...] = (MEASURED,),
             layers: tuple[int, ...] | None = None) -> dict:
     """Per unit (layer, index into Arch.units): "mse", each candidate's summed squared weight error, and "kld", the
     KLD of each scheme in `direct` with that unit alone rounded to it (but in no unit the engine refuses it in:

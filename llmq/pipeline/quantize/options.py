@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...errors import LlmqError
 from ...options import Options, add_fields, default_of, option, parse_size
 from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
+
+if TYPE_CHECKING:   # what add_fields composes in at run time, as bases a type checker reads
+    from .methods import FP4Options, LLMInt8Options, NF4Options, SmoothQuantOptions
+
+    class _MethodFields(FP4Options, SmoothQuantOptions, NF4Options, LLMInt8Options):
+        pass
+else:
+    _MethodFields = object
 
 ENGINES = ("llmq", "vllm", "trtllm", "gguf")   # what --for names (schemes.py: which scheme each loads); here, not
 #                                               there, so `--help` imports no torch
@@ -26,7 +35,7 @@ GRID_METHODS = ("rtn", "gptq")  # the methods that quantize onto GGML's Q4_K gri
 
 @dataclass(frozen=True)
 @add_fields(*method_options())
-class QuantizeOptions(Options):
+class QuantizeOptions(Options, _MethodFields):
     """What `llmq quantize` (or a recipe's quantize stage) asks for. group_size: None = the default for the bit width
     (at 4 or 5 bits the largest of 128 / 64 / 32 that divides every linear's input features, e.g. 64 for SmolLM2's 576;
     per channel at 8 bits), 0 or -1 = per output channel, N = groups of N input columns. `resolved()` turns the
@@ -109,8 +118,8 @@ class QuantizeOptions(Options):
             raise LlmqError(f"--bits must be 4, 5 or 8, got {self.bits}")
         super().check()
         method = load_method(self.method)
-        if self.bits is not None and self.bits not in method.BITS:
-            widths = " or ".join(map(str, method.BITS))
+        if self.bits is not None and self.bits not in method.bits:
+            widths = " or ".join(map(str, method.bits))
             raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
                             "bits only)")
         if self.grid == "q4_k":
@@ -171,10 +180,10 @@ class QuantizeOptions(Options):
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
         method = load_method(self.method)
-        bits = self.bits or (4 if self.mixed else 8 if 8 in method.BITS else method.BITS[0])
+        bits = self.bits or (4 if self.mixed else 8 if 8 in method.bits else method.bits[0])
         g = self.group_size
         if g is None:  # a method with its own block (bnb-nf4's default, nvfp4's and mxfp4's fixed one)
-            g = getattr(method, "GROUP_SIZE", None)
+            g = method.group_size
         if g is None:
             fits = [c for c in DEFAULT_GROUPS if all(k % c == 0 for k in in_features)]
             g = fits[0] if bits in (4, 5) and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0

@@ -14,12 +14,13 @@ import resource
 import shutil
 import sys
 import time
+from typing import NamedTuple
 
 from ...artifacts import Artifact, Store
 from ...errors import LlmqError
 from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
-from .methods import load_method
+from .methods import Method, load_method
 from .options import QuantizeOptions
 
 
@@ -33,8 +34,16 @@ def _in_features(spec: ModelSpec) -> dict[str, int]:
     return {"/".join(names): k for k, names in by_width.items()}
 
 
-def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, ModelSpec, object]:
-    """Every check that needs no model weights; returns the resolved options, the spec and the method module."""
+class Validated(NamedTuple):
+    """What `validate` found: the options resolved for the model, its spec and the method."""
+
+    opts: QuantizeOptions
+    spec: ModelSpec
+    method: Method
+
+
+def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
+    """Every check that needs no model weights."""
     opts.check()
     method = load_method(opts.method)
     if source.kind == "quantized" or "quantization_config" in read_config(source.path):
@@ -52,7 +61,7 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         from ...models import vision
 
         vision.check_quantize(o, spec)
-    if hasattr(method, "validate"):  # what the method cannot honour first (a bitsandbytes packing of fused Phi-3)
+    if method.validate is not None:  # what the method cannot honour first (a bitsandbytes packing of fused Phi-3)
         method.validate(o, spec)
     if o.group_size < 0:
         raise LlmqError("--group-size must be a positive number of columns, or 0 / -1 for per channel; "
@@ -61,7 +70,7 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         if o.per_tensor:
             raise LlmqError("--per-tensor and --group-size N exclude each other")
         bad = {k: v for k, v in _in_features(spec).items() if v % o.group_size}
-        if bad and not getattr(method, "PARTIAL_GROUPS", False):
+        if bad and not method.partial_groups:
             raise LlmqError(f"--group-size {o.group_size} does not divide the input features of "
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
     if o.int8_group_size:
@@ -78,13 +87,7 @@ def validate(source: Artifact, opts: QuantizeOptions) -> tuple[QuantizeOptions, 
         if o.max_size is not None:
             o = dataclasses.replace(o, target_bpw=math.floor(bpw_for_size(source.path, spec, o) * 1e4) / 1e4)
         check(spec, o)
-    return o, spec, method
-
-
-def needs_calibration(method, opts: QuantizeOptions) -> bool:
-    """A method's CALIBRATED: a bool, or a function of the options (e.g. FP8 only for static activation scales)."""
-    c = method.CALIBRATED
-    return bool(c(opts) if callable(c) else c)
+    return Validated(o, spec, method)
 
 
 def peak_rss_bytes() -> int:
@@ -118,7 +121,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     opts, spec, method = validate(source, opts)
     from ...models.load import load_tokenizer
 
-    calibrated = needs_calibration(method, opts) or opts.mixed
+    calibrated = method.needs_calibration(opts) or opts.mixed
     given = [flag for flag, on in (("--calib", opts.calib), ("--thinking", opts.thinking != "auto"),
                                    ("--no-chat-template", not opts.chat_template)) if on]
     if given and not calibrated:

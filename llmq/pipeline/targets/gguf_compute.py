@@ -14,6 +14,7 @@ number and `llama-perplexity --kl-divergence` is there, or in its F16 reference 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import gguf
 import torch
@@ -115,7 +116,7 @@ def modelled_quality(src: CheckpointReader, base: CheckpointReader, tokens: int)
                                     linear_module=linear_module)
 
     ref = logits(base, rank_weights(base, None, 0))
-    out = {"text": probe.source, "tokens": int(ids.numel()), "windows": int(ids.shape[0])}
+    out: dict[str, Any] = {"text": probe.source, "tokens": int(ids.numel()), "windows": int(ids.shape[0])}
     for key, (rw, module) in (("llmq_runtime", (rank_weights(src, None, 0), None)),
                               ("llama_cpp_modelled", (file_rank(src), GgmlLinear))):
         acc = ProbeAccumulator()

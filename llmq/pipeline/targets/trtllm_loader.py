@@ -69,8 +69,8 @@ def read_modelopt_checkpoint(path: Path):
     for i in range(cfg["num_hidden_layers"]):
         attn = arch.attention_module(i)
         layer = {}
-        for key, path in arch.stored_linears(spec.num_experts).items():
-            lw = lin(f"{arch.prefix(i)}.{path}")
+        for key, stored in arch.stored_linears(spec.num_experts).items():
+            lw = lin(f"{arch.prefix(i)}.{stored}")
             layer |= split_group(lw, spec, key, i) if key in arch.fused else {key: lw}
         layers.append(layer)
         norms.append({role: st[arch.norm(i, role)].float() for role in arch.norms})

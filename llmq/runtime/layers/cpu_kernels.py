@@ -35,6 +35,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -263,11 +264,24 @@ class FusedLinear:
     max_rows: int = 1 << 30
 
 
-def fused_layer_args(layer) -> tuple[tuple, int] | None:
-    """(the constant arguments of a DecoderStack for a models.decoder.DecoderLayer, the most decodes a step may hold)
-    when its four projections are layers with a kernel for decode batches (their `fused_spec`), on one
-    rank without row-parallel biases, q/k or output norms, GeGLU or a local window (the stack computes none of
-    them); None for any other layer, a mixture of experts' or a Gated DeltaNet's too (they run op by op)."""
+class StackLayer(NamedTuple):
+    """One layer of a DecoderStack: its constant arguments (the C++ constructor's, in order) and the most decodes a
+    step may hold."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    tensors: list[torch.Tensor]   # per projection: up to three weight tensors (empty ones fill) and the bias
+    kinds: list[int]              # per projection: its Kind
+    groups: list[int]             # per projection: its group size (0: per channel)
+    max_rows: int
+
+
+def fused_layer_args(layer) -> StackLayer | None:
+    """A models.decoder.DecoderLayer as one layer of a DecoderStack, when its four projections are layers with a
+    kernel for decode batches (their `fused_spec`), on one rank without row-parallel biases, q/k or output norms,
+    GeGLU or a local window (the stack computes none of them); None for any other layer, a mixture of experts' or a
+    Gated DeltaNet's too (they run op by op)."""
     if layer.moe is not None or layer.mixer is not None:
         return None
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -279,16 +293,16 @@ def fused_layer_args(layer) -> tuple[tuple, int] | None:
     empty = torch.empty(0)
     tensors = [t for s, m in zip(specs, linears)
                for t in (*s.tensors, *[empty] * (3 - len(s.tensors)), m.bias if m.bias is not None else empty)]
-    args = (layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, tensors,
-            [int(s.kind) for s in specs], [s.group for s in specs])
-    return args, min(s.max_rows for s in specs)
+    return StackLayer(layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, tensors,
+                      [int(s.kind) for s in specs], [s.group for s in specs], min(s.max_rows for s in specs))
 
 
-def decoder_stack(fused: list[tuple]):
-    """The C++ DecoderStack (cpu_kernels.cpp) of consecutive layers, from their fused_layer_args' arguments."""
-    return torch.classes.llmq_cpu.DecoderStack([f[0] for f in fused], [f[1] for f in fused], fused[0][2],
-                                               [t for f in fused for t in f[3]], [k for f in fused for k in f[4]],
-                                               [g for f in fused for g in f[5]])
+def decoder_stack(layers: list[StackLayer]):
+    """The C++ DecoderStack (cpu_kernels.cpp) of consecutive layers."""
+    return torch.classes.llmq_cpu.DecoderStack([f.input_norm for f in layers], [f.post_norm for f in layers],
+                                               layers[0].eps, [t for f in layers for t in f.tensors],
+                                               [k for f in layers for k in f.kinds],
+                                               [g for f in layers for g in f.groups])
 
 
 def run_stack(stack, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list, meta, num_heads: int,

@@ -185,15 +185,15 @@ class CausalLM(nn.Module):
         if embed.device.type == "cpu":
             gather_weights(self)  # before the stacks below capture the weights
         # runs of consecutive layers as (first, end, their cpu_kernels.DecoderStack or None, the most decodes it takes)
-        fused = [cpu_kernels.fused_layer_args(layer) for layer in layers]  # (a stack's arguments, most decodes) / None
+        fused = [cpu_kernels.fused_layer_args(layer) for layer in layers]  # a StackLayer, or None
         # (a run's layers share one rotary table: NoPE layers run apart)
         self.runs = []
         for (stacked, _), group in itertools.groupby(range(len(layers)),
                                                      key=lambda i: (fused[i] is not None, layers[i].rotates)):
             idx = list(group)
-            args = [fused[i] for i in idx] if stacked else None
-            self.runs.append((idx[0], idx[-1] + 1, cpu_kernels.decoder_stack([a for a, _ in args]) if args else None,
-                              min(rows for _, rows in args) if args else 0))
+            run = [f for f in (fused[i] for i in idx) if f is not None] if stacked else []
+            self.runs.append((idx[0], idx[-1] + 1, cpu_kernels.decoder_stack(run) if run else None,
+                              min(f.max_rows for f in run) if run else 0))
         self.has_stacks = any(stack is not None for _, _, stack, _ in self.runs)
 
     def _stacks_serve(self, caches: list[LayerKV], meta: AttentionMetadata) -> bool:

@@ -20,6 +20,8 @@ def make_server(config):
 
     import uvicorn
 
+    frontend = config.app.state.frontend   # (uvicorn types config.app as any ASGI callable: no .state)
+
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             timeout = self.config.timeout_graceful_shutdown
@@ -31,7 +33,7 @@ def make_server(config):
             for conn in list(self.server_state.connections):
                 if getattr(conn, "receiving_body", False):
                     conn.transport.abort()
-            self.config.app.state.frontend.cut()
+            frontend.cut()
 
     return _Server(config)
 
