@@ -3,6 +3,7 @@ bits, KLD, expert coverage, eval deltas against the gates, bench curves). Entry 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..artifacts import Artifact, Store
@@ -17,7 +18,7 @@ def default_output(arts: list[Artifact]) -> Path:
 
 
 def write_report(store: Store, arts: list[Artifact], opts: ReportOptions, gate: str | None = None,
-                 reports: list[Artifact] = ()) -> Path:
+                 reports: Sequence[Artifact] = ()) -> Path:
     """Write the page over `arts` to opts.output (default: default_output(arts)) and return its path. `gate`: a
     gate expression to judge each artifact's eval with instead of the gates stored with it (a recipe's); `reports`:
     eval / bench reports to show ahead of the newest ones made from the artifacts' lineages (a recipe's own)."""
