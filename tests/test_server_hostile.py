@@ -71,10 +71,10 @@ def test_a_request_that_fails_in_the_engine_fails_alone(srv, monkeypatch):
 
     real = engine_mod.sample
 
-    def poisoned(logits, params, generators):
+    def poisoned(logits, params, generators, matchers=None):
         if any(p.seed == 666 for p in params):
             raise RuntimeError("simulated sampler fault")
-        return real(logits, params, generators)
+        return real(logits, params, generators, matchers)
 
     monkeypatch.setattr(engine_mod, "sample", poisoned)
 
@@ -806,10 +806,10 @@ def test_logprobs_in_flight_are_bounded_per_server(whole, monkeypatch):
 
     real, release = engine_mod.sample, threading.Event()
 
-    def held(logits, params, generators):
+    def held(logits, params, generators, matchers=None):
         if any(p.seed == 777 for p in params):
             release.wait(30)
-        return real(logits, params, generators)
+        return real(logits, params, generators, matchers)
 
     monkeypatch.setattr(engine_mod, "sample", held)
     big = {"prompt": list(range(3, 9)), "max_tokens": 1, "prompt_logprobs": -1}  # 5 x 321 = 1,605 entries
