@@ -80,7 +80,9 @@ class ChatMessage(BaseModel):
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
 
     def image_urls(self) -> list[str]:
-        return [p.image_url.url for p in self.content or () if isinstance(p, ImagePart)]
+        if not isinstance(self.content, list):   # text: never walked character by character
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
     def template_dict(self) -> dict:
         """The message as chat templates take it: text parts joined, or where it holds images its parts in order
