@@ -236,6 +236,10 @@ class OutputStream:
         return out
 
     def _emit(self, kind: str, text: str, out: list[Delta]) -> None:
+        if not (self.tools or self.reasoning_opened):   # nothing was cut out of the text: it is the answer as is
+            if text:
+                out.append(Delta(kind, text))
+            return
         s = self._pending[kind] + text
         if not self._started[kind]:
             s = s.lstrip()
