@@ -40,20 +40,20 @@ def render_chats(tokenizer, chats: list[tuple[list[dict], dict]], max_chars: int
         try:
             os.close(r)
             _limit_memory(RENDER_BYTES)
-            _write_all(w, pickle.dumps([_render(tokenizer, m, max_chars, kw) for m, kw in chats]))
+            _write_all(w, _frame(pickle.dumps([_render(tokenizer, m, max_chars, kw) for m, kw in chats])))
         finally:
             os._exit(0)
     os.close(w)
     try:
-        data = _read_until(r, pid, time.monotonic() + seconds)
+        data = _read_frame(r, time.monotonic() + seconds)
     finally:
         os.close(r)
+        _kill(pid)
     if data is None:
         raise TemplateError(f"the chat template did not finish within {seconds:g} s")
-    try:
-        return pickle.loads(data)
-    except Exception:  # the child died mid-answer (killed for memory)
-        raise TemplateError(f"the chat template needed more than {RENDER_BYTES >> 20} MiB") from None
+    if not data:  # the child died mid-answer (killed for memory)
+        raise TemplateError(f"the chat template needed more than {RENDER_BYTES >> 20} MiB")
+    return pickle.loads(data)
 
 
 class RenderWorker:
@@ -182,20 +182,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _read_until(fd: int, pid: int, deadline: float) -> bytes | None:
-    """Everything the child writes before it closes the pipe, or None when the deadline passes (it is killed)."""
-    chunks = []
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                return None
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-    finally:
-        os.waitpid(pid, 0)
