@@ -179,7 +179,7 @@ def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts)
              (lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
                                progress=False), "mixed precision"),
              (lambda: quantize_kv(src, store, KVOptions(kv="int8"), show_progress=False), "hybrid model"),
-             (lambda: build_engine(src, store, BuildOptions(target="gguf")), "Gated DeltaNet layers"),
+             (lambda: build_engine(src, store, BuildOptions(target="gguf")), "one head width for keys and values"),
              (lambda: build_engine(src, store, BuildOptions(target="llmq", tp=2)), "Gated DeltaNet layers")]
     before = sorted(p.name for p in store.root.iterdir())
     for call, words in calls:
