@@ -1,18 +1,23 @@
 """The report page and `llmq serve`'s chat page in a real browser: the distribution's headless Chromium
-(`apt-get install chromium`), driven by Playwright for Python over its executable (no browser download).
+(`apt-get install chromium`), driven by Playwright for Python over its executable (no browser download). The chat
+page runs against tiny random models: a quantized one whose template writes Hermes-style tool calls, one whose
+template opens a thinking block, and a vision-language one (tests/vlm.py).
 
 The screenshots these tests take are the README's (docs/images/report.png, docs/images/chat.png): set
 LLMQ_SCREENSHOTS=docs/images to write them there (docs/report.md)."""
 
+import base64
 import io
+import json
 import os
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import live_server, make_tiny_model
+from helpers import live_server
 from report_store import HOSTILE, hostile, replay
+from test_server_tools import HERMES, THINKING, WEATHER, _model
 
 from llmq.artifacts import Store
 
@@ -21,6 +26,11 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 VIEW = {"width": 1200, "height": 900}
+# the page's tools: a call forced to `note` can only write HOSTILE back, which the page must show as text
+TOOLS = [WEATHER, {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"enum": [HOSTILE]}}, "required": ["text"],
+    "additionalProperties": False}}}]
+ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +112,8 @@ def test_the_report_renders_every_section(browser, tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A quantized (RTN INT4, probe measured) tiny model in a store, behind `llmq serve`'s app with an API key and
-    the loopback Host / Origin checks."""
+    """A quantized (RTN INT4, probe measured) tiny model with a Hermes tool-call template in a store, behind `llmq
+    serve`'s app with an API key and the loopback Host / Origin checks."""
     from llmq.models import resolve_model
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.runtime import EngineConfig
@@ -111,10 +121,10 @@ def served(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("served")
     store = Store(d / "store")
-    src = resolve_model(str(make_tiny_model(d / "tiny", seed=5)), store)
+    src = resolve_model(str(_model(d / "tiny", HERMES)), store)
     art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, probe_tokens=128), store,
                    progress=False)
-    cfg = EngineConfig(max_num_seqs=2, max_model_len=256, kv_cache_memory=8 << 20)
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=2048, kv_cache_memory=8 << 20)
     with live_server(art.path, cfg, name="tiny-chat", api_key="sekrit",
                      allowed_hosts=allowed_hosts("127.0.0.1", None, "127.0.0.1")) as live:
         yield live, art
@@ -129,13 +139,11 @@ def test_the_chat_page_streams_an_answer_with_its_speed(browser, served, tmp_pat
     page.locator("#key-box").wait_for(state="visible")
     assert [e for e in errors if "401 (Unauthorized)" not in e] == [] and len(errors) == 1   # /card without the key
     errors.clear()
-    page.fill("#key", "sekrit")
-    page.click("#key-save")
-    card = page.locator("#card dl")
-    card.wait_for()
-    text = card.inner_text()
+    _unlock(page)
+    text = page.locator("#card dl").inner_text()
     assert art.ref in text and "rtn W4A16-group32-sym" in text and "tiny-chat" in text
     assert f"{art.metrics['probe']['kld_mean']:.4f}" in text and "gates\nnone recorded" in text
+    assert "input\ntext\n" in text and not page.locator("#attach-box").is_visible()   # a text-only model
     page.fill("#temperature", "0")
     page.fill("#max_tokens", "24")
     page.evaluate("""() => { window.updates = 0;
@@ -155,7 +163,169 @@ def test_the_chat_page_streams_an_answer_with_its_speed(browser, served, tmp_pat
     # the user's and the assistant's bubbles, then one text per content chunk of the stream
     assert page.evaluate("window.updates") >= 2 + min(4, want.usage.completion_tokens)
     assert errors == []
-    _keep(page.screenshot(), "chat.png", tmp_path)
+    page.close()
+
+
+def _unlock(page) -> None:
+    """Give the page the served fixture's key and wait for the card."""
+    page.fill("#key", "sekrit")
+    page.click("#key-save")
+    page.locator("#card dl").wait_for()
+
+
+def _ask(page, prompt: str) -> None:
+    """Send prompt and wait for its answer to end."""
+    page.fill("#prompt", prompt)
+    page.press("#prompt", "Enter")
+    page.wait_for_selector("#status[data-done]", timeout=60_000)
+
+
+def test_tool_calls_render_as_blocks_of_their_own(browser, served, tmp_path):
+    """Given tools and a function to call, the page sends them and shows the streamed call as a block: the name and
+    the arguments, indented, equal to the API's own call for the same request. The call goes back into the
+    conversation as OpenAI's clients send it, and the next one, whose arguments are markup, shows it as text."""
+    live, _ = served
+    page, errors = _open(browser, live.url + "/")
+    page.locator("#key-box").wait_for(state="visible")
+    errors.clear()   # /card without the key
+    _unlock(page)
+    page.click("#tools-box summary")
+    page.fill("#tools", json.dumps(TOOLS, indent=1))
+    page.fill("#temperature", "0")
+    calls = []
+    for name, prompt in [("get_weather", ASK), ("note", "Note that down.")]:
+        page.select_option("#tool_choice", f"function:{name}")
+        with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+            _ask(page, prompt)
+        body = sent.value.post_data_json
+        assert body["tools"] == TOOLS and body["tool_choice"] == {"type": "function", "function": {"name": name}}
+        want = live.client("sekrit").chat.completions.create(
+            **{k: body[k] for k in ("model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens")})
+        (call,) = want.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        block = page.locator(".msg.assistant").last
+        assert block.locator(".tool-call").count() == 1 and block.locator(".text").text_content() == ""
+        assert block.locator(".tool-name").inner_text() == name
+        assert block.locator(".tool-args").inner_text() == json.dumps(args, indent=2, ensure_ascii=False)
+        if name == "get_weather":
+            _keep(page.screenshot(), "chat.png", tmp_path)
+        calls.append(call.function.arguments)
+    assert body["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": body["messages"][1]["tool_calls"][0]["id"], "type": "function",
+         "function": {"name": "get_weather", "arguments": calls[0]}}]}
+    assert json.loads(calls[1]) == {"text": HOSTILE}   # shown as its JSON text (above)
+    assert page.evaluate("window.__pwned") is None and page.locator("#log script, #log img").count() == 0
+    assert page.locator(".msg.error").count() == 0 and page.locator(".thinking").count() == 0
+    status = page.locator("#status").inner_text()
+    assert re.fullmatch(r"\d+ tokens, TTFT \d+ ms, [\d.]+ tok/s", status), status
+    assert int(status.split()[0]) == want.usage.completion_tokens
+    assert errors == []
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """A tiny model whose template opens a thinking block in the generation prompt (it never closes it in a few
+    tokens: the answer is all reasoning_content)."""
+    from llmq.runtime import EngineConfig
+
+    with live_server(_model(tmp_path_factory.mktemp("think") / "tiny", THINKING),
+                     EngineConfig(kv_cache_memory=2 << 20)) as live:
+        yield live
+
+
+def test_thinking_shows_collapsed_apart_from_the_content(browser, thinking):
+    """The answer's reasoning_content is a collapsed block of its own, equal to the API's, apart from the content."""
+    page, errors = _open(browser, thinking.url + "/")
+    page.locator("#card dl").wait_for()
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "12")
+    _ask(page, ASK)
+    want = thinking.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": ASK}],
+                                                      temperature=0, top_p=1, max_tokens=12).choices[0].message
+    reasoning = page.locator(".thinking .reasoning")
+    assert reasoning.text_content() == want.model_extra["reasoning_content"] and reasoning.text_content()
+    assert page.locator(".msg.assistant .text").text_content() == (want.content or "")
+    assert not reasoning.is_visible()   # collapsed until asked for
+    page.click(".thinking summary")
+    assert reasoning.is_visible()
+    assert errors == []
+    page.close()
+
+
+def test_invalid_tools_show_inline_and_send_nothing(browser, thinking):
+    """Tools that are not JSON, not an array or not function tools: the error shows beside them, the prompt stays
+    and no request leaves the page; once the tools are fixed the same prompt goes."""
+    page, errors = _open(browser, thinking.url + "/")
+    page.locator("#card dl").wait_for()
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if r.url.endswith("/v1/chat/completions") else None)
+    page.click("#tools-box summary")
+    page.fill("#max_tokens", "1")
+    page.fill("#prompt", ASK)
+    for tools, why in [('[{"type": "function", "function": {"name": "f"}}', "tools: not JSON: "),
+                       ('{"type": "function"}', "tools: not a JSON array of tools"),
+                       ('[{"name": "f"}]', 'tools: tools[0] is not {"type": "function"'),
+                       ('[{"type": "function", "function": {"name": "f", "parameters": []}}]',
+                        "tools: tools[0].function.parameters is not an object")]:
+        page.fill("#tools", tools)
+        page.click("#send")
+        err = page.locator("#tools-error")
+        assert err.is_visible() and err.inner_text().startswith(why), (tools, err.inner_text())
+        assert page.input_value("#prompt") == ASK and page.locator("#log .msg").count() == 0
+    page.fill("#tools", "")
+    assert not page.locator("#tools-error").is_visible()
+    assert sent == []
+    page.click("#send")
+    page.wait_for_selector("#status[data-done]", timeout=30_000)
+    assert len(sent) == 1 and errors == []
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """A tiny random Gemma 3 vision-language model (tests/vlm.py) behind `llmq serve`'s app."""
+    from vlm import make_tiny_vlm
+
+    from llmq.runtime import EngineConfig
+
+    with live_server(make_tiny_vlm(tmp_path_factory.mktemp("vlm") / "src"),
+                     EngineConfig(kv_cache_memory=8 << 20, max_model_len=160)) as live:
+        yield live
+
+
+def test_an_attached_image_goes_as_an_image_url_part(browser, vision):
+    """On a model that takes images the page offers to attach one: a file that is not PNG or JPEG is refused with
+    its name; a PNG is previewed, then sent as a data: URL image_url part before the text, shown in the user's
+    message, and answered as the API answers the same message."""
+    from vlm import encoded, image
+
+    png = encoded(image("digit", seed=3))
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    page, errors = _open(browser, vision.url + "/")
+    page.locator("#card dl").wait_for()
+    assert "input\ntext and images" in page.locator("#card dl").inner_text()
+    assert page.locator("#attach-button").is_visible()
+    page.set_input_files("#attach", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hi"}])
+    assert page.locator("#status").inner_text() == "notes.txt: only PNG and JPEG images are sent"
+    page.set_input_files("#attach", files=[{"name": "digit.png", "mimeType": "image/png", "buffer": png}])
+    preview = page.locator("#attached img")
+    preview.wait_for()
+    assert preview.count() == 1 and preview.get_attribute("src") == url
+    assert page.evaluate("() => document.querySelector('#attached img').naturalWidth") == 40   # decoded
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "4")
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        _ask(page, "abc the")
+    message = sent.value.post_data_json["messages"][-1]
+    assert message == {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "abc the"}]}
+    want = vision.client().chat.completions.create(model="tiny", messages=[message], temperature=0, top_p=1,
+                                                    max_tokens=4)
+    assert page.locator(".msg.assistant .text").text_content() == want.choices[0].message.content
+    assert int(page.locator("#status").inner_text().split()[0]) == want.usage.completion_tokens
+    assert page.locator(".msg.user img").get_attribute("src") == url and preview.count() == 0
+    assert page.locator(".msg.error").count() == 0 and errors == []
     page.close()
 
 

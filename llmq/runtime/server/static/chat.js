@@ -1,12 +1,15 @@
 // llmq serve's chat page: the model card (GET /card) and a streamed chat over /v1/chat/completions, with the
-// server's API key when it has one. Text from the model or the card is only ever set as textContent.
+// server's API key when it has one: tools, the answer's tool calls and thinking, and images where the model takes
+// them. Text from the model, the card or the user is only ever set as textContent.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KEY = "llmq-api-key";
-const history = [];          // {role, content} of this conversation, as the chat template receives them
+const history = [];          // this conversation's messages, as /v1/chat/completions takes them
 let controller = null;       // the running request's AbortController
 let served = undefined;      // the model name the server serves (from the card)
+const attached = [];         // data: URLs of the images that go with the next message
+const IMAGE_TYPES = ["image/png", "image/jpeg"];   // what the server decodes (runtime/images.py)
 
 function headers(json) {
   const h = {};
@@ -23,12 +26,82 @@ function el(tag, cls, text) {
   return e;
 }
 
-function bubble(role, text) {
+function bubble(role, text, images) {
   const div = el("div", "msg " + role);
-  div.append(el("span", "role", role), el("span", "text", text));
+  div.append(el("span", "role", role));
+  for (const url of images || []) div.append(thumb(url));
+  div.append(el("span", "text", text));
   $("log").append(div);
   $("log").scrollTop = $("log").scrollHeight;
-  return div.querySelector(".text");
+  return div;
+}
+
+function thumb(url) {
+  const img = el("img", "thumb");
+  img.alt = "attached image";
+  img.src = url;
+  return img;
+}
+
+// Arguments as indented JSON once they parse; while their fragments still arrive (or if they never parse), as sent.
+function pretty(args) {
+  try {
+    return JSON.stringify(JSON.parse(args), null, 2);
+  } catch {
+    return args;
+  }
+}
+
+// An assistant bubble filled from stream deltas: thinking in a collapsed block of its own, the text, and each tool
+// call a block (name and arguments), its fragments joined by their index as OpenAI's clients do.
+class Answer {
+  constructor() {
+    this.div = bubble("assistant", "");
+    this.text = this.div.querySelector(".text");
+    this.content = "";
+    this.reasoning = "";
+    this.thinking = null;
+    this.calls = [];
+  }
+
+  add(delta) {
+    if (delta.reasoning_content) {
+      if (!this.thinking) {
+        const box = el("details", "thinking");
+        this.thinking = el("div", "reasoning");
+        box.append(el("summary", "", "thinking"), this.thinking);
+        this.text.before(box);
+      }
+      this.reasoning += delta.reasoning_content;
+      this.thinking.textContent = this.reasoning;
+    }
+    if (delta.content) {
+      this.content += delta.content;
+      this.text.textContent = this.content;
+    }
+    for (const tc of delta.tool_calls || []) {
+      let call = this.calls[tc.index];
+      if (!call) {
+        call = this.calls[tc.index] = { id: "", name: "", arguments: "", box: el("div", "tool-call") };
+        call.box.append(el("div", "tool-name"), el("pre", "tool-args"));
+        this.div.append(call.box);
+      }
+      const fn = tc.function || {};
+      call.id = tc.id || call.id;
+      call.name += fn.name || "";
+      call.arguments += fn.arguments || "";
+      call.box.firstChild.textContent = call.name;
+      call.box.lastChild.textContent = pretty(call.arguments);
+    }
+  }
+
+  // The answer as the conversation's next assistant message (its calls as OpenAI's clients send them back).
+  message() {
+    const calls = this.calls.filter(Boolean);
+    if (!calls.length) return { role: "assistant", content: this.content };
+    return { role: "assistant", content: this.content || null, tool_calls: calls.map((c) => ({
+      id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } })) };
+  }
 }
 
 function fmt(v, digits) {
@@ -45,6 +118,8 @@ function kvName(kv) {
 
 function renderCard(c) {
   served = c.served_name;
+  $("attach-box").hidden = !c.vision;
+  if (!c.vision) setAttached([]);
   const box = $("card");
   box.replaceChildren();
   const dl = el("dl");
@@ -54,6 +129,7 @@ function renderCard(c) {
   if (c.model) row("from", c.model.ref);
   row("architecture", c.architecture);
   row("context", String(c.max_model_len) + " tokens");
+  row("input", c.vision ? "text and images" : "text");
   if (c.size_bytes) row("size", mib(c.size_bytes));
   const q = c.quantization;
   if (q) {
@@ -99,7 +175,60 @@ async function loadCard() {
   renderCard(await r.json());
 }
 
-function params() {
+// The tools box as OpenAI's `tools` (null when empty), or an Error saying what is wrong with it: the shape the
+// request needs; the server checks the rest (names, JSON Schemas) and answers a one-line 400.
+function parseTools() {
+  const src = $("tools").value.trim();
+  if (!src) return null;
+  let tools;
+  try {
+    tools = JSON.parse(src);
+  } catch (e) {
+    throw new Error("not JSON: " + e.message);
+  }
+  if (!Array.isArray(tools)) throw new Error("not a JSON array of tools");
+  tools.forEach((t, i) => {
+    const fn = t && t.function;
+    if (!t || t.type !== "function" || !fn || typeof fn.name !== "string" || !fn.name)
+      throw new Error("tools[" + i + "] is not {\"type\": \"function\", \"function\": {\"name\": ...}}");
+    const p = fn.parameters;
+    if (p !== undefined && (p === null || typeof p !== "object" || Array.isArray(p)))
+      throw new Error("tools[" + i + "].function.parameters is not an object (a JSON Schema)");
+  });
+  return tools;
+}
+
+// Checks the tools box: shows what is wrong with it inline, or offers its functions as tool_choice. {tools} or null.
+function checkTools() {
+  const err = $("tools-error");
+  let tools;
+  try {
+    tools = parseTools();
+  } catch (e) {
+    err.textContent = "tools: " + e.message;
+    err.hidden = false;
+    return null;
+  }
+  err.hidden = true;
+  const choice = $("tool_choice");
+  const was = choice.value;
+  choice.querySelectorAll("option.fn").forEach((o) => o.remove());
+  for (const t of tools || []) {
+    const o = el("option", "fn", "function " + t.function.name);
+    o.value = "function:" + t.function.name;   // apart from auto / required / none, whatever the function's name
+    choice.append(o);
+  }
+  choice.value = [...choice.options].some((o) => o.value === was) ? was : "auto";
+  choice.disabled = !tools;
+  return { tools };
+}
+
+function toolChoice() {
+  const c = $("tool_choice").value;
+  return c.startsWith("function:") ? { type: "function", function: { name: c.slice(9) } } : c;
+}
+
+function params(tools) {
   const body = {
     model: served,
     temperature: Number($("temperature").value),
@@ -109,6 +238,7 @@ function params() {
     stream_options: { include_usage: true },
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  if (tools) Object.assign(body, { tools, tool_choice: toolChoice() });
   return body;
 }
 
@@ -144,15 +274,22 @@ async function readEvents(response, onEvent) {
   }
 }
 
-async function send(text) {
-  history.push({ role: "user", content: text });
-  bubble("user", text);
-  const out = bubble("assistant", "");
+// The user's message: its text, or where images go with it OpenAI's parts (the images first, as attached).
+function userMessage(text, images) {
+  if (!images.length) return { role: "user", content: text };
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return { role: "user", content: text ? parts.concat([{ type: "text", text }]) : parts };
+}
+
+async function send(text, tools, images) {
+  history.push(userMessage(text, images));
+  bubble("user", text, images);
+  const answer = new Answer();
   controller = new AbortController();
   $("send").disabled = true;
   $("stop").disabled = false;
   const t0 = performance.now();
-  let first = null, chunks = 0, usage = null, answer = "";
+  let first = null, chunks = 0, usage = null;
   const rate = () => {
     const n = usage ? usage.completion_tokens : chunks;
     const secs = (performance.now() - (first || t0)) / 1000;
@@ -162,7 +299,7 @@ async function send(text) {
   try {
     const r = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(true), signal: controller.signal,
-      body: JSON.stringify(Object.assign(params(), { messages: messages() })),
+      body: JSON.stringify(Object.assign(params(tools), { messages: messages() })),
     });
     if (!r.ok) {
       const err = await r.json().catch(() => ({}));
@@ -173,27 +310,57 @@ async function send(text) {
       if (ev.error) throw new Error(ev.error.message);
       if (ev.usage) usage = ev.usage;
       const delta = ev.choices && ev.choices[0] && ev.choices[0].delta;
-      if (delta && delta.content) {
+      // every chunk after the opening {role} one is text the model wrote, even what the server holds back until
+      // it knows what it is (a call being written): the clock and the count run on them all
+      if (delta && !delta.role) {
         if (first === null) first = performance.now();
         chunks += 1;
-        answer += delta.content;
-        out.textContent = answer;
+        answer.add(delta);
         $("log").scrollTop = $("log").scrollHeight;
         status(rate());
       }
     });
-    history.push({ role: "assistant", content: answer });
+    history.push(answer.message());
     status(rate());
     $("status").dataset.done = "1";
   } catch (e) {
     history.pop();
-    out.parentElement.classList.add("error");
-    out.textContent = (answer ? answer + "\n" : "") + (e.name === "AbortError" ? "(stopped)" : "error: " + e.message);
+    answer.div.classList.add("error");
+    answer.text.textContent = (answer.content ? answer.content + "\n" : "") +
+      (e.name === "AbortError" ? "(stopped)" : "error: " + e.message);
     if (e.name === "AbortError") status(rate());
   } finally {
     controller = null;
     $("send").disabled = false;
     $("stop").disabled = true;
+  }
+}
+
+// The images for the next message, each previewed with a button that takes it off.
+function setAttached(urls) {
+  attached.splice(0, attached.length, ...urls);
+  $("attached").replaceChildren(...attached.map((url, i) => {
+    const fig = el("figure");
+    const drop = el("button", "", "×");
+    drop.type = "button";
+    drop.title = "remove this image";
+    drop.addEventListener("click", () => setAttached(attached.filter((_, j) => j !== i)));
+    fig.append(thumb(url), drop);
+    return fig;
+  }));
+}
+
+// Reads the chosen files as data: URLs (the server fetches no other kind).
+function attachFiles(files) {
+  for (const f of files) {
+    if (!IMAGE_TYPES.includes(f.type)) {
+      status(f.name + ": only PNG and JPEG images are sent");
+      continue;
+    }
+    const reader = new FileReader();
+    reader.addEventListener("load", () => setAttached(attached.concat([reader.result])));
+    reader.addEventListener("error", () => status(f.name + ": cannot be read"));
+    reader.readAsDataURL(f);
   }
 }
 
@@ -209,10 +376,24 @@ document.addEventListener("DOMContentLoaded", () => {
   $("form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     const text = $("prompt").value.trim();
-    if (!text || controller) return;
+    if ((!text && !attached.length) || controller) return;
+    const checked = checkTools();
+    if (!checked) {   // nothing is sent: the prompt stays, the error shows where the tools are
+      $("tools-box").open = true;
+      $("tools").focus();
+      return;
+    }
     $("prompt").value = "";
     delete $("status").dataset.done;
-    send(text);
+    const images = attached.slice();
+    setAttached([]);
+    send(text, checked.tools, images);
+  });
+  $("tools").addEventListener("input", checkTools);
+  $("attach-button").addEventListener("click", () => $("attach").click());
+  $("attach").addEventListener("change", () => {
+    attachFiles([...$("attach").files]);
+    $("attach").value = "";   // the same file again is a change too
   });
   $("prompt").addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey) {
@@ -224,6 +405,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("clear").addEventListener("click", () => {
     if (controller) controller.abort();
     history.length = 0;
+    setAttached([]);
     $("log").replaceChildren();
     status("");
   });
