@@ -295,9 +295,9 @@ def vision(tmp_path_factory):
 
 
 def test_an_attached_image_goes_as_an_image_url_part(browser, vision):
-    """On a model that takes images the page offers to attach one: a file that is not PNG or JPEG is refused with
-    its name; a PNG is previewed, then sent as a data: URL image_url part before the text, shown in the user's
-    message, and answered as the API answers the same message."""
+    """On a model that takes images the page offers to attach them: a file that is not PNG or JPEG is refused with
+    its name; a PNG is previewed (and can be taken off again), then sent as a data: URL image_url part before the
+    text, shown in the user's message, and answered as the API answers the same message."""
     from vlm import encoded, image
 
     png = encoded(image("digit", seed=3))
@@ -308,9 +308,12 @@ def test_an_attached_image_goes_as_an_image_url_part(browser, vision):
     assert page.locator("#attach-button").is_visible()
     page.set_input_files("#attach", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hi"}])
     assert page.locator("#status").inner_text() == "notes.txt: only PNG and JPEG images are sent"
-    page.set_input_files("#attach", files=[{"name": "digit.png", "mimeType": "image/png", "buffer": png}])
     preview = page.locator("#attached img")
-    preview.wait_for()
+    for _ in range(2):   # twice, then the first taken off
+        page.set_input_files("#attach", files=[{"name": "digit.png", "mimeType": "image/png", "buffer": png}])
+        preview.last.wait_for()
+    assert preview.count() == 2
+    page.click("#attached button >> nth=0")
     assert preview.count() == 1 and preview.get_attribute("src") == url
     assert page.evaluate("() => document.querySelector('#attached img').naturalWidth") == 40   # decoded
     page.fill("#temperature", "0")
