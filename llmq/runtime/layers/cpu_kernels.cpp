@@ -889,6 +889,68 @@ LLMQ_AVX512 void tile_rows_fp4(const uint8_t* w, const S* s, const float* x, int
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, _mm512_div_ps(acc[r], d));
 }
 
+// bitsandbytes' NF4 / FP4 (4-bit codes in the INT4 layout, a float32 absmax per row and block of `group` inputs):
+// each weight table[u] * absmax in float32, rounded to the checkpoint's dtype (Round: 0 float32, 1 bfloat16,
+// 2 float16) as bitsandbytes' dequantize makes it, times float32 x, float32 sums: F.linear on that weight up to
+// summation order.
+template <int R, int Round>
+LLMQ_AVX512 void tile_rows_table(const uint8_t* w, const float* s, const float* table16, const float* x, int64_t k,
+                                 int64_t group, float* y, int64_t n) {
+  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
+  const __m512 table = _mm512_loadu_ps(table16);
+  __m512 acc[R][A];
+  zeros<R * A>(&acc[0][0]);
+  for (int64_t g = 0; g < k / group; ++g) {
+    const __m512 sg = _mm512_loadu_ps(s + g * kTile);
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(w);
+      for (int j = 0; j < 8; ++j) {  // input i + j: byte j % 4 of each lane, low nibble for j < 4
+        __m512 wj = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, j < 4 ? 8 * j : 8 * (j - 4) + 4), table),
+                                  sg);
+        if constexpr (Round == 1) wj = round_bf16(wj);
+        if constexpr (Round == 2) wj = _mm512_cvtph_ps(_mm512_cvtps_ph(wj, _MM_FROUND_TO_NEAREST_INT));
+        for (int r = 0; r < R; ++r) acc[r][j % A] = _mm512_fmadd_ps(wj, _mm512_set1_ps(x[r * k + i + j]), acc[r][j % A]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 t = acc[r][0];
+    for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, acc[r][a]);
+    _mm512_storeu_ps(y + r * n, t);
+  }
+}
+
+at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& table,
+                        int64_t group, int64_t round) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "table_linear needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "table_linear: x must be a 2-D CPU tensor");
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && s.dim() == 3 && s.size(2) == kTile &&
+              w.is_contiguous() && s.is_contiguous() && table.dtype() == at::kFloat && table.numel() == 16 &&
+              table.is_contiguous() && round >= 0 && round <= 2, "table_linear: bad packed weight");
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k / 2, "table_linear: K=", k,
+              " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const float *xp = xf.data_ptr<float>(), *sp = s.data_ptr<float>(), *tp = table.data_ptr<float>();
+  const auto* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const auto run = [&](auto round_const) {
+    const auto rows = [&](auto r_const) {
+      return [&, r_const](int64_t t, int64_t r) {
+        tile_rows_table<decltype(r_const)::value, decltype(round_const)::value>(
+            wp + t * kTile * k / 2, sp + t * groups * kTile, tp, xp + r * k, k, group, yp + r * n + t * kTile, n);
+      };
+    };
+    for_tiles<0>(tiles, m, rows);
+  };
+  if (round == 1) run(std::integral_constant<int, 1>{});
+  else if (round == 2) run(std::integral_constant<int, 2>{});
+  else run(std::integral_constant<int, 0>{});
+  return y;
+}
+
 // x [M, K] (any float dtype) times a packed FP4 weight (codes in the INT4 layout, block scales per (tile, group, row)
 // in bfloat16 or float32) -> [M, N] float32, divided by `divisor`.
 at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, double divisor) {
@@ -1689,6 +1751,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
   m.def("q4k_linear(Tensor x, Tensor w, Tensor s, Tensor mins, int group) -> Tensor");
   m.def("fp8_linear(Tensor xq, Tensor xs, Tensor w, Tensor s, int group) -> Tensor");
+  m.def("table_linear(Tensor x, Tensor w, Tensor s, Tensor table, int group, int round) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
@@ -1708,6 +1771,7 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("fp4_linear", &fp4_linear);
   m.impl("q4k_linear", &q4k_linear);
   m.impl("fp8_linear", &fp8_linear);
+  m.impl("table_linear", &table_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);

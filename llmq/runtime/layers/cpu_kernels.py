@@ -13,6 +13,8 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
   times bfloat16(x), float32 sums: the reference layer's product up to x's rounding.
 - `fp8_linear` (AVX-512): block FP8 (W8A8) bytes in the INT8 tiles decoded exactly, times activations already
   rounded to E4M3 per group: the reference layer's product from the packed bytes.
+- `table_linear` (AVX-512): bitsandbytes' NF4 / FP4 codes in the INT4 tiles looked up in their 16-value table, times
+  the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums.
 - `fp4_linear` (AVX-512): NVFP4 / MXFP4 codes in the INT4 tiles decoded exactly by a 16-entry table, float32 sums:
   the dense FP4 path's numbers from the packed bytes.
 - `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
@@ -71,7 +73,7 @@ def available() -> bool:
         return False
     for name, fake in (("lowbit_linear", _fake_linear), ("lowbit_linear_bf16", _fake_linear_bf16),
                        ("dense16_linear", _fake_dense16), ("q4k_linear", _fake_q4k),
-                       ("fp8_linear", _fake_fp8),
+                       ("fp8_linear", _fake_fp8), ("table_linear", _fake_table),
                        ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
                        ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
@@ -112,6 +114,10 @@ def _fake_q4k(x, w, s, mins, group):
 
 def _fake_fp8(xq, xs, w, s, group):
     return xq.new_empty(xq.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+
+
+def _fake_table(x, w, s, table, group, round):
+    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
 def _fake_dense16(x, w):
@@ -256,6 +262,23 @@ def fp8_linear(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tensor, s: torch
     """Activations rounded to E4M3 per row and group (quant.quantize_token_groups: values xq, scales xs) times a
     packed block-FP8 weight (pack_fp8): exact products, float32 sums, [M, N] float32."""
     return torch.ops.llmq_cpu.fp8_linear(xq.float(), xs, codes, s, group)
+
+
+def table_fits(n: int, k: int, group: int) -> bool:
+    """Whether a bitsandbytes 4-bit weight [n, k] in blocks of `group` takes table_linear here: whole blocks a row, a
+    CPU with AVX-512, the kernels built."""
+    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and "avx512bw" in cpu_flags() and available()
+
+
+_ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # table_linear's `round`
+
+
+def table_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, table: torch.Tensor, group: int,
+                 weight_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] times 4-bit codes looked up in a 16-value table (bitsandbytes' NF4 / FP4 `code`) times a float32
+    scale per row and group, each weight rounded to `weight_dtype` as bitsandbytes' dequantize returns it: float32
+    sums, [M, N] float32."""
+    return torch.ops.llmq_cpu.table_linear(x, codes, s, table, group, _ROUNDING[weight_dtype])
 
 
 def dense16_fits(dtype: torch.dtype, shape: tuple[int, ...], device) -> bool:
