@@ -146,10 +146,11 @@ def runtime_logprobs(path, ids, **config):
 
 
 def bf16_kernels_off(monkeypatch):
-    """llmq's INT4 / INT8 layers on their exact dequantize path instead of a bf16-activation kernel (PyTorch's
-    tinygemm / int8pack or llmq's lowbit_linear_bf16), for comparisons at float32 rounding."""
-    from llmq.runtime.layers import linear
+    """llmq's INT4 / INT5 / INT8 / Q4_K layers on their exact dequantize path instead of a bf16-activation kernel
+    (PyTorch's tinygemm / int8pack or llmq's lowbit_linear_bf16 / q4k_linear), for comparisons at float32 rounding."""
+    from llmq.runtime.layers import cpu_kernels, linear
 
+    monkeypatch.setattr(cpu_kernels, "q4k_fits", lambda n, k: False)
     monkeypatch.setattr(linear, "_pack_int4", lambda *a, **k: None)
     monkeypatch.setattr(linear, "_lowbit", lambda *a, **k: None)
     monkeypatch.setattr(linear, "kernel_runs", lambda fn: False)

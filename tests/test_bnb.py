@@ -5,6 +5,7 @@ bitsandbytes' own."""
 from __future__ import annotations
 
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import split_rows
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.quantize.probe import kld_top1
+from llmq.runtime.layers import cpu_kernels
 from llmq.runtime.layers.bnb import LLMInt8Linear, NF4Linear
 
 bnb = pytest.importorskip("bitsandbytes", reason="the bnb extra (pip install 'llmq[bnb]') is part of the test extra")
@@ -42,7 +44,8 @@ def _nf4(w: torch.Tensor, blocksize: int, double_quant: bool) -> bnbformat.NF4We
 
 @pytest.mark.parametrize("shape,blocksize,double_quant,dtype", [
     ((96, 64), 64, False, torch.float32), ((200, 48), 64, True, torch.float32), ((40, 200), 128, True, torch.bfloat16),
-    ((512, 256), 256, True, torch.float32), ((24, 640), 128, False, torch.bfloat16)])
+    ((512, 256), 256, True, torch.float32), ((24, 640), 128, False, torch.bfloat16),
+    ((48, 256), 64, True, torch.bfloat16), ((32, 128), 64, False, torch.float16)])
 def test_nf4_dequantization_equals_bitsandbytes(shape, blocksize, double_quant, dtype):
     torch.manual_seed(sum(shape))
     w = (torch.randn(shape) * torch.rand(shape[0], 1) * 0.1).to(dtype)
@@ -56,13 +59,22 @@ def test_nf4_dequantization_equals_bitsandbytes(shape, blocksize, double_quant, 
     whole_blocks = shape[1] % blocksize == 0
     if whole_blocks:
         assert torch.equal(bnb.functional.dequantize_4bit(nf4.packed, state), ref)
-    layer = NF4Linear(nf4, None, torch.float32, "cpu")
+    with mock.patch.object(cpu_kernels, "table_fits", lambda *a: False):
+        layer = NF4Linear(nf4, None, torch.float32, "cpu")
     assert (layer.ops is not None) == whole_blocks                     # bitsandbytes' kernel where it is right
     assert torch.equal(layer.dequantized(), ref.float())
     layer.ops = None
     assert torch.equal(layer.dequantized(), ref.float())               # llmq.quant's torch fallback
     rel = (ref.double() - w.double()).norm() / w.double().norm()
     assert 0.02 < rel < 0.15  # NF4's error on Gaussian weights: quantized, not a copy
+    # llmq's packed kernel (whole blocks a row, 16-row tiles, AVX-512): that dequantized weight (rounded to the
+    # checkpoint's dtype) times float32 x, up to float32 summation
+    packed = NF4Linear(nf4, None, torch.float32, "cpu")
+    assert packed.table == (whole_blocks and shape[0] % 16 == 0 and "avx512bw" in cpu_kernels.cpu_flags())
+    if packed.table:
+        x = torch.randn(5, shape[1]) * torch.rand(1, shape[1]) * 4
+        want, size = x.double() @ ref.double().t(), x.double().abs() @ ref.double().abs().t()
+        assert bool(((packed(x).double() - want).abs() <= 2 * shape[1] * 2 ** -24 * size).all())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])

@@ -77,6 +77,10 @@ def test_builds_are_keyed_by_the_source(tmp_path):
     dir_a, dir_b = (cpp_build.build_directory("llmq_probe", s, []) for s in (a, b))
     assert dir_a != dir_b and dir_a == cpp_build.build_directory("llmq_probe", a, [])
     assert dir_a != cpp_build.build_directory("llmq_probe", a, ["-O3"])
+    twin = tmp_path / "other-checkout" / a.name   # the same source in another checkout: PyTorch's build file names
+    twin.parent.mkdir()                          # the source's path, so one directory would rebuild for each
+    twin.write_bytes(a.read_bytes())
+    assert cpp_build.build_directory("llmq_probe", twin, []) != dir_a
     for source, value in ((a, "1"), (b, "2")):
         run = _build(tmp_path, source)
         assert run.returncode == 0 and run.stdout.split()[0] == value, run.stderr

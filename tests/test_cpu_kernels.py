@@ -2,6 +2,7 @@
 of their arithmetic, on fresh random inputs; and the whole model with and without them."""
 
 import ctypes
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -134,8 +135,8 @@ def test_weight_only_layers_run_the_lowbit_kernel(cls, bits):
     assert _rel(layer(x), want) < 1e-5
     default = cls(q, scale, zero, bias, torch.float32)  # 16-bit activations: a different rounding of the same product
     assert default.lowbit is None  # float32 scales: PyTorch's kernel (it rounds them)
-    exact16 = cls(q, scale.bfloat16().float(), zero, bias, torch.float32)
-    assert exact16.lowbit == ((4, 64, False) if bits == 4 and BF16 else None)
+    exact16 = cls(q, scale.bfloat16().float(), zero, bias, torch.float32)   # INT8 in groups too: no PyTorch kernel
+    assert exact16.lowbit == ((bits, 64, False) if (BF16 if bits == 4 else AVX512) else None)
     assert _rel(default(x), want) < 2e-2
 
 
@@ -165,15 +166,18 @@ def test_amx_is_on_only_where_linux_grants_the_tiles():
                                             pytest.param(4, 64, 256, 32, marks=needs_bf16),
                                             pytest.param(4, 48, 1536, 128, marks=needs_bf16),
                                             pytest.param(4, 80, 256, 256, marks=needs_bf16),  # odd tiles, per channel
+                                            pytest.param(5, 96, 576, 32, marks=needs_bf16),
+                                            pytest.param(5, 48, 1536, 128, marks=needs_bf16),
+                                            pytest.param(5, 32, 256, 256, marks=needs_bf16),  # per channel
                                             (8, 96, 576, 576), (8, 32, 1536, 1536), (8, 48, 256, 64),
                                             (8, 16, 240, 40)])  # 40: groups not a multiple of 16 inputs
 def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
-    """bfloat16(x) times the exact symmetric INT4 / INT8 weights, float32 sums, rounded to bfloat16 (what
+    """bfloat16(x) times the exact symmetric INT4 / INT5 / INT8 weights, float32 sums, rounded to bfloat16 (what
     aten._weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute): against that in float64, where only the float32
     summation order may move an output to a neighbouring bfloat16 value, and against PyTorch's kernels themselves
-    (INT8 in groups: against float64 only, PyTorch's INT8 kernel takes one scale a channel). On the vector path and,
-    from 10 / 8 rows where the CPU grants it, on AMX (scaled weights split exactly into two bfloat16; 240 inputs: not
-    a whole number of AMX steps, so the vector path)."""
+    (INT5, and INT8 in groups: against float64 only, PyTorch's INT8 kernel takes one scale a channel). On the vector
+    path and, from 10 / 8 rows where the CPU grants it, on AMX (scaled weights split exactly into two bfloat16; 240
+    inputs: not a whole number of AMX steps, so the vector path). Every INT5 code and fifth bit is drawn."""
     gen = torch.Generator().manual_seed(n + k)
     q, scale, _ = _weight(bits, n, k, group, False, gen)
     scale = scale.bfloat16().float()  # as llmq's artifacts store them
@@ -181,7 +185,7 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
     assert sz.numel() == 0 and s.dtype == torch.bfloat16
     cls = Int4WeightOnlyLinear if bits == 4 else Int8WeightOnlyLinear
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
-        pytorchs = cls(q, scale, None, None, torch.float32) if bits == 4 or group == k else None  # INT8: per channel
+        pytorchs = cls(q, scale, None, None, torch.float32) if bits == 4 or bits == 8 and group == k else None
     assert pytorchs is None or (not pytorchs.lowbit and (pytorchs.packed if bits == 4 else pytorchs.kernel))
     exact_w = quant.dequantize(q, scale, None, torch.float64)
     for m in (1, 3, 4, 7, 8, 9, 10, 13, 16, 21, 33, 64):  # alone, in fours, eights (INT8: pairs); AMX: 16s, 32s
@@ -194,6 +198,53 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
         if pytorchs is not None and (bits == 4 or m <= pytorchs.max_kernel_rows):   # PyTorch's INT8 kernel: 8 rows
             theirs = pytorchs(x)
             assert _within_rounding(y, theirs, xb, exact_w) and float((y == theirs).float().mean()) > 0.99
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(48, 512), (32, 256)])
+def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k):
+    """Q4_K codes with random d / dmin / 6-bit sc / m: bfloat16(x) times the float64 product of the weight
+    llama.cpp's dequantize_row_q4_K gives (quant.dequantize_q4_k), up to float32 summation (and the one float32
+    rounding of s * n - mn it makes), for one row, fours and eights; the min term (x's group sums) is what makes the
+    unsigned codes right, so a lost or misplaced one fails by orders of magnitude."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    d = (torch.rand(n, k // 256, generator=gen) * 0.02).half()
+    dmin = (torch.rand(n, k // 256, generator=gen) * 0.02).half()
+    sc, m = torch.randint(0, 64, (n, k // 32), generator=gen), torch.randint(0, 64, (n, k // 32), generator=gen)
+    packed = cpu_kernels.pack_q4k(q, *quant.q4_k_scale_min(d, dmin, sc, m))
+    w = quant.dequantize_q4_k(q, d, dmin, sc, m, torch.float64)
+    for rows in (1, 4, 8, 13):
+        x = torch.randn(rows, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
+        y = cpu_kernels.q4k_linear(x, *packed)
+        xb = x.bfloat16().double()
+        ref = xb @ w.t()
+        bound = 2 * k * 2 ** -24 * (xb.abs() @ w.abs().t())
+        assert y.shape == (rows, n) and bool(((y.double() - ref).abs() <= bound).all()), rows
+
+
+@needs_avx512
+@pytest.mark.parametrize("n,k,block", [(48, 512, (128, 128)), (32, 256, (16, 64))])
+def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block):
+    """Every E4M3 weight code but NaN (subnormals, both zeros, 448), with float32 block scales and activations rounded
+    to E4M3 per group as the layer rounds them: every product exact, so the kernel is the float64 product up to
+    float32 summation, for one row and several."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(k)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256)[torch.randperm(n * k, generator=gen)].view(n, k)
+    codes[(codes & 0x7F) == 0x7F] = 0x38   # NaN -> 1.0
+    q = codes.view(quant.FP8)
+    scale = torch.rand(-(-n // block[0]), k // block[1], generator=gen) + 0.5
+    w = quant.dequantize_fp8_blocks(q, scale, block, torch.float64)
+    packed = cpu_kernels.pack_fp8(q, scale, block)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
+        xq, xs = quant.quantize_token_groups(x, block[1])
+        xd = quant.dequantize_fp8_blocks(xq, xs, (1, block[1]), torch.float64)
+        y = cpu_kernels.fp8_linear(xq, xs, *packed, block[1])
+        bound = 2 * k * 2 ** -24 * (xd.abs() @ w.abs().t())
+        assert y.shape == (rows, n) and bool(((y.double() - xd @ w.t()).abs() <= bound).all()), rows
 
 
 @needs_avx512
@@ -439,16 +490,18 @@ def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("bits,int8_activations", [(4, False), (8, False), pytest.param(4, True, marks=needs_vnni),
+@pytest.mark.parametrize("bits,int8_activations", [(4, False), (8, False), pytest.param(5, False, marks=needs_bf16),
+                                                   pytest.param(4, True, marks=needs_vnni),
                                                    pytest.param(8, True, marks=needs_vnni),
                                                    pytest.param(16, False, marks=needs_avx512),
                                                    pytest.param("nvfp4", False, marks=needs_avx512),
-                                                   pytest.param("mxfp4", False, marks=needs_avx512)])
+                                                   pytest.param("mxfp4", False, marks=needs_avx512),
+                                                   pytest.param("q4_k", False, marks=needs_bf16)])
 @pytest.mark.parametrize("fused_layers", ["all", "odd"])
 def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_activations, fused_layers):
-    """An INT4 / INT8 / bfloat16 / FP4 model's decode steps through cpu_kernels' DecoderStacks (every layer in one
-    stack, or runs of one fused layer between layers run op by op) against the same layers all run op by op (the same
-    kernels, so equal up to float32 rounding)."""
+    """An INT4 / INT5 / INT8 / bfloat16 / FP4 / Q4_K model's decode steps through cpu_kernels' DecoderStacks (every
+    layer in one stack, or runs of one fused layer between layers run op by op) against the same layers all run op by
+    op (the same kernels, so equal up to float32 rounding)."""
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -456,12 +509,13 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
     store = Store(tmp_path / "store")
-    d = make_tiny_model(tmp_path / "m", seed=9)
-    if bits == 16:
+    d = make_tiny_model(tmp_path / "m", seed=9, **(dict(hidden_size=256, intermediate_size=256)  # Q4_K: 256 inputs
+                                                    if bits == "q4_k" else {}))
+    if bits in (5, 16):   # INT5's kernel takes the bfloat16 scales of a bfloat16 model
         AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
     src = resolve_model(str(d), store)
-    options = dict(method=bits) if isinstance(bits, str) else dict(method="rtn", bits=bits,
-                                                                    group_size=0 if bits == 8 else 32)
+    options = dict(method="rtn", bits=4, grid="q4_k") if bits == "q4_k" else dict(method=bits) \
+        if isinstance(bits, str) else dict(method="rtn", bits=bits, group_size=0 if bits == 8 else 32)
     art = src if bits == 16 else quantize(src, QuantizeOptions(**options, num_samples=2, seq_len=32, probe_tokens=64),
                                           store, progress=False)
     prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
@@ -509,11 +563,12 @@ def test_nope_layers_decode_in_a_stack_of_their_own(tmp_path, make_tiny_model):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
 
 
-@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_bf16), 8])
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_bf16), pytest.param(5, marks=needs_bf16), 8])
 def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny_model, bits):
-    """A bfloat16 model's INT4 / INT8 artifact (bfloat16 scales, as the default model's): prefill and decode steps on
-    llmq's 16-bit-activation kernels against PyTorch's: the same arithmetic, so the logits agree to bfloat16 rounding
-    (a float32 summation order apart)."""
+    """A bfloat16 model's INT4 / INT5 / INT8 artifact (bfloat16 scales, as the default model's): prefill and decode
+    steps on llmq's 16-bit-activation kernels against PyTorch's (INT5, which PyTorch has no kernel for: against the
+    float path's product of the dequantized weight, its input and output rounded to bfloat16 as the kernel's are): the
+    logits agree to bfloat16 rounding (a float32 summation order apart)."""
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -524,7 +579,7 @@ def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny
     d = make_tiny_model(tmp_path / "m", seed=4)
     AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
     src = resolve_model(str(d), store)
-    art = quantize(src, QuantizeOptions(method="rtn", bits=bits, group_size=32 if bits == 4 else 0, num_samples=2,
+    art = quantize(src, QuantizeOptions(method="rtn", bits=bits, group_size=0 if bits == 8 else 32, num_samples=2,
                                         seq_len=32, probe_tokens=64), store, progress=False)
     prompts = [[(3 * i + 2) % 256 for i in range(n)] for n in (14, 5)]
     from llmq.runtime.layers import linear
@@ -534,11 +589,18 @@ def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny
         tokens, ours = _step_logits(art.path, prompts)
     assert kinds and all(k and k[0] == bits and not k[2] for k in kinds)  # every layer on llmq's kernel
     fits = cpu_kernels.lowbit_fits
-    with mock.patch.object(cpu_kernels, "lowbit_fits", lambda n, k, g, bits, a8: a8 and fits(n, k, g, bits, a8)):
+    rounded = SimpleNamespace(linear=lambda x, w: F.linear(x.bfloat16().float(), w).bfloat16().float())
+    with mock.patch.object(cpu_kernels, "lowbit_fits", lambda n, k, g, bits, a8: a8 and fits(n, k, g, bits, a8)), \
+            mock.patch.object(linear, "F", rounded if bits == 5 else F):
         theirs_tokens, theirs = _step_logits(art.path, prompts)
-    assert len(ours) == len(theirs) >= 10
-    for g, w in zip(ours, theirs):
-        assert float((g - w).abs().max()) < 1e-2 * float(w.abs().max())
+    assert len(ours) == len(theirs) == 10 and all(g.shape[0] == 2 for g in ours)   # step j: token j of both
+    compared = 0
+    for j, (g, w) in enumerate(zip(ours, theirs)):
+        for r in range(2):   # while the two greedy runs fed the same tokens (a near tie may flip one in bfloat16)
+            if tokens[r][:j] == theirs_tokens[r][:j]:
+                assert float((g[r] - w[r]).abs().max()) < 1e-2 * float(w[r].abs().max()), (j, r)
+                compared += 1
+    assert compared >= 10
 
 
 @needs_vnni

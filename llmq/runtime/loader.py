@@ -51,8 +51,8 @@ def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device, 
         if qw.bits != 8:
             raise LlmqError(f"W{qw.bits}A8 is not supported by the runtime (only W8A8 integer)")
         return W8A8Linear(q, scale, inp, bias, dtype)
-    if qw.bits in (5, 8):   # 5-bit integers (GGUF's Q5_0 / Q5_1) are computed from an int8 copy
-        return Int8WeightOnlyLinear(q, scale, zero, bias, dtype, int8_activations)
+    if qw.bits in (5, 8):   # 5-bit integers (GGUF's Q5_0 / Q5_1): INT8's layer, packed in 5 bits where it can
+        return Int8WeightOnlyLinear(q, scale, zero, bias, dtype, int8_activations, qw.bits)
     if qw.bits == 4:
         return Int4WeightOnlyLinear(q, scale, zero, bias, dtype, int8_activations)
     raise LlmqError(f"{qw.bits}-bit weights ({qw.scheme}) are not supported by the runtime")

@@ -2,10 +2,12 @@
 bitsandbytes computes on them.
 
 - NF4Linear: the packed 4-bit codes and the float32 block absmax (double quantization undone once, at load) stay in
-  memory: 0.5 + 4 / blocksize bytes per weight. Each forward dequantizes the weight with bitsandbytes' own
-  dequantize kernel where bitsandbytes is installed (its CPU library, or CUDA) and each row holds whole blocks,
-  else with `quant.dequantize_4bit`: the same float32 values bit for bit, the torch one about 20x slower. Then one
-  matmul in the compute dtype.
+  memory: 0.5 + 4 / blocksize bytes per weight. On CPUs with AVX-512, where each row holds whole blocks, the codes
+  are repacked in llmq's INT4 tiles and computed by cpu_kernels.table_linear: each weight code[q] * absmax rounded to
+  the checkpoint's dtype, as bitsandbytes' dequantize returns it, float32 sums. Elsewhere each forward dequantizes
+  the weight with bitsandbytes' own dequantize kernel where bitsandbytes is installed (its CPU library, or CUDA) and
+  each row holds whole blocks, else with `quant.dequantize_4bit`: the same float32 values bit for bit, the torch one
+  about 20x slower. Then one matmul in the compute dtype.
   bitsandbytes' fused CPU GEMV (AVX512-BF16 only) is not used: it rounds absmax and activations to bfloat16.
 - LLMInt8Linear: bitsandbytes' MatMul8bitLt: activations per row on the int8 grid (from float16), columns holding an
   outlier (|x| >= threshold) computed in floating point against their dequantized weight columns, the int8
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from ... import quant
 from ...models import bnbformat
+from . import cpu_kernels
 from .act_quant import W8A8Linear
 from .linear import LinearBase, set_buffer
 
@@ -32,9 +35,20 @@ class NF4Linear(LinearBase):
         set_buffer(self, "absmax", w.absmax().to(device))
         set_buffer(self, "code", w.code.to(device))
         set_buffer(self, "bias", bias.to(device=device, dtype=compute_dtype) if bias is not None else None)
+        n, k = self.out_features, self.in_features
+        self.table = torch.device(device).type == "cpu" and self.weight_dtype in cpu_kernels._ROUNDING and \
+            cpu_kernels.table_fits(n, k, self.blocksize)
+        if self.table:   # codes in llmq's INT4 tiles (bitsandbytes packs the first of two in the high nibble)
+            b = self.packed.reshape(-1)
+            codes = torch.stack([b >> 4, b & 15], -1).reshape(-1)[:n * k].view(n, k)
+            set_buffer(self, "lb_codes", cpu_kernels.pack_codes(codes, 4))
+            set_buffer(self, "lb_s", cpu_kernels.pack_scales(self.absmax.float().view(n, k // self.blocksize)).float())
+            set_buffer(self, "code", self.code.float())
+            for name in ("packed", "absmax"):
+                self._buffers.pop(name)
         # bitsandbytes 0.50's CPU dequantize kernel misplaces blocks that straddle two rows (its reference and CUDA
         # kernels do not), so it is used only where each row holds whole blocks
-        self.ops = bnbformat.kernels() if self.in_features % self.blocksize == 0 else None
+        self.ops = bnbformat.kernels() if self.in_features % self.blocksize == 0 and not self.table else None
         if self.ops is not None:
             try:
                 self._bnb_dequantize()
@@ -52,7 +66,13 @@ class NF4Linear(LinearBase):
                                      (self.out_features, self.in_features), self.weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if not self.table:
+            return F.linear(x, self.dequantized().to(x.dtype), bias)
+        shape = x.shape
+        y = cpu_kernels.table_linear(x.reshape(-1, shape[-1]), self.lb_codes, self.lb_s, self.code, self.blocksize,
+                                     self.weight_dtype).to(x.dtype)
+        return (y + bias if bias is not None else y).view(*shape[:-1], self.out_features)
 
 
 class LLMInt8Linear(W8A8Linear):

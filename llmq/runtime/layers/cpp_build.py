@@ -6,8 +6,9 @@ Here a build runs under an flock of llmq's own on `<dir>/llmq.lock`, which the k
 whoever holds it knows no live process is building there, so a baton found then is stale and is removed. Waiting
 for the flock is bounded: a build elsewhere that takes longer is a TimeoutError, never a hang.
 
-The directory is named by a hash of what the binary depends on (the source, the flags, torch's and Python's
-versions), so two installs with different sources never share one and rebuild each other's.
+The directory is named by a hash of what the binary depends on (the source and its path, the flags, torch's and
+Python's versions), so two installs never share one and rebuild each other's: PyTorch's build file records the
+source's path, so two checkouts of the same source in one directory would rebuild it in turn.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import torch
 
 
 def build_directory(name: str, source: Path, cflags: list[str]) -> Path:
-    """`<TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/<name>-<hash of the source, flags and versions>`."""
+    """`<TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/<name>-<hash of the source, its path, the flags and
+    versions>`."""
     from torch.utils.cpp_extension import get_default_build_root
 
     h = hashlib.sha256()
-    for part in (source.read_bytes(), "\0".join(cflags).encode(), torch.__version__.encode(), sys.version.encode()):
+    for part in (source.read_bytes(), str(source.resolve()).encode(), "\0".join(cflags).encode(),
+                 torch.__version__.encode(), sys.version.encode()):
         h.update(part + b"\0")
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / f"{name}-{h.hexdigest()[:16]}"

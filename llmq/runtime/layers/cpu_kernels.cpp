@@ -257,11 +257,13 @@ void for_tiles(int64_t tiles, int64_t m, const Rows& rows) {
   });
 }
 
-// bfloat16(u - 8) for the INT4 codes u = 0..15 (exact: small integers), as a vpermw table.
-LLMQ_AVX512 inline __m512i int4_table() {
+// bfloat16(u - offset) for the INT4 / INT5 codes u (exact: small integers), as a vpermw table; the offset of signed
+// codes unless given (Q4_K's are unsigned).
+template <int Bits = 4>
+LLMQ_AVX512 inline __m512i int_table(int offset = 1 << (Bits - 1)) {
   alignas(64) uint16_t lut[32] = {};
-  for (int u = 0; u < 16; ++u) {
-    const float f = static_cast<float>(u - 8);
+  for (int u = 0; u < 1 << Bits; ++u) {
+    const float f = static_cast<float>(u - offset);
     uint32_t bits;
     std::memcpy(&bits, &f, sizeof bits);
     lut[u] = static_cast<uint16_t>(bits >> 16);
@@ -269,30 +271,61 @@ LLMQ_AVX512 inline __m512i int4_table() {
   return _mm512_load_si512(lut);
 }
 
-// 64 bytes of an INT4 tile (16 rows x 8 inputs) as four vectors of bfloat16 pairs (u - 8), bf16_pairs' order.
-LLMQ_AVX512 inline void int4_pairs(__m512i v, __m512i table, __m512i (&p)[4]) {
-  const __m512i nibbles = _mm512_set1_epi8(0x0F);
-  const __m512i lo = _mm512_and_si512(v, nibbles), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles);
+// Codes in bytes (lo: inputs 0-3 of each 32-bit lane's row, hi: inputs 4-7) as four vectors of bfloat16 pairs
+// looked up in `table`, bf16_pairs' order.
+LLMQ_AVX512 inline void byte_pairs(__m512i lo, __m512i hi, __m512i table, __m512i (&p)[4]) {
   p[0] = _mm512_permutexvar_epi16(lo, table);  // 16-bit words: (u0, u2)
   p[1] = _mm512_permutexvar_epi16(_mm512_srli_epi32(lo, 8), table);  // (u1, u3)
   p[2] = _mm512_permutexvar_epi16(hi, table);  // (u4, u6)
   p[3] = _mm512_permutexvar_epi16(_mm512_srli_epi32(hi, 8), table);  // (u5, u7)
 }
 
-template <int R>
-LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_t* x, int64_t k, int64_t group,
-                              float* y, int64_t n) {
+// 64 bytes of an INT4 tile (16 rows x 8 inputs) as four vectors of bfloat16 pairs (u - 8), bf16_pairs' order.
+LLMQ_AVX512 inline void int4_pairs(__m512i v, __m512i table, __m512i (&p)[4]) {
+  const __m512i nibbles = _mm512_set1_epi8(0x0F);
+  byte_pairs(_mm512_and_si512(v, nibbles), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles), table, p);
+}
+
+// INT5 tiles: per 32 inputs, 64 bytes of fifth bits then four 64-byte chunks of the codes' low nibbles in the INT4
+// layout. Row r's 32-bit word h of the fifth bits holds chunk c's input j (0-3) at bit 4 + 8j + c and input 4 + j at
+// bit 8j + c, so one shift and mask puts them at bit 4 of the nibbles' bytes: a 5-bit index for vpermw (u - 16).
+LLMQ_AVX512 inline void int5_pairs(__m512i v, __m512i h, int c, __m512i table, __m512i (&p)[4]) {
+  const __m512i nibbles = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  const __m512i down = _mm512_srl_epi32(h, _mm_cvtsi32_si128(c)), up = _mm512_sll_epi32(h, _mm_cvtsi32_si128(4 - c));
+  const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, nibbles), down, fifth, 0xF8);  // A | (B & C)
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles), up, fifth, 0xF8);
+  byte_pairs(lo, hi, table, p);
+}
+
+// Four vectors of bfloat16 pairs for the 8 inputs at i of an INT4 / INT5 tile (w at them; h: INT5's fifth bits of the
+// 32 inputs i belongs to).
+template <int Bits>
+LLMQ_AVX512 inline void code_pairs(const uint8_t* w, __m512i h, int64_t i, __m512i table, __m512i (&p)[4]) {
+  if constexpr (Bits == 5) int5_pairs(_mm512_loadu_si512(w), h, static_cast<int>(i / 8 % 4), table, p);
+  else int4_pairs(_mm512_loadu_si512(w), table, p);
+}
+
+// Mins (Q4_K): unsigned codes, float32 scales, and per group a min m (value s u - m) subtracted as m times the group's
+// sum of bfloat16(x) (xsum: [R rows][groups]); the output is not rounded to bfloat16 (no PyTorch kernel to match).
+template <int R, int Bits = 4, typename S = uint16_t, bool Mins = false>
+LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const S* s, const uint32_t* x, int64_t k, int64_t group,
+                              float* y, int64_t n, const float* mins = nullptr, const float* xsum = nullptr) {
   constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
-  const __m512i table = int4_table();
+  const __m512i table = Mins ? int_table<Bits>(0) : int_table<Bits>();
+  __m512i h = _mm512_setzero_si512();
   __m512 acc[R];
   zeros<R>(acc);
   for (int64_t g = 0; g < k / group; ++g) {
     __m512 gacc[R][A];
     zeros<R * A>(&gacc[0][0]);
     for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
+      if (Bits == 5 && i % 32 == 0) {  // INT5: the next 32 inputs' fifth bits
+        h = _mm512_loadu_si512(w);
+        w += 64;
+      }
       _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
       __m512i p[4];
-      int4_pairs(_mm512_loadu_si512(w), table, p);
+      code_pairs<Bits>(w, h, i, table, p);
       for (int r = 0; r < R; ++r) {
         const uint32_t* xr = x + r * k / 2 + i / 2;
         for (int j = 0; j < 4; ++j) {
@@ -302,8 +335,12 @@ LLMQ_BF16 void tile_rows_bf16(const uint8_t* w, const uint16_t* s, const uint32_
       }
     }
     fold_group<R, A>(gacc, load_scales(s + g * kTile), acc);
+    if constexpr (Mins) {
+      const __m512 mg = _mm512_loadu_ps(mins + g * kTile);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(xsum[r * (k / group) + g]), mg, acc[r]);
+    }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, Mins ? acc[r] : round_bf16(acc[r]));
 }
 
 // The INT8 counterpart, for PyTorch's INT8 kernel (aten._weight_int8pack_mm: bfloat16(x) times the exact q * s,
@@ -326,8 +363,23 @@ LLMQ_AVX512 inline __m512 row_sums(const __m512 (&t)[4]) {
   return _mm512_shuffle_f32x4(lo, hi, 0x44);
 }
 
-template <int R>
-LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const float* x, const float* xsum, int64_t k,
+// Sixteen E4M3 bytes as float32, exactly: normal codes by moving the exponent and mantissa into place and rebiasing
+// (+120), subnormal ones (exponent 0) as m * 2^-9, so no float32 subnormal is made (DAZ would zero it).
+LLMQ_AVX512 inline __m512 e4m3_floats(__m128i b) {
+  const __m512i u = _mm512_cvtepu8_epi32(b);
+  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7F)), sign = _mm512_slli_epi32(_mm512_srli_epi32(u, 7), 31);
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512));  // exponent 0: m * 2^-9
+  const __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  const __m512 v = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(normal), sub);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+// Fp8 (block FP8, W8A8): E4M3 weight codes decoded exactly, x the activations' E4M3 values (exact in float32, so every
+// product is), one float32 weight scale per row and group (s) times the row's activation scale per group (xsum
+// holds those), float32 out.
+template <int R, bool Fp8 = false, typename S = uint16_t>
+LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const S* s, const float* x, const float* xsum, int64_t k,
                                      int64_t group, float* y, int64_t n) {
   constexpr int A = R == 1 ? 2 : 1;  // independent sums a quarter-tile and row
   __m512 acc[R];
@@ -341,7 +393,7 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const 
         for (int r = 0; r < R; ++r) xv[r] = _mm512_broadcast_f32x4(_mm_loadu_ps(x + r * k + i + 4 * a));
         for (int q = 0; q < 4; ++q) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 * a + 16 * q));
-          const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+          const __m512 c = Fp8 ? e4m3_floats(b) : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
           for (int r = 0; r < R; ++r) gacc[r][a][q] = _mm512_fmadd_ps(c, xv[r], gacc[r][a][q]);
         }
       }
@@ -353,11 +405,12 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const uint16_t* s, const 
         t[q] = gacc[r][0][q];
         for (int a = 1; a < A; ++a) t[q] = _mm512_add_ps(t[q], gacc[r][a][q]);
       }
-      const __m512 sums = _mm512_sub_ps(row_sums(t), _mm512_set1_ps(128.f * xsum[r * (k / group) + g]));
-      acc[r] = _mm512_fmadd_ps(sums, sc, acc[r]);
+      const __m512 xg = _mm512_set1_ps(xsum[r * (k / group) + g]);
+      if constexpr (Fp8) acc[r] = _mm512_fmadd_ps(row_sums(t), _mm512_mul_ps(sc, xg), acc[r]);
+      else acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.f), xg, row_sums(t)), sc, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, Fp8 ? acc[r] : round_bf16(acc[r]));
 }
 
 // The same INT8 product for many rows at the bfloat16 dot-product rate: each tile's codes widened once to bfloat16
@@ -419,7 +472,7 @@ LLMQ_BF16 void pair_rows_bf16(const uint32_t* pairs, const uint16_t* s, const ui
 // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where a kernel or VM
 // withholds it, the first tile instruction faults (SIGILL), so the grant is checked, not cpuid's bits alone.
 #define LLMQ_AMX __attribute__((target("avx512f,avx512bw,fma,amx-tile,amx-bf16")))
-enum class Codes { kInt4, kInt8, kFp4 };
+enum class Codes { kInt4, kInt5, kInt8, kFp4 };
 std::atomic<bool> amx_enabled{true};
 
 bool amx_granted() {
@@ -520,11 +573,17 @@ LLMQ_AVX512 void amx_weights(const uint8_t* w, const uint16_t* s, int64_t k, int
       split_pairs(_mm512_mul_ps(f[1], sc), _mm512_mul_ps(f[3], sc), at(hi, i / 2 + 1), at(lo, i / 2 + 1));
     }
   } else {
-    const __m512i table = C == Codes::kInt4 ? int4_table() : fp4_table();
+    constexpr int bits = C == Codes::kInt5 ? 5 : 4;
+    const __m512i table = C == Codes::kFp4 ? fp4_table() : int_table<bits>();
+    __m512i h = _mm512_setzero_si512();
     for (int64_t i = 0; i < k; i += 8, w += 64) {
+      if (C == Codes::kInt5 && i % 32 == 0) {
+        h = _mm512_loadu_si512(w);
+        w += 64;
+      }
       const __m512 sc = fold ? load_scales(s + i / group * kTile) : _mm512_set1_ps(1.f);
       __m512i p[4];
-      int4_pairs(_mm512_loadu_si512(w), table, p);
+      code_pairs<bits>(w, h, i, table, p);
       for (int j = 0; j < 4; ++j)
         split_pairs(_mm512_mul_ps(even(p[j]), sc), _mm512_mul_ps(odd(p[j]), sc), at(hi, i / 2 + j), at(lo, i / 2 + j));
     }
@@ -631,7 +690,7 @@ void amx_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const u
                  int64_t groups, int64_t group, float divisor, float* y) {
   const bool fp4 = C == Codes::kFp4, scale_out = !fp4 && groups == 1;  // one scale a channel multiplies the sums
   const int halves = amx_split(C, groups) ? 2 : 1;
-  const int64_t n = tiles * kTile, tile_bytes = kTile * k * (C == Codes::kInt8 ? 8 : 4) / 8;
+  const int64_t n = tiles * kTile, tile_bytes = kTile * k * (C == Codes::kInt8 ? 8 : C == Codes::kInt5 ? 5 : 4) / 8;
   const std::vector<uint32_t> xa = amx_x(x, m, k, fp4);
   const auto fill = [&](int64_t t, uint32_t* b) {
     amx_weights<C>(w + t * tile_bytes, s + t * groups * kTile, k, group, groups, b);
@@ -664,14 +723,15 @@ LLMQ_AVX512 void round_groups(const float* x, int64_t count, int64_t group, floa
 // hold them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the way).
 at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t bits,
                               int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 8, "lowbit_linear_bf16: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "lowbit_linear_bf16: bits must be 4, 5 or 8");
   TORCH_CHECK(__builtin_cpu_supports("avx512bw") && (bits == 8 || __builtin_cpu_supports("avx512bf16")),
-              "lowbit_linear_bf16 needs a CPU with AVX-512 (and AVX512-BF16 for INT4)");
+              "lowbit_linear_bf16 needs a CPU with AVX-512 (and AVX512-BF16 for INT4 / INT5)");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "lowbit_linear_bf16: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
               w.is_contiguous() && s.is_contiguous(), "lowbit_linear_bf16: bad packed weight (bfloat16 scales)");
   const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
-  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k * bits / 8, "lowbit_linear_bf16: K=", k,
+  TORCH_CHECK(group % (bits == 5 ? 32 : 8) == 0 && groups * group == k && w.numel() == n * k * bits / 8,
+              "lowbit_linear_bf16: K=", k,
               " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({m, n}, at::kFloat);
@@ -680,8 +740,9 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
-  if (use_amx(m, k, bits == 4 ? kAmxFromInt4 : kAmxFromInt8)) {
+  if (use_amx(m, k, bits == 8 ? kAmxFromInt8 : kAmxFromInt4)) {
     if (bits == 4) amx_product<Codes::kInt4>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
+    else if (bits == 5) amx_product<Codes::kInt5>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
     else amx_product<Codes::kInt8>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
     return y;
   }
@@ -718,11 +779,81 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   for (int64_t r = 0; r < m; ++r) bf16_pairs(src + r * k, k, xp.data() + r * k / 2);
   const auto rows = [&](auto r_const) {
     return [&, r_const](int64_t t, int64_t r) {
-      tile_rows_bf16<decltype(r_const)::value>(wp + t * tile_bytes, sp + t * groups * kTile, xp.data() + r * k / 2, k,
-                                               group, yp + r * n + t * kTile, n);
+      constexpr int R = decltype(r_const)::value;
+      const uint16_t* st = sp + t * groups * kTile;
+      const uint32_t* xr = xp.data() + r * k / 2;
+      float* yr = yp + r * n + t * kTile;
+      if (bits == 5) tile_rows_bf16<R, 5>(wp + t * tile_bytes, st, xr, k, group, yr, n);
+      else tile_rows_bf16<R, 4>(wp + t * tile_bytes, st, xr, k, group, yr, n);
     };
   };
   for_tiles<8>(tiles, m, rows);  // 8 rows share each unpacked weight vector (16 sums in registers): +5% at 32+ rows
+  return y;
+}
+
+// Block FP8 (W8A8; E4M3 weight bytes in the INT8 tiles, a float32 scale per row and group of `group` inputs) times
+// activations already rounded to E4M3 per row and group (xq: their values, xs [M, groups]: their scales), as
+// quant.quantize_token_groups rounds them: every product exact, float32 sums, times both scales per group; float32
+// out. One kernel for every row count (a decode batch or a prefill chunk).
+at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& s,
+                      int64_t group) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "fp8_linear needs a CPU with AVX-512");
+  TORCH_CHECK(xq.dim() == 2 && xq.device().is_cpu() && xq.dtype() == at::kFloat && xs.dtype() == at::kFloat,
+              "fp8_linear: xq and xs must be float32 CPU tensors");
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && s.dim() == 3 && s.size(2) == kTile &&
+              w.is_contiguous() && s.is_contiguous(), "fp8_linear: bad packed weight (float32 scales)");
+  const int64_t m = xq.size(0), k = xq.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k && xs.numel() == m * groups,
+              "fp8_linear: K=", k, " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
+  const at::Tensor x = xq.contiguous(), scales = xs.contiguous();
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const auto* wp = w.data_ptr<uint8_t>();
+  const float *sp = s.data_ptr<float>(), *xp = x.data_ptr<float>(), *xsp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const auto rows = [&](auto r_const) {
+    return [&, r_const](int64_t t, int64_t r) {
+      tile_rows_int8_bf16<decltype(r_const)::value, true, float>(wp + t * kTile * k, sp + t * groups * kTile,
+                                                                 xp + r * k, xsp + r * groups, k, group,
+                                                                 yp + r * n + t * kTile, n);
+    };
+  };
+  for_tiles<0>(tiles, m, rows);
+  return y;
+}
+
+// GGML's Q4_K (unsigned 4-bit codes u in the INT4 tiles; per group of 32 a float32 scale s and min m: the weight is
+// s u - m, llama.cpp's dequantized value up to its one float32 rounding) x 16-bit activations, on AVX512-BF16:
+// bfloat16(x) times the exact s u, less m times the group's sum of bfloat16(x), float32 sums and out. Prefill shares
+// each unpacked weight vector across 8 rows (no AMX path: s u - m needs more than two bfloat16 to be exact).
+at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mins,
+                      int64_t group) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"),
+              "q4k_linear needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "q4k_linear: x must be a 2-D CPU tensor");
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && mins.dtype() == at::kFloat && s.dim() == 3 &&
+              s.size(2) == kTile && mins.sizes() == s.sizes() && w.is_contiguous() && s.is_contiguous() &&
+              mins.is_contiguous(), "q4k_linear: bad packed weight (float32 scales and mins)");
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k / 2, "q4k_linear: K=", k,
+              " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* src = xf.data_ptr<float>();
+  std::vector<uint32_t> xp(m * k / 2);
+  std::vector<float> xb(m * k), xsum(m * groups);
+  for (int64_t r = 0; r < m; ++r) bf16_pairs(src + r * k, k, xp.data() + r * k / 2);
+  round_groups(src, m * groups, group, xb.data(), xsum.data());
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const auto* wp = w.data_ptr<uint8_t>();
+  const float *sp = s.data_ptr<float>(), *mp = mins.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const auto rows = [&](auto r_const) {
+    return [&, r_const](int64_t t, int64_t r) {
+      tile_rows_bf16<decltype(r_const)::value, 4, float, true>(wp + t * kTile * k / 2, sp + t * groups * kTile,
+                                                               xp.data() + r * k / 2, k, group, yp + r * n + t * kTile,
+                                                               n, mp + t * groups * kTile, xsum.data() + r * groups);
+    };
+  };
+  for_tiles<8>(tiles, m, rows);
   return y;
 }
 
@@ -756,6 +887,68 @@ LLMQ_AVX512 void tile_rows_fp4(const uint8_t* w, const S* s, const float* x, int
   }
   const __m512 d = _mm512_set1_ps(divisor);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, _mm512_div_ps(acc[r], d));
+}
+
+// bitsandbytes' NF4 / FP4 (4-bit codes in the INT4 layout, a float32 absmax per row and block of `group` inputs):
+// each weight table[u] * absmax in float32, rounded to the checkpoint's dtype (Round: 0 float32, 1 bfloat16,
+// 2 float16) as bitsandbytes' dequantize makes it, times float32 x, float32 sums: F.linear on that weight up to
+// summation order.
+template <int R, int Round>
+LLMQ_AVX512 void tile_rows_table(const uint8_t* w, const float* s, const float* table16, const float* x, int64_t k,
+                                 int64_t group, float* y, int64_t n) {
+  constexpr int A = R == 1 ? 4 : 2;  // independent sums a row
+  const __m512 table = _mm512_loadu_ps(table16);
+  __m512 acc[R][A];
+  zeros<R * A>(&acc[0][0]);
+  for (int64_t g = 0; g < k / group; ++g) {
+    const __m512 sg = _mm512_loadu_ps(s + g * kTile);
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(w);
+      for (int j = 0; j < 8; ++j) {  // input i + j: byte j % 4 of each lane, low nibble for j < 4
+        __m512 wj = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, j < 4 ? 8 * j : 8 * (j - 4) + 4), table),
+                                  sg);
+        if constexpr (Round == 1) wj = round_bf16(wj);
+        if constexpr (Round == 2) wj = _mm512_cvtph_ps(_mm512_cvtps_ph(wj, _MM_FROUND_TO_NEAREST_INT));
+        for (int r = 0; r < R; ++r) acc[r][j % A] = _mm512_fmadd_ps(wj, _mm512_set1_ps(x[r * k + i + j]), acc[r][j % A]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 t = acc[r][0];
+    for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, acc[r][a]);
+    _mm512_storeu_ps(y + r * n, t);
+  }
+}
+
+at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& table,
+                        int64_t group, int64_t round) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "table_linear needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "table_linear: x must be a 2-D CPU tensor");
+  TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && s.dim() == 3 && s.size(2) == kTile &&
+              w.is_contiguous() && s.is_contiguous() && table.dtype() == at::kFloat && table.numel() == 16 &&
+              table.is_contiguous() && round >= 0 && round <= 2, "table_linear: bad packed weight");
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k / 2, "table_linear: K=", k,
+              " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const float *xp = xf.data_ptr<float>(), *sp = s.data_ptr<float>(), *tp = table.data_ptr<float>();
+  const auto* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const auto run = [&](auto round_const) {
+    const auto rows = [&](auto r_const) {
+      return [&, r_const](int64_t t, int64_t r) {
+        tile_rows_table<decltype(r_const)::value, decltype(round_const)::value>(
+            wp + t * kTile * k / 2, sp + t * groups * kTile, tp, xp + r * k, k, group, yp + r * n + t * kTile, n);
+      };
+    };
+    for_tiles<0>(tiles, m, rows);
+  };
+  if (round == 1) run(std::integral_constant<int, 1>{});
+  else if (round == 2) run(std::integral_constant<int, 2>{});
+  else run(std::integral_constant<int, 0>{});
+  return y;
 }
 
 // x [M, K] (any float dtype) times a packed FP4 weight (codes in the INT4 layout, block scales per (tile, group, row)
@@ -1482,9 +1675,10 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
 // them (eagerly ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the
 // layers' constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its
 // bias (empty when none); kinds (cpu_kernels.py's Kind): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz];
-// 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5:
-// lowbit_linear_bf16 INT4 / INT8 [codes, s, -]; 2-5 take and give bfloat16 (the layers' default arithmetic);
-// 6: dense16_linear [w, -, -]; 7: fp4_linear [codes, s, divisor (a one-element float32 tensor)].
+// 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5 / 8:
+// lowbit_linear_bf16 INT4 / INT8 / INT5 [codes, s, -]; 2-5 and 8 take and give bfloat16 (the layers' default
+// arithmetic); 6: dense16_linear [w, -, -]; 7: fp4_linear [codes, s, divisor (a one-element float32 tensor)];
+// 9: q4k_linear [codes, s, mins].
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
@@ -1495,9 +1689,11 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64
     y = dense16_linear(x, a);
   } else if (kind == 7) {
     y = fp4_linear(x, a, b, group, c.item<double>());
+  } else if (kind == 9) {
+    y = q4k_linear(x, a, b, c, group);
   } else if (kind >= 4) {
-    TORCH_CHECK(kind <= 5, "DecoderStack: unknown linear kind ", kind);
-    y = lowbit_linear_bf16(x, a, b, kind == 4 ? 4 : 8, group);
+    TORCH_CHECK(kind <= 5 || kind == 8, "DecoderStack: unknown linear kind ", kind);
+    y = lowbit_linear_bf16(x, a, b, kind == 4 ? 4 : kind == 5 ? 8 : 5, group);
   } else if (kind == 2) {
     y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), a, group, b);
   } else {
@@ -1553,6 +1749,9 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("amx(bool enable) -> bool", &amx);
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
+  m.def("q4k_linear(Tensor x, Tensor w, Tensor s, Tensor mins, int group) -> Tensor");
+  m.def("fp8_linear(Tensor xq, Tensor xs, Tensor w, Tensor s, int group) -> Tensor");
+  m.def("table_linear(Tensor x, Tensor w, Tensor s, Tensor table, int group, int round) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
@@ -1570,6 +1769,9 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("lowbit_linear_bf16", &lowbit_linear_bf16);
   m.impl("dense16_linear", &dense16_linear);
   m.impl("fp4_linear", &fp4_linear);
+  m.impl("q4k_linear", &q4k_linear);
+  m.impl("fp8_linear", &fp8_linear);
+  m.impl("table_linear", &table_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);

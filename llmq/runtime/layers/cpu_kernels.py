@@ -9,6 +9,12 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
   float32 sums: PyTorch's INT4 / INT8 kernels' numbers up to summation order; on AMX where Linux grants the tile
   state (arch_prctl, not cpuid: a VM may advertise AMX and fault), scaled weights split exactly into bfloat16 hi + lo.
   Layers whose scales or zero points PyTorch's kernels would round keep those kernels. LLMQ_AMX=0 turns AMX off.
+- `q4k_linear` (AVX512-BF16): GGML's Q4_K (unsigned codes in the INT4 tiles, float32 scale and min per 32 inputs)
+  times bfloat16(x), float32 sums: the reference layer's product up to x's rounding.
+- `fp8_linear` (AVX-512): block FP8 (W8A8) bytes in the INT8 tiles decoded exactly, times activations already
+  rounded to E4M3 per group: the reference layer's product from the packed bytes.
+- `table_linear` (AVX-512): bitsandbytes' NF4 / FP4 codes in the INT4 tiles looked up in their 16-value table, times
+  the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums.
 - `fp4_linear` (AVX-512): NVFP4 / MXFP4 codes in the INT4 tiles decoded exactly by a 16-entry table, float32 sums:
   the dense FP4 path's numbers from the packed bytes.
 - `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
@@ -66,7 +72,8 @@ def available() -> bool:
     if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0" or not _build():
         return False
     for name, fake in (("lowbit_linear", _fake_linear), ("lowbit_linear_bf16", _fake_linear_bf16),
-                       ("dense16_linear", _fake_dense16),
+                       ("dense16_linear", _fake_dense16), ("q4k_linear", _fake_q4k),
+                       ("fp8_linear", _fake_fp8), ("table_linear", _fake_table),
                        ("rms_norm", _fake_same), ("silu_mul", _fake_half), ("decode_attention", _fake_same),
                        ("rope_kv_write", _fake_rope)):
         torch.library.register_fake(f"llmq_cpu::{name}")(fake)
@@ -101,6 +108,18 @@ def _fake_linear_bf16(x, w, s, bits, group):
     return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
+def _fake_q4k(x, w, s, mins, group):
+    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+
+
+def _fake_fp8(xq, xs, w, s, group):
+    return xq.new_empty(xq.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+
+
+def _fake_table(x, w, s, table, group, round):
+    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+
+
 def _fake_dense16(x, w):
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
@@ -126,10 +145,11 @@ def usable(t: torch.Tensor) -> bool:
 
 def lowbit_fits(n: int, k: int, group: int, bits: int, int8_activations: bool) -> bool:
     """Whether a [n, k] weight in groups of `group` inputs (k: per channel) can take the low-bit kernels here:
-    lowbit_linear (int8 activations, AVX512-VNNI) or lowbit_linear_bf16 (INT4: AVX512-BF16, INT8: AVX-512)."""
+    lowbit_linear (INT4 / INT8, int8 activations, AVX512-VNNI) or lowbit_linear_bf16 (INT4 / INT5: AVX512-BF16,
+    INT8: AVX-512)."""
     shape = n % TILE == 0 and k % BLOCK == 0 and group % BLOCK == 0 and k % group == 0
-    bf16 = {"avx512bw", "avx512_bf16"} <= cpu_flags() if bits == 4 else "avx512bw" in cpu_flags()
-    return shape and (set(_VNNI) <= cpu_flags() if int8_activations else bf16)
+    bf16 = {"avx512bw", "avx512_bf16"} <= cpu_flags() if bits in (4, 5) else "avx512bw" in cpu_flags()
+    return shape and (bits != 5 and set(_VNNI) <= cpu_flags() if int8_activations else bf16)
 
 
 def fp4_fits(n: int, k: int, group: int) -> bool:
@@ -147,13 +167,22 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: 
     z = offset + (zero.float() if zero is not None else torch.zeros(n, g))
     scale = scale.float()
     sz = torch.empty(0) if bool((z == 1 << (bits - 1)).all()) else _tiles(scale * z)
-    return pack_codes(q.to(torch.int32) + offset, bits), pack_scales(scale), sz
+    u = q.to(torch.int32) + offset
+    if int(u.min()) < 0 or int(u.max()) >= 1 << bits:
+        raise ValueError(f"cpu_kernels.pack: codes outside {bits} bits")
+    return pack_codes(u, bits), pack_scales(scale), sz
 
 
 def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes u [N, K] (INT8: 0-255, INT4 / FP4: 0-15) in the kernels' tiles, flat uint8."""
+    """Unsigned codes u [N, K] (INT8: 0-255, INT5: 0-31, INT4 / FP4: 0-15) in the kernels' tiles, flat uint8."""
     n, k = u.shape
     u = u.to(torch.uint8)
+    if bits == 5:   # per 32 inputs: the fifth bits (64 bytes), then the low nibbles as INT4 tiles (256)
+        nibbles = pack_codes(u & 15, 4).view(n // TILE, k // 32, 256)
+        fifth = (u >> 4).to(torch.int64).view(n // TILE, TILE, k // 32, 4, 8)   # [tile, row, block, chunk, input]
+        word = (fifth << _FIFTH_BIT).sum((-1, -2))                              # one 32-bit word a row and block
+        words = ((word.unsqueeze(-1) >> torch.tensor([0, 8, 16, 24])) & 255).to(torch.uint8).transpose(1, 2)
+        return torch.cat([words.reshape(n // TILE, k // 32, 64), nibbles], -1).contiguous().view(-1)
     if bits == 4:
         u = u.view(n, k // 8, 2, 4)
         u = u[:, :, 0] | (u[:, :, 1] << 4)  # [N, K/8, 4]: a byte holds input j (low nibble) and j + 4 (high)
@@ -161,6 +190,10 @@ def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
     else:
         codes = u.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
     return codes.contiguous().view(-1)
+
+
+# where cpu_kernels.cpp's int5_pairs reads input j (of 8) of chunk c (of 4) in a row's word of fifth bits
+_FIFTH_BIT = torch.tensor([[4 + 8 * j + c if j < 4 else 8 * (j - 4) + c for j in range(8)] for c in range(4)])
 
 
 def pack_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -182,8 +215,9 @@ def lowbit_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, sz: tor
 
 
 def lowbit_linear_bf16(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """x [M, K] times a packed symmetric INT4 / INT8 weight with bfloat16 scales, [M, N] float32 holding bfloat16
-    values: the arithmetic of PyTorch's INT4 / INT8 kernels (bfloat16 in and out, exact products, float32 sums)."""
+    """x [M, K] times a packed symmetric INT4 / INT5 / INT8 weight with bfloat16 scales, [M, N] float32 holding
+    bfloat16 values: the arithmetic of PyTorch's INT4 / INT8 kernels (bfloat16 in and out, exact products, float32
+    sums)."""
     return torch.ops.llmq_cpu.lowbit_linear_bf16(x, codes, s, bits, group)
 
 
@@ -192,6 +226,59 @@ def fp4_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int
     """x [M, K] times a packed FP4 weight's exact values (E2M1 x block scale) in float32 arithmetic, divided by
     `divisor`: float32 [M, N]."""
     return torch.ops.llmq_cpu.fp4_linear(x, codes, s, group, divisor)
+
+
+def q4k_fits(n: int, k: int) -> bool:
+    """Whether a Q4_K weight [n, k] takes q4k_linear here (a CPU with AVX512-BF16, the kernels built)."""
+    return n % TILE == 0 and k % BLOCK == 0 and {"avx512bw", "avx512_bf16"} <= cpu_flags() and available()
+
+
+def pack_q4k(codes: torch.Tensor, s: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]:
+    """A Q4_K weight (codes [N, K] 0-15; per group of 32 its float32 step s and min, [N, K / 32]) in q4k_linear's
+    layout: the INT4 tiles, scales and mins as [N / 16, K / 32, 16]."""
+    return pack_codes(codes, 4), _tiles(s.float()), _tiles(mins.float())
+
+
+def q4k_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times a packed Q4_K weight (pack_q4k): bfloat16(x) times s u - m, float32 sums, [M, N] float32."""
+    return torch.ops.llmq_cpu.q4k_linear(x, codes, s, mins, BLOCK)
+
+
+def fp8_fits(n: int, k: int, group: int) -> bool:
+    """Whether a block-FP8 weight [n, k] with `group`-input blocks takes fp8_linear here (a CPU with AVX-512, the
+    kernels built)."""
+    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and "avx512bw" in cpu_flags() and available()
+
+
+def pack_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-FP8 weight (E4M3 q [N, K], float32 scale per block [ceil(N / b0), K / b1]) in fp8_linear's layout:
+    the bytes in the INT8 tiles, each row's scale per group [N / 16, K / b1, 16]."""
+    rows = scale.float().repeat_interleave(block[0], 0)[:q.shape[0]]
+    return pack_codes(q.view(torch.uint8), 8), _tiles(rows)
+
+
+def fp8_linear(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """Activations rounded to E4M3 per row and group (quant.quantize_token_groups: values xq, scales xs) times a
+    packed block-FP8 weight (pack_fp8): exact products, float32 sums, [M, N] float32."""
+    return torch.ops.llmq_cpu.fp8_linear(xq.float(), xs, codes, s, group)
+
+
+def table_fits(n: int, k: int, group: int) -> bool:
+    """Whether a bitsandbytes 4-bit weight [n, k] in blocks of `group` takes table_linear here: whole blocks a row, a
+    CPU with AVX-512, the kernels built."""
+    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and "avx512bw" in cpu_flags() and available()
+
+
+_ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # table_linear's `round`
+
+
+def table_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, table: torch.Tensor, group: int,
+                 weight_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] times 4-bit codes looked up in a 16-value table (bitsandbytes' NF4 / FP4 `code`) times a float32
+    scale per row and group, each weight rounded to `weight_dtype` as bitsandbytes' dequantize returns it: float32
+    sums, [M, N] float32."""
+    return torch.ops.llmq_cpu.table_linear(x, codes, s, table, group, _ROUNDING[weight_dtype])
 
 
 def dense16_fits(dtype: torch.dtype, shape: tuple[int, ...], device) -> bool:
@@ -250,6 +337,8 @@ class Kind(enum.IntEnum):
     LOWBIT8_BF16 = 5   # lowbit_linear_bf16 INT8 [codes, s]
     DENSE16 = 6        # dense16_linear [w]
     FP4 = 7            # fp4_linear [codes, s, divisor]
+    LOWBIT5_BF16 = 8   # lowbit_linear_bf16 INT5 [codes, s]
+    Q4K = 9            # q4k_linear [codes, s, mins]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Elsewhere than a Hopper GPU the layer reproduces the kernels' numbers: the activations are rounded to E4M3 with their
 per-group scales exactly as `llmq.quant` (and vLLM's kernel) computes them, dequantized, and multiplied in float32 by
-the weight dequantized block by block, which equals a float64 dequantize-then-matmul within float32 rounding. On
+the weight dequantized block by block, which equals a float64 dequantize-then-matmul within float32 rounding; on CPUs
+with AVX-512 from the packed bytes (cpu_kernels.fp8_linear: the same products, exact, float32 sums). On
 Hopper (compute capability 9.x) with 128-aligned shapes it runs torch's blockwise-scaled GEMM
 (`torch.nn.functional.scaled_mm`, BlockWise1x128 activations x BlockWise128x128 weights, cuBLASLt from CUDA 12.9), if a
 probe call at load succeeds (else `fallback_reason` says why). cuBLASLt wants the token count a multiple of 4: decode
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import quant
+from . import cpu_kernels
 from .linear import LinearBase, one_line, set_buffer
 
 
@@ -23,12 +25,17 @@ class BlockFP8Linear(LinearBase):
         super().__init__()
         self.out_features, self.in_features = n, k = qw.q.shape
         self.block = tuple(qw.block)
-        set_buffer(self, "w", qw.q.to(device=device, dtype=quant.FP8))
-        set_buffer(self, "scale", qw.scale.to(device=device, dtype=torch.float32))
         set_buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
+        self.packed = torch.device(device).type == "cpu" and cpu_kernels.fp8_fits(n, k, self.block[1])
+        if self.packed:
+            for name, t in zip(("lb_codes", "lb_s"), cpu_kernels.pack_fp8(qw.q.to(quant.FP8), qw.scale, self.block)):
+                set_buffer(self, name, t)
+        else:
+            set_buffer(self, "w", qw.q.to(device=device, dtype=quant.FP8))
+            set_buffer(self, "scale", qw.scale.to(device=device, dtype=torch.float32))
         self.scaled_mm, self.fallback_reason = False, None
-        if self.w.device.type == "cuda" and self.block == (128, 128) and n % 128 == 0 and k % 128 == 0 and \
-                torch.cuda.get_device_capability(self.w.device)[0] == 9 and hasattr(F, "scaled_mm"):
+        if not self.packed and self.w.device.type == "cuda" and self.block == (128, 128) and n % 128 == 0 and \
+                k % 128 == 0 and torch.cuda.get_device_capability(self.w.device)[0] == 9 and hasattr(F, "scaled_mm"):
             self.register_buffer("scale_b", scaled_mm_weight_scales(self.scale), persistent=False)  # kept transposed
             try:
                 blockwise_scaled_mm(torch.zeros(1, k, device=self.w.device), self.w, self.scale_b)
@@ -42,6 +49,9 @@ class BlockFP8Linear(LinearBase):
         x2 = x.reshape(-1, shape[-1])
         if self.scaled_mm:
             y = blockwise_scaled_mm(x2, self.w, self.scale_b)
+        elif self.packed:
+            y = cpu_kernels.fp8_linear(*quant.quantize_token_groups(x2, self.block[1]), self.lb_codes, self.lb_s,
+                                       self.block[1])
         else:
             xq, xs = quant.quantize_token_groups(x2, self.block[1])
             xd = quant.dequantize_fp8_blocks(xq, xs, (1, self.block[1]))

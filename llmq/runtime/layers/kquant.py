@@ -1,9 +1,9 @@
-"""GGML k-quant weights (`llmq quantize --grid q4_k`): Q4_K, computed as llama.cpp dequantizes it.
+"""GGML k-quant weights (`llmq quantize --grid q4_k`): Q4_K, computed from llama.cpp's dequantized values.
 
-The layer keeps the codes (one byte a weight) with their fp16 super-block d / dmin and 6-bit sub-block sc / m, and
-each forward dequantizes the weight into the compute dtype (`llmq.quant.dequantize_q4_k`: bit for bit llama.cpp's
-dequantize_row_q4_K in float32) and runs the BLAS matmul. No dedicated kernel yet: it is the reference path, what the
-quantize probe and the GGUF export are checked against, not a fast one.
+On CPUs with AVX512-BF16 the layer holds the codes packed in 4 bits with each group's float32 step and min
+(cpu_kernels.q4k_linear: bfloat16(x) times the exact s * n - mn, float32 sums). Elsewhere it keeps the codes (a
+byte each) with their fp16 super-block d / dmin and 6-bit sub-block sc / m, and each forward dequantizes the weight
+(`llmq.quant.dequantize_q4_k`: bit for bit llama.cpp's dequantize_row_q4_K in float32) for the BLAS matmul.
 """
 
 from __future__ import annotations
@@ -12,21 +12,34 @@ import torch
 import torch.nn.functional as F
 
 from ... import quant
+from . import cpu_kernels
+from .cpu_kernels import FusedLinear, Kind
 from .linear import LinearBase, set_buffer
 
 
 class Q4KLinear(LinearBase):
     def __init__(self, qw, bias: torch.Tensor | None, dtype: torch.dtype, device):
         super().__init__()
-        self.out_features, self.in_features = qw.q.shape
-        for name in ("q", "d", "dmin", "sc", "m"):
-            set_buffer(self, name, getattr(qw, name).to(device))
+        self.out_features, self.in_features = n, k = qw.q.shape
         set_buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
+        self.kernel = torch.device(device).type == "cpu" and cpu_kernels.q4k_fits(n, k)
+        if self.kernel:
+            s, mins = quant.q4_k_scale_min(qw.d, qw.dmin, qw.sc, qw.m)
+            for name, t in zip(("lb_codes", "lb_s", "lb_m"), cpu_kernels.pack_q4k(qw.q, s, mins)):
+                set_buffer(self, name, t)
+        else:
+            for name in ("q", "d", "dmin", "sc", "m"):
+                set_buffer(self, name, getattr(qw, name).to(device))
 
-    def weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return quant.dequantize_q4_k(self.q, self.d, self.dmin, self.sc, self.m, dtype)
+    def fused_spec(self) -> FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
+        return FusedLinear(Kind.Q4K, (self.lb_codes, self.lb_s, self.lb_m), quant.Q4K_SUB) if self.kernel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = F.linear(x.reshape(-1, shape[-1]), self.weight(x.dtype))
+        x2 = x.reshape(-1, shape[-1])
+        if self.kernel:
+            y = cpu_kernels.q4k_linear(x2, self.lb_codes, self.lb_s, self.lb_m)
+        else:
+            y = F.linear(x2, quant.dequantize_q4_k(self.q, self.d, self.dmin, self.sc, self.m, x.dtype))
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)

@@ -1,4 +1,4 @@
-"""Linear layers: dense, and the integer weight-only schemes `llmq quantize` writes (INT8, INT4, INT5 on the INT8 path).
+"""Linear layers: dense, and the integer weight-only schemes `llmq quantize` writes (INT8, INT4, INT5 in INT8's layer).
 
 Weights stay in their low-bit form in memory; each class picks the fastest real kernel the device has. Every scale,
 grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes its quality probe with.
@@ -14,10 +14,12 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
   CPU it takes bfloat16 activations and scales and returns bfloat16, so steps compute with activations and outputs
   rounded to bfloat16 (2^-8 relative); larger batches compute those numbers with the BLAS matmul on the dequantized
   weight (grouped scales, which the kernel does not take: in the compute dtype).
-- INT4 / INT8 weight-only, symmetric with bfloat16 scales (INT8: per channel), on x86 CPUs with AVX512-BF16 / AVX-512:
-  llmq's kernel (cpu_kernels.lowbit_linear_bf16) on the same packed tiles, computing what PyTorch's kernels below
-  compute (bfloat16 activations times the exact weights, float32 sums, bfloat16 out; only the summation order
-  differs), 2x+ faster at batch 1, and the same arithmetic at every batch size (PyTorch's INT8 one takes 8 rows).
+- INT4 / INT5 / INT8 weight-only, symmetric with bfloat16 scales, on x86 CPUs with AVX512-BF16 (INT8: AVX-512):
+  llmq's kernel (cpu_kernels.lowbit_linear_bf16) on packed tiles (INT5 in 5 bits a weight), computing what PyTorch's
+  kernels below compute (bfloat16 activations times the exact weights, float32 sums, bfloat16 out; only the
+  summation order differs), 2x+ faster at batch 1, and the same arithmetic at every batch size (PyTorch's INT8 one
+  takes 8 rows and one scale a channel). INT5 and INT8 in groups have no PyTorch kernel: elsewhere they take the
+  float path below.
 - INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
   packing (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
   bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
@@ -184,10 +186,12 @@ def grouped(scale: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Int8WeightOnlyLinear(LinearBase):
+    """8-bit weights, and 5-bit ones (GGUF's Q5_0 / Q5_1) held as int8 unless llmq's INT5 kernel packs them."""
+
     max_kernel_rows = 8  # above this PyTorch's kernel (a GEMV per row) loses to dequantize + BLAS
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype, int8_activations: bool = False):
+                 compute_dtype: torch.dtype, int8_activations: bool = False, bits: int = 8):
         super().__init__()
         n, k = q.shape
         self.out_features, self.in_features = n, k
@@ -196,11 +200,12 @@ class Int8WeightOnlyLinear(LinearBase):
         set_buffer(self, "zero", grouped(zero, n) if zero is not None and bool((zero != 0).any()) else None)
         set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.compute_dtype = compute_dtype
-        # llmq's kernels: with int8 activations wherever they fit; with 16-bit ones where PyTorch's kernel below would
-        # serve (one scale per output channel, no zero point), computing its numbers
-        per_channel = self.scale.shape[1] == 1 and self.zero is None
-        self.lowbit = _lowbit(self, q, self.scale, self.zero, 8, int8_activations) \
-            if int8_activations or per_channel else None
+        # llmq's kernels: with int8 activations wherever they fit; with 16-bit ones for symmetric weights with
+        # bfloat16 scales (PyTorch's kernel's numbers where it would serve: one scale a channel), INT5 in 5 bits
+        int5 = bits == 5 and not int8_activations
+        self.lowbit = None if not int8_activations and self.zero is not None else \
+            (int5 and _lowbit(self, q, self.scale, None, 5, False)) or \
+            _lowbit(self, q, self.scale, self.zero, 8, int8_activations)
         if self.lowbit:
             for name in ("q", "scale", "zero"):
                 self._buffers.pop(name)
@@ -320,7 +325,8 @@ def _lowbit_spec(layer: LinearBase) -> FusedLinear:
     """fused_spec of a layer on llmq's low-bit kernels: any number of rows."""
     bits, group, a8 = layer.lowbit
     if not a8:
-        return FusedLinear(Kind.LOWBIT4_BF16 if bits == 4 else Kind.LOWBIT8_BF16, (layer.lb_codes, layer.lb_s), group)
+        kind = {4: Kind.LOWBIT4_BF16, 5: Kind.LOWBIT5_BF16, 8: Kind.LOWBIT8_BF16}[bits]
+        return FusedLinear(kind, (layer.lb_codes, layer.lb_s), group)
     return FusedLinear(Kind.LOWBIT4 if bits == 4 else Kind.LOWBIT8, (layer.lb_codes, layer.lb_s, layer.lb_sz), group)
 
 
