@@ -1,10 +1,11 @@
 """Gemma 3 270M, the second real model (its Q4_K_M GGUF from PyPI, imported as `gemma3-270m`), through import,
-the runtime against transformers, quantize (RTN, GPTQ, AWQ), eval's KLD and serve. About five minutes on 2 cores;
-the tiny Gemma 3 of test_families covers tp 2 and every export contract."""
+the runtime against transformers, quantize (RTN, GPTQ), eval's KLD and serve, and a recipe. About five minutes on 2
+cores (its 262k-token vocabulary makes every probe and export slow: AWQ and the GGUF export, ~40 s and ~75 s here,
+are left to the tiny Gemma 3 of test_families, which covers tp 2 and every export contract, and to
+benchmarks/gguf_in_llamacpp.py on this model)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import httpx
@@ -64,27 +65,22 @@ def test_runtime_equals_transformers(gemma, ids):
     assert out == want
 
 
-def test_quantize_rtn_gptq_awq_then_eval_and_serve(gemma, ids):
+def test_quantize_rtn_gptq_then_eval_and_serve(gemma, ids):
     from llmq.evals.evaluate import EvalSettings, run_eval
     from llmq.pipeline.quantize import QuantizeOptions, quantize
-    from llmq.pipeline.targets import BuildOptions, build_engine
     from llmq.runtime import EngineConfig
 
     store, base = gemma
     arts = {m: quantize(base, QuantizeOptions(method=m, **CALIB), store, progress=False)
-            for m in ("rtn", "gptq", "awq")}
+            for m in ("rtn", "gptq")}
     probes = {m: a.metrics["probe"] for m, a in arts.items()}
     assert all(math.isfinite(p["kld_mean"]) and 0 < p["kld_mean"] for p in probes.values())
-    # calibration must pay on the real model: both calibrated methods under round-to-nearest's KLD
-    assert probes["gptq"]["kld_mean"] < probes["rtn"]["kld_mean"] and \
-        probes["awq"]["kld_mean"] < probes["rtn"]["kld_mean"], probes
+    # calibration must pay on the real model: GPTQ under round-to-nearest's KLD
+    assert probes["gptq"]["kld_mean"] < probes["rtn"]["kld_mean"], probes
 
     gptq = arts["gptq"]
     report = run_eval(store, gptq, base, EvalSettings(tasks=["kld"], limit=4, seed=0), []).report
     assert 0 < report["kld"]["mean"] < 5 and 0 < report["kld"]["top1"] < 100  # top-1 in percent
-    built = build_engine(gptq, store, BuildOptions(target="gguf"))
-    gguf = json.loads((built.path / "engine.json").read_text())["outputs"]["gguf"]
-    assert gguf["architecture"] == "gemma3" and gguf["file_type"] == "Q4_0"
 
     with live_server(gptq.path, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20), name="gemma") as live:
         r = httpx.post(f"{live.url}/v1/completions", timeout=120,
@@ -105,7 +101,7 @@ def test_llmq_run_takes_it_through_a_recipe(gemma, tmp_path, monkeypatch):
     monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
     store, _ = gemma
     recipe = {"name": "gemma", "model": "gemma3-270m", "seed": 0, "stages": {
-        "quantize": {"method": "gptq", **{k: v for k, v in CALIB.items() if k != "probe_tokens"}},
+        "quantize": {"method": "gptq", **CALIB, "probe_tokens": 0},   # the eval stage measures it
         "quantize-kv": {"kv": "int8", "num_samples": 2, "seq_len": 64},
         "build": {"tp": 1, "kv": "int8", "verify": True},
         "eval": {"tasks": ["kld"], "limit": 4, "gate": "kld<=5"}}}
