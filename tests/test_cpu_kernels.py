@@ -225,17 +225,17 @@ def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k):
 
 
 @needs_avx512
-@pytest.mark.parametrize("n,k,block", [(48, 512, (128, 128)), (32, 256, (16, 64))])
+@pytest.mark.parametrize("n,k,block", [(48, 512, (128, 128)), (32, 256, (16, 64)), (48, 576, (128, 128))])
 def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block):
     """Every E4M3 weight code but NaN (subnormals, both zeros, 448), with float32 block scales and activations rounded
     to E4M3 per group as the layer rounds them: every product exact, so the kernel is the float64 product up to
-    float32 summation, for one row and several."""
+    float32 summation, for one row and several; 576 inputs (SmolLM2's width) end in a half block."""
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(k)
     codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256)[torch.randperm(n * k, generator=gen)].view(n, k)
     codes[(codes & 0x7F) == 0x7F] = 0x38   # NaN -> 1.0
     q = codes.view(quant.FP8)
-    scale = torch.rand(-(-n // block[0]), k // block[1], generator=gen) + 0.5
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) + 0.5
     w = quant.dequantize_fp8_blocks(q, scale, block, torch.float64)
     packed = cpu_kernels.pack_fp8(q, scale, block)
     for rows in (1, 3, 4, 9):

@@ -377,17 +377,19 @@ LLMQ_AVX512 inline __m512 e4m3_floats(__m128i b) {
 
 // Fp8 (block FP8, W8A8): E4M3 weight codes decoded exactly, x the activations' E4M3 values (exact in float32, so every
 // product is), one float32 weight scale per row and group (s) times the row's activation scale per group (xsum
-// holds those), float32 out.
+// holds those), float32 out; the last group may be short (K need not be a multiple of the block).
 template <int R, bool Fp8 = false, typename S = uint16_t>
 LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const S* s, const float* x, const float* xsum, int64_t k,
                                      int64_t group, float* y, int64_t n) {
   constexpr int A = R == 1 ? 2 : 1;  // independent sums a quarter-tile and row
+  const int64_t groups = (k + group - 1) / group;
   __m512 acc[R];
   zeros<R>(acc);
-  for (int64_t g = 0; g < k / group; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {
     __m512 gacc[R][A][4];
     zeros<R * A * 4>(&gacc[0][0][0]);
-    for (int64_t i = g * group; i < (g + 1) * group; i += 4 * A, w += 64 * A) {  // 64 bytes = 16 rows x 4 inputs
+    const int64_t end = std::min((g + 1) * group, k);
+    for (int64_t i = g * group; i < end; i += 4 * A, w += 64 * A) {  // 64 bytes = 16 rows x 4 inputs
       for (int a = 0; a < A; ++a) {
         __m512 xv[R];
         for (int r = 0; r < R; ++r) xv[r] = _mm512_broadcast_f32x4(_mm_loadu_ps(x + r * k + i + 4 * a));
@@ -405,7 +407,7 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const S* s, const float* 
         t[q] = gacc[r][0][q];
         for (int a = 1; a < A; ++a) t[q] = _mm512_add_ps(t[q], gacc[r][a][q]);
       }
-      const __m512 xg = _mm512_set1_ps(xsum[r * (k / group) + g]);
+      const __m512 xg = _mm512_set1_ps(xsum[r * groups + g]);
       if constexpr (Fp8) acc[r] = _mm512_fmadd_ps(row_sums(t), _mm512_mul_ps(sc, xg), acc[r]);
       else acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.f), xg, row_sums(t)), sc, acc[r]);
     }
@@ -803,7 +805,8 @@ at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& xs, const at::Tens
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && s.dim() == 3 && s.size(2) == kTile &&
               w.is_contiguous() && s.is_contiguous(), "fp8_linear: bad packed weight (float32 scales)");
   const int64_t m = xq.size(0), k = xq.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
-  TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k && xs.numel() == m * groups,
+  TORCH_CHECK(group % 8 == 0 && k % 8 == 0 && groups == (k + group - 1) / group && w.numel() == n * k &&
+              xs.numel() == m * groups,
               "fp8_linear: K=", k, " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
   const at::Tensor x = xq.contiguous(), scales = xs.contiguous();
   at::Tensor y = at::empty({m, n}, at::kFloat);

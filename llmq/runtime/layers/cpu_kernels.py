@@ -246,14 +246,14 @@ def q4k_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, mins: torc
 
 
 def fp8_fits(n: int, k: int, group: int) -> bool:
-    """Whether a block-FP8 weight [n, k] with `group`-input blocks takes fp8_linear here (a CPU with AVX-512, the
-    kernels built)."""
-    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and "avx512bw" in cpu_flags() and available()
+    """Whether a block-FP8 weight [n, k] with `group`-input blocks (the last one may be short) takes fp8_linear here
+    (a CPU with AVX-512, the kernels built)."""
+    return n % TILE == 0 and group % 8 == 0 and k % 8 == 0 and "avx512bw" in cpu_flags() and available()
 
 
 def pack_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-FP8 weight (E4M3 q [N, K], float32 scale per block [ceil(N / b0), K / b1]) in fp8_linear's layout:
-    the bytes in the INT8 tiles, each row's scale per group [N / 16, K / b1, 16]."""
+    """A block-FP8 weight (E4M3 q [N, K], float32 scale per block [ceil(N / b0), ceil(K / b1)]) in fp8_linear's
+    layout: the bytes in the INT8 tiles, each row's scale per group [N / 16, ceil(K / b1), 16]."""
     rows = scale.float().repeat_interleave(block[0], 0)[:q.shape[0]]
     return pack_codes(q.view(torch.uint8), 8), _tiles(rows)
 
