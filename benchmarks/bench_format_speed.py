@@ -5,9 +5,8 @@ the bundled runtime (the engine `llmq serve` runs), with --threads threads:
 - decode: steady-state steps of one sequence after a --prompt-len-token prefill (tokens/s);
 - prefill: one --prompt-len-token prompt on a warmed engine (tokens/s).
 Variants are interleaved round by round (--repeats), so a load change on the shared machine hits each alike; the
-median and its ratio to INT4 RTN g32 (the baseline) are printed, with MB read a decode step and MBU. "nf4-torch" is
-the NF4 artifact with bitsandbytes' dequantize kernel off (the runtime's exact fallback, where bitsandbytes is
-missing). Issue 53's target: every format >= 0.8x INT4 on both.
+median and its ratio to INT4 RTN g32 (the baseline) are printed, with MB read a decode step and MBU. Issue 53's
+target: every format >= 0.8x INT4 on both.
 
     python benchmarks/bench_format_speed.py [--model REF] [--store DIR] [--formats NAME ...] [--threads 1]
         [--steps 32] [--prompt-len 128] [--repeats 3] [--json OUT]
@@ -32,7 +31,7 @@ from bench_serve_throughput import batch1_decode, make_prompts  # noqa: E402
 
 from llmq.artifacts import Store  # noqa: E402
 from llmq.bench.hw import machine_key, read_bandwidth  # noqa: E402
-from llmq.models import bnbformat, resolve_model  # noqa: E402
+from llmq.models import resolve_model  # noqa: E402
 from llmq.models.checkpoint import read_config  # noqa: E402
 from llmq.pipeline.quantize import QuantizeOptions, quantize  # noqa: E402
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -71,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model reference (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--store", default=None, help="artifact store (default: $LLMQ_STORE or ~/.local/share/llmq/store)")
-    ap.add_argument("--formats", nargs="+", default=list(VARIANTS), choices=[*VARIANTS, "nf4-torch"])
+    ap.add_argument("--formats", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -84,20 +83,15 @@ def main() -> None:
     model = resolve_model(args.model, store)
     names = [BASELINE] + [f for f in args.formats if f != BASELINE]
     paths = {k: quantize(model, dataclasses.replace(VARIANTS[k], probe_tokens=0), store, progress=False).path
-             for k in names if k != "nf4-torch"}
-    if "nf4-torch" in names:
-        paths["nf4-torch"] = paths.get("nf4") or quantize(model, VARIANTS["nf4"], store, progress=False).path
+             for k in names}
     peak = read_bandwidth("cpu", 1 << 30)  # llmq bench hw's measurement, over a 1 GiB buffer, now
     prompts = make_prompts(3, args.prompt_len, read_config(model.path)["vocab_size"])
-    kernels = bnbformat.kernels
     runs: dict[str, list[dict]] = {k: [] for k in paths}
     for _ in range(args.repeats):
         for name, path in paths.items():
-            bnbformat.kernels = (lambda: None) if name == "nf4-torch" else kernels
             run = batch1_decode(path, prompts[0], args.steps, peak)
             run["prefill_tokens_per_s"] = prefill_tokens_per_s(path, prompts[1:])
             runs[name].append(run)
-    bnbformat.kernels = kernels
     med = {k: {m: statistics.median(r[m] for r in rs) for m in ("tokens_per_s", "prefill_tokens_per_s", "mbu")}
            for k, rs in runs.items()}
     base = med[BASELINE]
