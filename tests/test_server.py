@@ -253,15 +253,16 @@ def test_api_key_and_full_queue(tiny):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
             live.client("wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
-        good = live.client("sekrit")
-        assert good.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+        good = live.client("sekrit")   # greedy below: a sampled EOS would end a request before its token count
+        answer = good.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
+        assert answer.usage.completion_tokens == 2
 
         # one running slot and no waiting room: while a request is in flight (held at the engine's next step by a
         # gate, so no timing is involved) a second one is refused with 429
         engine, gate, done = live.fe.engine, threading.Event(), []
         engine.step = lambda: (gate.wait(), LLMEngine.step(engine))[1]
         first = threading.Thread(target=lambda: done.append(good.completions.create(model="tiny", prompt="hello",
-                                                                                      max_tokens=5)))
+                                                                                      max_tokens=5, temperature=0)))
         first.start()
         wait_for(lambda: live.fe.loop.in_flight == 1)
         with pytest.raises(openai.RateLimitError) as e:
@@ -272,7 +273,8 @@ def test_api_key_and_full_queue(tiny):
         del engine.step
         assert done[0].usage.completion_tokens == 5
         wait_for(lambda: live.fe.loop.in_flight == 0)
-        assert good.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason == "length"
+        assert good.completions.create(model="tiny", prompt="x", max_tokens=1,
+                                   temperature=0).choices[0].finish_reason == "length"
         assert live.metrics()["llmq:requests_rejected_total"] == 1
 
         def boom():
