@@ -1,5 +1,5 @@
 """Gemma 3 270M, the second real model (its Q4_K_M GGUF from PyPI, imported as `gemma3-270m`), through import,
-the runtime against transformers, quantize (RTN, GPTQ), eval's KLD and serve. About three minutes on 2 cores (its
+the runtime against transformers, quantize (GPTQ), eval's KLD and serve. About three minutes on 2 cores (its
 262k-token vocabulary makes every probe and export slow: AWQ and the GGUF export, ~40 s and ~75 s here, are left to
 the tiny Gemma 3 of test_families, which covers tp 2 and every export contract, and to
 benchmarks/gguf_in_llamacpp.py on this model; `llmq run` to the quickstart's test on the default model)."""
@@ -65,20 +65,15 @@ def test_runtime_equals_transformers(gemma, ids):
     assert out == want
 
 
-def test_quantize_rtn_gptq_then_eval_and_serve(gemma, ids):
+def test_quantize_gptq_then_eval_and_serve(gemma, ids):
     from llmq.evals.evaluate import EvalSettings, run_eval
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.runtime import EngineConfig
 
     store, base = gemma
-    arts = {m: quantize(base, QuantizeOptions(method=m, **CALIB), store, progress=False)
-            for m in ("rtn", "gptq")}
-    probes = {m: a.metrics["probe"] for m, a in arts.items()}
-    assert all(math.isfinite(p["kld_mean"]) and 0 < p["kld_mean"] for p in probes.values())
-    # calibration must pay on the real model: GPTQ under round-to-nearest's KLD
-    assert probes["gptq"]["kld_mean"] < probes["rtn"]["kld_mean"], probes
-
-    gptq = arts["gptq"]
+    gptq = quantize(base, QuantizeOptions(method="gptq", **CALIB), store, progress=False)
+    probe = gptq.metrics["probe"]
+    assert math.isfinite(probe["kld_mean"]) and 0 < probe["kld_mean"] < 5, probe
     report = run_eval(store, gptq, base, EvalSettings(tasks=["kld"], limit=4, seed=0), []).report
     assert 0 < report["kld"]["mean"] < 5 and 0 < report["kld"]["top1"] < 100  # top-1 in percent
 
