@@ -78,16 +78,18 @@ def sweep(W: torch.Tensor, H: torch.Tensor, damp: float, act_order: bool, block:
     Q = torch.empty_like(W)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        W1 = W[:, i1:i2].clone()
-        E1 = torch.empty_like(W1)
+        # the block transposed, so that a column, and the rows of the rank-1 updates, are contiguous; round_column
+        # sees it as [n, block] (W1t.T) like the rest of W
+        W1t = W[:, i1:i2].T.contiguous()
+        E1t = torch.empty_like(W1t)
         U1 = U[i1:i2, i1:i2]
+        inv_diag = U1.diagonal().reciprocal().tolist()
         for j in range(i2 - i1):
-            q, real = round_column(cols[i1 + j], W1, j)
+            q, real = round_column(cols[i1 + j], W1t.T, j)
             Q[:, i1 + j] = q
-            err = (W1[:, j] - real) / U1[j, j]
-            W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
-            E1[:, j] = err
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+            err = torch.sub(W1t[j], real, out=E1t[j]).mul_(inv_diag[j])
+            W1t[j + 1:].addr_(U1[j, j + 1:], err, alpha=-1)   # column j is done with: only the ones after it move
+        W[:, i2:].addmm_(E1t.T, U[i1:i2, i2:], alpha=-1)
     return Q[:, torch.argsort(perm)] if act_order else Q
 
 
