@@ -24,8 +24,11 @@ def test_roundtrip_versions_and_refs(store):
     assert (a1.version, a2.version) == (1, 2)
     assert a1.path == store.root / "thing" / "v1"
     m = json.loads((a1.path / "llmq.json").read_text())
-    assert m["kind"] == "model" and m["config"] == {"k": 1} and m["metrics"] == {"score": 1.5}
-    assert set(m["files"]) == {"a.bin", "sub/b.txt"} and m["environment"]["python"]
+    assert m["kind"] == "model"
+    assert m["config"] == {"k": 1}
+    assert m["metrics"] == {"score": 1.5}
+    assert set(m["files"]) == {"a.bin", "sub/b.txt"}
+    assert m["environment"]["python"]
     assert store.resolve("thing").version == 2
     assert store.resolve("thing/v1").id == a1.id
     assert store.resolve("thing@v1").id == a1.id
@@ -115,7 +118,8 @@ def test_a_manifest_edit_is_an_error_naming_llmq_json(store, forgery):
         with pytest.raises(ArtifactError, match=r"v1/llmq\.json: manifest was edited after it was written"):
             load()
     damaged = []
-    assert store.list(damaged=damaged) == [] and [ref for ref, _ in damaged] == ["thing/v1"]
+    assert store.list(damaged=damaged) == []
+    assert [ref for ref, _ in damaged] == ["thing/v1"]
 
 
 def test_timings_are_left_out_of_the_digest_and_named(store):
@@ -155,7 +159,8 @@ def test_a_malformed_manifest_is_damaged_and_the_rest_still_lists(store, field, 
     _edit_manifest(bad, lambda m: m.update({field: value}))
     damaged = []
     assert [a.ref for a in store.list(damaged=damaged)] == ["good/v1"]
-    assert [ref for ref, _ in damaged] == ["bad/v1"] and "bad/v1/llmq.json: manifest is malformed" in str(damaged[0][1])
+    assert [ref for ref, _ in damaged] == ["bad/v1"]
+    assert "bad/v1/llmq.json: manifest is malformed" in str(damaged[0][1])
     with pytest.raises(ArtifactError, match="llmq.json: manifest is malformed"):
         store.resolve("bad")
     assert store.resolve(good.id).ref == "good/v1"
@@ -227,7 +232,9 @@ def test_a_killed_writers_staging_is_removed_by_the_next_writer_only(tmp_path):
     other_host.mkdir()  # another machine's writer on a shared filesystem: not ours to judge
     art = _write(Store(tmp_path), name="crashy")
     left = {p.name for p in name_dir.iterdir()}
-    assert live[0] not in left and other_host.name in left and art.version == 2
+    assert live[0] not in left
+    assert other_host.name in left
+    assert art.version == 2
 
 
 def test_a_killed_writers_staging_is_removed_at_the_next_store_open(tmp_path):
@@ -246,7 +253,9 @@ def test_a_killed_writers_staging_is_removed_at_the_next_store_open(tmp_path):
         d.mkdir(parents=True)
         (d / "half.bin").write_bytes(b"x")
     Store.open(tmp_path)
-    assert not left.exists() and live.exists() and elsewhere.exists()
+    assert not left.exists()
+    assert live.exists()
+    assert elsewhere.exists()
 
 
 def test_lineage_follows_parents(store):
@@ -304,8 +313,10 @@ def test_write_hashes_once_and_loads_hash_nothing(store, hashes):
     # the stamp lives beside the versions: the artifact directory and its id are what the writer committed
     assert sorted(p.relative_to(art.path).as_posix() for p in art.path.rglob("*")) == ["a.bin", "llmq.json", "sub",
                                                                                        "sub/b.txt"]
-    assert (store.root / ".stamps" / "thing" / "v1.json").is_file() and store.names() == ["thing"]
-    assert art.verify(full=True) == 2 and sorted(hashes) == ["a.bin", "b.txt"]
+    assert (store.root / ".stamps" / "thing" / "v1.json").is_file()
+    assert store.names() == ["thing"]
+    assert art.verify(full=True) == 2
+    assert sorted(hashes) == ["a.bin", "b.txt"]
 
 
 def test_flip_keeping_size_and_mtime_passes_a_load_but_not_verify(store, hashes):
@@ -313,7 +324,8 @@ def test_flip_keeping_size_and_mtime_passes_a_load_but_not_verify(store, hashes)
     art = _write_settled(store)
     _flip_in_place(art.path / "a.bin", keep_mtime=True)
     hashes.clear()
-    assert store.resolve("thing").id == art.id and hashes == []
+    assert store.resolve("thing").id == art.id
+    assert hashes == []
     with pytest.raises(ArtifactError, match="file a.bin does not match its sha256"):
         store.resolve("thing", verify=False).verify(full=True)
     with pytest.raises(ArtifactError, match="file a.bin does not match its sha256"):
@@ -364,10 +376,13 @@ def test_copied_store_rehashes_once_then_loads_from_the_stamp(tmp_path, store, h
     copy = Store(tmp_path / "elsewhere")
     shutil.copytree(store.root, copy.root)  # stamps and mtimes travel, inodes do not (as on another machine)
     hashes.clear()
-    assert copy.resolve("thing").id == art.id and sorted(hashes) == ["a.bin", "b.txt"]
+    assert copy.resolve("thing").id == art.id
+    assert sorted(hashes) == ["a.bin", "b.txt"]
     hashes.clear()
-    assert copy.resolve("thing").id == art.id and hashes == []
-    assert store.resolve("thing").id == art.id and hashes == []  # the original's stamp is untouched
+    assert copy.resolve("thing").id == art.id
+    assert hashes == []
+    assert store.resolve("thing").id == art.id
+    assert hashes == []  # the original's stamp is untouched
 
 
 def test_artifact_outside_a_store_layout_is_rehashed_on_every_load(tmp_path, store, hashes):
@@ -379,7 +394,8 @@ def test_artifact_outside_a_store_layout_is_rehashed_on_every_load(tmp_path, sto
     hashes.clear()
     for _ in range(2):
         assert store.resolve(str(loose)).id == art.id
-    assert len(hashes) == 4 and sorted(p.name for p in loose.iterdir()) == ["a.bin", "llmq.json", "sub"]
+    assert len(hashes) == 4
+    assert sorted(p.name for p in loose.iterdir()) == ["a.bin", "llmq.json", "sub"]
 
 
 def test_a_stage_that_cannot_fit_is_refused_before_writing(store, monkeypatch):

@@ -37,7 +37,8 @@ def serving(app):
     t.start()
     deadline = time.time() + 60
     while not server.started:
-        assert t.is_alive() and time.time() < deadline, "server did not start"
+        assert t.is_alive(), "server did not start"
+        assert time.time() < deadline, "server did not start"
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -129,7 +130,8 @@ def cache(tmp_path, monkeypatch):
 def test_distribution_matches_numpy():
     x = np.random.default_rng(7).lognormal(size=501)
     d = distribution(list(x))
-    assert d["count"] == 501 and d["mean"] == pytest.approx(x.mean(), rel=1e-12)
+    assert d["count"] == 501
+    assert d["mean"] == pytest.approx(x.mean(), rel=1e-12)
     for p in (50, 90, 95, 99):
         assert d[f"p{p}"] == pytest.approx(np.percentile(x, p), rel=1e-12)
     assert distribution([])["p50"] is None
@@ -153,7 +155,8 @@ def test_summary_tpot_goodput_cost():
     assert s["itl"]["mean"] == pytest.approx(np.mean(gaps))
     good = sum(r.ttft <= 0.1 and (r.completion_tokens < 2 or (r.end - r.start - r.ttft) / (r.completion_tokens - 1)
                                   <= 0.02) for r in ok)
-    assert 0 < good < 40 and s["good_requests"] == good
+    assert 0 < good < 40
+    assert s["good_requests"] == good
     assert s["goodput"] == pytest.approx(good / duration)
     out = sum(r.completion_tokens for r in ok)
     assert s["output_throughput"] == pytest.approx(out / duration)
@@ -165,7 +168,8 @@ def test_summary_tpot_goodput_cost():
 
 def test_synthetic_prompts_have_exact_token_counts(tok, tmp_path):
     lengths = P.input_lengths(30, 40, std=15, seed=1)
-    assert len(set(lengths)) > 5 and lengths == P.input_lengths(30, 40, std=15, seed=1)
+    assert len(set(lengths)) > 5
+    assert lengths == P.input_lengths(30, 40, std=15, seed=1)
     for p, n in zip(P.synthetic(tok, lengths, 8, seed=1), lengths):
         assert len(tok.encode(p.text)) == n
     assert all(5 <= n <= 9 for n in P.input_lengths(50, 0, low=5, high=9))
@@ -188,13 +192,16 @@ def test_latencies_and_token_counts_match_known_delays(server, tok_dir):
     lv = report["levels"][0]
     sm = lv["summary"]
     assert (sm["completed"], sm["failed"], sm["cancelled"]) == (16, 0, 0)
-    assert sm["prompt_tokens"] == 16 * 24 and sm["output_tokens"] == 16 * 12 and not sm["tokens_estimated"]
+    assert sm["prompt_tokens"] == 16 * 24
+    assert sm["output_tokens"] == 16 * 12
+    assert not sm["tokens_estimated"]
     # the stand-in keeps an absolute schedule, so scheduling noise on a busy machine shows up once, not per token
     assert TTFT - 0.002 <= sm["ttft"]["p50"] <= TTFT + 0.04
     assert ITL - 0.002 <= sm["tpot"]["p50"] <= ITL + 0.004
     assert ITL - 0.004 <= sm["itl"]["p50"] <= ITL + 0.004
     assert TTFT + 11 * ITL - 0.002 <= sm["e2e"]["p50"] <= TTFT + 11 * ITL + 0.06
-    assert sm["good_requests"] == 16 and sm["goodput"] == pytest.approx(sm["request_throughput"])
+    assert sm["good_requests"] == 16
+    assert sm["goodput"] == pytest.approx(sm["request_throughput"])
     assert all(len(r["chunk_times"]) == 12 for r in lv["requests"])
 
 
@@ -205,7 +212,9 @@ def test_chat_api_counts_content_chunks_only(server, tok_dir):
     s = OnlineSettings(endpoint=server + "/v1", api="chat", concurrency=[2], num_prompts=8, input_len=20,
                        output_len=12, tokenizer=str(tok_dir), time_limit=60)
     sm = run_online(s, warn=pytest.fail)[0]["levels"][0]["summary"]
-    assert sm["completed"] == 8 and sm["output_tokens"] == 8 * 12 and sm["prompt_tokens"] == 8 * 25
+    assert sm["completed"] == 8
+    assert sm["output_tokens"] == 8 * 12
+    assert sm["prompt_tokens"] == 8 * 25
     assert sm["ttft"]["min"] >= TTFT - 0.002  # the role-only first chunk is not the first token
     assert ITL - 0.002 <= sm["tpot"]["p50"] <= ITL + 0.004
 
@@ -221,7 +230,8 @@ def test_goodput_counts_requests_meeting_both_slos(tok, tok_dir):
     margin = 0.08  # scheduling jitter of a loaded 2-core machine; still far from the 0.05..0.35 s spread
     sure = sum(e <= 0.200 - margin for e in expect)
     border = sum(abs(e - 0.200) < margin for e in expect)
-    assert 0 < sure < 24 and sure <= sm["good_requests"] <= sure + border
+    assert 0 < sure < 24
+    assert sure <= sm["good_requests"] <= sure + border
 
 
 def test_missing_usage_warns_once_and_estimates(tok, tok_dir):
@@ -230,14 +240,18 @@ def test_missing_usage_warns_once_and_estimates(tok, tok_dir):
         s = OnlineSettings(endpoint=url, concurrency=[2], num_prompts=4, input_len=10, output_len=5,
                            tokenizer=str(tok_dir), time_limit=60)
         report, _ = run_online(s, warn=warnings.append)
-    assert len(warnings) == 1 and "usage" in warnings[0]
+    assert len(warnings) == 1
+    assert "usage" in warnings[0]
     sm = report["levels"][0]["summary"]
-    assert sm["tokens_estimated"] and sm["output_tokens"] == 20 and sm["prompt_tokens"] == 40
+    assert sm["tokens_estimated"]
+    assert sm["output_tokens"] == 20
+    assert sm["prompt_tokens"] == 40
 
 
 def test_poisson_arrivals_are_seeded_at_the_right_rate(server, tok):
     gaps = np.diff(poisson_arrivals(4000, 50.0, seed=5))
-    assert gaps.mean() == pytest.approx(1 / 50, rel=0.05) and gaps.std() == pytest.approx(1 / 50, rel=0.08)
+    assert gaps.mean() == pytest.approx(1 / 50, rel=0.05)
+    assert gaps.std() == pytest.approx(1 / 50, rel=0.08)
     assert np.array_equal(poisson_arrivals(50, 8.0, seed=1), poisson_arrivals(50, 8.0, seed=1))
     assert not np.array_equal(poisson_arrivals(50, 8.0, seed=1), poisson_arrivals(50, 8.0, seed=2))
     ep = asyncio.run(probe(server, None))
@@ -246,7 +260,8 @@ def test_poisson_arrivals_are_seeded_at_the_right_rate(server, tok):
     late = np.array([r.start for r in recs]) - poisson_arrivals(30, 40.0, seed=3)
     # open loop: each request leaves on its own schedule, not after the previous answer (each takes >= 60 ms here, the
     # mean gap is 25 ms). A median: one stall of a loaded CI machine (230 ms once) delays whichever requests it overlaps
-    assert late.min() > -0.002 and np.median(np.abs(late)) < 0.01
+    assert late.min() > -0.002
+    assert np.median(np.abs(late)) < 0.01
     assert sum(r.start < prev.end for prev, r in zip(recs, recs[1:])) >= 10
     assert all(r.ok for r in recs)
 
@@ -263,20 +278,30 @@ def test_time_limit_stops_loops_by_themselves(tok):
         t = time.perf_counter()
         recs2 = asyncio.run(gen.open_loop(prompts, 100.0, time_limit=0.6))
         open_wall = time.perf_counter() - t
-    assert len(recs) == 3 and all(r.cancelled for r in recs) and closed_wall < 5
-    assert 30 <= len(recs2) <= 90 and all(r.cancelled for r in recs2) and open_wall < 5
-    assert summarize(recs)["completed"] == 0 and summarize(recs)["cancelled"] == 3
+    assert len(recs) == 3
+    assert all(r.cancelled for r in recs)
+    assert closed_wall < 5
+    assert 30 <= len(recs2) <= 90
+    assert all(r.cancelled for r in recs2)
+    assert open_wall < 5
+    assert summarize(recs)["completed"] == 0
+    assert summarize(recs)["cancelled"] == 3
 
 
 def test_dead_or_wrong_endpoint_is_a_clear_error(server):
     r = CliRunner().invoke(cli, ["bench", "--endpoint", f"http://127.0.0.1:{free_port()}", "--no-save"])
-    assert r.exit_code == 2 and "error: cannot reach" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2
+    assert "error: cannot reach" in r.output
+    assert "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["bench", "--endpoint", server + "/nothing-here", "--no-save"])
-    assert r.exit_code == 2 and "OpenAI-compatible" in r.output
+    assert r.exit_code == 2
+    assert "OpenAI-compatible" in r.output
     r = CliRunner().invoke(cli, ["bench", "--endpoint", server, "--model", "gpt-9", "--no-save"])
-    assert r.exit_code == 2 and "stand-in" in r.output
+    assert r.exit_code == 2
+    assert "stand-in" in r.output
     r = CliRunner().invoke(cli, ["bench", "--endpoint", server, "--engine", "x"])
-    assert r.exit_code == 2 and "exactly one" in r.output
+    assert r.exit_code == 2
+    assert "exactly one" in r.output
 
 
 # -- reports, plots, compare ----------------------------------------------------------------------------------------
@@ -298,26 +323,33 @@ def test_cli_report_plot_and_compare(tok, tok_dir, tmp_path):
         out = json.loads(r.output[r.output.index("{"):])
         refs.append(out["artifact"])
     art = Store(store).resolve("bench-a")
-    assert art.kind == "bench-report" and art.metrics["concurrency=4/completed"] == 8
+    assert art.kind == "bench-report"
+    assert art.metrics["concurrency=4/completed"] == 8
     report = json.loads(art.file("report.json").read_text())
-    assert len(report["levels"][1]["requests"]) == 8 and report["settings"]["cost_per_hour"] == 2.5
+    assert len(report["levels"][1]["requests"]) == 8
+    assert report["settings"]["cost_per_hour"] == 2.5
     png = art.file("plot.png")
     assert png.stat().st_size > 20_000
     assert Image.open(png).size[0] >= 1000
     fig = make_plot(report)
     labels = [(ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes]
-    assert ("median TPOT (ms)", "output throughput (tokens/s)") in labels and ("TTFT (ms)", "requests") in labels
+    assert ("median TPOT (ms)", "output throughput (tokens/s)") in labels
+    assert ("TTFT (ms)", "requests") in labels
     assert all(x and y for x, y in labels)
 
     r = CliRunner().invoke(cli, ["--store", str(store), "bench", "compare", "bench-a", "bench-b", "--json"])
     assert r.exit_code == 0, r.output
     result = json.loads(r.output)
-    assert result["settings_differ"] == {} and result["only_a"] == result["only_b"] == []
+    assert result["settings_differ"] == {}
+    assert result["only_a"] == result["only_b"] == []
     rows = {(x["level"], x["metric"]): x for x in result["rows"]}
     row = rows[("concurrency=1", "ttft_p50")]
-    assert row["ratio"] == pytest.approx(row["b"] / row["a"]) and 1.4 < row["ratio"] < 2.2  # 2x less fixed overhead
+    assert row["ratio"] == pytest.approx(row["b"] / row["a"])
+    assert 1.4 < row["ratio"] < 2.2  # 2x less fixed overhead
     r = CliRunner().invoke(cli, ["--store", str(store), "bench", "compare", "bench-a", "bench-b"])
-    assert r.exit_code == 0 and "B/A" in r.output and "ttft_p50" in r.output
+    assert r.exit_code == 0
+    assert "B/A" in r.output
+    assert "ttft_p50" in r.output
 
 
 # -- offline ---------------------------------------------------------------------------------------------------------
@@ -342,18 +374,21 @@ def test_offline_sweep_roofline_arithmetic(tiny_model_dir, tmp_path, cache):
     linear = sum(t.numel() for k, t in state.items() if k.endswith("proj.weight") or k == "lm_head.weight")
     norms = sum(t.numel() for k, t in state.items() if "norm" in k)
     for row, b in zip(rep["offline"], (1, 3)):
-        assert row["batch_size"] == b and row["weight_bytes"] == 4 * (linear + norms)  # fp32 compute on CPU
+        assert row["batch_size"] == b
+        assert row["weight_bytes"] == 4 * (linear + norms)  # fp32 compute on CPU
         kv_tok = spec.kv_bytes_per_token(4)
         if b == 1:  # decode steps 1..5 attend to 12 + k cached tokens
             assert row["decode_steps"] == 5
             assert row["kv_bytes"] == pytest.approx(kv_tok * np.mean([12 + k for k in range(1, 6)]))
         else:
-            assert row["decode_steps"] >= 3 and b * kv_tok * 13 <= row["kv_bytes"] <= b * kv_tok * 18
+            assert row["decode_steps"] >= 3
+            assert b * kv_tok * 13 <= row["kv_bytes"] <= b * kv_tok * 18
         step = row["step_ms"] / 1e3
         assert row["mbu"] == pytest.approx((row["weight_bytes"] + row["kv_bytes"]) / step / 2e9)
         params = spec.num_parameters() - spec.vocab_size * spec.hidden_size
         assert row["mfu"] == pytest.approx(2 * params * b / step / 3e10)
-        assert 0 < row["mbu"] <= 1 and 0 < row["mfu"] <= 1
+        assert 0 < row["mbu"] <= 1
+        assert 0 < row["mfu"] <= 1
         assert row["tokens_per_s"] == pytest.approx(b / step)
     assert rep["settings"]["peak_read_bandwidth"] == 2e9
 
@@ -385,7 +420,9 @@ def test_bench_agrees_with_llmq_serve_metrics(default_model, tmp_path):
     finally:
         engine.shutdown()
     sm = report["levels"][0]["summary"]
-    assert report["settings"]["tokenizer_found"] and sm["completed"] == 4 and not sm["tokens_estimated"]
+    assert report["settings"]["tokenizer_found"]
+    assert sm["completed"] == 4
+    assert not sm["tokens_estimated"]
     assert sm["prompt_tokens"] == 4 * 96 == metrics["vllm:prompt_tokens_total"]  # exact synthetic lengths
     assert sm["output_tokens"] == 4 * 12 == metrics["vllm:generation_tokens_total"]
     server_ttft = metrics["vllm:time_to_first_token_seconds_sum"] / metrics["vllm:time_to_first_token_seconds_count"]
@@ -421,13 +458,18 @@ def test_offline_never_reports_an_impossible_mbu(tiny_model_dir, tmp_path, cache
                                  "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output[r.output.index("{"):])
-    assert len(calls) == 1 and "measured them again" in r.output
-    assert rep["settings"]["peak_read_bandwidth"] == remeasured_bw and rep["settings"]["peaks_measured"] == "now"
+    assert len(calls) == 1
+    assert "measured them again" in r.output
+    assert rep["settings"]["peak_read_bandwidth"] == remeasured_bw
+    assert rep["settings"]["peaks_measured"] == "now"
     for row in rep["offline"]:
         if expect_none:
-            assert row["mbu"] is None and row["mfu"] is None and row["tokens_per_s"] > 0
+            assert row["mbu"] is None
+            assert row["mfu"] is None
+            assert row["tokens_per_s"] > 0
         else:
-            assert 0 < row["mbu"] <= 1 and 0 < row["mfu"] <= 1
+            assert 0 < row["mbu"] <= 1
+            assert 0 < row["mfu"] <= 1
     assert ("MBU / MFU not reported" in r.output) == expect_none
     if expect_none:  # the table shows a dash where there is no figure
         from rich.console import Console
@@ -438,7 +480,8 @@ def test_offline_never_reports_an_impossible_mbu(tiny_model_dir, tmp_path, cache
         console.print(R.table(rep))
         cells = [[c.strip() for c in line.split("│")[1:-1]] for line in console.export_text().splitlines()]
         rows = [c for c in cells if c and c[0].isdigit()]
-        assert len(rows) == 2 and all(c[-2:] == ["-", "-"] for c in rows)
+        assert len(rows) == 2
+        assert all(c[-2:] == ["-", "-"] for c in rows)
 
 
 @pytest.mark.parametrize("cached,now,remeasure", [

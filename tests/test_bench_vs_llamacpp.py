@@ -40,9 +40,11 @@ def _run_script(tmp_path, extra_pythonpath=()):
 def test_without_llama_cpp_it_says_how_to_build_it_and_exits_2(tmp_path):
     r = _run_script(tmp_path)
     assert r.returncode == 2, r.stderr
-    assert "were not found in" in r.stderr and str(tmp_path / "nowhere") in r.stderr
+    assert "were not found in" in r.stderr
+    assert str(tmp_path / "nowhere") in r.stderr
     assert "cmake --build build -j 2 --target llama-bench llama-perplexity llama-quantize" in r.stderr
-    assert "Traceback" not in r.stderr and "Python package is only the library" not in r.stderr
+    assert "Traceback" not in r.stderr
+    assert "Python package is only the library" not in r.stderr
 
 
 def test_every_variant_label_says_what_its_options_ask_for():
@@ -54,17 +56,21 @@ def test_every_variant_label_says_what_its_options_ask_for():
     for label, opts in mod.variant_options().items():
         opts.check()
         if opts.method in ("fp8", "nvfp4", "mxfp4"):
-            assert label.split("-")[0] == opts.method and opts.bits is None, label
+            assert label.split("-")[0] == opts.method, label
+            assert opts.bits is None, label
             assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
-            assert opts.method in mod.UNCALIBRATED and opts.embedding == "keep", label
+            assert opts.method in mod.UNCALIBRATED, label
+            assert opts.embedding == "keep", label
             continue
         assert label.startswith(f"int{opts.bits}-{opts.method}"), label
         assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
-        assert ("-act" in label) == opts.act_order and ("-head8" in label) == (opts.lm_head == "int8"), label
+        assert ("-act" in label) == opts.act_order, label
+        assert ("-head8" in label) == (opts.lm_head == "int8"), label
         assert ("-emb8" in label) == (opts.embedding == "int8"), label
         assert ("-gguf-q4km" in label) == (opts.for_engine == "gguf" and opts.max_size == str(mod.Q4_K_M_BYTES))
         budget = "" if opts.target_bpw is None else f"-bpw{opts.target_bpw:g}"
-        assert label.endswith(budget) and ("-bpw" in label) == bool(budget), label
+        assert label.endswith(budget), label
+        assert ("-bpw" in label) == bool(budget), label
 
 
 # `llama-quantize --help` of llama-cpp-python 0.3.36's llama.cpp (0c1e570), an excerpt of its type list
@@ -95,7 +101,8 @@ def test_fp4_overrides_reach_every_decoder_linear_and_leave_the_table_f16():
     name) picks exactly the seven linears of every block of a Llama GGUF; the table is named F16 on its own."""
     mod = _script()
     args = mod.fp4_args("nvfp4")
-    assert args[0] == "--tensor-type" and args[2:] == ["--token-embedding-type", "f16"]
+    assert args[0] == "--tensor-type"
+    assert args[2:] == ["--token-embedding-type", "f16"]
     pattern, ggml_type = args[1].rsplit("=", 1)
     assert ggml_type == "nvfp4"
     linears = [f"blk.{i}.{n}.weight" for i in (0, 7, 29) for n in
@@ -111,7 +118,9 @@ def test_fp4_note_names_a_file_type_that_wrote_no_fp4_tensor():
     assert mod.fp4_note("MXFP4 (linears)", {"MXFP4": 210, "F32": 61, "F16": 1}) is None
     assert mod.fp4_note("NVFP4 (linears)", {"NVFP4": 210, "F32": 61, "F16": 1}) is None
     why = mod.fp4_note("MXFP4_MOE", {"Q8_0": 211, "F32": 61})  # what it wrote for SmolLM2-135M
-    assert "MXFP4_MOE writes no FP4 tensor" in why and "211 x Q8_0, 61 x F32" in why and "MoE expert" in why
+    assert "MXFP4_MOE writes no FP4 tensor" in why
+    assert "211 x Q8_0, 61 x F32" in why
+    assert "MoE expert" in why
 
 
 def test_tensor_types_counts_a_gguf_files_types(tmp_path):
@@ -134,7 +143,8 @@ def test_an_installed_llama_cpp_package_alone_is_named_as_not_enough(tmp_path):
     (tmp_path / "pkgs" / "llama_cpp" / "__init__.py").write_text("")
     r = _run_script(tmp_path, [str(tmp_path / "pkgs")])
     assert r.returncode == 2
-    assert "llama_cpp Python package is only the library" in r.stderr and "cmake" in r.stderr
+    assert "llama_cpp Python package is only the library" in r.stderr
+    assert "cmake" in r.stderr
 
 
 def _fake_tree(root: Path, tools=L.TOOLS) -> Path:
@@ -152,7 +162,8 @@ def test_locate_finds_tools_converter_and_gguf_py_from_the_tree_or_its_bin(tmp_p
     b = _fake_tree(tmp_path / "llama.cpp")
     for where in (tmp_path / "llama.cpp", b):
         lc = L.locate(str(where), ("/extra",))
-        assert lc.bin_dir == b.resolve() and lc.converter == (tmp_path / "llama.cpp" / L.CONVERTER).resolve()
+        assert lc.bin_dir == b.resolve()
+        assert lc.converter == (tmp_path / "llama.cpp" / L.CONVERTER).resolve()
         assert lc.pythonpath == (str((tmp_path / "llama.cpp" / "gguf-py").resolve()), "/extra")
         assert lc.converter_env()["PYTHONPATH"].startswith(lc.pythonpath[0] + os.pathsep + "/extra")
     monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path / "llama.cpp"))
@@ -210,8 +221,11 @@ Same top p: 96.415 ± 0.440 %
 def test_parse_llama_bench_json():
     r = L.parse_bench_json(BENCH_JSON)
     assert set(r) == {"pp16", "tg16"}
-    assert r["pp16"]["tokens_per_s"] == 3.516537 and r["tg16"]["samples"] == [9.12461, 11.4229]
-    assert r["tg16"]["threads"] == 2 and r["pp16"]["params"] == 134515008 and r["pp16"]["build"] == "0c1e570"
+    assert r["pp16"]["tokens_per_s"] == 3.516537
+    assert r["tg16"]["samples"] == [9.12461, 11.4229]
+    assert r["tg16"]["threads"] == 2
+    assert r["pp16"]["params"] == 134515008
+    assert r["pp16"]["build"] == "0c1e570"
 
 
 def test_parse_llama_perplexity_kld_summary():
@@ -261,7 +275,8 @@ def test_kld_base_file_round_trip_and_llama_cpp_kld_against_exact(tmp_path):
     for c in range(n_chunk):
         lp_b = torch.log_softmax(base_logits[c].double(), -1)
         kept = (lp_b > lp_b.max(-1, keepdim=True).values - 16 + 1e-3).numpy()  # the rest is stored as the minimum
-        assert 0 < (~kept).sum() and kept.mean() > 0.9
+        assert 0 < (~kept).sum()
+        assert kept.mean() > 0.9
         err = np.abs(base.logprobs(c) - lp_b.numpy())
         assert err[kept].max() < 16 / 65535  # 16-bit steps over a 16-nat range
         lp_m = torch.log_softmax(model_logits[c], -1)
@@ -273,7 +288,8 @@ def test_kld_base_file_round_trip_and_llama_cpp_kld_against_exact(tmp_path):
         assert (kl - reverse).abs().max() > 1e-2
         assert same.tolist() == (lp_m.argmax(-1) == lp_b.argmax(-1)).tolist()
         self_kl, self_same = L.kld_vs_base(base.logprobs(c), lp_b.float())
-        assert self_kl.abs().max() < 1e-3 and bool(self_same.all())
+        assert self_kl.abs().max() < 1e-3
+        assert bool(self_same.all())
     # the chunks as llama.cpp evaluated them: its own tokens, the first of each replaced by BOS where it adds one
     per_chunk = tokens.reshape(n_chunk, n_ctx).tolist()
     assert base.chunk_tokens(False, None) == per_chunk
@@ -315,7 +331,9 @@ def test_heldout_text_refuses_files_llmq_calibrates_probes_or_evaluates_on():
         if not all(Path(n).is_file() for n in names if Path(n).is_absolute()):
             continue   # the prose is the system's license texts (/usr/share/common-licenses on Debian and Ubuntu)
         text, files = mod.heldout_text(list(names))
-        assert len(files) == len(names) and all(len(f["sha256"]) == 16 for f in files) and len(text) > 16 * 512 * 4
+        assert len(files) == len(names)
+        assert all(len(f["sha256"]) == 16 for f in files)
+        assert len(text) > 16 * 512 * 4
     for used in (CALIB_STDLIB[0], PROBE_STDLIB[0], STDLIB_FILES[0]):
         with pytest.raises(LlmqError, match="calibration, probe or eval"):
             mod.heldout_text([used])
@@ -336,5 +354,9 @@ def test_offline_sweep_times_without_the_machine_peaks(tiny_model_dir, monkeypat
 
     monkeypatch.setattr(hw, "hardware", lambda *a, **k: pytest.fail("no peaks should be measured"))
     (r,), settings = offline.sweep(tiny_model_dir, [1], 12, 6, hw=None)
-    assert r.decode_steps == 5 and r.prefill_s > 0 and r.tokens_per_s == pytest.approx(1e3 / r.step_ms)
-    assert r.mbu is None and r.mfu is None and settings["peak_read_bandwidth"] is None
+    assert r.decode_steps == 5
+    assert r.prefill_s > 0
+    assert r.tokens_per_s == pytest.approx(1e3 / r.step_ms)
+    assert r.mbu is None
+    assert r.mfu is None
+    assert settings["peak_read_bandwidth"] is None

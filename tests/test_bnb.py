@@ -54,8 +54,10 @@ def test_nf4_dequantization_equals_bitsandbytes(shape, blocksize, double_quant, 
         state.absmax)
     # bitsandbytes' reference implementation (its CPU kernel misplaces blocks that straddle rows: 48 % 64, 70 % 128)
     ref = _dequantize_4bit_compute(nf4.packed.reshape(-1), absmax, state.code, blocksize, shape, dtype)
-    assert ref.dtype == dtype and torch.equal(nf4.dequantize(dtype), ref)
-    assert nf4.shape == shape and nf4.scheme == f"NF4-block{blocksize}" + ("-dq" if double_quant else "")
+    assert ref.dtype == dtype
+    assert torch.equal(nf4.dequantize(dtype), ref)
+    assert nf4.shape == shape
+    assert nf4.scheme == f"NF4-block{blocksize}" + ("-dq" if double_quant else "")
     whole_blocks = shape[1] % blocksize == 0
     if whole_blocks:
         assert torch.equal(bnb.functional.dequantize_4bit(nf4.packed, state), ref)
@@ -127,12 +129,16 @@ def test_artifact_is_what_transformers_writes_and_reproduces_llmq(store, tiny_so
     theirs, their_qc = _transformers_quantized(tiny_source.path, tmp_path, **hf)
     assert sorted(ours) == sorted(theirs)
     for k in theirs:
-        assert ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]), k
+        assert ours[k].dtype == theirs[k].dtype, k
+        assert torch.equal(ours[k], theirs[k]), k
     assert read_config(art.path)["quantization_config"] == their_qc
-    assert art.config["format"] == "bitsandbytes" and art.parents == [tiny_source.id]
+    assert art.config["format"] == "bitsandbytes"
+    assert art.parents == [tiny_source.id]
     m = art.metrics
-    assert m["size_bytes"] < m["source_bytes"] and m["probe"]["tokens"] > 200 and m["linear_ratio_vs_bf16"] > (
-        2.5 if opts["method"] == "bnb-nf4" else 1.85)  # tiny 64-wide layers: the code tables weigh
+    assert m["size_bytes"] < m["source_bytes"]
+    assert m["probe"]["tokens"] > 200
+    # tiny 64-wide layers: the code tables weigh
+    assert m["linear_ratio_vs_bf16"] > (2.5 if opts["method"] == "bnb-nf4" else 1.85)
 
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     runtime = llmq_logits(art.path, ids)
@@ -140,7 +146,8 @@ def test_artifact_is_what_transformers_writes_and_reproduces_llmq(store, tiny_so
     with torch.no_grad():
         hf_logits = model(ids).logits
     agree = kld_top1(hf_logits, runtime)
-    assert agree["kld_mean"] <= 1e-3 and agree["top1"] >= 0.95
+    assert agree["kld_mean"] <= 1e-3
+    assert agree["top1"] >= 0.95
     source = kld_top1(llmq_logits(tiny_source.path, ids), runtime)  # the quantization itself moves far more
     assert source["kld_mean"] > 10 * max(agree["kld_mean"], 1e-5)
 
@@ -154,7 +161,9 @@ def test_runtime_without_bitsandbytes_computes_the_same(store, tiny_source, monk
     with pytest.raises(LlmqError, match=r"pip install 'llmq\[bnb\]'"):
         quantize(tiny_source, QuantizeOptions(method="bnb-int8", **PROBE), store, progress=False)
     res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", tiny_source.ref, "--method", "bnb-nf4"])
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and "llmq[bnb]" in res.output
+    assert res.exit_code == 2
+    assert res.output.count("\n") == 1
+    assert "llmq[bnb]" in res.output
 
 
 @pytest.mark.parametrize("args,match", [
@@ -168,7 +177,9 @@ def test_runtime_without_bitsandbytes_computes_the_same(store, tiny_source, monk
 ])
 def test_impossible_bnb_options_are_one_line_errors(store, tiny_source, args, match):
     res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", tiny_source.ref, *args])
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and match in res.output, res.output
+    assert res.exit_code == 2, res.output
+    assert res.output.count("\n") == 1, res.output
+    assert match in res.output, res.output
     assert store.list(kind="quantized") == []
 
 
@@ -179,10 +190,14 @@ def test_bnb_artifacts_refuse_build_quantize_kv_and_tensor_parallel(store, tiny_
     assert read_config(art.path)["quantization_config"]["llm_int8_threshold"] == 4.0
     for cmd in (["build", art.ref], ["quantize-kv", art.ref, "--kv", "int8"]):
         res = CliRunner().invoke(cli, ["--store", str(store.root), *cmd])
-        assert res.exit_code == 2 and res.output.count("\n") == 1 and "bitsandbytes checkpoint" in res.output
+        assert res.exit_code == 2
+        assert res.output.count("\n") == 1
+        assert "bitsandbytes checkpoint" in res.output
     lw = CheckpointReader(art.path).linear("model.layers.0.mlp.up_proj")
-    assert isinstance(lw.qw, bnbformat.Int8Weight) and lw.qw.threshold == 4.0
+    assert isinstance(lw.qw, bnbformat.Int8Weight)
+    assert lw.qw.threshold == 4.0
     with pytest.raises(LlmqError, match="not split for tensor parallelism"):
         split_rows(lw, torch.arange(4))
     dense = CheckpointReader(art.path).linear("lm_head")
-    assert isinstance(dense, LinearWeights) and dense.qw is None
+    assert isinstance(dense, LinearWeights)
+    assert dense.qw is None

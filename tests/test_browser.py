@@ -95,7 +95,8 @@ def test_the_report_renders_every_section(browser, tmp_path):
         assert [sections.nth(i).get_attribute("id") for i in range(sections.count())] == [
             "artifacts", "lineage", "size", "kld", "experts", "eval", "bench"]
         images = page.evaluate("[...document.images].map(i => [i.alt, i.complete && i.naturalWidth > 0])")
-        assert len(images) == 8 and all(ok for _, ok in images), images
+        assert len(images) == 8, images
+        assert all(ok for _, ok in images), images
         if data == "recorded":
             _keep(page.screenshot(clip={"x": 0, "y": 0, "width": VIEW["width"], "height": 1500}, full_page=True),
                   "report.png", tmp_path)
@@ -104,7 +105,8 @@ def test_the_report_renders_every_section(browser, tmp_path):
             for fig in page.locator("img").all():
                 assert _drawn(fig.screenshot()) > 0.01, fig.get_attribute("alt")
         else:
-            assert page.evaluate("window.__pwned") is None and page.locator("img[onerror]").count() == 0
+            assert page.evaluate("window.__pwned") is None
+            assert page.locator("img[onerror]").count() == 0
             assert HOSTILE in page.locator("#lineage").inner_text()   # shown as text
         assert errors == [], data
         page.close()
@@ -137,13 +139,18 @@ def test_the_chat_page_streams_an_answer_with_its_speed(browser, served, tmp_pat
     live, art = served
     page, errors = _open(browser, live.url + "/")
     page.locator("#key-box").wait_for(state="visible")
-    assert [e for e in errors if "401 (Unauthorized)" not in e] == [] and len(errors) == 1   # /card without the key
+    assert [e for e in errors if "401 (Unauthorized)" not in e] == []
+    assert len(errors) == 1   # /card without the key
     errors.clear()
     _unlock(page)
     text = page.locator("#card dl").inner_text()
-    assert art.ref in text and "rtn W4A16-group32-sym" in text and "tiny-chat" in text
-    assert f"{art.metrics['probe']['kld_mean']:.4f}" in text and "gates\nnone recorded" in text
-    assert "input\ntext\n" in text and not page.locator("#attach-box").is_visible()   # a text-only model
+    assert art.ref in text
+    assert "rtn W4A16-group32-sym" in text
+    assert "tiny-chat" in text
+    assert f"{art.metrics['probe']['kld_mean']:.4f}" in text
+    assert "gates\nnone recorded" in text
+    assert "input\ntext\n" in text
+    assert not page.locator("#attach-box").is_visible()   # a text-only model
     page.fill("#temperature", "0")
     page.fill("#max_tokens", "24")
     page.evaluate("""() => { window.updates = 0;
@@ -158,7 +165,8 @@ def test_the_chat_page_streams_an_answer_with_its_speed(browser, served, tmp_pat
     want = live.client("sekrit").chat.completions.create(
         model="tiny-chat", messages=[{"role": "user", "content": "Write one line about the sea."}], temperature=0,
         top_p=1, max_tokens=24)
-    assert shown == want.choices[0].message.content and shown
+    assert shown == want.choices[0].message.content
+    assert shown
     assert int(status.split()[0]) == want.usage.completion_tokens
     # the user's and the assistant's bubbles, then one text per content chunk of the stream
     assert page.evaluate("window.updates") >= 2 + min(4, want.usage.completion_tokens)
@@ -198,13 +206,15 @@ def test_tool_calls_render_as_blocks_of_their_own(browser, served, tmp_path):
         with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
             _ask(page, prompt)
         body = sent.value.post_data_json
-        assert body["tools"] == TOOLS and body["tool_choice"] == {"type": "function", "function": {"name": name}}
+        assert body["tools"] == TOOLS
+        assert body["tool_choice"] == {"type": "function", "function": {"name": name}}
         want = live.client("sekrit").chat.completions.create(
             **{k: body[k] for k in ("model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens")})
         (call,) = want.choices[0].message.tool_calls
         args = json.loads(call.function.arguments)
         block = page.locator(".msg.assistant").last
-        assert block.locator(".tool-call").count() == 1 and block.locator(".text").text_content() == ""
+        assert block.locator(".tool-call").count() == 1
+        assert block.locator(".text").text_content() == ""
         assert block.locator(".tool-name").inner_text() == name
         assert block.locator(".tool-args").inner_text() == json.dumps(args, indent=2, ensure_ascii=False)
         if name == "get_weather":
@@ -214,8 +224,10 @@ def test_tool_calls_render_as_blocks_of_their_own(browser, served, tmp_path):
         {"id": body["messages"][1]["tool_calls"][0]["id"], "type": "function",
          "function": {"name": "get_weather", "arguments": calls[0]}}]}
     assert json.loads(calls[1]) == {"text": HOSTILE}   # shown as its JSON text (above)
-    assert page.evaluate("window.__pwned") is None and page.locator("#log script, #log img").count() == 0
-    assert page.locator(".msg.error").count() == 0 and page.locator(".thinking").count() == 0
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("#log script, #log img").count() == 0
+    assert page.locator(".msg.error").count() == 0
+    assert page.locator(".thinking").count() == 0
     status = page.locator("#status").inner_text()
     assert re.fullmatch(r"\d+ tokens, TTFT \d+ ms, [\d.]+ tok/s", status), status
     assert int(status.split()[0]) == want.usage.completion_tokens
@@ -244,7 +256,8 @@ def test_thinking_shows_collapsed_apart_from_the_content(browser, thinking):
     want = thinking.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": ASK}],
                                                       temperature=0, top_p=1, max_tokens=12).choices[0].message
     reasoning = page.locator(".thinking .reasoning")
-    assert reasoning.text_content() == want.model_extra["reasoning_content"] and reasoning.text_content()
+    assert reasoning.text_content() == want.model_extra["reasoning_content"]
+    assert reasoning.text_content()
     assert page.locator(".msg.assistant .text").text_content() == (want.content or "")
     assert not reasoning.is_visible()   # collapsed until asked for
     page.click(".thinking summary")
@@ -271,14 +284,17 @@ def test_invalid_tools_show_inline_and_send_nothing(browser, thinking):
         page.fill("#tools", tools)
         page.click("#send")
         err = page.locator("#tools-error")
-        assert err.is_visible() and err.inner_text().startswith(why), (tools, err.inner_text())
-        assert page.input_value("#prompt") == ASK and page.locator("#log .msg").count() == 0
+        assert err.is_visible(), (tools, err.inner_text())
+        assert err.inner_text().startswith(why), (tools, err.inner_text())
+        assert page.input_value("#prompt") == ASK
+        assert page.locator("#log .msg").count() == 0
     page.fill("#tools", "")
     assert not page.locator("#tools-error").is_visible()
     assert sent == []
     page.click("#send")
     page.wait_for_selector("#status[data-done]", timeout=30_000)
-    assert len(sent) == 1 and errors == []
+    assert len(sent) == 1
+    assert errors == []
     page.close()
 
 
@@ -314,7 +330,8 @@ def test_an_attached_image_goes_as_an_image_url_part(browser, vision):
         preview.last.wait_for()
     assert preview.count() == 2
     page.click("#attached button >> nth=0")
-    assert preview.count() == 1 and preview.get_attribute("src") == url
+    assert preview.count() == 1
+    assert preview.get_attribute("src") == url
     assert page.evaluate("() => document.querySelector('#attached img').naturalWidth") == 40   # decoded
     page.fill("#temperature", "0")
     page.fill("#max_tokens", "4")
@@ -327,8 +344,10 @@ def test_an_attached_image_goes_as_an_image_url_part(browser, vision):
                                                     max_tokens=4)
     assert page.locator(".msg.assistant .text").text_content() == want.choices[0].message.content
     assert int(page.locator("#status").inner_text().split()[0]) == want.usage.completion_tokens
-    assert page.locator(".msg.user img").get_attribute("src") == url and preview.count() == 0
-    assert page.locator(".msg.error").count() == 0 and errors == []
+    assert page.locator(".msg.user img").get_attribute("src") == url
+    assert preview.count() == 0
+    assert page.locator(".msg.error").count() == 0
+    assert errors == []
     page.close()
 
 
@@ -339,10 +358,12 @@ def test_the_page_is_same_origin_only(served):
 
     live, _ = served
     page = httpx.get(live.url + "/")
-    assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
+    assert page.status_code == 200
+    assert "script-src 'self'" in page.headers["content-security-policy"]
     assert httpx.get(live.url + "/static/chat.js").headers["content-type"].startswith("text/javascript")
     missing = httpx.get(live.url + "/static/page.py")
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
     assert httpx.get(live.url + "/static/..%2Fpage.py").status_code == 404
     assert httpx.get(live.url + "/card").status_code == 401
     card = httpx.get(live.url + "/card", headers={"Authorization": "Bearer sekrit"}).json()

@@ -52,7 +52,8 @@ def test_gqa_with_fewer_kv_heads_than_ranks_replicates_each_kv_head_next_to_its_
     plan = make_plan(spec(heads=4, kv=2), 4)
     assert [plan.q_heads(r) for r in range(4)] == [[0], [1], [2], [3]]
     assert [plan.kv_heads(r) for r in range(4)] == [[0], [0], [1], [1]]   # query head h uses kv head h // 2
-    assert plan.kv_replicas == 2 and plan.kv_heads_per_rank == 1
+    assert plan.kv_replicas == 2
+    assert plan.kv_heads_per_rank == 1
     plan = make_plan(spec(heads=8, kv=1), 8)                                   # MQA
     assert all(plan.kv_heads(r) == [0] for r in range(8))
 
@@ -60,10 +61,13 @@ def test_gqa_with_fewer_kv_heads_than_ranks_replicates_each_kv_head_next_to_its_
 def test_padded_heads_are_whole_zero_groups_after_the_real_heads():
     plan = make_plan(spec(heads=9, kv=3), 2, pad_heads=True)
     assert (plan.padded_heads, plan.padded_kv_heads) == (12, 4)
-    assert plan.q_heads(0) == [0, 1, 2, 3, 4, 5] and plan.q_heads(1) == [6, 7, 8, None, None, None]
-    assert plan.kv_heads(0) == [0, 1] and plan.kv_heads(1) == [2, None]
+    assert plan.q_heads(0) == [0, 1, 2, 3, 4, 5]
+    assert plan.q_heads(1) == [6, 7, 8, None, None, None]
+    assert plan.kv_heads(0) == [0, 1]
+    assert plan.kv_heads(1) == [2, None]
     rows = plan.q_rows(1)
-    assert rows[:48].tolist() == list(range(6 * 16, 9 * 16)) and (rows[48:] == -1).all()
+    assert rows[:48].tolist() == list(range(6 * 16, 9 * 16))
+    assert (rows[48:] == -1).all()
 
 
 def test_vocab_is_padded_to_a_multiple_of_tp():
@@ -93,7 +97,8 @@ def test_group_scales_follow_their_columns_and_a_split_through_a_group_is_refuse
     lw = LinearWeights("m", qw=qw)
     full = lw.dense()
     right = split_cols(lw, torch.arange(4, 8))            # the second group of every row
-    assert torch.equal(right.qw.scale, qw.scale[:, 1:]) and torch.equal(right.dense(), full[:, 4:])
+    assert torch.equal(right.qw.scale, qw.scale[:, 1:])
+    assert torch.equal(right.dense(), full[:, 4:])
     padded = split_cols(lw, torch.tensor([0, 1, 2, 3, -1, -1, -1, -1]))
     assert torch.equal(padded.dense(), torch.cat([full[:, :4], torch.zeros(4, 4)], 1))
     rows = split_rows(lw, torch.tensor([2, -1]))           # a real row and a padding row
@@ -149,10 +154,13 @@ def test_tp_shards_reproduce_the_unsharded_logits(tiny_sources, shape, tp, targe
     opts = BuildOptions(tp=tp, target=target, pad_heads=shape == "pad-6-3", parallel_embedding=tp == 2, verify=True)
     art = build_engine(sources[shape], store, opts)
     v = art.metrics["verify"]
-    assert v["passed"] and v["max_rel_error"] < TOLERANCE
+    assert v["passed"]
+    assert v["max_rel_error"] < TOLERANCE
     assert v["tp"] == (1 if target == "trtllm" else tp)   # trtllm-serve shards the padded checkpoint itself
     engine = json.loads((art.path / "engine.json").read_text())
-    assert engine["source_ids"][0] == sources[shape].id and engine["tp"] == tp and engine["target"] == target
+    assert engine["source_ids"][0] == sources[shape].id
+    assert engine["tp"] == tp
+    assert engine["target"] == target
     assert {"max_batch_size", "max_seq_len", "kv_cache_dtype", "block_size", "pp"} <= set(engine)
     assert (art.path / "tokenizer.json").is_file()
 
@@ -184,13 +192,15 @@ def test_quantized_shards_reproduce_the_unsharded_logits(quantized_sources, quan
         return
     art = build_engine(sources[quant], store, BuildOptions(tp=tp, target=target, verify=True))
     v = art.metrics["verify"]
-    assert v["passed"] and v["max_rel_error"] < TOLERANCE
+    assert v["passed"]
+    assert v["max_rel_error"] < TOLERANCE
     if target == "trtllm":
         q = json.loads((art.path / "trtllm/hf_quant_config.json").read_text())["quantization"]
         assert q["quant_algo"] == {"int8": "W8A16", "int4": "W4A16_AWQ", "int4-head8": "W4A16_AWQ"}[quant]
         assert "lm_head" in q["exclude_modules"]
         if quant != "int8":
-            assert q["group_size"] == 64 and q["has_zero_point"] is False
+            assert q["group_size"] == 64
+            assert q["has_zero_point"] is False
     else:
         rank = json.loads((art.path / "rank0/config.json").read_text())
         assert rank["quantization_config"]["format"] == "pack-quantized"
@@ -199,7 +209,8 @@ def test_quantized_shards_reproduce_the_unsharded_logits(quantized_sources, quan
 def test_tp8_with_a_single_kv_head(make_tiny_model, store, tmp_path):
     d = make_tiny_model(tmp_path / "mqa", num_attention_heads=8, num_key_value_heads=1)
     art = build_engine(resolve_model(str(d), store), store, BuildOptions(tp=8, target="trtllm", verify=True))
-    assert art.metrics["verify"]["passed"] and art.config["plan"]["kv_replicas"] == 8
+    assert art.metrics["verify"]["passed"]
+    assert art.config["plan"]["kv_replicas"] == 8
 
 
 def _writable_copy(art, tmp_path: Path) -> Path:
@@ -230,7 +241,8 @@ def test_reference_check_catches_swapped_heads_and_wrong_kv_replication(tiny_sou
             s[f"model.layers.0.self_attn.{k}.weight"] = other[f"model.layers.0.self_attn.{k}.weight"]
     _edit(d / "rank1/model.safetensors", wrong_kv)
     bad = verify_engine(d, src)
-    assert not bad["passed"] and bad["max_rel_error"] > 100 * TOLERANCE
+    assert not bad["passed"]
+    assert bad["max_rel_error"] > 100 * TOLERANCE
 
     art2 = build_engine(sources["gqa"], store, BuildOptions(tp=1, target="trtllm"))
     d = _writable_copy(art2, tmp_path / "b")   # query heads 0 and 1 swapped
@@ -240,7 +252,8 @@ def test_reference_check_catches_swapped_heads_and_wrong_kv_replication(tiny_sou
         s["model.layers.1.self_attn.q_proj.weight"] = torch.cat([w[16:32], w[:16], w[32:]])
     _edit(next((d / "trtllm").glob("*.safetensors")), swap_heads)
     bad = verify_engine(d, src)
-    assert not bad["passed"] and bad["max_rel_error"] > 100 * TOLERANCE
+    assert not bad["passed"]
+    assert bad["max_rel_error"] > 100 * TOLERANCE
 
 
 def test_failed_reference_check_writes_nothing(tiny_sources, monkeypatch):
@@ -260,7 +273,8 @@ def test_failed_reference_check_writes_nothing(tiny_sources, monkeypatch):
 def test_int4_packing_is_two_output_rows_per_byte_low_nibble_first():
     q = torch.tensor([[1, -8], [-1, 7], [3, 0], [-4, -2]], dtype=torch.int8)
     packed = pack_int4_rows(q)
-    assert packed.dtype == torch.int8 and packed.shape == (2, 2)
+    assert packed.dtype == torch.int8
+    assert packed.shape == (2, 2)
     assert packed.view(torch.uint8).tolist() == [[0xF1, 0x78], [0xC3, 0xE0]]
     assert torch.equal(unpack_int4_rows(packed), q)
 
@@ -284,11 +298,12 @@ def test_cli_builds_and_refuses_clearly(cli, make_tiny_model, tmp_path):
     assert "error: --tp 2 does not divide this model's 6 attention heads" in r.output
     assert "drop --no-pad-heads to add zero heads (exact, 8 heads / 4 KV heads)" in r.output
     r = CliRunner().invoke(cli, [*store, "build", str(d), "--tp", "2", "--pp", "2"])
-    assert r.exit_code == 2 and "pipeline parallelism is not supported" in r.output
+    assert r.exit_code == 2
+    assert "pipeline parallelism is not supported" in r.output
     r = CliRunner().invoke(cli, [*store, "build", str(d), "--tp", "2", "--verify", "--target", "trtllm"])
     assert r.exit_code == 0, r.output   # padding is the default: it is exact
-    assert ("padded from 6 / 3 to 8 / 4 heads with zero heads (exact)" in r.output
-            and "reference check: max relative error" in r.output)
+    assert ("padded from 6 / 3 to 8 / 4 heads with zero heads (exact)" in r.output)
+    assert ("reference check: max relative error" in r.output)
     assert "compile: pytorch-options" in r.output
 
 
@@ -301,7 +316,10 @@ def test_llm_api_options_carry_the_run_time_settings(tmp_path):
 
     engine = types.SimpleNamespace(tp=2, pp=1, max_batch_size=8, max_seq_len=1024, kv_cache_dtype="fp8")
     out = write_llm_api_options(tmp_path, engine)
-    assert out["status"] == "pytorch-options" and "--extra_llm_api_options" in out["serve_command"]
+    assert out["status"] == "pytorch-options"
+    assert "--extra_llm_api_options" in out["serve_command"]
     opts = yaml.safe_load((tmp_path / "llm_api_options.yaml").read_text())
-    assert opts["tensor_parallel_size"] == 2 and opts["kv_cache_config"] == {"dtype": "fp8"}
-    assert opts["max_batch_size"] == 8 and opts["max_num_tokens"] >= 1024
+    assert opts["tensor_parallel_size"] == 2
+    assert opts["kv_cache_config"] == {"dtype": "fp8"}
+    assert opts["max_batch_size"] == 8
+    assert opts["max_num_tokens"] >= 1024

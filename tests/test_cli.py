@@ -32,25 +32,33 @@ def test_import_ls_inspect_lineage(tmp_path, tiny_model_dir):
     assert r.exit_code == 0, r.output
     assert r.output.startswith("tiny/v1 ")
     ls = json.loads(run(store, "ls", "--json").output)
-    assert [a["ref"] for a in ls] == ["tiny/v1"] and ls[0]["kind"] == "model"
+    assert [a["ref"] for a in ls] == ["tiny/v1"]
+    assert ls[0]["kind"] == "model"
     man = json.loads(run(store, "inspect", "tiny", "--json").output)
-    assert man["config"]["architecture"]["num_kv_heads"] == 2 and "model.safetensors" in man["files"]
+    assert man["config"]["architecture"]["num_kv_heads"] == 2
+    assert "model.safetensors" in man["files"]
     human = run(store, "inspect", "tiny/v1").output
-    assert "num_kv_heads" in human and "model.safetensors" in human
+    assert "num_kv_heads" in human
+    assert "model.safetensors" in human
     lin = run(store, "lineage", "tiny").output
-    assert "tiny/v1 [model]" in lin and "hf-dir" in lin
+    assert "tiny/v1 [model]" in lin
+    assert "hf-dir" in lin
 
 
 def test_errors_are_one_line_with_exit_code_2(tmp_path, tiny_model_dir):
     store = tmp_path / "store"
     r = run(store, "inspect", "nope")
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and r.output.startswith("error: no artifact 'nope'")
+    assert r.exit_code == 2
+    assert r.output.count("\n") == 1
+    assert r.output.startswith("error: no artifact 'nope'")
     run(store, "import", str(tiny_model_dir))
     f = store / "tiny" / "v1" / "config.json"
     os.chmod(f, 0o644)
     f.write_text(f.read_text().replace("64", "65", 1))
     r = run(store, "inspect", "tiny")
-    assert r.exit_code == 2 and "config.json" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2
+    assert "config.json" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_verify_rehashes_everything_and_names_a_damaged_file(tmp_path):
@@ -63,15 +71,16 @@ def test_verify_rehashes_everything_and_names_a_damaged_file(tmp_path):
         for p in (w.dir / "a.bin", w.dir / "b.txt"):
             os.utime(p, ns=(0, 10**18))  # long settled: the write stamps them, loads read nothing
     r = run(store.root, "verify", "thing")
-    assert r.exit_code == 0 and r.output == f"OK thing/v1 {w.artifact.id[:12]}: 2 files, 9 B re-hashed\n", r.output
+    assert r.exit_code == 0, r.output
+    assert r.output == f"OK thing/v1 {w.artifact.id[:12]}: 2 files, 9 B re-hashed\n", r.output
     f = store.root / "thing" / "v1" / "a.bin"
     os.chmod(f, 0o644)
     f.write_bytes(b"jello")
     os.utime(f, ns=(0, 10**18))  # size and mtime as stamped: a load does not see it, verify does
     assert run(store.root, "inspect", "thing").exit_code == 0
     r = run(store.root, "verify", "thing/v1")
-    assert (r.exit_code == 2
-            and r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n")
+    assert (r.exit_code == 2)
+    assert (r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n")
     assert run(store.root, "verify", "nope").exit_code == 2
 
 
@@ -99,8 +108,10 @@ def test_forged_manifests_fail_inspect_and_lineage_in_one_line(tmp_path):
         _edit_manifest(man, forge)
         for cmd in ("inspect", "lineage"):
             r = run(store.root, cmd, "real")
-            assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
-            assert r.output.startswith("error: ") and "real/v1/llmq.json: manifest was edited" in r.output
+            assert r.exit_code == 2, r.output
+            assert r.output.count("\n") == 1, r.output
+            assert r.output.startswith("error: ")
+            assert "real/v1/llmq.json: manifest was edited" in r.output
         man.write_text(json.dumps(arts["real"].manifest))  # undo: the manifest as written, reformatted
     assert run(store.root, "inspect", "real").exit_code == 0
 
@@ -114,12 +125,17 @@ def test_ls_lists_a_malformed_manifest_as_damaged_and_goes_on(tmp_path, tiny_mod
         (w.dir / "a.bin").write_bytes(b"x")
     _edit_manifest(store / "tiny" / "v1" / "llmq.json", lambda m: m.update(files=list(m["files"])))
     r = run(store, "ls")
-    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
-    assert "other/v1" in r.output and "DAMAGED" in r.output and "damaged: tiny/v1: " in r.output
+    assert r.exit_code == 0, r.output
+    assert "Traceback" not in r.output, r.output
+    assert "other/v1" in r.output
+    assert "DAMAGED" in r.output
+    assert "damaged: tiny/v1: " in r.output
     listed = json.loads(run(store, "ls", "--json").stdout)
     assert [(a["ref"], "damaged" in a) for a in listed] == [("other/v1", False), ("tiny/v1", True)]
     r = run(store, "inspect", "tiny/v1")
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and "tiny/v1/llmq.json: manifest is malformed" in r.output
+    assert r.exit_code == 2
+    assert r.output.count("\n") == 1
+    assert "tiny/v1/llmq.json: manifest is malformed" in r.output
 
 
 def test_import_refuses_a_malicious_pickle_in_one_line(tmp_path, tiny_model_dir):
@@ -134,8 +150,12 @@ def test_import_refuses_a_malicious_pickle_in_one_line(tmp_path, tiny_model_dir)
     (tiny_model_dir / "model.safetensors").unlink()
     torch.save({"model.embed_tokens.weight": Payload()}, tiny_model_dir / "pytorch_model.bin")
     r = run(tmp_path / "store", "import", str(tiny_model_dir), "--allow-pickle")
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
-    assert r.output.startswith("error: ") and "pytorch_model.bin: refused" in r.output and "posix.system" in r.output
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1, r.output
+    assert "Traceback" not in r.output, r.output
+    assert r.output.startswith("error: ")
+    assert "pytorch_model.bin: refused" in r.output
+    assert "posix.system" in r.output
     assert not marker.exists()
 
 
@@ -194,4 +214,5 @@ def test_bench_subcommands_and_the_spellings_before_them():
 
 def test_ls_refuses_an_unknown_kind_listing_the_kinds(tmp_path):
     r = run(tmp_path / "store", "ls", "--kind", "modle")
-    assert r.exit_code == 2 and all(k in r.output for k in ("model", "quantized", "engine", "eval-report"))
+    assert r.exit_code == 2
+    assert all(k in r.output for k in ("model", "quantized", "engine", "eval-report"))

@@ -75,7 +75,8 @@ def test_builds_are_keyed_by_the_source(tmp_path):
     """Two installs with different sources build in two directories; neither rebuilds the other's."""
     a, b = _source(tmp_path, 1), _source(tmp_path, 2)
     dir_a, dir_b = (cpp_build.build_directory("llmq_probe", s, []) for s in (a, b))
-    assert dir_a != dir_b and dir_a == cpp_build.build_directory("llmq_probe", a, [])
+    assert dir_a != dir_b
+    assert dir_a == cpp_build.build_directory("llmq_probe", a, [])
     assert dir_a != cpp_build.build_directory("llmq_probe", a, ["-O3"])
     twin = tmp_path / "other-checkout" / a.name   # the same source in another checkout: PyTorch's build file names
     twin.parent.mkdir()                          # the source's path, so one directory would rebuild for each
@@ -83,9 +84,11 @@ def test_builds_are_keyed_by_the_source(tmp_path):
     assert cpp_build.build_directory("llmq_probe", twin, []) != dir_a
     for source, value in ((a, "1"), (b, "2")):
         run = _build(tmp_path, source)
-        assert run.returncode == 0 and run.stdout.split()[0] == value, run.stderr
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split()[0] == value, run.stderr
     so_a = tmp_path / "ext" / dir_a.name / "llmq_probe.so"
     built = so_a.stat().st_mtime_ns
     again = _build(tmp_path, a)
-    assert again.returncode == 0 and again.stdout.split()[0] == "1", again.stderr
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split()[0] == "1", again.stderr
     assert so_a.stat().st_mtime_ns == built  # loaded, not rebuilt after b's build

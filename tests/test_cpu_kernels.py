@@ -71,7 +71,8 @@ def test_lowbit_linear_equals_its_float64_arithmetic(bits, n, k, group, asym, bf
     for m in (1, 5, 37):
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)  # uneven channels
         y = cpu_kernels.lowbit_linear(x, *packed, bits, group)
-        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert y.shape == (m, n)
+        assert y.dtype == torch.float32
         assert _rel(y, cpu_kernels.reference(x, q, scale, zero)) < 1e-5  # only float32 summation order differs
         # the activations' int8 rounding is the one approximation: small, and not zero (it is really applied)
         assert 1e-4 < _rel(y, x.double() @ exact_w.t()) < 2e-2
@@ -93,7 +94,9 @@ def test_dense16_linear_is_float32_arithmetic(dtype, n, k, amx):
         y = cpu_kernels.dense16_linear(x, w)
         want = x.double() @ w.double().t()
         bound = 1e-6 * (x.double().abs() @ w.double().abs().t())
-        assert y.dtype == torch.float32 and y.shape == (m, n) and bool(((y.double() - want).abs() <= bound).all())
+        assert y.dtype == torch.float32
+        assert y.shape == (m, n)
+        assert bool(((y.double() - want).abs() <= bound).all())
 
 
 @needs_avx512
@@ -103,20 +106,25 @@ def test_dense_layer_keeps_a_16bit_weight_as_stored():
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(48, 64, generator=gen).bfloat16(), torch.randn(48, generator=gen)
     layer = DenseLinear(w, b, torch.float32)
-    assert layer.dense16 and layer.weight.dtype == torch.bfloat16 and layer.weight.data_ptr() == w.data_ptr()
+    assert layer.dense16
+    assert layer.weight.dtype == torch.bfloat16
+    assert layer.weight.data_ptr() == w.data_ptr()
     assert layer.nbytes == 48 * 64 * 2 + 48 * 4
     x = torch.randn(2, 5, 64, generator=gen)
     want = F.linear(x, w.float(), b)
     assert float((layer(x) - want).abs().max()) < 1e-5 * float(want.abs().max())
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
         assert torch.equal(layer(x), want)
-    assert not DenseLinear(w, b, torch.bfloat16).dense16 and not DenseLinear(w.float(), b).dense16
+    assert not DenseLinear(w, b, torch.bfloat16).dense16
+    assert not DenseLinear(w.float(), b).dense16
 
 
 def test_quantize_blocks_is_absmax_per_32():
     x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(32)
     xq, d = quant.quantize_blocks(x, 32)
-    assert d.shape == (3, 3) and torch.equal(xq, xq.round()) and float(xq.abs().max()) == 127
+    assert d.shape == (3, 3)
+    assert torch.equal(xq, xq.round())
+    assert float(xq.abs().max()) == 127
     assert torch.equal(xq.view(3, 3, 32).abs().amax(-1), torch.full((3, 3), 127.0))
     err = (xq.view(3, 3, 32) * d.unsqueeze(-1) - x.view(3, 3, 32)).abs()
     assert bool((err <= d.unsqueeze(-1) / 2 * (1 + 1e-6)).all())
@@ -182,7 +190,8 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
     q, scale, _ = _weight(bits, n, k, group, False, gen)
     scale = scale.bfloat16().float()  # as llmq's artifacts store them
     codes, s, sz = cpu_kernels.pack(q, scale, None, bits)
-    assert sz.numel() == 0 and s.dtype == torch.bfloat16
+    assert sz.numel() == 0
+    assert s.dtype == torch.bfloat16
     cls = Int4WeightOnlyLinear if bits == 4 else Int8WeightOnlyLinear
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
         pytorchs = cls(q, scale, None, None, torch.float32) if bits == 4 or bits == 8 and group == k else None
@@ -191,13 +200,17 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
     for m in (1, 3, 4, 7, 8, 9, 10, 13, 16, 21, 33, 64):  # alone, in fours, eights (INT8: pairs); AMX: 16s, 32s
         x = torch.randn(m, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
         y = cpu_kernels.lowbit_linear_bf16(x, codes, s, bits, group)
-        assert y.shape == (m, n) and y.dtype == torch.float32 and torch.equal(y.bfloat16().float(), y)
+        assert y.shape == (m, n)
+        assert y.dtype == torch.float32
+        assert torch.equal(y.bfloat16().float(), y)
         xb = x.bfloat16().float()
         ref = (xb.double() @ exact_w.t()).bfloat16().float()
-        assert _within_rounding(y, ref, xb, exact_w) and float((y == ref).float().mean()) > 0.99
+        assert _within_rounding(y, ref, xb, exact_w)
+        assert float((y == ref).float().mean()) > 0.99
         if pytorchs is not None and (bits == 4 or m <= pytorchs.max_kernel_rows):   # PyTorch's INT8 kernel: 8 rows
             theirs = pytorchs(x)
-            assert _within_rounding(y, theirs, xb, exact_w) and float((y == theirs).float().mean()) > 0.99
+            assert _within_rounding(y, theirs, xb, exact_w)
+            assert float((y == theirs).float().mean()) > 0.99
 
 
 @needs_bf16
@@ -221,7 +234,8 @@ def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k):
         xb = x.bfloat16().double()
         ref = xb @ w.t()
         bound = 2 * k * 2 ** -24 * (xb.abs() @ w.abs().t())
-        assert y.shape == (rows, n) and bool(((y.double() - ref).abs() <= bound).all()), rows
+        assert y.shape == (rows, n), rows
+        assert bool(((y.double() - ref).abs() <= bound).all()), rows
 
 
 @needs_avx512
@@ -244,7 +258,8 @@ def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block
         xd = quant.dequantize_fp8_blocks(xq, xs, (1, block[1]), torch.float64)
         y = cpu_kernels.fp8_linear(xq, xs, *packed, block[1])
         bound = 2 * k * 2 ** -24 * (xd.abs() @ w.abs().t())
-        assert y.shape == (rows, n) and bool(((y.double() - xd @ w.t()).abs() <= bound).all()), rows
+        assert y.shape == (rows, n), rows
+        assert bool(((y.double() - xd @ w.t()).abs() <= bound).all()), rows
 
 
 @needs_avx512
@@ -274,7 +289,8 @@ def test_fp4_linear_decodes_every_code_and_scale_as_the_float64_reference(fmt, a
         y = cpu_kernels.fp4_linear(x, packed, s, group, float(glob) if glob is not None else 1.0)
         size = x.double().abs() @ w.abs().t()
         err = (y.double() - x.double() @ w.t()).abs() / torch.where(size > 0, size, 1.0)
-        assert y.shape == (m, n) and float(err.max()) < 1e-6, (fmt, m, float(err.max()))
+        assert y.shape == (m, n), (fmt, m, float(err.max()))
+        assert float(err.max()) < 1e-6, (fmt, m, float(err.max()))
 
 
 @needs_avx512
@@ -299,7 +315,8 @@ def test_fp4_models_stay_packed_and_the_kv_budget_counts_what_they_hold(tmp_path
     eng = LLMEngine(art.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
     model = eng.runner.model
     layers = [m for m in model.modules() if isinstance(m, FP4Linear)]
-    assert layers and all(m.dense is None and m.divisor is not None for m in layers)
+    assert layers
+    assert all(m.dense is None and m.divisor is not None for m in layers)
     held = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
                if not n.startswith("rotary.") and t.data_ptr() != model.embed.data_ptr()) + model.embed.nbytes
     eng.shutdown()
@@ -327,7 +344,8 @@ def test_int8_layers_compute_alike_at_every_batch_size(k):
         got, alone = layer(x), torch.cat([layer(row) for row in x.split(1)])
         xb = x.bfloat16().float()
         ref = (xb.double() @ exact.t()).bfloat16().float()
-        assert _within_rounding(got, ref, xb, exact) and _within_rounding(got, alone, xb, exact)
+        assert _within_rounding(got, ref, xb, exact)
+        assert _within_rounding(got, alone, xb, exact)
         assert float((got == alone).float().mean()) > 0.99
 
 
@@ -339,7 +357,8 @@ def test_int4_layers_keep_pytorchs_kernel_where_it_rounds(asym, bf16_scales):
     gen = torch.Generator().manual_seed(3)
     q, scale, zero = _weight(4, 64, 256, 64, asym, gen)
     layer = Int4WeightOnlyLinear(q, scale.bfloat16().float() if bf16_scales else scale, zero, None, torch.float32)
-    assert layer.lowbit is None and layer.packed
+    assert layer.lowbit is None
+    assert layer.packed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -348,7 +367,8 @@ def test_rms_norm_equals_eager(dtype):
     norm = RMSNorm((torch.rand(576, generator=gen) + 0.5).to(dtype), 1e-5)
     x = (torch.randn(2, 9, 576, generator=gen) * 3).to(dtype)
     got, want = norm(x), norm.eager(x)
-    assert got.shape == want.shape and got.dtype == dtype
+    assert got.shape == want.shape
+    assert got.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: at most a last-bit difference of the rounding
     assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()) <= tol
 
@@ -359,7 +379,8 @@ def test_silu_mul_equals_eager(dtype):
     g, u = gu.chunk(2, dim=-1)
     want = F.silu(g.clone()).mul_(u)  # what DecoderLayer computes op by op
     got = cpu_kernels.silu_mul(gu)
-    assert got.dtype == dtype and got.shape == want.shape
+    assert got.dtype == dtype
+    assert got.shape == want.shape
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # own exp (~1e-7); 16-bit: at most a rounding step apart
     assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()) < tol
 
@@ -403,7 +424,8 @@ def test_rope_kv_write_equals_eager(dtype):
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
         want = rotate_and_store(qkv, rot.table(positions), eager, meta, 9, 3)
     for g, w in zip(got, want):
-        assert g.shape == w.shape and float((g.float() - w.float()).abs().max()) <= 1e-6 * float(w.abs().max())
+        assert g.shape == w.shape
+        assert float((g.float() - w.float()).abs().max()) <= 1e-6 * float(w.abs().max())
     assert float((fused.k.float() - eager.k.float()).abs().max()) <= 1e-6 * float(eager.k.abs().max())
     assert torch.equal(fused.v, eager.v)
     assert not torch.equal(fused.k[0, 5], qkv[0, 9 * 64:12 * 64].view(3, 64))  # k was stored rotated
@@ -445,7 +467,8 @@ def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model, dtype):
     assert bool(stacked) == (dtype == torch.bfloat16)
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
         want_tokens, want = _step_logits(d, prompts)
-    assert tokens == want_tokens and len(got) == len(want) >= 10
+    assert tokens == want_tokens
+    assert len(got) == len(want) >= 10
     for g, w in zip(got, want):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
 
@@ -485,7 +508,8 @@ def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
     AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
     eng = LLMEngine(d, EngineConfig(max_model_len=64))
     model = eng.runner.model
-    assert model.embed.dtype == torch.bfloat16 and model.lm_head.dense16
+    assert model.embed.dtype == torch.bfloat16
+    assert model.lm_head.dense16
     assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
     eng.shutdown()
 
@@ -531,7 +555,9 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
                               stacked.append(len(caches)) or real(stack, x, rope, caches, *a)):
         tokens, fused = _step_logits(art.path, prompts, int8_activations=int8_activations)
     n = len(built)
-    assert n >= 2 and stacked and set(stacked) == ({n} if fused_layers == "all" else {1})
+    assert n >= 2
+    assert stacked
+    assert set(stacked) == ({n} if fused_layers == "all" else {1})
     with mock.patch.object(cpu_kernels, "fused_layer_args", lambda layer: None):
         op_tokens, op_by_op = _step_logits(art.path, prompts, int8_activations=int8_activations)
     assert tokens == op_tokens
@@ -587,13 +613,15 @@ def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny
     real, kinds = linear._lowbit, []
     with mock.patch.object(linear, "_lowbit", lambda *a: kinds.append(real(*a)) or kinds[-1]):
         tokens, ours = _step_logits(art.path, prompts)
-    assert kinds and all(k and k[0] == bits and not k[2] for k in kinds)  # every layer on llmq's kernel
+    assert kinds
+    assert all(k and k[0] == bits and not k[2] for k in kinds)  # every layer on llmq's kernel
     fits = cpu_kernels.lowbit_fits
     rounded = SimpleNamespace(linear=lambda x, w: F.linear(x.bfloat16().float(), w).bfloat16().float())
     with mock.patch.object(cpu_kernels, "lowbit_fits", lambda n, k, g, bits, a8: a8 and fits(n, k, g, bits, a8)), \
             mock.patch.object(linear, "F", rounded if bits == 5 else F):
         theirs_tokens, theirs = _step_logits(art.path, prompts)
-    assert len(ours) == len(theirs) == 10 and all(g.shape[0] == 2 for g in ours)   # step j: token j of both
+    assert len(ours) == len(theirs) == 10
+    assert all(g.shape[0] == 2 for g in ours)   # step j: token j of both
     compared = 0
     for j, (g, w) in enumerate(zip(ours, theirs)):
         for r in range(2):   # while the two greedy runs fed the same tokens (a near tie may flip one in bfloat16)
@@ -628,7 +656,8 @@ def test_a_failed_build_is_one_warning_and_the_eager_path(monkeypatch, caplog):
 
     monkeypatch.setattr(ext, "load", broken)
     assert cpu_kernels._build() is False
-    assert "error: no compiler here" in caplog.text and "using PyTorch's operations" in caplog.text
+    assert "error: no compiler here" in caplog.text
+    assert "using PyTorch's operations" in caplog.text
 
 
 def test_a_build_still_running_elsewhere_is_a_bounded_wait_and_the_eager_path(tmp_path, monkeypatch, caplog):
@@ -646,4 +675,5 @@ def test_a_build_still_running_elsewhere_is_a_bounded_wait_and_the_eager_path(tm
     with open(directory / "llmq.lock", "a") as held:  # a second open file: flock conflicts within one process too
         fcntl.flock(held, fcntl.LOCK_EX)
         assert cpu_kernels._build(wait=0.5) is False
-    assert "another process has been building" in caplog.text and "using PyTorch's operations" in caplog.text
+    assert "another process has been building" in caplog.text
+    assert "using PyTorch's operations" in caplog.text

@@ -36,11 +36,13 @@ def test_sizing_of_a_tiny_model_by_hand():
     one = size(load, "h100", 1, 1, 1, 1)
     # KV: K and V x 2 layers x 2 KV heads x 16 x 2 bytes = 256 bytes a token, x 512 tokens x 32 sequences
     assert (one.weights, one.kv_cache, one.margin) == (1_000_001, 256 * 512 * 32, ACTIVATION_MARGIN)
-    assert one.usable == H100_USABLE and MEMORY_FRACTION == 0.9
+    assert one.usable == H100_USABLE
+    assert MEMORY_FRACTION == 0.9
     four = size(load, "h100", 2, 2, 2, 2)
     # tp 2: one KV head a rank; pp 2: one layer a stage -> 2 x 1 x 1 x 16 x 2 = 64 bytes a token; weights / 4 rounded up
     assert (four.weights, four.kv_cache) == (250_001, 64 * 512 * 32)
-    assert four.need == 250_001 + 64 * 512 * 32 + ACTIVATION_MARGIN and four.fits
+    assert four.need == 250_001 + 64 * 512 * 32 + ACTIVATION_MARGIN
+    assert four.fits
     # a draft model counts whole on every GPU, whatever the split
     drafted = size(Load(spec, 1_000_001, 2, 512, 32, draft=7_000), "h100", 2, 2, 2, 2)
     assert (drafted.draft, drafted.need) == (7_000, four.need + 7_000)
@@ -52,11 +54,13 @@ def test_sizing_of_the_default_model_like_spec_and_refusals():
     load = Load(spec, weights, 2, context=8192, concurrency=256)
     # 2 x 30 layers x 3 KV heads x 64 x 2 bytes = 23040 bytes a token; x 8192 x 256 = 45 GiB > an L40S's 40.5 usable
     one = size(load, "l40s", 1, 1, 1, 1)
-    assert one.kv_cache == 23040 * 8192 * 256 == 45 * 2**30 and not one.fits
+    assert one.kv_cache == 23040 * 8192 * 256 == 45 * 2**30
+    assert not one.fits
     # tp 2 does not divide 9 heads (the engines pad nothing), so the next layout is 2 pipeline stages on 2 nodes
     best = smallest(load, "l40s", across_nodes)
     assert (best.gpus_per_node, best.nodes, best.tp, best.pp) == (1, 2, 1, 2)
-    assert best.kv_cache == 23040 // 2 * 8192 * 256 and best.weights == -(-weights // 2)
+    assert best.kv_cache == 23040 // 2 * 8192 * 256
+    assert best.weights == -(-weights // 2)
     # llama.cpp splits layers over one node's GPUs instead
     assert (lambda s: (s.gpus_per_node, s.nodes, s.tp, s.pp))(smallest(load, "l40s", one_node)) == (2, 1, 1, 2)
     assert (lambda s: (s.gpus_per_node, s.nodes))(choose(load, "h100", across_nodes, None, None)) == (1, 1)
@@ -122,13 +126,14 @@ def test_vllm_one_node_and_several(arts):
     assert [s["run"] for s in rec["steps"]] == [
         "vllm serve \"$MODEL_DIR\" --served-model-name tiny --tensor-parallel-size 1 --max-model-len 512 "
         "--max-num-seqs 32 --gpu-memory-utilization 0.9 --host 0.0.0.0 --port 8000"]
-    assert rec["sizing"]["gpus_per_node"] == 1 and rec["kv_cache_dtype"] == "auto"
+    assert rec["sizing"]["gpus_per_node"] == 1
+    assert rec["kv_cache_dtype"] == "auto"
     rec, readme = _deployed(arts, "fp8kv", engine="vllm", gpus_per_node=2, nodes=2)
     head, workers, serve = rec["steps"]
     assert (head["run"], workers) == ("ray start --head --port 6379", {
         "where": "node 1", "run": 'ray start --address "$HEAD_IP":6379 --block'})
-    assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 " in serve["run"]
-            and "--kv-cache-dtype fp8 --distributed-executor-backend ray " in serve["run"])
+    assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 " in serve["run"])
+    assert ("--kv-cache-dtype fp8 --distributed-executor-backend ray " in serve["run"])
     assert (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (2, 2)
     assert "Set `HEAD_IP` to node 0's address." in readme
     with pytest.raises(LlmqError, match=r"^--gpus-per-node 2 --nodes 3 \(tp 2, pp 3\): 3 pipeline stages exceed the "
@@ -140,7 +145,8 @@ def test_sglang_one_node_and_several(arts):
     rec, _ = _deployed(arts, "model", engine="sglang", gpus_per_node=2, nodes=1)
     (only,) = rec["steps"]
     assert only["run"].startswith('python -m sglang.launch_server --model-path "$MODEL_DIR" --served-model-name tiny '
-                                  "--tp-size 2 --context-length 512") and "--nnodes" not in only["run"]
+                                  "--tp-size 2 --context-length 512")
+    assert "--nnodes" not in only["run"]
     assert "--kv-cache-dtype" not in only["run"]   # no calibrated FP8 scales in a dense model
     rec, _ = _deployed(arts, "fp8kv", engine="sglang", gpus_per_node=2, nodes=2, max_seq_len=256,
                        max_concurrency=8)
@@ -156,7 +162,8 @@ def test_trtllm_one_node_and_several(arts):
     rec, _ = _deployed(arts, "model", engine="trtllm")
     assert rec["steps"][0]["run"] == (
         'trtllm-serve "$MODEL_DIR" --backend pytorch --tp_size 1 --pp_size 1 --max_batch_size 32 --max_seq_len 512 '
-        "--kv_cache_free_gpu_memory_fraction 0.9 --host 0.0.0.0 --port 8000") and rec["files"] == []
+        "--kv_cache_free_gpu_memory_fraction 0.9 --host 0.0.0.0 --port 8000")
+    assert rec["files"] == []
     art = deploy(a["trt"], store, DeployOptions(engine="trtllm", gpus_per_node=2, nodes=2))
     rec = json.loads(art.file("deploy.json").read_text())
     (step,) = rec["steps"]
@@ -172,10 +179,12 @@ def test_llama_server_one_node(arts):
     (step,) = rec["steps"]
     # llama-server's -c is the context of all slots together: 512 tokens x 4 slots
     assert step["run"] == (f'llama-server -m "$MODEL_DIR"/{rec["model"]} -c 2048 -np 4 -t 8 -ngl 999 --host 0.0.0.0 '
-                           "--port 8080") and rec["model"].endswith(".gguf")
+                           "--port 8080")
+    assert rec["model"].endswith(".gguf")
     assert rec["sizing"]["weights"] == (gguf.path / rec["model"]).stat().st_size
     rec, _ = _deployed(arts, "gguf", engine="llama.cpp", gpus_per_node=2, nodes=1)
-    assert "--split-mode layer" in rec["steps"][0]["run"] and (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (1, 2)
+    assert "--split-mode layer" in rec["steps"][0]["run"]
+    assert (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (1, 2)
     with pytest.raises(LlmqError, match="^--gpus-per-node 1 --nodes 2: this engine runs on one node here$"):
         _deployed(arts, "gguf", engine="llama.cpp", gpus_per_node=1, nodes=2)
 
@@ -237,9 +246,11 @@ def test_speculative_ngram_in_each_engines_own_terms(arts):
     assert ray["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["speculative_config"] == vllm_spec
     assert svc["spec"]["template"]["containers"][0]["command"][-1] == serve["run"].replace('"$MODEL_DIR"',
                                                                                            "/mnt/models")
-    assert rec["sizing"]["draft"] == 0 and rec["speculative"] == {"method": "ngram", "num_speculative_tokens": 3,
+    assert rec["sizing"]["draft"] == 0
+    assert rec["speculative"] == {"method": "ngram", "num_speculative_tokens": 3,
                                                                   "draft": None}
-    assert "DRAFT_DIR" not in readme and "- Speculative decoding: prompt lookup (ngram), 3 draft tokens" in readme
+    assert "DRAFT_DIR" not in readme
+    assert "- Speculative decoding: prompt lookup (ngram), 3 draft tokens" in readme
     rec, _ = _deployed(arts, "model", engine="sglang", speculative="ngram", num_speculative_tokens=3)
     assert "--speculative-algorithm NGRAM --speculative-num-draft-tokens 4 --host" in rec["steps"][0]["run"]
     store, a = arts
@@ -271,15 +282,19 @@ def test_speculative_draft_model_in_each_engines_own_terms(arts):
     assert json.loads(_spec_of(serve["run"], "--speculative-config")) == vllm_spec
     assert '--speculative-config \'{"method": "draft_model", "model": "\'"$DRAFT_DIR"\'", ' in serve["run"]
     assert ray["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["speculative_config"] == vllm_spec
-    assert docs is None and rec["files"] == [RAY_FILE] and [s["run"] for s in rec["instead"]] == [
+    assert docs is None
+    assert rec["files"] == [RAY_FILE]
+    assert [s["run"] for s in rec["instead"]] == [
         "envsubst '$MODEL_DIR $DRAFT_DIR' < \"$DEPLOY_DIR\"/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
     assert any(n.startswith("no KServe manifest with a draft model") for n in rec["notes"])
     s = rec["sizing"]
-    assert s["draft"] == DRAFT_PARAMS * 4 + DRAFT_KV and s["need"] == (s["weights"] + s["kv_cache"] + s["draft"]
+    assert s["draft"] == DRAFT_PARAMS * 4 + DRAFT_KV
+    assert s["need"] == (s["weights"] + s["kv_cache"] + s["draft"]
                                                                        + ACTIVATION_MARGIN)
     assert rec["speculative"]["draft"]["id"] == a["draft"].id
     assert (f"Copy the draft model's artifact {ref} (its directory, {a['draft'].path}) there too and set `DRAFT_DIR` "
-            "to it.") in readme and "| draft |" in readme
+            "to it.") in readme
+    assert "| draft |" in readme
     art = deploy(a["model"], store, DeployOptions(engine="sglang", speculative=ref, num_speculative_tokens=3))
     assert art.parents == [a["model"].id, a["draft"].id]
     rec = json.loads(art.file("deploy.json").read_text())
@@ -296,7 +311,8 @@ def test_speculative_draft_model_in_each_engines_own_terms(arts):
     rec, _ = _deployed(arts, "gguf", engine="llama.cpp", speculative=a["draft_gguf"].ref, num_speculative_tokens=3)
     gguf = rec["speculative"]["draft"]["model"]
     assert (f'--spec-type draft-simple -md "$DRAFT_DIR"/{gguf} --spec-draft-n-max 3 -ngld 999 --host'
-            in rec["steps"][0]["run"]) and gguf.endswith(".gguf")
+            in rec["steps"][0]["run"])
+    assert gguf.endswith(".gguf")
     assert rec["sizing"]["draft"] == (a["draft_gguf"].path / gguf).stat().st_size + DRAFT_KV
 
 
@@ -308,14 +324,16 @@ def test_speculative_values_and_keys_are_the_engines_own(arts):
         rec, _ = _deployed(arts, "model", engine="vllm", speculative=spec)
         config = json.loads(_spec_of(rec["steps"][0]["run"], "--speculative-config"))
         v = FLAGS["vllm"]["speculative_config"]
-        assert set(config) <= set(v["keys"]) and config["method"] in v["method"]
+        assert set(config) <= set(v["keys"])
+        assert config["method"] in v["method"]
         rec, _ = _deployed(arts, "model", engine="sglang", speculative=spec)
         assert _spec_of(rec["steps"][0]["run"], "--speculative-algorithm") in FLAGS["sglang"]["speculative_algorithm"][
             "values"]
         art = deploy(a["model"], store, DeployOptions(engine="trtllm", speculative=spec))
         config = yaml.safe_load(art.file("trtllm-llm-api-options.yaml").read_text())["speculative_config"]
         t = FLAGS["trtllm"]["speculative_config"]
-        assert set(config) <= set(t["keys"]) and config["decoding_type"] in t["decoding_type"]
+        assert set(config) <= set(t["keys"])
+        assert config["decoding_type"] in t["decoding_type"]
     for spec in ("ngram", a["draft_gguf"].ref):
         rec, _ = _deployed(arts, "gguf", engine="llama.cpp", speculative=spec)
         assert _spec_of(rec["steps"][0]["run"], "--spec-type") in FLAGS["llama.cpp"]["spec_type"]["values"]
@@ -353,8 +371,13 @@ def test_nothing_speculative_unless_asked(arts):
         art = deploy(a[src], store, DeployOptions(engine=engine, num_speculative_tokens=7))
         rec = json.loads(art.file("deploy.json").read_text())
         text = " ".join(art.file(f).read_text() for f in rec["files"]) + " ".join(s["run"] for s in rec["steps"])
-        assert "specul" not in text and "--spec-" not in text and "DRAFT" not in text and " 7" not in text, engine
-        assert rec["sizing"]["draft"] == 0 and rec["speculative"] is None and art.parents == [a[src].id]
+        assert "specul" not in text, engine
+        assert "--spec-" not in text, engine
+        assert "DRAFT" not in text, engine
+        assert " 7" not in text, engine
+        assert rec["sizing"]["draft"] == 0
+        assert rec["speculative"] is None
+        assert art.parents == [a[src].id]
         assert "- Speculative decoding: off" in art.file("README.md").read_text()
 
 
@@ -371,8 +394,9 @@ def test_kserve_and_ray_serve_carry_the_launch_commands_layout(arts):
     rec, readme, docs, ray = _vllm_files(arts, "fp8kv", gpus_per_node=2, nodes=2)
     serve = rec["steps"][-1]["run"]
     preset, svc = docs
-    assert preset["kind"] == "LLMInferenceServiceConfig" and preset["metadata"]["name"] == (
-        "kserve-config-llm-worker-pipeline-parallel")   # the name KServe looks up, which it does not ship
+    assert preset["kind"] == "LLMInferenceServiceConfig"
+    # the name KServe looks up, which it does not ship
+    assert preset["metadata"]["name"] == "kserve-config-llm-worker-pipeline-parallel"
     spec = svc["spec"]
     assert (svc["kind"], svc["metadata"]["name"], spec["model"], spec["parallelism"]) == (
         "LLMInferenceService", "tiny-kvfp8", {"uri": "$MODEL_URI", "name": "tiny-kvfp8"}, {"tensor": 2, "pipeline": 2})
@@ -394,17 +418,21 @@ def test_kserve_and_ray_serve_carry_the_launch_commands_layout(arts):
     assert [s["run"] for s in rec["instead"]] == [
         "envsubst '$MODEL_URI' < \"$DEPLOY_DIR\"/kserve-llminferenceservice.yaml | kubectl apply -f -",
         "envsubst '$MODEL_DIR' < \"$DEPLOY_DIR\"/ray-serve-llm.yaml > serve.yaml && serve run serve.yaml"]
-    assert "Or, instead, with a cluster manager" in readme and "| kubectl apply -f -\n" in readme
+    assert "Or, instead, with a cluster manager" in readme
+    assert "| kubectl apply -f -\n" in readme
     # one node: no worker, no pipeline stages, a dense KV cache, Ray's A100 label, every bundle on the node
     rec, readme, docs, ray = _vllm_files(arts, "model", gpu="a100-80gb", gpus_per_node=1, nodes=1)
     ((svc,), (llm,)) = docs, ray["applications"][0]["args"]["llm_configs"]
-    assert "worker" not in svc["spec"] and svc["spec"]["parallelism"] == {"tensor": 1}
+    assert "worker" not in svc["spec"]
+    assert svc["spec"]["parallelism"] == {"tensor": 1}
     assert svc["spec"]["template"]["containers"][0]["command"][-1] == rec["steps"][0]["run"].replace(
         '"$MODEL_DIR"', "/mnt/models")
-    assert "kv_cache_dtype" not in llm["engine_kwargs"] and "pipeline_parallel_size" not in llm["engine_kwargs"]
+    assert "kv_cache_dtype" not in llm["engine_kwargs"]
+    assert "pipeline_parallel_size" not in llm["engine_kwargs"]
     assert (llm["accelerator_type"], llm["placement_group_config"]["strategy"]) == ("A100", "STRICT_PACK")
     rec, readme = _deployed(arts, "model", engine="sglang")
-    assert rec["files"] == rec["instead"] == [] and "written for `--engine vllm` only" in readme
+    assert rec["files"] == rec["instead"] == []
+    assert "written for `--engine vllm` only" in readme
 
 
 def _leaves(node, path=()):
@@ -441,13 +469,16 @@ def test_kserve_and_ray_serve_files_use_only_fields_their_schemas_define(arts):
             allowed = SCHEMAS["kserve"][doc["kind"]]
             for path, value in _leaves(doc):
                 kind = _schema_type(allowed, path)
-                assert kind and type(value) in TYPES[kind], (doc["kind"], ".".join(path), value)
+                assert kind, (doc["kind"], ".".join(path), value)
+                assert type(value) in TYPES[kind], (doc["kind"], ".".join(path), value)
         assert set(ray) <= set(r["ServeDeploySchema"])
         (app,) = ray["applications"]
-        assert set(app) <= set(r["ServeApplicationSchema"]) and app["import_path"] == r["import_path"]
+        assert set(app) <= set(r["ServeApplicationSchema"])
+        assert app["import_path"] == r["import_path"]
         assert set(app["args"]) <= set(r["LLMServingArgs"])
         (llm,) = app["args"]["llm_configs"]
-        assert set(llm) <= set(r["LLMConfig"]) and set(llm["model_loading_config"]) <= set(r["ModelLoadingConfig"])
+        assert set(llm) <= set(r["LLMConfig"])
+        assert set(llm["model_loading_config"]) <= set(r["ModelLoadingConfig"])
         assert set(llm["deployment_config"]) <= set(r["DeploymentConfig"])
         assert set(llm["placement_group_config"]) <= set(r["placement_group_config"])
         assert llm["placement_group_config"]["strategy"] in r["placement_strategy"]
@@ -462,7 +493,9 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch
 
     store, a = arts
     art = deploy(a["fp8kv"], store, DeployOptions(engine="vllm", name="dep"))
-    assert art.kind == "deploy" and art.parents == [a["fp8kv"].id] and set(art.manifest["files"]) == {
+    assert art.kind == "deploy"
+    assert art.parents == [a["fp8kv"].id]
+    assert set(art.manifest["files"]) == {
         "README.md", "deploy.json", KSERVE_FILE, RAY_FILE}
     art.verify(full=True)
     assert store.resolve("dep").id == art.id
@@ -470,7 +503,8 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch
     with pytest.raises(LlmqError, match="does not fit"):
         deploy(a["model"], store, DeployOptions(engine="vllm", name="nofit", gpus_per_node=1, nodes=1,
                                                 max_concurrency=10**7))
-    assert sorted(p.name for p in store.root.iterdir()) == before and store.versions("nofit") == []
+    assert sorted(p.name for p in store.root.iterdir()) == before
+    assert store.versions("nofit") == []
 
     def broken(*_):
         raise OSError("disk gone")
@@ -482,11 +516,14 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch
     monkeypatch.undo()
     run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang",
                                    "--gpus-per-node", "1", "--nodes", "1", "--max-concurrency", "10000000"])
-    assert run.exit_code == 2 and run.output.count("\n") == 1 and run.output.startswith("error: --gpu h100 ")
+    assert run.exit_code == 2
+    assert run.output.count("\n") == 1
+    assert run.output.startswith("error: --gpu h100 ")
     run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", a["model"].ref, "--engine", "sglang",
                                    "--max-model-len", "256"])   # vLLM's spelling of --max-seq-len
     assert run.exit_code == 0, run.output
-    assert "| H100 80GB | 1 x 1 | 1 x 1 |" in run.output and "on the node: python -m sglang.launch_server" in run.output
+    assert "| H100 80GB | 1 x 1 | 1 x 1 |" in run.output
+    assert "on the node: python -m sglang.launch_server" in run.output
     assert "--context-length 256 " in run.output
     with pytest.raises(LlmqError, match="^--max-seq-len 513 exceeds the model's 512 positions$"):
         deploy(a["model"], store, DeployOptions(engine="vllm", max_seq_len=513))
@@ -542,9 +579,12 @@ def test_a_file_name_outside_the_safe_set_is_refused_in_one_line(arts, tmp_path,
     monkeypatch.chdir(tmp_path)
     before = {x.path for x in store.list()}
     run = CliRunner().invoke(cli, ["--store", str(store.root), "deploy", bad.ref, "--engine", engine])
-    assert run.exit_code == 2 and run.output.count("\n") == 1, run.output
-    assert run.output.startswith(f"error: {bad.ref} names the file ") and "outside the safe set" in run.output
-    assert {x.path for x in store.list()} == before and list(tmp_path.iterdir()) == []
+    assert run.exit_code == 2, run.output
+    assert run.output.count("\n") == 1, run.output
+    assert run.output.startswith(f"error: {bad.ref} names the file ")
+    assert "outside the safe set" in run.output
+    assert {x.path for x in store.list()} == before
+    assert list(tmp_path.iterdir()) == []
 
 
 def _launches(arts, name: str):
@@ -602,7 +642,8 @@ def test_every_command_line_is_quoted_for_the_shell(arts, tmp_path, name):
         done = subprocess.run(["bash", "-c", run], cwd=work, env=env, capture_output=True, text=True)
         assert done.returncode == 0, (engine, run, done.stderr)
         assert not {p.name for p in work.iterdir()} - {"serve.yaml"}, (engine, run)
-        assert not list(tmp_path.glob("PWNED*")) and not list(Path.cwd().glob("PWNED*")), (engine, run)
+        assert not list(tmp_path.glob("PWNED*")), (engine, run)
+        assert not list(Path.cwd().glob("PWNED*")), (engine, run)
         calls = [f.read_bytes().decode().split("\0")[:-1] for f in log.iterdir()]
         assert calls, (engine, run)
         for argv in calls:

@@ -87,18 +87,23 @@ def test_the_table_is_int8_per_row_in_its_own_group_and_the_file_shrinks(made, t
     groups = {tuple(g["targets"]): g["weights"] for g in cfg["config_groups"].values()}
     assert groups[(qformat.EMBEDDING,)] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
                                              "dynamic": False}
-    assert "model.embed_tokens.weight" not in ck.tensors and ck.embedding_quantized()
-    assert ck.config["tie_word_embeddings"] is tied and ck.has_lm_head() is not tied
+    assert "model.embed_tokens.weight" not in ck.tensors
+    assert ck.embedding_quantized()
+    assert ck.config["tie_word_embeddings"] is tied
+    assert ck.has_lm_head() is not tied
     assert ("lm_head" in art.config["excluded_modules"]) is not tied   # a tied head is the INT8 table
     if tied:
         assert art.config["scheme_per_module"]["lm_head"] == "W8A16-channel-sym"
         assert ck.lm_head().qw is not None
     else:
-        assert ck.lm_head().qw is None and "lm_head" in cfg["ignore"]   # --lm-head decides an untied head
+        assert ck.lm_head().qw is None
+        assert "lm_head" in cfg["ignore"]   # --lm-head decides an untied head
     # round to nearest on one scale per row: absmax / 127 rounded up to the model's bf16
     qw = ck.embedding().qw
     scale, exact = qw.scale.float(), source_table.abs().amax(1, keepdim=True) / 127
-    assert qw.bits == 8 and qw.scale.dtype == torch.bfloat16 and scale.shape == (source_table.shape[0], 1)
+    assert qw.bits == 8
+    assert qw.scale.dtype == torch.bfloat16
+    assert scale.shape == (source_table.shape[0], 1)
     assert ((scale >= exact) & ((scale <= exact * (1 + 2 ** -7)) | (exact == 0))).all()   # (the padding row is 0)
     assert ((_decompressed_table(ck) - source_table).abs() <= scale / 2 * (1 + 1e-6)).all()
     assert torch.equal(_decompressed_table(ck), qw.dequantize(torch.float32))
@@ -115,7 +120,8 @@ def test_a_grouped_table_stores_q8_0_blocks_with_searched_scales(made):
     store, src, art, _ = made["grouped"]
     ck = CheckpointReader(art.path)
     groups = {tuple(g["targets"]): g["weights"] for g in ck.config["quantization_config"]["config_groups"].values()}
-    assert groups[(qformat.EMBEDDING,)]["strategy"] == "group" and groups[(qformat.EMBEDDING,)]["group_size"] == 32
+    assert groups[(qformat.EMBEDDING,)]["strategy"] == "group"
+    assert groups[(qformat.EMBEDDING,)]["group_size"] == 32
     qw, table = ck.embedding().qw, CheckpointReader(src.path).tensor("model.embed_tokens.weight").float()
     assert qw.scale.shape == (table.shape[0], table.shape[1] // 32)
     assert torch.equal(_decompressed_table(ck), qw.dequantize(torch.float32))
@@ -186,7 +192,9 @@ def test_a_tp2_build_slices_the_table_and_passes_the_reference_check(made, paral
     eng = build_engine(art, store, BuildOptions(tp=2, parallel_embedding=parallel, verify=True))
     assert eng.metrics["verify"]["passed"]
     rank = CheckpointReader(eng.path / "rank1")
-    assert rank.embedding_quantized() and rank.lm_head().qw is not None and rank.lm_head().qw.bits == 8
+    assert rank.embedding_quantized()
+    assert rank.lm_head().qw is not None
+    assert rank.lm_head().qw.bits == 8
     vocab = CheckpointReader(art.path).spec.vocab_size
     assert rank.embedding().shape[0] == (vocab // 2 if parallel else vocab)
 
@@ -199,7 +207,8 @@ def test_transformers_and_tensorrt_llm_refuse_in_one_line(made):
     store, _, art, _ = made[True]
     with pytest.raises(LlmqError, match="embedding table is INT8") as e:
         build_engine(art, store, BuildOptions(target="trtllm"))
-    assert "\n" not in str(e.value) and "--target llmq or gguf" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert "--target llmq or gguf" in str(e.value)
     with pytest.raises(LlmqError, match="transformers cannot load"):
         load_hf_model(art.path)
     with pytest.raises(LlmqError, match="--embedding int8 needs a weight-only method"):

@@ -52,8 +52,10 @@ def _llmq(monkeypatch, store: Store, *args: str, seconds: float = 30.0):
 def _one_line_error(out, pattern: str) -> str:
     assert out.exit_code == 2, out.output
     lines = out.output.strip().splitlines()
-    assert lines[-1].startswith("error: ") and len([x for x in lines if x.startswith("error")]) == 1, out.output
-    assert "Traceback" not in out.output and re.search(pattern, lines[-1]), lines[-1]
+    assert lines[-1].startswith("error: "), out.output
+    assert len([x for x in lines if x.startswith("error")]) == 1, out.output
+    assert "Traceback" not in out.output, lines[-1]
+    assert re.search(pattern, lines[-1]), lines[-1]
     return lines[-1]
 
 
@@ -111,7 +113,8 @@ def test_a_keyed_run_writes_its_key_nowhere(tiny, monkeypatch, tmp_path):
                         "--baseline", base.ref, *skip)
             assert out.exit_code == (0 if skip else 2), out.output
             outputs.append(out.output)
-    assert "no logprobs for key ***" in outputs[-2] and outputs[-1].count("no logprobs for key ***") == 1
+    assert "no logprobs for key ***" in outputs[-2]
+    assert outputs[-1].count("no logprobs for key ***") == 1
     manifests = sorted(store.root.rglob("llmq.json"))
     commands = [json.loads(m.read_text())["command"] for m in manifests]
     assert sum("--api-key '***'" in c or "--api-key=***" in c for c in commands) >= 4, commands
@@ -120,7 +123,8 @@ def test_a_keyed_run_writes_its_key_nowhere(tiny, monkeypatch, tmp_path):
         assert out.exit_code == 0, out.output
         outputs.append(out.output)
     written = [p for p in store.root.rglob("*") if p.is_file()]
-    assert len(written) > 20 and not [p for p in written if KEY.encode() in p.read_bytes()]
+    assert len(written) > 20
+    assert not [p for p in written if KEY.encode() in p.read_bytes()]
     assert not [o for o in outputs if KEY in o]
 
 

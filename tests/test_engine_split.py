@@ -121,9 +121,11 @@ def test_everything_is_bit_identical_to_the_engine_before_the_split(observed):
         got = observed[key]
         for g, w in zip(got, want) if isinstance(want, list) else [(got, want)]:
             if same_cpu or not w.is_floating_point():
-                assert g.dtype == w.dtype and torch.equal(g, w), key
+                assert g.dtype == w.dtype, key
+                assert torch.equal(g, w), key
             else:
-                assert g.shape == w.shape and torch.allclose(g, w, rtol=0, atol=1e-5), key
+                assert g.shape == w.shape, key
+                assert torch.allclose(g, w, rtol=0, atol=1e-5), key
 
 
 

@@ -162,7 +162,8 @@ def test_task_data_is_deterministic(tmp_path):
     a = materialize(tmp_path / "a", seed=5)
     b = materialize(tmp_path / "b", seed=5)
     c = materialize(tmp_path / "c", seed=6)
-    assert a.info == b.info and a.info["fingerprint"] != c.info["fingerprint"]
+    assert a.info == b.info
+    assert a.info["fingerprint"] != c.info["fingerprint"]
     for p in sorted(a.include_path.glob("*.jsonl")):
         assert p.read_bytes() == (b.include_path / p.name).read_bytes()
     assert (a.include_path / "arith_mc.jsonl").read_bytes() != (c.include_path / "arith_mc.jsonl").read_bytes()
@@ -172,11 +173,13 @@ def test_task_data_is_deterministic(tmp_path):
     for line in (a.include_path / "arith_mc.jsonl").read_text().splitlines():
         d = json.loads(line)
         x, y = (int(v) for v in d["question"].rstrip(" =").split(" + "))
-        assert d["choices"][d["label"]] == str(x + y) and len(set(d["choices"])) == 4
+        assert d["choices"][d["label"]] == str(x + y)
+        assert len(set(d["choices"])) == 4
     for line in (a.include_path / "code_nextline.jsonl").read_text().splitlines()[:50]:
         d = json.loads(line)
         rel, i = d["source"].rsplit(":", 1)
-        assert len(set(d["choices"])) == 4 and d["context"].endswith("\n")
+        assert len(set(d["choices"])) == 4
+        assert d["context"].endswith("\n")
 
 
 def test_code_tasks_never_score_the_quantizers_calibration_text():
@@ -203,7 +206,8 @@ def test_code_greedy_asks_for_the_true_next_line_of_the_source(tmp_path):
         lines = [ln for ln in src.splitlines() if ln.strip()]
         assert task.doc_to_text(doc) == "\n".join(lines[int(i) - 8:int(i)]) + "\n"
         head = task.doc_to_target(doc)  # the real next line's indentation and first word, scored for a greedy match
-        assert lines[int(i)].startswith(head) and head.strip()
+        assert lines[int(i)].startswith(head)
+        assert head.strip()
     assert task.process_results(doc, [(-3.0, True)]) == {"acc": 1}
     assert task.process_results(doc, [(-3.0, False)]) == {"acc": 0}
 
@@ -216,12 +220,15 @@ def test_sandbox_limits(tmp_path):
     assert run_sandboxed("assert 1 == 2").status == "failed"
     t = time.monotonic()
     loop = run_sandboxed("while True: pass", timeout=20, cpu_s=2)
-    assert loop.status in ("killed", "timeout") and time.monotonic() - t < 15
+    assert loop.status in ("killed", "timeout")
+    assert time.monotonic() - t < 15
     t = time.monotonic()
     loop = run_sandboxed("import time\nwhile True: time.sleep(1)", timeout=2, cpu_s=2)  # no CPU used: wall timeout
-    assert loop.status == "timeout" and time.monotonic() - t < 10
+    assert loop.status == "timeout"
+    assert time.monotonic() - t < 10
     bomb = run_sandboxed("a = []\nwhile True: a.append(bytearray(10**7))", memory_mb=256, timeout=20)
-    assert not bomb.passed and ("MemoryError" in bomb.stderr or bomb.status == "killed")
+    assert not bomb.passed
+    assert "MemoryError" in bomb.stderr or bomb.status == "killed"
     outside = tmp_path / "escaped.txt"
     for code in (f"open({str(outside)!r}, 'w').write('x')",
                  f"import os; os.close(os.open({str(outside)!r}, os.O_WRONLY | os.O_CREAT))",
@@ -230,7 +237,8 @@ def test_sandbox_limits(tmp_path):
         assert not run_sandboxed(code).passed
     assert not outside.exists()
     inside = run_sandboxed("open('f.txt', 'w').write('ok'); print(open('f.txt').read())")
-    assert inside.passed and inside.stdout.strip() == "ok"
+    assert inside.passed
+    assert inside.stdout.strip() == "ok"
     net = run_sandboxed("import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)")
     assert not net.passed
 
@@ -258,7 +266,8 @@ def test_sandbox_confines_files_and_mounts(tmp_path):
     for path in outside:
         assert not run_sandboxed(f"open({path!r}, 'w').write('x')").passed
     shadow = run_sandboxed("print(open('/etc/shadow').read())")
-    assert not shadow.passed and "root:" not in shadow.stdout
+    assert not shadow.passed
+    assert "root:" not in shadow.stdout
     mount = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
              "assert libc.mount(b'none', b'/', None, 32 | 4096, None) == 0, ctypes.get_errno()  # remount, bind\n"
              f"open({_OUTSIDE[0]!r}, 'w').write('x')\n")
@@ -277,7 +286,8 @@ def test_sandbox_confines_files_and_mounts(tmp_path):
     assert not any(Path(p).exists() for p in outside)
     legit = run_sandboxed("import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(6 * 7)'], "
                           "capture_output=True, text=True).stdout.strip())")
-    assert legit.passed and legit.stdout.strip() == "42"
+    assert legit.passed
+    assert legit.stdout.strip() == "42"
 
 
 def test_sandbox_has_no_network():
@@ -290,7 +300,8 @@ def test_sandbox_has_no_network():
         port = server.getsockname()[1]
         socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from the host
         net = run_sandboxed(f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)")
-    assert not net.passed and "ConnectionRefused" in net.stderr
+    assert not net.passed
+    assert "ConnectionRefused" in net.stderr
 
 
 def test_sandbox_kills_setsid_children():
@@ -305,13 +316,16 @@ def test_sandbox_kills_setsid_children():
     token = f"llmq-setsid-{os.getpid()}-a"
     t = time.monotonic()
     r = run_sandboxed(program(token, "time.sleep(60)"), timeout=3)
-    assert r.status == "timeout" and time.monotonic() - t < 3 + 3
+    assert r.status == "timeout"
+    assert time.monotonic() - t < 3 + 3
     time.sleep(0.5)
     assert _host_processes_with(token) == []
     token = token[:-1] + "b"
     t = time.monotonic()
     r = run_sandboxed(program(token, "time.sleep(0.5)\nprint('done')"), timeout=20)
-    assert r.passed and r.stdout.strip() == "done" and time.monotonic() - t < 5
+    assert r.passed
+    assert r.stdout.strip() == "done"
+    assert time.monotonic() - t < 5
     time.sleep(0.5)
     assert _host_processes_with(token) == []
 
@@ -363,7 +377,9 @@ def test_gate_parsing_and_checks():
     assert [r.passed for r in results] == [False, True, True, True]
     with pytest.raises(GateFailed) as e:
         enforce(results)
-    assert "math>=-2" in str(e.value) and "code" not in str(e.value) and e.value.exit_code == 1
+    assert "math>=-2" in str(e.value)
+    assert "code" not in str(e.value)
+    assert e.value.exit_code == 1
     assert not check_gates(parse_gates("ppl<=1"), report)[0].passed  # a score that was not computed fails
 
 
@@ -373,9 +389,11 @@ def test_confidence_interval_math():
     rng = random.Random(3)
     vals = [float(rng.random() < 0.6) for _ in range(200)]
     m, se = mean_stderr(vals)
-    assert m == pytest.approx(statistics.fmean(vals)) and se == pytest.approx(statistics.stdev(vals) / math.sqrt(200))
+    assert m == pytest.approx(statistics.fmean(vals))
+    assert se == pytest.approx(statistics.stdev(vals) / math.sqrt(200))
     d = delta({"value": 40.0, "stderr": 3.0, "unit": "points"}, {"value": 70.0, "stderr": 4.0, "unit": "points"})
-    assert d["delta"] == -30.0 and d["stderr"] == pytest.approx(5.0)
+    assert d["delta"] == -30.0
+    assert d["stderr"] == pytest.approx(5.0)
     assert d["ci95"] == pytest.approx([-30 - Z95 * 5, -30 + Z95 * 5])
     x, y = [rng.uniform(1, 5) for _ in range(50)], [rng.uniform(2, 9) for _ in range(50)]
     r, rse = ratio_stderr(x, y)
@@ -389,7 +407,9 @@ def test_confidence_interval_math():
     g = group_scores({"a": {"task": "a", "value": 60.0, "stderr": 3.0, "unit": "points"},
                       "b": {"task": "b", "value": 20.0, "stderr": 4.0, "unit": "points"},
                       "c": {"task": "c", "value": 1.1, "stderr": 0.1, "unit": "bits/byte"}}, {"g": ("a", "b", "c")})
-    assert g["g"]["value"] == 40.0 and g["g"]["stderr"] == pytest.approx(2.5) and g["g"]["tasks"] == ["a", "b"]
+    assert g["g"]["value"] == 40.0
+    assert g["g"]["stderr"] == pytest.approx(2.5)
+    assert g["g"]["tasks"] == ["a", "b"]
 
 
 # -- the CLI on tiny models: gates, exit codes, baseline cache, determinism -------------------------------------------
@@ -403,31 +423,38 @@ def test_cli_gate_fails_with_exit_1_and_baseline_is_cached(tmp_path, monkeypatch
             "--gate", "math>=-1000,kld<=-1,ppl<=-1e9"]
     first = runner.invoke(cli, args)
     assert first.exit_code == 1, first.output
-    assert "gate failed: kld<=-1" in first.output and "ppl<=-1e+09" in first.output
+    assert "gate failed: kld<=-1" in first.output
+    assert "ppl<=-1e+09" in first.output
     assert "math>=-1000" not in first.output.split("gate failed:")[1]
     rep1 = json.loads(first.output[first.output.index("{"):first.output.rindex("}") + 1])
     assert rep1["baseline"]["id"] == base.id
-    assert rep1["kld"]["mean"] > 0 and rep1["scores"]["tasks"]["llmq_arith_mc"]["stderr"] is not None
+    assert rep1["kld"]["mean"] > 0
+    assert rep1["scores"]["tasks"]["llmq_arith_mc"]["stderr"] is not None
     assert set(rep1["deltas"]) >= {"math", "llmq_arith_mc", "llmq_ppl"}
     second = runner.invoke(cli, args)
     assert second.exit_code == 1
     rep2 = json.loads(second.output[second.output.index("{"):second.output.rindex("}") + 1])
-    assert rep2["scores"] == rep1["scores"] and rep2["kld"] == rep1["kld"]  # the same eval twice: identical
+    assert rep2["scores"] == rep1["scores"]
+    assert rep2["kld"] == rep1["kld"]  # the same eval twice: identical
     reports = store.list(kind="eval-report")
     assert len(reports) == 3  # the baseline's own report once, the candidate's twice
     cand_rep = [r for r in reports if r.parents == [cand.id, base.id]]
-    assert len(cand_rep) == 2 and (cand_rep[0].path / "report.md").read_text().startswith("# llmq eval")
+    assert len(cand_rep) == 2
+    assert (cand_rep[0].path / "report.md").read_text().startswith("# llmq eval")
     assert cand_rep[0].id == cand_rep[1].id  # identical payloads: timings live in the manifest's metrics
     m1, m2 = cand_rep[0].metrics, cand_rep[1].metrics
-    assert m1["baseline_scores_cached"] is False and m1["wall_s"] > 0
+    assert m1["baseline_scores_cached"] is False
+    assert m1["wall_s"] > 0
     assert m2["baseline_scores_cached"] is True  # computed once, read back from the baseline's own report
     assert m2["baseline_scores_from"] == m1["baseline_scores_from"]
     ok = runner.invoke(cli, ["--store", str(store.root), "eval", cand.ref, "--tasks", "math,ppl", "--limit", "3",
                              "--gate", "math>=-1000"])
     assert ok.exit_code == 0, ok.output
-    assert "baseline scores reused" in ok.output and "the root model" in ok.output
+    assert "baseline scores reused" in ok.output
+    assert "the root model" in ok.output
     bad = runner.invoke(cli, ["--store", str(store.root), "eval", cand.ref, "--gate", "math=>1"])
-    assert bad.exit_code == 2 and "bad gate" in bad.output
+    assert bad.exit_code == 2
+    assert "bad gate" in bad.output
 
 
 # -- integration: the default model, INT4 / INT8 RTN (`llmq quantize`) vs bf16 -----------------------------------------
@@ -444,12 +471,16 @@ def test_int4_rtn_loses_against_bf16(default_model, default_store, default_int4,
     r4 = run_eval(store, int4, model, EvalSettings(tasks=["math", "code", "kld"], limit=16, seed=1234),
                   parse_gates("math>=-2.0")).report
     d = r4["deltas"]
-    assert d["math"]["delta"] < 0 and d["math"]["stderr"] > 0
-    assert d["llmq_code_bpb"]["delta"] > 0 and d["llmq_code_bpb"]["stderr"] > 0  # code got worse
-    assert "code" in d and d["code"]["stderr"] > 0
+    assert d["math"]["delta"] < 0
+    assert d["math"]["stderr"] > 0
+    assert d["llmq_code_bpb"]["delta"] > 0
+    assert d["llmq_code_bpb"]["stderr"] > 0  # code got worse
+    assert "code" in d
+    assert d["code"]["stderr"] > 0
     assert r4["gates"][0]["passed"] is False
     r8 = run_eval(store, int8, model, EvalSettings(tasks=["kld"], limit=16, seed=1234), []).report
-    assert r4["kld"]["mean"] > r8["kld"]["mean"] > 0 and r4["kld"]["top1"] < r8["kld"]["top1"]
+    assert r4["kld"]["mean"] > r8["kld"]["mean"] > 0
+    assert r4["kld"]["top1"] < r8["kld"]["top1"]
 
 
 def test_a_non_finite_kld_fails_loudly():
@@ -474,7 +505,8 @@ def test_a_non_finite_kld_fails_loudly():
     masked = p.clone()
     masked[:, -4:] = float("-inf")  # padded vocabulary entries
     kl, agree = token_kl(masked.log_softmax(-1), masked.log_softmax(-1))
-    assert torch.equal(kl, torch.zeros(6)) and bool(agree.all())
+    assert torch.equal(kl, torch.zeros(6))
+    assert bool(agree.all())
 
 
 def test_the_kl_histogram_counts_every_position_in_its_bin():
@@ -489,7 +521,8 @@ def test_the_kl_histogram_counts_every_position_in_its_bin():
 
     kl = torch.cat([torch.zeros(3), 10 ** (torch.rand(500, dtype=torch.float64) * 10 - 7), torch.tensor([1e3])])
     want, _ = np.histogram(np.clip(kl.numpy(), 0, KL_EDGES[-1]), bins=np.array(KL_EDGES))
-    assert kl_counts(kl) == want.tolist() and sum(kl_counts(kl)) == kl.numel()
+    assert kl_counts(kl) == want.tolist()
+    assert sum(kl_counts(kl)) == kl.numel()
     p, q = torch.randn(1200, 8192), torch.randn(1200, 8192)
     assert positions_per_chunk(8192) < 600
     acc = ProbeAccumulator()

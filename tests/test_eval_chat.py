@@ -52,12 +52,16 @@ def test_ast_match_follows_bfcls_rules():
     two = [{"area": {"base": [1], "height": [2.0]}}, {"area": {"base": [3], "height": [4.0]}}]
     c1, c2 = ("area", {"base": 1, "height": 2.0}), ("area", {"base": 3, "height": 4.0})
     assert ast_match("parallel", [FN], [c2, c1], two)  # any order
-    assert not ast_match("parallel", [FN], [c1, c1], two) and not ast_match("parallel", [FN], [c1], two)
-    assert ast_match("multiple", [OTHER, FN], [ok], [ANS]) and not ast_match("simple", [FN], [ok, ok], [ANS])
+    assert not ast_match("parallel", [FN], [c1, c1], two)
+    assert not ast_match("parallel", [FN], [c1], two)
+    assert ast_match("multiple", [OTHER, FN], [ok], [ANS])
+    assert not ast_match("simple", [FN], [ok, ok], [ANS])
     assert not ast_match("simple", [FN], None, [ANS])  # calls that did not parse
-    assert ast_match("irrelevance", [FN], [], None) and ast_match("live_irrelevance", [FN], None, None)
+    assert ast_match("irrelevance", [FN], [], None)
+    assert ast_match("live_irrelevance", [FN], None, None)
     assert not ast_match("irrelevance", [FN], [ok], None)
-    assert ast_match("live_relevance", [FN], [ok], None) and not ast_match("live_relevance", [FN], [], None)
+    assert ast_match("live_relevance", [FN], [ok], None)
+    assert not ast_match("live_relevance", [FN], [], None)
 
 
 def test_json_scoring():
@@ -76,7 +80,9 @@ def test_json_scoring():
 def test_role_headers_come_from_the_template():
     tok = byte_tokenizer()
     heads = role_headers(tok)
-    assert "<|im_end|>\n<|im_start|>user" in heads and "user" in heads and "assistant" in heads
+    assert "<|im_end|>\n<|im_start|>user" in heads
+    assert "user" in heads
+    assert "assistant" in heads
     assert leaks("Paris.<|im_start|>user\nAnd Rome?", heads)
     assert leaks("Paris.\nuser\nAnd Rome?", heads)  # the header as a server returns it, specials skipped
     assert not leaks("The user asked about Paris; the assistant answered.", heads)
@@ -141,7 +147,8 @@ def test_right_answers_score_100_and_broken_calls_are_counted(tmp_path, monkeypa
         want = 0.0 if name == "llmq_tools_unparsed" else 100.0
         assert score["value"] == want, (name, [x for x in samples if not x.get("verdict", True)][:1])
     assert out["llmq_tools_simple"]["tools_prompt"].startswith("system prompt")  # CHATML declares no tools
-    assert "llmq_chat_think" not in out and out["llmq_chat_end"]["n"] == 2
+    assert "llmq_chat_think" not in out
+    assert out["llmq_chat_end"]["n"] == 2
     assert {x["source"] for x in samples} >= {"json", "chat", "tools:simple", "tools:live_irrelevance"}
 
     def broken(prompt: str):
@@ -150,9 +157,12 @@ def test_right_answers_score_100_and_broken_calls_are_counted(tmp_path, monkeypa
         return "{}<|im_start|>user\nmore", False
 
     out = run_chat_tasks(ScriptedLM(broken), ts, s.lm_tasks, 2)
-    assert out["llmq_tools_unparsed"]["value"] == 100.0 and out["llmq_tools_unparsed"]["calls"] > 0
-    assert out["llmq_tools_simple"]["value"] == 0.0 and out["llmq_tools_irrelevance"]["value"] == 100.0
-    assert out["llmq_chat_end"]["value"] == 0.0 and out["llmq_chat_leak"]["value"] == 0.0
+    assert out["llmq_tools_unparsed"]["value"] == 100.0
+    assert out["llmq_tools_unparsed"]["calls"] > 0
+    assert out["llmq_tools_simple"]["value"] == 0.0
+    assert out["llmq_tools_irrelevance"]["value"] == 100.0
+    assert out["llmq_chat_end"]["value"] == 0.0
+    assert out["llmq_chat_leak"]["value"] == 0.0
     assert out["llmq_json_valid"]["value"] == 0.0
     short = run_chat_tasks(ScriptedLM(right, max_length=600), ts, ["llmq_tools_live_multiple"], 2)
     assert not short  # every prompt longer than the context: left out, no score
@@ -177,9 +187,11 @@ def test_gates_on_the_new_tasks_run_in_the_cli(tmp_path, monkeypatch):
             "--gate", "tools>=-100,json>=-100,chat>=-100,llmq_tools_unparsed<=100,chat>0.5"]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 1, r.output
-    assert "gate failed: chat>0.5" in r.output and "tools>=-100" not in r.output.split("gate failed:")[1]
+    assert "gate failed: chat>0.5" in r.output
+    assert "tools>=-100" not in r.output.split("gate failed:")[1]
     rep = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
-    assert {"tools", "json", "chat"} <= set(rep["deltas"]) and rep["deltas"]["chat"]["ci95"][0] <= 0
+    assert {"tools", "json", "chat"} <= set(rep["deltas"])
+    assert rep["deltas"]["chat"]["ci95"][0] <= 0
     assert rep["scores"]["tasks"]["llmq_chat_end"]["n"] == 1
 
 
@@ -204,5 +216,7 @@ def test_an_endpoint_answers_the_chat_tasks_as_in_process(tmp_path, monkeypatch)
         got = run_chat_tasks(remote, ts, s.lm_tasks, 2, a)
         want = run_chat_tasks(ours, ts, s.lm_tasks, 2, b)
     ours.close()
-    assert got == want and [x["text"] for x in a] == [x["text"] for x in b] and any(x["text"] for x in a)
+    assert got == want
+    assert [x["text"] for x in a] == [x["text"] for x in b]
+    assert any(x["text"] for x in a)
     assert [x["ended"] for x in a] == [x["ended"] for x in b]

@@ -81,12 +81,15 @@ def test_endpoint_lm_generates_and_scores_as_in_process(setup):
     try:
         assert lm.max_length == ours.max_length - 1 == 1023  # from /v1/models' max_model_len
         # llmq serve: vLLM's prompt_logprobs, the whole vocabulary at -1
-        assert lm.shape == "prompt_logprobs" and lm.scores_prompts and lm.top_k is None
+        assert lm.shape == "prompt_logprobs"
+        assert lm.scores_prompts
+        assert lm.top_k is None
         rng = random.Random(5)
         reqs = [req(rand_text(rng, rng.randint(5, 60)), {"until": ["=", "\n\n"], "max_gen_toks": rng.randint(1, 12)})
                 for _ in range(12)]
         want = ours.generate_until(reqs)
-        assert lm.generate_until(reqs) == want and any(want)  # the same token ids in, the same text out
+        assert lm.generate_until(reqs) == want
+        assert any(want)  # the same token ids in, the same text out
         pairs = [req(rand_text(rng, rng.randint(1, 40)), rand_text(rng, rng.randint(1, 8))) for _ in range(8)]
         got, want = lm.loglikelihood(pairs), ours.loglikelihood(pairs)
         assert [g for _, g in got] == [g for _, g in want]
@@ -125,9 +128,13 @@ def test_echo_and_prompt_logprobs_are_the_engines_prompt_logprobs(setup):
 
     echo = _complete(live, prompt=text, echo=True, logprobs=5, max_tokens=0, return_tokens_as_token_ids=True)
     lp = echo["logprobs"]
-    assert echo["text"] == text and echo["finish_reason"] == "length" and echo["usage"]["completion_tokens"] == 0
-    assert lp["tokens"] == [f"token_id:{t}" for t in ids] and lp["token_logprobs"][0] is None
-    assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    assert echo["text"] == text
+    assert echo["finish_reason"] == "length"
+    assert echo["usage"]["completion_tokens"] == 0
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    assert lp["text_offset"][0] == 0
     assert lp["text_offset"] == sorted(lp["text_offset"])
     torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:], dtype=torch.float64), own, atol=1e-5, rtol=0)
     for j, top in enumerate(lp["top_logprobs"][1:]):
@@ -137,14 +144,17 @@ def test_echo_and_prompt_logprobs_are_the_engines_prompt_logprobs(setup):
 
     vllm = _complete(live, prompt=ids, prompt_logprobs=3, max_tokens=2, logprobs=1)
     plp = vllm["prompt_logprobs"]
-    assert len(plp) == len(ids) and plp[0] is None and len(vllm["logprobs"]["tokens"]) == 2
+    assert len(plp) == len(ids)
+    assert plp[0] is None
+    assert len(vllm["logprobs"]["tokens"]) == 2
     for j, entry in enumerate(plp[1:]):
         first = next(iter(entry))
         assert int(first) == ids[j + 1]  # the prompt token's own entry first, then the top 3
         assert entry[first]["rank"] == int((want[j] >= own[j]).sum())
         assert entry[first]["decoded_token"] == live.app.state.frontend.token_text(ids[j + 1])
         top = sorted(((v["rank"], int(k), v["logprob"]) for k, v in entry.items() if v["rank"] <= 3))[:3]
-        assert [r for r, _, _ in top] == [1, 2, 3] and [t for _, t, _ in top] == want[j].topk(3).indices.tolist()
+        assert [r for r, _, _ in top] == [1, 2, 3]
+        assert [t for _, t, _ in top] == want[j].topk(3).indices.tolist()
         assert entry[first]["logprob"] == pytest.approx(float(own[j]), abs=1e-5)
 
     # echo with a completion: the prompt's tokens, then the generated ones exactly as without echo
@@ -189,7 +199,8 @@ def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
     doc = next(x for x in (ROOT / "docs" / "eval.md").read_text().splitlines() if x.startswith("llmq eval --endpoint"))
     argv = shlex.split(doc, comments=True)[2:]
     i = argv.index("--endpoint")
-    assert argv[i + 1] == "http://127.0.0.1:8000" and "kld" in argv[argv.index("--tasks") + 1]
+    assert argv[i + 1] == "http://127.0.0.1:8000"
+    assert "kld" in argv[argv.index("--tasks") + 1]
     common = ["--json", *argv[:i], *argv[i + 2:]]
     run = CliRunner()
     inproc = run.invoke(cli, ["--store", str(store.root), "eval", cand.ref, *common])
@@ -202,18 +213,24 @@ def test_cli_endpoint_eval_equals_in_process(setup, tmp_path, monkeypatch):
     assert b["baseline"]["id"] == base.id  # the served artifact's lineage gives the default baseline
     assert b["settings"]["backend"] == "endpoint"
     # task scores identical: the generation task by its text, the multiple-choice one by the prompt log-probs
-    assert "llmq_arith_mc" in b["scores"]["tasks"] and not b.get("refused")
+    assert "llmq_arith_mc" in b["scores"]["tasks"]
+    assert not b.get("refused")
     assert b["scores"]["tasks"] == a["scores"]["tasks"]
     # KLD exact (the server gives whole distributions): the same figures within float32 noise (~1e-6 a logprob; the
     # server computes each window in batches and chunks of its own)
     ka, kb = a["kld"], b["kld"]
-    assert ka["top_k"] is None and kb["top_k"] is None and "exact" not in kb
-    assert kb["tokens"] == ka["tokens"] and kb["top1"] == ka["top1"]
+    assert ka["top_k"] is None
+    assert kb["top_k"] is None
+    assert "exact" not in kb
+    assert kb["tokens"] == ka["tokens"]
+    assert kb["top1"] == ka["top1"]
     assert kb["ppl_baseline"] == pytest.approx(ka["ppl_baseline"], rel=1e-9)
     for key in ("mean", "p99", "max", "ppl"):
         assert kb[key] == pytest.approx(ka[key], rel=1e-3, abs=1e-5), key
     md = (store.resolve(b["artifact"]["ref"]).path / "report.md").read_text()
-    assert f"tiny at {live.url}" in md and "From top-" not in md and "refused" not in md
+    assert f"tiny at {live.url}" in md
+    assert "From top-" not in md
+    assert "refused" not in md
 
 
 EVENT = b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'
@@ -338,7 +355,8 @@ def test_bad_endpoints_fail_in_one_line(setup, kind, message):
     assert time.monotonic() - t < 20
     assert out.exit_code == 2, out.output
     lines = out.output.strip().splitlines()
-    assert lines[-1].startswith("error: ") and len([x for x in lines if x.startswith("error")]) == 1
+    assert lines[-1].startswith("error: ")
+    assert len([x for x in lines if x.startswith("error")]) == 1
     assert re.search(message, lines[-1]), lines[-1]
 
 
@@ -433,7 +451,9 @@ def test_each_logprobs_shape_reads_the_same_numbers(setup, flavor, shape):
     try:
         with _shape_server(flavor, ours) as url:
             lm = EndpointLM(asyncio.run(probe(url, None)), ours.tokenizer, timeout=30)
-            assert lm.shape == shape and lm.scores_prompts and lm.top_k == 20
+            assert lm.shape == shape
+            assert lm.scores_prompts
+            assert lm.top_k == 20
             w = [ours.prefix_token_id] + ours.encode(rand_text(rng, 30))
             top, ids = lm.top_logprobs(w)
             _same_top(top, ids, ours.full_logprobs(w)[:-1].double())
@@ -472,17 +492,22 @@ def test_deploy_verify_agrees_with_in_process_and_catches_a_different_model(setu
                                *args, "--gate", "top1>=101"])
     assert ok.exit_code == 0, ok.output
     result = _report(ok.output)
-    assert result["source"]["id"] == cand.id and result["agree"] and not result["refused"]
+    assert result["source"]["id"] == cand.id
+    assert result["agree"]
+    assert not result["refused"]
     assert [(g["gate"], g["passed"]) for g in result["gates"]] == [("kld<=5", True)]
     got = {f["figure"]: f for f in result["figures"]}
     assert {"kld", "top1", "llmq_arith_mc"} <= set(got)
     assert got["kld"]["endpoint"] == pytest.approx(got["kld"]["in_process"], rel=1e-3)
-    assert got["top1"]["difference"] == 0 and got["llmq_arith_mc"]["difference"] == 0
+    assert got["top1"]["difference"] == 0
+    assert got["llmq_arith_mc"]["difference"] == 0
     reports = [store.resolve(result["reports"][k]).file("report.json") for k in ("endpoint", "in_process")]
     assert [json.loads(r.read_text())["kld"]["top_k"] for r in reports] == [20, 20]
     assert bad.exit_code == 1, bad.output
     last = bad.output.splitlines()[-1]
-    assert "does not compute what llmq evaluated" in last and "kld" in last and "gate failed: top1>=101" in last
+    assert "does not compute what llmq evaluated" in last
+    assert "kld" in last
+    assert "gate failed: top1>=101" in last
 
 
 def test_deploy_verify_runs_an_exports_source_in_process(setup):
@@ -495,4 +520,5 @@ def test_deploy_verify_runs_an_exports_source_in_process(setup):
     gguf = build_engine(cand, store, BuildOptions(target="gguf"))
     native = build_engine(cand, store, BuildOptions())
     assert in_process(store, gguf).id == cand.id
-    assert in_process(store, native).id == native.id and in_process(store, cand).id == cand.id
+    assert in_process(store, native).id == native.id
+    assert in_process(store, cand).id == cand.id

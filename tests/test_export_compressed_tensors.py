@@ -164,11 +164,14 @@ def _check_format(art, fmt, weights, acts, tensors):
 
     ck = CheckpointReader(art.path)
     cfg = ck.config["quantization_config"]
-    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == fmt
-    assert cfg["quantization_status"] == "compressed" and cfg["ignore"] == ["lm_head"]
+    assert cfg["quant_method"] == "compressed-tensors"
+    assert cfg["format"] == fmt
+    assert cfg["quantization_status"] == "compressed"
+    assert cfg["ignore"] == ["lm_head"]
     assert cfg["version"] == compressed_tensors.__version__
     (group,) = cfg["config_groups"].values()
-    assert group["targets"] == ["Linear"] and group["weights"] == weights
+    assert group["targets"] == ["Linear"]
+    assert group["weights"] == weights
     assert group.get("input_activations") == acts
     stored = ck.tensors
     for i in range(2):
@@ -177,7 +180,8 @@ def _check_format(art, fmt, weights, acts, tensors):
             have = {key[len(prefix):]: stored[key] for key in stored if key.startswith(prefix)}
             assert set(have) == set(tensors), (prefix, sorted(have))
             for key, (dtype, shape) in tensors.items():
-                assert have[key].dtype == dtype and tuple(have[key].shape) == shape(n, k), (prefix + key, have[key])
+                assert have[key].dtype == dtype, (prefix + key, have[key])
+                assert tuple(have[key].shape) == shape(n, k), (prefix + key, have[key])
     assert stored["lm_head.weight"].dtype == torch.bfloat16  # ignored: stays dense
 
 
@@ -214,7 +218,8 @@ def test_weight_only_schemes_match_transformers(source, quantized, ids, name, mo
     with torch.no_grad():
         ref = hf(ids).logits[0]
     got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
-    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    assert got["kld_mean"] < 1e-8, got
+    assert got["top1"] == 1.0, got
 
 
 def _engines_int8_token_scale(monkeypatch):
@@ -301,11 +306,15 @@ def test_kv_cache_schemes_match_transformers(source, ids, kv, granularity):
                                             probe_tokens=128), show_progress=False)
     ck = CheckpointReader(art.path)
     cfg = ck.config["quantization_config"]
-    assert cfg["format"] == "dense" and cfg["config_groups"] == {} and cfg["kv_cache_scheme"] == scheme
+    assert cfg["format"] == "dense"
+    assert cfg["config_groups"] == {}
+    assert cfg["kv_cache_scheme"] == scheme
     for i in range(2):
         for s in ("k_scale", "v_scale"):
             t = ck.tensors[f"model.layers.{i}.self_attn.{s}"]
-            assert t.dtype == torch.float32 and tuple(t.shape) == shape and bool((t > 0).all())
+            assert t.dtype == torch.float32
+            assert tuple(t.shape) == shape
+            assert bool((t > 0).all())
     hf = _transformers(art.path)
     with torch.no_grad():
         ref = hf(ids).logits[0]
@@ -315,7 +324,8 @@ def test_kv_cache_schemes_match_transformers(source, ids, kv, granularity):
     # the tile unit: 1.5e-8 on Qwen 3, FP8 per tensor, on a Xeon); far under what the cache's rounding costs
     bound = 1e-6 if _family(src) == "gemma3_text" else 1e-7
     assert art.metrics["probe"]["kld_mean"] > 10 * bound
-    assert got["kld_mean"] < bound and got["top1"] == 1.0, got
+    assert got["kld_mean"] < bound, got
+    assert got["top1"] == 1.0, got
 
 
 def _family(src) -> str:
@@ -365,7 +375,8 @@ def _assert_transformers_computes_what_llmq_computes(art, ids, monkeypatch):
     with torch.no_grad():
         ref = hf(ids).logits[0]
     got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
-    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    assert got["kld_mean"] < 1e-8, got
+    assert got["top1"] == 1.0, got
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -392,15 +403,19 @@ def test_an_int8_lm_head_is_a_second_group_that_transformers_loads_and_llmq_comp
     ck = CheckpointReader(art.path)
     cfg = ck.config["quantization_config"]
     groups = {tuple(g["targets"]): g for g in cfg["config_groups"].values()}
-    assert set(groups) == {("Linear",), ("lm_head",)} and cfg["ignore"] == []
-    assert groups[("Linear",)]["weights"] == INT4_G32 and groups[("lm_head",)]["weights"] == INT8_CH
+    assert set(groups) == {("Linear",), ("lm_head",)}
+    assert cfg["ignore"] == []
+    assert groups[("Linear",)]["weights"] == INT4_G32
+    assert groups[("lm_head",)]["weights"] == INT8_CH
     assert ck.config["tie_word_embeddings"] is False
     assert art.config["scheme_per_module"]["lm_head"] == "W8A16-channel-sym"
     vocab, hidden = ck.tensors["model.embed_tokens.weight"].shape
-    assert ck.tensors["model.embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in ck.tensors
+    assert ck.tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert "lm_head.weight" not in ck.tensors
     for key, (dtype, shape) in PACKED_INT8.items():
         t = ck.tensors[f"lm_head.{key}"]
-        assert t.dtype == dtype and tuple(t.shape) == shape(vocab, hidden), key
+        assert t.dtype == dtype, key
+        assert tuple(t.shape) == shape(vocab, hidden), key
     assert ck.linear("lm_head").qw.bits == 8
 
     _assert_transformers_computes_what_llmq_computes(art, ids, monkeypatch)
@@ -421,14 +436,16 @@ def test_mixed_precision_is_named_groups_that_transformers_loads_and_llmq_comput
                                         seq_len=64, probe_tokens=PROBE_TOKENS), store, progress=False)
     mixed = art.config["mixed_precision"]
     widths = {f"model.layers.{u['layer']}.{m}": u["bits"] for u in mixed["units"] for m in u["modules"]}
-    assert len(widths) == 2 * len(_linears(src)) and set(widths.values()) == chosen, widths
+    assert len(widths) == 2 * len(_linears(src)), widths
+    assert set(widths.values()) == chosen, widths
     ck = CheckpointReader(art.path)
     cfg = ck.config["quantization_config"]
     groups = {tuple(g["targets"]): g["weights"] for g in cfg["config_groups"].values()}
     named = {m: args for targets, args in groups.items() if targets != ("Linear",) for m in targets}
     for name, bits in widths.items():
         if bits == 16:
-            assert name in cfg["ignore"] and name not in named, name
+            assert name in cfg["ignore"], name
+            assert name not in named, name
         else:
             assert named.get(name, groups[("Linear",)]) == {4: INT4_G32, 8: INT8_CH}[bits], name
     assert cfg["ignore"] == ["lm_head", *sorted(n for n, b in widths.items() if b == 16)]

@@ -193,7 +193,8 @@ def test_file_meets_llama_cpp_loader_contract(tiny, arch, scheme):
         assert t.tensor_type == GGML_TYPE_ID[typ], name
         assert tuple(int(x) for x in t.shape) == shape, name
         per_block, nbytes = BLOCK_BYTES[typ]
-        assert shape[0] % per_block == 0 and t.n_bytes == int(np.prod(shape)) // per_block * nbytes, name
+        assert shape[0] % per_block == 0, name
+        assert t.n_bytes == int(np.prod(shape)) // per_block * nbytes, name
         assert t.data_offset % 32 == 0, name   # general.alignment defaults to 32
 
     tok = json.loads((src.path / "tokenizer.json").read_text())
@@ -295,7 +296,8 @@ def read_gguf(path: Path, unpair: bool = True):
         state[_hf_name(t.name, arch)] = torch.from_numpy(np.array(w, dtype=np.float32))
     model = model_cls[1](model_cls[0](**cfg)).float().eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg["tie_word_embeddings"] else set())
+    assert not unexpected
+    assert set(missing) <= ({"lm_head.weight"} if cfg["tie_word_embeddings"] else set())
     return model, meta
 
 
@@ -481,9 +483,11 @@ def test_integers_and_scales_read_back_bit_exact(tiny, arch, scheme):
     stats = assert_bit_exact(src.path, gguf_file(art))
     cfg = json.loads((src.path / "config.json").read_text())   # Phi-3 stores 4 linears a layer, the others 7
     linears = cfg["num_hidden_layers"] * (4 if arch.startswith("phi3") else 7)
-    assert stats["linears"] == linears and stats["scales_not_exact"] == 0   # bf16 scales are fp16 numbers here
+    assert stats["linears"] == linears
+    assert stats["scales_not_exact"] == 0   # bf16 scales are fp16 numbers here
     rounding = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]["rounding"]
-    assert rounding["scales_rerounded_to_fp16"] == 0 and rounding["blocks"] == stats["blocks"]
+    assert rounding["scales_rerounded_to_fp16"] == 0
+    assert rounding["blocks"] == stats["blocks"]
     assert rounding["mins_rerounded_to_fp16"] == stats["mins_rerounded"]
     assert (stats["mins_rerounded"] > 0) == scheme.endswith("asym")
 
@@ -558,8 +562,10 @@ def test_gptq_artifacts_carry_llama_cpps_importance_matrix_of_their_calibration(
     eng = build_engine(art, store, BuildOptions(target="gguf"))
     record = json.loads((eng.path / "engine.json").read_text())["outputs"]["gguf"]["imatrix"]
     r = gguf.GGUFReader(eng.path / record["file"])
-    assert _field(r, "general.type")[1] == "imatrix" and _field(r, "imatrix.chunk_count")[1] == 4
-    assert _field(r, "imatrix.chunk_size")[1] == 32 and _field(r, "imatrix.datasets")[0] == ARRAY
+    assert _field(r, "general.type")[1] == "imatrix"
+    assert _field(r, "imatrix.chunk_count")[1] == 4
+    assert _field(r, "imatrix.chunk_size")[1] == 32
+    assert _field(r, "imatrix.datasets")[0] == ARRAY
     t = {x.name: x for x in r.tensors}
     linears = {x.name for x in gguf.GGUFReader(gguf_file(eng)).tensors if x.name.startswith("blk.")
                and x.name.endswith(".weight") and len(x.shape) == 2}
@@ -594,7 +600,8 @@ def _one_line_refusal(store, src, opts, *words):
     with pytest.raises(LlmqError) as e:
         build_engine(src, store, opts)
     msg = str(e.value)
-    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert "\n" not in msg, msg
+    assert all(w in msg for w in words), msg
     assert len(list(store.root.rglob("engine.json"))) == before
 
 
@@ -630,7 +637,8 @@ def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(defa
     info = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]
     assert info["tensor_types"] == {"BF16": 1, "F32": 61, "Q4_0": 210}   # tied: token_embd only, no output
     stats = assert_bit_exact(src.path, gguf_file(art))
-    assert stats["linears"] == 210 and stats["scales_not_exact"] == info["rounding"]["scales_rerounded_to_fp16"] == 0
+    assert stats["linears"] == 210
+    assert stats["scales_not_exact"] == info["rounding"]["scales_rerounded_to_fp16"] == 0
 
     r = gguf.GGUFReader(gguf_file(art))
     tok = json.loads((src.path / "tokenizer.json").read_text())
@@ -649,7 +657,8 @@ def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(defa
     exact = kld_top1(reader_logprobs(exact_artifact_model(src.path), ids), got)["kld_mean"]
     print(f"default GPTQ w4g32: {stats}; over {len(ids)} tokens the reader's KLD vs llmq's runtime is {kld:.3g}, "
           f"vs the artifact in float32 {exact:.3g}")
-    assert kld <= 1e-3 and exact <= 1e-6
+    assert kld <= 1e-3
+    assert exact <= 1e-6
 
 
 def test_cli_target_gguf_writes_one_file_and_refuses_tp2_in_one_line(tiny):
@@ -661,12 +670,15 @@ def test_cli_target_gguf_writes_one_file_and_refuses_tp2_in_one_line(tiny):
     src = built["qwen2-bias-tied", "w4-g32"][0]
     args = ["--store", str(store.root), "build", src.ref, "--target", "gguf"]
     r = CliRunner().invoke(cli, [*args, "--tp", "2"])
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and r.output.startswith("error: --target gguf"), r.output
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1, r.output
+    assert r.output.startswith("error: --target gguf"), r.output
     r = CliRunner().invoke(cli, [*args, "--name", "cli-gguf", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["config"]["options"]["target"] == "gguf"
     files = list((store.root / "cli-gguf").rglob("*.gguf"))
-    assert len(files) == 1 and files[0].name.endswith(".Q4_0.gguf")
+    assert len(files) == 1
+    assert files[0].name.endswith(".Q4_0.gguf")
 
 
 # ---------------------------------------------------------------- (f) Gemma 3: llama.cpp's `gemma3`
@@ -721,10 +733,12 @@ def test_gemma3_file_meets_llama_cpp_gemma3_contract(gemma, scheme):
     for k, v in want.items():
         assert _field(r, f"gemma3.{k}") == (UINT32, v), k
     pattern = r.fields["gemma3.attention.sliding_window_pattern"]
-    assert pattern.types == [ARRAY, BOOL] and pattern.contents() == [True, False, True]
+    assert pattern.types == [ARRAY, BOOL]
+    assert pattern.contents() == [True, False, True]
     for k, v in {"rope.freq_base": 10000.0, "rope.freq_base_swa": 100.0, "final_logit_softcapping": 5.0,
                  "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"]}.items():
-        assert _field(r, f"gemma3.{k}")[0] == FLOAT32 and _field(r, f"gemma3.{k}")[1] == pytest.approx(v), k
+        assert _field(r, f"gemma3.{k}")[0] == FLOAT32, k
+        assert _field(r, f"gemma3.{k}")[1] == pytest.approx(v), k
 
     tensors = {t.name: t for t in r.tensors}
     shapes = {"token_embd.weight": (64, cfg["vocab_size"]), "output_norm.weight": (64,)}
@@ -844,7 +858,8 @@ def test_gemma3_tokenizer_is_sentencepiece_that_llama_cpp_splits_as_the_source(g
 
     src, art = gemma["bf16"]
     r = gguf.GGUFReader(gguf_file(art))
-    assert _field(r, "tokenizer.ggml.model")[1] == "llama" and "tokenizer.ggml.merges" not in r.fields
+    assert _field(r, "tokenizer.ggml.model")[1] == "llama"
+    assert "tokenizer.ggml.merges" not in r.fields
     tokens, types = _field(r, "tokenizer.ggml.tokens")[1], _field(r, "tokenizer.ggml.token_type")[1]
     assert len(tokens) == len(types) == 320
     kinds = {i: ("BYTE" if t.startswith("<0x") else "CONTROL" if i < 5 else "USER_DEFINED" if t == "\n" else

@@ -50,14 +50,17 @@ def check_loads(ckpt: Path, tp: int) -> dict:
     """Every linear holds exactly the tensors its linear method declares, at shapes that shard over tp."""
     cfg = json.loads((ckpt / "config.json").read_text())
     assert "quantization_config" not in cfg
-    assert cfg["num_attention_heads"] % tp == 0 and cfg["intermediate_size"] % tp == 0
+    assert cfg["num_attention_heads"] % tp == 0
+    assert cfg["intermediate_size"] % tp == 0
     assert cfg["num_key_value_heads"] % tp == 0 or tp % cfg["num_key_value_heads"] == 0
     qfile = ckpt / "hf_quant_config.json"
     q = json.loads(qfile.read_text())["quantization"] if qfile.is_file() else {"quant_algo": None}
     algo = q["quant_algo"]
     assert algo in (None, "W8A16", "W4A16", "W4A16_AWQ")
     if algo == "W4A16_AWQ":
-        assert q["has_zero_point"] is False and q["pre_quant_scale"] is True and q["group_size"] in (64, 128)
+        assert q["has_zero_point"] is False
+        assert q["pre_quant_scale"] is True
+        assert q["group_size"] in (64, 128)
     st = {}
     for f in ckpt.glob("*.safetensors"):
         st |= load_file(str(f))
@@ -67,17 +70,21 @@ def check_loads(ckpt: Path, tp: int) -> dict:
             name = f"model.layers.{i}.{lin}"
             w = st[f"{name}.weight"]
             if algo is None or name in q["exclude_modules"]:
-                assert w.dtype.is_floating_point and tuple(w.shape) == (out, inn), name
+                assert w.dtype.is_floating_point, name
+                assert tuple(w.shape) == (out, inn), name
                 continue
             assert w.dtype == torch.int8, name
             s = st[f"{name}.weight_scale"]
             if algo == "W8A16":
-                assert tuple(w.shape) == (out, inn) and tuple(s.shape) == (out,), name
+                assert tuple(w.shape) == (out, inn), name
+                assert tuple(s.shape) == (out,), name
             elif algo == "W4A16":
-                assert tuple(w.shape) == (out // 2, inn) and tuple(s.shape) == (out,), name
+                assert tuple(w.shape) == (out // 2, inn), name
+                assert tuple(s.shape) == (out,), name
             else:
                 g = q["group_size"]
-                assert tuple(w.shape) == (out // 2, inn) and tuple(s.shape) == (out, inn // g), name
+                assert tuple(w.shape) == (out // 2, inn), name
+                assert tuple(s.shape) == (out, inn // g), name
                 if lin.rsplit(".", 1)[1] in whole:
                     assert torch.equal(st[f"{name}.pre_quant_scale"].float(), torch.ones(inn)), name
                     assert (inn // g) % tp == 0, f"{name}: its scale columns do not split over {tp} ranks"
@@ -161,9 +168,12 @@ def test_checkpoint_loads_and_computes_what_llmq_evaluated(arts, scheme, tp):
     assert cfg["num_attention_heads"] == {1: 6, 2: 8, 4: 8}[tp]      # 6 heads / 3 KV: padded to 8 / 4 at tp 2, 4
     ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(tp))
     kld = kld_top1(llmq_logits(a[scheme].path, ids), backend_logits(ckpt, ids))["kld_mean"]
-    assert kld <= 1e-3 and art.metrics["verify"]["passed"] and art.metrics["verify"]["target_kld"] <= 1e-3
+    assert kld <= 1e-3
+    assert art.metrics["verify"]["passed"]
+    assert art.metrics["verify"]["target_kld"] <= 1e-3
     opts = yaml.safe_load((ckpt / "llm_api_options.yaml").read_text())
-    assert opts["tensor_parallel_size"] == tp and art.metrics["compile"]["status"] == "pytorch-options"
+    assert opts["tensor_parallel_size"] == tp
+    assert art.metrics["compile"]["status"] == "pytorch-options"
 
 
 def test_what_the_backend_cannot_load_is_refused_with_the_reason(arts):
@@ -254,4 +264,5 @@ def test_sliding_window_goes_into_the_llm_api_options(make_tiny_model, store, tm
     src = resolve_model(str(make_tiny_model(tmp_path / "mistral", model_type="mistral", sliding_window=16)), store)
     art = build_engine(src, store, BuildOptions(tp=2, target="trtllm", verify=True))   # verify: 32 tokens > 16
     opts = yaml.safe_load((art.path / "trtllm/llm_api_options.yaml").read_text())
-    assert opts["kv_cache_config"]["max_attention_window"] == [16] and art.metrics["verify"]["passed"]
+    assert opts["kv_cache_config"]["max_attention_window"] == [16]
+    assert art.metrics["verify"]["passed"]

@@ -65,7 +65,8 @@ def test_e2m1_rounding_is_nearest_half_to_even_and_saturates():
     # the ties, spelled out: each goes to the even code (the even mantissa), as compressed-tensors rounds
     assert _values_ref(got[-14:]).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -1.0, -4.0, 6.0, -6.0,
                                                0.0, -0.0]
-    assert got[-1] == 8 and got[-2] == 0   # -1e-9 keeps its sign (code 8, "-0"); -0.0 is +0 as packed
+    assert got[-1] == 8
+    assert got[-2] == 0   # -1e-9 keeps its sign (code 8, "-0"); -0.0 is +0 as packed
     from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
     x32 = torch.from_numpy(x.astype(np.float32))  # the same values for both: a float64 value a hair off a tie is one
@@ -87,7 +88,8 @@ def test_pack_is_compressed_tensors_nibble_order():
     codes = torch.from_numpy(np.random.default_rng(SEED).integers(0, 16, (8, 64)).astype(np.uint8))
     codes[codes == 8] = 0   # compressed-tensors' packer takes values; -0.0 and 0.0 are one value to it
     packed = quant.pack_fp4(codes)
-    assert packed.dtype == torch.uint8 and packed.shape == (8, 32)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (8, 32)
     assert torch.equal(packed, pack_fp4_to_uint8(quant.e2m1_values(codes)))
     assert torch.equal(packed[0, 0], codes[0, 0] | (codes[0, 1] << 4))   # the first code in the low nibble
     assert torch.equal(quant.unpack_fp4(packed), codes)
@@ -101,7 +103,9 @@ def test_nvfp4_matches_the_float64_reference():
     # the stored global scale: 2688 / amax as compressed-tensors' generate_gparam computes it, a number over a float32
     # tensor, which PyTorch evaluates as the tensor's float32 reciprocal times the number
     g_ref = (np.float32(1.0) / np.float32(np.abs(wd).max())) * np.float32(2688.0)
-    assert g.dtype == torch.float32 and g.shape == (1,) and g.item() == g_ref, f"seed {SEED}"
+    assert g.dtype == torch.float32, f"seed {SEED}"
+    assert g.shape == (1,), f"seed {SEED}"
+    assert g.item() == g_ref, f"seed {SEED}"
     blocks = wd.reshape(w.shape[0], -1, 16)
     s_ref = E4M3[_nearest_ref(np.abs(blocks).max(-1) * np.float64(g_ref) / 6, E4M3)]
     assert scale.dtype == torch.float8_e4m3fn
@@ -139,7 +143,8 @@ def test_mxfp4_matches_the_ocp_rule_and_the_float64_reference():
     w = _weight(k=256)
     w[1, 32:64] = torch.linspace(-7.5, 7.5, 32)   # amax 7.5: scale 2^(2 - 2) = 1, so 7.5 saturates to 6
     codes, e = quant.mxfp4_quantize(w)
-    assert e.dtype == torch.uint8 and e.shape == (24, 8)
+    assert e.dtype == torch.uint8
+    assert e.shape == (24, 8)
     blocks = w.double().numpy().reshape(24, -1, 32)
     amax = np.abs(blocks).max(-1)
     with np.errstate(divide="ignore"):
@@ -170,7 +175,8 @@ def test_values_times_block_scales_are_exact_in_bfloat16_so_the_runtime_layer_is
     assert torch.equal(v.to(torch.bfloat16).float(), v)
     e8m0 = torch.arange(0, 253, 2, dtype=torch.uint8).reshape(127, 1).expand(127, 8).contiguous()  # 2^-127..2^125
     v = quant.dequantize_fp4(codes, e8m0)
-    assert torch.isfinite(v).all() and torch.equal(v.to(torch.bfloat16).float(), v)
+    assert torch.isfinite(v).all()
+    assert torch.equal(v.to(torch.bfloat16).float(), v)
     w = _weight(n=48, k=64)
     x = torch.from_numpy(np.random.default_rng(SEED).standard_normal((5, 64)).astype(np.float32))
     for fmt in ("nvfp4", "mxfp4"):
@@ -224,7 +230,8 @@ def test_triton_kernel_decodes_every_code_and_scale_as_the_float64_reference():
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert min(got["splits"]) > 1, got   # both kernels' split-K (atomic adds) ran
-    assert len(got["errors"]) == 6 and max(got["errors"].values()) < 1e-5, (got, f"seed {SEED}")
+    assert len(got["errors"]) == 6, (got, f"seed {SEED}")
+    assert max(got["errors"].values()) < 1e-5, (got, f"seed {SEED}")
 
 # -- the checkpoint ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -272,13 +279,16 @@ def test_checkpoint_is_what_compressed_tensors_decompresses(quantized, method):
     art = quantized(method)
     ck = CheckpointReader(art.path)
     cfg = ck.config["quantization_config"]
-    assert cfg["format"] == fmt and cfg["ignore"] == ["lm_head"]
+    assert cfg["format"] == fmt
+    assert cfg["ignore"] == ["lm_head"]
     (group,) = cfg["config_groups"].values()
     preset = preset_name_to_scheme(f"{method.upper()}A16", ["Linear"]).weights.model_dump(mode="json",
                                                                                           exclude_none=True)
     assert group["weights"] == preset
-    assert group["weights"]["strategy"] == strategy and group["weights"]["scale_dtype"] == scale_dtype
-    assert art.config["scheme"] == f"{method.upper()}A16" and art.config["group_size"] == block
+    assert group["weights"]["strategy"] == strategy
+    assert group["weights"]["scale_dtype"] == scale_dtype
+    assert art.config["scheme"] == f"{method.upper()}A16"
+    assert art.config["group_size"] == block
     scheme = QuantizationScheme.model_validate(group)
     compressor = BaseCompressor.get_value_from_registry(fmt)
     qc = qformat.parse_quantization_config(ck.config)
@@ -290,11 +300,14 @@ def test_checkpoint_is_what_compressed_tensors_decompresses(quantized, method):
         stored = {k[len(prefix) + 1:]: ck.tensors[k] for k in ck.tensors if k.startswith(prefix + ".")}
         assert set(stored) == names
         n, half = stored["weight_packed"].shape
-        assert stored["weight_packed"].dtype == torch.uint8 and stored["weight_scale"].shape == (n, 2 * half // block)
+        assert stored["weight_packed"].dtype == torch.uint8
+        assert stored["weight_scale"].shape == (n, 2 * half // block)
         qw = qformat.read_linear(ck.tensors, prefix, qc)
-        assert qw.fp4 == method and qw.scheme == f"{method.upper()}A16"
+        assert qw.fp4 == method
+        assert qw.scheme == f"{method.upper()}A16"
         ct = compressor.decompress(stored, scheme)["weight"]   # compressed-tensors computes in float32, returns bf16
-        assert ct.dtype == torch.bfloat16 and torch.equal(ct, qw.dequantize(torch.bfloat16)), prefix
+        assert ct.dtype == torch.bfloat16, prefix
+        assert torch.equal(ct, qw.dequantize(torch.bfloat16)), prefix
         assert torch.equal(qformat.write_linear(prefix, qw)[key], stored["weight_packed"])   # read back, written again
         seen += 1
     assert seen == 14   # 7 linears x 2 layers
@@ -417,7 +430,8 @@ def test_tp2_build_splits_fp4_weights_and_passes_the_reference_check(source, qua
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     eng = build_engine(quantized(method), source[0], BuildOptions(target="llmq", tp=2, verify=True))
-    assert eng.metrics["verify"]["passed"] and eng.metrics["verify"]["max_rel_error"] < 1e-5
+    assert eng.metrics["verify"]["passed"]
+    assert eng.metrics["verify"]["max_rel_error"] < 1e-5
 
 
 def test_the_kv_budget_counts_fp4_weights_as_the_runtime_holds_them(source, quantized):
@@ -445,7 +459,9 @@ def test_unsupported_combinations_are_one_line_errors(source, args, match):
 
     store, src = source
     r = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", src.ref, *args])
-    assert r.exit_code == 2 and match in r.output and r.output.startswith("error: "), r.output
+    assert r.exit_code == 2, r.output
+    assert match in r.output, r.output
+    assert r.output.startswith("error: "), r.output
     assert r.output.strip().count("\n") == 0   # one line
 
 
@@ -468,7 +484,8 @@ def test_cli_quantize_then_eval(source, tmp_path, monkeypatch):
                             "2", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
-    assert math.isfinite(rep["kld"]["mean"]) and rep["kld"]["mean"] > 0
+    assert math.isfinite(rep["kld"]["mean"])
+    assert rep["kld"]["mean"] > 0
 
 
 # -- GGUF --------------------------------------------------------------------------------------------------------------
@@ -509,7 +526,8 @@ def test_gguf_nvfp4_ffn_is_refused_where_llama_cpp_drops_its_scale(tmp_path, mod
     nv = quantize(src, QuantizeOptions(method="nvfp4", probe_tokens=0), store, progress=False)
     with pytest.raises(LlmqError, match=r"ffn_.*does not apply NVFP4's per-tensor scale to FFN matrices") as e:
         build_engine(nv, store, BuildOptions(target="gguf"))
-    assert "\n" not in str(e.value) and store.list(kind="engine") == []
+    assert "\n" not in str(e.value)
+    assert store.list(kind="engine") == []
     mx = quantize(src, QuantizeOptions(method="mxfp4", probe_tokens=0), store, progress=False)
     assert build_engine(mx, store, BuildOptions(target="gguf")).kind == "engine"
 

@@ -67,13 +67,18 @@ def test_nvfp4_activations_match_the_kernel_recipe():
     g = F32(quant.NVFP4_GLOBAL) / F32(50.0)   # calibrated on max |x| = 50: x[1, 5] = 300 lies beyond it
     codes, scale = quant.fp4_activation_codes(torch.from_numpy(x), "nvfp4", torch.tensor([g]))
     c_ref, s_ref = nvfp4_ref(x, g)
-    assert scale.dtype == torch.float8_e4m3fn and scale.shape == (40, 8)
+    assert scale.dtype == torch.float8_e4m3fn
+    assert scale.shape == (40, 8)
     np.testing.assert_array_equal(scale.double().numpy(), s_ref, err_msg=f"seed {SEED}")
     np.testing.assert_array_equal(codes.numpy(), c_ref, err_msg=f"seed {SEED}")
-    assert scale[1, 0].item() == 448.0 and codes[1, 5].item() == 7   # past the calibrated amax: both saturate
-    assert (codes[0, :32] == 0).all() and (scale[0, :2].float() == 0).all()   # an all-zero block
+    assert scale[1, 0].item() == 448.0
+    assert codes[1, 5].item() == 7   # past the calibrated amax: both saturate
+    assert (codes[0, :32] == 0).all()
+    assert (scale[0, :2].float() == 0).all()   # an all-zero block
     values, gd = quant.fp4_activations(torch.from_numpy(x), "nvfp4", torch.tensor([g]))
-    assert values.dtype == torch.bfloat16 and gd.dtype == torch.float32 and gd.item() == g
+    assert values.dtype == torch.bfloat16
+    assert gd.dtype == torch.float32
+    assert gd.item() == g
     want = (_values_ref(c_ref).reshape(40, 8, 16) * s_ref[..., None]).reshape(40, 128)   # exact in float64
     np.testing.assert_array_equal(values.double().numpy(), want, err_msg=f"seed {SEED}")
 
@@ -86,14 +91,16 @@ def test_nvfp4_activation_conventions():
     x = torch.zeros(1, 16)
     x[0, 0] = amax
     codes, s = quant.fp4_activation_codes(x, "nvfp4", g)
-    assert s[0, 0].item() == 448.0 and codes[0, 0].item() == 7
+    assert s[0, 0].item() == 448.0
+    assert codes[0, 0].item() == 7
     v, gd = quant.fp4_activations(x, "nvfp4", g)
     assert v[0, 0].item() / gd.item() == pytest.approx(amax, rel=2 ** -20)
     # g = 1 and block amax 48: s = e4m3(48 * f32(1/6)) = 8, the multiplier exactly 1/8; quotients 2.5 and 5 are
     # midpoints and go to the even codes (2 and 4), as cvt.rn.satfinite.e2m1 rounds
     y = torch.tensor([[48.0, 20.0, -40.0, 47.0] + [0.0] * 12])
     c, s = quant.fp4_activation_codes(y, "nvfp4", torch.tensor([1.0]))
-    assert s.item() == 8.0 and quant.e2m1_values(c)[0, :4].tolist() == [6.0, 2.0, -4.0, 6.0]
+    assert s.item() == 8.0
+    assert quant.e2m1_values(c)[0, :4].tolist() == [6.0, 2.0, -4.0, 6.0]
 
 
 def test_mxfp4_activations_match_the_kernel_recipe_and_never_saturate():
@@ -101,13 +108,16 @@ def test_mxfp4_activations_match_the_kernel_recipe_and_never_saturate():
     x[2, 32:64] = np.linspace(-7.0, 7.0, 32)   # amax 7: 2^ceil(log2(7/6)) = 2, where the OCP weight rule takes 1
     codes, e = quant.fp4_activation_codes(torch.from_numpy(x), "mxfp4")
     c_ref, e_ref = mxfp4_ref(x)
-    assert e.dtype == torch.uint8 and e.shape == (40, 8)
+    assert e.dtype == torch.uint8
+    assert e.shape == (40, 8)
     np.testing.assert_array_equal(e.numpy().astype(np.int64), e_ref, err_msg=f"seed {SEED}")
     np.testing.assert_array_equal(codes.numpy(), c_ref, err_msg=f"seed {SEED}")
-    assert e[2, 1].item() == 128 and quant.mxfp4_quantize(torch.from_numpy(x[2:3]))[1][0, 1].item() == 127
+    assert e[2, 1].item() == 128
+    assert quant.mxfp4_quantize(torch.from_numpy(x[2:3]))[1][0, 1].item() == 127
     blocks = np.abs(x.astype(np.float64)).reshape(40, -1, 32).max(-1)
     held = blocks / np.exp2(e.numpy().astype(np.float64) - 127)
-    assert (held[blocks > 0] <= 6).all() and (held[blocks > 0] > 3).all()   # the block max lands in (3, 6]
+    assert (held[blocks > 0] <= 6).all()
+    assert (held[blocks > 0] > 3).all()   # the block max lands in (3, 6]
     values, gd = quant.fp4_activations(torch.from_numpy(x), "mxfp4")
     assert gd is None
     want = (_values_ref(c_ref).reshape(40, 8, 32) * np.exp2(e_ref - 127.0)[..., None]).reshape(40, 256)
@@ -131,7 +141,8 @@ def test_w4a4_layer_is_the_float64_matmul_of_rounded_activations(fmt):
     x = _activations(m=7, gen=gen)
     ig = quant.nvfp4_global_scale(torch.tensor(float(np.abs(x).max()))) if fmt == "nvfp4" else None
     qw = dataclasses.replace(quantize_weight(w, fmt), dynamic=True, input_global_scale=ig)  # as quantize_layer does
-    assert qw.scheme == fmt.upper() and qw.activation_bits == 4
+    assert qw.scheme == fmt.upper()
+    assert qw.activation_bits == 4
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
         xin = torch.from_numpy(x).to(dtype)
         xr = xin.float().numpy()
@@ -195,17 +206,22 @@ def test_checkpoint_is_compressed_tensors_w4a4_preset(quantized, method):
         assert group[part] == getattr(preset, part).model_dump(mode="json", exclude_none=True), part
     assert cfg["format"] == qformat.FP4_FORMATS[method][1]
     QuantizationScheme.model_validate(group)
-    assert art.config["scheme"] == method.upper() and art.name.endswith("-a4")
+    assert art.config["scheme"] == method.upper()
+    assert art.name.endswith("-a4")
     qc = qformat.parse_quantization_config(ck.config)
     for key in [k for k in ck.tensors if k.endswith(".weight_packed")]:
         prefix = key[:-len(".weight_packed")]
         qw = qformat.read_linear(ck.tensors, prefix, qc)
-        assert qw.dynamic and qw.scheme == method.upper()
+        assert qw.dynamic
+        assert qw.scheme == method.upper()
         ig = ck.tensors.get(f"{prefix}.input_global_scale")
         if method == "mxfp4":
-            assert ig is None and qw.input_global_scale is None
+            assert ig is None
+            assert qw.input_global_scale is None
         else:
-            assert ig.dtype == torch.float32 and ig.shape == (1,) and torch.equal(qw.input_global_scale, ig)
+            assert ig.dtype == torch.float32
+            assert ig.shape == (1,)
+            assert torch.equal(qw.input_global_scale, ig)
         for k, t in qformat.write_linear(prefix, qw).items():
             assert torch.equal(t, ck.tensors[k]), k
 
@@ -244,7 +260,8 @@ def test_nvfp4_input_global_scale_is_calibrated_and_shared_per_unit(quantized):
             gs = {p.input_global_scale.item() for p in parts}
             assert len(gs) == 1, unit
             seen.append(gs.pop())
-        assert len(set(seen)) == 4 and all(0 < g < 1e6 for g in seen)
+        assert len(set(seen)) == 4
+        assert all(0 < g < 1e6 for g in seen)
 
 
 def test_gptq_rounded_w4a4_keeps_the_calibrated_input_scales(source, quantized):
@@ -260,7 +277,9 @@ def test_gptq_rounded_w4a4_keeps_the_calibrated_input_scales(source, quantized):
     gptq, rtn = CheckpointReader(art.path), CheckpointReader(quantized("nvfp4").path)
     name = "model.layers.0.mlp.up_proj"
     g, r = gptq.linear(name).qw, rtn.linear(name).qw
-    assert g.dynamic and g.input_global_scale is not None and torch.equal(g.input_global_scale, r.input_global_scale)
+    assert g.dynamic
+    assert g.input_global_scale is not None
+    assert torch.equal(g.input_global_scale, r.input_global_scale)
     assert not torch.equal(g.q, r.q)
 
 
@@ -280,7 +299,8 @@ def test_runtime_serves_the_w4a4_checkpoint_as_w4a4(quantized):
     ck = CheckpointReader(quantized("nvfp4").path)
     parts = [ck.linear(f"model.layers.0.self_attn.{p}_proj") for p in "qkv"]
     layer = build_linear(parts, torch.float32, "cpu")
-    assert isinstance(layer, FP4Linear) and layer.act == "nvfp4"
+    assert isinstance(layer, FP4Linear)
+    assert layer.act == "nvfp4"
     assert torch.equal(layer.input_global_scale, parts[0].qw.input_global_scale)
 
 
@@ -293,7 +313,9 @@ def test_w4a4_option_errors_are_one_line(source, args, match):
 
     store, src = source
     r = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", src.ref, *args])
-    assert r.exit_code == 2 and match in r.output and r.output.startswith("error: "), r.output
+    assert r.exit_code == 2, r.output
+    assert match in r.output, r.output
+    assert r.output.startswith("error: "), r.output
     assert r.output.strip().count("\n") == 0
 
 
@@ -378,10 +400,12 @@ def test_trtllm_nvfp4_w4a4_checkpoint_is_what_the_backend_loads(source, quantize
 
     facts = json.loads((Path(__file__).parent / "data" / "fp4_w4a4_loaders.json").read_text())["tensorrt_llm_nvfp4"]
     q = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
-    assert facts["hf_quant_config"].items() <= q.items() and "lm_head" in q["exclude_modules"]
+    assert facts["hf_quant_config"].items() <= q.items()
+    assert "lm_head" in q["exclude_modules"]
     assert eng.metrics["verify"]["passed"]
     rounding = json.loads((eng.path / "engine.json").read_text())["outputs"]["nvfp4_rounding"]
-    assert rounding["input_scales_not_exactly_inverted"] == 0 and rounding["alpha_max_rel_error"] < 2 ** -22
+    assert rounding["input_scales_not_exactly_inverted"] == 0
+    assert rounding["alpha_max_rel_error"] < 2 ** -22
     from safetensors.torch import load_file
     st = {}
     for f in ckpt.glob("*.safetensors"):
@@ -393,7 +417,8 @@ def test_trtllm_nvfp4_w4a4_checkpoint_is_what_the_backend_loads(source, quantize
                      for r in group]
             for key in ("weight_scale_2", "input_scale"):
                 vals = {float(st[f"{n}.{key}"]) for n in names}
-                assert len(vals) == 1 and all(st[f"{n}.{key}"].dtype == torch.float32 for n in names), (names, key)
+                assert len(vals) == 1, (names, key)
+                assert all(st[f"{n}.{key}"].dtype == torch.float32 for n in names), (names, key)
             for n in names:
                 qw = ck.linear(n).qw
                 have = {k[len(n) + 1:]: t for k, t in st.items() if k.startswith(n + ".")}
@@ -403,15 +428,18 @@ def test_trtllm_nvfp4_w4a4_checkpoint_is_what_the_backend_loads(source, quantize
                     assert have[key].numel() == 1 if shape == "scalar" else \
                         tuple(have[key].shape) == _shape(shape, *qw.shape), (n, key)
                 w, s = st[f"{n}.weight"], st[f"{n}.weight_scale"]
-                assert w.dtype == torch.uint8 and tuple(w.shape) == (qw.shape[0], qw.shape[1] // 2)
-                assert s.dtype == torch.float8_e4m3fn and tuple(s.shape) == (qw.shape[0], qw.shape[1] // 16)
+                assert w.dtype == torch.uint8
+                assert tuple(w.shape) == (qw.shape[0], qw.shape[1] // 2)
+                assert s.dtype == torch.float8_e4m3fn
+                assert tuple(s.shape) == (qw.shape[0], qw.shape[1] // 16)
                 assert torch.equal(1.0 / st[f"{n}.input_scale"], qw.input_global_scale.reshape(()))
                 assert float(st[f"{n}.weight_scale_2"]) == pytest.approx(1 / qw.global_scale.item(), rel=2 ** -23)
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(SEED))
     ours = llmq_logits(art.path, ids)
     near = kld_top1(ours, _trtllm_logits(ckpt, ids, hooks=True))["kld_mean"]
     far = kld_top1(ours, _trtllm_logits(ckpt, ids, hooks=False))["kld_mean"]
-    assert near < 1e-4 and far > 10 * near, (near, far, f"seed {SEED}")
+    assert near < 1e-4, (near, far, f"seed {SEED}")
+    assert far > 10 * near, (near, far, f"seed {SEED}")
 
 
 def test_trtllm_still_refuses_weight_only_nvfp4_and_mxfp4_w4a4(source, quantized):
@@ -471,7 +499,8 @@ def test_the_checkpoint_has_what_vllm_creates(quantized, loader, method):
         have = {k[len(p) + 1:]: t for k, t in ck.tensors.items() if k.startswith(p + ".")}
         assert set(have) == set(facts), p
         for name, (dtype, shape) in facts.items():
-            assert str(have[name].dtype) == f"torch.{dtype}" and tuple(have[name].shape) == _shape(shape, out, inn)
+            assert str(have[name].dtype) == f"torch.{dtype}"
+            assert tuple(have[name].shape) == _shape(shape, out, inn)
 
 
 def test_tp2_build_keeps_the_activation_scales_on_every_rank(source, quantized):
@@ -491,6 +520,7 @@ def test_tp2_build_keeps_the_activation_scales_on_every_rank(source, quantized):
         for i in range(2):
             src = ck.layer_linears(i)
             for role, lw in rank.layer_linears(i).items():
-                assert lw.qw.dynamic and torch.equal(lw.qw.input_global_scale, src[role].qw.input_global_scale), role
+                assert lw.qw.dynamic, role
+                assert torch.equal(lw.qw.input_global_scale, src[role].qw.input_global_scale), role
                 seen += 1
     assert seen == 2 * 2 * 7

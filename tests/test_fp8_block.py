@@ -66,11 +66,13 @@ def test_block_weights_match_the_float64_reference(seed):
     w = _weight(seed)
     q, scale = quant.fp8_block_quantize(w)
     s_ref = _block_scales_ref(w.numpy().astype(np.float64), 128, 128)
-    assert scale.dtype == torch.float32 and scale.shape == (2, 3)
+    assert scale.dtype == torch.float32
+    assert scale.shape == (2, 3)
     assert np.array_equal(scale.numpy(), s_ref)
     s_full = s_ref.astype(np.float64).repeat(128, 0).repeat(128, 1)[:200, :300]
     q_ref = _e4m3_ref(w.numpy().astype(np.float64) / s_full)
-    assert q.dtype == torch.float8_e4m3fn and np.array_equal(q.double().numpy(), q_ref), f"seed {seed}"
+    assert q.dtype == torch.float8_e4m3fn, f"seed {seed}"
+    assert np.array_equal(q.double().numpy(), q_ref), f"seed {seed}"
     got = quant.dequantize_fp8_blocks(q, scale).double().numpy()
     want = q_ref * s_full
     assert np.all(np.abs(got - want) <= np.abs(want) * 2.0 ** -24)   # one float32 rounding of the product
@@ -87,7 +89,8 @@ def test_token_groups_match_the_reference(seed):
     q, s = quant.quantize_token_groups(torch.from_numpy(x))
     amax = np.stack([np.abs(x[:, j:j + 128]).max(1) for j in range(0, 300, 128)], 1)
     s_ref = np.maximum(amax, np.float32(quant.EPS)) / np.float32(448)
-    assert s.shape == (5, 3) and np.array_equal(s.numpy(), s_ref)
+    assert s.shape == (5, 3)
+    assert np.array_equal(s.numpy(), s_ref)
     quot = x / s_ref.repeat(128, 1)[:, :300]   # float32 division
     assert np.array_equal(q.double().numpy(), _e4m3_ref(quot.astype(np.float64)))
 
@@ -152,7 +155,8 @@ def test_the_cuda_call_passes_torchs_layout_checks(m, n, k):
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     sb = scaled_mm_weight_scales(torch.empty(n // 128, k // 128, device="meta"))
     y = blockwise_scaled_mm(torch.empty(m, k, device="meta"), w, sb)
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert y.shape == (m, n)
+    assert y.dtype == torch.bfloat16
     wrong = [sb.t().contiguous()] + ([sb.contiguous()] if n > 128 else [])   # untransposed; row-major
     for bad in wrong:   # the checks bite
         with pytest.raises(RuntimeError, match="blockwise scaling"):
@@ -252,7 +256,8 @@ def test_checkpoint_is_what_vllm_loads(made, hidden):
     art = made[hidden][2]
     ck = CheckpointReader(art.path)
     cfg = ck.config["quantization_config"]
-    assert cfg["format"] == VLLM_EXPECTS["format"] and cfg["ignore"] == ["lm_head"]
+    assert cfg["format"] == VLLM_EXPECTS["format"]
+    assert cfg["ignore"] == ["lm_head"]
     (group,) = cfg["config_groups"].values()
     preset = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
     for kind in ("weights", "input_activations"):
@@ -312,7 +317,8 @@ def test_runtime_equals_a_float64_reference_model(made, hidden):
     assert sorted(seen) == sorted(plain)
     got = llmq_logits(art.path, ids)[0].double()
     kld = (want.exp() * (want - got)).sum(-1).mean().item()
-    assert kld < 0.01 and (want.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
+    assert kld < 0.01
+    assert (want.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
     assert 0 < art.metrics["probe"]["kld_mean"] < 0.05
 
 
@@ -335,7 +341,8 @@ def test_tp2_build_cuts_on_block_edges_and_passes_the_reference_check(made):
 
     store, _, art = made[128]
     eng = build_engine(art, store, BuildOptions(target="llmq", tp=2, verify=True))
-    assert eng.metrics["verify"]["passed"] and eng.metrics["verify"]["max_rel_error"] < 1e-5
+    assert eng.metrics["verify"]["passed"]
+    assert eng.metrics["verify"]["max_rel_error"] < 1e-5
 
 
 def test_transformers_loads_the_checkpoint_with_llmqs_tensors(made):
@@ -398,7 +405,9 @@ def test_unsupported_combinations_are_one_line_errors(made, args, match):
 
     store, src, _ = made[64]
     r = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", src.ref, *args])
-    assert r.exit_code == 2 and match in r.output and r.output.startswith("error: "), r.output
+    assert r.exit_code == 2, r.output
+    assert match in r.output, r.output
+    assert r.output.startswith("error: "), r.output
     assert r.output.strip().count("\n") == 0
 
 

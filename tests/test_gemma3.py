@@ -40,10 +40,12 @@ def test_imported_by_its_short_name_with_provenance_and_license(gemma):
     _, art = gemma
     src, arch = art.config["source"], art.config["architecture"]
     assert src["gguf_sha256"] == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-    assert len(src["wheels"]) == 5 and "Gemma Terms of Use" in src["license"]
+    assert len(src["wheels"]) == 5
+    assert "Gemma Terms of Use" in src["license"]
     assert (arch["model_type"], arch["num_layers"], arch["hidden_size"], arch["num_heads"], arch["num_kv_heads"],
             arch["head_dim"], arch["vocab_size"]) == ("gemma3_text", 18, 640, 4, 1, 256, 262144)
-    assert len(arch["local_layers"]) == 15 and arch["local_window"] == 512  # five local layers to one global
+    assert len(arch["local_layers"]) == 15
+    assert arch["local_window"] == 512  # five local layers to one global
 
 
 def test_runtime_equals_transformers(gemma, ids):
@@ -74,13 +76,16 @@ def test_quantize_gptq_then_eval_and_serve(gemma, ids):
     store, base = gemma
     gptq = quantize(base, QuantizeOptions(method="gptq", **CALIB), store, progress=False)
     probe = gptq.metrics["probe"]
-    assert math.isfinite(probe["kld_mean"]) and 0 < probe["kld_mean"] < 5, probe
+    assert math.isfinite(probe["kld_mean"]), probe
+    assert 0 < probe["kld_mean"] < 5, probe
     report = run_eval(store, gptq, base, EvalSettings(tasks=["kld"], limit=4, seed=0), []).report
-    assert 0 < report["kld"]["mean"] < 5 and 0 < report["kld"]["top1"] < 100  # top-1 in percent
+    assert 0 < report["kld"]["mean"] < 5
+    assert 0 < report["kld"]["top1"] < 100  # top-1 in percent
 
     with live_server(gptq.path, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20), name="gemma") as live:
         r = httpx.post(f"{live.url}/v1/completions", timeout=120,
                        json={"model": "gemma", "prompt": ids, "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 6
+    assert body["choices"][0]["text"]

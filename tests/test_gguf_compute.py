@@ -134,7 +134,8 @@ def test_gguf_build_records_llmq_and_modelled_llama_cpp_kld(tmp_path, make_tiny_
 
     model = resolve_model(str(_bf16(make_tiny_model(tmp_path / "m", seed=2, initializer_range=0.5))), store)
     dense = build_engine(model, store, BuildOptions(target="gguf", probe_tokens=256)).metrics["quality"]
-    assert dense["baseline"] == model.ref and dense["tokens"] == 256
+    assert dense["baseline"] == model.ref
+    assert dense["tokens"] == 256
     assert dense["llmq_runtime"]["kld_mean"] == pytest.approx(0, abs=1e-12)
     assert dense["llmq_runtime"]["top1"] == 1
     assert dense["llama_cpp_modelled"]["kld_mean"] > 1e-9
@@ -146,10 +147,13 @@ def test_gguf_build_records_llmq_and_modelled_llama_cpp_kld(tmp_path, make_tiny_
     assert res.exit_code == 0, res.output
     quality = json.loads(res.output)["metrics"]["quality"]
     rt, cpp = quality["llmq_runtime"]["kld_mean"], quality["llama_cpp_modelled"]["kld_mean"]
-    assert rt > 0 and cpp > 0 and cpp != rt
+    assert rt > 0
+    assert cpp > 0
+    assert cpp != rt
     res = CliRunner().invoke(cli, ["--store", str(store.root), "build", q8.ref, "--target", "gguf",
                                    "--probe-tokens", "0", "--name", "noprobe"])
-    assert res.exit_code == 0 and "llama.cpp CPU" not in res.output
+    assert res.exit_code == 0
+    assert "llama.cpp CPU" not in res.output
     assert "quality" not in store.resolve("noprobe").metrics
 
 

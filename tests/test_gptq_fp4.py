@@ -87,8 +87,12 @@ def test_a_diagonal_hessian_gives_round_to_nearest_exactly(fmt):
     rtn = fp4.quantize_weight(w, fmt, g)
     for act_order in (False, True):
         got = gptq_fp4(w, h, fmt, g, act_order=act_order)
-        assert torch.equal(got.q, rtn.q) and torch.equal(got.scale.view(torch.uint8), rtn.scale.view(torch.uint8))
-        assert got.group_size == rtn.group_size and got.bits == 4 and got.symmetric and got.zero_point is None
+        assert torch.equal(got.q, rtn.q)
+        assert torch.equal(got.scale.view(torch.uint8), rtn.scale.view(torch.uint8))
+        assert got.group_size == rtn.group_size
+        assert got.bits == 4
+        assert got.symmetric
+        assert got.zero_point is None
         assert (got.global_scale is None and rtn.global_scale is None) or torch.equal(got.global_scale,
                                                                                      rtn.global_scale)
 
@@ -123,18 +127,22 @@ def test_searched_scales_never_lose_to_amax_and_keep_the_format(fmt):
     for importance in (None, torch.diag(h)):
         imp = torch.ones(w.shape[1]) if importance is None else importance
         got = fp4.quantize_weight(w, fmt, search=True, importance=importance)
-        assert got.scale.dtype == rtn.scale.dtype and got.scale.shape == rtn.scale.shape
+        assert got.scale.dtype == rtn.scale.dtype
+        assert got.scale.shape == rtn.scale.shape
         assert (got.global_scale is None) == (rtn.global_scale is None)
         moved = (got.scale.view(torch.uint8).int() - rtn.scale.view(torch.uint8).int()).abs()
-        assert moved.max() <= (2 if fmt == "nvfp4" else 1) and (moved > 0).any()
+        assert moved.max() <= (2 if fmt == "nvfp4" else 1)
+        assert (moved > 0).any()
         step = quant.fp4_block_scale(got.scale, got.global_scale).double()
         assert torch.equal(got.q, quant.e2m1_codes(w.double().reshape(*step.shape, -1) / step.unsqueeze(-1))
                            .reshape(w.shape))
         mine, amax = _block_errors(w, got, imp), _block_errors(w, rtn, imp)
-        assert (mine <= amax * (1 + 1e-12)).all() and mine.sum() < 0.99 * amax.sum(), f"seed {SEED}"
+        assert (mine <= amax * (1 + 1e-12)).all(), f"seed {SEED}"
+        assert mine.sum() < 0.99 * amax.sum(), f"seed {SEED}"
     diag = gptq_fp4(w, torch.diag(torch.diag(h)), fmt, search=True)
     want = fp4.quantize_weight(w, fmt, search=True, importance=torch.diag(h))
-    assert torch.equal(diag.q, want.q) and torch.equal(diag.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    assert torch.equal(diag.q, want.q)
+    assert torch.equal(diag.scale.view(torch.uint8), want.scale.view(torch.uint8))
 
 
 # -- the checkpoint ----------------------------------------------------------------------------------------------------
@@ -165,7 +173,8 @@ def test_checkpoint_reads_back_as_round_to_nearests_does(source, gptq_quantized,
     if method == "nvfp4":
         test_fp4.test_nvfp4_units_share_one_global_scale_as_fused_engines_read_them(gptq_quantized)
     art = gptq_quantized(method)
-    assert art.name.endswith("-gptq") and art.config["options"]["gptq"] is True
+    assert art.name.endswith("-gptq")
+    assert art.config["options"]["gptq"] is True
     assert art.config["calibration"]["samples"] == 8
 
 
@@ -207,5 +216,7 @@ def test_impossible_combinations_are_one_line_errors(source, args, match):  # no
 
     store, src = source
     r = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", src.ref, *args])
-    assert r.exit_code == 2 and match in r.output and r.output.startswith("error: "), r.output
+    assert r.exit_code == 2, r.output
+    assert match in r.output, r.output
+    assert r.output.startswith("error: "), r.output
     assert r.output.strip().count("\n") == 0   # one line

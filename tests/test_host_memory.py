@@ -20,8 +20,10 @@ def test_gather_moves_every_weight_into_one_block_keeping_values_and_sharing():
     moved = gather_weights(root)
     assert moved == 64 * (-(-50 * 16 * 2 // 64) + 1 + 1)  # each tensor from a 64-byte boundary, the shared one once
     for n, t in root.state_dict().items():
-        assert t.dtype == before[n].dtype and torch.equal(t, before[n])
-    assert b.head.data_ptr() == a.table.data_ptr() != table.data_ptr() and isinstance(a.norm, nn.Parameter)
+        assert t.dtype == before[n].dtype
+        assert torch.equal(t, before[n])
+    assert b.head.data_ptr() == a.table.data_ptr() != table.data_ptr()
+    assert isinstance(a.norm, nn.Parameter)
     block = a.table.untyped_storage()
     assert a.norm.data_ptr() % HUGE_PAGE == 0  # the first (module order: parameters, then buffers) starts the block
     assert all(t.untyped_storage().data_ptr() == block.data_ptr() for t in (a.norm, b.codes))

@@ -112,7 +112,8 @@ def test_preempted_sequences_recompute_their_state(model):
     eng = LLMEngine(model, EngineConfig(max_model_len=32, block_size=4, kv_cache_memory=10 * per_block))
     try:
         out = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
-        assert eng.num_blocks == 10 and eng.scheduler.num_preemptions > 0
+        assert eng.num_blocks == 10
+        assert eng.scheduler.num_preemptions > 0
     finally:
         eng.shutdown()
     assert out == _greedy(model, prompts)
@@ -154,7 +155,8 @@ def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, mo
     ignore = json.loads((art.path / "config.json").read_text())["quantization_config"]["ignore"]
     assert {f"model.layers.{i}.linear_attn.in_proj_{r}" for i in (0, 1, 2) for r in "ab"} <= set(ignore)
     ckpt = CheckpointReader(art.path)
-    assert ckpt.layer_linears(0)["in_proj_qkv"].qw is not None and ckpt.layer_linears(0)["in_proj_b"].qw is None
+    assert ckpt.layer_linears(0)["in_proj_qkv"].qw is not None
+    assert ckpt.layer_linears(0)["in_proj_b"].qw is None
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
         ref = hf_model(art.path)(torch.tensor([ids])).logits[0].double().log_softmax(-1)

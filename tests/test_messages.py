@@ -29,7 +29,8 @@ def command_options(path: str) -> set[str]:
     options = {o for p in cli.params for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
     cmd: click.Command = cli
     for word in path.split():
-        assert isinstance(cmd, click.Group) and word in cmd.commands, f"no command llmq {path}"
+        assert isinstance(cmd, click.Group), f"no command llmq {path}"
+        assert word in cmd.commands, f"no command llmq {path}"
         cmd = cmd.commands[word]
     return options | {o for p in cmd.params for o in (*p.opts, *getattr(p, "secondary_opts", ()))} | {"--help"}
 

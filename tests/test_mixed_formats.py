@@ -77,9 +77,11 @@ def test_each_engine_is_offered_only_what_it_loads():
     assert names("gguf") == {"int4", "int5", "int8", "nvfp4", "mxfp4", "16bit"}
     assert "nvfp4" not in names("gguf", s=[(64, 96)])   # GGUF's NVFP4 blocks hold 64 weights
     grouped = QuantizeOptions(target_bpw=6, int8_group_size=32, **COMMON).resolved((64, 128))
-    assert "int8" in names("gguf", grouped) and "int8" not in names("trtllm", grouped)   # TensorRT-LLM: per channel
+    assert "int8" in names("gguf", grouped)
+    assert "int8" not in names("trtllm", grouped)   # TensorRT-LLM: per channel
     asym = QuantizeOptions(target_bpw=6, symmetric=False, **COMMON).resolved((64, 128))
-    assert "int8" not in names("gguf", asym) and "int4" in names("gguf", asym)   # Q8_0 has no zero point; Q4_1 does
+    assert "int8" not in names("gguf", asym)
+    assert "int4" in names("gguf", asym)   # Q8_0 has no zero point; Q4_1 does
     assert "int5" in names("gguf", asym)   # Q5_1 does too
     # bytes exactly as stored: values, scales (bf16; E4M3 / E8M0 bytes for FP4), NVFP4's float32 global scale
     n, k = 128, 64
@@ -142,7 +144,8 @@ def test_the_sensitivity_of_each_scheme_is_the_kld_of_rounding_that_unit_to_it(t
             for lin, w in zip(lins, kept):
                 lin.weight.data = w
         mse = got[(1, u)]["mse"]
-        assert mse["16bit"] == 0 < mse["fp8"] < mse["int4"] and mse["int8"] < mse["fp8"]
+        assert mse["16bit"] == 0 < mse["fp8"] < mse["int4"]
+        assert mse["int8"] < mse["fp8"]
 
 
 def test_a_plan_for_an_engine_uses_only_what_it_loads_and_fuses_units_whole(tiny):
@@ -157,10 +160,13 @@ def test_a_plan_for_an_engine_uses_only_what_it_loads_and_fuses_units_whole(tiny
         opts, spec, _ = validate(src, QuantizeOptions(target_bpw=5.5, for_engine=engine, **COMMON))
         plan = mixed.plan(src.path, spec, opts, calib, "cpu", progress=False)
         m = plan.manifest
-        assert set(plan.schemes.values()) <= allowed and set(m["candidates"]) == allowed
-        assert m["bytes"] <= m["budget_bytes"] and m["bpw"] <= 5.5
+        assert set(plan.schemes.values()) <= allowed
+        assert set(m["candidates"]) == allowed
+        assert m["bytes"] <= m["budget_bytes"]
+        assert m["bpw"] <= 5.5
         low = {c for c in allowed if schemes.SCHEMES[c].bits in (4, 5)}   # measured; the 8-bit ones scaled from INT4
-        assert set(m["sensitivity"]["measured"]) == low and all(set(u["kld_alone"]) == low for u in m["units"])
+        assert set(m["sensitivity"]["measured"]) == low
+        assert all(set(u["kld_alone"]) == low for u in m["units"])
         for i in range(spec.num_layers):
             for unit in spec.arch.unit_paths():
                 assert len({plan.schemes[f"model.layers.{i}.{n}"] for n in unit}) == 1
@@ -191,7 +197,9 @@ def test_the_artifact_is_compressed_tensors_mixed_precision_one_group_per_scheme
     linear = group_of.pop("Linear")
     for name, scheme in chosen.items():
         if scheme == "16bit":
-            assert name in cfg["ignore"] and name not in group_of and f"{name}.weight" in ck.tensors
+            assert name in cfg["ignore"]
+            assert name not in group_of
+            assert f"{name}.weight" in ck.tensors
             continue
         g = group_of.get(name, linear)
         assert g["format"] == FORMAT[scheme], name
@@ -207,7 +215,8 @@ def test_the_artifact_is_compressed_tensors_mixed_precision_one_group_per_scheme
             if qws[0] is not None and qws[0].global_scale is not None:   # NVFP4: one global scale per unit
                 assert all(torch.equal(q.global_scale, qws[0].global_scale) for q in qws)
     # lm_head: dense, in ignore, and nothing of a quantized head written (vllm#45102)
-    assert "lm_head" in cfg["ignore"] and not any(k.startswith("lm_head.") and k != "lm_head.weight"
+    assert "lm_head" in cfg["ignore"]
+    assert not any(k.startswith("lm_head.") and k != "lm_head.weight"
                                                   for k in ck.tensors)
 
 
@@ -319,8 +328,10 @@ def test_a_mix_for_gguf_keeps_nvfp4_off_the_ffn_where_llama_cpp_drops_its_scale(
     chosen = _chosen(art)
     attention = {n: s for n, s in chosen.items() if ".self_attn." in n}
     ffn = {n: s for n, s in chosen.items() if ".mlp." in n}
-    assert attention and set(attention.values()) == {"nvfp4"}
-    assert ffn and "nvfp4" not in ffn.values()
+    assert attention
+    assert set(attention.values()) == {"nvfp4"}
+    assert ffn
+    assert "nvfp4" not in ffn.values()
     assert "nvfp4" in art.config["mixed_precision"]["candidates"]
     units = art.config["mixed_precision"]["units"]   # and NVFP4's KLD is measured only where it may be chosen
     assert all(("nvfp4" in u["kld_alone"]) == u["modules"][0].startswith("self_attn.") for u in units)

@@ -96,15 +96,20 @@ def test_the_plan_fits_the_budget_and_spends_it_where_the_kld_falls_most(tiny):
                                                       seq_len=64))
         plan = mixed.plan(src.path, spec, opts, calib, "cpu", progress=False)
         m = plan.manifest
-        assert m["bytes"] <= m["budget_bytes"] and m["bpw"] <= target
-        assert len(plan.bits) == 7 * 3 and {b for b in plan.bits.values()} <= {4, 8, 16}
+        assert m["bytes"] <= m["budget_bytes"]
+        assert m["bpw"] <= target
+        assert len(plan.bits) == 7 * 3
+        assert {b for b in plan.bits.values()} <= {4, 8, 16}
         estimates.append(m["estimated_kld"])
         if target == 16:
-            assert set(plan.bits.values()) == {16} and m["estimated_kld"] == 0
+            assert set(plan.bits.values()) == {16}
+            assert m["estimated_kld"] == 0
         if target == 5:  # room for a few units at 8 bits, none at 16
             eight = [u for u in m["units"] if u["bits"] == 8]
-            assert eight and m["count"]["16bit"] == 0
-    assert estimates == sorted(estimates, reverse=True) and estimates[0] > estimates[1] > 0
+            assert eight
+            assert m["count"]["16bit"] == 0
+    assert estimates == sorted(estimates, reverse=True)
+    assert estimates[0] > estimates[1] > 0
 
 
 def test_what_target_bpw_cannot_honour_is_refused_before_any_work(tiny):
@@ -136,15 +141,18 @@ def test_max_size_spends_what_the_file_leaves_and_never_passes_it(tiny, extra):
     limit = plain.metrics["size_bytes"] + 60_000
     art = quantize(src, QuantizeOptions(max_size=f"{limit / 1000:g}kB", **common), store, progress=False)
     m = art.config["mixed_precision"]
-    assert plain.metrics["size_bytes"] < art.metrics["size_bytes"] <= limit and m["count"]["int8"] > 0
-    assert art.config["options"]["max_size"] == f"{limit / 1000:g}kB" and m["target_bpw"] == art.config["options"][
+    assert plain.metrics["size_bytes"] < art.metrics["size_bytes"] <= limit
+    assert m["count"]["int8"] > 0
+    assert art.config["options"]["max_size"] == f"{limit / 1000:g}kB"
+    assert m["target_bpw"] == art.config["options"][
         "target_bpw"]
     # nothing but the headers' allowance (256 bytes an entry, real ones are ~100) and less than one more unit's
     # upgrade is left unspent
     assert limit - art.metrics["size_bytes"] < 256 * 100 + 4 * 64 * 128
     eight = {k: v for k, v in art.config["scheme_per_module"].items() if v.startswith("W8")}
     want = f"W8A16-group{extra['int8_group_size']}-sym" if "int8_group_size" in extra else "W8A16-channel-sym"
-    assert eight and set(eight.values()) == {want}  # the 8-bit units and the table: per channel, or Q8_0's groups
+    assert eight
+    assert set(eight.values()) == {want}  # the 8-bit units and the table: per channel, or Q8_0's groups
 
 
 @pytest.mark.parametrize("extra", [{}, {"embedding": "int8", "int8_group_size": 32}])

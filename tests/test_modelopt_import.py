@@ -54,11 +54,14 @@ def test_the_trtllm_export_reads_back_as_the_artifact_it_came_from(made, algo):
     ckpt = build_engine(art, store, BuildOptions(target="trtllm")).path / "trtllm"
     assert json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == algo
     a, b = CheckpointReader(art.path), CheckpointReader(ckpt)
-    assert b.qconfig.format == "modelopt" and b.qconfig.ignores("lm_head")
+    assert b.qconfig.format == "modelopt"
+    assert b.qconfig.ignores("lm_head")
     for i in range(2):
         for lin in LINEARS:
             qa, qb = a.linear(f"model.layers.{i}.{lin}").qw, b.linear(f"model.layers.{i}.{lin}").qw
-            assert qb.scheme == qa.scheme and torch.equal(qb.q, qa.q) and torch.equal(qb.scale, qa.scale), lin
+            assert qb.scheme == qa.scheme, lin
+            assert torch.equal(qb.q, qa.q), lin
+            assert torch.equal(qb.scale, qa.scale), lin
             if algo == "NVFP4":
                 assert torch.equal(qb.input_global_scale, qa.input_global_scale)
                 assert (qb.global_scale - qa.global_scale).abs() <= 2 * ULP * qa.global_scale
@@ -88,7 +91,8 @@ def test_nvfp4_dequantization_against_modelopts_multiplier():
         ref = (e2m1.double() * (block.double() * ws2.double()).unsqueeze(-1)).reshape(64, 256)
         nz = ref != 0
         rel = lambda x: ((x.double() - ref).abs()[nz] / ref.abs()[nz]).max()  # noqa: E731
-        assert rel(ours) <= 3 * ULP and rel(theirs) <= 2 * ULP
+        assert rel(ours) <= 3 * ULP
+        assert rel(theirs) <= 2 * ULP
         assert ((ours.double() - theirs.double()).abs()[nz] / theirs.double().abs()[nz]).max() < 4 * ULP
         differ, total = differ + int((ours != theirs).sum()), total + ours.numel()
     assert 0.1 < differ / total < 0.3
@@ -143,7 +147,8 @@ def test_a_modelopt_fp8_checkpoint_is_read_as_llmqs_fp8_static(made):
             ref = tensors[f"{name}.weight"].double() * tensors[f"{name}.weight_scale"].double()
             assert torch.equal(qw.dequantize(), ref.float())
         k, v = ck.kv_scales(i)
-        assert k.item() == pytest.approx(0.05 + i) and v.item() == pytest.approx(0.07)
+        assert k.item() == pytest.approx(0.05 + i)
+        assert v.item() == pytest.approx(0.07)
     assert ck.linear("lm_head").qw is None
     write_fp8(path, root / "fp8-flat", inline=True)
     flat = CheckpointReader(root / "fp8-flat").qconfig
@@ -170,7 +175,8 @@ def test_an_imported_fp8_checkpoint_is_served_and_exported_again(made):
     built = build_engine(art, store, BuildOptions(target="llmq", verify=True))
     assert built.metrics["verify"]["passed"]
     rank = json.loads((built.path / "rank0" / "config.json").read_text())["quantization_config"]
-    assert rank["quant_method"] == "compressed-tensors" and rank["format"] == "float-quantized"
+    assert rank["quant_method"] == "compressed-tensors"
+    assert rank["format"] == "float-quantized"
     assert torch.equal(llmq_logits(built.path, _ids(1)), llmq_logits(art.path, _ids(1)))
     e = small_engine(art.path)
     try:
@@ -236,7 +242,8 @@ def test_non_finite_or_zero_scales_are_one_line_errors_and_are_not_imported(made
     before = {a.path for a in store.list()}
     with pytest.raises(LlmqError, match=match) as e:
         resolve_model(str(dst), store)
-    assert "\n" not in str(e.value) and {a.path for a in store.list()} == before
+    assert "\n" not in str(e.value)
+    assert {a.path for a in store.list()} == before
 
 
 def test_nvfp4_and_awq_tensors_that_do_not_fit_are_refused():
@@ -277,7 +284,10 @@ def test_fp8_per_channel_per_token_reads_either_scale_shape():
     ref = q.double() * scale.double()[:, None]
     for s in (scale, scale[:, None]):
         qw = qformat.read_linear({"x.weight": q, "x.weight_scale": s}, "x", cfg)
-        assert qw.dynamic and qw.input_scale is None and qw.strategy == "channel" and qw.activation_bits == 8
+        assert qw.dynamic
+        assert qw.input_scale is None
+        assert qw.strategy == "channel"
+        assert qw.activation_bits == 8
         assert torch.equal(qw.dequantize().double(), ref.float().double())
     with pytest.raises(LlmqError, match=r"^x: ModelOpt tensors .* expected FP8_PER_CHANNEL_PER_TOKEN"):
         qformat.read_linear({"x.weight": q, "x.weight_scale": scale[:4]}, "x", cfg)

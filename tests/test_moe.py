@@ -102,7 +102,8 @@ def test_every_expert_is_quantized_and_the_router_stays_16_bit(source, quantized
     assert set(routers) <= set(qcfg["ignore"])
     for i in range(spec.num_layers):
         lin = ck.layer_linears(i)
-        assert lin["router"].qw is None and lin["router"].weight.dtype == torch.float32
+        assert lin["router"].qw is None
+        assert lin["router"].weight.dtype == torch.float32
         experts = [r for r in lin if r.startswith("experts.")]
         assert len(experts) == 3 * spec.num_experts
         assert all(lin[r].qw is not None for r in experts + ["q_proj", "o_proj"])
@@ -128,7 +129,8 @@ def test_weight_only_moe_matches_transformers_on_the_decompressed_checkpoint(sou
     with torch.no_grad():
         ref = hf.eval()(ids).logits[0]
     got = kld_top1(ref, runtime_logprobs(art.path, ids[0].tolist()))
-    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    assert got["kld_mean"] < 1e-8, got
+    assert got["top1"] == 1.0, got
 
 
 @pytest.mark.parametrize("name", list(QUANTIZE))
@@ -192,7 +194,8 @@ def test_a_quantized_moe_splits_over_two_ranks_as_it_runs_on_one(source, quantiz
     assert built.metrics["verify"]["max_rel_error"] < 1e-5
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     got = kld_top1(runtime_logprobs(art.path, ids), runtime_logprobs(built.path, ids))
-    assert got["kld_mean"] < 1e-2 and got["top1"] >= 0.9, got
+    assert got["kld_mean"] < 1e-2, got
+    assert got["top1"] >= 0.9, got
 
 
 def _model_from_gguf(path):
@@ -243,7 +246,8 @@ def _model_from_gguf(path):
                       m + "self_attn.k_norm.weight": t[b + "attn_k_norm.weight"]}
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"}
     return model, meta, t
 
 
@@ -263,7 +267,8 @@ def test_gguf_export_merges_each_role_s_experts_into_one_3d_tensor(tmp_path, fam
     ck = CheckpointReader(art.path)
     s = ck.spec
     arch = meta["general.architecture"]
-    assert meta[f"{arch}.expert_count"] == s.num_experts and meta[f"{arch}.expert_used_count"] == 2
+    assert meta[f"{arch}.expert_count"] == s.num_experts
+    assert meta[f"{arch}.expert_used_count"] == 2
     assert meta_file["tensor_types"]["Q4_0"] == (4 + 3) * s.num_layers  # q, k, v, o and a merged tensor a role
     lin = ck.layer_linears(1)
     for role, name in (("down_proj", "ffn_down_exps"), ("up_proj", "ffn_up_exps")):
@@ -278,7 +283,8 @@ def test_gguf_export_merges_each_role_s_experts_into_one_3d_tensor(tmp_path, fam
         got = model(torch.tensor([ids])).logits[0]
     bf16_kernels_off(monkeypatch)
     k = kld_top1(got, runtime_logprobs(art.path, ids))
-    assert k["kld_mean"] < 1e-8 and k["top1"] == 1.0, k
+    assert k["kld_mean"] < 1e-8, k
+    assert k["top1"] == 1.0, k
 
 
 def test_a_moe_with_dense_layers_is_refused_naming_the_field():
@@ -310,7 +316,8 @@ def test_trtllm_writes_the_moe_under_hugging_face_names_and_refuses_quantized_ex
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got = kld_top1(hf(ids).logits[0], runtime_logprobs(src.path, ids[0].tolist()))
-    assert got["kld_mean"] < 1e-8 and got["top1"] == 1.0, got
+    assert got["kld_mean"] < 1e-8, got
+    assert got["top1"] == 1.0, got
     engines = len(store.list(kind="engine"))
     with pytest.raises(LlmqError, match=r"^quantized experts: TensorRT-LLM's fused MoE loads FP8 / NVFP4 / W4A8"):
         build_engine(quantized("gptq-w4g32"), store, BuildOptions(target="trtllm"))
@@ -357,12 +364,15 @@ def test_llmq_run_takes_a_tiny_qwen3_moe_through_every_stage(tmp_path, monkeypat
     p.write_text(yaml.safe_dump(recipe))
     r = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(p)])
     assert r.exit_code == 0, r.output
-    assert "recipe moe" in r.output and "KLD" in r.output
+    assert "recipe moe" in r.output
+    assert "KLD" in r.output
     again = run_recipe(load_recipe(p), store)   # what the CLI ran, every stage reused
-    assert [x.status for x in again.stages] == ["reused"] * 4 and not again.failed_gates
+    assert [x.status for x in again.stages] == ["reused"] * 4
+    assert not again.failed_gates
     q, kv, engine, report = (x.artifact for x in again.stages)
     assert q.config["expert_coverage"]["scheme"].startswith("every expert")
-    assert engine.metrics["verify"]["passed"] and engine.parents == [kv.id]
+    assert engine.metrics["verify"]["passed"]
+    assert engine.parents == [kv.id]
 
 
 def _fake_quantized_cache(kv: str, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
@@ -403,7 +413,8 @@ def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, 
                                             probe_tokens=128), show_progress=False)
     ck = CheckpointReader(art.path)
     scales = [ck.kv_scales(i) for i in range(ck.spec.num_layers)]
-    assert ck.kv_cache_dtype() == kv and all(sc is not None for sc in scales)
+    assert ck.kv_cache_dtype() == kv
+    assert all(sc is not None for sc in scales)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()(ids).logits[0]
@@ -413,7 +424,8 @@ def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, 
     got = runtime_logprobs(art.path, ids[0].tolist())
     assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
     k = kld_top1(ref, got)
-    assert k["kld_mean"] < 1e-7 and k["top1"] == 1.0, k
+    assert k["kld_mean"] < 1e-7, k
+    assert k["top1"] == 1.0, k
 
 
 def test_a_decode_step_counts_the_experts_it_read_not_every_expert(source):

@@ -88,7 +88,8 @@ def test_cli_recipe_and_stage_options_agree(stage):
             assert getattr(_from_cli(cmd, cls, base + [flag]), name) == value
         for value in _values(f, hints[name]):
             from_cli = [_from_cli(cmd, cls, base + _argv(p, value)) for p in spellings]
-            assert all(o == from_cli[0] for o in from_cli) and getattr(from_cli[0], name) == value, (name, value)
+            assert all(o == from_cli[0] for o in from_cli), (name, value)
+            assert getattr(from_cli[0], name) == value, (name, value)
             for key in (name, *f.metadata["aliases"]):
                 try:
                     keys = {k: v for k, v in required.items() if k != name} | {key: value}
@@ -116,13 +117,15 @@ def test_serve_flags_are_the_runtime_settings():
     options = [p for p in cmd.params if isinstance(p, click.Option)]
     shown = {p.name: p for p in options if not p.hidden}
     fields = {f.name: (cls, f) for cls in SERVE for f in user_fields(cls)}
-    assert set(shown) == set(fields) and {f.name for f in user_fields(EngineConfig)} >= {
+    assert set(shown) == set(fields)
+    assert {f.name for f in user_fields(EngineConfig)} >= {
         "max_num_seqs", "kv_cache_memory", "enable_prefix_caching", "speculative"}
     defaults = cmd.make_context("serve", []).params
     assert [cls(**{f.name: defaults[f.name] for f in user_fields(cls)}) for cls in SERVE] == [cls() for cls in SERVE]
     for name, (cls, f) in fields.items():
         opt = shown[name]
-        assert (opt.opts[0], opt.help) == (flag_of(f), f.metadata["help"]) and defaults[name] == default_of(f)
+        assert (opt.opts[0], opt.help) == (flag_of(f), f.metadata["help"])
+        assert defaults[name] == default_of(f)
         if f.metadata["choices"]:
             assert tuple(opt.type.choices) == f.metadata["choices"]
         spellings = [p for p in options if p.name == name]
@@ -150,7 +153,10 @@ def test_serve_flags_are_the_runtime_settings():
 ])
 def test_serve_refuses_a_bad_setting_in_one_line_before_loading(tmp_path, argv, message):
     r = CliRunner().invoke(cli, ["--store", str(tmp_path), "serve", "no-such-model", *argv])
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and r.output.startswith("error: ") and message in r.output
+    assert r.exit_code == 2
+    assert r.output.count("\n") == 1
+    assert r.output.startswith("error: ")
+    assert message in r.output
 
 
 def test_code_that_builds_an_engine_config_gets_the_same_checks(tiny_model_dir):

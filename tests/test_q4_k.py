@@ -76,7 +76,8 @@ def test_q4_k_blocks_dequantize_as_gguf_py_and_the_float64_reference_bit_for_bit
     w = weights()
     qw = quantize_q4_k(w)
     blocks = qw.blocks()
-    assert blocks.shape == (6, 2 * 144) and blocks.dtype == torch.uint8
+    assert blocks.shape == (6, 2 * 144)
+    assert blocks.dtype == torch.uint8
     ours = qw.dequantize().numpy()
     np.testing.assert_array_equal(gguf_py(blocks).view(np.int32), ours.view(np.int32))
     # every product is exact and the subtraction rounds once: float64 rounded to float32 is the same number
@@ -90,7 +91,9 @@ def test_q4_k_blocks_dequantize_as_gguf_py_and_the_float64_reference_bit_for_bit
 def test_q4_k_grid_is_llama_cpps_rounding_and_within_half_a_step():
     w = weights(rows=8, cols=256, seed=3)
     qw = quantize_q4_k(w)
-    assert qw.q.max() <= 15 and qw.sc.max() <= 63 and qw.m.max() <= 63
+    assert qw.q.max() <= 15
+    assert qw.sc.max() <= 63
+    assert qw.m.max() <= 63
     assert qw.d.dtype == qw.dmin.dtype == torch.float16
     s, mn = quant.q4_k_scale_min(qw.d, qw.dmin, qw.sc, qw.m)
     assert torch.equal(quant.q4_k_codes(w, s, mn), qw.q)   # round((w + mn) / s), clamped: the nearest code
@@ -137,7 +140,9 @@ def test_gptq_on_the_q4_k_grid_lowers_the_output_error_of_rtn_on_it():
     h = x.T @ x / x.shape[0]
     rtn, gptq = quantize_q4_k(w), gptq_q4_k(w, h)
     # the same fixed-grid kind: fp16 d / dmin, 6-bit sc / m, codes on it
-    assert gptq.q.max() <= 15 and gptq.sc.max() <= 63 and gptq.d.dtype == torch.float16
+    assert gptq.q.max() <= 15
+    assert gptq.sc.max() <= 63
+    assert gptq.d.dtype == torch.float16
     err = lambda qw: (x @ (qw.dequantize() - w).T).pow(2).mean()  # noqa: E731
     assert err(gptq) < 0.8 * err(rtn)
 
@@ -192,16 +197,20 @@ def test_q4_k_linears_read_back_from_gguf_bit_exact(built, model, method):
             qw = src.linear(f"model.layers.{i}.{role}").qw
             t = tensors[f"blk.{i}.{fname}.weight"]
             if role == "mlp.down_proj" or model == "all":
-                assert isinstance(qw, Q4KWeight) and t.tensor_type == Q4_K
+                assert isinstance(qw, Q4KWeight)
+                assert t.tensor_type == Q4_K
                 n_q4k += 1
                 got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(qw.shape)
                 np.testing.assert_array_equal(got.view(np.int32), qw.dequantize().numpy().view(np.int32))
             else:   # fallback: 64 input columns
-                assert not isinstance(qw, Q4KWeight) and t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+                assert not isinstance(qw, Q4KWeight)
+                assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
     assert n_q4k == (2 if model == "mixed" else 6)
-    assert cfg["q4_k_linears"] == (2 if model == "mixed" else 14) and cfg["grid"] == "q4_k"
+    assert cfg["q4_k_linears"] == (2 if model == "mixed" else 14)
+    assert cfg["grid"] == "q4_k"
     assert cfg["q4_k_fallback"]["linears"] == (12 if model == "mixed" else 0)
-    assert rec["tensor_types"]["Q4_K"] == cfg["q4_k_linears"] and rec["file_type"] == "Q4_K_S"
+    assert rec["tensor_types"]["Q4_K"] == cfg["q4_k_linears"]
+    assert rec["file_type"] == "Q4_K_S"
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])

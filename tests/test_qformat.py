@@ -35,9 +35,12 @@ def test_round_trip_is_exact_and_matches_compressed_tensors_decoder(bits, symmet
     assert qconfig.format == ("pack-quantized" if act is None else "int-quantized")
     tensors = qf.write_linear("model.layers.0.mlp.up_proj", qw)
     back = qf.read_linear(tensors, "model.layers.0.mlp.up_proj", qconfig)
-    assert torch.equal(back.q, qw.q) and torch.equal(back.scale, qw.scale)
-    assert (back.zero_point is None) == symmetric and (symmetric or torch.equal(back.zero_point, qw.zero_point))
-    assert back.dynamic == (act == "dynamic") and (back.input_scale is not None) == (act == "static")
+    assert torch.equal(back.q, qw.q)
+    assert torch.equal(back.scale, qw.scale)
+    assert (back.zero_point is None) == symmetric
+    assert symmetric or torch.equal(back.zero_point, qw.zero_point)
+    assert back.dynamic == (act == "dynamic")
+    assert (back.input_scale is not None) == (act == "static")
     assert back.scheme == qw.scheme
     # compressed-tensors' own dequantization of the same integers agrees with ours
     theirs = dequantize(qw.q, qw.scale, qw.zero_point, args=QuantizationArgs(**{
@@ -66,9 +69,12 @@ def test_fp8_round_trip_and_kv_scales():
     tensors = qf.write_linear("x", qw)
     tensors.update(qf.write_kv_scales("model.layers.0.self_attn", torch.tensor(0.5), torch.tensor([0.1, 0.2])))
     back = qf.read_linear(tensors, "x", qconfig)
-    assert back.q.dtype == torch.float8_e4m3fn and torch.equal(back.q.view(torch.uint8), w.view(torch.uint8))
+    assert back.q.dtype == torch.float8_e4m3fn
+    assert torch.equal(back.q.view(torch.uint8), w.view(torch.uint8))
     k, v = qf.read_kv_scales(tensors, "model.layers.0.self_attn", qconfig)
-    assert k.tolist() == [0.5] and v.shape == (2,) and qf.kv_cache_dtype(qconfig) == "fp8"
+    assert k.tolist() == [0.5]
+    assert v.shape == (2,)
+    assert qf.kv_cache_dtype(qconfig) == "fp8"
 
 
 def test_ignored_and_dense_modules_read_as_none_and_bad_configs_are_refused():

@@ -25,7 +25,8 @@ def test_fp8_cast_saturates_and_rounds_to_the_nearest_e4m3():
     x = torch.randn(4096, generator=gen, dtype=torch.float64) * 300
     scale = torch.tensor(0.5, dtype=torch.float64)
     q = quant.to_fp8(x, scale)
-    assert q.dtype == torch.float8_e4m3fn and float(q.float().abs().max()) == quant.FP8_MAX == 448.0
+    assert q.dtype == torch.float8_e4m3fn
+    assert float(q.float().abs().max()) == quant.FP8_MAX == 448.0
     inside = (x / scale).abs() <= 448
     y = q.double()[inside]
     # e4m3 keeps 3 mantissa bits: |error| <= 2^-4 relative (normal) or half the 2^-9 subnormal step
@@ -46,7 +47,8 @@ def test_tokens_use_the_engines_per_token_scale_or_the_static_one(fp8):
     assert float(q.double().abs().amax(-1).min()) == qmax  # every token's largest element lands on the grid's end
     static = torch.tensor([0.01])
     q, s = quant.quantize_tokens(x, static, fp8)
-    assert s.shape == (9, 1) and bool((s == 0.01).all())
+    assert s.shape == (9, 1)
+    assert bool((s == 0.01).all())
     ref = (x.double() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn).double() if fp8 else \
         (x.double() / 0.01).round().clamp(-128, 127)
     assert torch.equal(q.double(), ref)

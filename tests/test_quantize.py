@@ -57,8 +57,10 @@ def test_rtn_matches_hand_reference(bits, group, symmetric):
     w[:, 3] += 0.3  # an offset column: asymmetric grids differ from symmetric ones
     qw = rtn.quantize_weight(w, bits, group, symmetric, torch.bfloat16)
     q, s, z = _hand_rtn(w.numpy(), bits, group, symmetric)
-    assert qw.q.dtype == torch.int8 and np.array_equal(qw.q.numpy().astype(np.int64), q)
-    assert qw.scale.dtype == torch.bfloat16 and np.array_equal(qw.scale.float().numpy(), s)
+    assert qw.q.dtype == torch.int8
+    assert np.array_equal(qw.q.numpy().astype(np.int64), q)
+    assert qw.scale.dtype == torch.bfloat16
+    assert np.array_equal(qw.scale.float().numpy(), s)
     assert (qw.zero_point is None) == symmetric
     if not symmetric:
         assert np.array_equal(qw.zero_point.numpy().astype(np.int64), z)
@@ -102,7 +104,8 @@ def test_searched_scales_use_the_whole_signed_grid_and_never_lose_to_amax(bits, 
     # compares: at 8 bits a group's error is ~1e-5 of its weights' energy, so ties are decided within ~1e-5 of it
     assert bool((e_search <= e_amax * (1 + (1e-6 if bits == 4 else 1e-4))).all())
     assert float(e_search.sum()) < 0.9 * float(e_amax.sum())
-    assert int(searched.q.min()) == -(1 << (bits - 1)) and bool((searched.scale < 0).any())  # both ends of the grid
+    assert int(searched.q.min()) == -(1 << (bits - 1))
+    assert bool((searched.scale < 0).any())  # both ends of the grid
     # stored in bf16, the integers are the nearest ones for the stored scale
     b = rtn.quantize_weight(w, bits, group, True, torch.bfloat16, search=True)
     s = b.scale.float().repeat_interleave(group, -1)
@@ -136,7 +139,8 @@ def test_searched_asymmetric_scales_never_lose_to_amax(group):
     amax = rtn.quantize_weight(w, 4, group, False, torch.bfloat16)
     searched = rtn.quantize_weight(w, 4, group, False, torch.bfloat16, search=True)
     e_amax, e_search = _group_errors(w, amax, group or 64), _group_errors(w, searched, group or 64)
-    assert bool((e_search <= e_amax).all()) and float(e_search.sum()) < 0.97 * float(e_amax.sum())
+    assert bool((e_search <= e_amax).all())
+    assert float(e_search.sum()) < 0.97 * float(e_amax.sum())
 
 
 def _correlated_inputs(gen, t, k):
@@ -159,8 +163,11 @@ def test_gptq_cuts_layer_output_error_vs_rtn(group, symmetric, act_order, bits):
     r = rtn.quantize_weight(w, bits, group, symmetric, torch.bfloat16)
     assert err(g) < 0.75 * err(r)
     half = 1 << (bits - 1)
-    assert g.q.shape == w.shape and int(g.q.min()) >= -half and int(g.q.max()) <= half - 1
-    assert g.scale.shape == r.scale.shape and (g.zero_point is None) == symmetric
+    assert g.q.shape == w.shape
+    assert int(g.q.min()) >= -half
+    assert int(g.q.max()) <= half - 1
+    assert g.scale.shape == r.scale.shape
+    assert (g.zero_point is None) == symmetric
 
 
 # bars: above the largest ratio of 30 blocks of 8 draws (seeds 0-239: 0.56, 0.69, 0.68, 0.88); one draw alone varies
@@ -240,7 +247,8 @@ def test_awq_search_beats_rtn_when_channels_have_outliers():
     s, alpha, best = awq.search_scales(x, x_mean, weights, 4, 16, True, torch.bfloat16)
     refs = [x @ w.T for w in weights]
     plain = awq.output_error(x, weights, torch.ones(64), 4, 16, True, torch.bfloat16, refs)
-    assert alpha > 0 and best < 0.8 * plain
+    assert alpha > 0
+    assert best < 0.8 * plain
     assert abs(float(s.max() * s.min()) - 1) < 1e-4
 
 
@@ -250,7 +258,8 @@ def test_kld_top1_against_direct_formula():
     out = kld_top1(p, q)
     lp, lq = p.double().log_softmax(-1), q.double().log_softmax(-1)
     want = torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="none").sum(-1).mean()
-    assert out["tokens"] == 35 and abs(out["kld_mean"] - float(want)) < 1e-12
+    assert out["tokens"] == 35
+    assert abs(out["kld_mean"] - float(want)) < 1e-12
     assert out["top1"] == float((p.argmax(-1) == q.argmax(-1)).double().mean())
     assert kld_top1(p, p) == {"kld_mean": 0.0, "top1": 1.0, "tokens": 35}
 
@@ -267,7 +276,9 @@ def test_calibration_sources(tmp_path, tok):
     (tmp_path / "a.txt").write_text("alpha beta gamma " * 40)
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"row {i} " * 20}) for i in range(5)))
     d = calib.load_calibration(str(tmp_path), tok, num_samples=6, seq_len=32, seed=1)
-    assert d.source.startswith("dir:") and len(d.samples) == 6 and all(len(s) == 32 for s in d.samples)
+    assert d.source.startswith("dir:")
+    assert len(d.samples) == 6
+    assert all(len(s) == 32 for s in d.samples)
     assert [s.tolist() for s in d.samples] == [s.tolist() for s in calib.load_calibration(
         str(tmp_path), tok, 6, 32, seed=1).samples]
     assert [s.tolist() for s in d.samples] != [s.tolist() for s in calib.load_calibration(
@@ -275,9 +286,11 @@ def test_calibration_sources(tmp_path, tok):
     one = calib.load_calibration(str(tmp_path / "a.txt"), tok, 1000, 32, 0)
     assert one.manifest()["samples"] == len(one.samples) == (len("alpha beta gamma " * 40)) // 32
     default = calib.load_calibration(None, tok, 8, 128, 0)
-    assert default.source.startswith("bundled:calib_en.txt+calib_chat.jsonl+stdlib:") and default.tokens == 8 * 128
+    assert default.source.startswith("bundled:calib_en.txt+calib_chat.jsonl+stdlib:")
+    assert default.tokens == 8 * 128
     probe = calib.load_probe_text(tok, 1024)
-    assert probe.tokens == 1024 and "probe_en.txt" in probe.source
+    assert probe.tokens == 1024
+    assert "probe_en.txt" in probe.source
 
 
 @pytest.mark.parametrize("content,match", [("", "empty"), ("   \n\n", "empty"), ('{"txt": "x"}\n', "text")])
@@ -323,16 +336,19 @@ def test_default_calibration_mixes_chat_through_the_template_with_prose_and_code
     assert m["domains"] == {"chat": 8 * 512, "code": 4 * 512, "prose": 4 * 512}   # 2 : 1 : 1
     assert w.domains[:4] == ("chat", "prose", "code", "chat")   # interleaved, so a prefix keeps the mix
     chat = _texts(w, tok, "chat")
-    assert all("<|im_start|>" in t for t in chat) and sum(t.startswith("<|im_start|>") for t in chat) >= 6  # of 8
+    assert all("<|im_start|>" in t for t in chat)
+    assert sum(t.startswith("<|im_start|>") for t in chat) >= 6  # of 8
     assert not any("<|im_start|>" in t for t in _texts(w, tok, "code") + _texts(w, tok, "prose"))
     again = calib.load_calibration(None, tok, 16, 512, 0)
-    assert [s.tolist() for s in again.samples] == [s.tolist() for s in w.samples] and again.manifest() == m
+    assert [s.tolist() for s in again.samples] == [s.tolist() for s in w.samples]
+    assert again.manifest() == m
     assert [s.tolist() for s in calib.load_calibration(None, tok, 16, 512, 1).samples] != [
         s.tolist() for s in w.samples]
     plain = calib.load_calibration(None, tok, 16, 512, 0, chat_template=False)
     assert plain.manifest()["chat"] | {"conversations": 0} == {"conversations": 0, "chat_template": False,
                                                                 "template_sha256": None, "thinking": None}
-    assert plain.sha256 != w.sha256 and not any("<|im_start|>" in t for t in _texts(plain, tok, "chat"))
+    assert plain.sha256 != w.sha256
+    assert not any("<|im_start|>" in t for t in _texts(plain, tok, "chat"))
     assert any("\nassistant: " in t for t in _texts(plain, tok, "chat"))
 
 
@@ -350,10 +366,13 @@ def test_tool_call_conversations_calibrate_where_the_template_renders_tools(tmp_
     tools_tok = byte_tokenizer()
     tools_tok.chat_template = TOOLS_TEMPLATE
     w = calib.load_calibration(None, tools_tok, 20, 512, 0)
-    assert calib.CALIB_TOOLS in w.source and w.manifest()["domains"]["tools"] == 4 * 512  # 2 : 1 : 1 : 1
+    assert calib.CALIB_TOOLS in w.source
+    assert w.manifest()["domains"]["tools"] == 4 * 512  # 2 : 1 : 1 : 1
     texts = _texts(w, tools_tok, "tools")
-    assert texts and all("<tools>" in t or "<tool_call>" in t for t in texts)
-    assert any('<tool_call>\n{"name": "' in t for t in texts) and not any("<tool_call>" in t for t in _texts(
+    assert texts
+    assert all("<tools>" in t or "<tool_call>" in t for t in texts)
+    assert any('<tool_call>\n{"name": "' in t for t in texts)
+    assert not any("<tool_call>" in t for t in _texts(
         w, tools_tok, "chat"))
     assert "tools" not in calib.load_calibration(None, tok, 20, 512, 0).manifest()["domains"]  # CHATML: none
     row = {"tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}],
@@ -369,7 +388,8 @@ def test_tool_call_conversations_calibrate_where_the_template_renders_tools(tmp_
     with pytest.raises(LlmqError, match="renders tools"):
         calib.load_calibration(str(f), tok, 1, 4096, 0)
     probe = calib.load_probe_text(tools_tok, 4096)  # held-out tool conversations lead the probe's text
-    assert probe.source.startswith(f"bundled:{calib.PROBE_TOOLS}+") and "<tool_call>" in tools_tok.decode(
+    assert probe.source.startswith(f"bundled:{calib.PROBE_TOOLS}+")
+    assert "<tool_call>" in tools_tok.decode(
         probe.samples[0])
     assert "probe_tools" not in calib.load_probe_text(tok, 1024).source
     f.write_text(json.dumps({"messages": row["messages"]}) + "\n")  # calls without their tools
@@ -392,7 +412,8 @@ def test_thinking_on_off_auto_for_a_template_with_the_switch():
     assert off.render(t, CONVERSATION) == ("/no_think\n" + on.render(t, CONVERSATION)[0].replace(
         "two and two make four", ""), False)
     auto = calib.ChatFormat.of(t)
-    assert auto.render(t, CONVERSATION)[1] is True and auto.render(t, CONVERSATION[:2])[1] is False
+    assert auto.render(t, CONVERSATION)[1] is True
+    assert auto.render(t, CONVERSATION[:2])[1] is False
     rows = [json.loads(line)["messages"] for line in (calib.DATA / calib.CALIB_CHAT).read_text().splitlines()]
     reasoning = [m["reasoning_content"][:24] for r in rows for m in r if "reasoning_content" in m]
     runs = {k: calib.load_calibration(None, t, 1000, 512, 0, thinking=k) for k in ("auto", "on", "off")}  # all
@@ -404,8 +425,10 @@ def test_thinking_on_off_auto_for_a_template_with_the_switch():
     assert len({r.sha256 for r in runs.values()}) == 3   # the digest is of the rendered text
     texts = {k: "".join(_texts(r, t, "chat")) for k, r in runs.items()}
     found = {k: sum(x in texts[k] for x in reasoning) for k in runs}   # a few straddle two shuffled windows
-    assert found["off"] == 0 and found["on"] == found["auto"] >= len(reasoning) - 3
-    assert "<think></think>" in texts["auto"] and "<think></think>" in texts["off"]
+    assert found["off"] == 0
+    assert found["on"] == found["auto"] >= len(reasoning) - 3
+    assert "<think></think>" in texts["auto"]
+    assert "<think></think>" in texts["off"]
 
 
 def test_thinking_is_refused_where_the_template_has_no_switch(tok):
@@ -427,9 +450,11 @@ def test_jsonl_conversations_are_rendered_through_the_template(tmp_path, tok):
     f.write_text("\n".join(json.dumps(r) for r in rows + [{"text": "plain row " * 30}]))
     w = calib.load_calibration(str(f), tok, 100, 48, 0)
     m = w.manifest()
-    assert set(m["domains"]) == {"chat", "text"} and m["chat"]["conversations"] == 6
+    assert set(m["domains"]) == {"chat", "text"}
+    assert m["chat"]["conversations"] == 6
     chat = "".join(_texts(w, tok, "chat"))
-    assert "<|im_start|>user\nquestion 0 " in chat and "<|im_start|>assistant\nanswer" in chat
+    assert "<|im_start|>user\nquestion 0 " in chat
+    assert "<|im_start|>assistant\nanswer" in chat
     assert all("<|im_start|>" not in x for x in _texts(w, tok, "text"))
     f.write_text(json.dumps({"messages": [{"role": "user"}]}))
     with pytest.raises(LlmqError, match="chat.jsonl:1: .*\"messages\""):
@@ -465,7 +490,9 @@ def test_hostile_chat_templates_fail_calibration_in_one_line(monkeypatch, templa
     t0 = time.monotonic()
     with pytest.raises(LlmqError, match="cannot render a calibration conversation") as e:
         calib.ChatFormat.of(t).render(t, CONVERSATION)
-    assert message in str(e.value) and "\n" not in str(e.value) and e.value.exit_code == 2
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+    assert e.value.exit_code == 2
     assert time.monotonic() - t0 < 5
 
 
@@ -501,7 +528,8 @@ def test_bad_options_are_refused_before_any_work(store, tiny_source, opts, match
         match = "bits|not available"
     with pytest.raises(LlmqError, match=match):
         quantize(tiny_source, QuantizeOptions(**opts), store, progress=False)
-    assert _quantized(store) == [] and not list(store.root.glob("*/.staging-*"))
+    assert _quantized(store) == []
+    assert not list(store.root.glob("*/.staging-*"))
 
 
 def test_empty_calibration_and_already_quantized_sources_are_refused(store, tiny_source, tmp_path):
@@ -519,9 +547,12 @@ def test_empty_calibration_and_already_quantized_sources_are_refused(store, tiny
         quantize(art, QuantizeOptions(bits=4), store, progress=False)
     assert len(_quantized(store)) == 1
     res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", art.ref, "--bits", "4"])
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and "already quantized" in res.output
+    assert res.exit_code == 2
+    assert res.output.count("\n") == 1
+    assert "already quantized" in res.output
     res = CliRunner().invoke(cli, ["--store", str(store.root), "quantize", str(tiny_source.path), "--bits", "3"])
-    assert res.exit_code == 2 and res.output.startswith("error: --bits must be 4, 5 or 8")
+    assert res.exit_code == 2
+    assert res.output.startswith("error: --bits must be 4, 5 or 8")
 
 
 def test_the_manifest_records_how_calibration_chats_were_rendered(store, tiny_model_dir):
@@ -531,9 +562,12 @@ def test_the_manifest_records_how_calibration_chats_were_rendered(store, tiny_mo
 
     cli_args = ["--store", str(store.root), "quantize", str(tiny_model_dir), "--bits", "4", "--method", "gptq"]
     res = CliRunner().invoke(cli, cli_args + ["--thinking", "on"])   # the tiny model's ChatML has no switch
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and "no thinking switch" in res.output
+    assert res.exit_code == 2
+    assert res.output.count("\n") == 1
+    assert "no thinking switch" in res.output
     res = CliRunner().invoke(cli, cli_args[:-1] + ["rtn", "--thinking", "off"])
-    assert res.exit_code == 2 and "uses no calibration data; drop --thinking" in res.output
+    assert res.exit_code == 2
+    assert "uses no calibration data; drop --thinking" in res.output
     assert _quantized(store) == []
     tok = _thinking_tok()
     tok.save_pretrained(tiny_model_dir)
@@ -542,7 +576,8 @@ def test_the_manifest_records_how_calibration_chats_were_rendered(store, tiny_mo
     m, n = art.config["calibration"], len((calib.DATA / calib.CALIB_CHAT).read_text().splitlines())
     assert m["chat"] == {"conversations": n, "chat_template": True, "thinking": "off", "thinking_on": 0,
                          "thinking_off": n, "template_sha256": hashlib.sha256(THINKING_TEMPLATE.encode()).hexdigest()}
-    assert m["domains"] == {"chat": 128, "code": 64, "prose": 64} and art.config["options"]["thinking"] == "off"
+    assert m["domains"] == {"chat": 128, "code": 64, "prose": 64}
+    assert art.config["options"]["thinking"] == "off"
     assert hashlib.sha256(CHATML.encode()).hexdigest() != m["chat"]["template_sha256"]
 
 
@@ -550,11 +585,13 @@ def test_same_inputs_give_the_same_content_id(store, tiny_source):
     opts = QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True, **FAST)
     a = quantize(tiny_source, opts, store, progress=False)
     b = quantize(tiny_source, opts, store, progress=False)
-    assert (a.version, b.version) == (1, 2) and a.id == b.id
+    assert (a.version, b.version) == (1, 2)
+    assert a.id == b.id
     c = quantize(tiny_source, QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True, seed=1,
                                               **{k: v for k, v in FAST.items()}), store, progress=False)
     assert c.id != a.id  # other calibration windows, other weights
-    assert a.parents == [tiny_source.id] and a.kind == "quantized"
+    assert a.parents == [tiny_source.id]
+    assert a.kind == "quantized"
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
@@ -563,15 +600,19 @@ def test_checkpoint_reads_back_through_qformat_without_transformers(store, tiny_
                    progress=False)
     cfg = read_config(art.path)
     qc = qformat.parse_quantization_config(cfg)
-    assert qc.format == "pack-quantized" and qc.weights.num_bits == 4 and qc.weights.group_size == 64
-    assert qc.ignore == ("lm_head",) and not qc.weights.symmetric
+    assert qc.format == "pack-quantized"
+    assert qc.weights.num_bits == 4
+    assert qc.weights.group_size == 64
+    assert qc.ignore == ("lm_head",)
+    assert not qc.weights.symmetric
     tensors = load_state_dict(art.path)
     src = load_state_dict(tiny_source.path)
     linears = [k.removesuffix(".weight") for k in src if k.startswith("model.layers.") and k.endswith("_proj.weight")]
     assert len(linears) == 14
     for name in linears:
         qw = qformat.read_linear(tensors, name, qc)
-        assert qw is not None and qw.scale.dtype == src[name + ".weight"].dtype
+        assert qw is not None
+        assert qw.scale.dtype == src[name + ".weight"].dtype
         rel = (qw.dequantize() - src[name + ".weight"]).norm() / src[name + ".weight"].norm()
         assert 0 < rel < 0.2 or method == "awq"  # AWQ stores W diag(s), its 1/s folded into the producer
     norm = "model.layers.0.input_layernorm.weight"
@@ -581,8 +622,11 @@ def test_checkpoint_reads_back_through_qformat_without_transformers(store, tiny_
     assert qformat.read_linear(tensors, "lm_head", qc) is None
     assert art.config["calibration" if method != "rtn" else "method"]
     m = art.metrics
-    assert m["probe"]["tokens"] == 256 and 0 < m["probe"]["kld_mean"] and 0 < m["probe"]["top1"] <= 1
-    assert m["peak_rss_bytes"] > 0 and m["size_bytes"] < m["source_bytes"]
+    assert m["probe"]["tokens"] == 256
+    assert 0 < m["probe"]["kld_mean"]
+    assert 0 < m["probe"]["top1"] <= 1
+    assert m["peak_rss_bytes"] > 0
+    assert m["size_bytes"] < m["source_bytes"]
 
 
 @pytest.mark.parametrize("bits,symmetric,group", [(8, True, 0), (8, False, 32), (4, False, 16)])
@@ -636,6 +680,8 @@ def test_default_model_int8_top1_and_int4_gptq_beats_rtn(default_runs):
 @pytest.mark.integration
 def test_default_model_checkpoint_sizes(default_runs):
     w8, w4 = default_runs["w8"].metrics, default_runs["w4-rtn"].metrics
-    assert 1.8 < w8["linear_ratio_vs_bf16"] <= 2.0 and 3.4 < w4["linear_ratio_vs_bf16"] < 4.0
+    assert 1.8 < w8["linear_ratio_vs_bf16"] <= 2.0
+    assert 3.4 < w4["linear_ratio_vs_bf16"] < 4.0
     # the tied 49152 x 576 bf16 embedding stays dense: whole files shrink less
-    assert 1.4 < w8["ratio_vs_bf16"] < 2.0 and 2.0 < w4["ratio_vs_bf16"] < w4["linear_ratio_vs_bf16"]
+    assert 1.4 < w8["ratio_vs_bf16"] < 2.0
+    assert 2.0 < w4["ratio_vs_bf16"] < w4["linear_ratio_vs_bf16"]

@@ -58,8 +58,11 @@ def _reference_amax(src, opts):
 def test_int8_per_tensor_scales_match_reference_and_load_in_runtime(tiny, int8_art):
     store, src = tiny
     ckpt = CheckpointReader(int8_art.path)
-    assert int8_art.kind == "quantized" and int8_art.parents == [src.id]
-    assert ckpt.qconfig.format == "dense" and ckpt.qconfig.weights is None and ckpt.kv_cache_dtype() == "int8"
+    assert int8_art.kind == "quantized"
+    assert int8_art.parents == [src.id]
+    assert ckpt.qconfig.format == "dense"
+    assert ckpt.qconfig.weights is None
+    assert ckpt.kv_cache_dtype() == "int8"
     ref = _reference_amax(src, KVOptions(kv="int8", **SMALL))
     for i in range(ckpt.spec.num_layers):
         k, v = ckpt.kv_scales(i)
@@ -75,12 +78,17 @@ def test_int8_per_tensor_scales_match_reference_and_load_in_runtime(tiny, int8_a
     assert index["model.embed_tokens.weight"] == "model-00001-of-00002.safetensors"
     assert not (int8_art.path / "model.safetensors").exists()  # else transformers would read it and skip the index
     m, c = int8_art.metrics, int8_art.config
-    assert set(m["kv_error"]) == {"tensor", "head"} and m["granularity"] == c["granularity"] == "tensor"
+    assert set(m["kv_error"]) == {"tensor", "head"}
+    assert m["granularity"] == c["granularity"] == "tensor"
     assert 0 < m["kv_error"]["tensor"]["kv"] < 1e-3
-    assert m["probe"]["tokens"] > 300 and m["probe"]["kld_mean"] < 1e-3 and m["probe"]["top1"] > 0.95
-    assert c["calibration"]["samples"] == SMALL["num_samples"] and c["calibration"]["source"].startswith("bundled:")
+    assert m["probe"]["tokens"] > 300
+    assert m["probe"]["kld_mean"] < 1e-3
+    assert m["probe"]["top1"] > 0.95
+    assert c["calibration"]["samples"] == SMALL["num_samples"]
+    assert c["calibration"]["source"].startswith("bundled:")
     eng = LLMEngine(int8_art.path, EngineConfig(kv_cache_memory=8 << 20))
-    assert eng.kv_cache_dtype == "int8" and eng.runner.caches[0].k.dtype == torch.int8
+    assert eng.kv_cache_dtype == "int8"
+    assert eng.runner.caches[0].k.dtype == torch.int8
     eng.shutdown()
     # transformers (through compressed-tensors) finds the scales too
     from llmq.models.load import load_hf_model
@@ -118,14 +126,19 @@ def test_fp8_per_head_on_a_weight_quantized_artifact(tiny):
     w8 = quantize(src, QuantizeOptions(bits=8, method="rtn", probe_tokens=0), store, progress=False)
     art = quantize_kv(w8, store, KVOptions(kv="fp8", granularity="head", **SMALL), show_progress=False)
     ckpt = CheckpointReader(art.path)
-    assert ckpt.qconfig.format == "pack-quantized" and ckpt.qconfig.weights.num_bits == 8
-    assert ckpt.qconfig.kv.type == "float" and ckpt.qconfig.kv.strategy == "attn_head"
+    assert ckpt.qconfig.format == "pack-quantized"
+    assert ckpt.qconfig.weights.num_bits == 8
+    assert ckpt.qconfig.kv.type == "float"
+    assert ckpt.qconfig.kv.strategy == "attn_head"
     assert ckpt.linear_tensors("model.layers.0.mlp.down_proj")[1] is not None  # weights still quantized
     k, v = ckpt.kv_scales(0)
-    assert k.shape == v.shape == (ckpt.spec.num_kv_heads,) and not torch.equal(k, k.max().expand_as(k))
-    assert art.config["source_weights"] == "pack-quantized" and art.parents == [w8.id]
+    assert k.shape == v.shape == (ckpt.spec.num_kv_heads,)
+    assert not torch.equal(k, k.max().expand_as(k))
+    assert art.config["source_weights"] == "pack-quantized"
+    assert art.parents == [w8.id]
     eng = LLMEngine(art.path, EngineConfig(kv_cache_memory=8 << 20))
-    assert eng.kv_cache_dtype == "fp8" and eng.runner.caches[0].k_scale.shape == (ckpt.spec.num_kv_heads, 1)
+    assert eng.kv_cache_dtype == "fp8"
+    assert eng.runner.caches[0].k_scale.shape == (ckpt.spec.num_kv_heads, 1)
     eng.shutdown()
     assert art.metrics["probe"]["kld_mean"] < 1e-2
     # an input that already has KV scales is refused, nothing written
@@ -149,9 +162,11 @@ def test_fake_quantize_matches_a_float64_reference():
 
 def test_kv_only_quantization_config_round_trips():
     cfg = {"quantization_config": qf.quantization_config(None, kv=qf.QuantArgs(8, strategy="tensor"))}
-    assert cfg["quantization_config"]["format"] == "dense" and cfg["quantization_config"]["config_groups"] == {}
+    assert cfg["quantization_config"]["format"] == "dense"
+    assert cfg["quantization_config"]["config_groups"] == {}
     qc = qf.parse_quantization_config(cfg)
-    assert qc.weights is None and qf.kv_cache_dtype(qc) == "int8"
+    assert qc.weights is None
+    assert qf.kv_cache_dtype(qc) == "int8"
     assert qf.read_linear({"x.weight": torch.zeros(2, 2)}, "x", qc) is None
     with pytest.raises(LlmqError, match="KV-cache scheme and nothing else"):
         qf.quantization_config(None)
@@ -177,9 +192,12 @@ def test_bad_inputs_are_refused_with_nothing_written(tiny, tmp_path):
         return CliRunner().invoke(cli, ["--store", str(store.root), "quantize-kv", *args])
 
     r = run(src.ref, "--kv", "int4")
-    assert r.exit_code == 2 and "int4" in r.output
+    assert r.exit_code == 2
+    assert "int4" in r.output
     r = run(str(tmp_path / "missing-dir"), "--kv", "int8")
-    assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1, r.output
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: "), r.output
+    assert r.output.count("\n") == 1, r.output
     assert len(store.list()) == before
 
 
@@ -190,9 +208,14 @@ def test_default_model_int8_kv_cli(default_model, tmp_path):
     assert r.exit_code == 0, r.output
     man = json.loads(r.output)
     ckpt = CheckpointReader(tmp_path / "store" / man["name"] / f"v{man['version']}")
-    assert ckpt.spec.num_layers == 30 and ckpt.kv_cache_dtype() == "int8"
+    assert ckpt.spec.num_layers == 30
+    assert ckpt.kv_cache_dtype() == "int8"
     shapes = {tuple(s.shape) for i in range(30) for s in ckpt.kv_scales(i)}
-    assert shapes <= {(1,), (ckpt.spec.num_kv_heads,)} and len(shapes) == 1
+    assert shapes <= {(1,), (ckpt.spec.num_kv_heads,)}
+    assert len(shapes) == 1
     m = man["metrics"]
-    assert m["probe"]["tokens"] >= 500 and m["probe"]["kld_mean"] < 0.05 and m["probe"]["top1"] > 0.9
-    assert m["kv_error"]["tensor"]["kv"] > 0 and m["kv_error"]["head"]["kv"] > 0
+    assert m["probe"]["tokens"] >= 500
+    assert m["probe"]["kld_mean"] < 0.05
+    assert m["probe"]["top1"] > 0.9
+    assert m["kv_error"]["tensor"]["kv"] > 0
+    assert m["kv_error"]["head"]["kv"] > 0

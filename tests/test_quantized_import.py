@@ -90,7 +90,8 @@ def _import(store, d):
     before = sorted(p.name for p in store.root.iterdir())
     run = CliRunner().invoke(cli, ["--store", str(store.root), "import", str(d)])
     if run.exit_code:
-        assert sorted(p.name for p in store.root.iterdir()) == before and store.versions(d.name) == []
+        assert sorted(p.name for p in store.root.iterdir()) == before
+        assert store.versions(d.name) == []
     return run.exit_code, run.output
 
 
@@ -105,7 +106,9 @@ def test_a_hostile_compressed_tensors_checkpoint_is_one_line_and_not_stored(made
     d = _copy(int4, tmp_path / "hostile")
     corrupt(d)
     code, out = _import(store, d)
-    assert code == 2 and out.count("\n") == 1 and out.startswith("error: "), out
+    assert code == 2, out
+    assert out.count("\n") == 1, out
+    assert out.startswith("error: "), out
     assert re.search(match, out), out
 
 
@@ -133,11 +136,14 @@ def test_a_hostile_hugging_face_block_fp8_checkpoint_is_one_line_and_not_stored(
     d = _hf_fp8(fp8, tmp_path / "hostile-fp8")
     corrupt(d)
     code, out = _import(store, d)
-    assert code == 2 and out.count("\n") == 1 and re.search(match, out), out
+    assert code == 2, out
+    assert out.count("\n") == 1, out
+    assert re.search(match, out), out
 
 
 def test_llmqs_own_exports_import_as_they_are(made, tmp_path):
     store, int4, fp8 = made
     for d in (_copy(int4, tmp_path / "int4"), _copy(fp8, tmp_path / "fp8"), _hf_fp8(fp8, tmp_path / "hf-fp8")):
         code, out = _import(store, d)
-        assert code == 0 and store.versions(d.name) == [1], out
+        assert code == 0, out
+        assert store.versions(d.name) == [1], out

@@ -346,14 +346,18 @@ def _yaml_blocks():
                 yield f"{page.relative_to(ROOT)}:{start}", "\n".join(body)
 
 
-@pytest.mark.parametrize("where,text", list(_yaml_blocks()), ids=[w for w, _ in _yaml_blocks()])
+def _recipe_blocks():
+    return [(where, text) for where, text in _yaml_blocks()
+            if isinstance(data := yaml.safe_load(text), dict) and "stages" in data]
+
+
+@pytest.mark.parametrize("where,text", _recipe_blocks(), ids=[w for w, _ in _recipe_blocks()])
 def test_recipe_blocks_are_valid_recipes(where, text, tmp_path):
     from llmq.pipeline.recipe import load_recipe
 
-    data = yaml.safe_load(text)
-    if isinstance(data, dict) and "stages" in data:
-        (tmp_path / "r.yaml").write_text(text)
-        load_recipe(tmp_path / "r.yaml")
+    (tmp_path / "r.yaml").write_text(text)
+    recipe = load_recipe(tmp_path / "r.yaml")
+    assert recipe.name == yaml.safe_load(text)["name"], where
 
 
 def _slug(heading: str) -> str:

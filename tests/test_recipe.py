@@ -23,7 +23,9 @@ def _write(tmp_path: Path, data: dict, name: str = "r.yaml") -> Path:
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_validate(recipe):
     r = load_recipe(recipe)
-    assert r.name == recipe.stem and r.stages.quantize is not None and r.stages.eval is not None
+    assert r.name == recipe.stem
+    assert r.stages.quantize is not None
+    assert r.stages.eval is not None
 
 
 @pytest.mark.parametrize("stages,message", [
@@ -61,7 +63,8 @@ def test_gates_on_scores_the_tasks_produce_are_accepted(tmp_path, eval_stage):
 
 def test_switches_still_take_yes_no(tmp_path):
     r = load_recipe(_write(tmp_path, {"name": "x", "stages": {"build": {"tp": 2, "pad_heads": False}}}))
-    assert r.stages.build.pad_heads is False and r.stages.build.tp == 2
+    assert r.stages.build.pad_heads is False
+    assert r.stages.build.tp == 2
 
 
 def test_on_off_options_take_yaml_s_bare_on_and_off(tmp_path):
@@ -85,14 +88,15 @@ def test_build_stages_are_reused_and_rerun_exactly_when_their_inputs_change(tmp_
     first = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
     assert [r.status for r in first.stages] == ["ran"]
     again = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
-    assert [r.status for r in again.stages] == ["reused"] and again.stages[0].artifact.id == first.stages[0].artifact.id
+    assert [r.status for r in again.stages] == ["reused"]
+    assert again.stages[0].artifact.id == first.stages[0].artifact.id
     planned = run_recipe(load_recipe(_write(tmp_path, recipe)), store, dry_run=True)
     assert [r.status for r in planned.stages] == ["would reuse"]
 
     recipe["stages"]["build"]["tp"] = 4
     changed = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
-    assert ([r.status for r in changed.stages] == ["ran"]
-            and changed.stages[0].artifact.id != first.stages[0].artifact.id)
+    assert ([r.status for r in changed.stages] == ["ran"])
+    assert (changed.stages[0].artifact.id != first.stages[0].artifact.id)
     forced = run_recipe(load_recipe(_write(tmp_path, recipe)), store, from_stage="build")
     assert [r.status for r in forced.stages] == ["ran"]
     # deterministic: the forced re-run wrote identical bytes, so the same content id
@@ -105,11 +109,15 @@ def test_cli_run_prints_the_table_and_refuses_unknown_from(tmp_path, make_tiny_m
     store = ["--store", str(tmp_path / "store")]
     r = CliRunner().invoke(cli, [*store, "run", str(p)])
     assert r.exit_code == 0, r.output
-    assert "recipe t" in r.output and "t-tp1" in r.output and "ran" in r.output
+    assert "recipe t" in r.output
+    assert "t-tp1" in r.output
+    assert "ran" in r.output
     r = CliRunner().invoke(cli, [*store, "run", str(p), "--from", "quantize"])
-    assert r.exit_code == 2 and "--from quantize: this recipe's stages are build" in r.output
+    assert r.exit_code == 2
+    assert "--from quantize: this recipe's stages are build" in r.output
     r = CliRunner().invoke(cli, [*store, "run", str(tmp_path / "nope.yaml")])
-    assert r.exit_code == 2 and "recipe not found" in r.output
+    assert r.exit_code == 2
+    assert "recipe not found" in r.output
 
 
 def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(tmp_path, store, make_tiny_model,
@@ -124,12 +132,16 @@ def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(
         "eval": {"tasks": ["math", "kld"], "limit": 3, "gate": "math>=-1000,kld<=1000"}}}
     order = ["quantize", "quantize_kv", "build", "eval"]
     first = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
-    assert [r.stage for r in first.stages] == order and {r.status for r in first.stages} == {"ran"}
+    assert [r.stage for r in first.stages] == order
+    assert {r.status for r in first.stages} == {"ran"}
     assert not first.failed_gates
     q, kv, engine, report = (r.artifact for r in first.stages)
-    assert q.parents == [first.model.id] and kv.parents == [q.id] and engine.parents == [kv.id]
+    assert q.parents == [first.model.id]
+    assert kv.parents == [q.id]
+    assert engine.parents == [kv.id]
     assert report.parents == [engine.id, first.model.id]  # evaluated against the root model
-    assert q.config["group_size"] == 32 and engine.metrics["verify"]["passed"]
+    assert q.config["group_size"] == 32
+    assert engine.metrics["verify"]["passed"]
 
     again = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
     assert [r.status for r in again.stages] == ["reused"] * 4
@@ -142,22 +154,27 @@ def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(
     recipe["stages"]["build"]["kv"] = "fp8"
     changed = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
     assert [r.status for r in changed.stages] == ["reused", "ran", "ran", "ran"]
-    assert changed.stages[0].artifact.id == q.id and changed.stages[1].artifact.id != kv.id
+    assert changed.stages[0].artifact.id == q.id
+    assert changed.stages[1].artifact.id != kv.id
 
     recipe["stages"]["quantize"]["group_size"] = 64
     requant = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
-    assert [r.status for r in requant.stages] == ["ran"] * 4 and requant.stages[0].artifact.id != q.id
+    assert [r.status for r in requant.stages] == ["ran"] * 4
+    assert requant.stages[0].artifact.id != q.id
 
     recipe["stages"]["eval"]["gate"] = "kld<=0"  # a gate only re-judges the cached report
     gated = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
     assert [r.status for r in gated.stages] == ["reused"] * 4
-    assert len(gated.failed_gates) == 1 and gated.failed_gates[0].startswith("kld<=0 (kld = ")
+    assert len(gated.failed_gates) == 1
+    assert gated.failed_gates[0].startswith("kld<=0 (kld = ")
     monkeypatch.setattr("llmq.evals.tasks.TASKS_VERSION", 99)  # new task data: eval re-runs, nothing else
     redone = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
     assert [r.status for r in redone.stages] == ["reused"] * 3 + ["ran"]
     r = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(_write(tmp_path, recipe))])
-    assert r.exit_code == 1 and "quality gate failed: kld<=0" in r.output
-    assert "math" in r.output and "KLD" in r.output  # the final table shows the eval's numbers
+    assert r.exit_code == 1
+    assert "quality gate failed: kld<=0" in r.output
+    assert "math" in r.output
+    assert "KLD" in r.output  # the final table shows the eval's numbers
 
 
 @pytest.mark.integration
@@ -172,12 +189,15 @@ def test_quickstart_runs_end_to_end_on_the_default_model(default_store, tmp_path
     first = CliRunner().invoke(cli, [*store, "run", str(recipe), "--json"])
     assert first.exit_code == 0, first.output
     out = yaml.safe_load(first.output[first.output.index("{"):])
-    assert [s["status"] for s in out["stages"]] == ["ran"] * 4 and not out["failed_gates"]
+    assert [s["status"] for s in out["stages"]] == ["ran"] * 4
+    assert not out["failed_gates"]
     assert {g["gate"].split(" ")[0] for g in out["gates"]} == {"math>=-20", "code>=-10", "kld<=0.5"}
     engine = default_store.resolve(out["stages"][2]["id"])
-    assert engine.metrics["verify"]["passed"] and engine.config["options"]["tp"] == 2
+    assert engine.metrics["verify"]["passed"]
+    assert engine.config["options"]["tp"] == 2
     again = CliRunner().invoke(cli, [*store, "run", str(recipe)])
-    assert again.exit_code == 0 and again.output.count("reused") == 4, again.output
+    assert again.exit_code == 0, again.output
+    assert again.output.count("reused") == 4, again.output
 
 
 def test_duplicate_keys_and_deep_nesting_are_one_line_errors(tmp_path):

@@ -42,21 +42,27 @@ def test_family_and_card_gather_the_lineage_and_its_reports(recorded):
     store, (model, mixed, _, gptq, ev, offline, online) = recorded
     fam = Family.of(store, mixed)
     assert [a.id for a in fam.chain] == [mixed.id, model.id]
-    assert [a.id for a in fam.evals] == [ev.id] and [a.id for a in fam.benches] == [online.id]
+    assert [a.id for a in fam.evals] == [ev.id]
+    assert [a.id for a in fam.benches] == [online.id]
     c = card(store, mixed)
-    assert c["quantization"]["method"] == "rtn" and c["quantization"]["bpw"] == mixed.config["mixed_precision"]["bpw"]
-    assert c["kld"]["mean"] == ev.metrics["kld"] and c["kld"]["from"] == f"eval {ev.ref}"
+    assert c["quantization"]["method"] == "rtn"
+    assert c["quantization"]["bpw"] == mixed.config["mixed_precision"]["bpw"]
+    assert c["kld"]["mean"] == ev.metrics["kld"]
+    assert c["kld"]["from"] == f"eval {ev.ref}"
     assert [g["gate"] for g in c["gates"]["gates"]] == ["math>=-20", "code>=-10", "kld<=0.5"]
     # the MoE's card: no eval, so its KLD is its probe's; its bench report is found through the gptq artifact
     g = card(store, gptq)
-    assert g["kld"]["mean"] == gptq.metrics["probe"]["kld_mean"] and g["gates"] is None
+    assert g["kld"]["mean"] == gptq.metrics["probe"]["kld_mean"]
+    assert g["gates"] is None
     assert [a.id for a in Family.of(store, offline).benches] == [offline.id]
 
 
 def test_every_section_is_drawn_from_the_artifacts(recorded, tmp_path):
     store, (model, mixed, _, gptq, ev, offline, online) = recorded
     page = _page(store, [mixed, gptq], tmp_path)
-    assert "<script" not in page and "http://" not in page and "https://" not in page   # nothing to fetch or run
+    assert "<script" not in page
+    assert "http://" not in page
+    assert "https://" not in page   # nothing to fetch or run
     for sid in SECTIONS:
         assert f'<section id="{sid}">' in page
     assert "different models" in page   # a Llama and a Qwen3-MoE
@@ -66,22 +72,29 @@ def test_every_section_is_drawn_from_the_artifacts(recorded, tmp_path):
     size = _section(page, "size")
     (heat,) = _svgs(size)[1:]   # after the size bars
     units = mixed.config["mixed_precision"]["units"]
-    assert {u["scheme"] for u in units} <= {"int4", "int8", "16bit"} and all(f"<!-- {u['scheme']} -->" in heat
+    assert {u["scheme"] for u in units} <= {"int4", "int8", "16bit"}
+    assert all(f"<!-- {u['scheme']} -->" in heat
                                                                            for u in units)
     assert f"{mixed.config['mixed_precision']['bpw']:.3f}" in size
     assert "one scheme for every unit: W4A16-group32-sym" in size   # the GPTQ artifact
     kld = _section(page, "kld")
-    assert f"{ev.metrics['kld']:.4g}" in kld and f"{gptq.metrics['probe']['kld_mean']:.4g}" in kld
+    assert f"{ev.metrics['kld']:.4g}" in kld
+    assert f"{gptq.metrics['probe']['kld_mean']:.4g}" in kld
     assert len(_svgs(kld)) == 2   # per layer (mixed precision's sensitivities) and the per-position histograms
     assert "B</span>not measured: measured only by mixed precision" in kld
     experts = _section(page, "experts")
     never = gptq.config["expert_coverage"]["never_routed"]
-    assert f"{len(never)} (layer, expert) pairs never routed" in experts and "not a mixture-of-experts model" in experts
+    assert f"{len(never)} (layer, expert) pairs never routed" in experts
+    assert "not a mixture-of-experts model" in experts
     evaluation = _section(page, "eval")
-    assert evaluation.count('class="pass"') == 3 and "math&gt;=-20" in evaluation
-    assert len(_svgs(evaluation)) == 1 and "no eval-report" in evaluation   # the forest plot; none for the MoE
+    assert evaluation.count('class="pass"') == 3
+    assert "math&gt;=-20" in evaluation
+    assert len(_svgs(evaluation)) == 1
+    assert "no eval-report" in evaluation   # the forest plot; none for the MoE
     bench = _section(page, "bench")
-    assert online.ref in bench and offline.ref in bench and len(_svgs(bench)) == 2   # online curves, offline sweep
+    assert online.ref in bench
+    assert offline.ref in bench
+    assert len(_svgs(bench)) == 2   # online curves, offline sweep
 
 
 def test_the_forest_plot_draws_every_delta_and_gate(recorded, tmp_path):
@@ -92,9 +105,12 @@ def test_the_forest_plot_draws_every_delta_and_gate(recorded, tmp_path):
     (svg,) = _svgs(_section(_page(store, [mixed], tmp_path), "eval"))
     for name in rep["deltas"]:
         assert f"<!-- {name} (A) -->" in svg
-    assert "<!-- ✓ &gt;=-20 -->" in svg and "<!-- ✓ &gt;=-10 -->" in svg
+    assert "<!-- ✓ &gt;=-20 -->" in svg
+    assert "<!-- ✓ &gt;=-10 -->" in svg
     judged = _section(_page(store, [mixed], tmp_path, gate="math>=50"), "eval")
-    assert 'class="fail">FAIL' in judged and "math&gt;=50" in judged and "code&gt;=-10" not in judged
+    assert 'class="fail">FAIL' in judged
+    assert "math&gt;=50" in judged
+    assert "code&gt;=-10" not in judged
 
 
 def test_missing_data_is_not_measured(recorded, tmp_path):
@@ -115,10 +131,13 @@ def test_every_artifact_string_is_escaped(tmp_path):
     store = Store(tmp_path / "store")
     arts = replay(store, hostile())
     page = _page(store, [arts[1], arts[3]], tmp_path)
-    assert "<script" not in page and "<img src=x" not in page and "onerror=\"" not in page
+    assert "<script" not in page
+    assert "<img src=x" not in page
+    assert "onerror=\"" not in page
     assert page.count(html.escape(HOSTILE)) >= 6   # commands, scheme, gates, eval names, coverage scheme
     for svg in _svgs(page):
-        assert "<script" not in svg and "<img" not in svg
+        assert "<script" not in svg
+        assert "<img" not in svg
 
 
 def test_the_cli_writes_the_page_and_refuses_bad_input(recorded, tmp_path):
@@ -126,13 +145,16 @@ def test_the_cli_writes_the_page_and_refuses_bad_input(recorded, tmp_path):
     run = CliRunner().invoke
     out = tmp_path / "x.html"
     ok = run(cli, ["--store", str(store.root), "report", mixed.ref, "--output", str(out)])
-    assert ok.exit_code == 0 and out.read_text().startswith("<!DOCTYPE html>"), ok.output
+    assert ok.exit_code == 0, ok.output
+    assert out.read_text().startswith("<!DOCTYPE html>"), ok.output
     for argv, message in ((["report", "no-such-artifact"], "no artifact 'no-such-artifact'"),
                           (["report", mixed.ref, "--output", str(tmp_path / "missing" / "r.html")],
                            "cannot write the report to"),
                           (["report", mixed.ref, "--output", " "], "--output is empty")):
         bad = run(cli, ["--store", str(store.root), *argv])
-        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, bad.output
+        assert bad.exit_code == 2, bad.output
+        assert message in bad.output, bad.output
+        assert "Traceback" not in bad.output, bad.output
     assert not list((tmp_path).glob(".*.tmp"))
 
 
@@ -153,7 +175,8 @@ def test_a_recipe_writes_the_report_as_its_last_stage(tmp_path, monkeypatch, tin
     res = run_recipe(load_recipe(recipe), store)
     assert res.stages[-1].summary["path"] == "tiny-report.html"
     page = (tmp_path / "tiny-report.html").read_text()
-    assert res.model.ref in page and "not measured: no quantized artifact in the lineage" in page
+    assert res.model.ref in page
+    assert "not measured: no quantized artifact in the lineage" in page
     recipe.write_text(f"name: tiny\nmodel: {tiny_model_dir}\nstages:\n  report: {{outptu: x.html}}\n")
     with pytest.raises(LlmqError, match="stages.report.outptu"):
         load_recipe(recipe)

@@ -74,7 +74,8 @@ def test_prefix_cache_hits_and_same_output(tiny):
     assert [first.output_token_ids] + [o.output_token_ids for o in rest] == ref
     assert all(o.num_cached_tokens == 40 for o in rest)  # 5 full blocks of the shared prefix
     st = eng.stats()
-    assert st.prefix_cache_hits == 80 and st.prefix_cache_queries == sum(map(len, prompts))
+    assert st.prefix_cache_hits == 80
+    assert st.prefix_cache_queries == sum(map(len, prompts))
     assert st.kv_blocks_used == 0
 
 
@@ -87,7 +88,8 @@ def test_preemption_under_tiny_kv_budget(tiny, reference):
     got = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
     assert got == ref
     st = eng.stats()
-    assert st.num_preemptions > 0 and st.kv_blocks_used == 0
+    assert st.num_preemptions > 0
+    assert st.kv_blocks_used == 0
     # prompt log-probabilities collected across chunks and preemptions, the first prompt's blocks in the prefix cache
     # (they must be computed again, for their logits), are the scorer's; the outputs are unchanged
     eng.generate([prompts[6]], GREEDY)
@@ -97,7 +99,8 @@ def test_preemption_under_tiny_kv_budget(tiny, reference):
     assert eng.stats().num_preemptions > st.num_preemptions
     for p, o in zip([prompts[i] for i in order], outs):
         entries = o.prompt_logprobs.entries
-        assert len(entries) == len(p) - 1 and all(len(e) in (2, 3) for e in entries)
+        assert len(entries) == len(p) - 1
+        assert all(len(e) in (2, 3) for e in entries)
         want = eng.prompt_logprobs(p)[:-1].gather(1, torch.tensor(p[1:], dtype=torch.long)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor([e[t] for e, t in zip(entries, p[1:])]), want, atol=1e-5, rtol=0)
 
@@ -122,7 +125,9 @@ def test_blocks_return_to_zero_after_soak_with_aborts(tiny):
     while eng.has_unfinished():
         eng.step()
     st = eng.stats()
-    assert st.kv_blocks_used == 0 and st.num_running == 0 and st.num_waiting == 0
+    assert st.kv_blocks_used == 0
+    assert st.num_running == 0
+    assert st.num_waiting == 0
     assert eng.block_manager.num_free_blocks == eng.num_blocks
     assert st.num_preemptions > 0  # the budget was tight enough to exercise recompute too
 
@@ -144,21 +149,25 @@ def test_sampling_controls(tiny):
     stop_tok = greedy[3]
     out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok],
                                                 ignore_eos=True))[0]
-    assert out.output_token_ids == greedy[:greedy.index(stop_tok) + 1] and out.finish_reason == "stop"
+    assert out.output_token_ids == greedy[:greedy.index(stop_tok) + 1]
+    assert out.finish_reason == "stop"
     # stop strings cut the text
     full = eng.generate([prompt], GREEDY)[0].text
     if len(full) > 4:
         cut = full[2:4]
         out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop=[cut], ignore_eos=True))[0]
-        assert out.finish_reason == "stop" and out.text == full[:full.find(cut)]
+        assert out.finish_reason == "stop"
+        assert out.text == full[:full.find(cut)]
     # logprobs: the sampled token's logprob and the top-N under the model's distribution
     out = eng.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=5, ignore_eos=True))[0]
     lp = eng.prompt_logprobs(prompt + out.output_token_ids[:-1])
     for j, (tok, entry) in enumerate(zip(out.output_token_ids, out.new_logprobs)):
         row = lp[len(prompt) - 1 + j]
-        assert int(row.argmax()) == tok and len(entry) == 5
+        assert int(row.argmax()) == tok
+        assert len(entry) == 5
         assert entry[tok] == pytest.approx(float(row[tok]), abs=1e-4)
-    assert out.finish_reason == "length" and len(out.output_token_ids) == 3
+    assert out.finish_reason == "length"
+    assert len(out.output_token_ids) == 3
 
 
 def test_prompt_logprobs_match_transformers(tiny):
@@ -172,7 +181,8 @@ def test_prompt_logprobs_match_transformers(tiny):
     got = eng.prompt_logprobs(ids)
     assert got.shape == ref.shape
     assert torch.allclose(got, ref, atol=1e-4, rtol=0)
-    assert eng.stats().kv_blocks_used == 0 and eng.stats().prefix_cache_queries == 0
+    assert eng.stats().kv_blocks_used == 0
+    assert eng.stats().prefix_cache_queries == 0
 
 
 def test_score_reuses_shared_prefixes_and_matches_prompt_logprobs(tiny):
@@ -183,7 +193,8 @@ def test_score_reuses_shared_prefixes_and_matches_prompt_logprobs(tiny):
     reqs.append(ScoreRequest(rand_prompts([25], seed=23)[0], 1))
     finished = []
     outs = eng.score(reqs, progress=finished.append)
-    assert sum(finished) == len(reqs) and eng.stats().kv_blocks_used == 0
+    assert sum(finished) == len(reqs)
+    assert eng.stats().kv_blocks_used == 0
     for r, o in zip(reqs, outs):
         lsm = eng.prompt_logprobs(r.token_ids)[r.start - 1:-1]
         tgt = torch.tensor(r.token_ids[r.start:])
@@ -360,7 +371,8 @@ def test_long_prompt_is_chunked_without_stalling_decodes(tiny):
         outs = {o.request_id: o for o in eng.step()}
         assert len(outs["short"].new_token_ids) == 1  # the decode got its token in every step
         steps_until_long_starts += "long" not in outs
-    assert steps_until_long_starts == 13 and eng.requests["long"].num_computed_tokens == 13 * 15
+    assert steps_until_long_starts == 13
+    assert eng.requests["long"].num_computed_tokens == 13 * 15
 
 
 def test_fp8_kv_cache_close_to_unquantized_and_self_consistent(tiny):
@@ -370,7 +382,8 @@ def test_fp8_kv_cache_close_to_unquantized_and_self_consistent(tiny):
     assert eng.runner.caches[0].k.element_size() == 1
     got = eng.prompt_logprobs(ids)
     kl = (ref.exp() * (ref - got)).sum(-1)
-    assert float(kl.mean()) < 5e-3 and float((got.argmax(-1) == ref.argmax(-1)).float().mean()) > 0.9
+    assert float(kl.mean()) < 5e-3
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) > 0.9
     assert float((got - ref).abs().max()) > 1e-4  # the cache really is quantized
     # decoding from the quantized cache agrees with prefill over the same quantized cache
     out = eng.generate([ids[:40]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].output_token_ids

@@ -42,10 +42,12 @@ def test_dense_linear_is_prepacked_where_the_cpu_computes_its_dtype(dtype, rows)
     w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(rows, 64, generator=g)
     layer = DenseLinear(w.to(dtype), b.to(dtype))
     native = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert (layer.packed is not None) == native and layer.nbytes == 96 * 64 * dtype.itemsize + 96 * dtype.itemsize
+    assert (layer.packed is not None) == native
+    assert layer.nbytes == 96 * 64 * dtype.itemsize + 96 * dtype.itemsize
     got = layer(x.to(dtype))
     ref = x.to(dtype).double() @ w.to(dtype).double().t() + b.to(dtype).double()
-    assert got.dtype == dtype and rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert got.dtype == dtype
+    assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])
@@ -59,7 +61,8 @@ def test_int8_weight_only_matches_dequantized(rows):
     assert rel_err(layer(x), ref) < 1e-2  # bf16 activations in the CPU kernel; a wrong scale/layout is O(1)
     grouped = Int8WeightOnlyLinear(*int_weights(96, 64, 8, 16, True, seed=5)[:3], None, torch.float32)
     _, _, _, gref = int_weights(96, 64, 8, 16, True, seed=5)
-    assert not grouped.kernel and rel_err(grouped(x), x.double() @ gref.t()) < 1e-5
+    assert not grouped.kernel
+    assert rel_err(grouped(x), x.double() @ gref.t()) < 1e-5
 
 
 @pytest.mark.parametrize("cls", [Int8WeightOnlyLinear, W8A8Linear])
@@ -100,7 +103,8 @@ def test_packed_kernels_get_contiguous_activations(cls, op, monkeypatch):
     monkeypatch.setattr(torch.ops.aten, op, lambda x, *a: (seen.append(x.is_contiguous()), real(x, *a))[1])
     x = torch.randn(3, 256)[:, ::2]  # every other column: a strided view
     assert not x.is_contiguous()
-    assert rel_err(layer(x), x.double() @ ref_w.t()) < 1e-2 and seen == [True]
+    assert rel_err(layer(x), x.double() @ ref_w.t()) < 1e-2
+    assert seen == [True]
 
 
 def test_cuda_int4_packing_tiles_cover_every_k_multiple_of_32():
@@ -149,7 +153,8 @@ def test_quantized_kv_cache_round_trips_within_its_precision(kv_dtype, tol):
     v = torch.randn(10, 2, 8) * torch.tensor([1.0, 20.0]).view(1, 2, 1)
     scales = [(k.abs().amax() / qmax, v.abs().amax(dim=(0, 2)) / qmax)]  # per-tensor K, per-head V
     (layer,) = allocate_kv_cache(1, 4, 4, 2, 8, kv_dtype, torch.float32, "cpu", scales)
-    assert layer.k.dtype in (torch.int8, torch.uint8) and layer.k.element_size() == 1
+    assert layer.k.dtype in (torch.int8, torch.uint8)
+    assert layer.k.element_size() == 1
     slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12, 13])  # blocks 0, 1 and the start of block 3
     layer.write(slots, k, v)
     kg, vg = layer.gather(torch.tensor([[0, 1, 3]]))

@@ -39,7 +39,8 @@ def srv(tiny):
 def greedy_ids(client: openai.OpenAI, prompt, max_tokens: int) -> list[int]:
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-    assert r.usage.completion_tokens == max_tokens and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == max_tokens
+    assert r.choices[0].finish_reason == "length"
     return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
 
 
@@ -54,13 +55,16 @@ def test_openai_client_completions_and_chat(srv, tiny):
     r = c.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0, logprobs=3,
                              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     ch = r.choices[0]
-    assert r.object == "text_completion" and ch.finish_reason == "length"
+    assert r.object == "text_completion"
+    assert ch.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
         len(tok.encode(prompt)), 9, len(tok.encode(prompt)) + 9)
     lp = ch.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 9
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the chosen token is the most likely
-        assert len(top) == 3 and chosen == pytest.approx(max(top.values())) and chosen < 0
+        assert len(top) == 3
+        assert chosen == pytest.approx(max(top.values()))
+        assert chosen < 0
     assert [t for t in lp.tokens] == [max(top, key=top.get) for top in lp.top_logprobs]
     # the same request streamed gives the same text
     chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0, stream=True,
@@ -73,7 +77,8 @@ def test_openai_client_completions_and_chat(srv, tiny):
                               add_special_tokens=False))
     r = c.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=7, temperature=0,
                                   logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
-    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 7)
     assert len(r.choices[0].logprobs.content) == 7
     stream = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=7, temperature=0,
@@ -81,7 +86,8 @@ def test_openai_client_completions_and_chat(srv, tiny):
                                             extra_body={"ignore_eos": True}))
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(x.choices[0].delta.content or "" for x in stream if x.choices) == r.choices[0].message.content
-    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 7
+    assert stream[-1].choices == []
+    assert stream[-1].usage.completion_tokens == 7
     assert stream[-1].usage.prompt_tokens == n_prompt
     assert [x.choices[0].finish_reason for x in stream if x.choices][-1] == "length"
 
@@ -94,7 +100,8 @@ def test_openai_client_completions_and_chat(srv, tiny):
     stop = next(ch for ch in full[3:] if ch != "\ufffd")
     cut = c.completions.create(model="tiny", prompt=[65, 66, 67], max_tokens=20, temperature=0, stop=[stop],
                                extra_body={"ignore_eos": True}).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[:full.index(stop)]
     streamed = list(c.completions.create(model="tiny", prompt=[65, 66, 67], max_tokens=20, temperature=0,
                                          stop=[stop], stream=True, extra_body={"ignore_eos": True}))
     assert "".join(x.choices[0].text for x in streamed) == cut.text
@@ -191,12 +198,16 @@ def test_soak_with_cancelled_streams_frees_every_block(srv):
             return await asyncio.gather(*(guarded(i) for i in range(320)))
 
     results = asyncio.run(soak())
-    assert results.count("cancelled") == 80 and results.count("gave up") == 20
+    assert results.count("cancelled") == 80
+    assert results.count("gave up") == 20
     wait_for(lambda: loop.in_flight == 0 and not eng.has_unfinished())
-    assert eng.block_manager.num_used_blocks == 0 and not eng.requests
+    assert eng.block_manager.num_used_blocks == 0
+    assert not eng.requests
     after = srv.metrics()
-    assert after["llmq:kv_cache_blocks_used"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
-    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    assert after["llmq:kv_cache_blocks_used"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:num_requests_running"] == 0
+    assert after["vllm:num_requests_waiting"] == 0
     assert after["vllm:request_success_total{abort}"] - before.get("vllm:request_success_total{abort}", 0) == 100
 
 
@@ -231,14 +242,17 @@ def test_malformed_requests_get_openai_400s(srv):
         r = httpx.post(f"{srv.url}/v1/{route}", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, (body, r.status_code, r.text)
         err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and err["message"], body
+        assert err["type"] == "invalid_request_error", body
+        assert err["message"], body
         if param is not None:
             assert err["param"] == param, (body, err)
     # unknown fields are ignored, as OpenAI does; an unknown model is a 404
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1, "frobnicate": {"a": 1}})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 1
     r = httpx.post(f"{srv.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         srv.client().completions.create(model="tiny", prompt="x" * 700)
     assert httpx.get(f"{srv.url}/health").status_code == 200
@@ -250,7 +264,8 @@ def test_api_key_and_full_queue(tiny):
         assert httpx.get(f"{live.url}/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
             r = httpx.get(f"{live.url}/v1/models", headers=headers)
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
             live.client("wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
         good = live.client("sekrit")   # greedy below: a sampled EOS would end a request before its token count
@@ -267,7 +282,8 @@ def test_api_key_and_full_queue(tiny):
         wait_for(lambda: live.fe.loop.in_flight == 1)
         with pytest.raises(openai.RateLimitError) as e:
             good.completions.create(model="tiny", prompt="x", max_tokens=1)
-        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        assert e.value.status_code == 429
+        assert e.value.body["code"] == "queue_full"
         gate.set()
         first.join()
         del engine.step
@@ -285,7 +301,8 @@ def test_api_key_and_full_queue(tiny):
             good.completions.create(model="tiny", prompt="x", max_tokens=1)
         assert httpx.get(f"{live.url}/health").status_code == 503
         r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sekrit"})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "unavailable"
 
 
 def test_engine_loop_drain_timeout_aborts_the_rest(tiny):
@@ -312,8 +329,11 @@ def test_engine_loop_drain_timeout_aborts_the_rest(tiny):
         return items
 
     items = asyncio.run(main())
-    assert isinstance(items[-1], NotAccepting) and not any(getattr(i, "finished", False) for i in items[:-1])
-    assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0 and loop.in_flight == 0
+    assert isinstance(items[-1], NotAccepting)
+    assert not any(getattr(i, "finished", False) for i in items[:-1])
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_used_blocks == 0
+    assert loop.in_flight == 0
     with pytest.raises(NotAccepting):
         loop.submit("late", [1], SamplingParams(), asyncio.new_event_loop())
     engine.shutdown()
@@ -366,7 +386,8 @@ def test_signal_drains_in_flight_request(tiny, tmp_path, how):
                             proc.send_signal(signal.SIGTERM)
                         else:
                             os.killpg(proc.pid, signal.SIGINT)
-        assert events[-1] == "[DONE]" and len(events) >= 150  # a chunk per token: the signal came early
+        assert events[-1] == "[DONE]"
+        assert len(events) >= 150  # a chunk per token: the signal came early
         usage = json.loads(events[-2])["usage"]
         assert usage["completion_tokens"] == 150
         assert proc.wait(60) == 0
@@ -397,7 +418,8 @@ def test_default_model_chat_through_llmq_serve(default_model):
         n_prompt = len(tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                                   add_special_tokens=False))
         u = r.usage
-        assert u.prompt_tokens == n_prompt and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        assert u.prompt_tokens == n_prompt
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
         assert 1 <= u.completion_tokens <= 12
         assert (u.completion_tokens == 12) == (r.choices[0].finish_reason == "length")
         assert len(r.choices[0].logprobs.content) == u.completion_tokens
@@ -432,7 +454,8 @@ def test_engine_is_built_and_stepped_on_one_thread(tiny):
 
     asyncio.run(main())
     loop.shutdown(1.0)
-    assert stepped_on == {built_on} and built_on != threading.get_ident()
+    assert stepped_on == {built_on}
+    assert built_on != threading.get_ident()
     with pytest.raises(ZeroDivisionError):  # the caller sees the engine thread's exceptions
         thread.call(lambda: 1 / 0)
     thread.call(engine.shutdown)

@@ -45,7 +45,8 @@ def _post(live, body, route="completions", **kw) -> httpx.Response:
 def _idle(live) -> None:
     eng = live.fe.engine
     wait_for(lambda: live.fe.loop.in_flight == 0 and not eng.has_unfinished())
-    assert eng.block_manager.num_used_blocks == 0 and not eng.requests
+    assert eng.block_manager.num_used_blocks == 0
+    assert not eng.requests
 
 
 def test_degenerate_sampling_parameters_are_exact_or_400(srv):
@@ -100,14 +101,17 @@ def test_non_finite_logits_are_a_json_500_for_that_request(srv, monkeypatch):
         monkeypatch.setattr(eng.worker, "forward", lambda step, v=poison: real(step) * 0 + v)
         for extra in ({"logprobs": 2}, {}):
             r = _post(srv, {"prompt": "Hi", "max_tokens": 3, **extra})
-            assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+            assert r.status_code == 500, r.text
+            assert r.headers["content-type"] == "application/json", r.text
             assert "logits are not finite" in r.json()["error"]["message"], r.text
         code, text = _consume(srv, {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1})
-        assert code == 500 and "logits are not finite" in text, text
+        assert code == 500, text
+        assert "logits are not finite" in text, text
         # max_tokens 0 + echo + logprobs: the prompt's distributions alone, never sampled (issue 54 item 8: a bare
         # 500 and a 78-line traceback)
         r = _post(srv, {"prompt": "Hi", "max_tokens": 0, "echo": True, "logprobs": 1})
-        assert r.status_code == 500 and "logits are not finite" in r.json()["error"]["message"], r.text
+        assert r.status_code == 500, r.text
+        assert "logits are not finite" in r.json()["error"]["message"], r.text
     monkeypatch.setattr(eng.worker, "forward", real)
     assert _post(srv, {"prompt": "Hi", "max_tokens": 2, "logprobs": 2}).status_code == 200
     assert srv.fe.loop.healthy
@@ -155,9 +159,11 @@ def test_drain_answers_what_still_runs_at_its_deadline(tiny):
         assert half.recv(100) == b""  # dropped, not answered
         half.close()
     logging.getLogger("uvicorn.error").removeHandler(handler)
-    assert lines[-1] == "data: [DONE]" and "shut down before this request finished" in lines[-2], lines[-3:]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert "shut down before this request finished" in lines[-2], lines[-3:]
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
-    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "unavailable", answers[0].text
+    assert answers[0].status_code == 503, answers[0].text
+    assert answers[0].json()["error"]["code"] == "unavailable", answers[0].text
     assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
 
 
@@ -181,7 +187,8 @@ def test_an_unread_answer_holds_each_token_once(srv):
         outs = asyncio.run(unread())
         held = sum(len(o.output_token_ids) for o in outs) + sum(len(o.new_token_ids) for o in outs)
         chars = sum(len(o.text) for o in outs)
-        assert held == 2 * n and chars == len(outs[-1].text), (held, chars)  # whole outputs: ~n * n / 2
+        assert held == 2 * n, (held, chars)
+        assert chars == len(outs[-1].text), (held, chars)  # whole outputs: ~n * n / 2
     _idle(srv)
 
 
@@ -213,7 +220,8 @@ def test_an_engine_that_cannot_step_is_fatal(tiny):
              for _ in range(3)]
     assert codes == [500, 500, 500]
     t.join(30)
-    assert not t.is_alive() and "the engine failed" in str(raised[0])
+    assert not t.is_alive()
+    assert "the engine failed" in str(raised[0])
     assert engine.block_manager.num_used_blocks == 0
     engine.shutdown()
 
@@ -249,7 +257,8 @@ def test_shutdown_leaves_an_engine_stuck_in_a_step(tiny, monkeypatch):
     assert entered.wait(30)
     t0 = time.monotonic()
     loop.shutdown(timeout=0.5)
-    assert time.monotonic() - t0 < 5 and loop.stuck
+    assert time.monotonic() - t0 < 5
+    assert loop.stuck
     release.set()
     engine.shutdown()
 
@@ -268,14 +277,18 @@ def _consume(live, body, route="completions"):
 
 def test_stop_string_limits_and_no_event_loop_stall(srv):
     r = _post(srv, {"prompt": "Hi", "max_tokens": 2, "stop": "a" * 400_000, "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stop", r.text
     r = _post(srv, {"prompt": "Hi", "max_tokens": 2, "stop": [str(i) for i in range(100)]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stop", r.text
     big = json.dumps({"prompt": "x", "junk": "y" * srv.fe.limits.max_body_bytes}).encode()
     r = _post(srv, big)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large", r.text
     r = _post(srv, iter([big[i:i + 65536] for i in range(0, len(big), 65536)]))  # chunked: no Content-Length
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large", r.text
     # the longest stop strings allowed, streamed with the hold-back busy all the time: /health stays quick
     stop = ["\u00e9" * srv.fe.limits.max_stop_chars] * srv.fe.limits.max_stop_strings
     t0 = time.monotonic()
@@ -318,7 +331,8 @@ def test_client_gone_while_body_is_read_leaves_no_traceback(srv):
 
 def test_models_hide_the_store_path_and_openapi_is_served(srv, tiny):
     r = httpx.get(f"{srv.url}/v1/models")
-    assert str(tiny) not in r.text and str(tiny.parent) not in r.text
+    assert str(tiny) not in r.text
+    assert str(tiny.parent) not in r.text
     spec = httpx.get(f"{srv.url}/openapi.json").json()
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
@@ -416,7 +430,8 @@ def test_slow_clients_are_closed_at_their_deadline_and_health_answers_meanwhile(
         return closed, elapsed, await health
 
     closed, elapsed, health = asyncio.run(main())
-    assert all(closed) and elapsed < 5, (closed, elapsed)
+    assert all(closed), (closed, elapsed)
+    assert elapsed < 5, (closed, elapsed)
     assert max(health) < 1.0, health
     wait_for(lambda: _open_fds() <= base + 2 and not strict.server.server_state.connections)
 
@@ -438,9 +453,11 @@ def test_connections_past_the_cap_are_closed_at_once_with_one_log_line(strict, c
 
     with caplog.at_level(logging.WARNING, logger="llmq.serve"):
         refused, quick = asyncio.run(main())
-    assert all(refused) and quick < 1.5, refused
+    assert all(refused), refused
+    assert quick < 1.5, refused
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(lines) == 1 and "--max-connections" in lines[0], lines
+    assert len(lines) == 1, lines
+    assert "--max-connections" in lines[0], lines
     assert httpx.get(f"{strict.url}/health").status_code == 200
 
 
@@ -462,12 +479,14 @@ def test_huge_prompts_are_400_without_freezing_the_loop(srv):
     for r, param in zip(rs, ("prompt", "messages", "messages")):
         assert r.status_code == 400, r.text[:300]
         err = r.json()["error"]
-        assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+        assert err["code"] == "context_length_exceeded", err
+        assert err["param"] == param, err
     assert max(health) < 1.0, health
     # a long prompt that fits the character bound is tokenized (off the loop) and measured in tokens
     r = _post(srv, {"prompt": "x" * (srv.fe.max_model_len + 10), "max_tokens": 1})
     msg = r.json()["error"]["message"]
-    assert r.status_code == 400 and f"the prompt has {srv.fe.max_model_len + 10} tokens" in msg, r.text
+    assert r.status_code == 400, r.text
+    assert f"the prompt has {srv.fe.max_model_len + 10} tokens" in msg, r.text
     _idle(srv)
 
 
@@ -490,15 +509,18 @@ def test_dns_rebinding_and_cross_site_requests_are_refused(local):
     # the issue's repro: a rebound page's request, as a form post so the browser sends it without asking
     r = _raw_post(local, {"Host": "rebind.attacker.example", "Origin": "http://rebind.attacker.example",
                           "Content-Type": "text/plain;charset=UTF-8"})
-    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", r.text
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "host_not_allowed", r.text
     r = httpx.get(f"{local.url}/v1/models", headers={"Host": f"rebind.attacker.example:{port}"})
     assert r.status_code == 403, r.text
     for origin in ("http://evil.example", f"http://evil.example:{port}", "null", "file://"):
         r = _raw_post(local, {"Origin": origin, "Content-Type": "application/json"})
-        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (origin, r.text)
+        assert r.status_code == 403, (origin, r.text)
+        assert r.json()["error"]["code"] == "cross_origin", (origin, r.text)
     for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data", None):
         r = _raw_post(local, {"Content-Type": ctype} if ctype else {})
-        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (ctype, r.text)
+        assert r.status_code == 415, (ctype, r.text)
+        assert r.json()["error"]["code"] == "unsupported_media_type", (ctype, r.text)
     # what a client on this machine sends (a forwarded port included) still works
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost:9000", "LOCALHOST"):
         r = _raw_post(local, {"Host": host, "Content-Type": "application/json; charset=utf-8",
@@ -512,11 +534,14 @@ def test_which_servers_check_hosts():
 
     assert allowed_hosts("127.0.0.1", None, None) == LOOPBACK_NAMES
     assert allowed_hosts("127.0.0.2", None, None) == LOOPBACK_NAMES | {"127.0.0.2"}
-    assert allowed_hosts("::1", None, None) == LOOPBACK_NAMES and allowed_hosts("localhost", None, None)
-    assert allowed_hosts("0.0.0.0", None, None) is None and allowed_hosts("127.0.0.1", "key", None) is None
+    assert allowed_hosts("::1", None, None) == LOOPBACK_NAMES
+    assert allowed_hosts("localhost", None, None)
+    assert allowed_hosts("0.0.0.0", None, None) is None
+    assert allowed_hosts("127.0.0.1", "key", None) is None
     assert allowed_hosts("127.0.0.1", None, "api.example.com, Proxy.local") == LOOPBACK_NAMES | {
         "api.example.com", "proxy.local"}
-    assert allowed_hosts("0.0.0.0", "key", "api.example.com") and allowed_hosts("127.0.0.1", None, "*") is None
+    assert allowed_hosts("0.0.0.0", "key", "api.example.com")
+    assert allowed_hosts("127.0.0.1", None, "*") is None
 
 
 def test_the_key_guards_metrics_and_openapi_and_is_compared_as_utf8(tiny):
@@ -546,7 +571,8 @@ def test_the_descriptor_limit_is_raised_to_hold_the_cap_or_the_cap_lowered(caplo
     try:
         if hard != resource.RLIM_INFINITY and hard > 2 * FD_MARGIN:
             resource.setrlimit(resource.RLIMIT_NOFILE, (FD_MARGIN + 64, hard))
-            assert fit_descriptors(128) == 128 and resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 128 + FD_MARGIN
+            assert fit_descriptors(128) == 128
+            assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 128 + FD_MARGIN
             with caplog.at_level(logging.WARNING, logger="llmq.serve"):
                 assert fit_descriptors(hard) == hard - FD_MARGIN
             assert "--max-connections" in caplog.text
@@ -670,10 +696,15 @@ def test_hostile_soak(srv):
     health, cut = asyncio.run(soak())
     elapsed = time.monotonic() - t0
     assert not [s for s in statuses if s >= 500], statuses
-    assert statuses.get(200, 0) > n // 4 and statuses.get(400, 0) > n // 4, statuses
-    assert statuses.get(403, 0) and statuses.get(415, 0), statuses
-    assert all(cut) and max(health) < 1.0, (sum(cut), max(health))
-    assert loop.error is None and loop.healthy and httpx.get(f"{srv.url}/health").status_code == 200
+    assert statuses.get(200, 0) > n // 4, statuses
+    assert statuses.get(400, 0) > n // 4, statuses
+    assert statuses.get(403, 0), statuses
+    assert statuses.get(415, 0), statuses
+    assert all(cut), (sum(cut), max(health))
+    assert max(health) < 1.0, (sum(cut), max(health))
+    assert loop.error is None
+    assert loop.healthy
+    assert httpx.get(f"{srv.url}/health").status_code == 200
     _idle(srv)
     wait_for(lambda: _open_fds() <= base_fds + 2 and not srv.server.server_state.connections)
     grown = (_rss() - base_rss) / 2**20
@@ -709,13 +740,15 @@ def test_echo_and_prompt_logprobs_misuse_is_a_one_line_400(srv):
         r = _post(srv, body, route)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
-        assert err["param"] == param and "\n" not in err["message"], (body, err)
+        assert err["param"] == param, (body, err)
+        assert "\n" not in err["message"], (body, err)
     ids = [(7 * i) % 250 + 3 for i in range(150)]  # past the 64-token step budget; 18 full blocks of 8
     assert _post(srv, {"prompt": ids, "max_tokens": 1}).status_code == 200  # its blocks now in the prefix cache
     bodies = [{"prompt": ids, "max_tokens": 0, "prompt_logprobs": k} for k in (0, 20)]
     answers = [_post(srv, b).json()["choices"][0]["prompt_logprobs"] for b in bodies]
     for plp, k in zip(answers, (0, 20)):
-        assert len(plp) == len(ids) and plp[0] is None
+        assert len(plp) == len(ids)
+        assert plp[0] is None
         assert all(str(t) in e and len(e) in (max(k, 1), k + 1) for t, e in zip(ids[1:], plp[1:]))
     assert [e[str(t)] for t, e in zip(ids[1:], answers[0][1:])] == [e[str(t)] for t, e in zip(ids[1:], answers[1][1:])]
     _idle(srv)
@@ -740,7 +773,8 @@ def test_schema_driven_fuzzing(srv):
             seen.append(r.status_code)
 
         check()
-    assert 200 in seen and 400 in seen
+    assert 200 in seen
+    assert 400 in seen
     assert httpx.get(f"{srv.url}/health").status_code == 200
     _idle(srv)
 
@@ -751,7 +785,8 @@ def test_models_root_is_the_artifact_ref_not_its_path(store, make_tiny_model, tm
     from llmq.runtime.server.frontend import artifact_ref
 
     art = resolve_model(str(make_tiny_model(tmp_path / "m")), store)
-    assert artifact_ref(art.path) == art.ref and str(store.root) not in art.ref
+    assert artifact_ref(art.path) == art.ref
+    assert str(store.root) not in art.ref
     assert artifact_ref(tmp_path / "m") is None
 
 
@@ -787,13 +822,17 @@ def test_whole_vocabulary_logprobs_are_bounded_before_any_work(whole):
             continue
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
-        assert err["param"] == param and "\n" not in err["message"] and "--max-logprob-entries" in err["message"], err
+        assert err["param"] == param, err
+        assert "\n" not in err["message"], err
+        assert "--max-logprob-entries" in err["message"], err
     # only the request that fitted reached the engine
     assert whole.fe.engine.prompt_tokens_total == before + len(whole.fe.tokenizer.encode("Hi"))
     ok = _post(whole, {"prompt": list(range(3, 10)), "max_tokens": 0, "prompt_logprobs": -1})
     plp = ok.json()["choices"][0]["prompt_logprobs"]
-    assert len(plp) == 7 and all(len(e) == vocab for e in plp[1:])
-    assert whole.fe.owed_in_flight == 0 and not whole.fe.owing
+    assert len(plp) == 7
+    assert all(len(e) == vocab for e in plp[1:])
+    assert whole.fe.owed_in_flight == 0
+    assert not whole.fe.owing
     _idle(whole)
 
 
@@ -824,7 +863,8 @@ def test_logprobs_in_flight_are_bounded_per_server(whole, monkeypatch):
             return await first, second, fits, await c.post("/v1/completions", json=big)
 
     first, second, fits, again = asyncio.run(main())
-    assert second.status_code == 429 and second.json()["error"]["code"] == "logprobs_in_flight", second.text[:300]
+    assert second.status_code == 429, second.text[:300]
+    assert second.json()["error"]["code"] == "logprobs_in_flight", second.text[:300]
     assert (first.status_code, fits.status_code, again.status_code) == (200, 200, 200)
     assert whole.fe.owed_in_flight == 0
     _idle(whole)

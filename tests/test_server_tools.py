@@ -91,9 +91,12 @@ def test_forced_tool_calls_parse_and_validate(srv):
         answers = list(pool.map(sampled, range(3)))
     for r in answers:
         ch = r.choices[0]
-        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        assert ch.finish_reason == "tool_calls"
+        assert ch.message.content is None
         (call,) = ch.message.tool_calls
-        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert call.type == "function"
+        assert call.function.name == "get_weather"
+        assert call.id.startswith("call_")
         assert _valid(WEATHER["function"]["parameters"], json.loads(call.function.arguments))
     # greedy: the stream's accumulated deltas are the whole answer's call
     kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=120,
@@ -102,7 +105,8 @@ def test_forced_tool_calls_parse_and_validate(srv):
         streamed = pool.submit(_streamed, c, **kw)
         whole = c.chat.completions.create(model="tiny", **kw).choices[0]
         content, calls, finish, _ = streamed.result()
-    assert finish == whole.finish_reason == "tool_calls" and content == ""
+    assert finish == whole.finish_reason == "tool_calls"
+    assert content == ""
     assert [(x["name"], json.loads(x["arguments"])) for x in calls] == [
         (t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
     fn = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
@@ -124,9 +128,12 @@ def test_json_schema_and_json_object(srv):
     with ThreadPoolExecutor(3) as pool:
         streamed = pool.submit(_streamed, c, messages=ASK, response_format=fmt, max_tokens=120, seed=11)
         for r in pool.map(sampled, range(2)):
-            assert r.choices[0].finish_reason == "stop" and _valid(PERSON, json.loads(r.choices[0].message.content))
+            assert r.choices[0].finish_reason == "stop"
+            assert _valid(PERSON, json.loads(r.choices[0].message.content))
         content, calls, finish, _ = streamed.result()
-    assert finish == "stop" and not calls and _valid(PERSON, json.loads(content))
+    assert finish == "stop"
+    assert not calls
+    assert _valid(PERSON, json.loads(content))
     r = c.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"},
                                   max_tokens=60, temperature=0)
     ch = r.choices[0]
@@ -165,15 +172,18 @@ def test_bad_tool_and_schema_input_is_one_line_400(srv):
     }
     for why, body in cases.items():
         status, err = post(**body)
-        assert status == 400 and err["type"] == "invalid_request_error", (why, err)
-        assert err["message"] and "\n" not in err["message"], (why, err)
+        assert status == 400, (why, err)
+        assert err["type"] == "invalid_request_error", (why, err)
+        assert err["message"], (why, err)
+        assert "\n" not in err["message"], (why, err)
     # a grammar that cannot compile within --grammar-timeout: a 400 too
     limits = srv.fe.limits
     srv.fe.limits = type(limits)(**{**limits.__dict__, "grammar_timeout": 1e-6})
     try:
         wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1500)}}
         status, err = post(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": wide}})
-        assert status == 400 and "--grammar-timeout" in err["message"]
+        assert status == 400
+        assert "--grammar-timeout" in err["message"]
     finally:
         srv.fe.limits = limits
     r = srv.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=3)  # still serving
@@ -198,6 +208,8 @@ def test_no_tool_support_and_reasoning(tmp_path):
         r = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=12, temperature=0)
         msg = r.choices[0].message
         assert "</think>" not in plain.choices[0].text  # the random model never closes it within 12 tokens
-        assert msg.content in ("", None) and msg.model_extra["reasoning_content"] == plain.choices[0].text.strip()
+        assert msg.content in ("", None)
+        assert msg.model_extra["reasoning_content"] == plain.choices[0].text.strip()
         content, _, _, reasoning = _streamed(c, messages=ASK, max_tokens=12, temperature=0)
-        assert content == "" and reasoning == plain.choices[0].text.strip()
+        assert content == ""
+        assert reasoning == plain.choices[0].text.strip()

@@ -55,7 +55,8 @@ def test_smoothing_leaves_the_float_model_unchanged(tmp_path, make_tiny_model, a
         new, factors = sq.smooth_layer(sd, absmax, 0.5, cfg.num_attention_heads, cfg.num_key_value_heads,
                                        cfg.hidden_size // cfg.num_attention_heads, LLAMA.feed_paths(),
                                        LLAMA.path("v_proj"))
-        assert set(factors) == set(LINEARS) and new.keys() == sd.keys()
+        assert set(factors) == set(LINEARS)
+        assert new.keys() == sd.keys()
         changed += sum(not torch.allclose(new[k], sd[k]) for k in sd)
         layer.load_state_dict(new, strict=False)
     with torch.no_grad():
@@ -76,7 +77,8 @@ def test_gqa_factors_are_shared_by_a_groups_query_heads():
     absmax = {n: torch.rand(s[1], generator=gen) + 0.1 for n, s in shapes.items()}
     _, factors = sq.smooth_layer(sd, absmax, 0.5, h, hkv, d, LLAMA.feed_paths(), LLAMA.path("v_proj"))
     s_o = factors["self_attn.o_proj"].view(hkv, h // hkv, d)
-    assert torch.equal(s_o, s_o[:, :1].expand_as(s_o)) and not torch.allclose(s_o[0], s_o[1])
+    assert torch.equal(s_o, s_o[:, :1].expand_as(s_o))
+    assert not torch.allclose(s_o[0], s_o[1])
 
 
 def test_smoothing_reduces_int8_activation_error_on_outlier_channels():
@@ -103,7 +105,9 @@ def test_w8a8_layer_matches_float64_reference(static):
     w = torch.randn(96, 160, generator=gen) * 0.05
     x = _outlier_acts(gen, 20, 160, factor=8.0).float()
     qw = sq.quantize_weight_int8(w, x.abs().amax(0) if static else None)
-    assert qw.q.dtype == torch.int8 and qw.scale.shape == (96, 1) and int(qw.q.abs().max()) == 127
+    assert qw.q.dtype == torch.int8
+    assert qw.scale.shape == (96, 1)
+    assert int(qw.q.abs().max()) == 127
     assert (qw.dequantize(torch.float64) - w.double()).abs().le(qw.scale.double() / 2 + 1e-9).all()
     assert qw.scheme == f"W8A8-channel-sym-{'static' if static else 'dynamic'}"
     # the checkpoint format round-trips it and the runtime layer computes what the reference says
@@ -112,7 +116,8 @@ def test_w8a8_layer_matches_float64_reference(static):
     qconfig = qf.parse_quantization_config({"quantization_config": qf.quantization_config(weights, acts)})
     assert qconfig.format == "int-quantized"
     back = qf.read_linear(qf.write_linear("l", qw), "l", qconfig)
-    assert torch.equal(back.q, qw.q) and back.dynamic == (not static)
+    assert torch.equal(back.q, qw.q)
+    assert back.dynamic == (not static)
     ref = _ref_w8a8(x, qw)
     layer = W8A8Linear(back.q, back.scale, back.input_scale, None, torch.float32)
     tol = 1e-5 * float(ref.abs().max())
@@ -132,7 +137,8 @@ def test_fp8_round_trip_and_layer_match_float64_reference(strategy, static):
     w = torch.randn(64, 96, generator=gen) * torch.logspace(-2, 0, 64)[:, None]
     x = torch.randn(5, 96, generator=gen) * 3
     qw = fp8.quantize_weight_fp8(w, strategy, x.abs().amax(0) if static else None)
-    assert qw.q.dtype == torch.float8_e4m3fn and qw.scale.shape == ((1,) if strategy == "tensor" else (64, 1))
+    assert qw.q.dtype == torch.float8_e4m3fn
+    assert qw.scale.shape == ((1,) if strategy == "tensor" else (64, 1))
     assert float(qw.q.float().abs().max()) == 448.0
     # e4m3 keeps 3 mantissa bits: |rounding| <= 2^-4 relative, plus half the smallest subnormal step absolute
     deq = qw.dequantize(torch.float64)
@@ -141,9 +147,11 @@ def test_fp8_round_trip_and_layer_match_float64_reference(strategy, static):
     weights = qf.QuantArgs(8, type="float", strategy=strategy)
     acts = qf.QuantArgs(8, type="float", strategy="tensor" if static else "token", dynamic=not static)
     qconfig = qf.parse_quantization_config({"quantization_config": qf.quantization_config(weights, acts)})
-    assert qconfig.format == "float-quantized" and qconfig.weights.strategy == strategy
+    assert qconfig.format == "float-quantized"
+    assert qconfig.weights.strategy == strategy
     back = qf.read_linear(qf.write_linear("l", qw), "l", qconfig)
-    assert torch.equal(back.q.view(torch.uint8), qw.q.view(torch.uint8)) and torch.equal(back.scale, qw.scale)
+    assert torch.equal(back.q.view(torch.uint8), qw.q.view(torch.uint8))
+    assert torch.equal(back.scale, qw.scale)
     y = FP8Linear(back.q, back.scale, back.input_scale, True, None, torch.float32)(x).double()
     ref = _ref_fp8(x, qw)
     tol = 1e-5 * float(ref.abs().max())
@@ -188,10 +196,13 @@ def test_quantize_runs_end_to_end_and_the_runtime_agrees_with_the_recorded_probe
     store, src = tiny_source
     art = quantize(src, QuantizeOptions(bits=8, method=method, num_samples=6, seq_len=96, probe_tokens=512, **extra),
                    store, progress=False)
-    assert art.config["scheme"] == scheme and art.metrics["probe"]["tokens"] == 512
+    assert art.config["scheme"] == scheme
+    assert art.metrics["probe"]["tokens"] == 512
     ck, ck0 = CheckpointReader(art.path), CheckpointReader(src.path)
     qw = ck.linear_tensors("model.layers.0.self_attn.v_proj")[1]
-    assert qw is not None and qw.scheme == scheme and (qw.input_scale is not None) == ("static" in scheme)
+    assert qw is not None
+    assert qw.scheme == scheme
+    assert (qw.input_scale is not None) == ("static" in scheme)
     norm, norm0 = (c.tensor("model.layers.0.input_layernorm.weight").float() for c in (ck, ck0))
     assert torch.equal(norm, norm0) != (method == "smoothquant")  # smoothing folded into the norm
     cfg = EngineConfig(kv_cache_memory=8 << 20, enable_prefix_caching=False)
@@ -201,7 +212,8 @@ def test_quantize_runs_end_to_end_and_the_runtime_agrees_with_the_recorded_probe
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     acc.add(base.prompt_logprobs(ids), quant.prompt_logprobs(ids))
     runtime_kld, recorded = acc.result()["kld_mean"], art.metrics["probe"]["kld_mean"]
-    assert 0 < runtime_kld < 3 * recorded + 1e-4 and recorded < 1e-2, (runtime_kld, recorded)
+    assert 0 < runtime_kld < 3 * recorded + 1e-4, (runtime_kld, recorded)
+    assert recorded < 1e-2, (runtime_kld, recorded)
     base.shutdown()
     quant.shutdown()
 

@@ -72,14 +72,16 @@ def test_ngram_greedy_is_identical_to_plain_greedy(tiny, cfg):
     eng = LLMEngine(tiny, EngineConfig(speculative="ngram", speculative_max_batch=None, **cfg))
     assert run(eng, ps, params) == ref
     st = eng.speculator.stats
-    assert st.num_draft_tokens > 50 and st.num_accepted_tokens > 10  # it did speculate, and some drafts held
+    assert st.num_draft_tokens > 50
+    assert st.num_accepted_tokens > 10  # it did speculate, and some drafts held
     assert eng.block_manager.num_used_blocks == 0
 
 
 def _check_prefix_cache(bm, sequences):
     """Every cached block key is a block of some real sequence's hash chain: no rejected token was ever hashed."""
     real = {key for ids in sequences for key in bm.block_keys(ids, len(ids) // bm.block_size)}
-    assert bm.cached and set(bm.cached) <= real
+    assert bm.cached
+    assert set(bm.cached) <= real
     assert all(bm.block_key[b] == k for k, b in bm.cached.items())
 
 
@@ -100,7 +102,8 @@ def test_rollback_keeps_cache_consistent_under_preemption(tiny):
     assert run(eng, ps, params) == ref
     st = eng.speculator.stats
     assert eng.scheduler.num_preemptions > 0
-    assert st.num_accepted_tokens > st.num_draft_tokens * 0.4 and st.num_accepted_tokens < st.num_draft_tokens
+    assert st.num_accepted_tokens > st.num_draft_tokens * 0.4
+    assert st.num_accepted_tokens < st.num_draft_tokens
     assert st.accepted_per_pos[5] > 0  # whole 6-token drafts were accepted
     assert eng.block_manager.num_used_blocks == 0
     _check_prefix_cache(eng.block_manager, [p + r for p, r in zip(ps, ref)])
@@ -253,11 +256,14 @@ def test_server_reports_vllm_spec_decode_metrics(tiny):
         text = httpx.get(f"{srv.url}/metrics").text
     drafts, drafted = m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"]
     accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
-    assert drafts > 0 and drafted >= drafts and 0 < accepted <= drafted
+    assert drafts > 0
+    assert drafted >= drafts
+    assert 0 < accepted <= drafted
     assert m["vllm:spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafted)
     per_pos = {s.labels["position"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
-    assert per_pos["0"] > 0 and sum(per_pos.values()) == accepted
+    assert per_pos["0"] > 0
+    assert sum(per_pos.values()) == accepted
     assert m["vllm:generation_tokens_total"] == 24
 
 
@@ -285,7 +291,8 @@ def test_eval_scores_are_the_same_with_speculation(tmp_path, monkeypatch):
     assert reports[0]["scores"] == reports[1]["scores"]
     bad = CliRunner().invoke(cli, ["--store", str(store.root), "eval", art.ref, "--backend", "hf",
                                    "--speculative", "ngram"])
-    assert bad.exit_code != 0 and "--backend llmq" in bad.output
+    assert bad.exit_code != 0
+    assert "--backend llmq" in bad.output
 
 
 # -- draft model -------------------------------------------------------------------------------------------------
@@ -300,9 +307,11 @@ def test_draft_model_of_the_target_itself_is_always_accepted_and_identical(tiny)
                                        speculative_max_batch=None, num_speculative_tokens=3))
     assert run(eng, ps, params) == ref
     st = eng.speculator.stats
-    assert st.num_draft_tokens > 60 and st.num_accepted_tokens == st.num_draft_tokens
+    assert st.num_draft_tokens > 60
+    assert st.num_accepted_tokens == st.num_draft_tokens
     draft = eng.speculator.proposer
-    assert not draft.mirrors and draft.worker.block_manager.num_used_blocks == 0  # finished requests' KV freed
+    assert not draft.mirrors
+    assert draft.worker.block_manager.num_used_blocks == 0  # finished requests' KV freed
     eng.shutdown()
 
 

@@ -45,7 +45,8 @@ def test_writer_output_is_what_the_safetensors_package_reads(tmp_path):
     assert set(back) == set(ts) == set(ours.keys())
     for k, t in ts.items():
         for got in (back[k], ours.get(k)):
-            assert got.dtype == t.dtype and got.shape == t.shape
+            assert got.dtype == t.dtype
+            assert got.shape == t.shape
             assert torch.equal(_bytes(got), _bytes(t))
     with safe_open(str(tmp_path / "a.safetensors"), "pt") as h:
         assert h.metadata() == {"format": "pt", "k": "v"}
@@ -61,7 +62,9 @@ def test_files_the_safetensors_package_wrote_read_the_same(tmp_path):
     f = TensorFile(tmp_path / "b.safetensors")
     for k, t in ts.items():
         got = f.get(k)
-        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(_bytes(got), _bytes(t))
+        assert got.dtype == t.dtype
+        assert got.shape == t.shape
+        assert torch.equal(_bytes(got), _bytes(t))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +119,8 @@ def test_shards_and_index_load_in_transformers(tmp_path, make_tiny_model):
     out = tmp_path / "out"
     out.mkdir()
     files = save_state_dict(state, out, shard_bytes=20_000)
-    assert len(files) > 3 and files[-1] == INDEX_NAME
+    assert len(files) > 3
+    assert files[-1] == INDEX_NAME
     index = json.loads((out / INDEX_NAME).read_text())
     assert set(index["weight_map"]) == set(state)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
@@ -254,7 +258,8 @@ def test_quantize_kv_never_holds_two_models(tmp_path, store, make_tiny_model, mo
     monkeypatch.setattr(LLMEngine, "__init__", start)
     monkeypatch.setattr(LLMEngine, "shutdown", stop)
     art = quantize_kv(src, store, KVOptions(kv="int8", num_samples=2, seq_len=32, probe_tokens=64), show_progress=False)
-    assert peak[0] == 1 and not live
+    assert peak[0] == 1
+    assert not live
     assert 0 <= art.manifest["metrics"]["probe"]["kld_mean"] < 0.05
 
 

@@ -53,13 +53,18 @@ def test_a_registered_target_is_written_recorded_and_verified_through_the_regist
     store, source = toy
     art = build_engine(source, store, BuildOptions(target="toy", tp=2, verify=True))
     engine = json.loads((art.path / "engine.json").read_text())
-    assert engine["target"] == "toy" and art.name.endswith("-tp2-toy")
+    assert engine["target"] == "toy"
+    assert art.name.endswith("-tp2-toy")
     assert engine["outputs"] == {"toy_ranks": ["toy/rank0", "toy/rank1"], "compile": {"status": "toy-compiled"}}
-    assert engine["ranks"] == [] and engine["quantization"] is None
+    assert engine["ranks"] == []
+    assert engine["quantization"] is None
     assert art.metrics["compile"] == {"status": "toy-compiled"}
     v = art.metrics["verify"]
-    assert v["passed"] and v["target"] == "toy" and v["tp"] == 2
-    assert v["target_kld"] < 1e-3 and v["target_top1"] == 1.0   # it computes what llmq evaluated
+    assert v["passed"]
+    assert v["target"] == "toy"
+    assert v["tp"] == 2
+    assert v["target_kld"] < 1e-3
+    assert v["target_top1"] == 1.0   # it computes what llmq evaluated
 
 
 def test_the_reference_check_uses_the_targets_own_reader(toy, monkeypatch):

@@ -53,12 +53,15 @@ def test_parse_and_stream_agree(fmt):
 def test_unparseable_calls_and_open_thinking():
     fmt = OutputFormat(HERMES, REASONINGS[0])
     p = fmt.parse('<tool_call>\n{"name": "f", "arguments": {"a": ')
-    assert p.unparseable == 1 and p.tool_calls[0].name == "f" and p.tool_calls[0].arguments is None
+    assert p.unparseable == 1
+    assert p.tool_calls[0].name == "f"
+    assert p.tool_calls[0].arguments is None
     assert fmt.parse("a <tool", tools=True).content == "a <tool"
     assert fmt.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>', tools=False).tool_calls == []
     p = fmt.parse("still thinking", in_reasoning=True)
     assert (p.content, p.reasoning, p.reasoning_closed) == (None, "still thinking", False)
-    assert fmt.opens_reasoning("<|im_start|>assistant\n<think>\n") and not fmt.opens_reasoning("<think></think>")
+    assert fmt.opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not fmt.opens_reasoning("<think></think>")
 
 
 def test_formats_from_template_markers():
@@ -97,7 +100,9 @@ def test_call_grammar_writes_what_the_parser_reads(tf):
             advance(m, t)
             ids.append(t)
         p = fmt.parse(tok.decode(ids, skip_special_tokens=False))
-        assert p.tool_calls and p.unparseable == 0 and p.content is None
+        assert p.tool_calls
+        assert p.unparseable == 0
+        assert p.content is None
         for c in p.tool_calls:
             assert c.name in ("f", "g")
             jsonschema.validate(c.arguments, tools[0]["function"]["parameters"])

@@ -85,9 +85,11 @@ def test_fp8_block_scales_checkpoint_is_what_the_loader_reads(store, block_art):
     eng = build_engine(block_art, store, BuildOptions(target="trtllm", verify=True))
     ckpt = eng.path / "trtllm"
     q = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
-    assert facts["hf_quant_config"].items() <= q.items() and q["group_size"] == BLOCK
+    assert facts["hf_quant_config"].items() <= q.items()
+    assert q["group_size"] == BLOCK
     assert "lm_head" in q["exclude_modules"]
-    assert eng.metrics["verify"]["passed"] and eng.metrics["verify"]["max_rel_error"] == 0.0
+    assert eng.metrics["verify"]["passed"]
+    assert eng.metrics["verify"]["max_rel_error"] == 0.0
     st, src = _tensors(ckpt), CheckpointReader(block_art.path)
     for i in range(2):
         for prefix, roles in FUSED + tuple((a.split(".")[0], (a.split(".")[1],)) for a in ALONE):
@@ -127,7 +129,8 @@ def test_fp8_block_parts_ending_inside_a_block_are_refused(store, tmp_path_facto
     engines = len(store.list(kind="engine"))
     with pytest.raises(LlmqError, match=r"q_proj: its 192 rows end inside a 128-row FP8 block") as e:
         build_engine(art, store, BuildOptions(target="trtllm"))
-    assert "\n" not in str(e.value) and len(store.list(kind="engine")) == engines
+    assert "\n" not in str(e.value)
+    assert len(store.list(kind="engine")) == engines
 
 
 def test_what_the_loader_would_misread_in_a_layer_is_refused():
@@ -176,12 +179,15 @@ def test_mixed_precision_checkpoint_is_what_the_loader_reads(store, mixed_art):
     assert len({qw and qw.scheme for qw in qws}) == 4   # INT8, INT4, INT4 g64, 16-bit: or this test checks little
     eng = build_engine(mixed_art, store, BuildOptions(target="trtllm", verify=True))
     ckpt = eng.path / "trtllm"
-    assert eng.metrics["verify"]["passed"] and eng.metrics["verify"]["max_rel_error"] == 0.0
+    assert eng.metrics["verify"]["passed"]
+    assert eng.metrics["verify"]["max_rel_error"] == 0.0
     q = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
     per_layer = json.loads((ckpt / facts["per_layer_file"]).read_text())
-    assert facts["hf_quant_config"].items() <= q.items() and per_layer["quant_algo"] == q["quant_algo"]
+    assert facts["hf_quant_config"].items() <= q.items()
+    assert per_layer["quant_algo"] == q["quant_algo"]
     layers = per_layer[facts["per_layer_key"]]
-    assert layers == q[facts["per_layer_key"]] and "lm_head" in q["exclude_modules"]
+    assert layers == q[facts["per_layer_key"]]
+    assert "lm_head" in q["exclude_modules"]
     st = _tensors(ckpt)
     for i in range(2):
         units = [(f"model.layers.{i}.{p}", roles) for p, roles in FUSED] + \
@@ -194,13 +200,15 @@ def test_mixed_precision_checkpoint_is_what_the_loader_reads(store, mixed_art):
                 entry = layers.get(name)
                 assert entry == want, name   # the backend's one config for the fused linear is each part's own
                 if qw is None:
-                    assert name in q["exclude_modules"] and st[f"{name}.weight"].dtype == torch.float32
+                    assert name in q["exclude_modules"]
+                    assert st[f"{name}.weight"].dtype == torch.float32
                     continue
                 algo = entry["quant_algo"]
                 assert set(entry) == {"quant_algo", *facts["entry_fields"][algo]}, name
                 w, s = st[f"{name}.weight"], st[f"{name}.weight_scale"]
                 out, inn = qw.shape
-                assert w.dtype == torch.int8 and tuple(w.shape) == ((out, inn) if algo == "W8A16" else (out // 2, inn))
+                assert w.dtype == torch.int8
+                assert tuple(w.shape) == ((out, inn) if algo == "W8A16" else (out // 2, inn))
                 assert tuple(s.shape) == ((out, inn // entry["group_size"]) if algo == "W4A16_AWQ" else (out,))
     ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(3))
     assert torch.equal(llmq_logits(ckpt, ids), llmq_logits(mixed_art.path, ids))   # imported back: the same model

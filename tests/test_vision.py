@@ -51,7 +51,8 @@ def reference(vlm, prompt):
     hf = Gemma3ForConditionalGeneration.from_pretrained(vlm[0], dtype=torch.float32).eval()
     inputs = AutoProcessor.from_pretrained(vlm[0])(text=text, images=images, add_special_tokens=False,
                                                    return_tensors="pt")
-    assert inputs["input_ids"][0].tolist() == ids and inputs["token_type_ids"].sum() == 8   # 2 images x 4 tokens
+    assert inputs["input_ids"][0].tolist() == ids
+    assert inputs["token_type_ids"].sum() == 8   # 2 images x 4 tokens
     with torch.no_grad():
         lp = hf(**inputs).logits[0].double().log_softmax(-1)
         greedy = hf.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
@@ -90,15 +91,18 @@ def test_import_keeps_the_checkpoint_and_carries_the_tower_as_stored(vlm):
 
     src, art = vlm
     cfg = json.loads((art.path / "config.json").read_text())
-    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"] and "vision_config" in cfg
+    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert "vision_config" in cfg
     assert art.config["architecture"]["vision"] == "gemma3"
     assert art.config["architecture"]["architecture"] == "Gemma3ForCausalLM"   # the language model llmq runs
     assert (art.path / "processor_config.json").is_file()
     r = CheckpointReader(art.path)
-    assert r.spec.num_layers == 2 and "model.layers.0.self_attn.q_proj.weight" in r.tensors
+    assert r.spec.num_layers == 2
+    assert "model.layers.0.self_attn.q_proj.weight" in r.tensors
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         tower = [k for k in f.keys() if k.startswith(("vision_tower.", "multi_modal_projector."))]
-        assert sorted(r.tensors.vision) == sorted(tower) and len(tower) > 20
+        assert sorted(r.tensors.vision) == sorted(tower)
+        assert len(tower) > 20
         for k in tower:
             assert torch.equal(r.tensors.vision_tensor(k), f.get_tensor(k))
 
@@ -143,7 +147,8 @@ def test_prefix_cache_keys_hold_the_pixels(vlm, prompt, reference):
 
     text, _, ids, pixels = prompt
     other_ids, other = ImagePrompt(vlm[1].path)(text, [image("digit", seed=1), image("digit", seed=7)])
-    assert other_ids == ids and not torch.equal(other, pixels)
+    assert other_ids == ids
+    assert not torch.equal(other, pixels)
     second = [i for i, t in enumerate(ids) if t == 277][4]   # the second image's first token
     eng = engine(vlm[1].path, block_size=16)
     try:
@@ -276,14 +281,16 @@ def test_serve_takes_data_url_images_and_refuses_bad_ones_in_one_line(vlm, tmp_p
             ]:
                 r = c.post("/v1/chat/completions", json=chat_body(*parts))
                 msg = r.json()["error"]["message"]
-                assert r.status_code == 400 and "\n" not in msg, (why, r.text)
+                assert r.status_code == 400, (why, r.text)
+                assert "\n" not in msg, (why, r.text)
                 assert __import__("re").search(why, msg), (why, msg)
             r = c.post("/v1/chat/completions", json=chat_body(image_part(data_url(encoded(digit)))))
             assert r.status_code == 200   # still serving
     with live_server(make_tiny_model(tmp_path / "text"), EngineConfig(kv_cache_memory=8 << 20)) as live:
         with httpx.Client(base_url=live.url, timeout=60) as c:
             r = c.post("/v1/chat/completions", json=chat_body(image_part(data_url(encoded(digit)))))
-            assert r.status_code == 400 and "text-only: image_url parts are refused" in r.json()["error"]["message"]
+            assert r.status_code == 400
+            assert "text-only: image_url parts are refused" in r.json()["error"]["message"]
             assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
 
 
