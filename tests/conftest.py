@@ -1,4 +1,5 @@
 import pytest
+from helpers import family_model
 from helpers import make_tiny_model as _make_tiny_model
 
 from llmq.artifacts import Store
@@ -18,6 +19,43 @@ def make_tiny_model():
 @pytest.fixture
 def tiny_model_dir(tmp_path):
     return _make_tiny_model(tmp_path / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The shared tiny random models: tiny_model(seed=0, name="tiny", bf16=False, **config_overrides) -> an HF
+    directory `name` (its weights in bf16 with `bf16`),
+    made once a session for each set of arguments. Read them, never write into them (a test that edits a model makes
+    its own with make_tiny_model)."""
+    made: dict[str, object] = {}
+
+    def get(seed: int = 0, name: str = "tiny", bf16: bool = False, **overrides):
+        key = repr((seed, name, bf16, sorted(overrides.items())))   # the name: what `llmq import` calls it
+        if key not in made:
+            path = _make_tiny_model(tmp_path_factory.mktemp("tiny") / name, seed=seed, **overrides)
+            if bf16:   # stored in bf16, as real checkpoints are
+                import torch
+                from transformers import AutoModelForCausalLM
+
+                AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """family_dir(name) -> the tiny model of a family of the architecture registry (helpers.FAMILIES, which
+    test_families checks is the registry), made once a session."""
+    made: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = family_model(tmp_path_factory.mktemp("families") / name, name)
+        return made[name]
+
+    return get
 
 
 @pytest.fixture(scope="module")

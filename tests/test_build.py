@@ -135,14 +135,12 @@ SHAPES = {
 
 
 @pytest.fixture(scope="module")
-def tiny_sources(tmp_path_factory):
-    from helpers import make_tiny_model
-
+def tiny_sources(tmp_path_factory, tiny_model):
     from llmq.artifacts import Store
 
     root = tmp_path_factory.mktemp("build")
     store = Store(root / "store")
-    return store, {k: resolve_model(str(make_tiny_model(root / k, seed=i, **kw)), store)
+    return store, {k: resolve_model(str(tiny_model(seed=i, name=k, **kw)), store)
                    for i, (k, kw) in enumerate(SHAPES.items())}
 
 

@@ -38,7 +38,7 @@ def _decode(path, compile: bool, kv: str = "auto") -> tuple[list, list]:
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def sources(tmp_path_factory, tiny_model):
     import torch
     from helpers import make_tiny_model
     from transformers import AutoModelForCausalLM
@@ -50,7 +50,7 @@ def sources(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("compiled")
     store = Store(root / "store")
-    dense = resolve_model(str(make_tiny_model(root / "tiny", seed=3, tie_word_embeddings=True)), store)
+    dense = resolve_model(str(tiny_model(seed=3, tie_word_embeddings=True)), store)
     bf16_dir = make_tiny_model(root / "tiny-bf16", seed=3, tie_word_embeddings=True)
     AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
     bf16 = resolve_model(str(bf16_dir), store)  # on CPU: 16-bit weights on llmq's dense16 kernel, eagerly

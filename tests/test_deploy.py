@@ -79,7 +79,7 @@ def test_sizing_of_the_default_model_like_spec_and_refusals():
 # --- the stage, on real artifacts of a tiny model -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def arts(tmp_path_factory):
+def arts(tmp_path_factory, tiny_model):
     from helpers import make_tiny_model
     from transformers import AutoTokenizer
 
@@ -90,7 +90,7 @@ def arts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("deploy")
     store = Store(root / "store")
-    model = resolve_model(str(make_tiny_model(root / "tiny")), store)
+    model = resolve_model(str(tiny_model()), store)
     # dense weights with calibrated FP8 KV-cache scales: a quantized artifact (no weight quantization, which would
     # build the runtime's C++ kernels; the engines read either through the same quantization_config)
     fp8kv = quantize_kv(model, store, KVOptions(kv="fp8", granularity="tensor", num_samples=2, seq_len=32,
@@ -98,7 +98,7 @@ def arts(tmp_path_factory):
     gguf = build_engine(model, store, BuildOptions(target="gguf"))
     trt = build_engine(fp8kv, store, BuildOptions(target="trtllm"))
     # a draft model: one layer, the target's tokenizer; and one whose tokenizer has a token more
-    draft = resolve_model(str(make_tiny_model(root / "draft", seed=1, num_hidden_layers=1)), store)
+    draft = resolve_model(str(tiny_model(seed=1, name="draft", num_hidden_layers=1)), store)
     other = make_tiny_model(root / "other", seed=2, num_hidden_layers=1)
     tok = AutoTokenizer.from_pretrained(other)
     tok.add_tokens(["<extra>"])

@@ -25,11 +25,9 @@ IDS = [int(x) for x in torch.randint(0, 320, (40,), generator=torch.Generator().
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(tmp_path_factory, tiny_model):
     """{tied: (store, source, INT8-table artifact, same options with a 16-bit table)} for a tiny bf16 model; "grouped":
     the tied model's table in groups of 32 (llama.cpp's Q8_0 blocks) with searched scales."""
-    from helpers import make_tiny_model
-    from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
@@ -38,8 +36,7 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("emb8")
     out = {}
     for tied in (True, False):
-        path = make_tiny_model(root / f"tiny-{tied}", seed=11, tie_word_embeddings=tied)
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+        path = tiny_model(seed=11, name=f"tiny-{tied}", bf16=True, tie_word_embeddings=tied)
         store = Store(root / f"store-{tied}")
         src = resolve_model(str(path), store)
         out[tied] = (store, src, quantize(src, QuantizeOptions(embedding="int8", **COMMON), store, progress=False),

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
-from helpers import live_server, make_tiny_model
+from helpers import live_server
 from test_eval import make_rtn
 from test_eval_endpoint import _fake
 
@@ -28,11 +28,11 @@ KEY = "sk-llmq-test-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_model):
     """A store with a tiny model (the tokenizer and baseline of the fake servers' model) and its INT4 RTN artifact."""
     root = tmp_path_factory.mktemp("endpoint-hostile")
     store = Store(root / "store")
-    base = resolve_model(str(make_tiny_model(root / "base", seed=0, max_position_embeddings=1024)), store)
+    base = resolve_model(str(tiny_model(name="base", max_position_embeddings=1024)), store)
     return store, base, make_rtn(store, base, 4, "tiny-rtn4")
 
 

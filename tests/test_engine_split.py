@@ -30,12 +30,9 @@ CFG = dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, max_model_le
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from helpers import make_tiny_model
-
-    d = tmp_path_factory.mktemp("split")
+def models(tiny_model):
     # the draft: the target's own weights, so drafts are accepted (greedy) or accepted at random (sampled)
-    return make_tiny_model(d / "target", seed=11), make_tiny_model(d / "draft", seed=11)
+    return tiny_model(seed=11, name="target"), tiny_model(seed=11, name="draft")
 
 
 def cpu_arithmetic() -> str:

@@ -61,8 +61,8 @@ def req(*args):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("eval-tiny") / "m", seed=3)
+def tiny_dir(tiny_model):
+    return tiny_model(seed=3)
 
 
 @pytest.fixture(scope="module")

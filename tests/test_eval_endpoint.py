@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import free_port, live_server, make_tiny_model
+from helpers import free_port, live_server
 from test_eval import make_rtn, rand_text, req
 
 from llmq.artifacts import Store
@@ -28,14 +28,14 @@ from llmq.runtime import EngineConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_model):
     """A store with a tiny model and its INT4 RTN artifact, the latter served by `llmq serve` on a free port, giving
     whole distributions (--max-logprobs -1)."""
     from llmq.runtime.server import Limits
 
     root = tmp_path_factory.mktemp("eval-endpoint")
     store = Store(root / "store")
-    base = resolve_model(str(make_tiny_model(root / "base", seed=0, max_position_embeddings=1024)), store)
+    base = resolve_model(str(tiny_model(name="base", max_position_embeddings=1024)), store)
     cand = make_rtn(store, base, 4, "tiny-rtn4")
     with live_server(cand.path, EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20), name="tiny",
                      limits=Limits(max_logprobs=-1)) as live:

@@ -103,20 +103,17 @@ KV_EXPECT = {("int8", "tensor"): (_args(8, strategy="tensor"), (1,)),
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text", "phi3", "smollm3"])
-def source(tmp_path_factory, request):
+def source(tmp_path_factory, request, tiny_model):
     """A tiny random model of each family stored in bf16 (as real checkpoints are, so scales are bf16), as a model
     artifact (Qwen3: the same shapes, with its per-head q/k norms; Phi-3: the same, stored fused; SmolLM3: its second
     layer without the rotary embedding)."""
-    from helpers import make_tiny_model
-    from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
     d = tmp_path_factory.mktemp("ct")
     nope = {"no_rope_layers": [1, 0]} if request.param == "smollm3" else {}
-    path = make_tiny_model(d / "tiny", seed=5, model_type=request.param, head_dim=16, **nope)
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    path = tiny_model(seed=5, bf16=True, model_type=request.param, head_dim=16, **nope)
     store = Store(d / "store")
     return store, resolve_model(str(path), store)
 

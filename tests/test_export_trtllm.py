@@ -139,16 +139,14 @@ SCHEMES = {"bf16": None, "w8a16": dict(bits=8), "w4a16": dict(bits=4, group_size
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text", "phi3"])
-def arts(tmp_path_factory, request):
-    from helpers import make_tiny_model
-
+def arts(tmp_path_factory, request, tiny_model):
     from llmq.artifacts import Store
 
     root = tmp_path_factory.mktemp("trtllm")
     store = Store(root / "store")
-    model = resolve_model(str(make_tiny_model(root / "m", num_attention_heads=6, num_key_value_heads=3,
-                                              hidden_size=384, intermediate_size=256, tie_word_embeddings=True,
-                                              head_dim=64, model_type=request.param)), store)
+    model = resolve_model(str(tiny_model(name="m", num_attention_heads=6, num_key_value_heads=3, hidden_size=384,
+                                         intermediate_size=256, tie_word_embeddings=True, head_dim=64,
+                                         model_type=request.param)), store)
     return store, {k: model if q is None else quantize(model, QuantizeOptions(method="rtn", **q), store, progress=False)
                    for k, q in SCHEMES.items()}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAMILIES, family_model, hf_model
+from helpers import FAMILIES, hf_model
 
 from llmq.errors import LlmqError
 from llmq.models.arch import ARCHS
@@ -22,9 +22,8 @@ def test_every_declared_family_is_tested():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {t: family_model(root / t, t) for t in FAMILIES}
+def models(family_dir):
+    return {t: family_dir(t) for t in FAMILIES}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

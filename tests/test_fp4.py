@@ -235,17 +235,13 @@ def test_triton_kernel_decodes_every_code_and_scale_as_the_float64_reference():
 
 # -- the checkpoint ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
+def source(tmp_path_factory, tiny_model):
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
     d = tmp_path_factory.mktemp("fp4")
-    path = make_tiny_model(d / "tiny", seed=3)
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
     store = Store(d / "store")
-    return store, resolve_model(str(path), store)
+    return store, resolve_model(str(tiny_model(seed=3, bf16=True)), store)
 
 
 @pytest.fixture(scope="module")

@@ -163,14 +163,13 @@ def test_w4a4_layer_is_the_float64_matmul_of_rounded_activations(fmt):
 
 # -- the checkpoint ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(tmp_path_factory, tiny_model):
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
     d = tmp_path_factory.mktemp("w4a4")
-    path = make_tiny_model(d / "tiny", seed=3)
     store = Store(d / "store")
-    return store, resolve_model(str(path), store)
+    return store, resolve_model(str(tiny_model(seed=3)), store)
 
 
 @pytest.fixture(scope="module")

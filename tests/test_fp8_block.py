@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import llmq_logits, make_tiny_model, small_engine
+from helpers import llmq_logits, small_engine
 
 from llmq import quant
 from llmq.errors import LlmqError
@@ -210,10 +210,9 @@ VLLM_EXPECTS = {
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(tmp_path_factory, tiny_model):
     """{hidden: (store, source, quantized)}: tiny bf16 Llamas of hidden 64 (partial blocks everywhere) and 128
     (the widths vLLM's kernels take), quantized --method fp8 --group-size 128."""
-    from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
@@ -223,8 +222,7 @@ def made(tmp_path_factory):
     store = Store(d / "store")
     out = {}
     for hidden in (64, 128):
-        path = make_tiny_model(d / f"tiny{hidden}", seed=5, hidden_size=hidden, intermediate_size=2 * hidden)
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+        path = tiny_model(seed=5, name=f"tiny{hidden}", bf16=True, hidden_size=hidden, intermediate_size=2 * hidden)
         src = resolve_model(str(path), store)
         out[hidden] = store, src, quantize(src, QuantizeOptions(method="fp8", group_size=128, probe_tokens=256,
                                                                 name=f"tiny{hidden}-fp8b"), store, progress=False)

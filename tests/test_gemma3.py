@@ -1,5 +1,5 @@
 """Gemma 3 270M, the second real model (its Q4_K_M GGUF from PyPI, imported as `gemma3-270m`), through import,
-the runtime against transformers, quantize (GPTQ), eval's KLD and serve. About three minutes on 2 cores (its
+the runtime against transformers, quantize (GPTQ), eval's KLD and serve. About two minutes on 2 cores (its
 262k-token vocabulary makes every probe and export slow: AWQ and the GGUF export, ~40 s and ~75 s here, are left to
 the tiny Gemma 3 of test_families, which covers tp 2 and every export contract, and to
 benchmarks/gguf_in_llamacpp.py on this model; `llmq run` to the quickstart's test on the default model)."""
@@ -16,7 +16,7 @@ from helpers import live_server
 from llmq.artifacts import Store
 
 pytestmark = pytest.mark.integration
-# act-order: its static groups take one scale search per linear, not one per group of 32 columns (~15 s less here)
+# act-order: its static groups take one scale search per linear, not one per group of 32 columns
 CALIB = dict(bits=4, group_size=32, act_order=True, num_samples=2, seq_len=64, probe_tokens=256)
 
 

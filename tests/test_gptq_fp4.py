@@ -19,6 +19,7 @@ from llmq.pipeline.quantize import fp4
 from llmq.pipeline.quantize.fp4 import gptq_fp4
 
 BLOCK = {"nvfp4": quant.NVFP4_BLOCK, "mxfp4": quant.MXFP4_BLOCK}
+MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2   # where rounding to the E2M1 grid changes code
 
 
 def _layer(n=48, k=384, tokens=1024, gen=None):
@@ -35,21 +36,25 @@ def _hessian(x):
     return 2 * x.T @ x / x.shape[0]
 
 
-def _gptq_ref(w: np.ndarray, h: np.ndarray, step: np.ndarray, block: int, damp: float = 0.01) -> np.ndarray:
+def _gptq_ref(w: np.ndarray, h: np.ndarray, step: np.ndarray, block: int, damp: float = 0.01
+              ) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ by its definition, column by column in float64, no batching: U = chol((H + damp mean(diag H) I)^-1)
     (upper); column j goes to the nearest E2M1 value of its block's step (half to even, saturating), its error
-    (w_j - q_j) / U_jj goes onto the columns after it through row j of U. Returns the codes."""
+    (w_j - q_j) / U_jj goes onto the columns after it through row j of U. Returns the codes and each weight's
+    magnitude in steps as it was rounded."""
     W = w.astype(np.float64).copy()
     H = h.astype(np.float64) + damp * np.mean(np.diag(h)) * np.eye(h.shape[0])
     U = np.linalg.cholesky(np.linalg.inv(H)).T
     codes = np.zeros(W.shape, dtype=np.int64)
+    rounded = np.zeros(W.shape)
     for j in range(W.shape[1]):
         s = step[:, j // block].astype(np.float64)
-        c = _nearest_ref(np.abs(W[:, j] / s), E2M1) + 8 * (W[:, j] < 0)
+        rounded[:, j] = np.abs(W[:, j] / s)
+        c = _nearest_ref(rounded[:, j], E2M1) + 8 * (W[:, j] < 0)
         codes[:, j] = c
         real = E2M1[c & 7] * np.where(c & 8, -1.0, 1.0) * s
         W[:, j:] -= np.outer((W[:, j] - real) / U[j, j], U[j, j:])
-    return codes
+    return codes, rounded
 
 
 def _output_error(w, qw, x):
@@ -60,8 +65,8 @@ def _output_error(w, qw, x):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_sweep_matches_the_float64_reference(fmt):
     """llmq's sweep (float32, in batches of 128 columns with deferred updates) gives the float64 reference's codes
-    up to the rare value that float32 puts on the other side of a rounding boundary; the scales are round-to-
-    nearest's (their own float64 reference is test_fp4's)."""
+    up to the rare value that float32 puts on the other side of a rounding boundary (the rest of that row then
+    follows its own errors); the scales are round-to-nearest's (their own float64 reference is test_fp4's)."""
     w, x = _layer()
     h = _hessian(x)
     rtn = fp4.quantize_weight(w, fmt)
@@ -71,9 +76,15 @@ def test_sweep_matches_the_float64_reference(fmt):
     if got.global_scale is not None:
         assert torch.equal(got.global_scale, rtn.global_scale)
     step = quant.fp4_block_scale(got.scale, got.global_scale).numpy()
-    want = _gptq_ref(w.numpy(), h.double().numpy(), step, BLOCK[fmt])
-    same = (got.q.numpy() == want).mean()
-    assert same > 0.999, f"seed {SEED}: {same}"
+    want, rounded = _gptq_ref(w.numpy(), h.double().numpy(), step, BLOCK[fmt])
+    differ = got.q.numpy() != want
+    rows = np.nonzero(differ.any(1))[0]
+    # a row leaves the reference only at a near-tie (a weight float32 puts on the other side of a midpoint of the
+    # grid), and from there its own errors go onto the rest of the row: few rows, each first differing at a tie
+    assert len(rows) <= 2, f"seed {SEED}: {len(rows)} rows differ"
+    for r in rows:
+        j = int(np.argmax(differ[r]))
+        assert np.abs(rounded[r, j] - MIDPOINTS).min() < 1e-3, f"seed {SEED}: row {r} column {j} is no tie"
     assert (got.q.numpy() != fp4.quantize_weight(w, fmt).q.numpy()).mean() > 0.05   # and it is not RTN
 
 

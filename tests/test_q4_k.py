@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import bf16_kernels_off, make_tiny_model, runtime_logprobs
+from helpers import bf16_kernels_off, runtime_logprobs
 
 from llmq import quant
 from llmq.errors import LlmqError
@@ -158,7 +158,7 @@ def test_q4_k_options_are_refused_in_one_line_where_the_grid_does_not_apply():
 
 # ---------------------------------------------------------------- end to end: quantize -> artifact -> GGUF
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(tmp_path_factory, tiny_model):
     """{(model, method): (quantized artifact, gguf engine artifact)}: "mixed" has hidden 64 (q/k/v/o/gate/up fall
     back to INT4 asym g32) and intermediate 256 (down_proj on Q4_K); "all" has every width 256."""
     from llmq.artifacts import Store
@@ -169,7 +169,7 @@ def built(tmp_path_factory):
               "all": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)}
     out = {}
     for i, (name, kw) in enumerate(models.items()):
-        src = resolve_model(str(make_tiny_model(root / name, seed=20 + i, **kw)), store)
+        src = resolve_model(str(tiny_model(seed=20 + i, name=name, **kw)), store)
         for method in ("rtn", "gptq"):
             art = quantize(src, QuantizeOptions(method=method, grid="q4_k", num_samples=4, seq_len=64,
                                                 probe_tokens=128), store, progress=False)

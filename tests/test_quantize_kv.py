@@ -21,15 +21,13 @@ SMALL = dict(num_samples=6, seq_len=96, probe_tokens=384)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_model):
     """A tiny model artifact and its store (module-scoped: quantize-kv runs are shared by the tests below)."""
-    from helpers import make_tiny_model
-
     from llmq.artifacts import Store
 
     d = tmp_path_factory.mktemp("kv")
     store = Store(d / "store")
-    return store, resolve_model(str(make_tiny_model(d / "tiny", seed=1)), store)
+    return store, resolve_model(str(tiny_model(seed=1)), store)
 
 
 @pytest.fixture(scope="module")

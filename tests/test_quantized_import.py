@@ -12,14 +12,13 @@ import shutil
 
 import pytest
 import torch
-from helpers import make_tiny_model
 from safetensors.torch import load_file, save_file
 
 L = "model.layers.0.mlp.up_proj"   # [128, 64]: at 4 bits 8 int32 words a row, 2 groups of 32
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(tmp_path_factory, tiny_model):
     """(store, INT4 groups-of-32 artifact, block-FP8 artifact) of one tiny model: `llmq quantize`'s
     compressed-tensors."""
     from llmq.artifacts import Store
@@ -28,7 +27,7 @@ def made(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qimport")
     store = Store(root / "store")
-    src = resolve_model(str(make_tiny_model(root / "tiny")), store)
+    src = resolve_model(str(tiny_model()), store)
     int4 = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, probe_tokens=0), store, progress=False)
     fp8 = quantize(src, QuantizeOptions(method="fp8", group_size=128, probe_tokens=0), store, progress=False)
     return store, int4, fp8

@@ -265,16 +265,14 @@ def test_commands_cover_every_stage_and_subcommand():
 # --- store commands: run for real on a tiny artifact ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory):
-    from helpers import make_tiny_model
-
+def tiny_store(tmp_path_factory, tiny_model):
     from llmq.artifacts import Store
     from llmq.models import resolve_model
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
     root = tmp_path_factory.mktemp("docs")
     store = Store(root / "store")
-    model = resolve_model(str(make_tiny_model(root / "tiny")), store)
+    model = resolve_model(str(tiny_model()), store)
     art = quantize(model, QuantizeOptions(bits=4, group_size=32, probe_tokens=0, num_samples=2, seq_len=16), store,
                    progress=False)
     return store, art

@@ -180,7 +180,7 @@ def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(
 @pytest.mark.integration
 def test_quickstart_runs_end_to_end_on_the_default_model(default_store, tmp_path):
     """The README's main job, every stage on the default model with its gates, then a second run reusing all. Only
-    the sizes shrink (8 calibration windows, 20 items a task: ~60 s instead of ~330 s); every other setting is the
+    the sizes shrink (8 calibration windows, 20 items a task: a fifth of the time); every other setting is the
     shipped recipe's, and its full-size figures are benchmarks/quickstart_results.py's (docs/results.json)."""
     data = yaml.safe_load((RECIPES / "quickstart.yaml").read_text())
     data["stages"]["quantize"]["num_samples"] = 8

@@ -21,10 +21,8 @@ def rand_prompts(lengths, seed=0, vocab=256):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from helpers import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("rt") / "tiny")
+def tiny(tiny_model):
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")

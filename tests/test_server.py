@@ -22,10 +22,8 @@ from llmq.runtime import EngineConfig, LLMEngine
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from helpers import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("srv") / "tiny", seed=5)
+def tiny(tiny_model):
+    return tiny_model(seed=5)
 
 
 @pytest.fixture(scope="module")

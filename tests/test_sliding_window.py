@@ -31,11 +31,8 @@ def test_window_convention_is_transformers():
 
 
 @pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
-    from helpers import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("swa") / "mistral", seed=5, model_type="mistral",
-                           sliding_window=WINDOW)
+def mistral(tiny_model):
+    return tiny_model(seed=5, model_type="mistral", sliding_window=WINDOW)
 
 
 @pytest.mark.parametrize("budget", [128, 24, 5])  # one fresh prefill; chunks over a cached prefix; chunks < window

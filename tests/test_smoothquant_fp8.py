@@ -172,15 +172,13 @@ def test_bad_parameters_are_refused():
 
 
 @pytest.fixture(scope="module")
-def tiny_source(tmp_path_factory):
-    from helpers import make_tiny_model
-
+def tiny_source(tmp_path_factory, tiny_model):
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
     d = tmp_path_factory.mktemp("sq")
     store = Store(d / "store")
-    return store, resolve_model(str(make_tiny_model(d / "tiny", seed=2, attention_bias=True)), store)
+    return store, resolve_model(str(tiny_model(seed=2, attention_bias=True)), store)
 
 
 @pytest.mark.parametrize("method,extra,layer_cls,scheme", [

@@ -15,10 +15,8 @@ from llmq.runtime.speculative import Proposer, ngram_lookup
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from helpers import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("spec") / "m", seed=3)
+def tiny(tiny_model):
+    return tiny_model(seed=3)
 
 
 def prompts(n, seed=0):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import llmq_logits, make_tiny_model
+from helpers import llmq_logits
 from safetensors.torch import load_file
 
 from llmq.errors import LlmqError
@@ -28,13 +28,13 @@ LINEARS = [f"{p}.{r}" for p, roles in FUSED.items() for r in roles] + ["self_att
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(tmp_path_factory, tiny_model):
     from llmq.artifacts import Store
 
     root = tmp_path_factory.mktemp("trtllm-fp8")
     store = Store(root / "store")
-    src = resolve_model(str(make_tiny_model(root / "m", seed=3, num_attention_heads=6, num_key_value_heads=3,
-                                            head_dim=32, hidden_size=192, intermediate_size=256)), store)
+    src = resolve_model(str(tiny_model(seed=3, name="m", num_attention_heads=6, num_key_value_heads=3, head_dim=32,
+                                       hidden_size=192, intermediate_size=256)), store)
     calib = dict(num_samples=2, seq_len=32, probe_tokens=0)
     return store, src, {
         "channel": quantize(src, QuantizeOptions(method="fp8", probe_tokens=0), store, progress=False),

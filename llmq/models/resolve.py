@@ -66,10 +66,10 @@ def _clean_config(config: dict, spec: ModelSpec, dtype: str, keep_quantization: 
 
 @contextmanager
 def _one_gguf_parse() -> Iterator[None]:
-    """transformers parses a GGUF's metadata once per from_pretrained: config, tokenizer and weights read it three
-    times, and with a 262k-token vocabulary each parse is ~25 s (Gemma 3 270M imported in 108 s, ~75 s of it
-    parsing). For the import's duration gguf.GGUFReader, which transformers imports at each call, hands out one
-    reader per file; the reader is only read."""
+    """transformers parses a GGUF's metadata once per from_pretrained (config, tokenizer, weights), and a large
+    vocabulary makes each parse slow (docs/performance.md, "Importing a GGUF"). For the import's duration
+    gguf.GGUFReader, which transformers imports at each call, hands out one reader per file; the reader is only
+    read."""
     import gguf as gguf_py
 
     original, readers = gguf_py.GGUFReader, {}
