@@ -80,11 +80,11 @@ def _one_gguf_parse() -> Iterator[None]:
             readers[key] = original(path, mode)
         return readers[key]
 
-    gguf_py.GGUFReader = reader
+    setattr(gguf_py, "GGUFReader", reader)   # a function standing in for the class, for transformers' one call
     try:
         yield
     finally:
-        gguf_py.GGUFReader = original
+        setattr(gguf_py, "GGUFReader", original)
 
 
 def import_gguf(gguf: Path, store: Store, name: str, source: dict) -> Artifact:
