@@ -89,7 +89,7 @@ def main() -> None:
     model_type = AutoModelForCausalLM.from_pretrained(path).config.model_type
     if model_type not in PLAIN_NORMS:
         raise SystemExit(f"{model_type}: only models whose norms are x * w around plain residuals "
-                         f"({', '.join(PLAIN_NORMS)}) fold this way; Gemma's (1 + w) and sandwich norms are not handled")
+                         f"({', '.join(PLAIN_NORMS)}) fold this way; Gemma's (1 + w) and sandwich norms are not")
     text = Path(args.text).read_text()
     ids = torch.tensor([AutoTokenizer.from_pretrained(path)(text).input_ids[:args.tokens]])
 
