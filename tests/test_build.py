@@ -300,8 +300,8 @@ def test_cli_builds_and_refuses_clearly(cli, make_tiny_model, tmp_path):
     assert "pipeline parallelism is not supported" in r.output
     r = CliRunner().invoke(cli, [*store, "build", str(d), "--tp", "2", "--verify", "--target", "trtllm"])
     assert r.exit_code == 0, r.output   # padding is the default: it is exact
-    assert ("padded from 6 / 3 to 8 / 4 heads with zero heads (exact)" in r.output)
-    assert ("reference check: max relative error" in r.output)
+    assert "padded from 6 / 3 to 8 / 4 heads with zero heads (exact)" in r.output
+    assert "reference check: max relative error" in r.output
     assert "compile: pytorch-options" in r.output
 
 

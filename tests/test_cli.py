@@ -79,8 +79,8 @@ def test_verify_rehashes_everything_and_names_a_damaged_file(tmp_path):
     os.utime(f, ns=(0, 10**18))  # size and mtime as stamped: a load does not see it, verify does
     assert run(store.root, "inspect", "thing").exit_code == 0
     r = run(store.root, "verify", "thing/v1")
-    assert (r.exit_code == 2)
-    assert (r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n")
+    assert r.exit_code == 2
+    assert r.output == "error: artifact thing/v1 is damaged: file a.bin does not match its sha256\n"
     assert run(store.root, "verify", "nope").exit_code == 2
 
 

@@ -132,8 +132,8 @@ def test_vllm_one_node_and_several(arts):
     head, workers, serve = rec["steps"]
     assert (head["run"], workers) == ("ray start --head --port 6379", {
         "where": "node 1", "run": 'ray start --address "$HEAD_IP":6379 --block'})
-    assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 " in serve["run"])
-    assert ("--kv-cache-dtype fp8 --distributed-executor-backend ray " in serve["run"])
+    assert "--tensor-parallel-size 2 --pipeline-parallel-size 2 " in serve["run"]
+    assert "--kv-cache-dtype fp8 --distributed-executor-backend ray " in serve["run"]
     assert (rec["sizing"]["tp"], rec["sizing"]["pp"]) == (2, 2)
     assert "Set `HEAD_IP` to node 0's address." in readme
     with pytest.raises(LlmqError, match=r"^--gpus-per-node 2 --nodes 3 \(tp 2, pp 3\): 3 pipeline stages exceed the "
@@ -247,8 +247,7 @@ def test_speculative_ngram_in_each_engines_own_terms(arts):
     assert svc["spec"]["template"]["containers"][0]["command"][-1] == serve["run"].replace('"$MODEL_DIR"',
                                                                                            "/mnt/models")
     assert rec["sizing"]["draft"] == 0
-    assert rec["speculative"] == {"method": "ngram", "num_speculative_tokens": 3,
-                                                                  "draft": None}
+    assert rec["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "draft": None}
     assert "DRAFT_DIR" not in readme
     assert "- Speculative decoding: prompt lookup (ngram), 3 draft tokens" in readme
     rec, _ = _deployed(arts, "model", engine="sglang", speculative="ngram", num_speculative_tokens=3)
@@ -289,8 +288,7 @@ def test_speculative_draft_model_in_each_engines_own_terms(arts):
     assert any(n.startswith("no KServe manifest with a draft model") for n in rec["notes"])
     s = rec["sizing"]
     assert s["draft"] == DRAFT_PARAMS * 4 + DRAFT_KV
-    assert s["need"] == (s["weights"] + s["kv_cache"] + s["draft"]
-                                                                       + ACTIVATION_MARGIN)
+    assert s["need"] == (s["weights"] + s["kv_cache"] + s["draft"] + ACTIVATION_MARGIN)
     assert rec["speculative"]["draft"]["id"] == a["draft"].id
     assert (f"Copy the draft model's artifact {ref} (its directory, {a['draft'].path}) there too and set `DRAFT_DIR` "
             "to it.") in readme
@@ -495,8 +493,7 @@ def test_written_through_the_store_and_nothing_left_on_failure(arts, monkeypatch
     art = deploy(a["fp8kv"], store, DeployOptions(engine="vllm", name="dep"))
     assert art.kind == "deploy"
     assert art.parents == [a["fp8kv"].id]
-    assert set(art.manifest["files"]) == {
-        "README.md", "deploy.json", KSERVE_FILE, RAY_FILE}
+    assert set(art.manifest["files"]) == {"README.md", "deploy.json", KSERVE_FILE, RAY_FILE}
     art.verify(full=True)
     assert store.resolve("dep").id == art.id
     before = sorted(p.name for p in store.root.iterdir())

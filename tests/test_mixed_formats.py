@@ -216,8 +216,7 @@ def test_the_artifact_is_compressed_tensors_mixed_precision_one_group_per_scheme
                 assert all(torch.equal(q.global_scale, qws[0].global_scale) for q in qws)
     # lm_head: dense, in ignore, and nothing of a quantized head written (vllm#45102)
     assert "lm_head" in cfg["ignore"]
-    assert not any(k.startswith("lm_head.") and k != "lm_head.weight"
-                                                  for k in ck.tensors)
+    assert not any(k.startswith("lm_head.") and k != "lm_head.weight" for k in ck.tensors)
 
 
 def _decompressed_reference(art, src):

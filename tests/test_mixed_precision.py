@@ -144,8 +144,7 @@ def test_max_size_spends_what_the_file_leaves_and_never_passes_it(tiny, extra):
     assert plain.metrics["size_bytes"] < art.metrics["size_bytes"] <= limit
     assert m["count"]["int8"] > 0
     assert art.config["options"]["max_size"] == f"{limit / 1000:g}kB"
-    assert m["target_bpw"] == art.config["options"][
-        "target_bpw"]
+    assert m["target_bpw"] == art.config["options"]["target_bpw"]
     # nothing but the headers' allowance (256 bytes an entry, real ones are ~100) and less than one more unit's
     # upgrade is left unspent
     assert limit - art.metrics["size_bytes"] < 256 * 100 + 4 * 64 * 128

@@ -372,8 +372,7 @@ def test_tool_call_conversations_calibrate_where_the_template_renders_tools(tmp_
     assert texts
     assert all("<tools>" in t or "<tool_call>" in t for t in texts)
     assert any('<tool_call>\n{"name": "' in t for t in texts)
-    assert not any("<tool_call>" in t for t in _texts(
-        w, tools_tok, "chat"))
+    assert not any("<tool_call>" in t for t in _texts(w, tools_tok, "chat"))
     assert "tools" not in calib.load_calibration(None, tok, 20, 512, 0).manifest()["domains"]  # CHATML: none
     row = {"tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}],
            "messages": [{"role": "user", "content": "Time?"},
@@ -389,8 +388,7 @@ def test_tool_call_conversations_calibrate_where_the_template_renders_tools(tmp_
         calib.load_calibration(str(f), tok, 1, 4096, 0)
     probe = calib.load_probe_text(tools_tok, 4096)  # held-out tool conversations lead the probe's text
     assert probe.source.startswith(f"bundled:{calib.PROBE_TOOLS}+")
-    assert "<tool_call>" in tools_tok.decode(
-        probe.samples[0])
+    assert "<tool_call>" in tools_tok.decode(probe.samples[0])
     assert "probe_tools" not in calib.load_probe_text(tok, 1024).source
     f.write_text(json.dumps({"messages": row["messages"]}) + "\n")  # calls without their tools
     with pytest.raises(LlmqError, match="tool_calls"):

@@ -95,8 +95,8 @@ def test_build_stages_are_reused_and_rerun_exactly_when_their_inputs_change(tmp_
 
     recipe["stages"]["build"]["tp"] = 4
     changed = run_recipe(load_recipe(_write(tmp_path, recipe)), store)
-    assert ([r.status for r in changed.stages] == ["ran"])
-    assert (changed.stages[0].artifact.id != first.stages[0].artifact.id)
+    assert [r.status for r in changed.stages] == ["ran"]
+    assert changed.stages[0].artifact.id != first.stages[0].artifact.id
     forced = run_recipe(load_recipe(_write(tmp_path, recipe)), store, from_stage="build")
     assert [r.status for r in forced.stages] == ["ran"]
     # deterministic: the forced re-run wrote identical bytes, so the same content id

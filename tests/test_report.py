@@ -73,8 +73,7 @@ def test_every_section_is_drawn_from_the_artifacts(recorded, tmp_path):
     (heat,) = _svgs(size)[1:]   # after the size bars
     units = mixed.config["mixed_precision"]["units"]
     assert {u["scheme"] for u in units} <= {"int4", "int8", "16bit"}
-    assert all(f"<!-- {u['scheme']} -->" in heat
-                                                                           for u in units)
+    assert all(f"<!-- {u['scheme']} -->" in heat for u in units)
     assert f"{mixed.config['mixed_precision']['bpw']:.3f}" in size
     assert "one scheme for every unit: W4A16-group32-sym" in size   # the GPTQ artifact
     kld = _section(page, "kld")
