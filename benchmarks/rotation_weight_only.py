@@ -76,7 +76,7 @@ def round_to_nearest(model, bits: int, group: int):
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a model reference (default: the embedded default model)")
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     path = resolve_model(args.model, Store.open(args.store)).path
-    model_type = AutoModelForCausalLM.from_pretrained(path).config.model_type
+    model_type = AutoConfig.from_pretrained(path).model_type
     if model_type not in PLAIN_NORMS:
         raise SystemExit(f"{model_type}: only models whose norms are x * w around plain residuals "
                          f"({', '.join(PLAIN_NORMS)}) fold this way; Gemma's (1 + w) and sandwich norms are not")

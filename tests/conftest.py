@@ -1,5 +1,5 @@
 import pytest
-from helpers import family_model
+from helpers import family_config
 from helpers import make_tiny_model as _make_tiny_model
 
 from llmq.artifacts import Store
@@ -24,9 +24,8 @@ def tiny_model_dir(tmp_path):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The shared tiny random models: tiny_model(seed=0, name="tiny", bf16=False, **config_overrides) -> an HF
-    directory `name` (its weights in bf16 with `bf16`),
-    made once a session for each set of arguments. Read them, never write into them (a test that edits a model makes
-    its own with make_tiny_model)."""
+    directory `name` (weights in bf16 with `bf16`), made once a session for each set of arguments. Read them, never
+    write into them (a test that edits a model makes its own with make_tiny_model)."""
     made: dict[str, object] = {}
 
     def get(seed: int = 0, name: str = "tiny", bf16: bool = False, **overrides):
@@ -45,17 +44,10 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def family_dir(tmp_path_factory):
+def family_dir(tiny_model):
     """family_dir(name) -> the tiny model of a family of the architecture registry (helpers.FAMILIES, which
-    test_families checks is the registry), made once a session."""
-    made: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in made:
-            made[name] = family_model(tmp_path_factory.mktemp("families") / name, name)
-        return made[name]
-
-    return get
+    test_families checks is the registry), one of tiny_model's."""
+    return lambda name: tiny_model(seed=4, name=name, **family_config(name))
 
 
 @pytest.fixture(scope="module")

@@ -94,11 +94,15 @@ def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> P
     return path
 
 
+def family_config(family: str) -> dict:
+    """make_tiny_model's overrides for a declared family: what FAMILIES says it exercises (6 heads / 2 KV heads,
+    hidden 96)."""
+    return dict(model_type=family, num_attention_heads=6, num_key_value_heads=2, hidden_size=96, **FAMILIES[family])
+
+
 def family_model(path: Path, family: str, seed: int = 4) -> Path:
-    """A tiny random model of a declared family, with what FAMILIES says it exercises (6 heads / 2 KV heads, hidden
-    96)."""
-    return make_tiny_model(path, seed=seed, model_type=family, num_attention_heads=6, num_key_value_heads=2,
-                           hidden_size=96, **FAMILIES[family])
+    """A tiny random model of a declared family (family_config)."""
+    return make_tiny_model(path, seed=seed, **family_config(family))
 
 
 def tiny_bf16_store(d: Path, seed: int, **overrides):
