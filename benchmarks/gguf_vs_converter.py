@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 # phi3 has no sliding window); gemma3's query scale as its releases have it (the converter does not move another
 # into the q norm, which llmq does)
 GGUF_OVERRIDES = {"qwen3_5_text": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
+                  "qwen3_5_moe_text": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
                   "qwen3_moe": dict(norm_topk_prob=True), "phi3": dict(sliding_window=None),
                   "gemma3_text": dict(query_pre_attn_scalar=24)}
 NAMES = ("general.name", "general.size_label", "general.type", "general.file_type")

@@ -4,6 +4,7 @@ second, offline), llmq's runtime and transformers over them (log-probs, logits, 
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -32,7 +33,13 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_wor
             # output gate, q / k norms and a rotary embedding over a quarter of each head (tests/test_hybrid.py)
             "qwen3_5_text": {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                              "linear_key_head_dim": 16, "linear_value_head_dim": 12,
-                             "layer_types": ["linear_attention", "full_attention"]}}
+                             "layer_types": ["linear_attention", "full_attention"]},
+            # the same hybrid with 8 experts of width 32 (2 a token) and a shared expert of width 48 for every MLP
+            "qwen3_5_moe_text": {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                 "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                                 "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "shared_expert_intermediate_size": 48}}
 
 
 def byte_tokenizer():
@@ -75,7 +82,7 @@ def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> P
     """Save a random model (Llama unless model_type says another family; 2 layers, hidden 64, 4 heads / 2 KV heads
     by default) with `tokenizer` (default: the byte tokenizer) to `path`."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     model_type = overrides.pop("model_type", "llama")
     tok = tokenizer or byte_tokenizer()
@@ -83,6 +90,8 @@ def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> P
                num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
                tie_word_embeddings=False, initializer_range=0.1, bos_token_id=tok.bos_token_id,
                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if "intermediate_size" not in CONFIG_MAPPING[model_type].__dataclass_fields__:
+        del cfg["intermediate_size"]  # a MoE whose MLPs are all experts has no dense width (Qwen3.5-MoE)
     cfg.update(overrides)
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])  # Qwen3 / Gemma 3 default to 128 / 256
     torch.manual_seed(seed)
@@ -117,6 +126,33 @@ def tiny_bf16_store(d: Path, seed: int, **overrides):
     AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
     store = Store(d / "store")
     return store, resolve_model(str(path), store)
+
+
+def decompressed_dense(art, out: Path) -> Path:
+    """The quantized checkpoint as a dense one: every quantized linear decompressed by compressed-tensors' own
+    compressor (scales in float32), everything else as stored, no quantization_config."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import save_file
+
+    from llmq.models.reader import CheckpointReader
+
+    ck = CheckpointReader(art.path)
+    cfg = dict(ck.config)
+    qcfg = cfg.pop("quantization_config")
+    (group,) = qcfg["config_groups"].values()
+    scheme = QuantizationScheme.model_validate(group)
+    compressor = BaseCompressor.get_value_from_registry(qcfg["format"])
+    modules = {k.rsplit(".", 1)[0] for k in ck.tensors if k.endswith(".weight_scale")}
+    dense = {k: ck.tensors[k] for k in ck.tensors if k.rsplit(".", 1)[0] not in modules}
+    for m in modules:
+        stored = {k[len(m) + 1:]: ck.tensors[k] for k in ck.tensors if k.startswith(m + ".")}
+        stored["weight_scale"] = stored["weight_scale"].float()
+        dense[f"{m}.weight"] = compressor.decompress(stored, scheme)["weight"].float()
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in dense.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
 
 
 def llmq_logits(source_dir, ids):

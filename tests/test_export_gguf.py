@@ -332,8 +332,27 @@ def exact_artifact_model(src_path: Path):
         state |= {f"{s.arch.prefix(i)}.{p}": t.float() for p, t in s.layer_tensors(i).items()}   # Gated DeltaNet's
     state["lm_head.weight"] = s.lm_head().dense(torch.float32)
     model = AutoModelForCausalLM.from_config(config).float().eval()
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(_experts_fused(state, s.spec.num_experts), strict=True)
     return model
+
+
+def _experts_fused(state: dict, experts: int) -> dict:
+    """A checkpoint's per-expert linears (<block>.experts.<e>.<role>.weight) as transformers 5 holds them in memory:
+    <block>.experts.gate_up_proj [experts, 2 x width, hidden] (gate rows first) and <block>.experts.down_proj."""
+    import re
+
+    out, found = {}, {}
+    for k, v in state.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", k)
+        if m:
+            found.setdefault(m[1], {})[(int(m[2]), m[3])] = v
+        else:
+            out[k] = v
+    for block, w in found.items():
+        stack = lambda role: torch.stack([w[e, role] for e in range(experts)])  # noqa: E731
+        out[f"{block}.gate_up_proj"] = torch.cat([stack("gate"), stack("up")], dim=1)
+        out[f"{block}.down_proj"] = stack("down")
+    return out
 
 
 def reader_logprobs(model, ids: list[int]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`llmq build --target gguf` of a hybrid (Qwen3.5: Gated DeltaNet and gated full-attention layers) as llama.cpp's
-`qwen35`, against that loader's contract (src/models/qwen35.cpp: the tensors each kind of layer creates and their
-shapes, the ssm / recurrent-layer / M-RoPE keys) and an independent reader that undoes llama.cpp's layout (value
-heads tiled, A = -exp(A_log), norms as 1 + w) and runs transformers' Qwen3.5 on what it read. llama.cpp's own
+`qwen35`, and of Qwen3.5-MoE (experts and a gated shared expert for every MLP) as its `qwen35moe`, against those
+loaders' contract (src/models/qwen35.cpp, qwen35moe.cpp: the tensors each kind of layer creates and their shapes, the
+ssm / recurrent-layer / M-RoPE / expert keys) and an independent reader that undoes llama.cpp's layout (value heads
+tiled, A = -exp(A_log), norms as 1 + w, experts merged) and runs transformers' Qwen3.5 on what it read. llama.cpp's own
 converter writes the same tensors bit for bit (benchmarks/gguf_vs_converter.py)."""
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ gguf = pytest.importorskip("gguf")
 CONFIG = dict(model_type="qwen3_5_text", hidden_size=64, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
               layer_types=["linear_attention", "full_attention"])
+# the same layers with 4 experts of 64 (2 a token) and a shared expert of 96 (three Q4_0 blocks a row) for every MLP
+CONFIG_MOE = CONFIG | dict(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, shared_expert_intermediate_size=96)
 SCHEMES = {"bf16": (None, "BF16"), "w4-g32": (dict(bits=4, group_size=32), "Q4_0"),
            "w8-g32": (dict(bits=8, group_size=32), "Q8_0")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[CONFIG, CONFIG_MOE], ids=["qwen35", "qwen35moe"])
 def hybrid(tmp_path_factory, request):
     from helpers import make_tiny_model
     from test_export_gguf import _bf16
@@ -39,7 +43,7 @@ def hybrid(tmp_path_factory, request):
 
     root = tmp_path_factory.mktemp("qwen35")
     store = Store(root / "store")
-    d = make_tiny_model(root / "hf", seed=7, **CONFIG)
+    d = make_tiny_model(root / "hf", seed=7, **request.param)
     _bf16(d, random_norms=True)   # (1 + w) norms and the DeltaNet's w-norm: every value matters
     model = resolve_model(str(_bf16_with_a_merge(d)), store)
     built = {}
@@ -51,8 +55,8 @@ def hybrid(tmp_path_factory, request):
 
 
 def expected_tensors(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, ne0 first; kind) as llama.cpp's qwen35 loader creates them for this config."""
-    e, v, f, d = c["hidden_size"], c["vocab_size"], c["intermediate_size"], c["head_dim"]
+    """name -> (shape, ne0 first; kind) as llama.cpp's qwen35 / qwen35moe loader creates them for this config."""
+    e, v, d = c["hidden_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     kh, vh, dk = c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"]
     conv = 2 * kh * dk + vh * dk
@@ -60,9 +64,17 @@ def expected_tensors(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
            "output.weight": ((e, v), "lm_head")}
     for i, kind in enumerate(c["layer_types"]):
         b = f"blk.{i}."
-        out |= {b + "attn_norm.weight": ((e,), "f32"), b + "post_attention_norm.weight": ((e,), "f32"),
-                b + "ffn_gate.weight": ((e, f), "linear"), b + "ffn_up.weight": ((e, f), "linear"),
-                b + "ffn_down.weight": ((f, e), "linear")}
+        out |= {b + "attn_norm.weight": ((e,), "f32"), b + "post_attention_norm.weight": ((e,), "f32")}
+        if "num_experts" in c:   # the router and shared expert gate F32, each role's experts one 3-D tensor
+            n, f, fs = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+            out |= {b + "ffn_gate_inp.weight": ((e, n), "f32"), b + "ffn_gate_exps.weight": ((e, f, n), "linear"),
+                    b + "ffn_up_exps.weight": ((e, f, n), "linear"), b + "ffn_down_exps.weight": ((f, e, n), "linear"),
+                    b + "ffn_gate_inp_shexp.weight": ((e, 1), "f32"), b + "ffn_gate_shexp.weight": ((e, fs), "linear"),
+                    b + "ffn_up_shexp.weight": ((e, fs), "linear"), b + "ffn_down_shexp.weight": ((fs, e), "linear")}
+        else:
+            f = c["intermediate_size"]
+            out |= {b + "ffn_gate.weight": ((e, f), "linear"), b + "ffn_up.weight": ((e, f), "linear"),
+                    b + "ffn_down.weight": ((f, e), "linear")}
         if kind == "full_attention":   # q_proj holds each head's query and its output gate
             out |= {b + "attn_q.weight": ((e, 2 * q), "linear"), b + "attn_k.weight": ((e, kv), "linear"),
                     b + "attn_v.weight": ((e, kv), "linear"), b + "attn_output.weight": ((q, e), "linear"),
@@ -82,13 +94,18 @@ def test_qwen35_file_meets_llama_cpp_loader_contract(hybrid, scheme):
     src, art = built[scheme]
     c = json.loads((src.path / "config.json").read_text())
     r = gguf.GGUFReader(gguf_file(art))
-    assert _field(r, "general.architecture")[1] == "qwen35"
+    name = "qwen35moe" if "num_experts" in c else "qwen35"
+    assert _field(r, "general.architecture")[1] == name
     want = {"ssm.conv_kernel": c["linear_conv_kernel_dim"], "ssm.state_size": 32, "ssm.group_count": 2,
             "ssm.time_step_rank": 4, "ssm.inner_size": 128, "rope.dimension_count": 8,   # a quarter of 32
             "attention.key_length": 32, "attention.value_length": 32,
             "attention.recurrent_layers": [True, False], "rope.dimension_sections": [11, 11, 10, 0]}
+    if "num_experts" in c:
+        want |= {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 64,
+                 "expert_shared_feed_forward_length": 96}
+        assert f"{name}.feed_forward_length" not in r.fields   # no dense MLP
     for k, v in want.items():
-        assert _field(r, f"qwen35.{k}")[1] == v, k
+        assert _field(r, f"{name}.{k}")[1] == v, k
     tensors = {t.name: t for t in r.tensors}
     expected = expected_tensors(c)
     assert set(tensors) == set(expected)
@@ -111,15 +128,20 @@ def _untiled(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
 
 
 def read_qwen35(path):
-    """transformers' Qwen3.5 from the GGUF file alone, as llama.cpp reads it."""
+    """transformers' Qwen3.5 (dense or MoE) from the GGUF file alone, as llama.cpp reads it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     r = gguf.GGUFReader(path)
-    g = lambda k: r.fields[f"qwen35.{k}"].contents()  # noqa: E731
+    arch = r.fields["general.architecture"].contents()
+    g = lambda k: r.fields[f"{arch}.{k}"].contents()  # noqa: E731
     recurrent = g("attention.recurrent_layers")
+    mlp = dict(num_experts=g("expert_count"), num_experts_per_tok=g("expert_used_count"),
+               moe_intermediate_size=g("expert_feed_forward_length"),
+               shared_expert_intermediate_size=g("expert_shared_feed_forward_length")) if arch == "qwen35moe" else \
+        dict(intermediate_size=g("feed_forward_length"))
     cfg = AutoConfig.for_model(
-        "qwen3_5_text", vocab_size=len(r.fields["tokenizer.ggml.tokens"].contents()),
-        hidden_size=g("embedding_length"), intermediate_size=g("feed_forward_length"),
+        "qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_5_text",
+        vocab_size=len(r.fields["tokenizer.ggml.tokens"].contents()), hidden_size=g("embedding_length"), **mlp,
         num_hidden_layers=g("block_count"), num_attention_heads=g("attention.head_count"),
         num_key_value_heads=g("attention.head_count_kv"), head_dim=g("attention.key_length"),
         rms_norm_eps=g("attention.layer_norm_rms_epsilon"), tie_word_embeddings=False,
@@ -140,8 +162,12 @@ def read_qwen35(path):
              "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
              "ssm_out.weight": "linear_attn.out_proj.weight", "ssm_conv1d.weight": "linear_attn.conv1d.weight",
              "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
-             "ssm_norm.weight": "linear_attn.norm.weight"}
-    state = {}
+             "ssm_norm.weight": "linear_attn.norm.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+             "ffn_down_exps.weight": "mlp.experts.down_proj", "ffn_gate_inp_shexp.weight":
+             "mlp.shared_expert_gate.weight", "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+             "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+             "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+    state, gates = {}, {}
     for t in r.tensors:
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(
             [int(x) for x in reversed(t.shape)]).astype("float32"))
@@ -165,6 +191,12 @@ def read_qwen35(path):
             w = _untiled((-w).log(), 0, 1)
         elif rest == "ssm_out.weight":
             w = _untiled(w, 1, d)
+        elif rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):   # transformers holds them as one, gate first
+            gates.setdefault(i, {})[rest] = w
+            if len(gates[i]) == 2:
+                state[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat(
+                    [gates[i]["ffn_gate_exps.weight"], gates[i]["ffn_up_exps.weight"]], dim=1)
+            continue
         state[f"model.layers.{i}.{names[rest]}"] = w
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     model.load_state_dict(state, strict=True)

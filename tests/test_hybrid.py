@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import bf16_kernels_off, hf_model, make_tiny_model
+from helpers import bf16_kernels_off, decompressed_dense, hf_model, make_tiny_model
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
@@ -20,16 +20,19 @@ from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 QWEN35 = dict(model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=96, num_attention_heads=4,
               num_key_value_heads=2, head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=16, linear_value_head_dim=12)
+# the same with a mixture of 8 experts of width 32 (2 a token) and a shared expert of width 48 for every MLP
+QWEN35_MOE = QWEN35 | dict(model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=48)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """The tiny Qwen3.5 with every norm weight and dt_bias drawn at random (transformers initialises the (1 + w) norms
-    to zero and dt_bias to one), so that each of them must be computed."""
+@pytest.fixture(scope="module", params=[QWEN35, QWEN35_MOE], ids=["qwen3_5", "qwen3_5_moe"])
+def model(tmp_path_factory, request):
+    """The tiny Qwen3.5 (dense or MoE) with every norm weight and dt_bias drawn at random (transformers initialises
+    the (1 + w) norms to zero and dt_bias to one), so that each of them must be computed."""
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_model(tmp_path_factory.mktemp("hybrid") / "qwen35", seed=4, **QWEN35)
+    path = make_tiny_model(tmp_path_factory.mktemp("hybrid") / "qwen35", seed=4, **request.param)
     f = next(path.glob("*.safetensors"))
     g = torch.Generator().manual_seed(0)
     st = {k: (torch.rand(v.shape, generator=g) - 0.5 if k.endswith(("norm.weight", "dt_bias")) else v)
@@ -121,7 +124,7 @@ def test_preempted_sequences_recompute_their_state(model):
 
 def test_what_the_runtime_does_not_run_with_gated_deltanet_layers_is_refused(model):
     for config, words in ((dict(compile=True), "--compile"), (dict(kv_cache_dtype="fp8"), "KV caches")):
-        with pytest.raises(LlmqError, match=f"^Qwen3_5ForCausalLM: .*{words}") as e:
+        with pytest.raises(LlmqError, match=f"^Qwen3_5(Moe)?ForCausalLM: .*{words}") as e:
             LLMEngine(model, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20, **config))
         assert "\n" not in str(e.value)
 
@@ -143,9 +146,11 @@ def artifacts(model, tmp_path_factory):
 @pytest.mark.parametrize("method", [dict(method="rtn", bits=4, group_size=16), dict(method="gptq", bits=4,
                                                                                     group_size=16)],
                          ids=["rtn-w4g16", "gptq-w4g16"])
-def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, monkeypatch):
-    """Every linear but the DeltaNet's rate projections in INT4 (compressed-tensors, as vLLM loads it): llmq's
-    runtime on its exact dequantize path gives transformers' distributions on the same artifact."""
+def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, monkeypatch, tmp_path):
+    """Every linear but the DeltaNet's rate projections (and a MoE's router and shared expert gate) in INT4
+    (compressed-tensors, as vLLM loads it): llmq's runtime on its exact dequantize path gives transformers'
+    distributions on the same artifact (a MoE's decompressed by compressed-tensors first: transformers fuses experts
+    into 3-D tensors it cannot load packed)."""
     from llmq.models.reader import CheckpointReader
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
@@ -157,9 +162,17 @@ def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, mo
     ckpt = CheckpointReader(art.path)
     assert ckpt.layer_linears(0)["in_proj_qkv"].qw is not None
     assert ckpt.layer_linears(0)["in_proj_b"].qw is None
+    moe = ckpt.spec.num_experts > 0
+    if moe:
+        lin = ckpt.layer_linears(3)
+        assert all(lin[r].qw is not None for r in ("experts.7.down_proj", "shared_expert.gate_proj", "q_proj"))
+        assert lin["router"].qw is None
+        assert lin["shared_expert_gate"].qw is None
+        assert {f"model.layers.{i}.mlp.{m}" for i in range(4) for m in ("gate", "shared_expert_gate")} <= set(ignore)
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
-        ref = hf_model(art.path)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        loaded = decompressed_dense(art, tmp_path / "dense") if moe else art.path
+        ref = hf_model(loaded)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
         source = hf_model(src.path)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
     bf16_kernels_off(monkeypatch)
     eng = LLMEngine(art.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import bf16_kernels_off, runtime_logprobs, small_engine
+from helpers import bf16_kernels_off, decompressed_dense, runtime_logprobs, small_engine
 
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
@@ -67,31 +67,6 @@ def source(tmp_path_factory, request):
     return _source(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def _decompressed_dense(art, out):
-    """The quantized checkpoint as a dense one: every quantized linear decompressed by compressed-tensors' own
-    compressor (scales in float32), everything else as stored, no quantization_config."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationScheme
-    from safetensors.torch import save_file
-
-    ck = CheckpointReader(art.path)
-    cfg = dict(ck.config)
-    qcfg = cfg.pop("quantization_config")
-    (group,) = qcfg["config_groups"].values()
-    scheme = QuantizationScheme.model_validate(group)
-    compressor = BaseCompressor.get_value_from_registry(qcfg["format"])
-    modules = {k.rsplit(".", 1)[0] for k in ck.tensors if k.endswith(".weight_scale")}
-    dense = {k: ck.tensors[k] for k in ck.tensors if k.rsplit(".", 1)[0] not in modules}
-    for m in modules:
-        stored = {k[len(m) + 1:]: ck.tensors[k] for k in ck.tensors if k.startswith(m + ".")}
-        stored["weight_scale"] = stored["weight_scale"].float()
-        dense[f"{m}.weight"] = compressor.decompress(stored, scheme)["weight"].float()
-    out.mkdir()
-    save_file({k: v.contiguous() for k, v in dense.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
 @pytest.mark.parametrize("name", list(QUANTIZE))
 def test_every_expert_is_quantized_and_the_router_stays_16_bit(source, quantized, name):
     art = quantized(name)
@@ -124,7 +99,7 @@ def test_weight_only_moe_matches_transformers_on_the_decompressed_checkpoint(sou
 
     bf16_kernels_off(monkeypatch)
     art = quantized(name)
-    hf = AutoModelForCausalLM.from_pretrained(_decompressed_dense(art, tmp_path / "dense"), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(decompressed_dense(art, tmp_path / "dense"), dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = hf.eval()(ids).logits[0]

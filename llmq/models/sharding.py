@@ -73,6 +73,7 @@ class ShardPlan:
     padded_vocab_size: int    # multiple of tp; lm_head (and a parallel embedding) rows past vocab_size are zero
     parallel_embedding: bool
     expert_size: int = 0      # a MoE layer's expert width, split like the MLP's (every rank holds every expert)
+    shared_expert_size: int = 0  # its shared expert's width, split likewise
     attn_gate: bool = False   # q_proj holds each head's query and output gate (Arch.attn_gate)
     # a hybrid model's Gated DeltaNet layers (ModelSpec.linear_*): split by value heads, each rank with their key heads
     linear_key_heads: int = 0
@@ -147,6 +148,11 @@ class ShardPlan:
         n = self.expert_size // self.tp
         return torch.arange(rank * n, (rank + 1) * n)
 
+    def shared_rows(self, rank: int) -> torch.Tensor:
+        """The shared expert's gate/up output rows of this rank; also its down_proj's input columns."""
+        n = self.shared_expert_size // self.tp
+        return torch.arange(rank * n, (rank + 1) * n)
+
     def vocab_rows(self, rank: int) -> torch.Tensor:
         n = self.padded_vocab_size // self.tp
         idx = torch.arange(rank * n, (rank + 1) * n)
@@ -189,6 +195,8 @@ def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embe
                              f"(tp values that do: {', '.join(map(str, ok))})", _padded_heads(heads, kv, tp))
     if spec.num_experts and spec.expert_size % tp:
         raise LlmqError(f"tp {tp} does not divide the experts' MLP width {spec.expert_size}")
+    if spec.shared_expert_size % tp:
+        raise LlmqError(f"tp {tp} does not divide the shared expert's MLP width {spec.shared_expert_size}")
     if not spec.num_experts and spec.intermediate_size % tp:
         raise LlmqError(f"tp {tp} does not divide the MLP width {spec.intermediate_size}")
     if spec.linear_layers and spec.linear_key_heads % tp:
@@ -198,6 +206,7 @@ def make_plan(spec: ModelSpec, tp: int, *, pad_heads: bool = True, parallel_embe
                      padded_kv_heads=kv_padded, intermediate_size=spec.intermediate_size,
                      hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, padded_vocab_size=padded_vocab,
                      parallel_embedding=parallel_embedding, expert_size=spec.expert_size,
+                     shared_expert_size=spec.shared_expert_size,
                      attn_gate=spec.arch.attn_gate, linear_key_heads=spec.linear_key_heads,
                      linear_value_heads=spec.linear_value_heads, linear_key_dim=spec.linear_key_dim,
                      linear_value_dim=spec.linear_value_dim)
@@ -350,8 +359,8 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
 def split_layer(full: dict[str, LinearWeights], plan: ShardPlan, rank: int) -> dict[str, LinearWeights]:
     """One rank's slice of a layer's linears (by role), each split as arch.split_of says (a router whole)."""
     index = {"q": plan.q_rows, "q_proj": plan.q_proj_rows, "kv": plan.kv_rows, "mlp": plan.mlp_rows,
-             "moe": plan.moe_rows, "linear_qkv": plan.linear_qkv_rows, "linear_v": plan.linear_v_rows,
-             "linear_heads": plan.linear_heads}
+             "moe": plan.moe_rows, "shared": plan.shared_rows, "linear_qkv": plan.linear_qkv_rows,
+             "linear_v": plan.linear_v_rows, "linear_heads": plan.linear_heads}
     cut = {"rows": split_rows, "cols": split_cols}
     out = {}
     for role, lw in full.items():

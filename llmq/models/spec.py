@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import LlmqError
-from .arch import ARCHS, ATTN, ROUTER, Arch, arch_for
+from .arch import ARCHS, ATTN, ROUTER, SHARED_GATE, Arch, arch_for
 from .arch.base import LINEAR_ATTN
 
 # model_type -> architecture class, from the declarations (llmq.models.arch).
@@ -27,9 +27,10 @@ IMPLEMENTED = frozenset({
     "use_sliding_window", "max_window_layers",  # Qwen2/3: transformers turns them into layer_types, checked below
     "_sliding_window_pattern",  # Gemma 3: likewise
     "query_pre_attn_scalar", "final_logit_softcapping",  # Gemma 3: the attention scale, a tanh cap on the logits
-    # mixture of experts (Qwen3-MoE, Mixtral): how many experts (config.json's num_experts is transformers'
-    # num_local_experts), how many a token takes, their width, renormalizing
-    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    # mixture of experts (Qwen3-MoE, Mixtral, Qwen3.5-MoE): how many experts (Qwen3-MoE's num_experts is transformers'
+    # num_local_experts; Qwen3.5-MoE's stays num_experts), how many a token takes, their width, renormalizing
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "shared_expert_intermediate_size",  # Qwen3.5-MoE's shared expert (Experts.shared)
     "no_rope_layer_interval",  # SmolLM3: transformers turns it into no_rope_layers, checked below
     # Gated DeltaNet layers (Arch.linear_attention): their key / value heads and widths, the convolution's kernel
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -220,6 +221,7 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_size: int = 0             # an expert's MLP width
     renormalize: bool = False        # the chosen experts' weights are scaled to sum to 1
+    shared_expert_size: int = 0      # the shared expert's MLP width (Experts.shared; 0: none)
     nope_layers: tuple[int, ...] = ()  # layers that attend without the rotary embedding (Arch.rope_layers)
     rotary_dim: int | None = None    # a partial rotary embedding turns the first rotary_dim of each head (None: all)
     # hybrid models (Arch.linear_attention): the Gated DeltaNet layers (the others attend), their key / value heads
@@ -265,6 +267,7 @@ class ModelSpec:
             moe = {} if m is None else dict(
                 num_experts=int(getattr(hf, m.count_field)), experts_per_token=int(getattr(hf, m.top_k_field)),
                 expert_size=int(getattr(hf, m.width_field)),
+                shared_expert_size=int(getattr(hf, m.shared_width_field)) if m.shared else 0,
                 renormalize=m.renormalize if isinstance(m.renormalize, bool) else bool(getattr(hf, m.renormalize)))
             return cls(
                 model_type=model_type,
@@ -274,7 +277,8 @@ class ModelSpec:
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
-                intermediate_size=int(config["intermediate_size"]),
+                # a MoE whose every MLP is experts may have no dense width (Qwen3.5-MoE)
+                intermediate_size=int(config["intermediate_size"] if m is None else config.get("intermediate_size", 0)),
                 vocab_size=int(config["vocab_size"]),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
@@ -331,10 +335,11 @@ class ModelSpec:
 
     def kept_16bit(self) -> list[str]:
         """The decoder linears every method keeps 16-bit, never calibrated, priced as dense tensors: MoE routers (a
-        rounded router picks other experts) and the Gated DeltaNet layers' rate projections (LinearAttention
-        .kept_16bit)."""
+        rounded router picks other experts) and shared experts' gates (one output row, a sigmoid), and the Gated
+        DeltaNet layers' rate projections (LinearAttention .kept_16bit)."""
         la = self.arch.linear_attention
-        return ([self.arch.linear(i, ROUTER) for i in range(self.num_layers)] if self.num_experts else []) + \
+        gates = (ROUTER, SHARED_GATE) if self.shared_expert_size else (ROUTER,) if self.num_experts else ()
+        return [self.arch.linear(i, r) for i in range(self.num_layers) for r in gates] + \
             [self.arch.linear(i, r) for i in self.linear_layers for r in la.kept_16bit]
 
     @property
@@ -355,17 +360,19 @@ class ModelSpec:
         return len(self.linear_layers) * (conv + state) / tp
 
     def linear_shape(self, role: str) -> tuple[int, int]:
-        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>), or of a
-        stored fused group (Arch.fused: its roles' rows stacked)."""
+        """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>,
+        shared_expert.<role>, shared_expert_gate), or of a stored fused group (Arch.fused: its roles' rows stacked)."""
         if role in self.arch.fused:
             shapes = [self.linear_shape(r) for r in self.arch.fused[role][1]]
             return sum(n for n, _ in shapes), shapes[0][1]
         h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.intermediate_size
-        if role == "router":
+        if role == ROUTER:
             return self.num_experts, h
-        if role.startswith("experts."):
-            role, ff = role.rpartition(".")[2], self.expert_size
+        if role == SHARED_GATE:
+            return 1, h
+        if role.startswith(("experts.", "shared_expert.")):
+            role, ff = role.rpartition(".")[2], self.expert_size if role.startswith("e") else self.shared_expert_size
         vd, hv = self.linear_value_heads * self.linear_value_dim, self.linear_value_heads
         return {"in_proj_qkv": (self.linear_conv_dim, h), "in_proj_z": (vd, h), "in_proj_b": (hv, h),
                 "in_proj_a": (hv, h), "out_proj": (h, vd),
@@ -388,6 +395,7 @@ class ModelSpec:
         if self.num_experts:
             mlp = self.hidden_size * (self.num_experts + 3 * self.expert_size *
                                       (self.experts_per_token if active else self.num_experts))
+            mlp += self.hidden_size * (3 * self.shared_expert_size + 1) if self.shared_expert_size else 0
 
         def mixer(i: int) -> int:  # attention, or a Gated DeltaNet with its other parameters, and the layer's norms
             roles = [r for r in self.roles(i) if r in ATTN or r in LINEAR_ATTN]

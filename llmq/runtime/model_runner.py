@@ -19,7 +19,7 @@ import torch
 
 from ..errors import LlmqError
 from ..models import ModelSpec
-from ..models.arch import ROUTER, expert_role
+from ..models.arch import ROUTER, SHARED_GATE, expert_role, shared_role
 from ..models.arch.base import LINEAR_ATTN
 from ..models.engine_spec import EngineSpec
 from ..models.linear_weights import LinearWeights
@@ -173,8 +173,11 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
             return dict(gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias)
         experts = [(linear([lin[expert_role(e, "gate_proj")], lin[expert_role(e, "up_proj")]]),
                     linear([lin[expert_role(e, "down_proj")]])) for e in range(spec.num_experts)]
+        shared = (linear([lin[shared_role("gate_proj")], lin[shared_role("up_proj")]]),
+                  linear([lin[shared_role("down_proj")]]), linear([lin[SHARED_GATE]])) \
+            if spec.shared_expert_size else None
         return dict(gate_up=None, down=None, down_bias=None,
-                    moe=SparseMoE(linear([lin[ROUTER]]), experts, spec.experts_per_token, spec.renormalize))
+                    moe=SparseMoE(linear([lin[ROUTER]]), experts, spec.experts_per_token, spec.renormalize, shared))
 
     def mixer(i: int, lin: dict[str, LinearWeights]) -> dict:
         """A layer's token mixer: attention (q/k/v fused, o's row-parallel bias apart), or a Gated DeltaNet."""

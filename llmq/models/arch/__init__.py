@@ -4,17 +4,17 @@ its line in ARCHS and its tests; docs/extending.md walks through one."""
 from __future__ import annotations
 
 from ...errors import LlmqError
-from .base import ATTN, LINEARS, MLP, ROUTER, SPLIT, Arch, Experts, expert_role, split_of
+from .base import ATTN, LINEARS, MLP, ROUTER, SHARED_GATE, SPLIT, Arch, Experts, expert_role, shared_role, split_of
 from .gemma3 import GEMMA3
 from .llama import LLAMA, MISTRAL, QWEN2
 from .moe import MIXTRAL, QWEN3_MOE
 from .phi3 import PHI3
 from .qwen3 import QWEN3
-from .qwen3_5 import QWEN3_5
+from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .smollm3 import SMOLLM3
 
 ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL,
-                                                                        SMOLLM3, QWEN3_5)}
+                                                                        SMOLLM3, QWEN3_5, QWEN3_5_MOE)}
 
 
 def supported() -> str:
@@ -35,5 +35,5 @@ def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
 
 
 __all__ = ["ARCHS", "ATTN", "Arch", "Experts", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MIXTRAL", "MLP", "PHI3",
-           "QWEN2", "QWEN3", "QWEN3_5", "QWEN3_MOE", "ROUTER", "SMOLLM3", "SPLIT", "arch_for", "expert_role",
-           "split_of", "supported"]
+           "QWEN2", "QWEN3", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_MOE", "ROUTER", "SHARED_GATE", "SMOLLM3", "SPLIT",
+           "arch_for", "expert_role", "shared_role", "split_of", "supported"]

@@ -31,6 +31,9 @@ LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # A mixture-of-experts layer's linears beyond attention: the router (replicated on every rank and never quantized:
 # a rounded router picks other experts) and each expert's MLP, split like a dense MLP over its own width ("moe").
 ROUTER = "router"
+# A shared expert's (Experts.shared): its MLP, every token's, split like a dense MLP over its own width ("shared"), and
+# the linear whose sigmoid scales its output per token (one output row: replicated and kept 16-bit like the router).
+SHARED_GATE = "shared_expert_gate"
 
 
 def expert_role(e: int, role: str) -> str:
@@ -38,12 +41,18 @@ def expert_role(e: int, role: str) -> str:
     return f"experts.{e}.{role}"
 
 
+def shared_role(role: str) -> str:
+    """The role of the shared expert's linear `role` (gate_proj / up_proj / down_proj): "shared_expert.<role>"."""
+    return f"shared_expert.{role}"
+
+
 def split_of(role: str) -> tuple[str, str | None]:
-    """How a role splits across ranks (SPLIT's form; ("replicated", None) for the router)."""
-    if role == ROUTER:
+    """How a role splits across ranks (SPLIT's form; ("replicated", None) for the router and the shared expert's
+    gate)."""
+    if role in (ROUTER, SHARED_GATE):
         return "replicated", None
-    if role.startswith("experts."):
-        return SPLIT[role.rpartition(".")[2]][0], "moe"
+    if role.startswith(("experts.", "shared_expert.")):
+        return SPLIT[role.rpartition(".")[2]][0], "moe" if role.startswith("experts.") else "shared"
     return SPLIT[role]
 
 
@@ -64,7 +73,8 @@ GGUF_TENSORS = {"q_proj": "ATTN_Q", "k_proj": "ATTN_K", "v_proj": "ATTN_V", "o_p
 @dataclass(frozen=True)
 class Experts:
     """A sparse MoE MLP: `top_k` of `count` expert MLPs (SwiGLU each) per token, weighted by the router's softmax
-    over all experts, renormalized over the chosen ones where `renormalize` (True, or the config field saying so)."""
+    over all experts, renormalized over the chosen ones where `renormalize` (True, or the config field saying so);
+    where `shared` names one, plus a shared expert every token takes, its output scaled by sigmoid(shared_gate(x))."""
 
     block: str                    # the MoE module in a checkpoint's layer
     count_field: str              # config fields: number of experts, experts per token, an expert's MLP width
@@ -78,6 +88,15 @@ class Experts:
     # llama.cpp's merged 3-D expert tensors (gguf-py MODEL_TENSOR members) of each role, and the router's
     gguf: dict[str, str] = field(default_factory=lambda: {"gate_proj": "FFN_GATE_EXP", "up_proj": "FFN_UP_EXP",
                                                           "down_proj": "FFN_DOWN_EXP", ROUTER: "FFN_GATE_INP"})
+    # the shared expert: its SwiGLU MLP inside the block (Llama's linear names), its width's config field, its gate
+    # linear inside the block
+    shared: str | None = None
+    shared_width_field: str = "shared_expert_intermediate_size"
+    shared_gate: str = SHARED_GATE
+    # llama.cpp's tensors of the shared expert's roles (gguf-py MODEL_TENSOR members)
+    gguf_shared: dict[str, str] = field(default_factory=lambda: {
+        "gate_proj": "FFN_GATE_SHEXP", "up_proj": "FFN_UP_SHEXP", "down_proj": "FFN_DOWN_SHEXP",
+        SHARED_GATE: "FFN_GATE_INP_SHEXP"})
 
 
 @dataclass(frozen=True)
@@ -188,13 +207,16 @@ class Arch:
         mixer = LINEAR_ATTN if linear else ATTN
         if self.moe is None:
             return mixer + MLP
-        return mixer + (ROUTER,) + tuple(expert_role(e, r) for e in range(experts) for r in MLP)
+        shared = tuple(shared_role(r) for r in MLP) + (SHARED_GATE,) if self.moe.shared else ()
+        return mixer + (ROUTER,) + tuple(expert_role(e, r) for e in range(experts) for r in MLP) + shared
 
     def _expand(self, roles: tuple[str, ...], experts: int) -> list[tuple[str, ...]]:
-        """A group of dense MLP roles as it is in this family: once per expert in a MoE layer."""
+        """A group of dense MLP roles as it is in this family: once per expert (and for the shared expert) in a MoE
+        layer."""
         if self.moe is None or not set(roles) & set(MLP):
             return [roles]
-        return [tuple(expert_role(e, r) for r in roles) for e in range(experts)]
+        shared = [tuple(shared_role(r) for r in roles)] if self.moe.shared else []
+        return [tuple(expert_role(e, r) for r in roles) for e in range(experts)] + shared
 
     def stored_linears(self, experts: int = 0, linear: bool = False) -> dict[str, str]:
         """The linears of a layer (`linear`: a Gated DeltaNet layer) as the checkpoint (and transformers' layer) holds
@@ -231,19 +253,24 @@ class Arch:
         if m is not None and role.startswith("experts."):
             _, e, r = role.split(".")
             return f"{m.block}.{m.experts}.{e}.{m.names[r]}"
+        if m is not None and m.shared and role == SHARED_GATE:
+            return f"{m.block}.{m.shared_gate}"
+        if m is not None and m.shared and role.startswith("shared_expert."):
+            return f"{m.block}.{m.shared}.{role.rpartition('.')[2]}"
         if self.linear_attention is not None and role in LINEAR_ATTN:
             return f"{self.linear_attention.module}.{role}"
         return self.linears.get(role) or (self.fused[role][0] if role in self.fused else self.norms[role])
 
     def feed_roles(self, experts: int = 0) -> list[tuple[str, tuple[str, ...]]]:
-        """`feeds` by role, a MoE layer's MLP norm feeding every expert's gate / up (and the router, whose weight then
-        carries the scale unquantized) and each expert's up feeding its down."""
+        """`feeds` by role, a MoE layer's MLP norm feeding every expert's gate / up (and the router and a shared
+        expert's gate, whose weights then carry the scale unquantized) and each expert's up feeding its down."""
         out = []
         for p, cons in self.feeds:
             if self.moe is not None and p in MLP:
                 out += [(f[0], f[1:]) for f in self._expand((p, *cons), experts)]
             elif self.moe is not None and set(cons) & set(MLP):
-                out.append((p, tuple(r for g in self._expand(cons, experts) for r in g) + (ROUTER,)))
+                gates = (ROUTER, SHARED_GATE) if self.moe.shared else (ROUTER,)
+                out.append((p, tuple(r for g in self._expand(cons, experts) for r in g) + gates))
             else:
                 out.append((p, cons))
         return out

@@ -3,9 +3,15 @@ of every four layers Gated DeltaNet layers (linear attention over a recurrent st
 fourth full attention, whose q_proj also yields an output gate per head (sigmoid, before o_proj), with q / k norms and
 a rotary embedding over the first quarter of each head (partial_rotary_factor; text positions are one value on
 every M-RoPE axis, so the sections change nothing). Every RMSNorm scales by (1 + w), the DeltaNet's gated norm by w.
-llama.cpp calls it `qwen35`."""
+llama.cpp calls it `qwen35`.
 
-from .base import GGUF_TENSORS, Arch, LinearAttention
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, qwen3_5_moe_text): the same layers with a mixture of experts for every MLP
+(the chosen experts' weights always renormalized) and a shared expert beside them, gated per token by a sigmoid.
+Checkpoints store the experts one linear each, as Qwen3-MoE does. llama.cpp calls it `qwen35moe`."""
+
+from dataclasses import replace
+
+from .base import ATTN, GGUF_TENSORS, Arch, Experts, LinearAttention
 
 QWEN3_5 = Arch("qwen3_5_text", "Qwen3_5ForCausalLM", gguf_arch="qwen35", norm_offset=1.0,
                norms={"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
@@ -14,3 +20,8 @@ QWEN3_5 = Arch("qwen3_5_text", "Qwen3_5ForCausalLM", gguf_arch="qwen35", norm_of
                rotary="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding",
                gguf={**GGUF_TENSORS, "mlp_norm": "ATTN_POST_NORM"},   # llama.cpp's qwen35 has no ffn_norm
                gguf_rope_sections=(11, 11, 10, 0))   # its converter's default, what the released configs say
+QWEN3_5_MOE = replace(QWEN3_5, model_type="qwen3_5_moe_text", architecture="Qwen3_5MoeForCausalLM",
+                      gguf_arch="qwen35moe", linears={r: f"self_attn.{r}" for r in ATTN},
+                      rotary="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding",
+                      moe=Experts(block="mlp", count_field="num_experts", width_field="moe_intermediate_size",
+                                  renormalize=True, shared="shared_expert"))

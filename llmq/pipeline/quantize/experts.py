@@ -1,8 +1,9 @@
 """Mixture-of-experts layers for calibration: transformers 5 keeps a layer's experts as two 3-D parameters, but a
 quantizer needs one linear per expert (one weight, one Hessian, one scale set each, under the checkpoint's names).
 `install` puts an `ExpertsBlock` in every layer of a streamed skeleton in place of transformers' block: the same
-function (router softmax, top-k, renormalized where the family does, the chosen experts' SwiGLU outputs summed), with
-the checkpoint's per-expert linears.
+function (router softmax, top-k, renormalized where the family does, the chosen experts' SwiGLU outputs summed, plus
+a shared expert's output scaled by its sigmoid gate where the family has one), with the checkpoint's per-expert
+linears.
 
 Routed calibration starves rare experts: an expert no calibration token picks would get no Hessian (GPTQ) and no
 activation statistics (AWQ), and an expert few pick gets a poor estimate. While a quantizer collects statistics
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.arch import Arch
+from ...models.arch import MLP, Arch
 
 
 class _Expert(nn.Module):
@@ -36,15 +37,21 @@ class _Expert(nn.Module):
 
 
 class ExpertsBlock(nn.Module):
-    """A MoE MLP with one nn.Linear per expert matrix and the router, named as in the checkpoint."""
+    """A MoE MLP with one nn.Linear per expert matrix, the router, and a shared expert and its gate where the family
+    has them (shared_width > 0), named as in the checkpoint."""
 
-    def __init__(self, arch: Arch, hidden: int, width: int, count: int, top_k: int, renormalize: bool):
+    def __init__(self, arch: Arch, hidden: int, width: int, count: int, top_k: int, renormalize: bool,
+                 shared_width: int = 0):
         super().__init__()
         m = arch.moe
         self.top_k, self.renormalize, self.every_expert = top_k, renormalize, False
         self.router_name, self.experts_name = m.router, m.experts
         setattr(self, m.router, nn.Linear(hidden, count, bias=False))
         setattr(self, m.experts, nn.ModuleList(_Expert(m.names, hidden, width) for _ in range(count)))
+        self.shared = (m.shared, m.shared_gate) if shared_width else None
+        if shared_width:
+            setattr(self, m.shared, _Expert({r: r for r in MLP}, hidden, shared_width))
+            setattr(self, m.shared_gate, nn.Linear(hidden, 1, bias=False))
         self.routed = [0] * count  # tokens the router sent each expert in the last every_expert pass
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -66,6 +73,9 @@ class ExpertsBlock(nn.Module):
             else:
                 continue
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        if self.shared is not None:  # every token's, scaled per token
+            expert, gate = (getattr(self, n) for n in self.shared)
+            out += torch.sigmoid(gate(x)) * expert(x)
         return out.reshape(shape)
 
 
@@ -79,7 +89,7 @@ def install(model: nn.Module, arch: Arch, config) -> None:
     m = arch.moe
     for layer in model.get_submodule(arch.layers):
         block = ExpertsBlock(arch, spec.hidden_size, spec.expert_size, spec.num_experts, spec.experts_per_token,
-                             spec.renormalize)
+                             spec.renormalize, spec.shared_expert_size)
         module = m.module or m.block
         del layer._modules[module]
         setattr(layer, m.block, block)

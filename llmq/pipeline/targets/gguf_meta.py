@@ -30,11 +30,14 @@ def add_hparams(w, src: CheckpointReader, name: str) -> None:
     w.add_context_length(s.max_position_embeddings)
     w.add_embedding_length(s.hidden_size)
     w.add_block_count(s.num_layers)
-    w.add_feed_forward_length(s.intermediate_size)  # Mixtral's is its experts' width
+    if s.intermediate_size:   # Mixtral's is its experts' width; Qwen3.5-MoE has none
+        w.add_feed_forward_length(s.intermediate_size)
     if s.num_experts:
         w.add_expert_count(s.num_experts)
         w.add_expert_used_count(s.experts_per_token)
         w.add_expert_feed_forward_length(s.expert_size)  # what qwen3moe reads the experts' width from
+    if s.shared_expert_size:
+        w.add_expert_shared_feed_forward_length(s.shared_expert_size)
     w.add_head_count(s.num_heads)
     w.add_head_count_kv(s.num_kv_heads)
     if s.head_dim * s.num_heads != s.hidden_size:

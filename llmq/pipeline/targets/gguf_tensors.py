@@ -10,7 +10,8 @@ up fused as ffn_up (gate rows first: its SwiGLU gates with the first half), as P
 takes Gemma 3's four norms a layer as the (1 + w) it multiplies by, scales the embeddings by sqrt(hidden) itself,
 reads which layers slide (a per-layer pattern), their window and their rotary base from keys, and fixes the query
 scale from the shapes, so a query_pre_attn_scalar that differs moves into the q norm. A mixture of experts gets
-llama.cpp's router (ffn_gate_inp) and one merged 3-D tensor per expert role. Dense weights keep the source dtype;
+llama.cpp's router (ffn_gate_inp) and one merged 3-D tensor per expert role, and a shared expert its three
+matrices and its gate (ffn_gate_inp_shexp, F32 like the router). Dense weights keep the source dtype;
 norms and biases are F32, as llama.cpp's converter writes them. An INT8 embedding table (`quantize --embedding int8`,
 one scale per row) is Q8_0 like any INT8 per-channel matrix; a tied model's output is that same token_embd, as
 llama.cpp reads it.
@@ -26,7 +27,7 @@ import torch
 from gguf import MODEL_TENSOR as MT
 
 from ...errors import LlmqError
-from ...models.arch import MLP, ROUTER, expert_role
+from ...models.arch import MLP, ROUTER, SHARED_GATE, expert_role
 from ...models.reader import CheckpointReader, LinearWeights
 from ...models.sharding import join_rows, split_rows
 from .gguf_blocks import Rounding, block_type, dense_array, pack_blocks
@@ -96,8 +97,11 @@ class Tensors:
 
 def gguf_name(role: str, arch, i: int) -> str:
     """llama.cpp's name of layer i's tensor `role` (without .weight / .bias), from the family's declaration (a MoE
-    family's router and merged expert tensors from its Experts)."""
-    table = arch.moe.gguf if arch.moe is not None and role in arch.moe.gguf else \
+    family's router, merged expert tensors and shared expert from its Experts)."""
+    m = arch.moe
+    if m is not None and m.shared and role.startswith("shared_expert"):   # its MLP's roles and its gate
+        return gguf.TENSOR_NAMES[MT[m.gguf_shared[role.rpartition(".")[2]]]].format(bid=i)
+    table = m.gguf if m is not None and role in m.gguf else \
         arch.linear_attention.gguf_linears if arch.linear_attention is not None and \
         role in arch.linear_attention.gguf_linears else arch.gguf
     return gguf.TENSOR_NAMES[MT[table[role]]].format(bid=i)
@@ -146,7 +150,7 @@ def add_weights(tensors: Tensors, src: CheckpointReader) -> None:
         for role, lw in lin.items():
             if role.startswith("experts."):
                 continue
-            if role == ROUTER and lw.qw is None:   # F32, as llama.cpp's converter writes a router
+            if role in (ROUTER, SHARED_GATE) and lw.qw is None:   # F32, as llama.cpp's converter writes them
                 tensors.dense(f"{gguf_name(role, arch, i)}.weight", lw.weight, True)
                 continue
             tensors.linear(gguf_name(role, arch, i), lw)

@@ -58,7 +58,8 @@ def unsharded_plan(src: CheckpointReader) -> ShardPlan:
     return ShardPlan(tp=1, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                      padded_heads=s.num_heads, padded_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
                      hidden_size=s.hidden_size, vocab_size=s.vocab_size, padded_vocab_size=s.vocab_size,
-                     parallel_embedding=False, expert_size=s.expert_size)
+                     parallel_embedding=False, expert_size=s.expert_size,
+                     shared_expert_size=s.shared_expert_size)
 
 
 def expected_kv_scale(scale: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:

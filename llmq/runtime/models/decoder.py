@@ -42,19 +42,31 @@ class SparseMoE(nn.Module):
     """A mixture-of-experts MLP on one rank: the router (whole on every rank, so all agree on the routing) picks
     top_k experts per token from its softmax, and only those experts run, on only their tokens, so a decode step
     reads the chosen experts' weights and no others. Each expert is a SwiGLU MLP, its width split across ranks like a
-    dense MLP's; the weighted sum is this rank's partial output (the layer all-reduces it). `bytes_read` counts the
-    expert weight bytes the steps so far have read (what a memory-bandwidth figure divides)."""
+    dense MLP's; the weighted sum is this rank's partial output (the layer all-reduces it). `shared`: a shared
+    expert's gate_up and down (split likewise) and its gate (whole), every token's, scaled by sigmoid(gate(x)) and
+    added. `bytes_read` counts the routed experts' weight bytes the steps so far have read (what a memory-bandwidth
+    figure divides)."""
 
     def __init__(self, router: LinearBase, experts: list[tuple[LinearBase, LinearBase]], top_k: int,
-                 renormalize: bool):
+                 renormalize: bool, shared: tuple[LinearBase, LinearBase, LinearBase] | None = None):
         super().__init__()
         self.router, self.top_k, self.renormalize = router, top_k, renormalize
         self.gate_up = nn.ModuleList(g for g, _ in experts)
         self.down = nn.ModuleList(d for _, d in experts)
+        self.shared: list[LinearBase] = list(shared or ())   # gate_up, down, gate; none without a shared expert
+        for name, m in zip(("shared_gate_up", "shared_down", "shared_gate"), self.shared):
+            self.add_module(name, m)
         self.expert_bytes = [g.nbytes + d.nbytes for g, d in experts]
         self.bytes_read = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x)
+        if self.shared:
+            gate_up, down, gate = self.shared
+            out += down(glu(gate_up(x), "silu")) * torch.sigmoid(gate(x))
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         # softmax in float32 over all experts, the top_k kept (renormalized where the family does), as transformers
         probs = self.router(x).float().softmax(-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
@@ -277,6 +289,7 @@ class CausalLM(nn.Module):
                     yield child
                 elif isinstance(child, SparseMoE):
                     yield child.router
+                    yield from child.shared
                 else:
                     yield from linears(child)
 
