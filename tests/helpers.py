@@ -155,6 +155,32 @@ def decompressed_dense(art, out: Path) -> Path:
     return out
 
 
+def fake_quantized_cache(kv: str, scales) -> str:
+    """A transformers attention implementation that rounds K and V as a quantized cache stores them (int8:
+    round(x / s) on [-128, 127]; fp8: x / s saturated to +-448 in e4m3), with each layer's stored scales (per tensor
+    or per KV head), before sdpa: the reference for what a quantized cache computes, written from the format's
+    definition rather than through llmq's runtime. `scales`: (k_scale, v_scale) by layer index (a list, or a dict of a
+    hybrid model's attention layers)."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounded(x, scale):
+        s = scale.float().reshape(1, -1, 1, 1) if scale.numel() > 1 else scale.float().reshape(())
+        if kv == "int8":
+            return (x / s).round().clamp(-128, 127) * s
+        return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+
+    def attention(module, query, key, value, attention_mask, **kw):
+        k_scale, v_scale = scales[module.layer_idx]
+        return sdpa_attention_forward(module, query, rounded(key, k_scale), rounded(value, v_scale),
+                                      attention_mask, **kw)
+
+    name = f"llmq_test_{kv}_cache"
+    AttentionInterface.register(name, attention)
+    return name
+
+
 def llmq_logits(source_dir, ids):
     """What llmq evaluated: its runtime's log-probs [batch, seq, vocab] over an artifact, one prompt per row of ids."""
     import torch

@@ -11,7 +11,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import bf16_kernels_off, decompressed_dense, hf_model, make_tiny_model
+from helpers import (
+    bf16_kernels_off,
+    decompressed_dense,
+    fake_quantized_cache,
+    hf_model,
+    make_tiny_model,
+    runtime_logprobs,
+)
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
@@ -123,7 +130,7 @@ def test_preempted_sequences_recompute_their_state(model):
 
 
 def test_what_the_runtime_does_not_run_with_gated_deltanet_layers_is_refused(model):
-    for config, words in ((dict(compile=True), "--compile"), (dict(kv_cache_dtype="fp8"), "KV caches")):
+    for config, words in ((dict(compile=True), "--compile"), (dict(speculative="ngram"), "speculative")):
         with pytest.raises(LlmqError, match=f"^Qwen3_5(Moe)?ForCausalLM: .*{words}") as e:
             LLMEngine(model, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20, **config))
         assert "\n" not in str(e.value)
@@ -183,8 +190,38 @@ def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, mo
     assert _kld(ref, got) <= 1e-5 < _kld(source, got)   # the quantized model, not its source
 
 
-def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts):
+@pytest.mark.parametrize("kv,granularity", [("int8", "head"), ("fp8", "tensor")])
+def test_kv_cache_scales_of_the_attention_layers_match_a_fake_quantized_transformers_cache(artifacts, kv,
+                                                                                          granularity):
+    """quantize-kv on a hybrid calibrates the attention layers' caches only (the Gated DeltaNet layers' recurrent
+    state stays float32, and the manifest says so): the runtime on the artifact equals transformers with K / V
+    rounded by the stored scales as they enter attention."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.models.reader import CheckpointReader
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
+    from llmq.pipeline.quantize.probe import kld_top1
+
+    store, src = artifacts
+    art = quantize_kv(src, store, KVOptions(kv=kv, granularity=granularity, num_samples=4, seq_len=64,
+                                            probe_tokens=128), show_progress=False)
+    ck = CheckpointReader(art.path)
+    assert ck.kv_cache_dtype() == kv
+    assert [i for i in range(4) if ck.kv_scales(i) is not None] == [3]   # the one attention layer
+    assert art.config["recurrent_state"]["layers"] == [0, 1, 2]
+    scales = {3: ck.kv_scales(3)}
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()(ids).logits[0]
+        ref = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32,
+                                                   attn_implementation=fake_quantized_cache(kv, scales)
+                                                   ).eval()(ids).logits[0]
+    got = runtime_logprobs(art.path, ids[0].tolist())
+    assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
+    assert kld_top1(ref, got)["kld_mean"] < 1e-7
+
+
+def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts):
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
 
@@ -193,7 +230,6 @@ def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts)
               "awq does not yet know what feeds a Gated DeltaNet layer"),
              (lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
                                progress=False), "mixed precision"),
-             (lambda: quantize_kv(src, store, KVOptions(kv="int8"), show_progress=False), "hybrid model"),
              (lambda: build_engine(src, store, BuildOptions(target="gguf")), "one head width for keys and values"),
              (lambda: build_engine(src, store, BuildOptions(target="llmq", tp=2)), "Gated DeltaNet layers")]
     before = sorted(p.name for p in store.root.iterdir())

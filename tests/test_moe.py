@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import bf16_kernels_off, decompressed_dense, runtime_logprobs, small_engine
+from helpers import bf16_kernels_off, decompressed_dense, fake_quantized_cache, runtime_logprobs, small_engine
 
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
@@ -350,30 +350,6 @@ def test_llmq_run_takes_a_tiny_qwen3_moe_through_every_stage(tmp_path, monkeypat
     assert engine.parents == [kv.id]
 
 
-def _fake_quantized_cache(kv: str, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
-    """A transformers attention implementation that rounds K and V as a quantized cache stores them (int8:
-    round(x / s) on [-128, 127]; fp8: x / s saturated to +-448 in e4m3), with each layer's stored scales (per tensor
-    or per KV head), before sdpa: the reference for what a quantized cache computes, written from the format's
-    definition rather than through llmq's runtime."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def rounded(x, scale):
-        s = scale.float().reshape(1, -1, 1, 1) if scale.numel() > 1 else scale.float().reshape(())
-        if kv == "int8":
-            return (x / s).round().clamp(-128, 127) * s
-        return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
-
-    def attention(module, query, key, value, attention_mask, **kw):
-        k_scale, v_scale = scales[module.layer_idx]
-        return sdpa_attention_forward(module, query, rounded(key, k_scale), rounded(value, v_scale),
-                                      attention_mask, **kw)
-
-    name = f"llmq_test_{kv}_cache"
-    AttentionInterface.register(name, attention)
-    return name
-
-
 @pytest.mark.parametrize("kv,granularity", [("int8", "head"), ("fp8", "tensor")])
 def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, granularity):
     """quantize-kv on a MoE: what the runtime computes from the artifact equals transformers' MoE with K / V rounded
@@ -394,7 +370,7 @@ def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, 
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()(ids).logits[0]
         ref = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32,
-                                                   attn_implementation=_fake_quantized_cache(kv, scales)
+                                                   attn_implementation=fake_quantized_cache(kv, scales)
                                                    ).eval()(ids).logits[0]
     got = runtime_logprobs(art.path, ids[0].tolist())
     assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible

@@ -229,7 +229,10 @@ class CheckpointReader:
         return any(k.startswith(f"{qformat.LM_HEAD}.") for k in self.tensors)
 
     def kv_scales(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(k_scale, v_scale) of layer i when the checkpoint carries calibrated KV-cache scales."""
+        """(k_scale, v_scale) of layer i when the checkpoint carries calibrated KV-cache scales (never of a hybrid
+        model's Gated DeltaNet layer: it keeps no KV cache)."""
+        if i in self.spec.linear_layers:
+            return None
         return qformat.read_kv_scales(self.tensors, self.arch.attention_module(i), self.qconfig)
 
     def kv_cache_dtype(self) -> str | None:

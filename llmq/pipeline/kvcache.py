@@ -94,10 +94,6 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if ckpt.spec.vision is not None:
         raise LlmqError(f"{source.ref}: KV-cache scales of a vision-language model are not calibrated yet (its "
                         "calibration would need image tokens); serve it with --kv-cache-dtype auto")
-    if ckpt.spec.linear_layers:
-        raise LlmqError(f"{source.ref}: KV-cache scales of a hybrid model ({ckpt.spec.architecture}: its Gated "
-                        "DeltaNet layers keep a float32 state, not a KV cache) are not calibrated yet; serve it with "
-                        "a 16-bit KV cache")
     have = ckpt.kv_cache_dtype()
     if have is not None:
         raise LlmqError(f"{source.ref} already carries calibrated {have} KV-cache scales; "
@@ -270,11 +266,15 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
             chosen = _choose(opts, errors)
             qargs = kv_quant_args(opts.kv, chosen)
             scales = {}
-            for i, (k, v) in enumerate(candidates[chosen]):
-                scales.update(qformat.write_kv_scales(spec.arch.attention_module(i), k, v))
+            for i, (k, v) in enumerate(candidates[chosen]):   # a hybrid's Gated DeltaNet layers have no KV cache
+                if i not in spec.linear_layers:
+                    scales.update(qformat.write_kv_scales(spec.arch.attention_module(i), k, v))
             config = {"kv_cache_dtype": opts.kv, "granularity": chosen, "granularity_requested": opts.granularity,
                       "margin": opts.margin, "kv_cache_scheme": asdict(qargs),
                       "calibration": {**calib.manifest(), "heldout": probe.manifest()},
+                      **({"recurrent_state": {"layers": list(spec.linear_layers), "dtype": "float32", "why":
+                          "Gated DeltaNet layers keep a fixed-size recurrent state, not a KV cache: not quantized"}}
+                         if spec.linear_layers else {}),
                       "source_weights": ckpt.qconfig.format if ckpt.quantized else "dense",
                       "source": {"id": source.id, "ref": source.ref}}
             name = opts.name or f"{source.name}-kv{opts.kv}"

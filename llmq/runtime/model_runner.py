@@ -268,10 +268,13 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
     return results[0].view(b, t, -1)
 
 
-def load_kv_scales(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, num_layers: int):
-    """Every layer's (k_scale, v_scale) for this rank (its KV heads' share of per-head scales), or None."""
+def load_kv_scales(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int):
+    """Every attention layer's (k_scale, v_scale) for this rank (its KV heads' share of per-head scales), in order,
+    or None (a hybrid model's Gated DeltaNet layers have no KV cache and no scales)."""
     scales = []
-    for i in range(num_layers):
+    for i in range(ckpt.spec.num_layers):
+        if i in ckpt.spec.linear_layers:
+            continue
         s = ckpt.kv_scales(i)
         if s is None:
             return None
@@ -299,7 +302,7 @@ class ModelRunner:
         self.spec: ModelSpec = ckpt.spec
         self.block_size = block_size
         plan = make_plan(ckpt.spec, tp) if (engine is None and tp > 1) else None
-        scales = load_kv_scales(ckpt, plan, rank, ckpt.spec.num_layers) if kv_cache_dtype != "auto" else None
+        scales = load_kv_scales(ckpt, plan, rank) if kv_cache_dtype != "auto" else None
         self.caches = allocate_layer_caches(ckpt.spec, num_blocks, block_size, self.num_kv_heads, kv_cache_dtype,
                                             self.dtype, self.device, scales, state_slots, tp)
         self.kv_cache_dtype = kv_cache_dtype

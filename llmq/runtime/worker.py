@@ -73,7 +73,7 @@ def kv_cache_dtype_for(requested: str, ckpt: CheckpointReader, engine: EngineSpe
     return requested
 
 
-def refuse_for_hybrid(spec: ModelSpec, compile: bool, speculative: str | None, kv_cache_dtype: str) -> None:
+def refuse_for_hybrid(spec: ModelSpec, compile: bool, speculative: str | None) -> None:
     """One line for what the runtime does not yet run with a hybrid model's Gated DeltaNet layers."""
     what = spec.architecture
     if compile:
@@ -81,8 +81,6 @@ def refuse_for_hybrid(spec: ModelSpec, compile: bool, speculative: str | None, k
     if speculative:
         raise LlmqError(f"{what}: speculative decoding would have to roll Gated DeltaNet states back past rejected "
                         "drafts, which the runtime does not do yet; drop --speculative")
-    if kv_cache_dtype != "auto":
-        raise LlmqError(f"{what}: quantized KV caches of hybrid models are not calibrated yet; use --kv auto")
 
 
 class Worker:
@@ -116,8 +114,7 @@ class Worker:
             raise LlmqError(f"max_model_len {self.max_model_len} exceeds the model's "
                             f"{self.spec.max_position_embeddings} positions")
         if self.spec.linear_layers:
-            refuse_for_hybrid(self.spec, compile=cfg.compile, speculative=cfg.speculative,
-                              kv_cache_dtype=cfg.kv_cache_dtype)
+            refuse_for_hybrid(self.spec, compile=cfg.compile, speculative=cfg.speculative)
         if cfg.compile and self.tp > 1:
             raise LlmqError("--compile compiles the decode step of one rank; use it with tp 1 (tensor-parallel "
                             "ranks run eagerly)")
