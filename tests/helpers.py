@@ -181,6 +181,20 @@ def fake_quantized_cache(kv: str, scales) -> str:
     return name
 
 
+def kv_rounded_logits(path, ids, kv: str, scales):
+    """transformers' float32 logits of ids [1, T] on the checkpoint at `path`: (plain, with K / V rounded as a
+    quantized cache stores them under `scales`: fake_quantized_cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits[0]
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                   attn_implementation=fake_quantized_cache(kv, scales)
+                                                   ).eval()(ids).logits[0]
+    return plain, ref
+
+
 def llmq_logits(source_dir, ids):
     """What llmq evaluated: its runtime's log-probs [batch, seq, vocab] over an artifact, one prompt per row of ids."""
     import torch

@@ -14,8 +14,8 @@ import torch
 from helpers import (
     bf16_kernels_off,
     decompressed_dense,
-    fake_quantized_cache,
     hf_model,
+    kv_rounded_logits,
     make_tiny_model,
     runtime_logprobs,
 )
@@ -196,7 +196,6 @@ def test_kv_cache_scales_of_the_attention_layers_match_a_fake_quantized_transfor
     """quantize-kv on a hybrid calibrates the attention layers' caches only (the Gated DeltaNet layers' recurrent
     state stays float32, and the manifest says so): the runtime on the artifact equals transformers with K / V
     rounded by the stored scales as they enter attention."""
-    from transformers import AutoModelForCausalLM
 
     from llmq.models.reader import CheckpointReader
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
@@ -211,11 +210,7 @@ def test_kv_cache_scales_of_the_attention_layers_match_a_fake_quantized_transfor
     assert art.config["recurrent_state"]["layers"] == [0, 1, 2]
     scales = {3: ck.kv_scales(3)}
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        plain = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()(ids).logits[0]
-        ref = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32,
-                                                   attn_implementation=fake_quantized_cache(kv, scales)
-                                                   ).eval()(ids).logits[0]
+    plain, ref = kv_rounded_logits(src.path, ids, kv, scales)
     got = runtime_logprobs(art.path, ids[0].tolist())
     assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
     assert kld_top1(ref, got)["kld_mean"] < 1e-7

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import bf16_kernels_off, decompressed_dense, fake_quantized_cache, runtime_logprobs, small_engine
+from helpers import bf16_kernels_off, decompressed_dense, kv_rounded_logits, runtime_logprobs, small_engine
 
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
@@ -355,7 +355,6 @@ def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, 
     """quantize-kv on a MoE: what the runtime computes from the artifact equals transformers' MoE with K / V rounded
     by the stored scales as they enter attention. (transformers 5.23's own compressed-tensors loader cannot load a
     MoE: it fails turning the per-expert tensors into its 3-D parameters.)"""
-    from transformers import AutoModelForCausalLM
 
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
 
@@ -367,11 +366,7 @@ def test_kv_cache_schemes_match_a_fake_quantized_transformers_cache(source, kv, 
     assert ck.kv_cache_dtype() == kv
     assert all(sc is not None for sc in scales)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        plain = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()(ids).logits[0]
-        ref = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32,
-                                                   attn_implementation=fake_quantized_cache(kv, scales)
-                                                   ).eval()(ids).logits[0]
+    plain, ref = kv_rounded_logits(src.path, ids, kv, scales)
     got = runtime_logprobs(art.path, ids[0].tolist())
     assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
     k = kld_top1(ref, got)
