@@ -195,6 +195,23 @@ def kv_rounded_logits(path, ids, kv: str, scales):
     return plain, ref
 
 
+def runtime_probe_kld(src_path, art_path, probe_tokens: int) -> float:
+    """The quantize probe's measurement redone by llmq's runtime: mean KLD of the artifact against its source over
+    the probe's held-out windows (small_engine each, one at a time)."""
+    from llmq.models.load import load_tokenizer
+    from llmq.pipeline.quantize.calib import load_probe_text
+    from llmq.pipeline.quantize.probe import ProbeAccumulator
+
+    windows = [w.tolist() for w in load_probe_text(load_tokenizer(src_path), probe_tokens).samples]
+    base, quant = small_engine(src_path), small_engine(art_path)
+    acc = ProbeAccumulator()
+    for w in windows:
+        acc.add(base.prompt_logprobs(w), quant.prompt_logprobs(w))
+    base.shutdown()
+    quant.shutdown()
+    return acc.result()["kld_mean"]
+
+
 def llmq_logits(source_dir, ids):
     """What llmq evaluated: its runtime's log-probs [batch, seq, vocab] over an artifact, one prompt per row of ids."""
     import torch

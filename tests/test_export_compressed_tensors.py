@@ -35,7 +35,7 @@ import re
 
 import pytest
 import torch
-from helpers import bf16_kernels_off, hf_model, runtime_logprobs, small_engine
+from helpers import bf16_kernels_off, hf_model, runtime_logprobs, runtime_probe_kld
 
 from llmq.models import qformat
 from llmq.models.reader import CheckpointReader
@@ -257,21 +257,10 @@ def test_activation_quantized_schemes_match_transformers(quantized, ids, name, m
 def test_the_quantize_probe_measures_what_the_runtime_computes(source, quantized, name, monkeypatch):
     """The probe recorded by `llmq quantize` (KLD of the quantized model vs the source on held-out windows) equals
     the runtime's own, kernels included: for INT4, the bf16-activation kernel's share of the KLD is in the record."""
-    from llmq.models.load import load_tokenizer
-    from llmq.pipeline.quantize.calib import load_probe_text
-    from llmq.pipeline.quantize.probe import ProbeAccumulator
-
     art, src = quantized(name), source[1]
-    windows = [w.tolist() for w in load_probe_text(load_tokenizer(src.path), PROBE_TOKENS).samples]
 
     def runtime_kld():
-        base, quant = small_engine(src.path), small_engine(art.path)
-        acc = ProbeAccumulator()
-        for w in windows:
-            acc.add(base.prompt_logprobs(w), quant.prompt_logprobs(w))
-        base.shutdown()
-        quant.shutdown()
-        return acc.result()["kld_mean"]
+        return runtime_probe_kld(src.path, art.path, PROBE_TOKENS)
 
     recorded = art.metrics["probe"]["kld_mean"]
     # Qwen3's fp8 model: the probe runs transformers' q/k norms, the runtime its own (float32 rounding apart); one

@@ -151,8 +151,9 @@ def artifacts(model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", [dict(method="rtn", bits=4, group_size=16), dict(method="gptq", bits=4,
-                                                                                    group_size=16)],
-                         ids=["rtn-w4g16", "gptq-w4g16"])
+                                                                                    group_size=16),
+                                    dict(method="awq", bits=4, group_size=16)],
+                         ids=["rtn-w4g16", "gptq-w4g16", "awq-w4g16"])
 def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, monkeypatch, tmp_path):
     """Every linear but the DeltaNet's rate projections (and a MoE's router and shared expert gate) in INT4
     (compressed-tensors, as vLLM loads it): llmq's runtime on its exact dequantize path gives transformers'
@@ -190,6 +191,56 @@ def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, mo
     assert _kld(ref, got) <= 1e-5 < _kld(source, got)   # the quantized model, not its source
 
 
+def test_smoothquant_hybrid_runs_as_its_probe_measured(artifacts):
+    """SmoothQuant (W8A8, per-token activations) smooths a Gated DeltaNet layer's input like an attention layer's
+    (in_proj_b / in_proj_a take the factors unquantized): what llmq's runtime computes from the artifact is what the
+    quantize probe measured on its own fake-quantized layers (transformers does not round activations as the
+    runtime does, so it is not the reference here)."""
+    from helpers import runtime_probe_kld
+
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = artifacts
+    art = quantize(src, QuantizeOptions(method="smoothquant", bits=8, num_samples=4, seq_len=64, probe_tokens=128),
+                   store, progress=False)
+    recorded = art.metrics["probe"]["kld_mean"]
+    assert recorded > 1e-5   # the quantization is visible
+    assert abs(runtime_probe_kld(src.path, art.path, 128) / recorded - 1) < 1e-2
+
+
+def test_awq_folds_its_scales_into_every_consumer_of_a_norm_exactly(artifacts, monkeypatch):
+    """AWQ divides a norm by s and multiplies its consumers' columns by s, the 16-bit ones too (a Gated DeltaNet's
+    in_proj_b / in_proj_a; a MoE's router and shared expert gate): the mixer and the MLP compute, in float, what they
+    did before each fold. (A consumer left unscaled moves them by about the spread of s.)"""
+    import llmq.pipeline.quantize.awq as awq
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = artifacts
+    fold, moved = awq.fold_scales, {}
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5))
+
+    def checked(layer, producer, consumers, s, *args):
+        block = {"input_layernorm": getattr(layer, "linear_attn", None), "post_attention_layernorm": layer.mlp}
+        block = block.get(producer)
+        norm = layer.get_submodule(producer)
+        run = (lambda: block(norm(x.to(norm.weight.dtype))[None])) if block is not None else None
+        before = run() if run else None
+        fold(layer, producer, consumers, s, *args)
+        if run:
+            moved.setdefault(producer, []).append((float((run() - before).norm() / before.norm()),
+                                                   float((s - 1).abs().max())))
+
+    monkeypatch.setattr(awq, "fold_scales", torch.no_grad()(checked))
+    quantize(src, QuantizeOptions(method="awq", bits=4, group_size=16, num_samples=4, seq_len=64, probe_tokens=0,
+                                  name="awq-fold"), store, progress=False)
+    assert set(moved) == {"input_layernorm", "post_attention_layernorm"}
+    assert len(moved["input_layernorm"]) == 3   # the three Gated DeltaNet layers
+    for producer, folds in moved.items():
+        for err, spread in folds:
+            assert spread > 0.02, producer   # scales that would show a consumer left out
+            assert err < 1e-3 * spread, (producer, err, spread)
+
+
 @pytest.mark.parametrize("kv,granularity", [("int8", "head"), ("fp8", "tensor")])
 def test_kv_cache_scales_of_the_attention_layers_match_a_fake_quantized_transformers_cache(artifacts, kv,
                                                                                           granularity):
@@ -221,9 +272,7 @@ def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts)
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     store, src = artifacts
-    calls = [(lambda: quantize(src, QuantizeOptions(method="awq", bits=4, group_size=16), store, progress=False),
-              "awq does not yet know what feeds a Gated DeltaNet layer"),
-             (lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
+    calls = [(lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
                                progress=False), "mixed precision"),
              (lambda: build_engine(src, store, BuildOptions(target="gguf")), "one head width for keys and values"),
              (lambda: build_engine(src, store, BuildOptions(target="llmq", tp=2)), "Gated DeltaNet layers")]

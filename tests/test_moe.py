@@ -13,7 +13,14 @@ import json
 
 import pytest
 import torch
-from helpers import bf16_kernels_off, decompressed_dense, kv_rounded_logits, runtime_logprobs, small_engine
+from helpers import (
+    bf16_kernels_off,
+    decompressed_dense,
+    kv_rounded_logits,
+    runtime_logprobs,
+    runtime_probe_kld,
+    small_engine,
+)
 
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize.probe import kld_top1
@@ -110,24 +117,14 @@ def test_weight_only_moe_matches_transformers_on_the_decompressed_checkpoint(sou
 
 @pytest.mark.parametrize("name", list(QUANTIZE))
 def test_the_probe_records_what_the_runtime_computes(source, quantized, name):
-    from llmq.models.load import load_tokenizer
-    from llmq.pipeline.quantize.calib import load_probe_text
-    from llmq.pipeline.quantize.probe import ProbeAccumulator
-
     art, src = quantized(name), source[1]
-    windows = [w.tolist() for w in load_probe_text(load_tokenizer(src.path), PROBE_TOKENS).samples]
-    base, quant = small_engine(src.path), small_engine(art.path)
-    acc = ProbeAccumulator()
-    for w in windows:
-        acc.add(base.prompt_logprobs(w), quant.prompt_logprobs(w))
-    base.shutdown()
-    quant.shutdown()
+    got = runtime_probe_kld(src.path, art.path, PROBE_TOKENS)
     recorded = art.metrics["probe"]["kld_mean"]
     assert recorded > 1e-5  # the quantization is visible
     # float32 op orders differ between the probe's transformers layers and the runtime's; where activations are
     # rounded (the INT4 kernel's bf16 inputs, FP8 / INT8 per-token scales) a rare one rounds the other way: 1.0e-4
     # relative measured on Mixtral's GPTQ model, 7.5e-4 on its FP8 one, 2.5e-3 on its SmoothQuant one (KLD 5e-4)
-    assert abs(acc.result()["kld_mean"] / recorded - 1) < (1e-2 if name in ("smoothquant", "fp8") else 5e-4)
+    assert abs(got / recorded - 1) < (1e-2 if name in ("smoothquant", "fp8") else 5e-4)
 
 
 @pytest.mark.parametrize("family", list(SHAPES))

@@ -337,10 +337,15 @@ class ModelSpec:
         """The decoder linears every method keeps 16-bit, never calibrated, priced as dense tensors: MoE routers (a
         rounded router picks other experts) and shared experts' gates (one output row, a sigmoid), and the Gated
         DeltaNet layers' rate projections (LinearAttention .kept_16bit)."""
-        la = self.arch.linear_attention
-        gates = (ROUTER, SHARED_GATE) if self.shared_expert_size else (ROUTER,) if self.num_experts else ()
-        return [self.arch.linear(i, r) for i in range(self.num_layers) for r in gates] + \
-            [self.arch.linear(i, r) for i in self.linear_layers for r in la.kept_16bit]
+        return [f"{self.arch.prefix(i)}.{p}" for i in range(self.num_layers) for p in self.kept_16bit_paths(i)]
+
+    def kept_16bit_paths(self, i: int) -> list[str]:
+        """kept_16bit's linears of layer i, as paths inside the layer (what AWQ and SmoothQuant fold scales into
+        without quantizing them)."""
+        roles = ((ROUTER, SHARED_GATE) if self.shared_expert_size else (ROUTER,)) if self.num_experts else ()
+        if i in self.linear_layers:
+            roles += self.arch.linear_attention.kept_16bit
+        return [self.arch.path(r) for r in roles]
 
     @property
     def linear_conv_dim(self) -> int:

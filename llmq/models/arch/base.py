@@ -123,6 +123,10 @@ class LinearAttention:
     # linears kept 16-bit too: b and a, one row per value head, set beta (a sigmoid) and the decay (an exponential)
     # that every later token's state compounds, for a few hundredths of the layer's bytes
     kept_16bit: tuple[str, ...] = ("in_proj_b", "in_proj_a")
+    # Arch.feeds of its layers: the input norm feeds q / k / v and z, and b and a, which then carry the scale
+    # unquantized as a MoE router does (out_proj's input comes through the gated norm, which no factor passes)
+    feeds: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("attn_norm", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),)
     # the quantized linears one input feeds (Arch.units' sense): q / k / v and the gate z, then the output
     units: tuple[tuple[str, ...], ...] = (("in_proj_qkv", "in_proj_z"), ("out_proj",))
     # llama.cpp's tensors (gguf-py MODEL_TENSOR members) of the linears, and of the others with their name's suffix
@@ -261,11 +265,15 @@ class Arch:
             return f"{self.linear_attention.module}.{role}"
         return self.linears.get(role) or (self.fused[role][0] if role in self.fused else self.norms[role])
 
-    def feed_roles(self, experts: int = 0) -> list[tuple[str, tuple[str, ...]]]:
-        """`feeds` by role, a MoE layer's MLP norm feeding every expert's gate / up (and the router and a shared
-        expert's gate, whose weights then carry the scale unquantized) and each expert's up feeding its down."""
+    def feed_roles(self, experts: int = 0, linear: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+        """`feeds` by role (`linear`: of a Gated DeltaNet layer, whose mixer has its own), a MoE layer's MLP norm
+        feeding every expert's gate / up (and the router and a shared expert's gate, whose weights then carry the
+        scale unquantized) and each expert's up feeding its down."""
+        feeds = self.feeds
+        if linear:
+            feeds = self.linear_attention.feeds + tuple(f for f in feeds if not set(f[1]) & set(ATTN))
         out = []
-        for p, cons in self.feeds:
+        for p, cons in feeds:
             if self.moe is not None and p in MLP:
                 out += [(f[0], f[1:]) for f in self._expand((p, *cons), experts)]
             elif self.moe is not None and set(cons) & set(MLP):
@@ -275,10 +283,10 @@ class Arch:
                 out.append((p, cons))
         return out
 
-    def feed_paths(self, experts: int = 0) -> list[tuple[str, bool, tuple[str, ...]]]:
+    def feed_paths(self, experts: int = 0, linear: bool = False) -> list[tuple[str, bool, tuple[str, ...]]]:
         """`feeds` as module paths inside a layer: (producer, whether it is a norm, consumers)."""
         return [(self.path(p), p in self.norms, tuple(self.path(c) for c in cons))
-                for p, cons in self.feed_roles(experts)]
+                for p, cons in self.feed_roles(experts, linear)]
 
     def unit_roles(self, experts: int = 0) -> list[tuple[str, ...]]:
         """`units` by role; a MoE layer's MLP units once per expert (the router is no unit: it stays 16-bit); a

@@ -25,7 +25,6 @@ from torch import nn
 
 from ...errors import LlmqError
 from ...models import qformat
-from ...models.arch import ROUTER
 from . import rtn
 
 BITS = (4, 5, 8)   # 5: integers in [-16, 15], for GGUF's Q5_0 / Q5_1 (llmq's runtime and llama.cpp; vLLM runs 4 / 8)
@@ -102,9 +101,9 @@ def fold_scales(layer: nn.Module, producer: str, consumers: tuple[str, ...], s: 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     o, spec = ctx.opts, ctx.spec
     # (producer that absorbs 1/s, consumers whose input columns absorb s): the family's feeds (Arch.feeds)
-    feeds = [(p, cons) for p, _, cons in spec.arch.feed_paths(spec.num_experts)]
-    router = spec.arch.path(ROUTER) if spec.num_experts else None  # folded into, never quantized (so not searched)
-    missing = [n for _, cons in feeds for n in cons if n not in ctx.linears and not ctx.apart(n) and n != router]
+    feeds = [(p, cons) for p, _, cons in spec.arch.feed_paths(spec.num_experts, ctx.index in spec.linear_layers)]
+    carriers = set(spec.kept_16bit_paths(ctx.index))  # folded into, never quantized (so not searched): routers ...
+    missing = [n for _, cons in feeds for n in cons if n not in ctx.linears and not ctx.apart(n) and n not in carriers]
     if missing:
         raise LlmqError(f"AWQ scales every linear a norm or a projection feeds; layer {ctx.index} keeps "
                         f"{', '.join(missing)} dense; use --method gptq / rtn")
@@ -128,7 +127,7 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     for (producer, consumers), first in zip(groups, firsts):
         x, x_mean = torch.cat(kept[first]), sums[first] / tokens
         tie = (lambda v: tie_heads(v, *heads)) if producer == v_proj else None
-        weights = [ctx.linears[c].weight.data.float() for c in consumers if c != router]
+        weights = [ctx.linears[c].weight.data.float() for c in consumers if c not in carriers]
         s, _, _ = search_scales(x, x_mean, weights, *ctx.grid(first), o.symmetric, ctx.scale_dtype, tie)
         fold_scales(ctx.layer, producer, consumers, s, *heads, spec.arch.norm_offset)
         importance.update({c: squares[first] / s.pow(2) for c in consumers})

@@ -22,7 +22,6 @@ import torch
 from ... import quant
 from ...errors import LlmqError
 from ...models import qformat
-from ...models.arch import ROUTER
 from . import rtn
 
 BITS = (8,)
@@ -110,13 +109,13 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     A mapping that touches a linear kept dense (--ignore) is skipped, so ignored layers stay as they were."""
     layer, spec, opts = ctx.layer, ctx.spec, ctx.opts
     absmax = ctx.input_absmax(list(ctx.linears))
-    router = spec.arch.path(ROUTER) if spec.num_experts else None  # a MoE router takes the factors, unquantized
-    mappings = [m for m in spec.arch.feed_paths(spec.num_experts)
-                if all(c in ctx.linears or c == router for c in m[2]) and (m[1] or m[0] in ctx.linears)]
+    carriers = set(spec.kept_16bit_paths(ctx.index))  # a MoE router (...) takes the factors, unquantized
+    mappings = [m for m in spec.arch.feed_paths(spec.num_experts, ctx.index in spec.linear_layers)
+                if all(c in ctx.linears or c in carriers for c in m[2]) and (m[1] or m[0] in ctx.linears)]
     params = {f"{n}.{p}": getattr(lin, p) for n, lin in ctx.linears.items() for p in ("weight", "bias")
               if getattr(lin, p, None) is not None}
     params |= {f"{n}.weight": layer.get_submodule(n).weight for n, is_norm, _ in mappings if is_norm}
-    params |= {f"{router}.weight": layer.get_submodule(router).weight for *_, cons in mappings if router in cons}
+    params |= {f"{c}.weight": layer.get_submodule(c).weight for *_, cons in mappings for c in cons if c in carriers}
     new, factors = smooth_layer({k: p.data for k, p in params.items()}, absmax, opts.alpha, spec.num_heads,
                                 spec.num_kv_heads, spec.head_dim, mappings, spec.arch.path("v_proj"),
                                 spec.arch.norm_offset)

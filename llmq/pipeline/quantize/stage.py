@@ -53,10 +53,9 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
     o = opts.resolved(tuple(_in_features(spec).values()))
-    if spec.linear_layers and (o.method in ("awq", "smoothquant") or o.mixed):
-        raise LlmqError(f"{spec.architecture}: {'mixed precision (--target-bpw / --max-size)' if o.mixed else o.method}"
-                        " does not yet know what feeds a Gated DeltaNet layer's linears; use --method rtn, gptq, fp8, "
-                        "nvfp4 or mxfp4")
+    if spec.linear_layers and o.mixed:
+        raise LlmqError(f"{spec.architecture}: mixed precision (--target-bpw / --max-size) does not yet price a "
+                        "Gated DeltaNet layer's units; quantize every linear to one width")
     if spec.vision is not None:
         from ...models import vision
 
