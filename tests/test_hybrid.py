@@ -267,6 +267,41 @@ def test_kv_cache_scales_of_the_attention_layers_match_a_fake_quantized_transfor
     assert kld_top1(ref, got)["kld_mean"] < 1e-7
 
 
+@pytest.mark.parametrize("tp,kv", [(2, None), (2, "int8"), (1, None)])
+def test_llmq_engine_ranks_compute_what_the_artifact_does(artifacts, tp, kv):
+    """`build --target llmq` of a hybrid (its Gated DeltaNet layers cut by value heads, each rank with the key heads
+    they read, convolution channels and decay parameters following): the build's own split check passes, and the
+    engine served from its rank directories gives the unsharded artifact's distributions and continuations (an INT8
+    KV cache's scales on the attention layers only)."""
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store, src = artifacts
+    # groups of 8: a rank's out_proj input (2 value heads of 12) splits on group edges
+    art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=8, probe_tokens=0), store, progress=False)
+    if kv:
+        art = quantize_kv(art, store, KVOptions(kv=kv, num_samples=4, seq_len=64, probe_tokens=64),
+                          show_progress=False)
+    eng = build_engine(art, store, BuildOptions(target="llmq", tp=tp, verify=True))
+    assert eng.metrics["verify"]["passed"]
+    rank = CheckpointReader(eng.path / "rank0")
+    assert rank.tensors.info("model.layers.0.linear_attn.A_log")[1] == [4 // tp]   # its value heads' decays
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    prompts = [ids[:7], ids[:19]]
+    out = {}
+    for path in (art.path, eng.path):
+        e = LLMEngine(path, EngineConfig(tp=tp, max_model_len=128, kv_cache_memory=32 << 20))
+        try:
+            out[path] = (e.prompt_logprobs(ids).double(), [o.output_token_ids for o in e.generate(prompts, GREEDY)])
+        finally:
+            e.shutdown()
+    (ref, want), (got, seqs) = out[art.path], out[eng.path]
+    assert _kld(ref, got) <= 1e-6
+    assert seqs == want
+
+
 def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts):
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
@@ -275,7 +310,7 @@ def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts)
     calls = [(lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
                                progress=False), "mixed precision"),
              (lambda: build_engine(src, store, BuildOptions(target="gguf")), "one head width for keys and values"),
-             (lambda: build_engine(src, store, BuildOptions(target="llmq", tp=2)), "Gated DeltaNet layers")]
+             (lambda: build_engine(src, store, BuildOptions(target="trtllm", tp=2)), "Gated DeltaNet layers")]
     before = sorted(p.name for p in store.root.iterdir())
     for call, words in calls:
         with pytest.raises(LlmqError, match=words) as e:

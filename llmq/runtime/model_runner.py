@@ -248,7 +248,8 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
     def run(r: int) -> None:
         try:
             scales = None if kv_cache_dtype == "auto" else [tuple(torch.as_tensor(x).float().flatten() for x in kv)
-                                                            for kv in ranks[r].kv_scales]
+                                                            for i, kv in enumerate(ranks[r].kv_scales)
+                                                            if i not in spec.linear_layers]   # attention layers
             caches = allocate_layer_caches(spec, b * nblk, block_size, kv_heads, kv_cache_dtype, dtype, device,
                                            scales, b, world)
             with torch.inference_mode():

@@ -18,7 +18,7 @@ from ...models.checkpoint import ShardedWriter, write_json
 from ...models.engine_spec import NATIVE
 from ...models.linear_weights import LinearWeights
 from ...models.reader import CheckpointReader
-from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_rows
+from ...models.sharding import ShardPlan, kv_scale_slice, layer_slices, split_linear_tensors, split_rows
 from .registry import ExportTarget, ReadBack, TargetResult
 from .verify import exact, reference_weights
 
@@ -68,12 +68,15 @@ def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
         arch = src.arch
         for i in range(src.spec.num_layers):
             norms = {arch.norm(i, role): t for role, t in src.layer_norms(i).items()}
+            tensors = src.layer_tensors(i)   # a Gated DeltaNet layer's convolution, decay and norm: cut by heads
             for r, slices in enumerate(layer_slices(src, plan, i)):
                 for role, lw in slices.items():
                     _put(writers[r], lw, arch.linear(i, role))
                 for name, t in norms.items():
                     writers[r].add(name, t)
-            del norms  # before the next layer's tensors are read
+                for p, t in (split_linear_tensors(tensors, plan, r, arch.linear_attention) if tensors else {}).items():
+                    writers[r].add(f"{arch.prefix(i)}.{p}", t.contiguous())
+            del norms, tensors  # before the next layer's tensors are read
             scales = src.kv_scales(i)
             if scales is not None:
                 for r in range(plan.tp):

@@ -101,10 +101,10 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         raise LlmqError(f"--target {opts.target}: build does not write vision-language models yet (the tower's mmproj "
                         f"GGUF, its rank shards and TensorRT-LLM's checkpoint are not done); serve {source.ref} itself "
                         "(llmq serve), or load it in vLLM / SGLang / transformers (compressed-tensors)")
-    if src.spec.linear_layers and opts.target != "gguf":
-        raise LlmqError(f"--target {opts.target}: build does not write {src.spec.architecture}'s Gated DeltaNet layers "
-                        f"yet; serve and eval {source.ref} itself (llmq serve / llmq eval), write it for llama.cpp "
-                        "(--target gguf), or load it in vLLM (compressed-tensors)")
+    if src.spec.linear_layers and opts.target == "trtllm":
+        raise LlmqError(f"--target trtllm: build does not write {src.spec.architecture}'s Gated DeltaNet layers yet; "
+                        f"build --target llmq or gguf, serve {source.ref} itself (llmq serve), or load it in vLLM "
+                        "(compressed-tensors)")
     try:
         plan = make_plan(src.spec, opts.tp, pad_heads=opts.pad_heads, parallel_embedding=opts.parallel_embedding)
     except HeadSplitError as e:
