@@ -39,7 +39,13 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_wor
                                  "linear_key_head_dim": 16, "linear_value_head_dim": 12,
                                  "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                 "shared_expert_intermediate_size": 48}}
+                                 "shared_expert_intermediate_size": 48},
+            # the same layers, its DeltaNet projections stored fused by key head; the chosen experts not renormalized
+            "qwen3_next": {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                           "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+                           "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                           "shared_expert_intermediate_size": 48, "norm_topk_prob": False}}
 
 
 def byte_tokenizer():

@@ -14,7 +14,8 @@ CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralCon
            "qwen3": transformers.Qwen3Config, "gemma3_text": transformers.Gemma3TextConfig,
            "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "smollm3": transformers.SmolLM3Config,
-           "qwen3_5_text": transformers.Qwen3_5TextConfig, "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}
+           "qwen3_5_text": transformers.Qwen3_5TextConfig, "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+           "qwen3_next": transformers.Qwen3NextConfig}
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
@@ -66,6 +67,8 @@ def test_lists_cover_exactly_the_fields_of_the_supported_configs():
     # SmolLM3's sliding layers are its NoPE layers: windows on some layers only, which this family does not run
     ("smollm3", {"use_sliding_window": True, "sliding_window": 16, "no_rope_layers": [1, 0]}, "layer_types"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_next", {"mlp_only_layers": [1]}, "mlp_only_layers"),   # a dense MLP among the MoE ones
+    ("qwen3_next", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     # Phi-3 128k / 3.5: LongRoPE (short and long factors per frequency), as their config.json spells it
     ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},

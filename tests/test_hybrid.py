@@ -33,7 +33,11 @@ QWEN35_MOE = QWEN35 | dict(model_type="qwen3_5_moe_text", num_experts=8, num_exp
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-@pytest.fixture(scope="module", params=[QWEN35, QWEN35_MOE], ids=["qwen3_5", "qwen3_5_moe"])
+# Qwen3-Next: the MoE's layers with the DeltaNet projections stored fused by key head (in_proj_qkvz, in_proj_ba)
+QWEN3_NEXT = QWEN35_MOE | dict(model_type="qwen3_next")
+
+
+@pytest.fixture(scope="module", params=[QWEN35, QWEN35_MOE, QWEN3_NEXT], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def model(tmp_path_factory, request):
     """The tiny Qwen3.5 (dense or MoE) with every norm weight and dt_bias drawn at random (transformers initialises
     the (1 + w) norms to zero and dt_bias to one), so that each of them must be computed."""
@@ -131,7 +135,7 @@ def test_preempted_sequences_recompute_their_state(model):
 
 def test_what_the_runtime_does_not_run_with_gated_deltanet_layers_is_refused(model):
     for config, words in ((dict(compile=True), "--compile"), (dict(speculative="ngram"), "speculative")):
-        with pytest.raises(LlmqError, match=f"^Qwen3_5(Moe)?ForCausalLM: .*{words}") as e:
+        with pytest.raises(LlmqError, match=f"^Qwen3(_5|_5Moe|Next)ForCausalLM: .*{words}") as e:
             LLMEngine(model, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20, **config))
         assert "\n" not in str(e.value)
 
@@ -166,7 +170,9 @@ def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, mo
     art = quantize(src, QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=128, **method), store,
                    progress=False)
     ignore = json.loads((art.path / "config.json").read_text())["quantization_config"]["ignore"]
-    assert {f"model.layers.{i}.linear_attn.in_proj_{r}" for i in (0, 1, 2) for r in "ab"} <= set(ignore)
+    assert set(CheckpointReader(art.path).spec.kept_16bit()) <= set(ignore)   # b / a (fused: ba), routers, gates
+    assert {f"model.layers.{i}.linear_attn.in_proj_{r}" for i in (0, 1, 2) for r in "ab"} <= set(ignore) or \
+        {f"model.layers.{i}.linear_attn.in_proj_ba" for i in (0, 1, 2)} <= set(ignore)
     ckpt = CheckpointReader(art.path)
     assert ckpt.layer_linears(0)["in_proj_qkv"].qw is not None
     assert ckpt.layer_linears(0)["in_proj_b"].qw is None
@@ -303,13 +309,16 @@ def test_llmq_engine_ranks_compute_what_the_artifact_does(artifacts, tp, kv):
 
 
 def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts):
+    from llmq.models.spec import ModelSpec
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     store, src = artifacts
     calls = [(lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
                                progress=False), "mixed precision"),
-             (lambda: build_engine(src, store, BuildOptions(target="gguf")), "one head width for keys and values"),
+             (lambda: build_engine(src, store, BuildOptions(target="gguf")),
+              "qwen3next layout" if ModelSpec.from_config(src.path).model_type == "qwen3_next" else
+              "one head width for keys and values"),
              (lambda: build_engine(src, store, BuildOptions(target="trtllm", tp=2)), "Gated DeltaNet layers")]
     before = sorted(p.name for p in store.root.iterdir())
     for call, words in calls:

@@ -154,6 +154,13 @@ class CheckpointReader:
             name = f"{self.arch.prefix(i)}.{path}"
             if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:
                 parts |= split_group(self.linear(name), self.spec, group, i)
+        la = self.arch.linear_attention
+        for group in (la.fused if la is not None and i in self.spec.linear_layers else ()):
+            name = self.arch.linear(i, group)   # interleaved by key head: each role's rows gathered
+            if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:
+                lw = self.linear(name)
+                parts |= {r: dataclasses.replace(split_rows(lw, rows), name=self.arch.linear(i, r))
+                          for r, rows in self.spec.fused_rows(group).items()}
         return {r: parts[r] if r in parts else self.linear(self.arch.linear(i, r)) for r in self.spec.roles(i)}
 
     def layer_norms(self, i: int) -> dict[str, torch.Tensor]:

@@ -11,10 +11,14 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import LlmqError
 from .arch import ARCHS, ATTN, ROUTER, SHARED_GATE, Arch, arch_for
 from .arch.base import LINEAR_ATTN
+
+if TYPE_CHECKING:
+    import torch
 
 # model_type -> architecture class, from the declarations (llmq.models.arch).
 SUPPORTED_ARCHITECTURES = {t: a.architecture for t, a in ARCHS.items()}
@@ -370,6 +374,9 @@ class ModelSpec:
         if role in self.arch.fused:
             shapes = [self.linear_shape(r) for r in self.arch.fused[role][1]]
             return sum(n for n, _ in shapes), shapes[0][1]
+        la = self.arch.linear_attention
+        if la is not None and role in la.fused:
+            return sum(len(rows) for rows in self.fused_rows(role).values()), self.hidden_size
         h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.intermediate_size
         if role == ROUTER:
@@ -383,6 +390,24 @@ class ModelSpec:
                 "in_proj_a": (hv, h), "out_proj": (h, vd),
                 "q_proj": (q * (2 if self.arch.attn_gate else 1), h), "k_proj": (kv, h), "v_proj": (kv, h),
                 "o_proj": (h, q), "gate_proj": (ff, h), "up_proj": (ff, h), "down_proj": (h, ff)}[role]
+
+    def fused_rows(self, group: str) -> dict[str, torch.Tensor]:
+        """The stored rows of each role of a Gated DeltaNet group stored interleaved by key head
+        (LinearAttention.fused), in the role's own row order."""
+        import torch
+
+        parts = self.arch.linear_attention.fused[group]
+        per_value = self.linear_value_heads // self.linear_key_heads
+        width = {"q": self.linear_key_dim, "k": self.linear_key_dim, "v": per_value * self.linear_value_dim,
+                 "z": per_value * self.linear_value_dim, "b": per_value, "a": per_value}
+        block = sum(width[p] for p, _ in parts)   # one key head's rows
+        rows: dict[str, list[torch.Tensor]] = {}
+        start = 0
+        for p, role in parts:   # a part over every key head in turn
+            part = torch.arange(start, start + width[p])
+            rows.setdefault(role, []).extend(h * block + part for h in range(self.linear_key_heads))
+            start += width[p]
+        return {role: torch.cat(r) for role, r in rows.items()}
 
     def norm_shape(self, role: str) -> tuple[int]:
         """The weight shape of a decoder layer's norm `role`: per head for q / k norms, else the residual width."""

@@ -10,11 +10,11 @@ from .llama import LLAMA, MISTRAL, QWEN2
 from .moe import MIXTRAL, QWEN3_MOE
 from .phi3 import PHI3
 from .qwen3 import QWEN3
-from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
+from .qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from .smollm3 import SMOLLM3
 
 ARCHS: dict[str, Arch] = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL,
-                                                                        SMOLLM3, QWEN3_5, QWEN3_5_MOE)}
+                                                                        SMOLLM3, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)}
 
 
 def supported() -> str:
@@ -35,5 +35,5 @@ def arch_for(model_type: str | None, shown: str | None = None) -> Arch:
 
 
 __all__ = ["ARCHS", "ATTN", "Arch", "Experts", "GEMMA3", "LINEARS", "LLAMA", "MISTRAL", "MIXTRAL", "MLP", "PHI3",
-           "QWEN2", "QWEN3", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_MOE", "ROUTER", "SHARED_GATE", "SMOLLM3", "SPLIT",
-           "arch_for", "expert_role", "shared_role", "split_of", "supported"]
+           "QWEN2", "QWEN3", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_MOE", "QWEN3_NEXT", "ROUTER", "SHARED_GATE", "SMOLLM3",
+           "SPLIT", "arch_for", "expert_role", "shared_role", "split_of", "supported"]

@@ -127,6 +127,12 @@ class LinearAttention:
     # unquantized as a MoE router does (out_proj's input comes through the gated norm, which no factor passes)
     feeds: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("attn_norm", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),)
+    # linears the checkpoint stores fused and interleaved by key head (Qwen3-Next's in_proj_qkvz, in_proj_ba):
+    # group -> the parts of one key head's rows in order, each (part, the role it belongs to). A part's rows per
+    # key head: q and k one key head's (key_dim), v and z its value heads' (value heads / key heads x value_dim),
+    # b and a one row per value head. A role's rows are its parts', each over every key head in turn. The reader
+    # cuts them into roles; quantization and the artifact keep the group (feeds, units and kept_16bit name it)
+    fused: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     # the quantized linears one input feeds (Arch.units' sense): q / k / v and the gate z, then the output
     units: tuple[tuple[str, ...], ...] = (("in_proj_qkv", "in_proj_z"), ("out_proj",))
     # llama.cpp's tensors (gguf-py MODEL_TENSOR members) of the linears, and of the others with their name's suffix
@@ -192,6 +198,7 @@ class Arch:
     rope_layers: str | None = None
     # why `build --target trtllm` refuses this family (None: it writes it)
     trtllm_refused: str | None = None
+    gguf_refused: str | None = None   # why `build --target gguf` refuses this family (None: it writes it)
     linear_attention: LinearAttention | None = None  # hybrid: some layers are Gated DeltaNet layers
     # q_proj holds each head's query and then its output gate (2 x head_dim rows a head): the attention's output is
     # multiplied by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next)
@@ -226,8 +233,11 @@ class Arch:
         """The linears of a layer (`linear`: a Gated DeltaNet layer) as the checkpoint (and transformers' layer) holds
         them: name (a role, or a fused group) -> path in the layer."""
         grouped = {r for _, roles in self.fused.values() for r in roles}
-        return {g: path for g, (path, _) in self.fused.items()} | \
-            {r: self.path(r) for r in self.roles(experts, linear) if r not in grouped}
+        groups = {g: path for g, (path, _) in self.fused.items()}
+        if linear and self.linear_attention.fused:
+            grouped |= {r for parts in self.linear_attention.fused.values() for _, r in parts}
+            groups |= {g: self.path(g) for g in self.linear_attention.fused}
+        return groups | {r: self.path(r) for r in self.roles(experts, linear) if r not in grouped}
 
     def linear_names(self, i: int, experts: int = 0, linear: bool = False) -> list[str]:
         """Layer i's linears' module names as the checkpoint stores them (`linear`: it is a Gated DeltaNet layer)."""
@@ -240,6 +250,11 @@ class Arch:
             if module.endswith("." + path):
                 base = module[:-len(path)]
                 return [base + self.linears[r] for r in roles]
+        la = self.linear_attention
+        for g, parts in (la.fused if la is not None else {}).items():
+            if module.endswith("." + self.path(g)):
+                base = module[:-len(self.path(g))]
+                return [base + self.path(r) for r in dict.fromkeys(r for _, r in parts)]
         return [module]
 
     def norm(self, i: int, role: str) -> str:
@@ -261,7 +276,7 @@ class Arch:
             return f"{m.block}.{m.shared_gate}"
         if m is not None and m.shared and role.startswith("shared_expert."):
             return f"{m.block}.{m.shared}.{role.rpartition('.')[2]}"
-        if self.linear_attention is not None and role in LINEAR_ATTN:
+        if self.linear_attention is not None and (role in LINEAR_ATTN or role in self.linear_attention.fused):
             return f"{self.linear_attention.module}.{role}"
         return self.linears.get(role) or (self.fused[role][0] if role in self.fused else self.norms[role])
 

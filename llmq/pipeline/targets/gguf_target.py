@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 def refuse(src: CheckpointReader, engine) -> None:
     """One-line errors for what a GGUF file cannot say, before anything is written."""
     s, plan = src.spec, engine.plan
+    if src.arch.gguf_refused:
+        raise LlmqError(f"--target gguf: {src.arch.gguf_refused}; use --target llmq, or serve the artifact itself")
     if s.num_experts and not s.renormalize:
         raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} renormalizes the chosen experts' weights, "
                         "which this model's config (norm_topk_prob false) does not; use --target llmq")
