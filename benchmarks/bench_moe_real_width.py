@@ -133,7 +133,7 @@ def main() -> int:
                tree_peak_rss_gib=round(r["peak_rss_mib"] * MiB / 2**30, 2),
                kld=(m.get("probe") or {}).get("kld_mean"), size_gib=round(m["size_bytes"] / 2**30, 2),
                full_depth_s=round(rest + sum(full[k] * per_kind[k] for k in full), 0),
-               never_routed_experts=len(manifest["expert_coverage"]["never_routed"]))
+               never_routed_experts=len(manifest["config"]["expert_coverage"]["never_routed"]))
     print(json.dumps(out, indent=2))
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))

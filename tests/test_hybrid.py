@@ -197,7 +197,8 @@ def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, mo
     assert _kld(ref, got) <= 1e-5 < _kld(source, got)   # the quantized model, not its source
 
 
-def test_smoothquant_hybrid_runs_as_its_probe_measured(artifacts):
+@pytest.mark.parametrize("model", [QWEN35_MOE], indirect=True, ids=["qwen3_5_moe"])   # its router and gates too
+def test_smoothquant_hybrid_runs_as_its_probe_measured(model, artifacts):
     """SmoothQuant (W8A8, per-token activations) smooths a Gated DeltaNet layer's input like an attention layer's
     (in_proj_b / in_proj_a take the factors unquantized): what llmq's runtime computes from the artifact is what the
     quantize probe measured on its own fake-quantized layers (transformers does not round activations as the
@@ -247,7 +248,7 @@ def test_awq_folds_its_scales_into_every_consumer_of_a_norm_exactly(artifacts, m
             assert err < 1e-3 * spread, (producer, err, spread)
 
 
-@pytest.mark.parametrize("kv,granularity", [("int8", "head"), ("fp8", "tensor")])
+@pytest.mark.parametrize("kv,granularity", [("int8", "head")])   # FP8 / per tensor: tests/test_moe.py's
 def test_kv_cache_scales_of_the_attention_layers_match_a_fake_quantized_transformers_cache(artifacts, kv,
                                                                                           granularity):
     """quantize-kv on a hybrid calibrates the attention layers' caches only (the Gated DeltaNet layers' recurrent
@@ -273,12 +274,11 @@ def test_kv_cache_scales_of_the_attention_layers_match_a_fake_quantized_transfor
     assert kld_top1(ref, got)["kld_mean"] < 1e-7
 
 
-@pytest.mark.parametrize("tp,kv", [(2, None), (2, "int8"), (1, None)])
-def test_llmq_engine_ranks_compute_what_the_artifact_does(artifacts, tp, kv):
-    """`build --target llmq` of a hybrid (its Gated DeltaNet layers cut by value heads, each rank with the key heads
-    they read, convolution channels and decay parameters following): the build's own split check passes, and the
-    engine served from its rank directories gives the unsharded artifact's distributions and continuations (an INT8
-    KV cache's scales on the attention layers only)."""
+def test_llmq_engine_ranks_compute_what_the_artifact_does(artifacts):
+    """`build --target llmq --tp 2` of a hybrid (its Gated DeltaNet layers cut by value heads, each rank with the key
+    heads they read, convolution channels and decay parameters following): the build's own split check passes, and
+    the engine served from its rank directories gives the unsharded artifact's distributions and continuations,
+    with an INT8 KV cache whose scales are the attention layers' only."""
     from llmq.models.reader import CheckpointReader
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
     from llmq.pipeline.quantize import QuantizeOptions, quantize
@@ -286,14 +286,14 @@ def test_llmq_engine_ranks_compute_what_the_artifact_does(artifacts, tp, kv):
 
     store, src = artifacts
     # groups of 8: a rank's out_proj input (2 value heads of 12) splits on group edges
+    tp = 2
     art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=8, probe_tokens=0), store, progress=False)
-    if kv:
-        art = quantize_kv(art, store, KVOptions(kv=kv, num_samples=4, seq_len=64, probe_tokens=64),
-                          show_progress=False)
+    art = quantize_kv(art, store, KVOptions(kv="int8", num_samples=4, seq_len=64, probe_tokens=64),
+                      show_progress=False)
     eng = build_engine(art, store, BuildOptions(target="llmq", tp=tp, verify=True))
     assert eng.metrics["verify"]["passed"]
     rank = CheckpointReader(eng.path / "rank0")
-    assert rank.tensors.info("model.layers.0.linear_attn.A_log")[1] == [4 // tp]   # its value heads' decays
+    assert rank.tensors.info("model.layers.0.linear_attn.A_log")[1] == [2]   # its 2 of the 4 value heads' decays
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     prompts = [ids[:7], ids[:19]]
     out = {}
