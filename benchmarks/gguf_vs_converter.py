@@ -2,7 +2,8 @@
 
 For each family: the test suite's tiny configuration (tests/helpers.py FAMILIES, with --tokenizer's vocabulary: the
 converter refuses tokenizers it does not know, such as the tests' byte tokenizer), saved in bf16, imported and built
-with `--target gguf`; the same directory converted by `convert_hf_to_gguf.py --outtype auto`; then every tensor's
+with `--target gguf`; the same directory converted by `convert_hf_to_gguf.py --outtype auto` (the tokenizer read as
+stored: AS_STORED); then every tensor's
 name, GGML type, shape and dequantized values compared, and every metadata key but the tokenizer's and the names.
 
     python benchmarks/gguf_vs_converter.py --llama-cpp SRC --tokenizer DIR [--converter-pythonpath DIR]
@@ -36,6 +37,12 @@ GGUF_OVERRIDES = {"qwen3_5_text": dict(head_dim=32, linear_key_head_dim=32, line
                   "qwen3_moe": dict(norm_topk_prob=True), "phi3": dict(sliding_window=None),
                   "gemma3_text": dict(query_pre_attn_scalar=24)}
 NAMES = ("general.name", "general.size_label", "general.type", "general.file_type")
+# The converter run with the borrowed tokenizer read as stored: transformers 5 otherwise swaps in its own tokenizer
+# class for some model types (Qwen3.5-MoE's Qwen3_5Tokenizer re-pre-tokenizes), and the converter, which recognizes
+# a tokenizer by the ids it gives a test text, would not know it
+AS_STORED = ("import os, runpy, sys; import transformers.models.auto.tokenization_auto as t; "
+             "t.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.clear(); sys.argv = sys.argv[1:]; "
+             "sys.path.insert(0, os.path.dirname(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def compare(ours: Path, theirs: Path, gguf) -> tuple[list[str], list[str]]:
@@ -105,7 +112,7 @@ def main() -> None:
             theirs = Path(tmp) / f"{family}.converter.gguf"
             # the converter's Qwen3-Next-derived classes ask whether to write a multi-token-prediction head
             mtp = ["--no-mtp"] if ARCHS[family].linear_attention is not None else []
-            p = subprocess.run([sys.executable, str(converter), str(hf), "--outtype", "auto", *mtp,
+            p = subprocess.run([sys.executable, "-c", AS_STORED, str(converter), str(hf), "--outtype", "auto", *mtp,
                                 "--outfile", str(theirs)], env=env, capture_output=True, text=True)
             if p.returncode != 0:
                 print(f"{family:14s} the converter failed: {p.stderr.strip().splitlines()[-1][:200]}")
