@@ -3,8 +3,8 @@
 For each family: the test suite's tiny configuration (tests/helpers.py FAMILIES, with --tokenizer's vocabulary: the
 converter refuses tokenizers it does not know, such as the tests' byte tokenizer), saved in bf16, imported and built
 with `--target gguf`; the same directory converted by `convert_hf_to_gguf.py --outtype auto` (the tokenizer read as
-stored: AS_STORED); then every tensor's
-name, GGML type, shape and dequantized values compared, and every metadata key but the tokenizer's and the names.
+stored: AS_STORED); then every tensor's name, GGML type, shape and dequantized values compared, and every metadata
+key but the tokenizer's and the names.
 
     python benchmarks/gguf_vs_converter.py --llama-cpp SRC --tokenizer DIR [--converter-pythonpath DIR]
         [--families qwen3_5_text smollm3 ...]
