@@ -8,7 +8,7 @@ import transformers
 
 from llmq.errors import LlmqError
 from llmq.models import ModelSpec
-from llmq.models.spec import IMPLEMENTED, INERT, REFUSED
+from llmq.models.config_fields import IMPLEMENTED, INERT, REFUSED
 
 CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "gemma3_text": transformers.Gemma3TextConfig,
@@ -27,7 +27,7 @@ def config(model_type: str, **overrides) -> dict:
 def test_lists_cover_exactly_the_fields_of_the_supported_configs():
     fields = set().union(*(set(cls().to_dict()) for cls in CLASSES.values()))
     unclassified = fields - IMPLEMENTED - set(INERT) - set(REFUSED)
-    assert not unclassified, f"classify these config fields in llmq/models/spec.py: {sorted(unclassified)}"
+    assert not unclassified, f"classify these config fields in llmq/models/config_fields.py: {sorted(unclassified)}"
     assert not (IMPLEMENTED | set(INERT) | set(REFUSED)) - fields, "stale entries"
     assert not (IMPLEMENTED & set(INERT))
     assert not (IMPLEMENTED & set(REFUSED))
