@@ -23,17 +23,14 @@ from .spec import ModelSpec
 
 
 def split_group(lw: LinearWeights, spec: ModelSpec, group: str, i: int) -> dict[str, LinearWeights]:
-    """A stored fused linear of layer i (Arch.fused `group`) as its roles' linears, cut by output rows at the sizes
-    `spec` gives; quantized ones are cut in their unpacked form, scales and zero points with their rows."""
-    out, start = {}, 0
-    for role in spec.arch.fused[group][1]:
-        n = spec.linear_shape(role)[0]
-        out[role] = dataclasses.replace(split_rows(lw, torch.arange(start, start + n)),
-                                        name=spec.arch.linear(i, role))
-        start += n
-    if start != lw.out_features:
-        raise LlmqError(f"{lw.name} has {lw.out_features} rows; its config gives {start}")
-    return out
+    """A stored fused linear of layer i (a fused `group`) as its roles' linears, cut by output rows as `spec` gives
+    them (ModelSpec.group_rows); quantized ones are cut in their unpacked form, scales and zero points with their
+    rows."""
+    rows = spec.group_rows(group)
+    n = sum(len(r) for r in rows.values())
+    if n != lw.out_features:
+        raise LlmqError(f"{lw.name} has {lw.out_features} rows; its config gives {n}")
+    return {role: dataclasses.replace(split_rows(lw, r), name=spec.arch.linear(i, role)) for role, r in rows.items()}
 
 
 class LazyTensors(Mapping):
@@ -150,17 +147,10 @@ class CheckpointReader:
         stored fused (Arch.fused) is cut into its roles, a group stored apart (llmq's rank directories) is read by
         role."""
         parts: dict[str, LinearWeights] = {}
-        for group, (path, _) in self.arch.fused.items():
-            name = f"{self.arch.prefix(i)}.{path}"
+        for group in self.arch.groups(i in self.spec.linear_layers):
+            name = self.arch.linear(i, group)
             if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:
                 parts |= split_group(self.linear(name), self.spec, group, i)
-        la = self.arch.linear_attention
-        for group in (la.fused if la is not None and i in self.spec.linear_layers else ()):
-            name = self.arch.linear(i, group)   # interleaved by key head: each role's rows gathered
-            if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:
-                lw = self.linear(name)
-                parts |= {r: dataclasses.replace(split_rows(lw, rows), name=self.arch.linear(i, r))
-                          for r, rows in self.spec.fused_rows(group).items()}
         return {r: parts[r] if r in parts else self.linear(self.arch.linear(i, r)) for r in self.spec.roles(i)}
 
     def layer_norms(self, i: int) -> dict[str, torch.Tensor]:

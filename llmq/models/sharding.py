@@ -372,7 +372,9 @@ def split_layer(full: dict[str, LinearWeights], plan: ShardPlan, rank: int) -> d
 def split_linear_tensors(tensors: dict[str, torch.Tensor], plan: ShardPlan, rank: int, la) -> dict[str, torch.Tensor]:
     """One rank's share of a Gated DeltaNet layer's other tensors (ModelSpec.linear_tensors, by path), cut as its
     declaration (`la`, an arch LinearAttention) says: the convolution's channels and the per-head decay parameters
-    follow the rank's heads, the rest (the norm, per value dim) is whole."""
+    follow the rank's heads, the rest (the norm, per value dim) is whole. Any other layer has none: {}."""
+    if not tensors:
+        return {}
     channels = {f"{la.module}.{t}" for t in la.channel_tensors}
     heads = {f"{la.module}.{t}" for t in la.head_tensors}
     return {path: t.index_select(0, plan.linear_qkv_rows(rank)) if path in channels else

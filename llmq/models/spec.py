@@ -216,12 +216,9 @@ class ModelSpec:
     def linear_shape(self, role: str) -> tuple[int, int]:
         """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>,
         shared_expert.<role>, shared_expert_gate), or of a stored fused group (Arch.fused: its roles' rows stacked)."""
-        if role in self.arch.fused:
-            shapes = [self.linear_shape(r) for r in self.arch.fused[role][1]]
+        if role in self.arch.groups(self.arch.linear_attention is not None):
+            shapes = [self.linear_shape(r) for r in self.arch.group_roles(role)]
             return sum(n for n, _ in shapes), shapes[0][1]
-        la = self.arch.linear_attention
-        if la is not None and role in la.fused:
-            return sum(len(rows) for rows in self.fused_rows(role).values()), self.hidden_size
         h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.intermediate_size
         if role == ROUTER:
@@ -229,18 +226,25 @@ class ModelSpec:
         if role == SHARED_GATE:
             return 1, h
         if role.startswith(("experts.", "shared_expert.")):
-            role, ff = role.rpartition(".")[2], self.expert_size if role.startswith("e") else self.shared_expert_size
+            ff = self.expert_size if role.startswith("experts.") else self.shared_expert_size
+            role = role.rpartition(".")[2]
         vd, hv = self.linear_value_heads * self.linear_value_dim, self.linear_value_heads
         return {"in_proj_qkv": (self.linear_conv_dim, h), "in_proj_z": (vd, h), "in_proj_b": (hv, h),
                 "in_proj_a": (hv, h), "out_proj": (h, vd),
                 "q_proj": (q * (2 if self.arch.attn_gate else 1), h), "k_proj": (kv, h), "v_proj": (kv, h),
                 "o_proj": (h, q), "gate_proj": (ff, h), "up_proj": (ff, h), "down_proj": (h, ff)}[role]
 
-    def fused_rows(self, group: str) -> dict[str, torch.Tensor]:
-        """The stored rows of each role of a Gated DeltaNet group stored interleaved by key head
-        (LinearAttention.fused), in the role's own row order."""
+    def group_rows(self, group: str) -> dict[str, torch.Tensor]:
+        """The stored rows of each role of a fused group, in the role's own row order: a family's (Arch.fused) one
+        role after another, a Gated DeltaNet's (LinearAttention.fused) interleaved by key head."""
         import torch
 
+        if group in self.arch.fused:   # one role after another
+            out, start = {}, 0
+            for r in self.arch.group_roles(group):
+                n = self.linear_shape(r)[0]
+                out[r], start = torch.arange(start, start + n), start + n
+            return out
         parts = self.arch.linear_attention.fused[group]
         per_value = self.linear_value_heads // self.linear_key_heads
         width = {"q": self.linear_key_dim, "k": self.linear_key_dim, "v": per_value * self.linear_value_dim,

@@ -124,7 +124,7 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
         head = split_rows(head, plan.vocab_rows(rank))
     tensors = [ckpt.layer_tensors(i) for i in range(n)]   # a Gated DeltaNet layer's few small ones, else none
     if plan is not None:
-        tensors = [split_linear_tensors(t, plan, rank, ckpt.arch.linear_attention) if t else t for t in tensors]
+        tensors = [split_linear_tensors(t, plan, rank, ckpt.arch.linear_attention) for t in tensors]
     return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.final_norm(), lm_head=head,
                        tensors=tensors)
 

@@ -229,15 +229,24 @@ class Arch:
         shared = [tuple(shared_role(r) for r in roles)] if self.moe.shared else []
         return [tuple(expert_role(e, r) for r in roles) for e in range(experts)] + shared
 
+    def groups(self, linear: bool = False) -> tuple[str, ...]:
+        """The fused groups a layer stores (`linear`: a Gated DeltaNet layer): the family's (Arch.fused) and its
+        Gated DeltaNet layers' (LinearAttention.fused)."""
+        return tuple(self.fused) + (tuple(self.linear_attention.fused) if linear else ())
+
+    def group_roles(self, group: str) -> tuple[str, ...]:
+        """The roles a stored fused group holds, in order."""
+        if group in self.fused:
+            return self.fused[group][1]
+        return tuple(dict.fromkeys(r for _, r in self.linear_attention.fused[group]))
+
     def stored_linears(self, experts: int = 0, linear: bool = False) -> dict[str, str]:
         """The linears of a layer (`linear`: a Gated DeltaNet layer) as the checkpoint (and transformers' layer) holds
         them: name (a role, or a fused group) -> path in the layer."""
-        grouped = {r for _, roles in self.fused.values() for r in roles}
-        groups = {g: path for g, (path, _) in self.fused.items()}
-        if linear and self.linear_attention.fused:
-            grouped |= {r for parts in self.linear_attention.fused.values() for _, r in parts}
-            groups |= {g: self.path(g) for g in self.linear_attention.fused}
-        return groups | {r: self.path(r) for r in self.roles(experts, linear) if r not in grouped}
+        groups = self.groups(linear)
+        grouped = {r for g in groups for r in self.group_roles(g)}
+        return {g: self.path(g) for g in groups} | \
+            {r: self.path(r) for r in self.roles(experts, linear) if r not in grouped}
 
     def linear_names(self, i: int, experts: int = 0, linear: bool = False) -> list[str]:
         """Layer i's linears' module names as the checkpoint stores them (`linear`: it is a Gated DeltaNet layer)."""
@@ -246,15 +255,10 @@ class Arch:
     def role_modules(self, module: str) -> list[str]:
         """The role linears a full module name holds: a stored fused group's roles' names, else the module itself
         (for what names modules when the roles are stored apart)."""
-        for path, roles in self.fused.values():
-            if module.endswith("." + path):
-                base = module[:-len(path)]
-                return [base + self.linears[r] for r in roles]
-        la = self.linear_attention
-        for g, parts in (la.fused if la is not None else {}).items():
+        for g in self.groups(self.linear_attention is not None):
             if module.endswith("." + self.path(g)):
                 base = module[:-len(self.path(g))]
-                return [base + self.path(r) for r in dict.fromkeys(r for _, r in parts)]
+                return [base + self.path(r) for r in self.group_roles(g)]
         return [module]
 
     def norm(self, i: int, role: str) -> str:
