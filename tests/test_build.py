@@ -23,7 +23,6 @@ from llmq.pipeline.targets.verify import (
     max_rel_error,
     reference_weights,
     run_plan,
-    unsharded_plan,
     verify_engine,
 )
 from llmq.quant import pack_int4_rows, unpack_int4_rows
@@ -119,7 +118,7 @@ def test_reference_forward_matches_transformers(make_tiny_model, tmp_path):
         src = CheckpointReader(d)
         ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(i))
         with torch.no_grad():
-            ours = run_plan([reference_weights(src)], unsharded_plan(src), src.config, ids)
+            ours = run_plan([reference_weights(src)], make_plan(src.spec, 1), src.config, ids)
             hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(ids).logits
         assert max_rel_error(ours, hf) < 1e-5
 

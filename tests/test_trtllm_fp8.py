@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from llmq.errors import LlmqError
 from llmq.models import resolve_model
 from llmq.models.reader import CheckpointReader
+from llmq.models.sharding import make_plan
 from llmq.pipeline.quantize import QuantizeOptions, quantize
 from llmq.pipeline.targets import BuildOptions, build_engine
 from llmq.pipeline.targets.trtllm_loader import backend_computes
@@ -177,7 +178,7 @@ def test_an_fp8_kv_cache_is_scored_at_the_backends_scale_of_one(made):
     assert all(torch.equal(s, torch.ones(())) for kv in computes.kv_scales for s in kv)
     v = eng.metrics["verify"]
     ids = torch.randint(0, reader.spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    plan = verify.unsharded_plan(reader)
+    plan = make_plan(reader.spec, 1)
     ref = verify.reference_weights(reader)
     calibrated = verify.run_plan([ref], plan, reader.config, ids, "fp8")
     unit = dataclasses.replace(ref, kv_scales=[(torch.ones(()), torch.ones(()))] * 2)

@@ -20,7 +20,7 @@ from ...errors import LlmqError
 from ...models.engine_spec import EngineSpec
 from ...models.linear_weights import LinearWeights
 from ...models.reader import CheckpointReader
-from ...models.sharding import RankWeights, ShardPlan
+from ...models.sharding import RankWeights, ShardPlan, make_plan
 from ...runtime.model_runner import rank_weights, score_in_process
 from .registry import TARGETS, target
 
@@ -51,15 +51,6 @@ def run_plan(ranks: list[RankWeights], plan: ShardPlan, config: dict, ids: torch
               for r in range(plan.tp)]
     return score_in_process(ranks, config, plan.heads_per_rank, plan.kv_heads_per_rank, ids, starts,
                             kv_cache_dtype=kv_cache_dtype)
-
-
-def unsharded_plan(src: CheckpointReader) -> ShardPlan:
-    s = src.spec
-    return ShardPlan(tp=1, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                     padded_heads=s.num_heads, padded_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
-                     hidden_size=s.hidden_size, vocab_size=s.vocab_size, padded_vocab_size=s.vocab_size,
-                     parallel_embedding=False, expert_size=s.expert_size,
-                     shared_expert_size=s.shared_expert_size)
 
 
 def expected_kv_scale(scale: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
@@ -113,12 +104,12 @@ def verify_engine(engine_dir: Path | str, source_dir: Path | str, *, seq_len: in
         raise LlmqError(f"{engine_dir}: {export.no_verify}")
     back = export.read_back(engine_dir, meta)
     with torch.no_grad():
-        ref = run_plan([reference_weights(src, exact)], unsharded_plan(src), src.config, ids)
+        ref = run_plan([reference_weights(src, exact)], make_plan(src.spec, 1), src.config, ids)
         out = run_plan(back.ranks, back.plan, src.config, ids)
         measured = {}
         if back.foreign:   # what the target computes vs what llmq evaluated (its runtime, fast kernels, KV cache)
             kv = meta.kv_cache_dtype
-            evaluated = run_plan([reference_weights(src)], unsharded_plan(src), src.config, ids, kv)
+            evaluated = run_plan([reference_weights(src)], make_plan(src.spec, 1), src.config, ids, kv)
             k = kld_top1(evaluated, run_plan(back.computes or back.ranks, back.plan, src.config, ids, kv))
             measured = {"target_kld": k["kld_mean"], "target_top1": k["top1"]}
     err = max_rel_error(out, ref)
