@@ -22,6 +22,8 @@ VNNI = set(cpu_kernels._VNNI) <= cpu_kernels.cpu_flags()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the low-bit kernels need AVX512-VNNI, which this CPU lacks")
 BF16 = {"avx512bw", "avx512_bf16"} <= cpu_kernels.cpu_flags()
 needs_bf16 = pytest.mark.skipif(not BF16, reason="lowbit_linear_bf16 needs AVX512-BF16, which this CPU lacks")
+needs_fp8 = pytest.mark.skipif(not cpu_kernels.FP8_FLAGS <= cpu_kernels.cpu_flags(),
+                               reason="fp8_linear needs AVX512-VBMI and AVX512-BF16, which this CPU lacks")
 AVX512 = "avx512bw" in cpu_kernels.cpu_flags()
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="dense16_linear needs AVX-512, which this CPU lacks")
 
@@ -238,12 +240,36 @@ def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k):
         assert bool(((y.double() - ref).abs() <= bound).all()), rows
 
 
-@needs_avx512
+@needs_fp8
+def test_fp8_activation_rounding_is_quantize_token_groups_bit_for_bit():
+    """fp8_linear's in-kernel rounding of activations to E4M3 per row and group against quant.quantize_token_groups:
+    the same scales and values, bit for bit, on random rows of every magnitude, short last groups, zero rows, and rows
+    made of exact ties (a group scaled by 1 whose values lie halfway between E4M3 neighbours, subnormal ones too)."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 200, generator=gen) * torch.exp2(torch.randint(-30, 30, (37, 1), generator=gen).float())
+    x[5] = 0
+    x[6, 8:] = 0   # one group all zero: the eps scale
+    grid = torch.arange(256, dtype=torch.uint8).view(quant.FP8).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2    # every halfway point of the non-negative E4M3 values, exact in float32
+    ties = torch.cat([mids, -mids]).view(2, -1)[:, :120]
+    ties[:, 0] = 448    # the group's amax: scale 448 / 448 = 1, so the quotients are the ties themselves
+    for rows, group in ((x, 128), (x[:, :96], 32), (ties.repeat(3, 1), 120)):
+        q, s = cpu_kernels.fp8_token_groups(rows, group)
+        wq, ws = quant.quantize_token_groups(rows, group)
+        assert torch.equal(s, ws)
+        assert torch.equal(q.view(torch.int32), wq.float().view(torch.int32)), group
+    assert bool((cpu_kernels.fp8_token_groups(ties, 120)[0] != ties)[:, 1:].all())  # every tie moved to a neighbour
+
+
+@needs_fp8
 @pytest.mark.parametrize("n,k,block", [(48, 512, (128, 128)), (32, 256, (16, 64)), (48, 576, (128, 128))])
 def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block):
     """Every E4M3 weight code but NaN (subnormals, both zeros, 448), with float32 block scales and activations rounded
     to E4M3 per group as the layer rounds them: every product exact, so the kernel is the float64 product up to
-    float32 summation, for one row and several; 576 inputs (SmolLM2's width) end in a half block."""
+    float32 summation, for one row, several and more than a block of 8; 576 inputs (SmolLM2's width) end in a half
+    block."""
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(k)
     codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256)[torch.randperm(n * k, generator=gen)].view(n, k)
@@ -252,11 +278,11 @@ def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block
     scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) + 0.5
     w = quant.dequantize_fp8_blocks(q, scale, block, torch.float64)
     packed = cpu_kernels.pack_fp8(q, scale, block)
-    for rows in (1, 3, 4, 9):
+    for rows in (1, 3, 4, 9, 21):
         x = torch.randn(rows, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
         xq, xs = quant.quantize_token_groups(x, block[1])
         xd = quant.dequantize_fp8_blocks(xq, xs, (1, block[1]), torch.float64)
-        y = cpu_kernels.fp8_linear(xq, xs, *packed, block[1])
+        y = cpu_kernels.fp8_linear(x, *packed, block[1])
         bound = 2 * k * 2 ** -24 * (xd.abs() @ w.abs().t())
         assert y.shape == (rows, n), rows
         assert bool(((y.double() - xd @ w.t()).abs() <= bound).all()), rows
@@ -520,12 +546,14 @@ def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
                                                    pytest.param(16, False, marks=needs_avx512),
                                                    pytest.param("nvfp4", False, marks=needs_avx512),
                                                    pytest.param("mxfp4", False, marks=needs_avx512),
-                                                   pytest.param("q4_k", False, marks=needs_bf16)])
+                                                   pytest.param("q4_k", False, marks=needs_bf16),
+                                                   pytest.param("fp8_block", False, marks=needs_fp8)])
 @pytest.mark.parametrize("fused_layers", ["all", "odd"])
 def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_activations, fused_layers):
-    """An INT4 / INT5 / INT8 / bfloat16 / FP4 / Q4_K model's decode steps through cpu_kernels' DecoderStacks (every
-    layer in one stack, or runs of one fused layer between layers run op by op) against the same layers all run op by
-    op (the same kernels, so equal up to float32 rounding)."""
+    """An INT4 / INT5 / INT8 / bfloat16 / FP4 / Q4_K / block-FP8 model's decode steps through cpu_kernels'
+    DecoderStacks (every layer in one stack, or runs of one fused layer between layers run op by op) against the same
+    layers all run op by op (the same kernels, so equal up to float32 rounding). Block FP8's q / k / v end inside a
+    128-row block, so the stack takes them joined (BlockFP8Linear.joined)."""
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -533,12 +561,14 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
     store = Store(tmp_path / "store")
-    d = make_tiny_model(tmp_path / "m", seed=9, **(dict(hidden_size=256, intermediate_size=256)  # Q4_K: 256 inputs
-                                                    if bits == "q4_k" else {}))
+    wide = dict(hidden_size=256, intermediate_size=256)   # Q4_K: 256 inputs; block FP8: k / v 64 rows, q 256
+    d = make_tiny_model(tmp_path / "m", seed=9, **(wide if bits == "q4_k" else dict(wide, num_key_value_heads=1)
+                                                    if bits == "fp8_block" else {}))
     if bits in (5, 16):   # INT5's kernel takes the bfloat16 scales of a bfloat16 model
         AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
     src = resolve_model(str(d), store)
-    options = dict(method="rtn", bits=4, grid="q4_k") if bits == "q4_k" else dict(method=bits) \
+    options = dict(method="rtn", bits=4, grid="q4_k") if bits == "q4_k" else \
+        dict(method="fp8", group_size=quant.FP8_BLOCK) if bits == "fp8_block" else dict(method=bits) \
         if isinstance(bits, str) else dict(method="rtn", bits=bits, group_size=0 if bits == 8 else 32)
     art = src if bits == 16 else quantize(src, QuantizeOptions(**options, num_samples=2, seq_len=32, probe_tokens=64),
                                           store, progress=False)

@@ -25,6 +25,7 @@ from llmq.models.linear_weights import LinearWeights
 from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import split_cols, split_rows
 from llmq.quant import fp8_block
+from llmq.runtime.layers import cpu_kernels
 
 E4M3 = np.array([(c & 7) / 8 * 2.0 ** -6 if c >> 3 == 0 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7)
                  for c in range(127)])  # every non-negative finite E4M3 value, from its bit fields
@@ -165,14 +166,18 @@ def test_the_cuda_call_passes_torchs_layout_checks(m, n, k):
 
 def test_fused_projections_share_scale_rows_only_on_block_edges():
     """q/k/v as one layer when every part but the last fills whole 128-row blocks; otherwise each part keeps its own
-    layer. Both compute the parts' outputs."""
+    layer, and where the CPU kernel runs them (per-row scales) the packed parts are joined into one layer. All
+    compute the parts' outputs."""
+    from llmq.runtime.layers.fp8_block import BlockFP8Linear
     from llmq.runtime.loader import ConcatLinear, build_linear
 
+    packed = cpu_kernels.fp8_fits(64, 192, 128)
     x = torch.from_numpy(np.random.default_rng(7).standard_normal((3, 192)).astype(np.float32))
     for rows, concat in (((128, 256, 64), False), ((64, 128), True)):
         parts = [LinearWeights(f"p{i}", qw=_qw(10 + i, n, 192)) for i, n in enumerate(rows)]
         layer = build_linear(parts, torch.float32, "cpu")
-        assert isinstance(layer, ConcatLinear) == concat
+        assert isinstance(layer, ConcatLinear) == (concat and not packed)
+        assert isinstance(layer, BlockFP8Linear) == (not concat or packed)
         want = torch.cat([build_linear([p], torch.float32, "cpu")(x) for p in parts], -1)
         assert torch.equal(layer(x), want)
 

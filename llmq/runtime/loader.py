@@ -115,7 +115,10 @@ class ConcatLinear(LinearBase):
 def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device, int8_activations: bool = False
                  ) -> LinearBase:
     if not _fusable(parts):
-        return ConcatLinear([build_linear([p], dtype, device, int8_activations) for p in parts])
+        from .layers.fp8_block import BlockFP8Linear
+
+        layers = [build_linear([p], dtype, device, int8_activations) for p in parts]
+        return BlockFP8Linear.joined(layers) or ConcatLinear(layers)
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]).to(dtype)

@@ -363,22 +363,7 @@ LLMQ_AVX512 inline __m512 row_sums(const __m512 (&t)[4]) {
   return _mm512_shuffle_f32x4(lo, hi, 0x44);
 }
 
-// Sixteen E4M3 bytes as float32, exactly: normal codes by moving the exponent and mantissa into place and rebiasing
-// (+120), subnormal ones (exponent 0) as m * 2^-9, so no float32 subnormal is made (DAZ would zero it).
-LLMQ_AVX512 inline __m512 e4m3_floats(__m128i b) {
-  const __m512i u = _mm512_cvtepu8_epi32(b);
-  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7F)), sign = _mm512_slli_epi32(_mm512_srli_epi32(u, 7), 31);
-  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512));  // exponent 0: m * 2^-9
-  const __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
-  const __m512 v = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(normal), sub);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-}
-
-// Fp8 (block FP8, W8A8): E4M3 weight codes decoded exactly, x the activations' E4M3 values (exact in float32, so every
-// product is), one float32 weight scale per row and group (s) times the row's activation scale per group (xsum
-// holds those), float32 out; the last group may be short (K need not be a multiple of the block).
-template <int R, bool Fp8 = false, typename S = uint16_t>
+template <int R, typename S = uint16_t>
 LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const S* s, const float* x, const float* xsum, int64_t k,
                                      int64_t group, float* y, int64_t n) {
   constexpr int A = R == 1 ? 2 : 1;  // independent sums a quarter-tile and row
@@ -395,7 +380,7 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const S* s, const float* 
         for (int r = 0; r < R; ++r) xv[r] = _mm512_broadcast_f32x4(_mm_loadu_ps(x + r * k + i + 4 * a));
         for (int q = 0; q < 4; ++q) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 * a + 16 * q));
-          const __m512 c = Fp8 ? e4m3_floats(b) : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+          const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
           for (int r = 0; r < R; ++r) gacc[r][a][q] = _mm512_fmadd_ps(c, xv[r], gacc[r][a][q]);
         }
       }
@@ -408,11 +393,10 @@ LLMQ_AVX512 void tile_rows_int8_bf16(const uint8_t* w, const S* s, const float* 
         for (int a = 1; a < A; ++a) t[q] = _mm512_add_ps(t[q], gacc[r][a][q]);
       }
       const __m512 xg = _mm512_set1_ps(xsum[r * groups + g]);
-      if constexpr (Fp8) acc[r] = _mm512_fmadd_ps(row_sums(t), _mm512_mul_ps(sc, xg), acc[r]);
-      else acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.f), xg, row_sums(t)), sc, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.f), xg, row_sums(t)), sc, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, Fp8 ? acc[r] : round_bf16(acc[r]));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
 }
 
 // The same INT8 product for many rows at the bfloat16 dot-product rate: each tile's codes widened once to bfloat16
@@ -457,6 +441,121 @@ LLMQ_BF16 void pair_rows_bf16(const uint32_t* pairs, const uint16_t* s, const ui
     fold_group<R, 2>(gacc, load_scales(s + g * kTile), acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, round_bf16(acc[r]));
+}
+
+// Block FP8's activations, row x [K] rounded to E4M3 per group of `group` inputs (the last one may be short) as
+// quant.quantize_token_groups rounds them: scale xs = max(amax, eps) / 448, the quotient x / xs (IEEE division, the
+// same float32 quotient) saturated to +-448 and rounded to the nearest E4M3 value, ties to even: the nearest multiple
+// of its binade's step 2^(e - 3), of 2^-9 below 2^-6 (E4M3's subnormals). q: the values, exact in float32 and bfloat16.
+LLMQ_AVX512 void fp8_row(const float* x, int64_t k, int64_t group, float eps, float* q, float* xs) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const auto mask = [](int64_t left) { return static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1); };
+  for (int64_t g = 0, i0 = 0; i0 < k; ++g, i0 += group) {
+    const int64_t end = std::min(i0 + group, k);
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = i0; i < end; i += 16)
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask(end - i), x + i)));
+    const float s = std::max(_mm512_reduce_max_ps(mx), eps) / 448.f;
+    xs[g] = s;
+    const __m512 sv = _mm512_set1_ps(s), top = _mm512_set1_ps(448.f), three = _mm512_set1_ps(3.f);
+    for (int64_t i = i0; i < end; i += 16) {
+      const __mmask16 mk = mask(end - i);
+      const __m512 v = _mm512_max_ps(_mm512_min_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(mk, x + i), sv), top),
+                                     _mm512_sub_ps(_mm512_setzero_ps(), top));
+      const __m512 e = _mm512_max_ps(_mm512_getexp_ps(_mm512_abs_ps(v)), _mm512_set1_ps(-6.f));  // getexp(0) = -inf
+      const __m512 r = _mm512_roundscale_ps(_mm512_scalef_ps(v, _mm512_sub_ps(three, e)), kRound);
+      _mm512_mask_storeu_ps(q + i, mk, _mm512_scalef_ps(r, _mm512_sub_ps(e, three)));
+    }
+  }
+}
+
+#define LLMQ_FP8 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16,fma")))
+
+// The bfloat16 of each E4M3 magnitude (codes 0-127; 127 is NaN) as two 128-entry byte tables for vpermi2b: its high
+// bytes (the exponent's top seven bits) and low bytes (the exponent's last bit and the mantissa). Every value is exact
+// in bfloat16, subnormal ones too (m * 2^-9 is a normal bfloat16).
+struct E4m3Tables {
+  __m512i hi0, hi1, lo0, lo1;
+};
+
+LLMQ_FP8 inline E4m3Tables e4m3_tables() {
+  struct Bytes {
+    alignas(64) uint8_t hi[128], lo[128];
+  };
+  static const Bytes bytes = [] {  // built once a process
+    Bytes t;
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3, m = c & 7;
+      const float f = c == 127 ? std::numeric_limits<float>::quiet_NaN()
+                               : e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(static_cast<float>(m), -9);
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);
+      t.hi[c] = static_cast<uint8_t>(bits >> 24);
+      t.lo[c] = static_cast<uint8_t>(bits >> 16);
+    }
+    return t;
+  }();
+  return {_mm512_load_si512(bytes.hi), _mm512_load_si512(bytes.hi + 64), _mm512_load_si512(bytes.lo),
+          _mm512_load_si512(bytes.lo + 64)};
+}
+
+// A 64-byte chunk of E4M3 codes (16 rows x 4 inputs, row a at bytes 4a..4a+3) as bfloat16 in two vectors: two table
+// lookups (vpermi2b reads an index's low seven bits), the sign put back into the high bytes, the bytes interleaved in
+// each 128-bit lane: a holds rows 4l, 4l + 1 of lane l, b rows 4l + 2, 4l + 3; each row's four inputs in two 32-bit
+// lanes, pairs (0, 1) then (2, 3).
+LLMQ_FP8 inline void e4m3_bf16(const uint8_t* w, const E4m3Tables& t, __m512i& a, __m512i& b) {
+  const __m512i c = _mm512_loadu_si512(w);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, c, t.hi1), c,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // A | (B & C)
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// Block FP8 on AVX512-BF16: the E4M3 weight and activation values are exact in bfloat16, so vdpbf16ps multiplies them
+// exactly into float32 sums, 32 products an instruction; per group the sums times the row's weight scale (s) and the
+// activation row's scale (xs [R rows][groups]), float32 out; the last group may be short. Each row's sum is two lanes
+// (e4m3_bf16's pairs), folded at the group's end. x: each row's E4M3 values as bfloat16 bits.
+template <int R>
+LLMQ_FP8 void tile_rows_fp8(const uint8_t* w, const float* s, const uint16_t* x, const float* xs, int64_t k,
+                            int64_t group, float* y, int64_t n) {
+  constexpr int A = R == 1 ? 2 : 1;  // independent sums a chunk and row
+  const int64_t groups = (k + group - 1) / group;
+  const E4m3Tables tables = e4m3_tables();
+  __m512 acc[R];
+  zeros<R>(acc);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 gacc[R][A][2];
+    zeros<R * A * 2>(&gacc[0][0][0]);
+    const int64_t end = std::min((g + 1) * group, k);
+    for (int64_t i = g * group; i < end; i += 4 * A, w += 64 * A) {  // 64 bytes = 16 rows x 4 inputs
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 2048, _MM_HINT_T0);
+      for (int a = 0; a < A; ++a) {
+        __m512i wa, wb;
+        e4m3_bf16(w + 64 * a, tables, wa, wb);
+        for (int r = 0; r < R; ++r) {
+          int64_t xv;
+          std::memcpy(&xv, x + r * k + i + 4 * a, sizeof xv);
+          const __m512bh xb = (__m512bh)_mm512_set1_epi64(xv);  // even lanes inputs (0, 1), odd ones (2, 3)
+          gacc[r][a][0] = _mm512_dpbf16_ps(gacc[r][a][0], (__m512bh)wa, xb);
+          gacc[r][a][1] = _mm512_dpbf16_ps(gacc[r][a][1], (__m512bh)wb, xb);
+        }
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(s + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      __m512 sa = gacc[r][0][0], sb = gacc[r][0][1];
+      for (int a = 1; a < A; ++a) {
+        sa = _mm512_add_ps(sa, gacc[r][a][0]);
+        sb = _mm512_add_ps(sb, gacc[r][a][1]);
+      }
+      sa = _mm512_add_ps(sa, _mm512_permute_ps(sa, 0xB1));  // each row's two lanes, summed into both
+      sb = _mm512_add_ps(sb, _mm512_permute_ps(sb, 0xB1));
+      const __m512 rows = _mm512_shuffle_ps(sa, sb, 0x88);  // lane l: rows 4l, 4l + 1 (from a), 4l + 2, 4l + 3 (b)
+      acc[r] = _mm512_fmadd_ps(rows, _mm512_mul_ps(sc, _mm512_set1_ps(xs[r * groups + g])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, acc[r]);
 }
 
 // The same INT4 / INT8 / FP4 products on AMX-BF16's tile unit, for many rows (prefill, large decode batches): a tile
@@ -793,34 +892,53 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   return y;
 }
 
-// Block FP8 (W8A8; E4M3 weight bytes in the INT8 tiles, a float32 scale per row and group of `group` inputs) times
-// activations already rounded to E4M3 per row and group (xq: their values, xs [M, groups]: their scales), as
-// quant.quantize_token_groups rounds them: every product exact, float32 sums, times both scales per group; float32
-// out. One kernel for every row count (a decode batch or a prefill chunk).
-at::Tensor fp8_linear(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& w, const at::Tensor& s,
-                      int64_t group) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "fp8_linear needs a CPU with AVX-512");
-  TORCH_CHECK(xq.dim() == 2 && xq.device().is_cpu() && xq.dtype() == at::kFloat && xs.dtype() == at::kFloat,
-              "fp8_linear: xq and xs must be float32 CPU tensors");
+// Block FP8's activations x [M, K] rounded per row and group as the layer rounds them (fp8_row): (values [M, K],
+// scales [M, groups]), float32.
+std::tuple<at::Tensor, at::Tensor> fp8_token_groups(const at::Tensor& x, int64_t group, double eps) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "fp8_token_groups needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && group > 0, "fp8_token_groups: x must be a 2-D CPU tensor");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t m = xf.size(0), k = xf.size(1), groups = (k + group - 1) / group;
+  at::Tensor q = at::empty({m, k}, at::kFloat), xs = at::empty({m, groups}, at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *sp = xs.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      fp8_row(xp + r * k, k, group, static_cast<float>(eps), qp + r * k, sp + r * groups);
+  });
+  return {q, xs};
+}
+
+// Block FP8 (W8A8; E4M3 weight bytes in the INT8 tiles, a float32 scale per row and group of `group` inputs) times x
+// rounded to E4M3 per row and group (fp8_token_groups): every product exact, float32 sums, times both scales per
+// group; float32 out. One kernel for every row count (a decode batch or a prefill chunk).
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, double eps) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+              __builtin_cpu_supports("avx512bf16"), "fp8_linear needs a CPU with AVX512-VBMI and AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "fp8_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && s.dim() == 3 && s.size(2) == kTile &&
               w.is_contiguous() && s.is_contiguous(), "fp8_linear: bad packed weight (float32 scales)");
-  const int64_t m = xq.size(0), k = xq.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
-  TORCH_CHECK(group % 8 == 0 && k % 8 == 0 && groups == (k + group - 1) / group && w.numel() == n * k &&
-              xs.numel() == m * groups,
+  const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % 8 == 0 && k % 8 == 0 && groups == (k + group - 1) / group && w.numel() == n * k,
               "fp8_linear: K=", k, " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
-  const at::Tensor x = xq.contiguous(), scales = xs.contiguous();
+  const auto [xq, xs] = fp8_token_groups(x, group, eps);
   at::Tensor y = at::empty({m, n}, at::kFloat);
   const auto* wp = w.data_ptr<uint8_t>();
-  const float *sp = s.data_ptr<float>(), *xp = x.data_ptr<float>(), *xsp = scales.data_ptr<float>();
+  const float *sp = s.data_ptr<float>(), *xp = xq.data_ptr<float>(), *xsp = xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  std::vector<uint16_t> xb(m * k);  // the E4M3 values' bfloat16 bits: their top half, exactly
+  for (int64_t i = 0; i < m * k; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, xp + i, sizeof bits);
+    xb[i] = static_cast<uint16_t>(bits >> 16);
+  }
   const auto rows = [&](auto r_const) {
     return [&, r_const](int64_t t, int64_t r) {
-      tile_rows_int8_bf16<decltype(r_const)::value, true, float>(wp + t * kTile * k, sp + t * groups * kTile,
-                                                                 xp + r * k, xsp + r * groups, k, group,
-                                                                 yp + r * n + t * kTile, n);
+      tile_rows_fp8<decltype(r_const)::value>(wp + t * kTile * k, sp + t * groups * kTile, xb.data() + r * k,
+                                              xsp + r * groups, k, group, yp + r * n + t * kTile, n);
     };
   };
-  for_tiles<0>(tiles, m, rows);
+  for_tiles<8>(tiles, m, rows);
   return y;
 }
 
@@ -1681,7 +1799,7 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
 // 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5 / 8:
 // lowbit_linear_bf16 INT4 / INT8 / INT5 [codes, s, -]; 2-5 and 8 take and give bfloat16 (the layers' default
 // arithmetic); 6: dense16_linear [w, -, -]; 7: fp4_linear [codes, s, divisor (a one-element float32 tensor)];
-// 9: q4k_linear [codes, s, mins].
+// 9: q4k_linear [codes, s, mins]; 10: fp8_linear [codes, s, -] (activations rounded to E4M3 in the kernel).
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
@@ -1694,6 +1812,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64
     y = fp4_linear(x, a, b, group, c.item<double>());
   } else if (kind == 9) {
     y = q4k_linear(x, a, b, c, group);
+  } else if (kind == 10) {
+    y = fp8_linear(x, a, b, group, eps);
   } else if (kind >= 4) {
     TORCH_CHECK(kind <= 5 || kind == 8, "DecoderStack: unknown linear kind ", kind);
     y = lowbit_linear_bf16(x, a, b, kind == 4 ? 4 : kind == 5 ? 8 : 5, group);
@@ -1753,7 +1873,8 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
   m.def("q4k_linear(Tensor x, Tensor w, Tensor s, Tensor mins, int group) -> Tensor");
-  m.def("fp8_linear(Tensor xq, Tensor xs, Tensor w, Tensor s, int group) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor w, Tensor s, int group, float eps) -> Tensor");
+  m.def("fp8_token_groups(Tensor x, int group, float eps) -> (Tensor, Tensor)");
   m.def("table_linear(Tensor x, Tensor w, Tensor s, Tensor table, int group, int round) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -1774,6 +1895,7 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("fp4_linear", &fp4_linear);
   m.impl("q4k_linear", &q4k_linear);
   m.impl("fp8_linear", &fp8_linear);
+  m.impl("fp8_token_groups", &fp8_token_groups);
   m.impl("table_linear", &table_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);

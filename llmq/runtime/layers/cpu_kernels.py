@@ -11,8 +11,10 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
   Layers whose scales or zero points PyTorch's kernels would round keep those kernels. LLMQ_AMX=0 turns AMX off.
 - `q4k_linear` (AVX512-BF16): GGML's Q4_K (unsigned codes in the INT4 tiles, float32 scale and min per 32 inputs)
   times bfloat16(x), float32 sums: the reference layer's product up to x's rounding.
-- `fp8_linear` (AVX-512): block FP8 (W8A8) bytes in the INT8 tiles decoded exactly, times activations already
-  rounded to E4M3 per group: the reference layer's product from the packed bytes.
+- `fp8_linear` (AVX512-VBMI, -BF16): block FP8 (W8A8) bytes in the INT8 tiles decoded exactly by table lookups,
+  times the activations rounded to E4M3 per row and group in the kernel (`fp8_token_groups`:
+  quant.quantize_token_groups' numbers), every product exact in bfloat16: the reference layer's product from the
+  packed bytes.
 - `table_linear` (AVX-512): bitsandbytes' NF4 / FP4 codes in the INT4 tiles looked up in their 16-value table, times
   the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums.
 - `fp4_linear` (AVX-512): NVFP4 / MXFP4 codes in the INT4 tiles decoded exactly by a 16-entry table, float32 sums:
@@ -51,6 +53,7 @@ from . import cpp_build
 BLOCK = 32  # inputs per activation scale
 TILE = 16  # output rows per packed tile
 _VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+FP8_FLAGS = frozenset({"avx512bw", "avx512vbmi", "avx512_bf16"})   # fp8_linear's
 BUILD_WAIT = 600.0  # seconds to wait for another process's build (one takes ~15-25 s on 2 cores)
 log = logging.getLogger(__name__)
 
@@ -112,8 +115,8 @@ def _fake_q4k(x, w, s, mins, group):
     return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
-def _fake_fp8(xq, xs, w, s, group):
-    return xq.new_empty(xq.shape[0], s.shape[0] * TILE, dtype=torch.float32)
+def _fake_fp8(x, w, s, group, eps):
+    return x.new_empty(x.shape[0], s.shape[0] * TILE, dtype=torch.float32)
 
 
 def _fake_table(x, w, s, table, group, round):
@@ -247,8 +250,8 @@ def q4k_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, mins: torc
 
 def fp8_fits(n: int, k: int, group: int) -> bool:
     """Whether a block-FP8 weight [n, k] with `group`-input blocks (the last one may be short) takes fp8_linear here
-    (a CPU with AVX-512, the kernels built)."""
-    return n % TILE == 0 and group % 8 == 0 and k % 8 == 0 and "avx512bw" in cpu_flags() and available()
+    (a CPU with AVX512-VBMI and -BF16, the kernels built)."""
+    return n % TILE == 0 and group % 8 == 0 and k % 8 == 0 and FP8_FLAGS <= cpu_flags() and available()
 
 
 def pack_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,10 +261,15 @@ def pack_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tu
     return pack_codes(q.view(torch.uint8), 8), _tiles(rows)
 
 
-def fp8_linear(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
-    """Activations rounded to E4M3 per row and group (quant.quantize_token_groups: values xq, scales xs) times a
-    packed block-FP8 weight (pack_fp8): exact products, float32 sums, [M, N] float32."""
-    return torch.ops.llmq_cpu.fp8_linear(xq.float(), xs, codes, s, group)
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] rounded to E4M3 per row and group (fp8_token_groups) times a packed block-FP8 weight (pack_fp8):
+    exact products, float32 sums, [M, N] float32."""
+    return torch.ops.llmq_cpu.fp8_linear(x, codes, s, group, quant.EPS)
+
+
+def fp8_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_linear's rounding of x [M, K]: quant.quantize_token_groups' (values as float32, scales [M, groups])."""
+    return torch.ops.llmq_cpu.fp8_token_groups(x, group, quant.EPS)
 
 
 def table_fits(n: int, k: int, group: int) -> bool:
@@ -339,6 +347,7 @@ class Kind(enum.IntEnum):
     FP4 = 7            # fp4_linear [codes, s, divisor]
     LOWBIT5_BF16 = 8   # lowbit_linear_bf16 INT5 [codes, s]
     Q4K = 9            # q4k_linear [codes, s, mins]
+    FP8 = 10           # fp8_linear [codes, s]
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@
 Elsewhere than a Hopper GPU the layer reproduces the kernels' numbers: the activations are rounded to E4M3 with their
 per-group scales exactly as `llmq.quant` (and vLLM's kernel) computes them, dequantized, and multiplied in float32 by
 the weight dequantized block by block, which equals a float64 dequantize-then-matmul within float32 rounding; on CPUs
-with AVX-512 from the packed bytes (cpu_kernels.fp8_linear: the same products, exact, float32 sums). On
-Hopper (compute capability 9.x) with 128-aligned shapes it runs torch's blockwise-scaled GEMM
-(`torch.nn.functional.scaled_mm`, BlockWise1x128 activations x BlockWise128x128 weights, cuBLASLt from CUDA 12.9), if a
-probe call at load succeeds (else `fallback_reason` says why). cuBLASLt wants the token count a multiple of 4: decode
-batches are padded with zero rows.
+with AVX512-BF16 from the packed bytes (cpu_kernels.fp8_linear: the same rounding and exact products, float32 sums;
+a decode step's DecoderStack runs it too). On Hopper (compute capability 9.x) with 128-aligned shapes it runs
+torch's blockwise-scaled GEMM (`torch.nn.functional.scaled_mm`, BlockWise1x128 activations x BlockWise128x128
+weights, cuBLASLt from CUDA 12.9), if a probe call at load succeeds (else `fallback_reason` says why). cuBLASLt wants
+the token count a multiple of 4: decode batches are padded with zero rows.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ... import quant
 from . import cpu_kernels
+from .cpu_kernels import FusedLinear, Kind
 from .linear import LinearBase, one_line, set_buffer
 
 
@@ -44,14 +45,36 @@ class BlockFP8Linear(LinearBase):
                 self.fallback_reason = one_line(e)
                 self._buffers.pop("scale_b")
 
+    @classmethod
+    def joined(cls, parts: list[LinearBase]) -> BlockFP8Linear | None:
+        """Column-parallel packed block-FP8 layers as one (q / k / v whose widths end inside a 128-row block, as
+        SmolLM2's 960 do: one block-scale grid cannot hold them, but the kernel's scales are per row, so the packed
+        parts concatenate): one kernel call a step instead of one a part, and a DecoderStack takes the layer. None
+        unless every part is a packed block-FP8 layer of one group width."""
+        if not all(isinstance(p, BlockFP8Linear) and p.packed for p in parts) or len({p.block for p in parts}) > 1:
+            return None
+        layer = cls.__new__(cls)
+        LinearBase.__init__(layer)
+        layer.out_features, layer.in_features = sum(p.out_features for p in parts), parts[0].in_features
+        layer.block, layer.packed, layer.scaled_mm, layer.fallback_reason = parts[0].block, True, False, None
+        some = next((p.bias for p in parts if p.bias is not None), None)
+        set_buffer(layer, "bias", None if some is None else torch.cat(
+            [p.bias if p.bias is not None else some.new_zeros(p.out_features) for p in parts]))
+        set_buffer(layer, "lb_codes", torch.cat([p.lb_codes for p in parts]))
+        set_buffer(layer, "lb_s", torch.cat([p.lb_s for p in parts]))
+        return layer
+
+    def fused_spec(self) -> FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack: the packed weight on fp8_linear."""
+        return FusedLinear(Kind.FP8, (self.lb_codes, self.lb_s), self.block[1]) if self.packed else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.scaled_mm:
             y = blockwise_scaled_mm(x2, self.w, self.scale_b)
         elif self.packed:
-            y = cpu_kernels.fp8_linear(*quant.quantize_token_groups(x2, self.block[1]), self.lb_codes, self.lb_s,
-                                       self.block[1])
+            y = cpu_kernels.fp8_linear(x2, self.lb_codes, self.lb_s, self.block[1])
         else:
             xq, xs = quant.quantize_token_groups(x2, self.block[1])
             xd = quant.dequantize_fp8_blocks(xq, xs, (1, self.block[1]))
