@@ -11,6 +11,7 @@ model's chat template rather than lm-eval (evals/chat.py); their items are writt
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -191,7 +192,7 @@ def nextline_rows(sources: dict[str, str], rng: random.Random, n: int, context_l
     cands = []
     for rel, text in sources.items():
         lines = [ln for ln in text.splitlines() if ln.strip()]
-        pool = [ln for ln in lines if 8 <= len(ln.strip()) <= 100]
+        pool = sorted({ln for ln in lines if 8 <= len(ln.strip()) <= 100})   # once a file, not once a row
         for i in range(context_lines, len(lines)):
             target = lines[i]
             if not 8 <= len(target.strip()) <= 100 or target.strip().startswith("#"):
@@ -201,7 +202,7 @@ def nextline_rows(sources: dict[str, str], rng: random.Random, n: int, context_l
     rows = []
     for rel, i, lines, pool in cands:
         target = lines[i]
-        others = sorted({ln for ln in pool if ln.strip() != target.strip()})
+        others = [ln for ln in pool if ln.strip() != target.strip()]
         if len(others) < 3:
             continue
         choices = rng.sample(others, 3) + [target]
@@ -294,9 +295,20 @@ def _chat_task_data(d: Path, seed: int, tools: bool) -> list[str]:
     return names
 
 
+_MADE: dict[tuple, TaskSet] = {}   # materialize's, this process's
+
+
 def materialize(cache_dir: Path, seed: int, allow_code_execution: bool = False, tools: bool = False) -> TaskSet:
     """Write every available task for `seed` under cache_dir/<fingerprint>/ (deterministic; reused if present).
-    tools: include the tools task (its data, BFCL's, is fetched once from PyPI)."""
+    tools: include the tools task (its data, BFCL's, is fetched once from PyPI). Made once a process for each set of
+    arguments while its directory stands (a recipe's evals, a test session's: ~2 s each)."""
+    key = (Path(cache_dir).resolve(), seed, allow_code_execution, tools, TASKS_VERSION)
+    if key not in _MADE or not _MADE[key].include_path.is_dir():
+        _MADE[key] = _materialize(Path(cache_dir), seed, allow_code_execution, tools)
+    return copy.deepcopy(_MADE[key])
+
+
+def _materialize(cache_dir: Path, seed: int, allow_code_execution: bool, tools: bool) -> TaskSet:
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_dir))
