@@ -152,7 +152,8 @@ def tiny(tmp_path_factory):
         for scheme, (qopts, _) in SCHEMES.items():
             src = model if qopts is None else quantize(model, QuantizeOptions(method="rtn", **qopts), store,
                                                        progress=False)
-            built[arch, scheme] = (src, build_engine(src, store, BuildOptions(target="gguf")))
+            # probe_tokens=0: the modelled quality is test_gguf_compute's
+            built[arch, scheme] = (src, build_engine(src, store, BuildOptions(target="gguf", probe_tokens=0)))
     return store, built
 
 
@@ -652,7 +653,7 @@ def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(defa
     src = quantize(default_model, QuantizeOptions(method="gptq", bits=4, group_size=32, act_order=True,
                                                   num_samples=4, seq_len=64, probe_tokens=0),
                    default_store, progress=False)   # the quickstart's GPTQ, with lighter calibration
-    art = build_engine(src, default_store, BuildOptions(target="gguf"))
+    art = build_engine(src, default_store, BuildOptions(target="gguf", probe_tokens=0))   # quality: test_gguf_compute
     info = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]
     assert info["tensor_types"] == {"BF16": 1, "F32": 61, "Q4_0": 210}   # tied: token_embd only, no output
     stats = assert_bit_exact(src.path, gguf_file(art))

@@ -152,16 +152,17 @@ def test_calibration_reaches_experts_the_router_never_picks(tmp_path, family):
         assert not torch.equal(g[role].qw.q, r[role].qw.q)
 
 
-@pytest.mark.parametrize("name", ["gptq-w4g32", "awq-w4g32"])
-def test_a_quantized_moe_splits_over_two_ranks_as_it_runs_on_one(source, quantized, name):
+def test_a_quantized_moe_splits_over_two_ranks_as_it_runs_on_one(source, quantized):
     """`build --tp 2` cuts every expert's width in two (its verify step runs the shards against the unsharded
     checkpoint in exact arithmetic), and the engine serves what the checkpoint computes on one rank, up to the INT4
-    kernel's bf16 activations (a wrong split is off by KLD ~1). Activation-quantized schemes are left out of the
+    kernel's bf16 activations (a wrong split is off by KLD ~1). GPTQ's checkpoint stands for the weight-only INT4
+    ones (AWQ's scales are folded into the weights before it is written: the same tensors to split; it ran here
+    too until CI's half hour asked for the 44 s back). Activation-quantized schemes are left out of the
     served comparison: their per-token scales are taken per rank over a row-parallel layer's half of the inputs, and
     a router turns such a change into other experts (FP8: 0.84 top-1 agreement on this random model)."""
     from llmq.pipeline.targets import BuildOptions, build_engine
 
-    art = quantized(name)
+    art = quantized("gptq-w4g32")
     built = build_engine(art, source[0], BuildOptions(tp=2, verify=True))
     assert built.metrics["verify"]["max_rel_error"] < 1e-5
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -344,21 +344,6 @@ def test_engine_artifact_tp2_with_padded_heads_equals_its_source(tmp_path, make_
         eng.shutdown()
 
 
-@pytest.mark.integration
-def test_default_model_tp2_engine_equals_tp1(default_model, store):
-    from llmq.pipeline.targets import BuildOptions, build_engine
-
-    built = build_engine(default_model, store, BuildOptions(tp=2, pad_heads=True))  # 9/3 heads -> 12/4
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    ref = [o.output_token_ids for o in LLMEngine(default_model.path).generate(prompts, sp)]
-    eng = LLMEngine(built.path)
-    try:
-        assert [o.output_token_ids for o in eng.generate(prompts, sp)] == ref
-    finally:
-        eng.shutdown()
-
-
 def test_long_prompt_is_chunked_without_stalling_decodes(tiny):
     eng = LLMEngine(tiny, EngineConfig(max_num_batched_tokens=16, block_size=8))
     eng.add_request("short", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))

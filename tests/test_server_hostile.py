@@ -856,9 +856,12 @@ def test_logprobs_in_flight_are_bounded_per_server(whole, monkeypatch):
             first = asyncio.create_task(c.post("/v1/completions", json={**big, "seed": 777}))
             await asyncio.to_thread(wait_for, lambda: whole.fe.owed_in_flight > 0)
             second = await c.post("/v1/completions", json=big)
-            fits = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 2})
-            release.set()
-            return await first, second, fits, await c.post("/v1/completions", json=big)
+            held_owed = whole.fe.owed_in_flight
+            fits = asyncio.create_task(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1,
+                                                                        "logprobs": 2}))
+            await asyncio.to_thread(wait_for, lambda: whole.fe.owed_in_flight > held_owed)   # admitted beside it
+            release.set()   # (the engine is held in the first request's step: nothing is answered before this)
+            return await first, second, await fits, await c.post("/v1/completions", json=big)
 
     first, second, fits, again = asyncio.run(main())
     assert second.status_code == 429, second.text[:300]
