@@ -51,17 +51,19 @@ class BlockFP8Linear(LinearBase):
         SmolLM2's 960 do: one block-scale grid cannot hold them, but the kernel's scales are per row, so the packed
         parts concatenate): one kernel call a step instead of one a part, and a DecoderStack takes the layer. None
         unless every part is a packed block-FP8 layer of one group width."""
-        if not all(isinstance(p, BlockFP8Linear) and p.packed for p in parts) or len({p.block for p in parts}) > 1:
+        packed = [p for p in parts if isinstance(p, BlockFP8Linear) and p.packed]
+        if len(packed) < len(parts) or len({p.block for p in packed}) > 1:
             return None
         layer = cls.__new__(cls)
         LinearBase.__init__(layer)
-        layer.out_features, layer.in_features = sum(p.out_features for p in parts), parts[0].in_features
-        layer.block, layer.packed, layer.scaled_mm, layer.fallback_reason = parts[0].block, True, False, None
-        some = next((p.bias for p in parts if p.bias is not None), None)
+        layer.out_features, layer.in_features = sum(p.out_features for p in packed), packed[0].in_features
+        layer.block, layer.packed, layer.scaled_mm, layer.fallback_reason = packed[0].block, True, False, None
+        biases = [p.bias for p in packed]
+        some = next((b for b in biases if b is not None), None)
         set_buffer(layer, "bias", None if some is None else torch.cat(
-            [p.bias if p.bias is not None else some.new_zeros(p.out_features) for p in parts]))
-        set_buffer(layer, "lb_codes", torch.cat([p.lb_codes for p in parts]))
-        set_buffer(layer, "lb_s", torch.cat([p.lb_s for p in parts]))
+            [b if b is not None else torch.zeros(p.out_features, dtype=some.dtype) for b, p in zip(biases, packed)]))
+        set_buffer(layer, "lb_codes", torch.cat([p.lb_codes for p in packed]))
+        set_buffer(layer, "lb_s", torch.cat([p.lb_s for p in packed]))
         return layer
 
     def fused_spec(self) -> FusedLinear | None:
