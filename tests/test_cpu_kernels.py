@@ -265,11 +265,11 @@ def test_fp8_activation_rounding_is_quantize_token_groups_bit_for_bit():
 
 @needs_fp8
 @pytest.mark.parametrize("n,k,block", [(48, 512, (128, 128)), (32, 256, (16, 64)), (48, 576, (128, 128))])
-def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block):
+def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block, amx):
     """Every E4M3 weight code but NaN (subnormals, both zeros, 448), with float32 block scales and activations rounded
     to E4M3 per group as the layer rounds them: every product exact, so the kernel is the float64 product up to
-    float32 summation, for one row, several and more than a block of 8; 576 inputs (SmolLM2's width) end in a half
-    block."""
+    float32 summation, for one row, several and more than a block of 8 (on AMX from 8 rows, where granted); 576 inputs
+    (SmolLM2's width) end in a half block."""
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(k)
     codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256)[torch.randperm(n * k, generator=gen)].view(n, k)

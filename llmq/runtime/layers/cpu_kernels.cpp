@@ -570,6 +570,8 @@ LLMQ_FP8 void tile_rows_fp8(const uint8_t* w, const float* s, const uint16_t* x,
 //   bfloat16; x is split exactly into three bfloat16 (8 + 8 + 8 of float32's 24 bits), each multiplied by the weights.
 // - 16-bit weights as stored (dense16_linear, float32 x and out): bfloat16 ones as they are, float16 ones (11
 //   significant bits) split into hi + lo; x in three parts as for FP4.
+// - Block FP8 (float32 out): E4M3 weights and activations, both exact in bfloat16; the two scales vary along K per
+//   group and per row of x, so each group's sums are stored and scaled (amx_fp8_tiles).
 // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where a kernel or VM
 // withholds it, the first tile instruction faults (SIGILL), so the grant is checked, not cpuid's bits alone.
 #define LLMQ_AMX __attribute__((target("avx512f,avx512bw,fma,amx-tile,amx-bf16")))
@@ -596,7 +598,8 @@ bool amx(bool enable) {
 
 // From this many rows of x AMX is faster, by weight format (benchmarks/bench_lowbit_products.py, a Xeon's one and two
 // threads; below, 16-row tiles mostly empty lose to the vector paths' per-row work).
-constexpr int64_t kAmxFromInt4 = 10, kAmxFromInt8 = 8, kAmxFromFp4 = 12, kAmxFromBf16 = 12, kAmxFromHalf = 16;
+constexpr int64_t kAmxFromInt4 = 10, kAmxFromInt8 = 8, kAmxFromFp4 = 12, kAmxFromBf16 = 12, kAmxFromHalf = 16,
+                  kAmxFromFp8 = 8;
 
 bool use_amx(int64_t m, int64_t k, int64_t from) { return m >= from && k % 32 == 0 && amx_enabled && amx_granted(); }
 
@@ -773,6 +776,84 @@ LLMQ_AMX void amx_tiles(int64_t lo, int64_t hi, const uint32_t* xa, int parts, i
   _tile_release();
 }
 
+// A block-FP8 tile's weights as AMX B pairs [K/2][16] of their E4M3 values in bfloat16 (exact), pair p = inputs
+// 2p, 2p + 1 (e4m3_bf16's lanes hold rows 4l, 4l + 1 in a and 4l + 2, 4l + 3 in b, two pairs each: one shuffle
+// gathers each pair's 16 rows).
+LLMQ_FP8 void fp8_weight_pairs(const uint8_t* w, int64_t k, uint32_t* b) {
+  const E4m3Tables tables = e4m3_tables();
+  for (int64_t i = 0; i < k; i += 4, w += 64) {
+    __m512i wa, wb;
+    e4m3_bf16(w, tables, wa, wb);
+    const __m512 a = _mm512_castsi512_ps(wa), c = _mm512_castsi512_ps(wb);
+    _mm512_storeu_ps(reinterpret_cast<float*>(b + i / 2 * kTile), _mm512_shuffle_ps(a, c, 0x88));
+    _mm512_storeu_ps(reinterpret_cast<float*>(b + (i / 2 + 1) * kTile), _mm512_shuffle_ps(a, c, 0xDD));
+  }
+}
+
+// Block FP8 on AMX-BF16 (prefill), tile pairs [lo, hi) on one thread: the E4M3 weights (B, fp8_weight_pairs) times
+// the activations' E4M3 values (xa: bfloat16 rows in input order, zeros past m; both exact), each group's products
+// summed on the tile unit, stored and folded in with both scales (s: the weight rows', xs [m][groups]: the
+// activation rows'), as tile_rows_fp8 folds them; float32 out. K and the group are multiples of 32.
+LLMQ_AMX void amx_fp8_tiles(int64_t lo, int64_t hi, const uint16_t* xa, const float* xs, int64_t m, int64_t k,
+                            int64_t tiles, int64_t groups, int64_t group, const uint8_t* w, const float* s, float* y) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t mpad = (m + 15) / 16 * 16, n = tiles * kTile, bsize = k / 2 * kTile;
+  std::vector<uint32_t> b(2 * bsize);
+  alignas(64) float c[4 * 256], acc[4 * 256];
+  for (int64_t pair = lo; pair < hi; ++pair) {
+    const int64_t t[2] = {2 * pair, std::min(2 * pair + 1, tiles - 1)};
+    for (int j = 0; j < 2; ++j) fp8_weight_pairs(w + t[j] * kTile * k, k, b.data() + j * bsize);
+    for (int64_t r = 0; r < mpad; r += 32) {
+      const bool two = r + 16 < mpad;
+      std::fill(acc, acc + 4 * 256, 0.f);
+      for (int64_t g = 0; g < groups; ++g) {
+        _tile_zero(0);  // tile 2 * blk + j: row block blk, weight tile j
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t i = g * group; i < std::min((g + 1) * group, k); i += 32) {
+          _tile_loadd(6, b.data() + i / 2 * kTile, 64);
+          _tile_loadd(7, b.data() + bsize + i / 2 * kTile, 64);
+          _tile_loadd(4, xa + r * k + i, 2 * k);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, xa + (r + 16) * k + i, 2 * k);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+        for (int blk = 0; blk < 1 + two; ++blk) {
+          for (int j = 0; j < 2; ++j) {
+            const __m512 ws = _mm512_loadu_ps(s + (t[j] * groups + g) * kTile);
+            float* at = acc + (2 * blk + j) * 256;
+            for (int64_t q = 0; q < 16 && r + 16 * blk + q < m; ++q) {
+              const __m512 sc = _mm512_mul_ps(ws, _mm512_set1_ps(xs[(r + 16 * blk + q) * groups + g]));
+              _mm512_storeu_ps(at + q * 16, _mm512_fmadd_ps(_mm512_loadu_ps(c + (2 * blk + j) * 256 + q * 16), sc,
+                                                            _mm512_loadu_ps(at + q * 16)));
+            }
+          }
+        }
+      }
+      for (int blk = 0; blk < 1 + two; ++blk)
+        for (int j = 0; j < 2 - (t[1] == t[0]); ++j)
+          for (int64_t q = 0; q < 16 && r + 16 * blk + q < m; ++q)
+            std::memcpy(y + (r + 16 * blk + q) * n + t[j] * kTile, acc + (2 * blk + j) * 256 + q * 16,
+                        kTile * sizeof(float));
+    }
+  }
+  _tile_release();
+}
+
 // x [m, k] float32 as AMX's A planes: bfloat16(x) (one part), or x split exactly into three (exact).
 std::vector<uint32_t> amx_x(const float* x, int64_t m, int64_t k, bool exact) {
   const int64_t plane = (m + 15) / 16 * 16 * k / 2;
@@ -911,7 +992,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_token_groups(const at::Tensor& x, int64_t
 
 // Block FP8 (W8A8; E4M3 weight bytes in the INT8 tiles, a float32 scale per row and group of `group` inputs) times x
 // rounded to E4M3 per row and group (fp8_token_groups): every product exact, float32 sums, times both scales per
-// group; float32 out. One kernel for every row count (a decode batch or a prefill chunk).
+// group; float32 out. From kAmxFromFp8 rows on AMX where Linux grants it (amx_fp8_tiles), else the vector kernel.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, double eps) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
               __builtin_cpu_supports("avx512bf16"), "fp8_linear needs a CPU with AVX512-VBMI and AVX512-BF16");
@@ -926,11 +1007,18 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = w.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *xp = xq.data_ptr<float>(), *xsp = xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<uint16_t> xb(m * k);  // the E4M3 values' bfloat16 bits: their top half, exactly
+  const bool tile_unit = use_amx(m, k, kAmxFromFp8) && group % 32 == 0;
+  std::vector<uint16_t> xb((tile_unit ? (m + 15) / 16 * 16 : m) * k, 0);  // the values' bfloat16: their top half
   for (int64_t i = 0; i < m * k; ++i) {
     uint32_t bits;
     std::memcpy(&bits, xp + i, sizeof bits);
     xb[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  if (tile_unit) {
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+      amx_fp8_tiles(lo, hi, xb.data(), xsp, m, k, tiles, groups, group, wp, sp, yp);
+    });
+    return y;
   }
   const auto rows = [&](auto r_const) {
     return [&, r_const](int64_t t, int64_t r) {
