@@ -609,6 +609,16 @@ struct alignas(64) TileConfig {  // palette 1: eight tiles of up to 16 rows x 64
   uint8_t rows[16] = {};
 };
 
+// Every tile 16 rows x 64 bytes (palette 1), for this thread.
+LLMQ_AMX void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
 // e, o: the first and second weight of each lane's pair as float32, exact; hi (and lo unless null): their bfloat16
 // pairs, e = e_hi + e_lo exactly (lo is null where e and o hold 8 significant bits or fewer).
 LLMQ_AVX512 inline void split_pairs(__m512 e, __m512 o, uint32_t* hi, uint32_t* lo) {
@@ -751,12 +761,7 @@ LLMQ_AVX512 void amx_store(const float* c, int64_t rows, int64_t cols, const uin
 template <typename Fill, typename Store>
 LLMQ_AMX void amx_tiles(int64_t lo, int64_t hi, const uint32_t* xa, int parts, int64_t m, int64_t k, int64_t tiles,
                         int halves, const Fill& fill, const Store& store) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  load_tile_config();
   const int64_t mpad = (m + 15) / 16 * 16, plane = mpad * k / 2, bsize = halves * k / 2 * kTile;
   std::vector<uint32_t> b(2 * bsize);
   alignas(64) float c[4 * 256];
@@ -796,12 +801,7 @@ LLMQ_FP8 void fp8_weight_pairs(const uint8_t* w, int64_t k, uint32_t* b) {
 // activation rows'), as tile_rows_fp8 folds them; float32 out. K and the group are multiples of 32.
 LLMQ_AMX void amx_fp8_tiles(int64_t lo, int64_t hi, const uint16_t* xa, const float* xs, int64_t m, int64_t k,
                             int64_t tiles, int64_t groups, int64_t group, const uint8_t* w, const float* s, float* y) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  load_tile_config();
   const int64_t mpad = (m + 15) / 16 * 16, n = tiles * kTile, bsize = k / 2 * kTile;
   std::vector<uint32_t> b(2 * bsize);
   alignas(64) float c[4 * 256], acc[4 * 256];
