@@ -111,13 +111,17 @@ def test_a_diagonal_hessian_gives_round_to_nearest_exactly(fmt):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gptq_lowers_the_calibration_weighted_output_error(fmt):
     """On held-out tokens of the same distribution, with outlier inputs: GPTQ's output error is well below
-    round-to-nearest's (measured about 0.75x; without the error feedback it would be 1x), with or without act-order."""
-    w, x = _layer(tokens=2048)
-    fit, held = x[:1024], x[1024:]
-    rtn = _output_error(w, fp4.quantize_weight(w, fmt), held)
-    for act_order in (False, True):
-        got = _output_error(w, gptq_fp4(w, _hessian(fit), fmt, act_order=act_order), held)
-        assert got < 0.9 * rtn, f"seed {SEED}: act_order={act_order} gptq {got} vs rtn {rtn}"
+    round-to-nearest's, with or without act-order (without the error feedback it would be 1x). One layer's ratio is
+    heavy-tailed (over 40 seeds a layer: median 0.56x, the worst 0.89x NVFP4 / 0.94x MXFP4, so a bound on each
+    layer failed now and then: 0.9x is passed by about one layer in 50), so the median over three fresh layers and
+    both orders is checked against 0.9x."""
+    ratios = []
+    for i in range(3):
+        w, x = _layer(tokens=2048, gen=np.random.default_rng([SEED, i]))
+        fit, held = x[:1024], x[1024:]
+        rtn = _output_error(w, fp4.quantize_weight(w, fmt), held)
+        ratios += [_output_error(w, gptq_fp4(w, _hessian(fit), fmt, act_order=a), held) / rtn for a in (False, True)]
+    assert float(np.median(ratios)) < 0.9, f"seed {SEED}: GPTQ / RTN output error {ratios}"
 
 
 def _block_errors(w, qw, importance):
