@@ -114,14 +114,14 @@ class ConcatLinear(LinearBase):
 
 def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device, int8_activations: bool = False
                  ) -> LinearBase:
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]).to(dtype)
     if not _fusable(parts):
         from .layers.fp8_block import BlockFP8Linear
 
         layers = [build_linear([p], dtype, device, int8_activations) for p in parts]
-        return BlockFP8Linear.joined(layers) or ConcatLinear(layers)
-    bias = None
-    if any(p.bias is not None for p in parts):
-        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]).to(dtype)
+        return BlockFP8Linear.joined(layers, bias) or ConcatLinear(layers)
     if parts[0].qw is None:
         w = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
         return DenseLinear(w.to(device), bias.to(device) if bias is not None else None, dtype)

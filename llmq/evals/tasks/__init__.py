@@ -309,7 +309,6 @@ def materialize(cache_dir: Path, seed: int, allow_code_execution: bool = False, 
 
 
 def _materialize(cache_dir: Path, seed: int, allow_code_execution: bool, tools: bool) -> TaskSet:
-    cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_dir))
     cfgs = _arith_tasks(staging, seed)

@@ -446,8 +446,9 @@ LLMQ_BF16 void pair_rows_bf16(const uint32_t* pairs, const uint16_t* s, const ui
 // Block FP8's activations, row x [K] rounded to E4M3 per group of `group` inputs (the last one may be short) as
 // quant.quantize_token_groups rounds them: scale xs = max(amax, eps) / 448, the quotient x / xs (IEEE division, the
 // same float32 quotient) saturated to +-448 and rounded to the nearest E4M3 value, ties to even: the nearest multiple
-// of its binade's step 2^(e - 3), of 2^-9 below 2^-6 (E4M3's subnormals). q: the values, exact in float32 and bfloat16.
-LLMQ_AVX512 void fp8_row(const float* x, int64_t k, int64_t group, float eps, float* q, float* xs) {
+// of its binade's step 2^(e - 3), of 2^-9 below 2^-6 (E4M3's subnormals). q: the values' bfloat16 bits (exact: the
+// float32 value's top half).
+LLMQ_AVX512 void fp8_row(const float* x, int64_t k, int64_t group, float eps, uint16_t* q, float* xs) {
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const auto mask = [](int64_t left) { return static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1); };
   for (int64_t g = 0, i0 = 0; i0 < k; ++g, i0 += group) {
@@ -464,7 +465,8 @@ LLMQ_AVX512 void fp8_row(const float* x, int64_t k, int64_t group, float eps, fl
                                      _mm512_sub_ps(_mm512_setzero_ps(), top));
       const __m512 e = _mm512_max_ps(_mm512_getexp_ps(_mm512_abs_ps(v)), _mm512_set1_ps(-6.f));  // getexp(0) = -inf
       const __m512 r = _mm512_roundscale_ps(_mm512_scalef_ps(v, _mm512_sub_ps(three, e)), kRound);
-      _mm512_mask_storeu_ps(q + i, mk, _mm512_scalef_ps(r, _mm512_sub_ps(e, three)));
+      const __m512i bits = _mm512_castps_si512(_mm512_scalef_ps(r, _mm512_sub_ps(e, three)));
+      _mm512_mask_cvtepi32_storeu_epi16(q + i, mk, _mm512_srli_epi32(bits, 16));
     }
   }
 }
@@ -973,21 +975,34 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   return y;
 }
 
-// Block FP8's activations x [M, K] rounded per row and group as the layer rounds them (fp8_row): (values [M, K],
-// scales [M, groups]), float32.
-std::tuple<at::Tensor, at::Tensor> fp8_token_groups(const at::Tensor& x, int64_t group, double eps) {
+// Block FP8's activations x [M, K] rounded per row and group as the layer rounds them (fp8_row): their bfloat16 bits
+// (`rows` >= M rows, zeros past M) and scales [M, groups].
+std::pair<std::vector<uint16_t>, at::Tensor> fp8_rows(const at::Tensor& x, int64_t group, double eps, int64_t rows) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "fp8_token_groups needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && group > 0, "fp8_token_groups: x must be a 2-D CPU tensor");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t m = xf.size(0), k = xf.size(1), groups = (k + group - 1) / group;
-  at::Tensor q = at::empty({m, k}, at::kFloat), xs = at::empty({m, groups}, at::kFloat);
+  std::vector<uint16_t> q(std::max(rows, m) * k, 0);
+  at::Tensor xs = at::empty({m, groups}, at::kFloat);
   const float* xp = xf.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *sp = xs.data_ptr<float>();
+  float* sp = xs.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r)
-      fp8_row(xp + r * k, k, group, static_cast<float>(eps), qp + r * k, sp + r * groups);
+      fp8_row(xp + r * k, k, group, static_cast<float>(eps), q.data() + r * k, sp + r * groups);
   });
-  return {q, xs};
+  return {std::move(q), xs};
+}
+
+// fp8_rows' rounding as tensors: (values [M, K], scales [M, groups]), float32.
+std::tuple<at::Tensor, at::Tensor> fp8_token_groups(const at::Tensor& x, int64_t group, double eps) {
+  auto [q, xs] = fp8_rows(x, group, eps, 0);
+  at::Tensor values = at::empty(x.sizes(), at::kFloat);
+  float* vp = values.data_ptr<float>();
+  for (size_t i = 0; i < q.size(); ++i) {
+    const uint32_t bits = static_cast<uint32_t>(q[i]) << 16;
+    std::memcpy(vp + i, &bits, sizeof bits);
+  }
+  return {values, xs};
 }
 
 // Block FP8 (W8A8; E4M3 weight bytes in the INT8 tiles, a float32 scale per row and group of `group` inputs) times x
@@ -1002,18 +1017,14 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
   TORCH_CHECK(group % 8 == 0 && k % 8 == 0 && groups == (k + group - 1) / group && w.numel() == n * k,
               "fp8_linear: K=", k, " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
-  const auto [xq, xs] = fp8_token_groups(x, group, eps);
+  const bool tile_unit = use_amx(m, k, kAmxFromFp8) && group % 32 == 0;
+  const auto rounded = fp8_rows(x, group, eps, tile_unit ? (m + 15) / 16 * 16 : m);  // AMX: whole 16-row tiles
+  const std::vector<uint16_t>& xb = rounded.first;
+  const at::Tensor& xs = rounded.second;
   at::Tensor y = at::empty({m, n}, at::kFloat);
   const auto* wp = w.data_ptr<uint8_t>();
-  const float *sp = s.data_ptr<float>(), *xp = xq.data_ptr<float>(), *xsp = xs.data_ptr<float>();
+  const float *sp = s.data_ptr<float>(), *xsp = xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool tile_unit = use_amx(m, k, kAmxFromFp8) && group % 32 == 0;
-  std::vector<uint16_t> xb((tile_unit ? (m + 15) / 16 * 16 : m) * k, 0);  // the values' bfloat16: their top half
-  for (int64_t i = 0; i < m * k; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, xp + i, sizeof bits);
-    xb[i] = static_cast<uint16_t>(bits >> 16);
-  }
   if (tile_unit) {
     at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
       amx_fp8_tiles(lo, hi, xb.data(), xsp, m, k, tiles, groups, group, wp, sp, yp);

@@ -3,9 +3,9 @@
 Elsewhere than a Hopper GPU the layer reproduces the kernels' numbers: the activations are rounded to E4M3 with their
 per-group scales exactly as `llmq.quant` (and vLLM's kernel) computes them, dequantized, and multiplied in float32 by
 the weight dequantized block by block, which equals a float64 dequantize-then-matmul within float32 rounding; on CPUs
-with AVX512-BF16 from the packed bytes (cpu_kernels.fp8_linear: the same rounding and exact products, float32 sums;
-a decode step's DecoderStack runs it too). On Hopper (compute capability 9.x) with 128-aligned shapes it runs
-torch's blockwise-scaled GEMM (`torch.nn.functional.scaled_mm`, BlockWise1x128 activations x BlockWise128x128
+with AVX512-VBMI and -BF16 from the packed bytes (cpu_kernels.fp8_linear: the same rounding and exact products,
+float32 sums; a decode step's DecoderStack runs it too). On Hopper (compute capability 9.x) with 128-aligned shapes it
+runs torch's blockwise-scaled GEMM (`torch.nn.functional.scaled_mm`, BlockWise1x128 activations x BlockWise128x128
 weights, cuBLASLt from CUDA 12.9), if a probe call at load succeeds (else `fallback_reason` says why). cuBLASLt wants
 the token count a multiple of 4: decode batches are padded with zero rows.
 """
@@ -46,11 +46,12 @@ class BlockFP8Linear(LinearBase):
                 self._buffers.pop("scale_b")
 
     @classmethod
-    def joined(cls, parts: list[LinearBase]) -> BlockFP8Linear | None:
+    def joined(cls, parts: list[LinearBase], bias: torch.Tensor | None) -> BlockFP8Linear | None:
         """Column-parallel packed block-FP8 layers as one (q / k / v whose widths end inside a 128-row block, as
         SmolLM2's 960 do: one block-scale grid cannot hold them, but the kernel's scales are per row, so the packed
-        parts concatenate): one kernel call a step instead of one a part, and a DecoderStack takes the layer. None
-        unless every part is a packed block-FP8 layer of one group width."""
+        parts concatenate): one kernel call a step instead of one a part, and a DecoderStack takes the layer. bias:
+        the parts' biases concatenated (loader.build_linear's). None unless every part is a packed block-FP8 layer of
+        one group width."""
         packed = [p for p in parts if isinstance(p, BlockFP8Linear) and p.packed]
         if len(packed) < len(parts) or len({p.block for p in packed}) > 1:
             return None
@@ -58,10 +59,7 @@ class BlockFP8Linear(LinearBase):
         LinearBase.__init__(layer)
         layer.out_features, layer.in_features = sum(p.out_features for p in packed), packed[0].in_features
         layer.block, layer.packed, layer.scaled_mm, layer.fallback_reason = packed[0].block, True, False, None
-        biases = [p.bias for p in packed]
-        some = next((b for b in biases if b is not None), None)
-        set_buffer(layer, "bias", None if some is None else torch.cat(
-            [b if b is not None else torch.zeros(p.out_features, dtype=some.dtype) for b, p in zip(biases, packed)]))
+        set_buffer(layer, "bias", bias)
         set_buffer(layer, "lb_codes", torch.cat([p.lb_codes for p in packed]))
         set_buffer(layer, "lb_s", torch.cat([p.lb_s for p in packed]))
         return layer
