@@ -217,11 +217,13 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
 
 @needs_bf16
 @pytest.mark.parametrize("n,k", [(48, 512), (32, 256)])
-def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k):
+def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k, amx):
     """Q4_K codes with random d / dmin / 6-bit sc / m: bfloat16(x) times the float64 product of the weight
     llama.cpp's dequantize_row_q4_K gives (quant.dequantize_q4_k), up to float32 summation (and the one float32
-    rounding of s * n - mn it makes), for one row, fours and eights; the min term (x's group sums) is what makes the
-    unsigned codes right, so a lost or misplaced one fails by orders of magnitude."""
+    rounding of s * n - mn it makes), for one row, fours, eights and more than a tile of 16 (on AMX from 16 rows,
+    where granted); the min term (x's group sums) is what makes the unsigned codes right, so a lost or misplaced one
+    fails by orders of magnitude. One-hot rows pick out single weights, which must come back as llama.cpp's float32
+    values exactly (AMX's three bfloat16 planes of each weight lose its last bits if one is dropped)."""
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(n + k)
     q = torch.randint(0, 16, (n, k), generator=gen)
@@ -230,7 +232,7 @@ def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k):
     sc, m = torch.randint(0, 64, (n, k // 32), generator=gen), torch.randint(0, 64, (n, k // 32), generator=gen)
     packed = cpu_kernels.pack_q4k(q, *quant.q4_k_scale_min(d, dmin, sc, m))
     w = quant.dequantize_q4_k(q, d, dmin, sc, m, torch.float64)
-    for rows in (1, 4, 8, 13):
+    for rows in (1, 4, 8, 13, 21):
         x = torch.randn(rows, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)
         y = cpu_kernels.q4k_linear(x, *packed)
         xb = x.bfloat16().double()
@@ -238,6 +240,42 @@ def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k):
         bound = 2 * k * 2 ** -24 * (xb.abs() @ w.abs().t())
         assert y.shape == (rows, n), rows
         assert bool(((y.double() - ref).abs() <= bound).all()), rows
+    cols = torch.randperm(k, generator=gen)[:21]
+    picked = cpu_kernels.q4k_linear(torch.eye(k)[cols], *packed)
+    assert torch.equal(picked, quant.dequantize_q4_k(q, d, dmin, sc, m, torch.float32)[:, cols].t())
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_table_linear_is_float32_x_times_the_weight_rounded_as_bitsandbytes_rounds_it(dtype, amx):
+    """bitsandbytes' NF4 / FP4 arithmetic (a 16-value table times a float32 absmax per block, rounded to the
+    checkpoint's dtype) times float32 x: the float64 product up to float32 summation, for one row to more than a tile
+    of 16 (on AMX from 12 rows where granted and at most three tile products a step: bfloat16 weights, or bfloat16
+    x). One-hot rows must give back each weight exactly, and one-hot rows of any float32 value the product within
+    2^-21 (AMX's sums of the parts round twice): AMX splits x into three bfloat16 (one if it is bfloat16) and the
+    weights into one to three, and a dropped part (2^-16 and more) fails these."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    n, k, group = 48, 256, 64
+    table = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    absmax = torch.rand(n, k // group, generator=gen) * 0.1 + 1e-3
+    w = (table[codes] * absmax.repeat_interleave(group, 1)).to(dtype).float()
+    packed = cpu_kernels.pack_codes(codes, 4), cpu_kernels.pack_scales(absmax).float()
+    for rows, x_dtype in ((1, torch.float32), (5, torch.float32), (13, torch.float32), (21, torch.float32),
+                          (21, torch.bfloat16)):   # a bfloat16 x takes one part on AMX
+        x = (torch.randn(rows, k, generator=gen) * (torch.rand(1, k, generator=gen) * 4)).to(x_dtype)
+        y = cpu_kernels.table_linear(x, *packed, table, group, dtype)
+        want, size = x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t()
+        assert y.shape == (rows, n)
+        assert bool(((y.double() - want).abs() <= 2 * k * 2 ** -24 * size).all()), rows
+    cols = torch.randperm(k, generator=gen)[:21]
+    for x_dtype in (torch.float32, torch.bfloat16):
+        one_hot = torch.eye(k)[cols].to(x_dtype)
+        assert torch.equal(cpu_kernels.table_linear(one_hot, *packed, table, group, dtype), w[:, cols].t()), x_dtype
+    scale = torch.randn(21, 1, generator=gen)
+    picked = cpu_kernels.table_linear(torch.eye(k)[cols] * scale, *packed, table, group, dtype).double()
+    want = w[:, cols].t().double() * scale.double()
+    assert bool(((picked - want).abs() <= 2 ** -21 * want.abs()).all())
 
 
 @needs_fp8

@@ -574,6 +574,11 @@ LLMQ_FP8 void tile_rows_fp8(const uint8_t* w, const float* s, const uint16_t* x,
 //   significant bits) split into hi + lo; x in three parts as for FP4.
 // - Block FP8 (float32 out): E4M3 weights and activations, both exact in bfloat16; the two scales vary along K per
 //   group and per row of x, so each group's sums are stored and scaled (amx_fp8_tiles).
+// - Q4_K (bfloat16(x), float32 out): each weight s u - m, rounded once to float32 as llama.cpp rounds it, split
+//   exactly into three bfloat16 (q4k_weight_pairs), each multiplied by x.
+// - bitsandbytes NF4 / FP4 (float32 out): each weight in the checkpoint's dtype (one bfloat16, float16 in two,
+//   float32 in three: table_weight_pairs), x in three parts as for FP4 (one where it comes in bfloat16); only where
+//   that makes at most three tile products a step.
 // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where a kernel or VM
 // withholds it, the first tile instruction faults (SIGILL), so the grant is checked, not cpuid's bits alone.
 #define LLMQ_AMX __attribute__((target("avx512f,avx512bw,fma,amx-tile,amx-bf16")))
@@ -601,7 +606,7 @@ bool amx(bool enable) {
 // From this many rows of x AMX is faster, by weight format (benchmarks/bench_lowbit_products.py, a Xeon's one and two
 // threads; below, 16-row tiles mostly empty lose to the vector paths' per-row work).
 constexpr int64_t kAmxFromInt4 = 10, kAmxFromInt8 = 8, kAmxFromFp4 = 12, kAmxFromBf16 = 12, kAmxFromHalf = 16,
-                  kAmxFromFp8 = 8;
+                  kAmxFromFp8 = 8, kAmxFromQ4k = 16, kAmxFromTable = 12;
 
 bool use_amx(int64_t m, int64_t k, int64_t from) { return m >= from && k % 32 == 0 && amx_enabled && amx_granted(); }
 
@@ -621,16 +626,17 @@ LLMQ_AMX void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// e, o: the first and second weight of each lane's pair as float32, exact; hi (and lo unless null): their bfloat16
-// pairs, e = e_hi + e_lo exactly (lo is null where e and o hold 8 significant bits or fewer).
-LLMQ_AVX512 inline void split_pairs(__m512 e, __m512 o, uint32_t* hi, uint32_t* lo) {
+// e, o: the first and second weight of each lane's pair as float32; `planes` (1 to 3) bfloat16 pair planes (plane q
+// at p + q * plane), each the top 8 significant bits of what the ones before leave: their sum is e (o) exactly where
+// it has at most 8 * planes significant bits (bfloat16: 8, float16: 11, float32: 24).
+LLMQ_AVX512 inline void split_planes(__m512 e, __m512 o, uint32_t* p, int64_t plane, int planes) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512i eh = _mm512_and_si512(_mm512_castps_si512(e), top), oh = _mm512_and_si512(_mm512_castps_si512(o), top);
-  _mm512_storeu_si512(hi, _mm512_or_si512(_mm512_srli_epi32(eh, 16), oh));
-  if (lo == nullptr) return;
-  const __m512i el = _mm512_castps_si512(_mm512_sub_ps(e, _mm512_castsi512_ps(eh)));
-  const __m512i ol = _mm512_castps_si512(_mm512_sub_ps(o, _mm512_castsi512_ps(oh)));
-  _mm512_storeu_si512(lo, _mm512_or_si512(_mm512_srli_epi32(el, 16), _mm512_and_si512(ol, top)));
+  for (int q = 0; q < planes; ++q) {
+    const __m512i eh = _mm512_and_si512(_mm512_castps_si512(e), top), oh = _mm512_and_si512(_mm512_castps_si512(o), top);
+    _mm512_storeu_si512(p + q * plane, _mm512_or_si512(_mm512_srli_epi32(eh, 16), oh));
+    e = _mm512_sub_ps(e, _mm512_castsi512_ps(eh));
+    o = _mm512_sub_ps(o, _mm512_castsi512_ps(oh));
+  }
 }
 
 // x [K] (K % 32 == 0) as three bfloat16 rows in bf16_pairs' order (at out, out + plane, out + 2 * plane) whose sum is
@@ -678,15 +684,15 @@ template <Codes C>
 LLMQ_AVX512 void amx_weights(const uint8_t* w, const uint16_t* s, int64_t k, int64_t group, int64_t groups,
                              uint32_t* hi) {
   const bool fold = C == Codes::kFp4 || groups > 1;
-  uint32_t* lo = amx_split(C, groups) ? hi + k / 2 * kTile : nullptr;
-  const auto at = [&](uint32_t* p, int64_t pair) { return p == nullptr ? p : p + pair * kTile; };
+  const int planes = amx_split(C, groups) ? 2 : 1;
+  const int64_t plane = k / 2 * kTile;
   if constexpr (C == Codes::kInt8) {
     for (int64_t i = 0; i < k; i += 4, w += 64) {
       const __m512 sc = fold ? load_scales(s + i / group * kTile) : _mm512_set1_ps(1.f);
       __m512 f[4];
       int8_floats(w, f);
-      split_pairs(_mm512_mul_ps(f[0], sc), _mm512_mul_ps(f[2], sc), at(hi, i / 2), at(lo, i / 2));
-      split_pairs(_mm512_mul_ps(f[1], sc), _mm512_mul_ps(f[3], sc), at(hi, i / 2 + 1), at(lo, i / 2 + 1));
+      split_planes(_mm512_mul_ps(f[0], sc), _mm512_mul_ps(f[2], sc), hi + i / 2 * kTile, plane, planes);
+      split_planes(_mm512_mul_ps(f[1], sc), _mm512_mul_ps(f[3], sc), hi + (i / 2 + 1) * kTile, plane, planes);
     }
   } else {
     constexpr int bits = C == Codes::kInt5 ? 5 : 4;
@@ -701,7 +707,8 @@ LLMQ_AVX512 void amx_weights(const uint8_t* w, const uint16_t* s, int64_t k, int
       __m512i p[4];
       code_pairs<bits>(w, h, i, table, p);
       for (int j = 0; j < 4; ++j)
-        split_pairs(_mm512_mul_ps(even(p[j]), sc), _mm512_mul_ps(odd(p[j]), sc), at(hi, i / 2 + j), at(lo, i / 2 + j));
+        split_planes(_mm512_mul_ps(even(p[j]), sc), _mm512_mul_ps(odd(p[j]), sc), hi + (i / 2 + j) * kTile, plane,
+                     planes);
     }
   }
 }
@@ -854,6 +861,23 @@ LLMQ_AMX void amx_fp8_tiles(int64_t lo, int64_t hi, const uint16_t* xa, const fl
     }
   }
   _tile_release();
+}
+
+// A Q4_K tile's weights as three AMX B planes [K/2][16] (plane p at b + p * K/2 * 16): each weight s u - m rounded
+// once to float32, as llama.cpp dequantizes it, cut into its top 8 significant bits, the next 8 and the last 8, so
+// the planes sum to it exactly (s u alone has up to 21 of them: two planes do not hold it).
+LLMQ_AVX512 void q4k_weight_pairs(const uint8_t* w, const float* s, const float* mins, int64_t k, int64_t group,
+                                  uint32_t* b) {
+  const __m512i table = int_table<4>(0);
+  const int64_t plane = k / 2 * kTile;
+  for (int64_t i = 0; i < k; i += 8, w += 64) {
+    const __m512 sc = _mm512_loadu_ps(s + i / group * kTile), mn = _mm512_loadu_ps(mins + i / group * kTile);
+    __m512i p[4];
+    int4_pairs(_mm512_loadu_si512(w), table, p);
+    for (int j = 0; j < 4; ++j)
+      split_planes(_mm512_fmsub_ps(even(p[j]), sc, mn), _mm512_fmsub_ps(odd(p[j]), sc, mn), b + (i / 2 + j) * kTile,
+                   plane, 3);
+  }
 }
 
 // x [m, k] float32 as AMX's A planes: bfloat16(x) (one part), or x split exactly into three (exact).
@@ -1044,7 +1068,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // GGML's Q4_K (unsigned 4-bit codes u in the INT4 tiles; per group of 32 a float32 scale s and min m: the weight is
 // s u - m, llama.cpp's dequantized value up to its one float32 rounding) x 16-bit activations, on AVX512-BF16:
 // bfloat16(x) times the exact s u, less m times the group's sum of bfloat16(x), float32 sums and out. Prefill shares
-// each unpacked weight vector across 8 rows (no AMX path: s u - m needs more than two bfloat16 to be exact).
+// each unpacked weight vector across 8 rows, or runs on AMX (q4k_weight_pairs: s u - m in three bfloat16 planes).
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mins,
                       int64_t group) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"),
@@ -1058,14 +1082,27 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* src = xf.data_ptr<float>();
-  std::vector<uint32_t> xp(m * k / 2);
-  std::vector<float> xb(m * k), xsum(m * groups);
-  for (int64_t r = 0; r < m; ++r) bf16_pairs(src + r * k, k, xp.data() + r * k / 2);
-  round_groups(src, m * groups, group, xb.data(), xsum.data());
   at::Tensor y = at::empty({m, n}, at::kFloat);
   const auto* wp = w.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = mins.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (use_amx(m, k, kAmxFromQ4k)) {
+    const std::vector<uint32_t> xa = amx_x(src, m, k, false);
+    const auto fill = [&](int64_t t, uint32_t* b) {
+      q4k_weight_pairs(wp + t * kTile * k / 2, sp + t * groups * kTile, mp + t * groups * kTile, k, group, b);
+    };
+    const auto store = [&](int64_t t, const float* c, int64_t r0, int64_t rows) {
+      amx_store(c, rows, kTile, nullptr, 1.f, false, yp + r0 * n + t * kTile, n);
+    };
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+      amx_tiles(lo, hi, xa.data(), 1, m, k, tiles, 3, fill, store);
+    });
+    return y;
+  }
+  std::vector<uint32_t> xp(m * k / 2);
+  std::vector<float> xb(m * k), xsum(m * groups);
+  for (int64_t r = 0; r < m; ++r) bf16_pairs(src + r * k, k, xp.data() + r * k / 2);
+  round_groups(src, m * groups, group, xb.data(), xsum.data());
   const auto rows = [&](auto r_const) {
     return [&, r_const](int64_t t, int64_t r) {
       tile_rows_bf16<decltype(r_const)::value, 4, float, true>(wp + t * kTile * k / 2, sp + t * groups * kTile,
@@ -1141,6 +1178,31 @@ LLMQ_AVX512 void tile_rows_table(const uint8_t* w, const float* s, const float* 
   }
 }
 
+// A bitsandbytes NF4 / FP4 tile's weights, each table[u] * absmax rounded as tile_rows_table rounds it, as AMX B
+// planes [K/2][16] that sum to it exactly: one for bfloat16 weights, two for float16, three for float32.
+template <int Round>
+LLMQ_AVX512 inline __m512 table_value(__m512 u, __m512 table, __m512 sg) {  // u: the codes as float32
+  __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvttps_epi32(u), table), sg);
+  if constexpr (Round == 1) v = round_bf16(v);
+  if constexpr (Round == 2) v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  return v;
+}
+
+template <int Round>
+LLMQ_AVX512 void table_weight_pairs(const uint8_t* w, const float* s, const float* table16, int64_t k, int64_t group,
+                                    uint32_t* b) {
+  const __m512i codes = int_table<4>(0);
+  const __m512 table = _mm512_loadu_ps(table16);
+  for (int64_t i = 0; i < k; i += 8, w += 64) {
+    const __m512 sg = _mm512_loadu_ps(s + i / group * kTile);
+    __m512i p[4];
+    int4_pairs(_mm512_loadu_si512(w), codes, p);
+    for (int j = 0; j < 4; ++j)
+      split_planes(table_value<Round>(even(p[j]), table, sg), table_value<Round>(odd(p[j]), table, sg),
+                   b + (i / 2 + j) * kTile, k / 2 * kTile, Round == 1 ? 1 : Round == 2 ? 2 : 3);
+  }
+}
+
 at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& table,
                         int64_t group, int64_t round) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "table_linear needs a CPU with AVX-512");
@@ -1152,11 +1214,28 @@ at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   TORCH_CHECK(group % 8 == 0 && groups * group == k && w.numel() == n * k / 2, "table_linear: K=", k,
               " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const bool x16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({m, n}, at::kFloat);
   const float *xp = xf.data_ptr<float>(), *sp = s.data_ptr<float>(), *tp = table.data_ptr<float>();
   const auto* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const auto run = [&](auto round_const) {
+    constexpr int round_v = decltype(round_const)::value, planes = round_v == 1 ? 1 : round_v == 2 ? 2 : 3;
+    // x in three exact parts (one where it is bfloat16) times the weights' planes, where that is at most three tile
+    // products a step (more lose to the vector path: benchmarks/bench_lowbit_products.py)
+    if ((x16 ? 1 : 3) * planes <= 3 && use_amx(m, k, kAmxFromTable)) {
+      const std::vector<uint32_t> xa = amx_x(xp, m, k, !x16);
+      const auto fill = [&](int64_t t, uint32_t* b) {
+        table_weight_pairs<round_v>(wp + t * kTile * k / 2, sp + t * groups * kTile, tp, k, group, b);
+      };
+      const auto store = [&](int64_t t, const float* c, int64_t r0, int64_t rows) {
+        amx_store(c, rows, kTile, nullptr, 1.f, false, yp + r0 * n + t * kTile, n);
+      };
+      at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+        amx_tiles(lo, hi, xa.data(), x16 ? 1 : 3, m, k, tiles, planes, fill, store);
+      });
+      return;
+    }
     const auto rows = [&](auto r_const) {
       return [&, r_const](int64_t t, int64_t r) {
         tile_rows_table<decltype(r_const)::value, decltype(round_const)::value>(
@@ -1372,15 +1451,15 @@ LLMQ_AVX512 void widen_tile(const T* w, int64_t rows, int64_t k, float* wide) {
 // bfloat16 as stored, float16 split exactly into hi + lo (its 11 significant bits), then for amx_tiles.
 template <typename T>
 LLMQ_AVX512 void dense_pairs(const T* w, int64_t rows, int64_t k, uint32_t* hi) {
-  uint32_t* lo = std::is_same_v<T, at::Half> ? hi + k / 2 * kTile : nullptr;
+  const int planes = std::is_same_v<T, at::Half> ? 2 : 1;
   for (int64_t i = 0; i < k; i += 16) {
     __m512 r[16], c[16];
     for (int j = 0; j < 16; ++j) r[j] = j < rows ? widen16(w + j * k + i) : _mm512_setzero_ps();
     transpose16(r, c);  // c[e]: input i + e of the 16 rows
     for (int q = 0; q < 16; q += 4) {  // inputs q..q + 3: pairs (q, q + 2), (q + 1, q + 3)
       const int64_t p = (i + q) / 2;
-      split_pairs(c[q], c[q + 2], hi + p * kTile, lo == nullptr ? lo : lo + p * kTile);
-      split_pairs(c[q + 1], c[q + 3], hi + (p + 1) * kTile, lo == nullptr ? lo : lo + (p + 1) * kTile);
+      split_planes(c[q], c[q + 2], hi + p * kTile, k / 2 * kTile, planes);
+      split_planes(c[q + 1], c[q + 3], hi + (p + 1) * kTile, k / 2 * kTile, planes);
     }
   }
 }

@@ -10,13 +10,15 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
   state (arch_prctl, not cpuid: a VM may advertise AMX and fault), scaled weights split exactly into bfloat16 hi + lo.
   Layers whose scales or zero points PyTorch's kernels would round keep those kernels. LLMQ_AMX=0 turns AMX off.
 - `q4k_linear` (AVX512-BF16): GGML's Q4_K (unsigned codes in the INT4 tiles, float32 scale and min per 32 inputs)
-  times bfloat16(x), float32 sums: the reference layer's product up to x's rounding.
+  times bfloat16(x), float32 sums: the reference layer's product up to x's rounding; on AMX from 16 rows, each weight
+  s u - m (float32) split exactly into three bfloat16.
 - `fp8_linear` (AVX512-VBMI, -BF16): block FP8 (W8A8) bytes in the INT8 tiles decoded exactly by table lookups,
   times the activations rounded to E4M3 per row and group in the kernel (`fp8_token_groups`:
   quant.quantize_token_groups' numbers), every product exact in bfloat16: the reference layer's product from the
   packed bytes.
 - `table_linear` (AVX-512): bitsandbytes' NF4 / FP4 codes in the INT4 tiles looked up in their 16-value table, times
-  the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums.
+  the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums; on
+  AMX where the weights and x split exactly into at most three bfloat16 products a step (bfloat16 weights or x).
 - `fp4_linear` (AVX-512): NVFP4 / MXFP4 codes in the INT4 tiles decoded exactly by a 16-entry table, float32 sums:
   the dense FP4 path's numbers from the packed bytes.
 - `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
