@@ -103,13 +103,15 @@ class CheckpointReader:
     """A checkpoint directory of a supported family: config, spec, its declaration (`arch`: what its tensors are
     called) and its tensors, dense or quantized."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, spec: ModelSpec | None = None):
+        """spec: this config.json's, where the caller has it (a tensor-parallel rank gets rank 0's: deriving it
+        imports transformers' config classes, ~7 s in a fresh process)."""
         from .vision import language_config
 
         self.path = Path(path)
         self.stored_config = read_config(self.path)
         self.config = language_config(self.stored_config)   # a vision-language checkpoint's language model's
-        self.spec = ModelSpec.from_config(self.stored_config)
+        self.spec = spec or ModelSpec.from_config(self.stored_config)
         self.arch = self.spec.arch
         files = safetensors_files(self.path)
         if not files:

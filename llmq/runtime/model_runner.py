@@ -84,12 +84,13 @@ def compute_dtype_for(device: torch.device, requested: str | torch.dtype | None,
 
 
 def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | None, dtype: torch.dtype,
-               device: torch.device, max_positions: int, int8_activations: bool = False
-               ) -> tuple[CausalLM, int, int]:
+               device: torch.device, max_positions: int, int8_activations: bool = False,
+               rope: RopeTables | None = None) -> tuple[CausalLM, int, int]:
     """This rank's model, its number of local query heads and local KV heads.
 
     engine is the record of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
     None means ckpt is a whole checkpoint, sliced here for tp > 1 by the same sharding plan the build stage uses.
+    rope: rope_tables(ckpt.config), where rank 0 computed them.
     """
     spec = ckpt.spec
     if engine is not None:
@@ -104,7 +105,7 @@ def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | 
         embed_start = None
     rw = rank_weights(ckpt, plan, rank, lazy=True)
     model = assemble(rw, ckpt.config, heads, kv_heads, TPContext(rank, tp, tp > 1), dtype, device, max_positions,
-                     embed_start, int8_activations)
+                     embed_start, int8_activations, spec=spec, rope=rope)
     return model, heads, kv_heads
 
 
@@ -129,16 +130,36 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
                        tensors=tensors)
 
 
-def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
-             device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False,
-             linear_module: Callable[[list[LinearWeights]], torch.nn.Module] | None = None) -> CausalLM:
-    """The runtime model of one rank from its weights: quantized linears become the runtime's quantized layers,
-    q/k/v and gate/up are fused, row-parallel biases are added after the all-reduce. int8_activations:
-    EngineConfig.int8_activations. linear_module: builds every linear (q/k/v or gate/up parts together) instead,
-    for modelling another engine's arithmetic around the runtime's attention, norms and rotary."""
+# Each rotary table a model uses, by layer type (None: its one table): (inverse frequencies, attention scaling)
+RopeTables = dict[str | None, tuple[torch.Tensor, float]]
+
+
+def rope_tables(config: dict) -> RopeTables:
+    """The rotary tables of a model (a language config), from transformers' own rotary classes (rope_inv_freq).
+    Rank 0 computes them and hands them to the other tensor-parallel ranks, which then never import transformers
+    (its config and modelling modules cost ~7 s in a fresh process: most of a rank's start)."""
     from transformers import AutoConfig
 
     spec = ModelSpec.from_config(config)
+    hf_config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in config.items()
+                                                         if k not in ("quantization_config", "model_type")})
+    types = [None if spec.arch.window != "per_layer" else
+             "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention"]
+    types += ["sliding_attention"] * bool(spec.local_layers)
+    return {t: rope_inv_freq(hf_config, spec.arch.rotary, t) for t in dict.fromkeys(types)}
+
+
+def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
+             device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False,
+             linear_module: Callable[[list[LinearWeights]], torch.nn.Module] | None = None,
+             spec: ModelSpec | None = None, rope: RopeTables | None = None) -> CausalLM:
+    """The runtime model of one rank from its weights: quantized linears become the runtime's quantized layers,
+    q/k/v and gate/up are fused, row-parallel biases are added after the all-reduce. int8_activations:
+    EngineConfig.int8_activations. linear_module: builds every linear (q/k/v or gate/up parts together) instead,
+    for modelling another engine's arithmetic around the runtime's attention, norms and rotary. spec and rope:
+    config's ModelSpec and rope_tables where the caller has them (both else derived here, through transformers)."""
+    spec = spec or ModelSpec.from_config(config)
+    rope = rope or rope_tables(config)
     arch = spec.arch
 
     def norm(w: torch.Tensor | None) -> RMSNorm | None:
@@ -155,10 +176,8 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         b = lw.bias.to(device=device, dtype=dtype) if lw.bias is not None else None
         return b, dataclasses.replace(lw, bias=None)
 
-    hf_config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in config.items()
-                                                         if k not in ("quantization_config", "model_type")})
     def rotary_table(layer_type: str | None) -> RotaryEmbedding:
-        inv_freq, attn_scaling = rope_inv_freq(hf_config, arch.rotary, layer_type)
+        inv_freq, attn_scaling = rope[layer_type]
         return RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
 
     # the global layers' table (a model whose layers all slide looks the local one up for them, unused)
@@ -291,14 +310,17 @@ class ModelRunner:
 
     def __init__(self, path: str, engine: EngineSpec | None, tp: int, rank: int, world: int, device: str, dtype,
                  num_blocks: int, block_size: int, kv_cache_dtype: str, max_positions: int, compile: bool = False,
-                 int8_activations: bool = False, state_slots: int = 0):
+                 int8_activations: bool = False, state_slots: int = 0, spec: ModelSpec | None = None,
+                 rope: RopeTables | None = None):
+        """spec, rope: rank 0's ModelSpec and rope_tables (every rank's config.json is rank 0's: llmq_target), so
+        that no other rank imports transformers."""
         assert world == tp
         self.device = torch.device(device)
         self.rank_dir = Path(path) / f"rank{rank}" if engine is not None else Path(path)
-        ckpt = CheckpointReader(self.rank_dir)
+        ckpt = CheckpointReader(self.rank_dir, spec)
         self.dtype = compute_dtype_for(self.device, dtype, ckpt.config)
         self.model, self.num_heads, self.num_kv_heads = load_model(ckpt, tp, rank, engine, self.dtype, self.device,
-                                                                   max_positions, int8_activations)
+                                                                   max_positions, int8_activations, rope)
         self.tp = self.model.tp
         self.spec: ModelSpec = ckpt.spec
         self.block_size = block_size

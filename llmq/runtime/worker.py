@@ -24,7 +24,7 @@ from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
 from .kv_cache import kv_element_bytes
 from .layers.linear import keeps_as_stored
-from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
+from .model_runner import ModelRunner, compute_dtype_for, prepare_step, rope_tables, worker_main
 from .sequence import Sequence
 
 
@@ -131,7 +131,8 @@ class Worker:
         load_args = dict(path=str(src.path), engine=engine, tp=self.tp, device=str(self.device), dtype=cfg.dtype,
                          num_blocks=self.num_blocks, block_size=block_size, kv_cache_dtype=self.kv_cache_dtype,
                          max_positions=self.max_model_len, compile=cfg.compile,
-                         int8_activations=cfg.int8_activations, state_slots=self.state_slots)
+                         int8_activations=cfg.int8_activations, state_slots=self.state_slots, spec=self.spec,
+                         rope=rope_tables(ckpt.config))
         self.ranks = None  # the other tensor-parallel ranks' processes
         self._ranks_ready = False
         self._saved_threads = None
