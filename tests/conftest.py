@@ -95,6 +95,16 @@ def default_int4(default_model, default_store):
 
 
 @pytest.fixture(scope="session")
+def default_gptq(default_model, default_store):
+    """INT4 GPTQ (groups of 64, 16 calibration windows of 128 tokens) of the default model, made once per session:
+    test_quantize compares it with RTN, test_export_gguf writes it to GGUF."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    return quantize(default_model, QuantizeOptions(bits=4, method="gptq", num_samples=16, seq_len=128), default_store,
+                    progress=False)
+
+
+@pytest.fixture(scope="session")
 def default_int8(default_model, default_store):
     """INT8 RTN (per channel) of the default model, made once per session."""
     return _default_rtn(default_model, default_store, bits=8)

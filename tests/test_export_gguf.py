@@ -647,12 +647,10 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line(tiny, make_tiny_model, tmp
     _one_line_refusal(store, kv, BuildOptions(target="gguf"), "KV-cache", "--target llmq")
 
 
-# ---------------------------------------------------------------- (e) the default model, GPTQ INT4 g32
+# ---------------------------------------------------------------- (e) the default model, GPTQ INT4 g64
 @pytest.mark.integration
-def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(default_model, default_store):
-    src = quantize(default_model, QuantizeOptions(method="gptq", bits=4, group_size=32, act_order=True,
-                                                  num_samples=4, seq_len=64, probe_tokens=0),
-                   default_store, progress=False)   # the quickstart's GPTQ, with lighter calibration
+def test_default_model_gptq_w4_reads_back_bit_exact_and_reproduces_llmq(default_gptq, default_store):
+    src = default_gptq   # the session's GPTQ (groups of 64: each written as two Q4_0 blocks with its scale)
     art = build_engine(src, default_store, BuildOptions(target="gguf", probe_tokens=0))   # quality: test_gguf_compute
     info = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]
     assert info["tensor_types"] == {"BF16": 1, "F32": 61, "Q4_0": 210}   # tied: token_embd only, no output
@@ -675,7 +673,7 @@ def test_default_model_gptq_w4_g32_reads_back_bit_exact_and_reproduces_llmq(defa
     # a KV cache sized from free memory: one 4096-token sequence of this model needs more than small_engine's 8 MiB
     kld = kld_top1(runtime_logprobs(src.path, ids, kv_cache_memory=None), got)["kld_mean"]
     exact = kld_top1(reader_logprobs(exact_artifact_model(src.path), ids), got)["kld_mean"]
-    print(f"default GPTQ w4g32: {stats}; over {len(ids)} tokens the reader's KLD vs llmq's runtime is {kld:.3g}, "
+    print(f"default GPTQ w4g64: {stats}; over {len(ids)} tokens the reader's KLD vs llmq's runtime is {kld:.3g}, "
           f"vs the artifact in float32 {exact:.3g}")
     assert kld <= 1e-3
     assert exact <= 1e-6

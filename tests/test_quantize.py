@@ -4,6 +4,7 @@ computing what the quantizer optimised. Integration tests check issue 3's bars o
 
 import json
 import math
+import sys
 import time
 
 import numpy as np
@@ -497,6 +498,13 @@ def test_hostile_chat_templates_fail_calibration_in_one_line(monkeypatch, templa
 def test_dataset_name_offline_is_a_clear_error(tok, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the hub libraries read those at import, which an earlier test may have done: then they retried the network
+    # for ~20 s before failing
+    for module, names in (("huggingface_hub.constants", ["HF_HUB_OFFLINE"]),
+                          ("datasets.config", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])):
+        if module in sys.modules:
+            for name in names:
+                monkeypatch.setattr(sys.modules[module], name, True)
     with pytest.raises(LlmqError, match="local .txt/.jsonl"):
         calib.load_calibration("llmq-test/no-such-dataset", tok, 4, 32, 0)
 
@@ -657,13 +665,10 @@ def test_runtime_computes_what_the_quantizer_stored(store, tiny_source, bits, sy
 
 # -- the default model (integration) ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def default_runs(default_model, default_store, default_int4):
-    """INT8 (groups of 32), INT4 RTN (the session's, groups of 64) and INT4 GPTQ (same groups), probed alike."""
-    calib = dict(num_samples=16, seq_len=128)
+def default_runs(default_model, default_store, default_int4, default_gptq):
+    """INT8 (groups of 32), INT4 RTN and INT4 GPTQ (the session's, groups of 64), probed alike."""
     return {"w8": quantize(default_model, QuantizeOptions(bits=8, group_size=32), default_store, progress=False),
-            "w4-rtn": default_int4,
-            "w4-gptq": quantize(default_model, QuantizeOptions(bits=4, method="gptq", **calib), default_store,
-                                progress=False)}
+            "w4-rtn": default_int4, "w4-gptq": default_gptq}
 
 
 @pytest.mark.integration
