@@ -298,6 +298,34 @@ def test_in_memory_tensor_parallelism_pads_heads_like_build(tmp_path, make_tiny_
         eng.shutdown()
 
 
+def test_a_rank_given_rank_0s_spec_and_rotary_tables_loads_without_transformers(tiny, tmp_path):
+    """The ranks past 0 get rank 0's ModelSpec and rope_tables (Worker's load_args): loading with them must not
+    import transformers, whose config and modelling modules were ~6 s of every spawned rank's ~8 s start. A fresh
+    interpreter loads the tiny model that way and reports what it imported; derived there, both would import it."""
+    import pickle
+    import subprocess
+    import sys
+
+    from llmq.models.reader import CheckpointReader
+    from llmq.runtime.model_runner import rope_tables
+
+    ckpt = CheckpointReader(tiny)
+    handoff = tmp_path / "handoff.pkl"
+    handoff.write_bytes(pickle.dumps({"spec": ckpt.spec, "rope": rope_tables(ckpt.config)}))
+    code = f"""import pickle, sys, torch
+from llmq.models.reader import CheckpointReader
+from llmq.runtime.model_runner import load_model
+h = pickle.loads(open({str(handoff)!r}, "rb").read())
+model, *_ = load_model(CheckpointReader({str(tiny)!r}, h["spec"]), 1, 0, None, torch.float32, torch.device("cpu"),
+                       64, rope=h["rope"])
+assert model.layers
+print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_tensor_parallel_two_ranks_equals_one(tiny, reference):
     prompts, ref = reference
     eng = LLMEngine(tiny, EngineConfig(tp=2, max_num_batched_tokens=32))
