@@ -300,18 +300,18 @@ def test_in_memory_tensor_parallelism_pads_heads_like_build(tmp_path, make_tiny_
 
 def test_a_rank_given_rank_0s_spec_and_rotary_tables_loads_without_transformers(tiny, tmp_path):
     """The ranks past 0 get rank 0's ModelSpec and rope_tables (Worker's load_args): loading with them must not
-    import transformers, whose config and modelling modules were ~6 s of every spawned rank's ~8 s start. A fresh
+    import transformers, whose config and modelling modules were most of every spawned rank's start. A fresh
     interpreter loads the tiny model that way and reports what it imported; derived there, both would import it."""
     import pickle
     import subprocess
     import sys
 
     from llmq.models.reader import CheckpointReader
-    from llmq.runtime.model_runner import rope_tables
+    from llmq.runtime.layers.rotary import rope_tables
 
     ckpt = CheckpointReader(tiny)
     handoff = tmp_path / "handoff.pkl"
-    handoff.write_bytes(pickle.dumps({"spec": ckpt.spec, "rope": rope_tables(ckpt.config)}))
+    handoff.write_bytes(pickle.dumps({"spec": ckpt.spec, "rope": rope_tables(ckpt.config, ckpt.spec)}))
     code = f"""import pickle, sys, torch
 from llmq.models.reader import CheckpointReader
 from llmq.runtime.model_runner import load_model

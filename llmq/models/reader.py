@@ -105,7 +105,7 @@ class CheckpointReader:
 
     def __init__(self, path: Path | str, spec: ModelSpec | None = None):
         """spec: this config.json's, where the caller has it (a tensor-parallel rank gets rank 0's: deriving it
-        imports transformers' config classes, ~7 s in a fresh process)."""
+        imports transformers' config classes, most of a fresh process's start)."""
         from .vision import language_config
 
         self.path = Path(path)

@@ -41,7 +41,7 @@ from .kv_cache import LayerKV, allocate_layer_caches
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.linear import keeps_16bit
 from .layers.norm import RMSNorm
-from .layers.rotary import RotaryEmbedding, rope_inv_freq
+from .layers.rotary import RopeTable, RopeTables, RotaryEmbedding, rope_tables
 from .loader import build_linear
 from .models.decoder import CausalLM, DecoderLayer, LayerWeights, SparseMoE
 from .models.linear_attention import GatedDeltaNet
@@ -90,7 +90,7 @@ def load_model(ckpt: CheckpointReader, tp: int, rank: int, engine: EngineSpec | 
 
     engine is the record of a `build --target llmq` engine (ckpt is then its rank directory, already sliced);
     None means ckpt is a whole checkpoint, sliced here for tp > 1 by the same sharding plan the build stage uses.
-    rope: rope_tables(ckpt.config), where rank 0 computed them.
+    rope: rope_tables(ckpt.config, ckpt.spec), where rank 0 computed them.
     """
     spec = ckpt.spec
     if engine is not None:
@@ -130,25 +130,6 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
                        tensors=tensors)
 
 
-# Each rotary table a model uses, by layer type (None: its one table): (inverse frequencies, attention scaling)
-RopeTables = dict[str | None, tuple[torch.Tensor, float]]
-
-
-def rope_tables(config: dict) -> RopeTables:
-    """The rotary tables of a model (a language config), from transformers' own rotary classes (rope_inv_freq).
-    Rank 0 computes them and hands them to the other tensor-parallel ranks, which then never import transformers
-    (its config and modelling modules cost ~7 s in a fresh process: most of a rank's start)."""
-    from transformers import AutoConfig
-
-    spec = ModelSpec.from_config(config)
-    hf_config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in config.items()
-                                                         if k not in ("quantization_config", "model_type")})
-    types = [None if spec.arch.window != "per_layer" else
-             "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention"]
-    types += ["sliding_attention"] * bool(spec.local_layers)
-    return {t: rope_inv_freq(hf_config, spec.arch.rotary, t) for t in dict.fromkeys(types)}
-
-
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
              device: torch.device, max_positions: int, embed_start: int | None = None, int8_activations: bool = False,
              linear_module: Callable[[list[LinearWeights]], torch.nn.Module] | None = None,
@@ -159,7 +140,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
     for modelling another engine's arithmetic around the runtime's attention, norms and rotary. spec and rope:
     config's ModelSpec and rope_tables where the caller has them (both else derived here, through transformers)."""
     spec = spec or ModelSpec.from_config(config)
-    rope = rope or rope_tables(config)
+    rope = rope or rope_tables(config, spec)
     arch = spec.arch
 
     def norm(w: torch.Tensor | None) -> RMSNorm | None:
@@ -176,14 +157,12 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         b = lw.bias.to(device=device, dtype=dtype) if lw.bias is not None else None
         return b, dataclasses.replace(lw, bias=None)
 
-    def rotary_table(layer_type: str | None) -> RotaryEmbedding:
-        inv_freq, attn_scaling = rope[layer_type]
+    def rotary_table(table: RopeTable) -> RotaryEmbedding:
+        inv_freq, attn_scaling = table
         return RotaryEmbedding(inv_freq, max_positions, attn_scaling, device=device, dtype=dtype)
 
-    # the global layers' table (a model whose layers all slide looks the local one up for them, unused)
-    rotary = rotary_table(None if arch.window != "per_layer" else
-                          "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention")
-    local = (rotary_table("sliding_attention"), spec.local_window) if spec.local_layers else None
+    rotary = rotary_table(rope[0])
+    local = (rotary_table(rope[1]), spec.local_window) if rope[1] is not None else None
     layers = []
     def mlp(lin: dict[str, LinearWeights]) -> dict:
         """A layer's MLP modules: gate_up / down (row-parallel bias apart), or its experts."""

@@ -24,7 +24,8 @@ from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
 from .kv_cache import kv_element_bytes
 from .layers.linear import keeps_as_stored
-from .model_runner import ModelRunner, compute_dtype_for, prepare_step, rope_tables, worker_main
+from .layers.rotary import rope_tables
+from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
 from .sequence import Sequence
 
 
@@ -132,7 +133,7 @@ class Worker:
                          num_blocks=self.num_blocks, block_size=block_size, kv_cache_dtype=self.kv_cache_dtype,
                          max_positions=self.max_model_len, compile=cfg.compile,
                          int8_activations=cfg.int8_activations, state_slots=self.state_slots, spec=self.spec,
-                         rope=rope_tables(ckpt.config))
+                         rope=rope_tables(ckpt.config, self.spec))
         self.ranks = None  # the other tensor-parallel ranks' processes
         self._ranks_ready = False
         self._saved_threads = None

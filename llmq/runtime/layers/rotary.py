@@ -6,8 +6,16 @@ module for the model's config, so every scaling variant the reference supports i
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ...models import ModelSpec
+
+RopeTable = tuple[torch.Tensor, float]  # (inverse frequencies, attention scaling)
+RopeTables = tuple[RopeTable, RopeTable | None]  # the global layers' and the local layers' (rope_tables)
 
 
 def rope_inv_freq(hf_config, rotary: str | None = None, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -26,6 +34,20 @@ def rope_inv_freq(hf_config, rotary: str | None = None, layer_type: str | None =
     prefix = f"{layer_type}_" if layer_type else ""   # one table (a partial one: Qwen3.5's), or a layer type's
     return (getattr(rot, f"{prefix}inv_freq").detach().float().cpu(),
             float(getattr(rot, f"{prefix}attention_scaling", 1.0)))
+
+
+def rope_tables(config: dict, spec: ModelSpec) -> RopeTables:
+    """A model's rotary tables (its language config and ModelSpec): the global layers' (a model whose layers all
+    slide looks the local one up for them, unused) and the local layers' where it has any. Tensor-parallel rank 0
+    computes them and hands them to the other ranks, which then never import transformers (its modelling modules
+    are most of a fresh process's start)."""
+    from ...models.config_fields import checked_hf_config
+
+    hf, rotary = checked_hf_config(config), spec.arch.rotary
+    glob = None if spec.arch.window != "per_layer" else \
+        "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention"
+    local = rope_inv_freq(hf, rotary, "sliding_attention") if spec.local_layers else None
+    return rope_inv_freq(hf, rotary, glob), local
 
 
 class RotaryEmbedding(nn.Module):
