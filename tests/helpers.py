@@ -45,7 +45,13 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_wor
                            "linear_key_head_dim": 16, "linear_value_head_dim": 12,
                            "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
                            "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                           "shared_expert_intermediate_size": 48, "norm_topk_prob": False}}
+                           "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+            # sliding (8 of the 40 scored tokens) then full attention with sinks and biases on all four linears, 8
+            # biased experts of width 32 (2 a token) under a clamped SwiGLU; transformers initializes the expert
+            # biases to zero and the sinks small, so they are drawn at random (random_biases)
+            "gpt_oss": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                        "swiglu_limit": 1.5, "random_biases": True}}
 
 
 def byte_tokenizer():
@@ -91,6 +97,7 @@ def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> P
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     model_type = overrides.pop("model_type", "llama")
+    random_biases = overrides.pop("random_biases", False)  # every bias and sink logit ~ N(0, 1)
     tok = tokenizer or byte_tokenizer()
     cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
@@ -102,6 +109,11 @@ def make_tiny_model(path: Path, seed: int = 0, tokenizer=None, **overrides) -> P
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])  # Qwen3 / Gemma 3 default to 128 / 256
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).eval()
+    if random_biases:
+        with torch.no_grad():
+            for name, t in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    t.normal_()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -167,9 +179,12 @@ def fake_quantized_cache(kv: str, scales) -> str:
     or per KV head), before sdpa: the reference for what a quantized cache computes, written from the format's
     definition rather than through llmq's runtime. `scales`: (k_scale, v_scale) by layer index (a list, or a dict of a
     hybrid model's attention layers)."""
+    import sys
+
     import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     def rounded(x, scale):
         s = scale.float().reshape(1, -1, 1, 1) if scale.numel() > 1 else scale.float().reshape(())
@@ -179,11 +194,14 @@ def fake_quantized_cache(kv: str, scales) -> str:
 
     def attention(module, query, key, value, attention_mask, **kw):
         k_scale, v_scale = scales[module.layer_idx]
-        return sdpa_attention_forward(module, query, rounded(key, k_scale), rounded(value, v_scale),
-                                      attention_mask, **kw)
+        forward = sdpa_attention_forward
+        if hasattr(module, "sinks"):   # GPT-OSS: its own eager attention, the one that has sinks
+            forward = sys.modules[type(module).__module__].eager_attention_forward
+        return forward(module, query, rounded(key, k_scale), rounded(value, v_scale), attention_mask, **kw)
 
     name = f"llmq_test_{kv}_cache"
     AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)   # always drawn (SDPA infers a causal one; eager cannot)
     return name
 
 

@@ -475,6 +475,30 @@ def test_decode_attention_equals_sdpa(dtype, window, head_dim):
     assert float((got.float() - want.float()).abs().max()) < tol * float(want.float().abs().max())
 
 
+@pytest.mark.parametrize("decode", [_decode, _decode_sdpa])
+def test_decode_attention_with_sinks_is_the_softmax_over_scores_and_sinks(decode):
+    """Each head's sink logit (GPT-OSS) is one more softmax term with no value: against that softmax in float64, on
+    llmq's kernel and on the SDPA path (quantized caches, GPUs); sinks from far below to far above the scores."""
+    gen = torch.Generator().manual_seed(17)
+    (cache,) = _cache(torch.float32, gen)
+    blocks = torch.tensor([[3, 7, 1, 0, 0], [5, 2, 9, 11, 20]])
+    last = torch.tensor([40, 79])
+    mask = attends(last[:, None], torch.arange(80)[None, :], 30).view(2, 1, 1, -1)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(2, dtype=torch.long), num_decode=2, decode_blocks=blocks,
+                             decode_mask=mask)
+    q = torch.randn(2, 9, 64, generator=gen) * 2
+    sinks = torch.linspace(-20, 20, 9)
+    got = decode(q, cache, meta, 0.125, sinks)
+    for b in range(2):
+        rows = (blocks[b][:, None] * 16 + torch.arange(16)).flatten()[mask[b].flatten()]
+        k, v = cache.k.flatten(0, 1)[rows].double(), cache.v.flatten(0, 1)[rows].double()  # [S, 3, 64]
+        for h in range(9):
+            scores = k[:, h // 3] @ q[b, h].double() * 0.125
+            p = torch.cat([scores, sinks[h:h + 1].double()]).softmax(0)[:-1]
+            want = p @ v[:, h // 3]
+            assert float((got[b, h].double() - want).abs().max()) <= 2e-6 * float(want.abs().max()), (b, h)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_kv_write_equals_eager(dtype):
     gen = torch.Generator().manual_seed(13)

@@ -10,7 +10,7 @@ import torch
 from helpers import FAMILIES, hf_model
 
 from llmq.errors import LlmqError
-from llmq.models.arch import ARCHS
+from llmq.models.arch import ARCHS, ATTN, ROUTER
 from llmq.models.spec import ModelSpec
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
 
@@ -38,9 +38,13 @@ def test_declaration_names_exactly_the_checkpoint_tensors(models, family):
         declared.add(f"{qformat.LM_HEAD}.weight")
     for i in range(spec.num_layers):
         declared |= {f"{arch.prefix(i)}.{p}.weight" for p in spec.stored_linears(i).values()} | \
-            {arch.norm(i, r) for r in spec.norm_roles(i)} | {f"{arch.prefix(i)}.{p}" for p in spec.linear_tensors(i)}
-        if spec.attention_bias:
-            declared |= {f"{arch.linear(i, r)}.bias" for r in ("q_proj", "k_proj", "v_proj")}
+            {arch.norm(i, r) for r in spec.norm_roles(i)} | \
+            {f"{arch.prefix(i)}.{p}" for p in (*spec.linear_tensors(i), *spec.stacked_experts())}
+        if spec.attention_bias:   # Qwen2's o_proj has none; GPT-OSS's router has one
+            declared |= {f"{arch.linear(i, r)}.bias" for r in (("q_proj", "k_proj", "v_proj") if family == "qwen2"
+                                                               else ATTN)}
+        if family == "gpt_oss":
+            declared.add(f"{arch.linear(i, ROUTER)}.bias")
     assert set(ckpt.tensors) == declared
     for i in range(spec.num_layers):  # and every declared linear and tensor has the shape the spec says
         stored = spec.stored_linears(i)
@@ -48,8 +52,9 @@ def test_declaration_names_exactly_the_checkpoint_tensors(models, family):
             {n: list(spec.linear_shape(n)) for n in stored}
         assert {r: list(lw.shape) for r, lw in ckpt.layer_linears(i).items()} == \
             {r: list(spec.linear_shape(r)) for r in spec.roles(i)}
-        assert {p: ckpt.tensors.info(f"{arch.prefix(i)}.{p}")[1] for p in spec.linear_tensors(i)} == \
-            {p: list(shape) for p, shape in spec.linear_tensors(i).items()}
+        others = spec.linear_tensors(i) | spec.stacked_experts()
+        assert {p: ckpt.tensors.info(f"{arch.prefix(i)}.{p}")[1] for p in others} == \
+            {p: list(shape) for p, shape in others.items()}
 
 
 @pytest.mark.parametrize("tp", [1, 2])

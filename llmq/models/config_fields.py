@@ -24,6 +24,7 @@ IMPLEMENTED = frozenset({
     # Gated DeltaNet layers (Arch.linear_attention): their key / value heads and widths, the convolution's kernel
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim",
+    "swiglu_alpha", "swiglu_limit",  # GPT-OSS's clamped SwiGLU (Arch.activation "clamped_swiglu")
 })
 
 # Fields that do not change the logits of an inference forward, with the reason.

@@ -33,6 +33,61 @@ def split_group(lw: LinearWeights, spec: ModelSpec, group: str, i: int) -> dict[
     return {role: dataclasses.replace(split_rows(lw, r), name=spec.arch.linear(i, role)) for role, r in rows.items()}
 
 
+def unstacked_experts(tensor: Callable[[str], torch.Tensor], spec: ModelSpec, i: int) -> dict[str, LinearWeights]:
+    """Layer i's stacked experts (Experts.stacked), read by `tensor(name)`, as each expert's gate, up and down
+    linears with their biases, by role."""
+    from .arch import expert_role
+
+    arch = spec.arch
+    gu, gu_bias, down, down_bias = (tensor(f"{arch.prefix(i)}.{p}") for p in spec.stacked_experts())
+    out = {}
+    for e in range(spec.num_experts):
+        w = gu[e].t()   # [2 x width, hidden]: gate and up rows interleaved
+        for role, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+            out[expert_role(e, role)] = LinearWeights(arch.linear(i, expert_role(e, role)),
+                                                      weight=w[rows].contiguous(), bias=gu_bias[e, rows].contiguous())
+        out[expert_role(e, "down_proj")] = LinearWeights(arch.linear(i, expert_role(e, "down_proj")),
+                                                         weight=down[e].t().contiguous(), bias=down_bias[e])
+    return out
+
+
+class UnstackedTensors(Mapping):
+    """A dense checkpoint's tensors (`tensors`, a LazyTensors) with its stacked experts (Experts.stacked) under each
+    expert's linear names instead (<layer>.mlp.experts.<e>.gate_proj.weight, .bias, ...): what quantize's ExpertsBlock
+    loads and writes. A layer's stacked tensors are cut once, when one of its experts is first asked for."""
+
+    def __init__(self, tensors: Mapping, spec: ModelSpec):
+        self.tensors, self.spec = tensors, spec
+        stacked = {f"{spec.arch.prefix(i)}.{p}" for i in range(spec.num_layers) for p in spec.stacked_experts()}
+        self._names = [n for n in tensors if n not in stacked]
+        self._cut: tuple[int, dict[str, torch.Tensor]] = (-1, {})
+
+    def _layer(self, name: str) -> dict[str, torch.Tensor]:
+        i = int(name[len(self.spec.arch.layers) + 1:].split(".")[0])
+        if self._cut[0] != i:
+            lws = unstacked_experts(self.tensors.__getitem__, self.spec, i).values()
+            self._cut = (i, {f"{lw.name}.{k}": t for lw in lws for k, t in (("weight", lw.weight), ("bias", lw.bias))
+                             if t is not None})
+        return self._cut[1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.tensors:
+            return self.tensors[name]
+        if name.startswith(self.spec.arch.layers + ".") and name in self._layer(name):
+            return self._layer(name)[name]
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors or (isinstance(name, str) and name.startswith(self.spec.arch.layers + ".") and
+                                        ".experts." in name and name in self._layer(name))
+
+    def __iter__(self) -> Iterator[str]:   # the unstacked experts' names are not listed: their layers emit them
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class LazyTensors(Mapping):
     """name -> tensor over every *.safetensors file of a directory, each tensor read from disk when asked for and
     kept by nobody but the caller (see `safetensors_io`: no file is mapped into memory). A vision-language
@@ -149,6 +204,9 @@ class CheckpointReader:
         stored fused (Arch.fused) is cut into its roles, a group stored apart (llmq's rank directories) is read by
         role."""
         parts: dict[str, LinearWeights] = {}
+        stacked = next(iter(self.spec.stacked_experts()), None)
+        if stacked is not None and f"{self.arch.prefix(i)}.{stacked}" in self.tensors:
+            parts |= unstacked_experts(self.tensor, self.spec, i)
         for group in self.arch.groups(i in self.spec.linear_layers):
             name = self.arch.linear(i, group)
             if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:

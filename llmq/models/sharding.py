@@ -369,12 +369,17 @@ def split_layer(full: dict[str, LinearWeights], plan: ShardPlan, rank: int) -> d
     return out
 
 
-def split_linear_tensors(tensors: dict[str, torch.Tensor], plan: ShardPlan, rank: int, la) -> dict[str, torch.Tensor]:
-    """One rank's share of a Gated DeltaNet layer's other tensors (ModelSpec.linear_tensors, by path), cut as its
-    declaration (`la`, an arch LinearAttention) says: the convolution's channels and the per-head decay parameters
-    follow the rank's heads, the rest (the norm, per value dim) is whole. Any other layer has none: {}."""
+def split_linear_tensors(tensors: dict[str, torch.Tensor], plan: ShardPlan, rank: int, arch) -> dict[str, torch.Tensor]:
+    """One rank's share of a layer's other tensors (ModelSpec.linear_tensors, by path), cut as its family's
+    declaration (`arch`) says: an attention layer's sink logits (Arch.sinks) follow the rank's query heads (0 for a
+    padding head, whose output o_proj drops); a Gated DeltaNet layer's convolution channels and per-head decay
+    parameters follow the rank's heads, the rest (the norm, per value dim) is whole."""
     if not tensors:
         return {}
+    if arch.sinks in tensors:
+        heads = torch.tensor([h if h is not None else -1 for h in plan.q_heads(rank)])
+        return {path: take(t, heads, 0) if path == arch.sinks else t for path, t in tensors.items()}
+    la = arch.linear_attention
     channels = {f"{la.module}.{t}" for t in la.channel_tensors}
     heads = {f"{la.module}.{t}" for t in la.head_tensors}
     return {path: t.index_select(0, plan.linear_qkv_rows(rank)) if path in channels else
@@ -417,5 +422,5 @@ class RankWeights:
     final_norm: torch.Tensor
     lm_head: LinearWeights                          # this rank's vocab rows (the embedding itself where tied)
     kv_scales: list = field(default_factory=list)   # per layer: (k_scale, v_scale) as stored, or None
-    # per layer: a Gated DeltaNet layer's other parameters by path (CheckpointReader.layer_tensors), else {}
+    # per layer: its other parameters by path (CheckpointReader.layer_tensors: a Gated DeltaNet's, sink logits)
     tensors: list = field(default_factory=list)

@@ -63,7 +63,8 @@ class ModelSpec:
     sliding_window: int | None      # the window every layer uses (None: full attention)
     local_window: int | None = None  # Arch.window "per_layer": the window of the layers in local_layers
     local_layers: tuple[int, ...] = ()
-    local_rope_theta: float | None = None  # the rotary base of the layers in local_layers (their own table)
+    local_rope_theta: float | None = None  # the rotary base of the layers in local_layers (their own table; None:
+    # the global one, Arch.local_rotary)
     attn_scale: float | None = None  # softmax scale of the attention scores; None: head_dim ** -0.5
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     num_experts: int = 0             # mixture of experts (Arch.moe): experts per layer (0: a dense MLP)
@@ -71,6 +72,7 @@ class ModelSpec:
     expert_size: int = 0             # an expert's MLP width
     renormalize: bool = False        # the chosen experts' weights are scaled to sum to 1
     shared_expert_size: int = 0      # the shared expert's MLP width (Experts.shared; 0: none)
+    swiglu: tuple[float, float] | None = None  # (alpha, limit) of a clamped SwiGLU (Arch.activation)
     nope_layers: tuple[int, ...] = ()  # layers that attend without the rotary embedding (Arch.rope_layers)
     rotary_dim: int | None = None    # a partial rotary embedding turns the first rotary_dim of each head (None: all)
     # hybrid models (Arch.linear_attention): the Gated DeltaNet layers (the others attend), their key / value heads
@@ -138,7 +140,8 @@ class ModelSpec:
                 sliding_window=window(hf),
                 local_window=hf.sliding_window if local else None,
                 local_layers=local,
-                local_rope_theta=float(hf.rope_parameters["sliding_attention"]["rope_theta"]) if local else None,
+                local_rope_theta=float(hf.rope_parameters["sliding_attention"]["rope_theta"])
+                if local and arch.local_rotary else None,
                 attn_scale=float(qpas) ** -0.5 if qpas else None,
                 final_softcap=config.get("final_logit_softcapping"),
                 nope_layers=tuple(i for i, f in enumerate(getattr(hf, arch.rope_layers)) if not f)
@@ -147,6 +150,8 @@ class ModelSpec:
                 if rope.get("partial_rotary_factor", 1.0) != 1.0 else None,
                 **_linear_attention(arch, hf),
                 **moe,
+                swiglu=(float(hf.swiglu_alpha), float(hf.swiglu_limit)) if arch.activation == "clamped_swiglu"
+                else None,
                 vision=vision,
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -173,14 +178,20 @@ class ModelSpec:
                      if i not in self.linear_layers or not path.startswith(inside))
 
     def linear_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
-        """Layer i's parameters besides linears and norms (a Gated DeltaNet layer's, Arch.linear_attention): path
-        in the layer -> shape."""
+        """Layer i's parameters besides linears and norms (a Gated DeltaNet layer's, Arch.linear_attention; an
+        attention layer's sink logits, Arch.sinks): path in the layer -> shape."""
         la = self.arch.linear_attention
         if la is None or i not in self.linear_layers:
-            return {}
+            return {self.arch.sinks: (self.num_heads,)} if self.arch.sinks else {}
         hv = self.linear_value_heads
         shapes = ((self.linear_conv_dim, 1, self.linear_kernel), (hv,), (hv,), (self.linear_value_dim,))
         return {f"{la.module}.{t}": shape for t, shape in zip(la.tensors, shapes)}
+
+    def stacked_experts(self) -> dict[str, tuple[int, ...]]:
+        """A layer's stacked expert tensors (Experts.stacked) by path in the layer, with their shapes; {} for a
+        family that stores one linear per expert."""
+        m = self.arch.moe
+        return m.stacked_shapes(self.num_experts, self.hidden_size, self.expert_size) if m and m.stacked else {}
 
     def kept_16bit(self) -> list[str]:
         """The decoder linears every method keeps 16-bit, never calibrated, priced as dense tensors: MoE routers (a
@@ -308,6 +319,7 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
         for role in spec.norm_roles(i):
             want[arch.norm(i, role)] = spec.norm_shape(role)
         want |= {f"{arch.prefix(i)}.{path}": shape for path, shape in spec.linear_tensors(i).items()}
+        want |= {f"{arch.prefix(i)}.{path}": shape for path, shape in spec.stacked_experts().items()}
     for name in want.keys() - tensors.keys():
         raise LlmqError(f"{where}: tensor {name} is missing ({spec.architecture}, {spec.num_layers} layers)")
     for name, (dtype, shape) in tensors.items():

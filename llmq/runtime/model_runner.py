@@ -123,9 +123,9 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
     head = ckpt.lm_head(embed)  # tied: the same table, so assemble() keeps a 16-bit one sharing its memory
     if plan is not None:
         head = split_rows(head, plan.vocab_rows(rank))
-    tensors = [ckpt.layer_tensors(i) for i in range(n)]   # a Gated DeltaNet layer's few small ones, else none
+    tensors = [ckpt.layer_tensors(i) for i in range(n)]   # a layer's few small others (a DeltaNet's; sinks)
     if plan is not None:
-        tensors = [split_linear_tensors(t, plan, rank, ckpt.arch.linear_attention) for t in tensors]
+        tensors = [split_linear_tensors(t, plan, rank, ckpt.arch) for t in tensors]
     return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.final_norm(), lm_head=head,
                        tensors=tensors)
 
@@ -169,20 +169,24 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         if not spec.num_experts:
             down_bias, down = row_bias(lin["down_proj"])
             return dict(gate_up=linear([lin["gate_proj"], lin["up_proj"]]), down=linear([down]), down_bias=down_bias)
-        experts = [(linear([lin[expert_role(e, "gate_proj")], lin[expert_role(e, "up_proj")]]),
-                    linear([lin[expert_role(e, "down_proj")]])) for e in range(spec.num_experts)]
+        downs = [row_bias(lin[expert_role(e, "down_proj")]) for e in range(spec.num_experts)]
+        experts = [(linear([lin[expert_role(e, "gate_proj")], lin[expert_role(e, "up_proj")]]), linear([down]))
+                   for e, (_, down) in enumerate(downs)]
         shared = (linear([lin[shared_role("gate_proj")], lin[shared_role("up_proj")]]),
                   linear([lin[shared_role("down_proj")]]), linear([lin[SHARED_GATE]])) \
             if spec.shared_expert_size else None
+        down_bias = torch.stack([b for b, _ in downs]) if downs[0][0] is not None and tpc.rank == 0 else None
         return dict(gate_up=None, down=None, down_bias=None,
-                    moe=SparseMoE(linear([lin[ROUTER]]), experts, spec.experts_per_token, spec.renormalize, shared))
+                    moe=SparseMoE(linear([lin[ROUTER]]), experts, spec.experts_per_token, spec.renormalize, shared,
+                                  arch.activation, spec.swiglu, down_bias))
 
     def mixer(i: int, lin: dict[str, LinearWeights]) -> dict:
         """A layer's token mixer: attention (q/k/v fused, o's row-parallel bias apart), or a Gated DeltaNet."""
         if i not in spec.linear_layers:
             o_bias, o = row_bias(lin["o_proj"])
+            sinks = rw.tensors[i][arch.sinks].to(device=device, dtype=torch.float32) if arch.sinks else None
             return dict(qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]), o=linear([o]), o_bias=o_bias,
-                        attn_gate=arch.attn_gate)
+                        attn_gate=arch.attn_gate, sinks=sinks)
         conv, a_log, dt_bias, gated_norm = (rw.tensors[i][f"{la.module}.{n}"].to(device) for n in la.tensors)
         net = GatedDeltaNet(linear([lin[r] for r in LINEAR_ATTN[:4]]), linear([lin["out_proj"]]), conv.to(dtype),
                             a_log, dt_bias, gated_norm.to(dtype), spec.rms_norm_eps, spec.linear_key_heads // tpc.world,
@@ -196,7 +200,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
             q_norm=norm(norms.get("q_norm")), k_norm=norm(norms.get("k_norm")),
             attn_out_norm=norm(norms.get("attn_out_norm")), mlp_out_norm=norm(norms.get("mlp_out_norm")))
         layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc, spec.attn_scale, arch.activation,
-                                   i in spec.local_layers, i not in spec.nope_layers))
+                                   i in spec.local_layers, i not in spec.nope_layers, spec.swiglu))
         release_free_heap()
     head, table, scale = rw.lm_head, rw.embed.weight, None
     if rw.embed.qw is not None:  # INT8 rows and their scales, looked up as stored (a tied head is built from them)

@@ -97,6 +97,20 @@ class Experts:
     gguf_shared: dict[str, str] = field(default_factory=lambda: {
         "gate_proj": "FFN_GATE_SHEXP", "up_proj": "FFN_UP_SHEXP", "down_proj": "FFN_DOWN_SHEXP",
         SHARED_GATE: "FFN_GATE_INP_SHEXP"})
+    # the checkpoint holds a layer's experts as four tensors under `experts` (GPT-OSS): gate_up_proj [count, hidden,
+    # 2 x width] (x @ it; each expert's gate and up columns interleaved, gate first), down_proj [count, width,
+    # hidden], and their biases gate_up_proj_bias [count, 2 x width] and down_proj_bias [count, hidden]. The reader
+    # cuts them into each expert's linears (with biases); llmq's own artifacts store those apart
+    stacked: bool = False
+    biased: bool = False          # the router and every expert's linears have biases (GPT-OSS)
+    # transformers' layer unpacks its MoE block's output as (hidden states, router scores) (GPT-OSS)
+    returns_scores: bool = False
+
+    def stacked_shapes(self, count: int, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+        """The stacked tensors (`stacked`) by path inside a layer, with their shapes."""
+        at = f"{self.block}.{self.experts}"
+        return {f"{at}.gate_up_proj": (count, hidden, 2 * width), f"{at}.gate_up_proj_bias": (count, 2 * width),
+                f"{at}.down_proj": (count, width, hidden), f"{at}.down_proj_bias": (count, hidden)}
 
 
 @dataclass(frozen=True)
@@ -163,14 +177,18 @@ class Arch:
     # (one window for every layer, where transformers' layer_types says sliding_attention), "per_layer" (the
     # layer_types' sliding layers use the window and their own rotary table, the others attend fully: Gemma 3)
     window: str = "none"
-    # the MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated gelu), and the config field
-    # and values that say so (others are refused)
+    # the MLP's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU, tanh-approximated gelu) or "clamped_swiglu"
+    # (GPT-OSS: gate clamped above and up on both sides at swiglu_limit, gate x sigmoid(swiglu_alpha x gate) x (up
+    # + 1)), and the config field and values that say so (others are refused)
     activation: str = "silu"
     activation_field: tuple[str, tuple[str, ...]] = ("hidden_act", ("silu", "swish"))
     norm_offset: float = 0.0      # RMSNorm multiplies by (norm_offset + weight): Gemma stores w for a (1 + w) scale
     embed_scale: bool = False     # token embeddings are multiplied by sqrt(hidden_size) (Gemma)
     # transformers' rotary-embedding class when each layer type has its own table (Gemma 3); None: Llama's one table
     rotary: str | None = None
+    local_rotary: bool = True     # the local layers (window "per_layer") have their own rotary table (Gemma 3)
+    # the path in a layer of each attention head's learned sink logit, a softmax term with no value (GPT-OSS)
+    sinks: str | None = None
     qkv_bias: bool = False        # attention_bias's default where config.json does not say
     final_norm: str = "model.norm"
     layers: str = "model.layers"
@@ -242,11 +260,14 @@ class Arch:
 
     def stored_linears(self, experts: int = 0, linear: bool = False) -> dict[str, str]:
         """The linears of a layer (`linear`: a Gated DeltaNet layer) as the checkpoint (and transformers' layer) holds
-        them: name (a role, or a fused group) -> path in the layer."""
+        them: name (a role, or a fused group) -> path in the layer. Stacked experts (Experts.stacked) are no linears
+        there."""
         groups = self.groups(linear)
         grouped = {r for g in groups for r in self.group_roles(g)}
+        stacked = self.moe is not None and self.moe.stacked
         return {g: self.path(g) for g in groups} | \
-            {r: self.path(r) for r in self.roles(experts, linear) if r not in grouped}
+            {r: self.path(r) for r in self.roles(experts, linear)
+             if r not in grouped and not (stacked and r.startswith("experts."))}
 
     def linear_names(self, i: int, experts: int = 0, linear: bool = False) -> list[str]:
         """Layer i's linears' module names as the checkpoint stores them (`linear`: it is a Gated DeltaNet layer)."""

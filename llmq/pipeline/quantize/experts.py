@@ -17,23 +17,29 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...models.arch import MLP, Arch
 
 
 class _Expert(nn.Module):
-    def __init__(self, names: dict[str, str], hidden: int, width: int):
+    """One expert's MLP: the family's gated activation (runtime.models.decoder.glu) between its linears, with
+    biases where the family's experts have them (Experts.biased)."""
+
+    def __init__(self, names: dict[str, str], hidden: int, width: int, bias: bool = False, activation: str = "silu",
+                 swiglu: tuple[float, float] | None = None):
         super().__init__()
-        self.names = names
+        self.names, self.activation, self.swiglu = names, activation, swiglu
         for role, (out, inp) in (("gate_proj", (width, hidden)), ("up_proj", (width, hidden)),
                                  ("down_proj", (hidden, width))):
-            setattr(self, names[role], nn.Linear(inp, out, bias=False))
+            setattr(self, names[role], nn.Linear(inp, out, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ...runtime.models.decoder import glu
+
         n = self.names
-        return getattr(self, n["down_proj"])(F.silu(getattr(self, n["gate_proj"])(x)) * getattr(self, n["up_proj"])(x))
+        gu = torch.cat([getattr(self, n["gate_proj"])(x), getattr(self, n["up_proj"])(x)], -1)
+        return getattr(self, n["down_proj"])(glu(gu, self.activation, self.swiglu))
 
 
 class ExpertsBlock(nn.Module):
@@ -41,13 +47,15 @@ class ExpertsBlock(nn.Module):
     has them (shared_width > 0), named as in the checkpoint."""
 
     def __init__(self, arch: Arch, hidden: int, width: int, count: int, top_k: int, renormalize: bool,
-                 shared_width: int = 0):
+                 shared_width: int = 0, swiglu: tuple[float, float] | None = None):
         super().__init__()
         m = arch.moe
         self.top_k, self.renormalize, self.every_expert = top_k, renormalize, False
         self.router_name, self.experts_name = m.router, m.experts
-        setattr(self, m.router, nn.Linear(hidden, count, bias=False))
-        setattr(self, m.experts, nn.ModuleList(_Expert(m.names, hidden, width) for _ in range(count)))
+        self.returns_scores = m.returns_scores
+        setattr(self, m.router, nn.Linear(hidden, count, bias=m.biased))
+        setattr(self, m.experts, nn.ModuleList(_Expert(m.names, hidden, width, m.biased, arch.activation, swiglu)
+                                               for _ in range(count)))
         self.shared = (m.shared, m.shared_gate) if shared_width else None
         if shared_width:
             setattr(self, m.shared, _Expert({r: r for r in MLP}, hidden, shared_width))
@@ -76,7 +84,8 @@ class ExpertsBlock(nn.Module):
         if self.shared is not None:  # every token's, scaled per token
             expert, gate = (getattr(self, n) for n in self.shared)
             out += torch.sigmoid(gate(x)) * expert(x)
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        return (out, None) if self.returns_scores else out   # the layer drops the scores (training's aux loss)
 
 
 def install(model: nn.Module, arch: Arch, config) -> None:
@@ -89,7 +98,7 @@ def install(model: nn.Module, arch: Arch, config) -> None:
     m = arch.moe
     for layer in model.get_submodule(arch.layers):
         block = ExpertsBlock(arch, spec.hidden_size, spec.expert_size, spec.num_experts, spec.experts_per_token,
-                             spec.renormalize, spec.shared_expert_size)
+                             spec.renormalize, spec.shared_expert_size, spec.swiglu)
         module = m.module or m.block
         del layer._modules[module]
         setattr(layer, m.block, block)

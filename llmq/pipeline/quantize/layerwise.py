@@ -217,7 +217,7 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     device = torch.device(pick_device(opts.device))
     hf_logging.disable_progress_bar()
     arch = spec.arch
-    source = source_tensors(model_dir)
+    source = source_tensors(model_dir, spec)
     model_dtype = stored_dtype(model_dir)
     model = skeleton(model_dir, arch, model_dtype, device)
     embed = load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)

@@ -159,7 +159,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     refused_units). layers: only these layers' units (all by default; the later layers run all the same)."""
 
     arch, units = spec.arch, spec.arch.unit_paths(spec.num_experts)
-    source = source_tensors(model_dir)
+    source = source_tensors(model_dir, spec)
     dtype = stored_dtype(model_dir)
     model = skeleton(model_dir, arch, dtype, device)
     load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
@@ -248,19 +248,24 @@ def refused(spec: ModelSpec, opts, cands: list[Scheme]) -> np.ndarray:
     return np.tile(refused_units(spec, opts, cands), (spec.num_layers, 1))
 
 
-def unit_costs(spec: ModelSpec, opts, cands: list[Scheme]) -> tuple[np.ndarray, int]:
+def unit_costs(spec: ModelSpec, opts, cands: list[Scheme], dtype_bytes: int) -> tuple[np.ndarray, int]:
     """([layers * units, candidates] bytes of each unit in each scheme, parameters of all decoder linears); in the
-    GGUF file's blocks with --size-in gguf."""
+    GGUF file's blocks with --size-in gguf. dtype_bytes: the checkpoint's stored dtype's (scales and dense linears
+    keep it: a float32 checkpoint's dense units take twice a bf16 one's)."""
     shapes = unit_shapes(spec)
-    scale_bytes = 2  # bf16 / fp16 scales, as the quantizer stores them for 16-bit models
 
     def cost(n: int, k: int, scheme: Scheme) -> int:
         return scheme.gguf_bytes(n, k, opts) if opts.size_in == "gguf" else \
-            scheme.checkpoint_bytes(n, k, opts, scale_bytes)
+            scheme.checkpoint_bytes(n, k, opts, dtype_bytes)
 
     costs = np.array([[sum(cost(n, k, c) for n, k in shapes[u]) for c in cands]
                       for _ in range(spec.num_layers) for u in range(len(shapes))], dtype=np.float64)
-    return costs, sum(n * k for unit in shapes for n, k in unit) * spec.num_layers
+    return costs, decoder_params(spec)
+
+
+def decoder_params(spec: ModelSpec) -> int:
+    """Parameters of all decoder linears (what --target-bpw is per)."""
+    return sum(n * k for unit in unit_shapes(spec) for n, k in unit) * spec.num_layers
 
 
 def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
@@ -272,13 +277,18 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
         from ..targets.gguf_size import fixed_bytes
 
         fixed = fixed_bytes(model_dir, opts.embedding == "int8", opts.lm_head == "int8")
-        return (parse_size(opts.max_size) - fixed) * 8 / unit_costs(spec, opts, candidates(spec, opts))[1]
+        return (parse_size(opts.max_size) - fixed) * 8 / decoder_params(spec)
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors
 
     tensors = LazyTensors(safetensors_files(model_dir))
     linears = {f"{n}.weight" for i in range(spec.num_layers) for n in spec.arch.linear_names(i, spec.num_experts)} \
         - {f"{r}.weight" for r in spec.kept_16bit()}
+    # a stacked MoE's tensors (Experts.stacked) -> how many per-expert tensors each is stored as (its weights are
+    # decoder linears, its biases stay 16-bit)
+    parts = {f"{spec.arch.prefix(i)}.{p}": spec.num_experts * (2 if "gate_up" in p else 1)
+             for i in range(spec.num_layers) for p in spec.stacked_experts()}
+    linears |= {n for n in parts if not n.endswith("_bias")}
     table, head = f"{qformat.EMBEDDING}.weight", f"{qformat.LM_HEAD}.weight"
     int8 = {table: opts.embedding == "int8", head: opts.lm_head == "int8"}
 
@@ -290,21 +300,22 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     for name in tensors:
         dtype, shape = tensors.info(name)
         if name in linears:
-            entries += 4   # packed integers, scales, shape, zero points
+            entries += 4 * parts.get(name, 1)   # packed integers, scales, shape, zero points
             continue
         fixed += int8_rows(name) if int8.get(name) else math.prod(shape) * dtype.itemsize
-        entries += 3 if int8.get(name) else 1
+        entries += 3 if int8.get(name) else parts.get(name, 1)
     if opts.lm_head == "int8" and head not in tensors and opts.embedding != "int8":  # untied for it
         fixed, entries = fixed + int8_rows(table), entries + 3
-    left = parse_size(opts.max_size) - fixed - 16 * len(linears) - HEADER_BYTES_PER_ENTRY * entries
-    return left * 8 / unit_costs(spec, opts, candidates(spec, opts))[1]
+    shapes = sum(parts.get(n, 1) for n in linears)   # a weight_shape each
+    left = parse_size(opts.max_size) - fixed - 16 * shapes - HEADER_BYTES_PER_ENTRY * entries
+    return left * 8 / decoder_params(spec)
 
 
-def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
-    """unit_costs(spec, opts, candidates(spec, opts)), after an LlmqError when opts.target_bpw is below what every unit
-    in its cheapest candidate takes."""
+def check(spec: ModelSpec, opts, dtype_bytes: int) -> tuple[np.ndarray, int]:
+    """unit_costs(spec, opts, candidates(spec, opts), dtype_bytes), after an LlmqError when opts.target_bpw is below
+    what every unit in its cheapest candidate takes."""
     cands = candidates(spec, opts)
-    costs, params = unit_costs(spec, opts, cands)
+    costs, params = unit_costs(spec, opts, cands, dtype_bytes)
     least = np.where(refused(spec, opts, cands), np.inf, costs).min(1).sum()
     floor = least * 8 / params
     if opts.target_bpw * params / 8 < least:
@@ -318,7 +329,7 @@ def check(spec: ModelSpec, opts) -> tuple[np.ndarray, int]:
 
 def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress: bool = True) -> Plan:
     """Measure every unit's sensitivity and choose its scheme so the decoder linears fit opts.target_bpw."""
-    costs, params = check(spec, opts)
+    costs, params = check(spec, opts, stored_dtype(model_dir).itemsize)
     cands = candidates(spec, opts)
     budget = opts.target_bpw * params / 8
     take = max(1, SENSITIVITY_TOKENS // len(calib.samples[0]))

@@ -43,13 +43,14 @@ GGUF_TYPES = {"int4": "Q4_0", "int4-asym": "Q4_1", "int5": "Q5_0", "int5-asym": 
               "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
-def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, scale_bytes: int) -> int:
-    """Bytes a [n, k] integer linear takes in the checkpoint at `bits` (group_size 0: per channel; 16: dense)."""
+def linear_bytes(n: int, k: int, bits: int, group_size: int, symmetric: bool, dtype_bytes: int) -> int:
+    """Bytes a [n, k] integer linear takes in the checkpoint at `bits` (group_size 0: per channel; 16: dense);
+    dtype_bytes: the stored dtype's, which its scales and a dense linear keep."""
     if bits == 16:
-        return 2 * n * k
+        return dtype_bytes * n * k
     groups = k // group_size if group_size else 1
     zeros = 0 if symmetric else n * groups * bits // 8
-    return n * k * bits // 8 + n * groups * scale_bytes + zeros
+    return n * k * bits // 8 + n * groups * dtype_bytes + zeros
 
 
 def width_grid(bits: int, opts) -> tuple[int, int]:
@@ -80,17 +81,18 @@ class Scheme:
         """Rounded by the quantize method on an integer grid (int4 / int5 / int8), or left dense (16bit)."""
         return self.name in GRID
 
-    def checkpoint_bytes(self, n: int, k: int, opts, scale_bytes: int = 2) -> int:
-        """Bytes of a [n, k] linear in the checkpoint: values, scales, zero points, global scale."""
+    def checkpoint_bytes(self, n: int, k: int, opts, dtype_bytes: int = 2) -> int:
+        """Bytes of a [n, k] linear in the checkpoint: values, scales, zero points, global scale (scales and dense
+        weights in the stored dtype, of dtype_bytes)."""
         if self.name == "16bit":
-            return 2 * n * k
+            return dtype_bytes * n * k
         if self.name == "fp8":
-            return n * k + n * scale_bytes
+            return n * k + n * dtype_bytes
         if self.name == "nvfp4":
             return n * k // 2 + n * k // quant.NVFP4_BLOCK + 4
         if self.name == "mxfp4":
             return n * k // 2 + n * k // quant.MXFP4_BLOCK
-        return linear_bytes(n, k, *width_grid(self.bits, opts), opts.symmetric, scale_bytes)
+        return linear_bytes(n, k, *width_grid(self.bits, opts), opts.symmetric, dtype_bytes)
 
     def gguf_bytes(self, n: int, k: int, opts) -> int:
         """Bytes of a [n, k] linear in the GGUF file `llmq build --target gguf` writes."""

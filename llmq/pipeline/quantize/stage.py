@@ -82,10 +82,11 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
     if o.mixed:
         from .mixed import bpw_for_size, check
+        from .streamed import stored_dtype
 
         if o.max_size is not None:
             o = dataclasses.replace(o, target_bpw=math.floor(bpw_for_size(source.path, spec, o) * 1e4) / 1e4)
-        check(spec, o)
+        check(spec, o, stored_dtype(source.path).itemsize)
     return Validated(o, spec, method)
 
 

@@ -59,7 +59,7 @@ def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device) -> tu
     for i, (_, kw) in enumerate(seen):
         kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
         if "position_embeddings" in kw:
-            extra = {"layer_type": types[i]} if arch.window == "per_layer" else {}
+            extra = {"layer_type": types[i]} if arch.window == "per_layer" and arch.local_rotary else {}
             kw["position_embeddings"] = tuple(t.float() for t in body.rotary_emb(hidden[0], kw["position_ids"],
                                                                                   **extra))
         per_layer.append(kw)
@@ -87,11 +87,14 @@ def progress_bar(enabled: bool):
                     transient=False)
 
 
-def source_tensors(path: Path):
+def source_tensors(path: Path, spec=None):
+    """A checkpoint's tensors, read as asked for; with its ModelSpec, a stacked MoE's experts (Experts.stacked) as
+    each expert's linears (reader.UnstackedTensors: what install's blocks hold)."""
     from ...models.checkpoint import safetensors_files
-    from ...models.reader import LazyTensors
+    from ...models.reader import LazyTensors, UnstackedTensors
 
-    return LazyTensors(safetensors_files(path))
+    tensors = LazyTensors(safetensors_files(path))
+    return UnstackedTensors(tensors, spec) if spec is not None and spec.stacked_experts() else tensors
 
 
 def stored_dtype(model_dir: Path) -> torch.dtype:
@@ -107,10 +110,13 @@ def skeleton(model_dir: Path, arch: Arch, dtype: torch.dtype, device):
     """The model with every weight on the meta device (no memory), its rotary embedding real: modules get their
     tensors from the checkpoint one at a time (`load`), so the whole model is never in memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()   # a vision-language model's language model
+    # SDPA where transformers has it for the family (GPT-OSS's sinks have only the eager attention)
+    attention = "sdpa" if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True) else "eager"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention).eval()
     if arch.moe is not None:  # one linear per expert, under the checkpoint's names
         from .experts import install
 

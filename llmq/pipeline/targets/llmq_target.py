@@ -74,7 +74,7 @@ def write_llmq(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
                     _put(writers[r], lw, arch.linear(i, role))
                 for name, t in norms.items():
                     writers[r].add(name, t)
-                for p, t in split_linear_tensors(tensors, plan, r, arch.linear_attention).items():
+                for p, t in split_linear_tensors(tensors, plan, r, arch).items():
                     writers[r].add(f"{arch.prefix(i)}.{p}", t.contiguous())
             del norms, tensors  # before the next layer's tensors are read
             scales = src.kv_scales(i)

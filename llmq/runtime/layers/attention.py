@@ -82,14 +82,15 @@ def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] (rotated, already in the cache: rotate_and_store) -> [T, H, D]."""
+                    scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (rotated, already in the cache: rotate_and_store) -> [T, H, D]. sinks [H]: each
+    head's sink logit, a term of the softmax's denominator with no value (Arch.sinks)."""
     bd = meta.num_decode
     if bd and not meta.prefills:
-        return _decode(q, cache, meta, scale)
+        return _decode(q, cache, meta, scale, sinks)
     out = torch.empty_like(q)
     if bd:
-        out[:bd] = _decode(q[:bd], cache, meta, scale)
+        out[:bd] = _decode(q[:bd], cache, meta, scale, sinks)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)
@@ -99,27 +100,48 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
             ctx = p.mask.shape[1]
             ks, vs = cache.gather(p.blocks)
             ks, vs = ks[0, :ctx], vs[0, :ctx]
-        o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                           attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True)
+        ks, vs, mask = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), p.mask
+        if sinks is not None:
+            seen = mask if mask is not None else torch.ones(p.q_len, p.q_len, dtype=torch.bool,
+                                                            device=q.device).tril()
+            ks, vs, mask = _with_sinks(qs, ks, vs, seen, sinks.view(1, -1, 1, 1))
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out
 
 
-def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SDPA's k, v and additive mask for attention with sinks: one more key and value, both zero, whose score is
+    each head's sink (the mask's last column, `sinks` shaped to q's head axes), so it takes its share of the softmax
+    and adds nothing. q [B, A, R, D]; k / v [B, A', S, D]; seen: bool, broadcast to [B, A, R, S]."""
+    b, a, r = q.shape[:3]
+    add = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+    add = torch.cat([add.expand(b, a, r, k.shape[2]), sinks.to(q.dtype).expand(b, a, r, 1)], -1)
+    zero = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+    return torch.cat([k, zero], 2), torch.cat([v, zero], 2), add
+
+
+def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """All decodes at once: on CPU with a 16/32-bit cache llmq's kernel reads the blocks in place, else
     `_decode_sdpa`."""
     bd = meta.num_decode
     if cache.kv_dtype == "auto" and cpu_kernels.usable(q):
         return cpu_kernels.decode_attention(q[:bd], cache.k, cache.v, meta.decode_blocks,
-                                            meta.decode_mask.view(bd, -1), scale)
-    return _decode_sdpa(q, cache, meta, scale)
+                                            meta.decode_mask.view(bd, -1), scale, sinks)
+    return _decode_sdpa(q, cache, meta, scale, sinks)
 
 
-def _decode_sdpa(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_sdpa(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One SDPA call over the gathered blocks; each KV head's query group is laid out as that head's query rows."""
     bd, h, d = meta.num_decode, q.shape[1], q.shape[2]
     kc, vc = cache.gather(meta.decode_blocks)
     hkv = kc.shape[2]
-    o = F.scaled_dot_product_attention(q[:bd].view(bd, hkv, h // hkv, d), kc.transpose(1, 2), vc.transpose(1, 2),
-                                       attn_mask=meta.decode_mask, scale=scale)
+    qs, ks, vs, mask = q[:bd].view(bd, hkv, h // hkv, d), kc.transpose(1, 2), vc.transpose(1, 2), meta.decode_mask
+    if sinks is not None:
+        ks, vs, mask = _with_sinks(qs, ks, vs, mask, sinks.view(1, hkv, h // hkv, 1))
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
     return o.reshape(bd, h, d)

@@ -1772,7 +1772,7 @@ constexpr int64_t kChunk = 64;  // rows of one sequence per work item: threads s
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& blocks,
-                           const at::Tensor& mask, float scale, at::Tensor& out) {
+                           const at::Tensor& mask, float scale, const float* sinks, at::Tensor& out) {
   const int64_t bd = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t bs = kc.size(1), hkv = kc.size(2), nblk = blocks.size(1), len = nblk * bs, group = h / hkv;
   const int64_t span = hkv * d;  // one position's row, all KV heads
@@ -1842,13 +1842,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       }
     }
   });
-  // merge each sequence's chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+  // merge each sequence's chunks: out = sum_c e^(m_c - M) acc_c / (sum_c e^(m_c - M) l_c [+ e^(sink - M)]), a
+  // head's sink logit (where given) one more score of no value
   at::parallel_for(0, bd * h, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> o(d);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / h, head = i % h;
-      float mx = -std::numeric_limits<float>::infinity(), den = 0.f;
+      float mx = sinks ? sinks[head] : -std::numeric_limits<float>::infinity();
       for (int64_t it = items_of[b]; it < items_of[b + 1]; ++it) mx = std::max(mx, pm[it * h + head]);
+      float den = sinks ? std::exp(sinks[head] - mx) : 0.f;
       std::fill(o.begin(), o.end(), 0.f);
       for (int64_t it = items_of[b]; it < items_of[b + 1]; ++it) {
         const float w = std::exp(pm[it * h + head] - mx);
@@ -1863,17 +1865,21 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& blocks,
-                            const at::Tensor& mask, double scale) {
+                            const at::Tensor& mask, double scale, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes() && q.dtype() == kc.dtype() &&
               vc.dtype() == kc.dtype() && kc.is_contiguous() && vc.is_contiguous() && q.size(2) == kc.size(3) &&
               q.size(1) % kc.size(2) == 0, "decode_attention: q [B, H, D], caches [blocks, block, Hkv, D]");
   TORCH_CHECK(blocks.dtype() == at::kLong && mask.dtype() == at::kBool && blocks.size(0) == q.size(0) &&
               mask.size(0) == q.size(0) && mask.size(1) == blocks.size(1) * kc.size(1),
               "decode_attention: blocks [B, n] int64, mask [B, n * block] bool");
+  TORCH_CHECK(!sinks || (sinks->dtype() == at::kFloat && sinks->numel() == q.size(1)),
+              "decode_attention: sinks [H] float32");
   const at::Tensor qc = q.contiguous(), bc = blocks.contiguous(), mc = mask.contiguous();
+  const at::Tensor sc = sinks ? sinks->contiguous() : at::Tensor();
   at::Tensor out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(qc, kc, vc, bc, mc, static_cast<float>(scale), out);
+    decode_attention_impl<scalar_t>(qc, kc, vc, bc, mc, static_cast<float>(scale),
+                                    sinks ? sc.data_ptr<float>() : nullptr, out);
   });
   return out;
 }
@@ -2035,7 +2041,7 @@ struct DecoderStack : torch::CustomClassHolder {
       const int64_t* gr = groups.data() + 4 * i;
       const at::Tensor qkv = project(rms_norm(x, in_norms[i], norm_eps), w, kd[0], gr[0], eps, dtype);
       const auto qk = rope_kv_write(qkv, cos, sin, k_caches[i], v_caches[i], slots, h, hkv);
-      const at::Tensor a = decode_attention(qk[0], k_caches[i], v_caches[i], blocks, mask, scale);
+      const at::Tensor a = decode_attention(qk[0], k_caches[i], v_caches[i], blocks, mask, scale, std::nullopt);
       const at::Tensor x1 = x + project(a.view({t, h * d}), w + 4, kd[1], gr[1], eps, dtype);
       const at::Tensor gu = project(rms_norm(x1, post_norms[i], norm_eps), w + 8, kd[2], gr[2], eps, dtype);
       x = x1.add_(project(silu_mul(gu), w + 12, kd[3], gr[3], eps, dtype));
@@ -2056,8 +2062,8 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("table_linear(Tensor x, Tensor w, Tensor s, Tensor table, int group, int round) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale) "
-        "-> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale, "
+        "Tensor? sinks=None) -> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int h, int hkv) -> Tensor[]");
   m.class_<DecoderStack>("DecoderStack")

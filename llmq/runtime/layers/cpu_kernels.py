@@ -331,9 +331,10 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D] against the cache blocks [B, n] under mask [B, n * block_size] -> [B, H, D]."""
-    return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale)
+                     mask: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] against the cache blocks [B, n] under mask [B, n * block_size] -> [B, H, D]; sinks [H] float32:
+    each head's sink logit, one more score of no value (Arch.sinks)."""
+    return torch.ops.llmq_cpu.decode_attention(q, k_cache, v_cache, blocks, mask, scale, sinks)
 
 
 class Kind(enum.IntEnum):
@@ -380,9 +381,9 @@ class StackLayer(NamedTuple):
 def fused_layer_args(layer) -> StackLayer | None:
     """A models.decoder.DecoderLayer as one layer of a DecoderStack, when its four projections are layers with a
     kernel for decode batches (their `fused_spec`), on one rank without row-parallel biases, q/k or output norms,
-    GeGLU or a local window (the stack computes none of them); None for any other layer, a mixture of experts' or a
-    Gated DeltaNet's too (they run op by op)."""
-    if layer.moe is not None or layer.mixer is not None:
+    GeGLU, a local window or sinks (the stack computes none of them); None for any other layer, a mixture of experts'
+    or a Gated DeltaNet's too (they run op by op)."""
+    if layer.moe is not None or layer.mixer is not None or layer.sinks is not None:
         return None
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     specs = [getattr(m, "fused_spec", lambda: None)() for m in linears]

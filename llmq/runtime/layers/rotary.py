@@ -38,16 +38,19 @@ def rope_inv_freq(hf_config, rotary: str | None = None, layer_type: str | None =
 
 def rope_tables(config: dict, spec: ModelSpec) -> RopeTables:
     """A model's rotary tables (its language config and ModelSpec): the global layers' (a model whose layers all
-    slide looks the local one up for them, unused) and the local layers' where it has any. Tensor-parallel rank 0
+    slide looks the local one up for them, unused) and the local layers' where it has any (the same table where the
+    family gives them none of their own, Arch.local_rotary). Tensor-parallel rank 0
     computes them and hands them to the other ranks, which then never import transformers (its modelling modules
     are most of a fresh process's start)."""
     from ...models.config_fields import checked_hf_config
 
-    hf, rotary = checked_hf_config(config), spec.arch.rotary
-    glob = None if spec.arch.window != "per_layer" else \
-        "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention"
-    local = rope_inv_freq(hf, rotary, "sliding_attention") if spec.local_layers else None
-    return rope_inv_freq(hf, rotary, glob), local
+    hf, arch = checked_hf_config(config), spec.arch
+    own = arch.window == "per_layer" and arch.local_rotary   # each layer type its own table (Gemma 3)
+    glob = rope_inv_freq(hf, arch.rotary, None if not own else
+                         "full_attention" if len(spec.local_layers) < spec.num_layers else "sliding_attention")
+    if not spec.local_layers:
+        return glob, None
+    return glob, rope_inv_freq(hf, arch.rotary, "sliding_attention") if own else glob
 
 
 class RotaryEmbedding(nn.Module):

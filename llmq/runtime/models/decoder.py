@@ -27,8 +27,14 @@ from ..layers.rotary import RotaryEmbedding
 from .linear_attention import GatedDeltaNet
 
 
-def glu(gu: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up of fused gate_up rows [T, 2I] (SwiGLU or GeGLU); gu is the caller's own buffer, reused."""
+def glu(gu: torch.Tensor, activation: str, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """act(gate) * up of fused gate_up rows [T, 2I] (SwiGLU or GeGLU; Arch.activation), or GPT-OSS's clamped SwiGLU
+    under swiglu = (alpha, limit); gu is the caller's own buffer, reused."""
+    if activation == "clamped_swiglu":
+        alpha, limit = swiglu
+        g, u = gu.chunk(2, dim=-1)
+        g = g.clamp_(max=limit)
+        return torch.sigmoid(g * alpha).mul_(g).mul_(u.clamp_(-limit, limit).add_(1))
     if activation == "gelu_tanh":
         g, u = gu.chunk(2, dim=-1)
         return F.gelu(g, approximate="tanh").mul_(u)
@@ -44,13 +50,17 @@ class SparseMoE(nn.Module):
     reads the chosen experts' weights and no others. Each expert is a SwiGLU MLP, its width split across ranks like a
     dense MLP's; the weighted sum is this rank's partial output (the layer all-reduces it). `shared`: a shared
     expert's gate_up and down (split likewise) and its gate (whole), every token's, scaled by sigmoid(gate(x)) and
-    added. `bytes_read` counts the routed experts' weight bytes the steps so far have read (what a memory-bandwidth
-    figure divides)."""
+    added. `activation` / `swiglu`: the experts' (glu). `down_bias` [experts, hidden]: the experts' down biases,
+    weighted as their outputs are (given to one rank only: the all-reduce sums the ranks). `bytes_read` counts the
+    routed experts' weight bytes the steps so far have read (what a memory-bandwidth figure divides)."""
 
     def __init__(self, router: LinearBase, experts: list[tuple[LinearBase, LinearBase]], top_k: int,
-                 renormalize: bool, shared: tuple[LinearBase, LinearBase, LinearBase] | None = None):
+                 renormalize: bool, shared: tuple[LinearBase, LinearBase, LinearBase] | None = None,
+                 activation: str = "silu", swiglu: tuple[float, float] | None = None,
+                 down_bias: torch.Tensor | None = None):
         super().__init__()
         self.router, self.top_k, self.renormalize = router, top_k, renormalize
+        self.activation, self.swiglu, self.down_bias = activation, swiglu, down_bias
         self.gate_up = nn.ModuleList(g for g, _ in experts)
         self.down = nn.ModuleList(d for _, d in experts)
         self.shared: list[LinearBase] = list(shared or ())   # gate_up, down, gate; none without a shared expert
@@ -77,7 +87,7 @@ class SparseMoE(nn.Module):
             out = torch.zeros_like(x)  # grouped path and transformers sum them), no grouping or scatter
             for j in chosen[0].argsort().tolist():
                 e = int(chosen[0, j])
-                out.add_(self.down[e](glu(self.gate_up[e](x), "silu")) * weights[0, j])
+                out.add_(self._expert(e, x) * weights[0, j])
                 self.bytes_read += self.expert_bytes[e]
             return out
         out = torch.zeros_like(x)
@@ -91,10 +101,14 @@ class SparseMoE(nn.Module):
             slots = order[start:start + n]
             start += n
             rows = slots // self.top_k
-            y = self.down[e](glu(self.gate_up[e](x.index_select(0, rows)), "silu"))
+            y = self._expert(e, x.index_select(0, rows))
             out.index_add_(0, rows, y * weights.flatten()[slots, None])
             self.bytes_read += self.expert_bytes[e]
         return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        y = self.down[e](glu(self.gate_up[e](x), self.activation, self.swiglu))
+        return y if self.down_bias is None else y.add_(self.down_bias[e])
 
 
 @dataclass
@@ -117,25 +131,27 @@ class LayerWeights:
     mlp_out_norm: RMSNorm | None = None   # (Gemma 3's four norms a layer)
     mixer: GatedDeltaNet | None = None    # a hybrid model's linear-attention layer, in place of attention
     attn_gate: bool = False  # q_proj's rows hold each head's query then its output gate (Arch.attn_gate)
+    sinks: torch.Tensor | None = None  # this rank's heads' sink logits (Arch.sinks), float32
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, w: LayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, tp: TPContext,
-                 scale: float | None = None, activation: str = "silu", local: bool = False, rotates: bool = True):
-        """scale: the attention's softmax scale (None: head_dim ** -0.5); activation: Arch.activation; local: the
-        layer attends over ModelSpec.local_window with its own rotary table; rotates: False for a layer that attends
-        without the rotary embedding (ModelSpec.nope_layers)."""
+                 scale: float | None = None, activation: str = "silu", local: bool = False, rotates: bool = True,
+                 swiglu: tuple[float, float] | None = None):
+        """scale: the attention's softmax scale (None: head_dim ** -0.5); activation, swiglu: Arch.activation and
+        ModelSpec.swiglu; local: the layer attends over ModelSpec.local_window with the local rotary table; rotates:
+        False for a layer that attends without the rotary embedding (ModelSpec.nope_layers)."""
         super().__init__()
         self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.qkv, self.o, self.gate_up, self.down = w.qkv, w.o, w.gate_up, w.down
         self.o_bias, self.down_bias = w.o_bias, w.down_bias
         self.q_norm, self.k_norm = w.q_norm, w.k_norm
         self.attn_out_norm, self.mlp_out_norm = w.attn_out_norm, w.mlp_out_norm
-        self.moe, self.mixer, self.attn_gate = w.moe, w.mixer, w.attn_gate
+        self.moe, self.mixer, self.attn_gate, self.sinks = w.moe, w.mixer, w.attn_gate, w.sinks
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
-        self.activation, self.local, self.rotates = activation, local, rotates
+        self.activation, self.swiglu, self.local, self.rotates = activation, swiglu, local, rotates
         self.tp = tp
 
     def _reduce(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -162,7 +178,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             qkv = self._qk_normed(qkv)
         q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
-        a = paged_attention(q, k, v, cache, meta, self.scale).reshape(t, self.q_size)
+        a = paged_attention(q, k, v, cache, meta, self.scale, self.sinks).reshape(t, self.q_size)
         return self.o(a if gate is None else a * torch.sigmoid(gate))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV | LayerRecurrent,
@@ -172,7 +188,7 @@ class DecoderLayer(nn.Module):
         h = self._reduce(h, self.o_bias)
         x = x + (self.attn_out_norm(h) if self.attn_out_norm is not None else h)
         y = self.post_norm(x)
-        h = self.moe(y) if self.moe is not None else self.down(glu(self.gate_up(y), self.activation))
+        h = self.moe(y) if self.moe is not None else self.down(glu(self.gate_up(y), self.activation, self.swiglu))
         h = self._reduce(h, self.down_bias)
         return x.add_(self.mlp_out_norm(h) if self.mlp_out_norm is not None else h)
 

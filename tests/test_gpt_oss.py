@@ -1,0 +1,124 @@
+"""GPT-OSS (attention sinks, biased attention and experts, a clamped SwiGLU, stacked experts, sliding layers beside
+full ones) through quantize and quantize-kv: the float runtime against transformers at tp 1 and 2 is
+test_families'. Here: the stacked experts are cut into each expert's linears and quantized one by one (their biases
+and the router whole), what the runtime computes from the artifact is what the quantize probe recorded, a quantized
+KV cache feeds the sinks' softmax as transformers' own sink attention does over K / V rounded the same way, and the
+exports llmq does not write yet refuse in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import family_model, kv_rounded_logits, runtime_logprobs, runtime_probe_kld
+
+from llmq.errors import LlmqError
+from llmq.models.reader import CheckpointReader
+from llmq.pipeline.quantize.probe import kld_top1
+
+QUANTIZE = {"rtn": dict(method="rtn", bits=4, group_size=32), "gptq": dict(method="gptq", bits=4, group_size=32)}
+PROBE_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    d = tmp_path_factory.mktemp("gpt_oss")
+    store = Store(d / "store")
+    return store, resolve_model(str(family_model(d / "tiny", "gpt_oss")), store)
+
+
+@pytest.mark.parametrize("name", list(QUANTIZE))
+def test_each_expert_is_quantized_with_its_biases_and_the_runtime_computes_what_the_probe_recorded(source, quantized,
+                                                                                                  name):
+    art, src = quantized(name), source[1]
+    ck, stacked = CheckpointReader(art.path), CheckpointReader(src.path)
+    spec = ck.spec
+    assert set(ck.config["quantization_config"]["ignore"]) >= {ck.arch.linear(i, "router") for i in range(2)}
+    for i in range(spec.num_layers):
+        lin, ref = ck.layer_linears(i), stacked.layer_linears(i)
+        assert lin["router"].qw is None
+        assert torch.equal(lin["router"].bias, ref["router"].bias)
+        for e in range(spec.num_experts):
+            for role in ("gate_proj", "up_proj", "down_proj"):
+                got, want = lin[f"experts.{e}.{role}"], ref[f"experts.{e}.{role}"]
+                assert got.qw is not None
+                assert torch.equal(got.bias, want.bias)
+                err = (got.dense(torch.float32) - want.weight).norm() / want.weight.norm()
+                assert err < 0.2, (e, role, err)   # its own expert's weights (another's: ~1.4)
+    got = runtime_probe_kld(src.path, art.path, PROBE_TOKENS)
+    recorded = art.metrics["probe"]["kld_mean"]
+    assert recorded > 1e-5
+    assert abs(got / recorded - 1) < 5e-4
+
+
+def test_a_quantized_kv_cache_feeds_the_sinks_softmax_as_transformers_does(source):
+    """INT8 K / V per KV head under the calibrated scales, in both the sliding and the full layer: prefill and
+    decode read the rounded cache through SDPA with the sink as one more score (the CPU kernel reads only 16 / 32-bit
+    caches)."""
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+
+    store, src = source
+    art = quantize_kv(src, store, KVOptions(kv="int8", granularity="head", num_samples=4, seq_len=64,
+                                            probe_tokens=64), show_progress=False)
+    ck = CheckpointReader(art.path)
+    scales = [ck.kv_scales(i) for i in range(ck.spec.num_layers)]
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
+    plain, ref = kv_rounded_logits(src.path, ids, "int8", scales)
+    got = runtime_logprobs(art.path, ids[0].tolist())
+    assert kld_top1(plain, got)["kld_mean"] > 1e-6   # the cache's rounding is visible
+    assert kld_top1(ref, got)["kld_mean"] < 1e-7
+
+
+def test_a_stacked_expert_tensor_of_the_wrong_shape_is_refused_naming_it(source, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    d = shutil.copytree(source[1].path, tmp_path / "bad")
+    f = next(d.glob("*.safetensors"))
+    st = load_file(f)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    st[name] = st[name][:, :, :-2].contiguous()   # one expert column pair short
+    save_file(st, f, metadata={"format": "pt"})
+    with pytest.raises(LlmqError, match=f"tensor {name} has shape \\[8, 96, 62\\], but config.json gives "
+                                        "\\[8, 96, 64\\]"):
+        resolve_model(str(d), Store(tmp_path / "store"))
+
+
+@pytest.mark.parametrize("target,words", [("gguf", "openai-moe"), ("trtllm", "GPT-OSS")])
+def test_exports_llmq_does_not_write_yet_refuse_in_one_line(source, quantized, target, words):
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    with pytest.raises(LlmqError, match=words) as e:
+        build_engine(quantized("rtn"), source[0], BuildOptions(target=target))
+    assert "\n" not in str(e.value)
+
+
+def test_the_artifact_stores_each_expert_s_linears_not_the_stacked_tensors(quantized):
+    names = CheckpointReader(quantized("rtn").path).tensors
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+    assert {"model.layers.0.mlp.experts.7.down_proj.bias", "model.layers.0.mlp.experts.7.up_proj.weight_packed",
+            "model.layers.1.self_attn.sinks"} <= set(names)
+
+
+def test_max_size_prices_the_stacked_experts_as_the_linears_they_are_stored_as(source):
+    """`--max-size`: the stacked expert weights are decoder linears (a weight_shape and four entries per expert
+    linear), their biases dense tensors; the checkpoint is float32, so a unit left dense takes four bytes a weight.
+    The file is at most the size asked and short of it by less than the headers' allowance and one unit's upgrade
+    (priced as two-byte weights, units left dense overshot: 637 kB for 566 kB asked)."""
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = source
+    common = dict(bits=4, group_size=32, num_samples=4, seq_len=64, probe_tokens=0)
+    plain = quantize(src, QuantizeOptions(**common), store, progress=False)
+    limit = plain.metrics["size_bytes"] + 150_000   # the headers' allowance (256 bytes an entry) is ~80 kB here
+    art = quantize(src, QuantizeOptions(max_size=f"{limit / 1000:g}kB", **common), store, progress=False)
+    assert plain.metrics["size_bytes"] < art.metrics["size_bytes"] <= limit
+    assert art.config["mixed_precision"]["count"]["int8"] > 0
+    entries = len(CheckpointReader(art.path).tensors)
+    assert limit - art.metrics["size_bytes"] < 256 * entries + 4 * 96 * 64
