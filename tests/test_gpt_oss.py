@@ -3,13 +3,16 @@ full ones) through quantize and quantize-kv: the float runtime against transform
 test_families'. Here: the stacked experts are cut into each expert's linears and quantized one by one (their biases
 and the router whole), what the runtime computes from the artifact is what the quantize probe recorded, a quantized
 KV cache feeds the sinks' softmax as transformers' own sink attention does over K / V rounded the same way, and the
-exports llmq does not write yet refuse in one line."""
+exports llmq does not write yet refuse in one line. OpenAI's own MXFP4 checkpoints (the releases' experts) are read as
+stored and computed as transformers computes them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from helpers import family_model, kv_rounded_logits, runtime_logprobs, runtime_probe_kld
+from helpers import family_config, family_model, kv_rounded_logits, make_tiny_model, runtime_logprobs, runtime_probe_kld
 
 from llmq.errors import LlmqError
 from llmq.models.reader import CheckpointReader
@@ -122,3 +125,84 @@ def test_max_size_prices_the_stacked_experts_as_the_linears_they_are_stored_as(s
     assert art.config["mixed_precision"]["count"]["int8"] > 0
     entries = len(CheckpointReader(art.path).tensors)
     assert limit - art.metrics["size_bytes"] < 256 * entries + 4 * 96 * 64
+
+
+def _openai_mxfp4(d, seed: int = 0):
+    """A tiny GPT-OSS (experts of width 64: two groups of 32 a rank at tp 2) in OpenAI's MXFP4 layout, as the
+    releases ship it: each stacked expert weight replaced by random `_blocks` (E2M1 code pairs) and `_scales` (E8M0
+    exponents 2^-5 .. 2^0), the quantization_config transformers' Mxfp4Config writes."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(d, seed=4, **family_config("gpt_oss") | {"intermediate_size": 64})
+    f = next(path.glob("*.safetensors"))
+    st, g = load_file(f), torch.Generator().manual_seed(seed)
+    for k in [k for k in st if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, cols, rows = st.pop(k).shape   # [experts, in, out]
+        st[f"{k}_blocks"] = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        st[f"{k}_scales"] = torch.randint(122, 128, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+    save_file(st, f, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_openai_s_mxfp4_experts_are_read_as_stored_and_computed_as_transformers_does(tmp_path, tp):
+    """Imported into the store (every expert's codes and scales checked), each expert's MXFP4 weight holds the
+    file's codes and scales themselves (no round trip through 16 bits), and the runtime, at tp 1 and split by expert
+    width at tp 2, computes transformers' forward over its own dequantization of the file."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq import quant
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    art = resolve_model(str(_openai_mxfp4(tmp_path / "mx")), Store(tmp_path / "store"))
+    ck = CheckpointReader(art.path)
+    blocks = ck.tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"]
+    up = ck.layer_linears(1)["experts.3.up_proj"].qw   # rows 1, 3, 5, ... of expert 3's gate_up
+    assert up.fp4 == "mxfp4"
+    assert torch.equal(up.q, quant.unpack_fp4(blocks[3, 1::2].reshape(64, 48)))
+    assert torch.equal(up.scale, ck.tensors["model.layers.1.mlp.experts.gate_up_proj_scales"][3, 1::2])
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(tp)).tolist()
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(art.path, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    got = kld_top1(ref, runtime_logprobs(art.path, ids, tp=tp))
+    assert got["kld_mean"] < 1e-9, got
+    assert got["top1"] == 1.0
+
+
+def test_mxfp4_blocks_and_scales_that_disagree_are_refused_naming_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+
+    path = _openai_mxfp4(tmp_path / "mx")
+    f = next(path.glob("*.safetensors"))
+    st = load_file(f)
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    st[name] = st[name][:, :, :1].contiguous()   # one scale a row where the blocks have two groups
+    save_file(st, f, metadata={"format": "pt"})
+    store = Store(tmp_path / "store")
+    with pytest.raises(LlmqError, match=r"model.layers.0.mlp.experts.down_proj_blocks uint8 \[8, 96, 2, 16\] and "
+                                        r"model.layers.0.mlp.experts.down_proj_scales uint8 \[8, 96, 1\] do not hold "
+                                        r"MXFP4 experts of \[96, 64\]") as e:
+        resolve_model(str(path), store)
+    assert "\n" not in str(e.value)
+    assert not list(store.root.rglob("*.safetensors"))   # nothing stored
+
+
+def test_the_kv_budget_prices_openai_s_mxfp4_experts_as_dequantized_where_no_kernel_keeps_them(tmp_path):
+    """runtime_bytes (what the KV-cache budget subtracts) counts the `_blocks` as FP4 codes: without an FP4 kernel
+    keeping them packed, as the float32 weights they become (the dense checkpoint's bytes, plus the scales), not as
+    the bytes stored."""
+    import math
+
+    mx = CheckpointReader(_openai_mxfp4(tmp_path / "mx"))
+    dense = CheckpointReader(make_tiny_model(tmp_path / "dense", seed=4,
+                                             **family_config("gpt_oss") | {"intermediate_size": 64}))
+    scales = sum(math.prod(mx.tensors.info(n)[1]) for n in mx.tensors if n.endswith("_scales"))
+    assert mx.runtime_bytes(torch.float32) == dense.runtime_bytes(torch.float32) + scales

@@ -241,10 +241,12 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
         return None
     if qc.get("quant_method") == "fp8":
         return _hf_fp8_config(qc)
+    if qc.get("quant_method") == "mxfp4":
+        return _openai_mxfp4_config()
     if qc.get("quant_method") != "compressed-tensors":
         raise LlmqError(f"quantization method {qc.get('quant_method')!r} is not supported; llmq reads "
                         "compressed-tensors checkpoints (as written by `llmq quantize` or llm-compressor), Hugging "
-                        "Face block fp8 and ModelOpt ones")
+                        "Face block fp8, ModelOpt and OpenAI's MXFP4 ones")
     if qc.get("version") and _release(qc["version"]) >= CT_MAX:
         raise LlmqError(f"this checkpoint was written by compressed-tensors {qc['version']}, a newer format than llmq "
                         f"reads ({CT_REQUIREMENT})")
@@ -291,6 +293,15 @@ def _hf_fp8_config(qc: Mapping) -> QConfig:
     return QConfig(format="float-quantized", weights=weights, input_activations=acts,
                    ignore=tuple(qc.get("modules_to_not_convert") or (LM_HEAD,)), kv=None,
                    scale_name="weight_scale_inv")
+
+
+def _openai_mxfp4_config() -> QConfig:
+    """OpenAI's MXFP4 config (quant_method "mxfp4", transformers' Mxfp4Config: the GPT-OSS releases): MXFP4 is the
+    stacked experts' only (read with them: reader.unstacked_experts); every linear read by its own name is dense,
+    whatever modules_to_not_convert lists."""
+    return QConfig(format=FP4_FORMATS["mxfp4"][1], weights=QuantArgs(num_bits=4, type="float", strategy="group",
+                                                                     group_size=quant.MXFP4_BLOCK),
+                   input_activations=None, ignore=(r"re:^(?!.*\.experts\.)",), kv=None, read=lambda *_: None)
 
 
 def fp8_block_args(block: tuple[int, int]) -> tuple[QuantArgs, QuantArgs]:

@@ -33,21 +33,51 @@ def split_group(lw: LinearWeights, spec: ModelSpec, group: str, i: int) -> dict[
     return {role: dataclasses.replace(split_rows(lw, r), name=spec.arch.linear(i, role)) for role, r in rows.items()}
 
 
-def unstacked_experts(tensor: Callable[[str], torch.Tensor], spec: ModelSpec, i: int) -> dict[str, LinearWeights]:
-    """Layer i's stacked experts (Experts.stacked), read by `tensor(name)`, as each expert's gate, up and down
-    linears with their biases, by role."""
+def unstacked_experts(tensors: Mapping[str, torch.Tensor], spec: ModelSpec, i: int) -> dict[str, LinearWeights]:
+    """Layer i's stacked experts (Experts.stacked) as each expert's gate, up and down linears with their biases, by
+    role: dense, or as OpenAI's MXFP4 checkpoints store them (the GPT-OSS releases: `<stacked>_blocks` uint8 [experts,
+    rows, in / 32, 16], two E2M1 codes a byte, the first in the low nibble, and `<stacked>_scales` uint8 E8M0 [experts,
+    rows, in / 32], rows already [out, in]), read as MXFP4 weights, codes and scales as stored."""
+    from .. import quant
     from .arch import expert_role
+    from .qweight import QuantizedWeight
 
-    arch = spec.arch
-    gu, gu_bias, down, down_bias = (tensor(f"{arch.prefix(i)}.{p}") for p in spec.stacked_experts())
+    arch, m = spec.arch, spec.arch.moe
+    base = f"{arch.prefix(i)}.{m.block}.{m.experts}"
+
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise LlmqError(f"tensor {name} is missing from the checkpoint")
+        return tensors[name]
+
     out = {}
-    for e in range(spec.num_experts):
-        w = gu[e].t()   # [2 x width, hidden]: gate and up rows interleaved
-        for role, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
-            out[expert_role(e, role)] = LinearWeights(arch.linear(i, expert_role(e, role)),
-                                                      weight=w[rows].contiguous(), bias=gu_bias[e, rows].contiguous())
-        out[expert_role(e, "down_proj")] = LinearWeights(arch.linear(i, expert_role(e, "down_proj")),
-                                                         weight=down[e].t().contiguous(), bias=down_bias[e])
+    for stacked, roles, (rows, cols) in (("gate_up_proj", ("gate_proj", "up_proj"), (2 * spec.expert_size,
+                                                                                      spec.hidden_size)),
+                                         ("down_proj", ("down_proj",), (spec.hidden_size, spec.expert_size))):
+        name, bias = f"{base}.{stacked}", get(f"{base}.{stacked}_bias")
+        blocks = tensors[f"{name}_blocks"] if f"{name}_blocks" in tensors else None
+        if blocks is None:
+            dense = get(name)
+        else:
+            scales, want = get(f"{name}_scales"), (spec.num_experts, rows, cols // 32)
+            if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape) != (*want, 16) or \
+                    tuple(scales.shape) != want or cols % 32:
+                dt = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
+                raise LlmqError(f"{name}_blocks {dt(blocks)} {list(blocks.shape)} and {name}_scales {dt(scales)} "
+                                f"{list(scales.shape)} do not hold MXFP4 experts of [{rows}, {cols}]; expected uint8 "
+                                f"{[*want, 16]} and {list(want)}")
+        for e in range(spec.num_experts):
+            for j, role in enumerate(roles):   # gate and up rows interleaved
+                at = torch.arange(j, rows, len(roles))
+                lname = arch.linear(i, expert_role(e, role))
+                if blocks is None:
+                    lw = LinearWeights(lname, weight=dense[e].t().index_select(0, at).contiguous())
+                else:
+                    qw = QuantizedWeight(q=quant.unpack_fp4(blocks[e].index_select(0, at).reshape(len(at), cols // 2)),
+                                         scale=scales[e].index_select(0, at), zero_point=None, bits=4, group_size=32,
+                                         symmetric=True)
+                    lw = LinearWeights(lname, qw=qw.check(lname))
+                out[expert_role(e, role)] = dataclasses.replace(lw, bias=bias[e].index_select(0, at).contiguous())
     return out
 
 
@@ -65,7 +95,7 @@ class UnstackedTensors(Mapping):
     def _layer(self, name: str) -> dict[str, torch.Tensor]:
         i = int(name[len(self.spec.arch.layers) + 1:].split(".")[0])
         if self._cut[0] != i:
-            lws = unstacked_experts(self.tensors.__getitem__, self.spec, i).values()
+            lws = unstacked_experts(self.tensors, self.spec, i).values()
             self._cut = (i, {f"{lw.name}.{k}": t for lw in lws for k, t in (("weight", lw.weight), ("bias", lw.bias))
                              if t is not None})
         return self._cut[1]
@@ -205,8 +235,8 @@ class CheckpointReader:
         role."""
         parts: dict[str, LinearWeights] = {}
         stacked = next(iter(self.spec.stacked_experts()), None)
-        if stacked is not None and f"{self.arch.prefix(i)}.{stacked}" in self.tensors:
-            parts |= unstacked_experts(self.tensor, self.spec, i)
+        if stacked is not None and f"{self.arch.prefix(i)}.{stacked}_bias" in self.tensors:  # dense or MXFP4
+            parts |= unstacked_experts(self.tensors, self.spec, i)
         for group in self.arch.groups(i in self.spec.linear_layers):
             name = self.arch.linear(i, group)
             if f"{name}.weight" in self.tensors or f"{name}.weight_packed" in self.tensors:
@@ -254,11 +284,13 @@ class CheckpointReader:
         for name in self.tensors:
             dtype, shape = self.tensors.info(name)
             numel = math.prod(shape)
-            fp4 = name.endswith((".weight_packed", ".weight")) and dtype == torch.uint8   # CT's / ModelOpt's
-            if fp4 and self._fp4(name.rsplit(".", 1)[0]):
+            stacked = name.endswith("_blocks")   # OpenAI's MXFP4 experts [experts, rows, in / 32, 16]
+            fp4 = dtype == torch.uint8 and (stacked or name.endswith((".weight_packed", ".weight")) and
+                                            self._fp4(name.rsplit(".", 1)[0]))   # CT's / ModelOpt's
+            if fp4:
                 # an FP4 layer holds its codes packed where a kernel takes them, else its E2M1 x block-scale values
                 # as a bfloat16 weight (runtime.layers.fp4)
-                full = (shape[0], 2 * shape[1])
+                full = (shape[-3], 32 * shape[-2]) if stacked else (shape[0], 2 * shape[1])
                 if kept is not None and kept(torch.uint8, full):
                     total += numel
                 else:
