@@ -47,6 +47,17 @@ def add_hparams(w, src: CheckpointReader, name: str) -> None:
     if src.arch.gguf_rope_sections:
         w.add_rope_dimension_sections(list(src.arch.gguf_rope_sections))
     w.add_rope_freq_base(s.rope_theta)
+    if s.rope_scaling:   # YaRN (what refuse lets through), under the keys llama.cpp's converter writes
+        r = s.rope_scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(r["factor"])
+        w.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+                         ("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+                         ("attention_factor", w.add_rope_scaling_yarn_attn_factor)):
+            if r.get(key) is not None:
+                add(r[key])
     if s.linear_layers:   # a hybrid's Gated DeltaNet layers, as llama.cpp's qwen35 reads them (its ssm keys)
         w.add_ssm_conv_kernel(s.linear_kernel)
         w.add_ssm_state_size(s.linear_key_dim)
@@ -60,7 +71,8 @@ def add_hparams(w, src: CheckpointReader, name: str) -> None:
     if s.local_layers:  # which layers slide, stated per layer (llama.cpp's default is Gemma 3's five to one)
         w.add_sliding_window(s.local_window)
         w.add_sliding_window_pattern([i in s.local_layers for i in range(s.num_layers)])
-        w.add_rope_freq_base_swa(s.local_rope_theta)
+        if s.local_rope_theta is not None:   # their own base (Gemma 3); else llama.cpp takes the global one
+            w.add_rope_freq_base_swa(s.local_rope_theta)
     if s.final_softcap:
         w.add_final_logit_softcapping(s.final_softcap)
 

@@ -1,12 +1,13 @@
 """`--target gguf`: one .gguf file that llama.cpp (and Ollama) load, carrying llmq's integers unchanged.
 
 This module is the target: what a GGUF file cannot say, refused before anything is written (`refuse`: calibrated
-KV-cache scales, one sliding window on every layer (Mistral, Qwen), RoPE scaling, tensor parallelism), and the
-writer that puts the parts together and records them. The parts: the block encoders (gguf_blocks.py: INT8 -> Q8_0,
-INT4 -> Q4_0 / Q4_1, INT5 -> Q5_0 / Q5_1, MXFP4 and NVFP4 carried over, every re-rounding counted), the tensors under
-llama.cpp's names and layout (gguf_tensors.py), the hyperparameters and the tokenizer (gguf_meta.py), and llama.cpp's
-importance matrix beside the file (gguf_imatrix.py). The build records the file's quality as llama.cpp's CPU
-arithmetic gives it, modelled (gguf_compute.py).
+KV-cache scales, one sliding window on every layer (Mistral, Qwen), RoPE scaling other than YaRN, a SwiGLU clamp
+other than llama.cpp's, tensor parallelism), and the writer that puts the parts together and records them. The
+parts: the block encoders (gguf_blocks.py: INT8 -> Q8_0, INT4 -> Q4_0 / Q4_1, INT5 -> Q5_0 / Q5_1, MXFP4 and NVFP4
+carried over, every re-rounding counted), the tensors under llama.cpp's names and layout (gguf_tensors.py), the
+hyperparameters and the tokenizer (gguf_meta.py), and llama.cpp's importance matrix beside the file
+(gguf_imatrix.py). The build records the file's quality as llama.cpp's CPU arithmetic gives it, modelled
+(gguf_compute.py).
 """
 
 from __future__ import annotations
@@ -62,9 +63,22 @@ def refuse(src: CheckpointReader, engine) -> None:
         raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} needs heads of at least {sections} "
                         f"(its M-RoPE sections), this model's are {s.head_dim}; serve the artifact with llmq (llmq "
                         "serve)")
-    if s.rope_scaling:
-        raise LlmqError(f"--target gguf: RoPE scaling {s.rope_scaling.get('rope_type') or s.rope_scaling.get('type')!r}"
-                        " is not written to GGUF by llmq yet; use --target llmq")
+    kind = s.rope_scaling and (s.rope_scaling.get("rope_type") or s.rope_scaling.get("type"))
+    if s.rope_scaling and (kind != "yarn" or {"mscale", "mscale_all_dim"} & set(s.rope_scaling)):
+        shown = f"{kind!r}{' with mscale' if kind == 'yarn' else ''}"
+        raise LlmqError(f"--target gguf: RoPE scaling {shown} is not written to GGUF by llmq yet (YaRN is); use "
+                        "--target llmq")
+    if s.swiglu is not None and s.swiglu != LLAMA_CPP_SWIGLU:
+        raise LlmqError(f"--target gguf: llama.cpp's {src.arch.gguf_arch} clamps its SwiGLU with alpha "
+                        f"{LLAMA_CPP_SWIGLU[0]} and limit {LLAMA_CPP_SWIGLU[1]} (fixed in its graph), this model with "
+                        f"swiglu_alpha {s.swiglu[0]} and swiglu_limit {s.swiglu[1]}; use --target llmq")
+
+
+# the (alpha, limit) llama.cpp's SwiGLU_OAI fixes for GPT-OSS (src/llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE)
+LLAMA_CPP_SWIGLU = (1.702, 7.0)
+# llama.cpp floors / ceils YaRN's correction range (ggml_rope_yarn_corr_dims), as transformers does with truncate true
+YARN_NOTE = ("llama.cpp rounds YaRN's correction range to whole dimensions (transformers' truncate true); this config "
+             "says truncate false, so the few rotary frequencies at the range's edges differ from transformers'")
 
 
 def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
@@ -114,8 +128,12 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
         and src.qconfig.input_activations is not None
     if w4a4:
         log.warning("--target gguf: %s", W4A4_NOTE)
+    yarn_untruncated = bool(src.spec.rope_scaling) and src.spec.rope_scaling.get("truncate") is False
+    if yarn_untruncated:
+        log.warning("--target gguf: %s", YARN_NOTE)
     return TargetResult({"gguf": {"file": fname, "architecture": arch, "file_type": ftype_name,
                                   **({"activations": W4A4_NOTE} if w4a4 else {}),
+                                  **({"rope": YARN_NOTE} if yarn_untruncated else {}),
                                   "tensor_types": dict(sorted(tensors.types.items())),
                                   "rounding": tensors.rounding.record(), "tokenizer": tokenizer,
                                   "imatrix": imatrix}})

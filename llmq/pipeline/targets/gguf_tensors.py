@@ -11,7 +11,8 @@ takes Gemma 3's four norms a layer as the (1 + w) it multiplies by, scales the e
 reads which layers slide (a per-layer pattern), their window and their rotary base from keys, and fixes the query
 scale from the shapes, so a query_pre_attn_scalar that differs moves into the q norm. A mixture of experts gets
 llama.cpp's router (ffn_gate_inp) and one merged 3-D tensor per expert role, and a shared expert its three
-matrices and its gate (ffn_gate_inp_shexp, F32 like the router). Dense weights keep the source dtype;
+matrices and its gate (ffn_gate_inp_shexp, F32 like the router); GPT-OSS's router and experts keep their biases
+(F32, the experts' merged [experts, out]) and its attention sinks are attn_sinks. Dense weights keep the source dtype;
 norms and biases are F32, as llama.cpp's converter writes them. An INT8 embedding table (`quantize --embedding int8`,
 one scale per row) is Q8_0 like any INT8 per-channel matrix; a tied model's output is that same token_embd, as
 llama.cpp reads it.
@@ -73,7 +74,8 @@ class Tensors:
             if not all(lw.qw is None for lw in lws):
                 raise LlmqError(f"{name}: some experts are quantized and some are not; a merged GGUF expert "
                                 "tensor has one type")
-            return self.dense(f"{name}.weight", torch.stack([lw.weight for lw in lws]))
+            self.dense(f"{name}.weight", torch.stack([lw.weight for lw in lws]))
+            return self._biases(name, lws)
         qtypes = {block_type(lw.qw, lw.name) for lw in lws}
         if len(qtypes) > 1:
             raise LlmqError(f"{name}: experts in {sorted(t.name for t in qtypes)}; a merged GGUF expert tensor has "
@@ -83,6 +85,12 @@ class Tensors:
                                raw_dtype=qtype)
         self.types[qtype.name] += 1
         self._global_scale(name, lws)
+        self._biases(name, lws)
+
+    def _biases(self, name: str, lws: list[LinearWeights]) -> None:
+        """The experts' biases as one F32 tensor [experts, out] (GPT-OSS's), where they have them."""
+        if lws[0].bias is not None:
+            self.dense(f"{name}.bias", torch.stack([lw.bias for lw in lws]), force_f32=True)
 
     def _global_scale(self, name: str, lws: list[LinearWeights]) -> None:
         """NVFP4's global scales as llama.cpp's optional `<name>.scale` (one per matrix, [1] or [experts])."""
@@ -138,6 +146,8 @@ def add_weights(tensors: Tensors, src: CheckpointReader) -> None:
         for role, t in src.layer_norms(i).items():
             t = t.float() + arch.norm_offset
             tensors.dense(f"{gguf_name(role, arch, i)}.weight", t * q_factor if role == "q_norm" else t, True)
+        if arch.sinks and i not in s.linear_layers:   # GPT-OSS's attention sinks, F32
+            tensors.dense(f"{gguf_name('sinks', arch, i)}.weight", src.layer_tensors(i)[arch.sinks], True)
         lin = src.layer_linears(i)
         if i in s.linear_layers:   # a Gated DeltaNet layer (llama.cpp's qwen35)
             for name, t in reorder_linear_attention(src, i, lin).items():
@@ -152,6 +162,8 @@ def add_weights(tensors: Tensors, src: CheckpointReader) -> None:
                 continue
             if role in (ROUTER, SHARED_GATE) and lw.qw is None:   # F32, as llama.cpp's converter writes them
                 tensors.dense(f"{gguf_name(role, arch, i)}.weight", lw.weight, True)
+                if lw.bias is not None:   # GPT-OSS's router
+                    tensors.dense(f"{gguf_name(role, arch, i)}.bias", lw.bias, True)
                 continue
             tensors.linear(gguf_name(role, arch, i), lw)
         if s.num_experts:  # one merged tensor per expert role, experts in order
