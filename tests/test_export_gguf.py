@@ -111,7 +111,8 @@ def _bf16(d: Path, random_norms: bool = False) -> Path:
 
     st, g = d / "model.safetensors", torch.Generator().manual_seed(0)
     save_file({k: (torch.rand(v.shape, generator=g) - 0.5 if random_norms and k.endswith("norm.weight") else v)
-               .to(torch.bfloat16).contiguous() for k, v in load_file(st).items()}, str(st), metadata={"format": "pt"})
+               .to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()   # codes stay as they are
+               for k, v in load_file(st).items()}, str(st), metadata={"format": "pt"})
     cfg = json.loads((d / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
     cfg.pop("torch_dtype", None)

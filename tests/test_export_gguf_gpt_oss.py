@@ -190,3 +190,27 @@ def test_untruncated_yarn_is_written_and_the_record_says_llama_cpp_rounds_it(bui
     art = build_engine(src, store, BuildOptions(target="gguf"))
     record = json.loads((art.path / "engine.json").read_text())["outputs"]["gguf"]
     assert "truncate false" in record["rope"]
+
+
+def test_openai_s_mxfp4_experts_go_into_the_file_as_stored(tmp_path):
+    """A release-layout MXFP4 checkpoint exports without a round trip through 16 bits: every merged expert tensor is
+    MXFP4 and decodes (gguf-py) to exactly transformers' own dequantization of the source file."""
+    from test_gpt_oss import openai_mxfp4
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+
+    store = Store(tmp_path / "store")
+    path = _bf16_with_a_merge(openai_mxfp4(tmp_path / "mx", swiglu_limit=7.0))
+    art = build_engine(resolve_model(str(path), store), store, BuildOptions(target="gguf"))
+    experts = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[1].mlp.experts
+    r = gguf.GGUFReader(gguf_file(art))
+    t = {x.name: x for x in r.tensors}
+    for role in ("gate", "up", "down"):
+        x = t[f"blk.1.ffn_{role}_exps.weight"]
+        assert x.tensor_type == gguf.GGMLQuantizationType.MXFP4
+        got = torch.from_numpy(gguf.quants.dequantize(x.data, x.tensor_type).reshape(
+            [int(n) for n in reversed(x.shape)]).astype("float32"))
+        want = experts.down_proj if role == "down" else experts.gate_up_proj[..., {"gate": 0, "up": 1}[role]::2]
+        want = want.transpose(1, 2)   # [experts, out, in]
+        assert torch.equal(got, want.float()), role

@@ -127,13 +127,13 @@ def test_max_size_prices_the_stacked_experts_as_the_linears_they_are_stored_as(s
     assert limit - art.metrics["size_bytes"] < 256 * entries + 4 * 96 * 64
 
 
-def _openai_mxfp4(d, seed: int = 0):
+def openai_mxfp4(d, seed: int = 0, **overrides):
     """A tiny GPT-OSS (experts of width 64: two groups of 32 a rank at tp 2) in OpenAI's MXFP4 layout, as the
     releases ship it: each stacked expert weight replaced by random `_blocks` (E2M1 code pairs) and `_scales` (E8M0
     exponents 2^-5 .. 2^0), the quantization_config transformers' Mxfp4Config writes."""
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_model(d, seed=4, **family_config("gpt_oss") | {"intermediate_size": 64})
+    path = make_tiny_model(d, seed=4, **family_config("gpt_oss") | {"intermediate_size": 64} | overrides)
     f = next(path.glob("*.safetensors"))
     st, g = load_file(f), torch.Generator().manual_seed(seed)
     for k in [k for k in st if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -159,7 +159,7 @@ def test_openai_s_mxfp4_experts_are_read_as_stored_and_computed_as_transformers_
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
-    art = resolve_model(str(_openai_mxfp4(tmp_path / "mx")), Store(tmp_path / "store"))
+    art = resolve_model(str(openai_mxfp4(tmp_path / "mx")), Store(tmp_path / "store"))
     ck = CheckpointReader(art.path)
     blocks = ck.tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"]
     up = ck.layer_linears(1)["experts.3.up_proj"].qw   # rows 1, 3, 5, ... of expert 3's gate_up
@@ -180,7 +180,7 @@ def test_mxfp4_blocks_and_scales_that_disagree_are_refused_naming_them(tmp_path)
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
-    path = _openai_mxfp4(tmp_path / "mx")
+    path = openai_mxfp4(tmp_path / "mx")
     f = next(path.glob("*.safetensors"))
     st = load_file(f)
     name = "model.layers.0.mlp.experts.down_proj_scales"
@@ -201,7 +201,7 @@ def test_the_kv_budget_prices_openai_s_mxfp4_experts_as_dequantized_where_no_ker
     the bytes stored."""
     import math
 
-    mx = CheckpointReader(_openai_mxfp4(tmp_path / "mx"))
+    mx = CheckpointReader(openai_mxfp4(tmp_path / "mx"))
     dense = CheckpointReader(make_tiny_model(tmp_path / "dense", seed=4,
                                              **family_config("gpt_oss") | {"intermediate_size": 64}))
     scales = sum(math.prod(mx.tensors.info(n)[1]) for n in mx.tensors if n.endswith("_scales"))
