@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 GGUF_OVERRIDES = {"qwen3_5_text": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
                   "qwen3_5_moe_text": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
                   "qwen3_moe": dict(norm_topk_prob=True), "phi3": dict(sliding_window=None),
-                  "gemma3_text": dict(query_pre_attn_scalar=24)}
+                  "gemma3_text": dict(query_pre_attn_scalar=24),
+                  "gpt_oss": dict(swiglu_limit=7.0)}   # llama.cpp fixes gpt-oss's clamp at 7
 NAMES = ("general.name", "general.size_label", "general.type", "general.file_type")
 # The converter run with the borrowed tokenizer read as stored: transformers 5 otherwise swaps in its own tokenizer
 # class for some model types (Qwen3.5-MoE's Qwen3_5Tokenizer re-pre-tokenizes), and the converter, which recognizes
