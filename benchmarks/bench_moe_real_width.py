@@ -44,18 +44,21 @@ def layer_types(n: int) -> list[str]:
     return ["full_attention" if (i + 1) % 4 == 0 or (n < 4 and i == n - 1) else "linear_attention" for i in range(n)]
 
 
-def make_checkpoint(out: Path, layers: int, tokenizer_dir: Path, seed: int = 0) -> None:
-    """Random bf16 weights (linears normal with std 0.02; (1 + w) norms 0, the DeltaNet's gated norm 1; A_log
+def make_checkpoint(out: Path, shape: dict, layers: int, tokenizer_dir: Path, seed: int = 0) -> None:
+    """A Qwen3.5-family checkpoint of `shape` (a config without depth and vocabulary) and `layers` layers of its
+    pattern: random bf16 weights (linears normal with std 0.02; (1 + w) norms 0, the DeltaNet's gated norm 1; A_log
     log(1..16), dt_bias 1, the convolution std 0.2), every tensor llmq's declaration names, one in memory at a time."""
     import torch
 
+    from llmq.models.arch import ARCHS
     from llmq.models.arch.base import EMBEDDING, LM_HEAD
     from llmq.models.checkpoint import ShardedWriter, copy_tokenizer
     from llmq.models.spec import ModelSpec
 
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    config = dict(SHAPE, num_hidden_layers=layers, layer_types=layer_types(layers), vocab_size=vocab,
-                  architectures=["Qwen3_5MoeForCausalLM"], bos_token_id=1, eos_token_id=2, dtype="bfloat16")
+    config = dict(shape, num_hidden_layers=layers, layer_types=layer_types(layers), vocab_size=vocab,
+                  architectures=[ARCHS[shape["model_type"]].architecture], bos_token_id=1, eos_token_id=2,
+                  dtype="bfloat16")
     spec = ModelSpec.from_config(config)
     arch = spec.arch
     tensors = {f"{EMBEDDING}.weight": (vocab, spec.hidden_size), f"{LM_HEAD}.weight": (vocab, spec.hidden_size),
@@ -104,7 +107,7 @@ def main() -> int:
         from llmq.artifacts import Store
         from llmq.models import resolve_model
 
-        make_checkpoint(model, a.layers, resolve_model(None, Store.open(store)).path)
+        make_checkpoint(model, SHAPE, a.layers, resolve_model(None, Store.open(store)).path)
         return 0
     if not model.is_dir():  # in a child: this process stays small (a child's ru_maxrss starts from its parent's)
         import subprocess
