@@ -499,6 +499,30 @@ def test_decode_attention_with_sinks_is_the_softmax_over_scores_and_sinks(decode
             assert float((got[b, h].double() - want).abs().max()) <= 2e-6 * float(want.abs().max()), (b, h)
 
 
+def test_delta_rule_step_updates_the_slots_states_as_the_recurrence_does_in_float64():
+    """Three decode steps of three sequences on scattered slots of a state pool: each output and each slot's state
+    against the gated delta rule in float64 (S <- e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q); the slots no
+    sequence holds are untouched. Value width 24 (not a multiple of 16) and key width 32."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(21)
+    pool = torch.randn(6, 4, 32, 24, generator=gen) * 0.3
+    ref = pool.double()
+    slots = torch.tensor([4, 1, 3])
+    for _ in range(3):
+        q, k = (F.normalize(torch.randn(3, 4, 32, generator=gen), dim=-1) for _ in range(2))
+        v = torch.randn(3, 4, 24, generator=gen)
+        g, beta = -torch.rand(3, 4, generator=gen) * 2, torch.rand(3, 4, generator=gen)
+        got = cpu_kernels.delta_rule_step(pool, slots, q * 32 ** -0.5, k, v, g, beta)
+        s = ref[slots] * g.double().exp()[..., None, None]
+        u = (v.double() - torch.einsum("bhkv,bhk->bhv", s, k.double())) * beta.double()[..., None]
+        s = s + k.double()[..., :, None] * u[..., None, :]
+        ref[slots] = s
+        want = torch.einsum("bhkv,bhk->bhv", s, (q * 32 ** -0.5).double())
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert float((pool.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert torch.equal(pool[[0, 2, 5]].double(), ref[[0, 2, 5]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_kv_write_equals_eager(dtype):
     gen = torch.Generator().manual_seed(13)

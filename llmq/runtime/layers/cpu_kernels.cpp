@@ -1913,6 +1913,62 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
+// delta_rule_step: one decode token of each of B sequences through a Gated DeltaNet layer's recurrence, on the states
+// in their pool slots (runtime.layers.delta_rule.step's arithmetic, float32): per value head, S <- e^g S;
+// u = beta (v - S^T k); S <- S + k u^T; o = S^T q. Two passes over a head's state (the second from cache: 64 KiB at
+// 128 x 128), where the eager path gathers the slots, decays, multiplies twice, adds and scatters back (nine).
+LLMQ_CLONES void delta_head(float* s, const float* q, const float* k, const float* v, float eg, float beta,
+                            int64_t dk, int64_t dv, float* u, float* o) {
+  for (int64_t j = 0; j < dv; ++j) u[j] = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = s + i * dv;
+    const float ki = k[i];
+    for (int64_t j = 0; j < dv; ++j) u[j] += row[j] * ki;
+  }
+  for (int64_t j = 0; j < dv; ++j) {
+    u[j] = beta * (v[j] - eg * u[j]);
+    o[j] = 0.f;
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = s + i * dv;
+    const float ki = k[i], qi = q[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      const float x = eg * row[j] + ki * u[j];
+      row[j] = x;
+      o[j] += x * qi;
+    }
+  }
+}
+
+at::Tensor delta_rule_step(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta) {
+  TORCH_CHECK(pool.dim() == 4 && pool.dtype() == at::kFloat && pool.is_contiguous() && slots.dtype() == at::kLong,
+              "delta_rule_step: state pool [slots, H, Dk, Dv] float32 (contiguous), slots int64");
+  const int64_t b = slots.size(0), h = pool.size(1), dk = pool.size(2), dv = pool.size(3);
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous(),
+                   bc = beta.contiguous(), sl = slots.contiguous();
+  TORCH_CHECK(qc.dtype() == at::kFloat && kc.dtype() == at::kFloat && vc.dtype() == at::kFloat &&
+              gc.dtype() == at::kFloat && bc.dtype() == at::kFloat && qc.numel() == b * h * dk &&
+              kc.numel() == b * h * dk && vc.numel() == b * h * dv && gc.numel() == b * h && bc.numel() == b * h,
+              "delta_rule_step: q / k [B, H, Dk], v [B, H, Dv], g / beta [B, H], float32");
+  at::Tensor out = at::empty({b, h, dv}, qc.options());
+  float* sp = pool.data_ptr<float>();
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(),
+              *gp = gc.data_ptr<float>(), *bp = bc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < pool.size(0), "delta_rule_step: slot");
+  at::parallel_for(0, b * h, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> u(dv);
+    for (int64_t x = lo; x < hi; ++x) {
+      const int64_t i = x / h, head = x % h;
+      delta_head(sp + (slot[i] * h + head) * dk * dv, qp + x * dk, kp + x * dk, vp + x * dv, std::exp(gp[x]), bp[x],
+                 dk, dv, u.data(), op + x * dv);
+    }
+  });
+  return out;
+}
+
 // rope_kv_write: the rotary embedding of q and k (rotary.py's arithmetic: x * cos + roll(x, D/2) * sin, the sign
 // folded into sin) and the store of k and v at their cache slots, in one pass over the fused qkv rows. Returns the
 // rotated q [T, H, D] and k [T, Hkv, D]; eagerly these are ~10 dispatched operations a layer.
@@ -2062,6 +2118,8 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("table_linear(Tensor x, Tensor w, Tensor s, Tensor table, int group, int round) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("delta_rule_step(Tensor(a!) pool, Tensor slots, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) "
+        "-> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale, "
         "Tensor? sinks=None) -> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
@@ -2083,6 +2141,7 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("table_linear", &table_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("delta_rule_step", &delta_rule_step);
   m.impl("decode_attention", &decode_attention);
   m.impl("rope_kv_write", &rope_kv_write);
 }

@@ -322,6 +322,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.llmq_cpu.silu_mul(gate_up)
 
 
+def delta_rule_step(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """One decode token of each sequence through the gated delta rule (delta_rule.step) on its state in the pool
+    [slots, H, Dk, Dv] (updated in place): q / k [B, H, Dk], v [B, H, Dv], g / beta [B, H], float32 -> o [B, H, Dv]."""
+    return torch.ops.llmq_cpu.delta_rule_step(pool, slots, q, k, v, g, beta)
+
+
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv_cache import LayerRecurrent
-from ..layers import delta_rule
+from ..layers import cpu_kernels, delta_rule
 from ..layers.attention import AttentionMetadata
 from ..layers.linear import LinearBase
 
@@ -58,9 +58,12 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([cache.conv[slots], qkv[:bd, :, None]], dim=-1)     # [Bd, channels, kernel]
             cache.conv[slots] = window[..., 1:]
             mixed[:bd] = F.silu((window * self.conv).sum(-1))
-            state = cache.state[slots]
-            o[:bd] = delta_rule.step(state, *self._heads(mixed[:bd]), g[:bd], beta[:bd])
-            cache.state[slots] = state
+            if cpu_kernels.usable(cache.state) and cache.state.is_contiguous():   # on the slots' states in place
+                o[:bd] = cpu_kernels.delta_rule_step(cache.state, slots, *self._heads(mixed[:bd]), g[:bd], beta[:bd])
+            else:
+                state = cache.state[slots]
+                o[:bd] = delta_rule.step(state, *self._heads(mixed[:bd]), g[:bd], beta[:bd])
+                cache.state[slots] = state
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             fresh = p.start == 0
