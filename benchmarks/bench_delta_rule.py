@@ -44,7 +44,7 @@ def main() -> int:
     if not cpu_kernels.available():
         print("llmq's CPU kernels are not built here", file=sys.stderr)
         return 2
-    print(f"{machine_key()}; {HEADS} heads of {DK} x {DV}, pool of {SLOTS}; median of {a.reps}")
+    print(f"CPU: {machine_key('cpu')}; {HEADS} heads of {DK} x {DV}, pool of {SLOTS}; median of {a.reps}")
     print(f"{'threads':>7} {'batch':>5} {'eager us':>9} {'kernel us':>9} {'speedup':>7} {'kernel GB/s':>11}")
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(SLOTS, HEADS, DK, DV, generator=gen) * 0.1
