@@ -40,26 +40,21 @@ def unstacked_experts(tensors: Mapping[str, torch.Tensor], spec: ModelSpec, i: i
     rows, in / 32], rows already [out, in]), read as MXFP4 weights, codes and scales as stored."""
     from .. import quant
     from .arch import expert_role
-    from .qweight import QuantizedWeight
+    from .arch.base import STACKED
+    from .qweight import QuantizedWeight, get_tensor
 
     arch, m = spec.arch, spec.arch.moe
-    base = f"{arch.prefix(i)}.{m.block}.{m.experts}"
-
-    def get(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise LlmqError(f"tensor {name} is missing from the checkpoint")
-        return tensors[name]
-
     out = {}
-    for stacked, roles, (rows, cols) in (("gate_up_proj", ("gate_proj", "up_proj"), (2 * spec.expert_size,
-                                                                                      spec.hidden_size)),
-                                         ("down_proj", ("down_proj",), (spec.hidden_size, spec.expert_size))):
-        name, bias = f"{base}.{stacked}", get(f"{base}.{stacked}_bias")
+    for stacked, roles in STACKED:
+        n, cols = spec.linear_shape(expert_role(0, roles[0]))
+        rows = n * len(roles)
+        name = f"{arch.prefix(i)}.{m.block}.{m.experts}.{stacked}"
         blocks = tensors[f"{name}_blocks"] if f"{name}_blocks" in tensors else None
+        bias = get_tensor(tensors, f"{name}_bias", "dense" if blocks is None else "quantized")
         if blocks is None:
-            dense = get(name)
+            dense = get_tensor(tensors, name, "dense")
         else:
-            scales, want = get(f"{name}_scales"), (spec.num_experts, rows, cols // 32)
+            scales, want = get_tensor(tensors, f"{name}_scales"), (spec.num_experts, rows, cols // 32)
             if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape) != (*want, 16) or \
                     tuple(scales.shape) != want or cols % 32:
                 dt = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
@@ -234,8 +229,8 @@ class CheckpointReader:
         stored fused (Arch.fused) is cut into its roles, a group stored apart (llmq's rank directories) is read by
         role."""
         parts: dict[str, LinearWeights] = {}
-        stacked = next(iter(self.spec.stacked_experts()), None)
-        if stacked is not None and f"{self.arch.prefix(i)}.{stacked}_bias" in self.tensors:  # dense or MXFP4
+        biases = [p for p in self.spec.stacked_experts() if p.endswith("_bias")]   # the weights: dense or MXFP4
+        if biases and f"{self.arch.prefix(i)}.{biases[0]}" in self.tensors:
             parts |= unstacked_experts(self.tensors, self.spec, i)
         for group in self.arch.groups(i in self.spec.linear_layers):
             name = self.arch.linear(i, group)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import LlmqError
-from .arch import ARCHS, ATTN, ROUTER, SHARED_GATE, Arch, arch_for
+from .arch import ARCHS, ATTN, ROUTER, SHARED_GATE, Arch, arch_for, expert_role
 from .arch.base import LINEAR_ATTN
 from .config_fields import checked_hf_config, local_layers, window
 
@@ -188,10 +188,17 @@ class ModelSpec:
         return {f"{la.module}.{t}": shape for t, shape in zip(la.tensors, shapes)}
 
     def stacked_experts(self) -> dict[str, tuple[int, ...]]:
-        """A layer's stacked expert tensors (Experts.stacked) by path in the layer, with their shapes; {} for a
-        family that stores one linear per expert."""
+        """A layer's stacked expert tensors (Experts.stacked) by path in the layer, with their shapes (a weight
+        [experts, in, rows], a bias [experts, rows]); {} for a family that stores one linear per expert."""
         m = self.arch.moe
-        return m.stacked_shapes(self.num_experts, self.hidden_size, self.expert_size) if m and m.stacked else {}
+        if m is None or not m.stacked:
+            return {}
+        out = {}
+        for path, roles in m.stacked_paths().items():
+            n, k = self.linear_shape(expert_role(0, roles[0]))
+            rows = n * len(roles)
+            out[path] = (self.num_experts, rows) if path.endswith("_bias") else (self.num_experts, k, rows)
+        return out
 
     def kept_16bit(self) -> list[str]:
         """The decoder linears every method keeps 16-bit, never calibrated, priced as dense tensors: MoE routers (a

@@ -56,6 +56,11 @@ def split_of(role: str) -> tuple[str, str | None]:
     return SPLIT[role]
 
 
+# A stacked mixture of experts' tensors under its experts' module (Experts.stacked): each weight [experts, in,
+# rows] (x @ it) with the roles whose rows it holds, interleaved (gate_up_proj: expert e's gate column r, then its up
+# column r), and beside it `<weight>_bias` [experts, rows]
+STACKED = (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
+
 # The embedding table and the output head: named so by every Hugging Face *ForCausalLM decoder llmq reads.
 EMBEDDING = "model.embed_tokens"
 LM_HEAD = "lm_head"
@@ -97,20 +102,17 @@ class Experts:
     gguf_shared: dict[str, str] = field(default_factory=lambda: {
         "gate_proj": "FFN_GATE_SHEXP", "up_proj": "FFN_UP_SHEXP", "down_proj": "FFN_DOWN_SHEXP",
         SHARED_GATE: "FFN_GATE_INP_SHEXP"})
-    # the checkpoint holds a layer's experts as four tensors under `experts` (GPT-OSS): gate_up_proj [count, hidden,
-    # 2 x width] (x @ it; each expert's gate and up columns interleaved, gate first), down_proj [count, width,
-    # hidden], and their biases gate_up_proj_bias [count, 2 x width] and down_proj_bias [count, hidden]. The reader
-    # cuts them into each expert's linears (with biases); llmq's own artifacts store those apart
+    # the checkpoint holds a layer's experts as the STACKED tensors under `experts` (GPT-OSS). The reader cuts them
+    # into each expert's linears (with biases); llmq's own artifacts store those apart
     stacked: bool = False
     biased: bool = False          # the router and every expert's linears have biases (GPT-OSS)
     # transformers' layer unpacks its MoE block's output as (hidden states, router scores) (GPT-OSS)
     returns_scores: bool = False
 
-    def stacked_shapes(self, count: int, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
-        """The stacked tensors (`stacked`) by path inside a layer, with their shapes."""
+    def stacked_paths(self) -> dict[str, tuple[str, ...]]:
+        """Each STACKED weight's and bias's path inside a layer -> the roles whose rows it holds."""
         at = f"{self.block}.{self.experts}"
-        return {f"{at}.gate_up_proj": (count, hidden, 2 * width), f"{at}.gate_up_proj_bias": (count, 2 * width),
-                f"{at}.down_proj": (count, width, hidden), f"{at}.down_proj_bias": (count, hidden)}
+        return {f"{at}.{name}{suffix}": roles for name, roles in STACKED for suffix in ("", "_bias")}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ...models.arch import MLP, Arch
+from ...runtime.models.decoder import glu
 
 
 class _Expert(nn.Module):
@@ -35,8 +36,6 @@ class _Expert(nn.Module):
             setattr(self, names[role], nn.Linear(inp, out, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ...runtime.models.decoder import glu
-
         n = self.names
         gu = torch.cat([getattr(self, n["gate_proj"])(x), getattr(self, n["up_proj"])(x)], -1)
         return getattr(self, n["down_proj"])(glu(gu, self.activation, self.swiglu))

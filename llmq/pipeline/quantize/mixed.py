@@ -286,8 +286,9 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
         - {f"{r}.weight" for r in spec.kept_16bit()}
     # a stacked MoE's tensors (Experts.stacked) -> how many per-expert tensors each is stored as (its weights are
     # decoder linears, its biases stay 16-bit)
-    parts = {f"{spec.arch.prefix(i)}.{p}": spec.num_experts * (2 if "gate_up" in p else 1)
-             for i in range(spec.num_layers) for p in spec.stacked_experts()}
+    stacked = spec.arch.moe.stacked_paths() if spec.stacked_experts() else {}
+    parts = {f"{spec.arch.prefix(i)}.{p}": spec.num_experts * len(roles)
+             for i in range(spec.num_layers) for p, roles in stacked.items()}
     linears |= {n for n in parts if not n.endswith("_bias")}
     table, head = f"{qformat.EMBEDDING}.weight", f"{qformat.LM_HEAD}.weight"
     int8 = {table: opts.embedding == "int8", head: opts.lm_head == "int8"}
