@@ -56,9 +56,10 @@ class Tensors:
         self.writer.add_tensor(name, arr, raw_dtype=qtype)
         self.types[qtype.name] += 1
 
-    def linear(self, name: str, lw: LinearWeights) -> None:
+    def linear(self, name: str, lw: LinearWeights, force_f32: bool = False) -> None:
+        """A linear's weight (blocks, or dense: in the source dtype unless `force_f32`) and its bias (F32)."""
         if lw.qw is None:
-            self.dense(f"{name}.weight", lw.weight)
+            self.dense(f"{name}.weight", lw.weight, force_f32)
         else:
             qtype = block_type(lw.qw, lw.name)
             self.writer.add_tensor(f"{name}.weight", pack_blocks(lw.qw, qtype, self.rounding), raw_dtype=qtype)
@@ -160,12 +161,8 @@ def add_weights(tensors: Tensors, src: CheckpointReader) -> None:
         for role, lw in lin.items():
             if role.startswith("experts."):
                 continue
-            if role in (ROUTER, SHARED_GATE) and lw.qw is None:   # F32, as llama.cpp's converter writes them
-                tensors.dense(f"{gguf_name(role, arch, i)}.weight", lw.weight, True)
-                if lw.bias is not None:   # GPT-OSS's router
-                    tensors.dense(f"{gguf_name(role, arch, i)}.bias", lw.bias, True)
-                continue
-            tensors.linear(gguf_name(role, arch, i), lw)
+            # a 16-bit router or shared expert gate F32, as llama.cpp's converter writes them
+            tensors.linear(gguf_name(role, arch, i), lw, force_f32=role in (ROUTER, SHARED_GATE) and lw.qw is None)
         if s.num_experts:  # one merged tensor per expert role, experts in order
             for role in MLP:
                 tensors.experts(gguf_name(role, arch, i), [lin[expert_role(e, role)] for e in range(s.num_experts)])
