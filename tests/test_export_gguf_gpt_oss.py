@@ -1,8 +1,8 @@
 """`llmq build --target gguf` of GPT-OSS as llama.cpp's `gpt-oss`, against that loader's contract
 (src/models/openai-moe.cpp: the tensors it creates with their shapes, biases and sinks included; the sliding-window,
 expert and YaRN keys it reads) and an independent reader that puts the file back into transformers' GPT-OSS (each
-role's merged experts stacked and interleaved again). llama.cpp itself runs these files (benchmarks/gguf_in_llamacpp.py:
-KLD against llmq's runtime 2.6e-5 at BF16, docs/build.md)."""
+role's merged experts stacked and interleaved again). llama.cpp itself runs these files (benchmarks/gguf_in_llamacpp.py,
+its figures in docs/build.md)."""
 
 from __future__ import annotations
 
