@@ -25,7 +25,7 @@ needs_bf16 = pytest.mark.skipif(not BF16, reason="lowbit_linear_bf16 needs AVX51
 needs_fp8 = pytest.mark.skipif(not cpu_kernels.FP8_FLAGS <= cpu_kernels.cpu_flags(),
                                reason="fp8_linear needs AVX512-VBMI and AVX512-BF16, which this CPU lacks")
 AVX512 = "avx512bw" in cpu_kernels.cpu_flags()
-needs_avx512 = pytest.mark.skipif(not AVX512, reason="dense16_linear needs AVX-512, which this CPU lacks")
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="this kernel needs AVX-512, which this CPU lacks")
 
 
 @pytest.fixture(params=[True, False], ids=["amx", "vector"])
@@ -705,7 +705,8 @@ def test_nope_layers_decode_in_a_stack_of_their_own(tmp_path, make_tiny_model):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
 
 
-@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_bf16), pytest.param(5, marks=needs_bf16), 8])
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_bf16), pytest.param(5, marks=needs_bf16),
+                                  pytest.param(8, marks=needs_avx512)])
 def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny_model, bits):
     """A bfloat16 model's INT4 / INT5 / INT8 artifact (bfloat16 scales, as the default model's): prefill and decode
     steps on llmq's 16-bit-activation kernels against PyTorch's (INT5, which PyTorch has no kernel for: against the
