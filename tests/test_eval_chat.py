@@ -99,13 +99,16 @@ def pick(v):
 
 
 class ScriptedLM(EvalLM):
-    """Answers each prompt by `answer(prompt text)`, ended or not."""
+    """Answers each prompt by `answer(prompt text)`, ended or not; `skipped`: whether it was asked to leave special
+    tokens out of its answers."""
 
-    def __init__(self, answer, max_length: int = 100_000):
-        super().__init__(byte_tokenizer(), max_length)
+    def __init__(self, answer, max_length: int = 100_000, tokenizer=None):
+        super().__init__(tokenizer or byte_tokenizer(), max_length)
         self.answer = answer
+        self.skipped = None
 
-    def generate_ids(self, prompts, max_tokens, stops, temperatures):
+    def generate_ids(self, prompts, max_tokens, stops, temperatures, skip_special=True):
+        self.skipped = skip_special
         return [Generation(*self.answer(self.tokenizer.decode(p))) for p in prompts]
 
 
@@ -168,6 +171,42 @@ def test_right_answers_score_100_and_broken_calls_are_counted(tmp_path, monkeypa
     assert not short  # every prompt longer than the context: left out, no score
 
 
+def test_harmony_answers_are_read_with_their_markers(tmp_path, monkeypatch):
+    """A harmony template (GPT-OSS's format): the answers are asked for with special tokens kept, thinking on the
+    analysis channel is split off (and counted closed), a call message is a call, and the answer's own markers are
+    no leak where another role's turn is."""
+    from test_server_tools import HARMONY_CHAT
+
+    from llmq.models.tool_calls import HARMONY, OutputFormat
+
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(OutputFormat(HARMONY, None).markers)})
+    tok.chat_template = HARMONY_CHAT
+    _, ts = _plan(["tools", "chat"], 2)
+    names = ["llmq_tools_simple", "llmq_chat_end", "llmq_chat_leak", "llmq_chat_think"]
+    row = {json.loads(x)["messages"][-1]["content"]: json.loads(x)
+           for x in (ts.include_path / "tools_simple.jsonl").read_text().splitlines()[:2]}
+
+    def answer(prompt: str, leak: bool = False):
+        think = "<|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant"
+        r = next((r for k, r in row.items() if k in prompt), None)
+        if r is None:
+            return think + "<|channel|>final<|message|>Sure." + ("<|end|><|start|>user<|message|>Hm" * leak), True
+        ((name, args),) = r["answer"][0].items()
+        call = {p: pick(v[0]) for p, v in args.items() if v[0] != ""}
+        return f"{think}<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{json.dumps(call)}", True
+
+    lm = ScriptedLM(answer, tokenizer=tok)
+    out = run_chat_tasks(lm, ts, names, 2)
+    assert lm.skipped is False
+    assert out["llmq_tools_simple"]["tools_prompt"] == "template"
+    for name in names:
+        assert out[name]["value"] == 100.0, name
+    out = run_chat_tasks(ScriptedLM(lambda p: answer(p, leak=True), tokenizer=tok), ts, ["llmq_chat_leak"], 2)
+    assert out["llmq_chat_leak"]["value"] == 0.0
+
+
 def test_gates_on_the_new_tasks_run_in_the_cli(tmp_path, monkeypatch):
     from test_eval import make_rtn
 
@@ -196,7 +235,10 @@ def test_gates_on_the_new_tasks_run_in_the_cli(tmp_path, monkeypatch):
 
 
 def test_an_endpoint_answers_the_chat_tasks_as_in_process(tmp_path, monkeypatch):
+    """On a harmony template, whose markers are special tokens: both ask for them kept in the answers' text
+    (skip_special_tokens false through the endpoint) and read the same."""
     from helpers import live_server
+    from test_server_tools import HARMONY_CHAT
 
     from llmq.evals.endpoint import EndpointLM
     from llmq.evals.evaluate import Served
@@ -205,7 +247,11 @@ def test_an_endpoint_answers_the_chat_tasks_as_in_process(tmp_path, monkeypatch)
 
     monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
     store = Store(tmp_path / "store")
-    art = resolve_model(str(make_tiny_model(tmp_path / "m", seed=1, max_position_embeddings=4096)), store)
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>"]})
+    tok.chat_template = HARMONY_CHAT
+    art = resolve_model(str(make_tiny_model(tmp_path / "m", seed=1, tokenizer=tok, max_position_embeddings=4096)),
+                        store)
     s, ts = _plan(["json", "chat"], 2)
     cfg = EngineConfig(max_num_seqs=8, kv_cache_memory=16 << 20)
     ours = LlmqLM(art.path, engine_config=cfg)
@@ -219,4 +265,5 @@ def test_an_endpoint_answers_the_chat_tasks_as_in_process(tmp_path, monkeypatch)
     assert got == want
     assert [x["text"] for x in a] == [x["text"] for x in b]
     assert any(x["text"] for x in a)
+    assert any("<|" in x["text"] for x in a)  # the random model wrote special tokens, and they were kept
     assert [x["ended"] for x in a] == [x["ended"] for x in b]

@@ -15,6 +15,7 @@ import pytest
 from helpers import byte_tokenizer, live_server, make_tiny_model
 
 from llmq.models import load_tokenizer
+from llmq.models.tool_calls import HARMONY, OutputFormat
 from llmq.runtime import EngineConfig
 
 # a ChatML template that renders tools and earlier calls the Hermes way (<tool_call> JSON </tool_call>)
@@ -29,6 +30,18 @@ HERMES = ("{%- if tools %}<|im_start|>system\nYou may call these functions:\n<to
 THINKING = HERMES.replace("{%- else %}\n{{ m['content'] }}", "{%- else %}\n{% if m.reasoning_content %}<think>"
                           "{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}").replace(
     "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+
+# a template in OpenAI's harmony format (GPT-OSS's): tools as a namespace, calls as messages to functions.NAME
+HARMONY_CHAT = (
+    "<|start|>system<|message|>Reasoning: low<|end|>{%- if tools %}<|start|>developer<|message|>"
+    "namespace functions {{ '{' }}{%- for t in tools %}\ntype {{ t.function.name }} = "
+    "(_: {{ t.function.parameters | tojson }}) => any;"
+    "{%- endfor %}\n}<|end|>{% endif %}{%- for m in messages %}{%- if m.tool_calls %}{%- for tc in m.tool_calls %}"
+    "<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary json<|message|>"
+    "{{ tc.function.arguments }}<|call|>{%- endfor %}{%- elif m.role == 'tool' %}<|start|>functions.tool "
+    "to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>{%- elif m.role == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- else %}<|start|>{{ m.role }}<|message|>"
+    "{{ m.content }}<|end|>{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{% endif %}")
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -213,3 +226,30 @@ def test_no_tool_support_and_reasoning(tmp_path):
         content, _, _, reasoning = _streamed(c, messages=ASK, max_tokens=12, temperature=0)
         assert content == ""
         assert reasoning == plain.choices[0].text.strip()
+
+
+def test_harmony_calls(tmp_path):
+    """GPT-OSS's harmony format: its markers are special tokens, kept in the text to read the answer; a forced call
+    (the grammar writes the message to functions.NAME) comes back as tool_calls, streamed the same, and renders back
+    into the conversation."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(OutputFormat(HARMONY, None).markers)})
+    tok.chat_template = HARMONY_CHAT
+    ends = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    path = make_tiny_model(tmp_path / "h", seed=7, tokenizer=tok, max_position_embeddings=2048, eos_token_id=ends)
+    with live_server(path, EngineConfig(kv_cache_memory=2 << 20)) as live:
+        c = live.client()
+        kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=0)
+        whole = c.chat.completions.create(model="tiny", **kw).choices[0]
+        content, calls, finish, _ = _streamed(c, **kw)
+        assert whole.finish_reason == finish == "tool_calls"
+        assert whole.message.content is None
+        (call,) = whole.message.tool_calls
+        args = json.loads(call.function.arguments)
+        fn = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+        assert _valid(fn[call.function.name], args)
+        assert (content, [(x["name"], json.loads(x["arguments"])) for x in calls]) == ("", [(call.function.name, args)])
+        back = ASK + [whole.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        r = c.chat.completions.create(model="tiny", messages=back, tools=[WEATHER], tool_choice="none", max_tokens=4)
+        assert r.choices[0].message.tool_calls is None

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from llmq.models.tool_calls import (
+    HARMONY,
+    HARMONY_REASONING,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -33,6 +35,11 @@ TEXTS = {
     OutputFormat(MISTRAL_ARGS, REASONINGS[1]): (
         '[THINK]hm[/THINK]ok[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', "ok",
         [("f", {"a": 1}), ("g", {})], "hm"),
+    # what GPT-OSS writes after its generation prompt: thinking, a preamble, a call (recipient after the channel)
+    OutputFormat(HARMONY, HARMONY_REASONING): (
+        '<|channel|>analysis<|message|>weigh it<|end|><|start|>assistant<|channel|>commentary<|message|>Sure.'
+        '<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>',
+        "Sure.", [("f", {"a": 1})], "weigh it"),
 }
 
 
@@ -64,15 +71,44 @@ def test_unparseable_calls_and_open_thinking():
     assert not fmt.opens_reasoning("<think></think>")
 
 
+def test_harmony_messages():
+    """Harmony's other shapes: the recipient before the channel (as GPT-OSS's template writes a call into the
+    history), a final answer, an analysis that never ends, text off the format, a call whose JSON breaks."""
+    fmt = OutputFormat(HARMONY, HARMONY_REASONING)
+    p = fmt.parse(' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}')
+    assert ([(c.name, c.arguments) for c in p.tool_calls], p.content, p.reasoning) == (
+        [("get_weather", {"city": "Oslo"})], None, None)
+    p = fmt.parse("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>")
+    assert (p.content, p.reasoning, p.reasoning_closed) == ("4", "a", True)
+    p = fmt.parse("<|channel|>analysis<|message|>still going")
+    assert (p.content, p.reasoning, p.reasoning_closed) == (None, "still going", False)
+    assert fmt.parse("plain words <|end|>").content == "plain words <|end|>"
+    # running on into the user's turn: that message is content, header and all (what a leak check sees)
+    p = fmt.parse("<|channel|>final<|message|>4<|end|><|start|>user<|message|>and 5?")
+    assert p.content == "4<|start|>user<|message|>and 5?"
+    p = fmt.parse('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": ')
+    assert (p.unparseable, p.tool_calls[0].name) == (1, "f")
+    p = fmt.parse('<|channel|>commentary to=functions.f<|message|>[1]<|call|>')
+    assert p.tool_calls[0].error == "the call's arguments are not a JSON object"
+    # tools not read: the call's message is content; thinking is still split off
+    p = fmt.parse('<|channel|>analysis<|message|>x<|end|><|channel|>commentary to=functions.f<|message|>{}',
+                  tools=False)
+    assert (p.tool_calls, p.content, p.reasoning) == ([], "{}", "x")
+    assert not fmt.opens_reasoning("<|start|>assistant<|channel|>analysis<|message|>x<|end|><|start|>assistant")
+    assert {"<|call|>", "<|constrain|>"} <= set(fmt.markers)
+
+
 def test_formats_from_template_markers():
     assert output_format_for("{{ '<tool_call>' }}{{ '<think>' }}{{ '</think>' }}") == OutputFormat(
         HERMES, REASONINGS[0])
     assert output_format_for("[AVAILABLE_TOOLS][TOOL_CALLS][ARGS]").tools is MISTRAL_ARGS
     assert output_format_for("<|python_tag|>").tools is LLAMA3_JSON
+    assert output_format_for("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == OutputFormat(
+        HARMONY, HARMONY_REASONING)
     assert output_format_for("{{ m.content }}") == OutputFormat(None, None)
 
 
-@pytest.mark.parametrize("tf", [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS], ids=lambda f: f.name)
+@pytest.mark.parametrize("tf", [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, HARMONY], ids=lambda f: f.name)
 def test_call_grammar_writes_what_the_parser_reads(tf):
     """Random logits under each format's grammar (the marker a special token where the format's is) parse into calls
     of the given tools whose arguments satisfy their schemas."""
@@ -82,7 +118,8 @@ def test_call_grammar_writes_what_the_parser_reads(tf):
     from llmq.runtime.grammar import Grammars, advance, constrain
 
     tok = byte_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    harmony = OutputFormat(HARMONY, None).markers
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]", *harmony]})
     special = {t.content: i for i, t in tok.added_tokens_decoder.items() if t.special}
     tools = [{"type": "function", "function": {"name": n, "parameters": {
         "type": "object", "properties": {"x": {"enum": ["a", "bc"]}, "n": {"type": "integer", "minimum": 0,

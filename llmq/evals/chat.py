@@ -197,8 +197,9 @@ def run_chat_tasks(lm, ts, names: list[str], limit: int | None, samples: list | 
             left_out[it.source] = left_out.get(it.source, 0) + 1
     lm.progress(len(fits), 0)
     t = time.monotonic()
+    keep = bool(fmt.special_markers(tok) or read_tools.special_markers(tok))  # markers to read, kept in the text
     gens = lm.generate_ids([it.ids for it in fits], [it.max_tokens for it in fits], [[] for _ in fits],
-                           [0.0 for _ in fits]) if fits else []
+                           [0.0 for _ in fits], skip_special=not keep) if fits else []
     lm.seconds["generate_until"] += time.monotonic() - t
     headers = role_headers(tok) if "chat" in srcs else []
     per: dict[str, list[float]] = {}
@@ -209,7 +210,9 @@ def run_chat_tasks(lm, ts, names: list[str], limit: int | None, samples: list | 
         if it.source == "chat":
             parsed = fmt.parse(g.text, in_reasoning=opens, tools=False)
             per.setdefault("llmq_chat_end", []).append(float(g.ended))
-            per.setdefault("llmq_chat_leak", []).append(float(not leaks(g.text, headers)))
+            # where markers are kept (special tokens read by the format), the answer's own are not leaks: its content
+            per.setdefault("llmq_chat_leak", []).append(float(not leaks(parsed.content or "" if keep else g.text,
+                                                                        headers)))
             if fmt.reasoning is not None:
                 per.setdefault("llmq_chat_think", []).append(float(parsed.reasoning_closed is not False))
         elif it.source == "json":

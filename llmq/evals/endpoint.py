@@ -247,9 +247,9 @@ class EndpointLM(EvalLM):
                              all(max(lp, key=lp.get) == t for lp, t in zip(lps, targets))))
         return out
 
-    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[Generation]:
+    def generate_ids(self, prompts, max_tokens, stops, temperatures, skip_special=True) -> list[Generation]:
         bodies = [{"model": self.ep.model, "prompt": ids, "max_tokens": n, "temperature": t, "seed": self.seed + i,
-                   **({"stop": s} if s else {})}
+                   **({"stop": s} if s else {}), **({} if skip_special else {"skip_special_tokens": False})}
                   for i, (ids, n, s, t) in enumerate(zip(prompts, max_tokens, stops, temperatures))]
         texts = []
         for data in self._post_all("/v1/completions", bodies):

@@ -62,7 +62,8 @@ class EvalLM(LM):
         raise NotImplementedError
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], stops: list[list[str]],
-                     temperatures: list[float]) -> list[Generation]:
+                     temperatures: list[float], skip_special: bool = True) -> list[Generation]:
+        """Each prompt's answer; skip_special False keeps special tokens in the text (a chat format's markers)."""
         raise NotImplementedError
 
     def full_logprobs(self, tokens: list[int]) -> torch.Tensor:
@@ -169,10 +170,11 @@ class LlmqLM(EvalLM):
             self.score_stats["computed_tokens"] += len(it.token_ids) - o.num_cached_tokens
         return [Score(sum(o.logprobs), all(o.greedy)) for o in outs]
 
-    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[Generation]:
+    def generate_ids(self, prompts, max_tokens, stops, temperatures, skip_special=True) -> list[Generation]:
         from ..runtime.sampling import SamplingParams
 
-        params = [SamplingParams(max_tokens=n, temperature=t, seed=self.seed + i, stop=s)
+        params = [SamplingParams(max_tokens=n, temperature=t, seed=self.seed + i, stop=s,
+                                 skip_special_tokens=skip_special)
                   for i, (n, s, t) in enumerate(zip(max_tokens, stops, temperatures))]
         texts = []
         step = 4 * self.engine.max_num_seqs  # progress granularity; the engine batches within each slice
@@ -224,7 +226,7 @@ class HFLM(EvalLM):
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def generate_ids(self, prompts, max_tokens, stops, temperatures) -> list[Generation]:
+    def generate_ids(self, prompts, max_tokens, stops, temperatures, skip_special=True) -> list[Generation]:
         texts = []
         for i, (ids, n, stop, temp) in enumerate(zip(prompts, max_tokens, stops, temperatures)):
             torch.manual_seed(self.seed + i)
@@ -235,12 +237,13 @@ class HFLM(EvalLM):
             gen = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                       pad_token_id=self.prefix_token_id, **kw)
             new = gen[0, len(ids):]
-            text = self.tokenizer.decode(new, skip_special_tokens=True)
-            cut = min((j for j in (text.find(s) for s in stop) if j >= 0), default=-1)
             eos = self.model.generation_config.eos_token_id
             eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [self.prefix_token_id])
-            texts.append(Generation(text[:cut] if cut >= 0 else text,
-                                    cut >= 0 or (len(new) > 0 and int(new[-1]) in eos)))
+            ended = len(new) > 0 and int(new[-1]) in eos
+            # the end token is not the answer's text (as the runtime leaves it out)
+            text = self.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=skip_special)
+            cut = min((j for j in (text.find(s) for s in stop) if j >= 0), default=-1)
+            texts.append(Generation(text[:cut] if cut >= 0 else text, cut >= 0 or ended))
             self.progress(0, 1)
         return texts
 

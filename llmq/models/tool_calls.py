@@ -13,8 +13,11 @@ time (what `llmq serve` streams), by the same code, so a streamed answer and a w
 
 A call that does not parse is kept, marked (`error`), so a quality check can count it; `llmq serve` answers it as
 content. `call_grammar` writes the grammar (llguidance's Lark dialect) of the calls a format writes, which serve uses
-to force a call (tool_choice required / a named function). GPT-OSS's harmony channels are not read here: the
-openai-harmony package loads its vocabulary from the network at run time, and llmq runs no GPT-OSS architecture.
+to force a call (tool_choice required / a named function).
+
+OpenAI's harmony format (GPT-OSS) is read here too, as text with its markers kept (HarmonyStream): the
+`openai-harmony` package parses token ids with a vocabulary it downloads at run time, which llmq's offline runs
+cannot do, and reading text keeps one parser for a whole answer and a streamed one, as for the other formats.
 """
 
 from __future__ import annotations
@@ -97,9 +100,17 @@ MISTRAL = ToolFormat("mistral", ("[TOOL_CALLS]",), "[TOOL_CALLS]", id_chars=9)
 MISTRAL_ARGS = ToolFormat("mistral_args", (), "[TOOL_CALLS]", name_args="[ARGS]", id_chars=9)
 LLAMA3_JSON = ToolFormat("llama3_json", ("<|python_tag|>",), "<|python_tag|>", arguments_key="parameters",
                          bare_json=True)
+# harmony (GPT-OSS): calls are messages addressed to `functions.NAME`, read by HarmonyStream, not by markers
+HARMONY = ToolFormat("harmony", ("<|channel|>",), None)
 # in the order they are looked for: Mistral's templates may mention the others' markers, not the reverse
-FORMATS = {f.name: f for f in (MISTRAL, MISTRAL_ARGS, HERMES, LLAMA3_JSON)}
+FORMATS = {f.name: f for f in (HARMONY, MISTRAL, MISTRAL_ARGS, HERMES, LLAMA3_JSON)}
 REASONINGS = (Reasoning("<think>", "</think>"), Reasoning("[THINK]", "[/THINK]"))
+
+# harmony's markers: a message is [<|start|>role] header <|message|> text, ended by <|end|> (more messages follow),
+# <|call|> (a call: the turn waits for its result) or <|return|> (the turn's end)
+H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+H_END, H_CALL, H_RETURN = "<|end|>", "<|call|>", "<|return|>"
+HARMONY_REASONING = Reasoning(H_CHANNEL + "analysis", H_END)  # the analysis channel is the thinking
 
 
 @dataclass(frozen=True)
@@ -112,12 +123,20 @@ class OutputFormat:
     @property
     def markers(self) -> tuple[str, ...]:
         """Every marker the formats read: they must survive detokenization (as text, not skipped specials)."""
+        if self.tools is HARMONY:
+            return H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN, H_END, H_CALL, H_RETURN
         out = []
         if self.tools is not None:
             out += [m for m in (self.tools.call_start, self.tools.call_end, self.tools.name_args) if m]
         if self.reasoning is not None:
             out += [self.reasoning.start, self.reasoning.end]
         return tuple(out)
+
+    def special_markers(self, tokenizer) -> dict[str, int]:
+        """{marker: token id} of the markers that are special tokens of `tokenizer`: an answer read by this format
+        is decoded with special tokens kept where there are any (they would be skipped otherwise)."""
+        special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        return {m: special[m] for m in self.markers if m in special}
 
     def opens_reasoning(self, prompt: str) -> bool:
         """Whether a rendered prompt leaves a thinking block open, so the answer starts inside it (templates that
@@ -128,7 +147,7 @@ class OutputFormat:
     def stream(self, in_reasoning: bool = False, tools: bool = True) -> OutputStream:
         """A parser fed the answer a piece at a time. in_reasoning: the prompt left a thinking block open
         (opens_reasoning); tools: read tool calls (False: a call's text stays content)."""
-        return OutputStream(self, in_reasoning, tools)
+        return (HarmonyStream if self.tools is HARMONY else OutputStream)(self, in_reasoning, tools)
 
     def parse(self, text: str, in_reasoning: bool = False, tools: bool = True) -> Parsed:
         """A whole answer split into content, tool calls and reasoning (see stream for the arguments)."""
@@ -153,6 +172,12 @@ class OutputFormat:
 
         fns = [t["function"] for t in tools]
         params = [fn.get("parameters") or {"type": "object", "properties": {}} for fn in fns]
+        if f is HARMONY:  # one message to functions.NAME: a call ends the turn (<|call|>), so never several
+            alts = [f"{lit(H_CHANNEL)} {json.dumps('commentary to=functions.' + fn['name'] + ' ')} "
+                    f"{lit(H_CONSTRAIN)} \"json\" {lit(H_MESSAGE)} %json {json.dumps(_styled(p))} {lit(H_CALL)}"
+                    for fn, p in zip(fns, params)]
+            return "\n".join(["start: " + " | ".join(f"call_{i}" for i in range(len(alts)))]
+                             + [f"call_{i}: {a}" for i, a in enumerate(alts)])
         if f.name_args:  # name[ARGS]{...}, one alternative per function
             alts = [f"{json.dumps(fn['name'])} {lit(f.name_args)} %json {json.dumps(_styled(p))}"
                     for fn, p in zip(fns, params)]
@@ -185,6 +210,8 @@ def output_format_for(template: str | None) -> OutputFormat:
     tools = next((f for f in FORMATS.values() if f.signatures and any(s in t for s in f.signatures)), None)
     if tools is MISTRAL and MISTRAL_ARGS.name_args in t:
         tools = MISTRAL_ARGS
+    if tools is HARMONY:
+        return OutputFormat(HARMONY, HARMONY_REASONING)
     reasoning = next((r for r in REASONINGS if r.start in t and r.end in t), None)
     return OutputFormat(tools, reasoning)
 
@@ -309,6 +336,100 @@ class OutputStream:
             out.append(Delta("tool_call", call=call))
         self.buf, self.state = ("" if end is None else self.buf[end:]), "content"
         return True
+
+
+_H_ENDS = (H_END, H_CALL, H_RETURN)
+_H_OPENS = (H_START, H_CHANNEL, "to=")  # what a header may begin with (leading whitespace aside)
+
+
+@dataclass
+class HarmonyStream(OutputStream):
+    """OutputFormat.stream's parser for harmony: the answer is messages, each a header (`<|channel|>` analysis /
+    commentary / final, a recipient ` to=functions.NAME` before or after the channel, `<|constrain|>json`) then
+    `<|message|>` and its text up to `<|end|>`, `<|call|>`, `<|return|>` or the answer's end. analysis is reasoning,
+    a message to functions.NAME one call of NAME with the message as its JSON arguments, the rest (final, a
+    commentary preamble) content. Text that opens no header, or another role's message (a model off the format, or
+    running on past its turn), is content from there on, markers and all."""
+
+    header: str = ""
+    kind: str = "content"  # the open message's: content / reasoning / call
+
+    def __post_init__(self):  # harmony's messages say what they are: nothing is open before the first
+        if self.fmt.tools is not HARMONY:
+            raise ValueError("HarmonyStream reads the harmony format only")
+        self.state = "header"
+
+    def _emit(self, kind: str, text: str, out: list[Delta]) -> None:  # markers are always cut out
+        s = self._pending[kind] + text
+        if not self._started[kind]:
+            s = s.lstrip()
+        body = s.rstrip()
+        self._pending[kind] = s[len(body):]
+        if body:
+            self._started[kind] = True
+            out.append(Delta(kind, body))
+
+    def _step(self, final: bool, out: list[Delta]) -> bool:
+        if self.state == "header":
+            s = self.buf.lstrip()
+            if not s:
+                return False
+            if not any(s.startswith(m) or (m.startswith(s) and not final) for m in _H_OPENS):
+                self.state = "raw"
+                return True
+            i = self.buf.find(H_MESSAGE)
+            if i < 0:
+                if final:  # a header that never opened its message: what the model wrote is the answer
+                    self.state = "raw"
+                    return True
+                return False
+            if s.startswith(H_START) and not s[len(H_START):].startswith("assistant"):
+                self.state = "raw"
+                return True
+            self.header, self.buf = self.buf[:i + len(H_MESSAGE)], self.buf[i + len(H_MESSAGE):]
+            channel = re.search(re.escape(H_CHANNEL) + r"\s*(\w+)", self.header)
+            to = re.search(r"\bto=functions\.([^\s<]+)", self.header)
+            if to is not None and self.tools:
+                self.kind = "call"
+            elif channel is not None and channel.group(1) == "analysis":
+                self.kind, self.reasoning_opened, self.reasoning_closed = "reasoning", True, False
+            else:
+                self.kind = "content"
+            self.state = "body"
+            return True
+        if self.state == "raw":
+            self._emit("content", self.buf, out)
+            self.buf = ""
+            return False
+        ends = [(j, m) for m in _H_ENDS if (j := self.buf.find(m)) >= 0]
+        j, m = min(ends) if ends else (-1, "")
+        if j < 0 and not final:
+            if self.kind != "call":  # hold back only what may begin an end marker
+                keep = max(_partial(self.buf, e) for e in _H_ENDS)
+                self._emit(self.kind, self.buf[:len(self.buf) - keep], out)
+                self.buf = self.buf[len(self.buf) - keep:]
+            return False
+        body = self.buf if j < 0 else self.buf[:j]
+        if self.kind == "call":
+            to = re.search(r"\bto=functions\.([^\s<]+)", self.header)
+            out.append(Delta("tool_call", call=_harmony_call(to.group(1) if to else "", body,
+                                                             self.header + body + m)))
+        else:
+            self._emit(self.kind, body, out)
+            if self.kind == "reasoning" and m:
+                self.reasoning_closed = True
+        self.buf, self.state = ("" if j < 0 else self.buf[j + len(m):]), "header"
+        return j >= 0
+
+
+def _harmony_call(name: str, body: str, raw: str) -> ToolCall:
+    try:
+        args = _one_json(body)
+    except ValueError as e:
+        return ToolCall(name, None, raw, str(e).splitlines()[0][:200])
+    if not isinstance(args, dict):
+        return ToolCall(name, None, raw, "the call's arguments are not a JSON object")
+    return ToolCall(name, args, raw)
 
 
 def _calls(f: ToolFormat, body: str, raw: str) -> list[ToolCall]:

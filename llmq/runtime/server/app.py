@@ -230,7 +230,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         n_top = (fe.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.logprobs else None
         params = fe.params(body, len(ids), max_tokens, None, n_top, logprobs_param="top_logprobs")
         # a grammar, and the format's markers kept as text where they are special tokens (to read the answer)
-        params = replace(params, grammar=grammar, skip_special_tokens=not fe.chat_tools.special)
+        params = replace(params, grammar=grammar,
+                         skip_special_tokens=params.skip_special_tokens and not fe.chat_tools.special)
         answer = ChatAnswer(fe.chat_tools.format, in_reasoning, tp.parse_tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         as_ids = body.return_tokens_as_token_ids

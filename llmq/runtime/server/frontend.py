@@ -153,7 +153,8 @@ class Frontend:
                                     top_k=-1 if body.top_k in (None, 0) else body.top_k,
                                     top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
                                     stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                    skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs)
         except LlmqError as e:
             raise bad_request(str(e)) from None
         prompt, generated = self.owed(params, prompt_len)

@@ -2,7 +2,8 @@
 
 Field names follow the OpenAI API. Unknown fields are ignored (as OpenAI does), but known fields are validated
 strictly: a string where a number belongs is a 400, not a silent coercion. `top_k`, `ignore_eos`,
-`stop_token_ids`, `return_tokens_as_token_ids` and `prompt_logprobs` are vLLM-style extensions. A log-probability
+`stop_token_ids`, `skip_special_tokens`, `return_tokens_as_token_ids` and `prompt_logprobs` are vLLM-style
+extensions. A log-probability
 count of -1 asks for the whole vocabulary; the server's `Limits.max_logprobs` bounds every count.
 """
 
@@ -34,6 +35,7 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens stay in the text (an eval reading harmony's markers)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -33,8 +33,7 @@ class ChatTools:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="llmq-grammar")
         # the library's tokenizer, built once at start on the grammar thread: no request's deadline pays for it
         self.ready = self.thread.submit(self.grammars.prepare)
-        special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-        self.special = {m: special[m] for m in self.format.markers if m in special}
+        self.special = self.format.special_markers(tokenizer)
         self._renders: bool | None = None
         self._lock = threading.Lock()
 
