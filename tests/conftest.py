@@ -1,5 +1,6 @@
-"""Fixtures. The suite runs on pytest-xdist's two workers (pyproject's addopts): each worker computes with one thread
-(two workers on the two cores, not four threads), and the costly session fixtures (the default model and its
+"""Fixtures. The suite runs on pytest-xdist's two workers (pyproject's addopts), a test file to a worker: each worker
+computes with one thread (two workers on the two cores, not four threads), the files that take longest start first
+(HEAVY: no long file left alone at the end), and the costly session fixtures (the default model and its
 quantizations) are made once, by the first worker to ask, in a store the workers share (`_once`)."""
 
 import fcntl
@@ -7,6 +8,16 @@ import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch is imported anywhere: its thread pool reads this once
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# the slowest files (CI's --durations), longest first, alternating between the default GPTQ fixture's two users and
+# files that need no GPTQ, so that neither worker waits long on the other's fixture
+HEAVY = ("test_recipe.py", "test_export_gguf.py", "test_eval.py", "test_quantize.py", "test_gemma3.py",
+         "test_build_default.py", "test_hybrid.py", "test_compiled.py", "test_bench.py", "test_server.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(HEAVY)))  # stable: the rest keep their order
 
 import pytest
 from helpers import family_config

@@ -179,8 +179,9 @@ def test_amx_is_on_only_where_linux_grants_the_tiles():
                                             pytest.param(5, 96, 576, 32, marks=needs_bf16),
                                             pytest.param(5, 48, 1536, 128, marks=needs_bf16),
                                             pytest.param(5, 32, 256, 256, marks=needs_bf16),  # per channel
-                                            (8, 96, 576, 576), (8, 32, 1536, 1536), (8, 48, 256, 64),
-                                            (8, 16, 240, 40)])  # 40: groups not a multiple of 16 inputs
+                                            *[pytest.param(8, n, k, g, marks=needs_avx512) for n, k, g in
+                                              ((96, 576, 576), (32, 1536, 1536), (48, 256, 64),
+                                               (16, 240, 40))]])  # 40: groups not a multiple of 16 inputs
 def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
     """bfloat16(x) times the exact symmetric INT4 / INT5 / INT8 weights, float32 sums, rounded to bfloat16 (what
     aten._weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute): against that in float64, where only the float32
