@@ -9,10 +9,10 @@ import os
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch is imported anywhere: its thread pool reads this once
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# the slowest files (CI's --durations), longest first, alternating between the default GPTQ fixture's two users and
-# files that need no GPTQ, so that neither worker waits long on the other's fixture
-HEAVY = ("test_recipe.py", "test_export_gguf.py", "test_eval.py", "test_quantize.py", "test_gemma3.py",
-         "test_build_default.py", "test_hybrid.py", "test_compiled.py", "test_bench.py", "test_server.py")
+# the slowest files (CI's --durations), longest first; the default GPTQ fixture's second user (test_quantize) a few
+# files after its first (test_export_gguf), so that it finds the fixture made rather than waits for it
+HEAVY = ("test_recipe.py", "test_export_gguf.py", "test_eval.py", "test_gemma3.py", "test_hybrid.py",
+         "test_quantize.py", "test_build_default.py", "test_compiled.py", "test_bench.py", "test_server.py")
 
 
 def pytest_collection_modifyitems(items):
