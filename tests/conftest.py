@@ -6,7 +6,13 @@ quantizations) are made once, by the first worker to ask, in a store the workers
 import fcntl
 import os
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch is imported anywhere: its thread pool reads this once
+import pytest
+from helpers import family_config
+from helpers import make_tiny_model as _make_tiny_model
+
+from llmq.artifacts import Store
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch is imported (nothing above imports it): read once
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # the slowest files (CI's --durations), longest first; the default GPTQ fixture's second user (test_quantize) a few
@@ -18,12 +24,6 @@ HEAVY = ("test_recipe.py", "test_export_gguf.py", "test_eval.py", "test_gemma3.p
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY)}
     items.sort(key=lambda it: rank.get(it.path.name, len(HEAVY)))  # stable: the rest keep their order
-
-import pytest
-from helpers import family_config
-from helpers import make_tiny_model as _make_tiny_model
-
-from llmq.artifacts import Store
 
 
 @pytest.fixture
