@@ -262,8 +262,12 @@ class OutputStream:
             pass
         return out
 
+    def _as_is(self) -> bool:
+        """Nothing is cut out of the text (no calls read, no thinking opened): it is the answer as written."""
+        return not (self.tools or self.reasoning_opened)
+
     def _emit(self, kind: str, text: str, out: list[Delta]) -> None:
-        if not (self.tools or self.reasoning_opened):   # nothing was cut out of the text: it is the answer as is
+        if self._as_is():
             if text:
                 out.append(Delta(kind, text))
             return
@@ -359,15 +363,8 @@ class HarmonyStream(OutputStream):
             raise ValueError("HarmonyStream reads the harmony format only")
         self.state = "header"
 
-    def _emit(self, kind: str, text: str, out: list[Delta]) -> None:  # markers are always cut out
-        s = self._pending[kind] + text
-        if not self._started[kind]:
-            s = s.lstrip()
-        body = s.rstrip()
-        self._pending[kind] = s[len(body):]
-        if body:
-            self._started[kind] = True
-            out.append(Delta(kind, body))
+    def _as_is(self) -> bool:  # the headers are always cut out
+        return False
 
     def _step(self, final: bool, out: list[Delta]) -> bool:
         if self.state == "header":
