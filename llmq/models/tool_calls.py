@@ -357,6 +357,7 @@ class HarmonyStream(OutputStream):
 
     header: str = ""
     kind: str = "content"  # the open message's: content / reasoning / call
+    name: str = ""  # the function a call message is addressed to
 
     def __post_init__(self):  # harmony's messages say what they are: nothing is open before the first
         if self.fmt.tools is not HARMONY:
@@ -387,7 +388,7 @@ class HarmonyStream(OutputStream):
             channel = re.search(re.escape(H_CHANNEL) + r"\s*(\w+)", self.header)
             to = re.search(r"\bto=functions\.([^\s<]+)", self.header)
             if to is not None and self.tools:
-                self.kind = "call"
+                self.kind, self.name = "call", to.group(1)
             elif channel is not None and channel.group(1) == "analysis":
                 self.kind, self.reasoning_opened, self.reasoning_closed = "reasoning", True, False
             else:
@@ -408,9 +409,7 @@ class HarmonyStream(OutputStream):
             return False
         body = self.buf if j < 0 else self.buf[:j]
         if self.kind == "call":
-            to = re.search(r"\bto=functions\.([^\s<]+)", self.header)
-            out.append(Delta("tool_call", call=_harmony_call(to.group(1) if to else "", body,
-                                                             self.header + body + m)))
+            out.append(Delta("tool_call", call=_harmony_call(self.name, body, self.header + body + m)))
         else:
             self._emit(self.kind, body, out)
             if self.kind == "reasoning" and m:
