@@ -91,6 +91,30 @@ def test_int4_weight_only_matches_dequantized(n, group, asym, rows):
     assert rel_err(layer(x), x.double() @ ref_w.t()) < 1e-2
 
 
+@pytest.mark.parametrize("n,group,asym", [(64, 32, False), (96, 64, True), (48, 32, False)])
+def test_int4_prefill_on_the_blas_computes_the_kernels_numbers(n, group, asym, monkeypatch):
+    """From 128 rows the CPU int4 layer multiplies the weight it dequantizes from PyTorch's packing on the BLAS: the
+    dequantized weight is bit for bit what the kernel multiplies by (the kernel on the identity returns it rounded to
+    bfloat16), and a prefill gives the chunked kernel's outputs up to summation order. A packing it cannot read
+    (N % 32 != 0) keeps the kernel."""
+    q, scale, zero, ref_w = int_weights(n, 128, 4, group, asym, seed=n)
+    layer = Int4WeightOnlyLinear(q, scale, zero, None, torch.float32)
+    assert layer.packed
+    assert layer.unpacks == (n % 32 == 0)
+    x = torch.randn(layer.blas_rows + 72, 128)
+    chunked = torch.cat([layer._kernel(c) for c in x.split(layer.max_kernel_rows)]).float()
+    calls, kernel = [], layer._kernel
+    monkeypatch.setattr(layer, "_kernel", lambda c: (calls.append(len(c)), kernel(c))[1])
+    got = layer(x)
+    assert calls == ([] if layer.unpacks else [32] * 6 + [8])
+    assert rel_err(got, chunked) < 2e-3                          # bfloat16 outputs; a wrong nibble is O(1e-1)
+    assert rel_err(got, x.double() @ ref_w.t()) < 1e-2
+    if layer.unpacks:
+        monkeypatch.undo()
+        eye = layer._kernel(torch.eye(128))                      # [K, N]: row i is input i's weights, in bfloat16
+        assert torch.equal(layer._dequantized_t().bfloat16(), eye)
+
+
 @pytest.mark.parametrize("cls,op", [(Int4WeightOnlyLinear, "_weight_int4pack_mm_for_cpu"),
                                     (Int8WeightOnlyLinear, "_weight_int8pack_mm")])
 def test_packed_kernels_get_contiguous_activations(cls, op, monkeypatch):

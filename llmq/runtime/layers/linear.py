@@ -21,10 +21,11 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
   takes 8 rows and one scale a channel). INT5 and INT8 in groups have no PyTorch kernel: elsewhere they take the
   float path below.
 - INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
-  packing (unsigned nibbles, per-group scale and zero in bfloat16), at every batch size: the kernels take and return
-  bfloat16, so activations are rounded to bfloat16. The layer's kernel is what serve computes and so what the
-  quantize probe measures (the probe runs these layers); shapes no kernel takes fall back to dequantize-on-the-fly,
-  exactly.
+  packing (unsigned nibbles, per-group scale and zero in bfloat16): the kernels take and return bfloat16, so
+  activations are rounded to bfloat16. On CPU, batches of 128+ rows (prefill) compute those numbers with the BLAS
+  matmul on the weight dequantized from the packing (the kernel, a GEMV a row, is 1.3-1.7x slower there on AVX2).
+  The layer's kernel is what serve computes and so what the quantize probe measures (the probe runs these layers);
+  shapes no kernel takes fall back to dequantize-on-the-fly, exactly.
 - W8A8 and FP8 (activations quantized too): act_quant.py; FP4, block FP8, Q4_K and bitsandbytes: their own modules.
 Row/column tensor-parallel splitting happens when weights are loaded; a layer only ever sees its own slice.
 """
@@ -248,7 +249,8 @@ class Int4WeightOnlyLinear(LinearBase):
     """4-bit weights with per-group scales (and zero points). Stored packed for the tinygemm kernels when they
     accept the shape (N % 16 == 0 on CPU, K a multiple of the group size); otherwise as int8 values."""
 
-    max_kernel_rows = 32
+    max_kernel_rows = 32  # rows a kernel call takes
+    blas_rows = 128       # on CPU, from here on the dequantized weight on the BLAS (bench_format_speed's prefill)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bias: torch.Tensor | None,
                  compute_dtype: torch.dtype, int8_activations: bool = False):
@@ -262,11 +264,14 @@ class Int4WeightOnlyLinear(LinearBase):
         set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.lowbit = _lowbit(self, q, scale, zero, 4, int8_activations)
         self.packed = None if self.lowbit else _pack_int4(q, scale, zero, self.group_size)
+        self.unpacks = False  # whether _dequantized_t reads this packing (CPU, N % 32 == 0: checked when packed)
         if self.packed is not None:
             set_buffer(self, "w_packed", self.packed[0])
             set_buffer(self, "scales_zeros", self.packed[1])
+            self.unpacks = self.packed[2]
             self._kdtype = self.packed[1].dtype
             self.packed = kernel_runs(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
+            self.unpacks = self.unpacks and self.packed
         if not self.packed and not self.lowbit:
             set_buffer(self, "q", q.to(torch.int8))
             set_buffer(self, "scale", scale)
@@ -289,6 +294,14 @@ class Int4WeightOnlyLinear(LinearBase):
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w_packed, self.group_size, self.scales_zeros)
         return torch.ops.aten._weight_int4pack_mm(x, self.w_packed, self.group_size, self.scales_zeros)
 
+    def _dequantized_t(self) -> torch.Tensor:
+        """The weight transposed, [K, N] in float32, as the CPU kernel computes it ((u - 8) * s + z, exact) from its
+        packing: blocks of 32 output channels, each K rows of 16 bytes (channel j's nibble low, j + 16's high)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        w = _unpacked_cpu_int4(self.w_packed, n, k).transpose(0, 1).reshape(k // g, g, n).float()
+        sz = self.scales_zeros.float()
+        return w.sub_(8).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1]).view(k, n)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -296,6 +309,8 @@ class Int4WeightOnlyLinear(LinearBase):
             y = _lowbit_mm(self, x2)
         elif self.packed and x2.shape[0] <= self.max_kernel_rows:
             y = self._kernel(x2)
+        elif self.unpacks and x2.shape[0] >= self.blas_rows:  # the kernel's numbers: its rounded x, exact weights
+            y = (_kernel_input(x2, self._kdtype).float() @ self._dequantized_t()).to(self._kdtype)
         elif self.packed:
             y = torch.cat([self._kernel(c) for c in x2.split(self.max_kernel_rows)])
         else:
@@ -337,8 +352,15 @@ def _lowbit_mm(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.lowbit_linear(x, layer.lb_codes, layer.lb_s, layer.lb_sz, bits, group)
 
 
+def _unpacked_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The CPU int4 kernel's packing ([N, K/2] bytes) read back as [N/32, K, 32] nibbles (N % 32 == 0)."""
+    b = packed.view(n // 32, k, 16)
+    return torch.cat([b & 15, b >> 4], dim=2)
+
+
 def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int):
-    """(packed weight, scales_and_zeros [K/g, N, 2]) for the tinygemm kernels, or None when they cannot take it.
+    """(packed weight, scales_and_zeros [K/g, N, 2], whether _unpacked_cpu_int4 reads it back) for the tinygemm
+    kernels, or None when they cannot take it.
 
     tinygemm computes (u - 8) * s + z from unsigned nibbles u; with u = q + offset that equals (q - zero) * s when
     z = (8 - offset - zero) * s.
@@ -366,7 +388,10 @@ def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
             packed = torch.ops.aten._convert_weight_to_int4pack(nib.contiguous(), tiles)
     except RuntimeError:
         return None
-    return packed, sz
+    # PyTorch documents no layout for its CPU packing: the unpacking is used only where it reads back u exactly
+    unpacks = cpu and n % 32 == 0 and torch.equal(
+        _unpacked_cpu_int4(packed, n, k).permute(0, 2, 1).reshape(n, k), u.to(torch.uint8))
+    return packed, sz, unpacks
 
 
 def cuda_inner_k_tiles(k: int) -> int | None:
