@@ -1,8 +1,29 @@
+"""Fixtures. The suite runs on pytest-xdist's two workers (pyproject's addopts), a test file to a worker: each worker
+computes with one thread (two workers on the two cores, not four threads), the files that take longest start first
+(HEAVY: no long file left alone at the end), and the costly session fixtures (the default model and its
+quantizations) are made once, by the first worker to ask, in a store the workers share (`_once`)."""
+
+import fcntl
+import os
+
 import pytest
 from helpers import family_config
 from helpers import make_tiny_model as _make_tiny_model
 
 from llmq.artifacts import Store
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch is imported (nothing above imports it): read once
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# the slowest files (CI's --durations), longest first; the default GPTQ fixture's second user (test_quantize) a few
+# files after its first (test_export_gguf), so that it finds the fixture made rather than waits for it
+HEAVY = ("test_recipe.py", "test_export_gguf.py", "test_eval.py", "test_gemma3.py", "test_hybrid.py",
+         "test_quantize.py", "test_build_default.py", "test_compiled.py", "test_bench.py", "test_server.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(HEAVY)))  # stable: the rest keep their order
 
 
 @pytest.fixture
@@ -68,44 +89,64 @@ def quantized(source, request):
     return get
 
 
+def _shared_root(tmp_path_factory):
+    """The session's temporary root, one for all xdist workers (each worker's base is a directory inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _once(tmp_path_factory, key: str, make) -> str:
+    """make() (a path) run once a session across the workers: the first to ask makes it while the others wait on
+    its lock, then every worker reads what it wrote."""
+    root = _shared_root(tmp_path_factory)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / f"{key}.path"
+        if not done.exists():
+            done.write_text(str(make()))
+        return done.read_text()
+
+
 @pytest.fixture(scope="session")
-def default_model(tmp_path_factory):
-    """The embedded default model (SmolLM2-135M-Instruct) imported into a session store; ~30 s the first time."""
+def default_store(tmp_path_factory):
+    """The session store holding the default model and the quantized artifacts made from it (one for all workers:
+    tests add artifacts to it, never assume what else it holds)."""
+    return Store(_shared_root(tmp_path_factory) / "default-store")
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory, default_store):
+    """The embedded default model (SmolLM2-135M-Instruct) imported into the session store; ~30 s the first time."""
     from llmq.models import resolve_model
 
-    return resolve_model(None, Store(tmp_path_factory.mktemp("default-store")))
+    return default_store.resolve(_once(tmp_path_factory, "default-model",
+                                       lambda: resolve_model(None, default_store).path))
 
 
-@pytest.fixture(scope="session")
-def default_store(default_model):
-    """The session store holding the default model and the quantized artifacts made from it."""
-    return Store(default_model.path.parent.parent)
-
-
-def _default_rtn(default_model, default_store, **kw):
+def _default_quantized(tmp_path_factory, default_model, default_store, key: str, **kw):
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
-    return quantize(default_model, QuantizeOptions(method="rtn", **kw), default_store, progress=False)
+    return default_store.resolve(_once(tmp_path_factory, key, lambda: quantize(
+        default_model, QuantizeOptions(**kw), default_store, progress=False).path))
 
 
 @pytest.fixture(scope="session")
-def default_int4(default_model, default_store):
+def default_int4(tmp_path_factory, default_model, default_store):
     """INT4 RTN (groups of 64) of the default model, made once per session and shared by every integration test."""
-    return _default_rtn(default_model, default_store, bits=4, group_size=64)
+    return _default_quantized(tmp_path_factory, default_model, default_store, "default-int4", method="rtn", bits=4,
+                              group_size=64)
 
 
 @pytest.fixture(scope="session")
-def default_gptq(default_model, default_store):
+def default_gptq(tmp_path_factory, default_model, default_store):
     """INT4 GPTQ (groups of 64, 16 calibration windows of 128 tokens) of the default model, made once per session:
     test_quantize compares it with RTN, test_export_gguf writes it to GGUF."""
-    from llmq.pipeline.quantize import QuantizeOptions, quantize
-
-    return quantize(default_model, QuantizeOptions(bits=4, method="gptq", num_samples=16, seq_len=128), default_store,
-                    progress=False)
+    return _default_quantized(tmp_path_factory, default_model, default_store, "default-gptq", bits=4, method="gptq",
+                              num_samples=16, seq_len=128)
 
 
 @pytest.fixture(scope="session")
-def default_int8(default_model, default_store):
+def default_int8(tmp_path_factory, default_model, default_store):
     """INT8 RTN (per channel) of the default model, made once per session."""
-    return _default_rtn(default_model, default_store, bits=8)
+    return _default_quantized(tmp_path_factory, default_model, default_store, "default-int8", method="rtn", bits=8)
 

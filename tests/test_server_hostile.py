@@ -16,6 +16,8 @@ from helpers import free_port, live_server, wait_for
 
 from llmq.runtime import EngineConfig
 
+pytestmark = pytest.mark.serial  # latency bounds under load (/health under 1 s beside a soak): run alone, not beside
+                                 # another worker's file
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
