@@ -26,6 +26,8 @@ needs_fp8 = pytest.mark.skipif(not cpu_kernels.FP8_FLAGS <= cpu_kernels.cpu_flag
                                reason="fp8_linear needs AVX512-VBMI and AVX512-BF16, which this CPU lacks")
 AVX512 = "avx512bw" in cpu_kernels.cpu_flags()
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="this kernel needs AVX-512, which this CPU lacks")
+needs_avx2 = pytest.mark.skipif(not cpu_kernels.AVX2 <= cpu_kernels.cpu_flags(),   # INT4 / INT5 / Q4_K's kernels
+                                reason="the INT4-tile kernels need AVX2 and FMA at least, which this CPU lacks")
 
 
 @pytest.fixture(params=[True, False], ids=["amx", "vector"])
@@ -34,6 +36,15 @@ def amx(request):
     assert cpu_kernels.available()
     yield cpu_kernels.amx(request.param)
     cpu_kernels.amx(True)
+
+
+@pytest.fixture
+def portable():
+    """The INT4-tile products' AVX2 + FMA loops forced, as a CPU without AVX512-BF16 runs them (this one may have it);
+    off again afterwards."""
+    assert cpu_kernels.available()
+    yield cpu_kernels.portable(True)
+    cpu_kernels.portable(False)
 
 
 def test_kernels_build_here():
@@ -189,6 +200,18 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
     (INT5, and INT8 in groups: against float64 only, PyTorch's INT8 kernel takes one scale a channel). On the vector
     path and, from 10 / 8 rows where the CPU grants it, on AMX (scaled weights split exactly into two bfloat16; 240
     inputs: not a whole number of AMX steps, so the vector path). Every INT5 code and fifth bit is drawn."""
+    _check_lowbit_bf16(bits, n, k, group)
+
+
+@pytest.mark.parametrize("bits,n,k,group", [(4, 96, 576, 64), (4, 48, 1536, 128), (4, 80, 256, 256), (5, 96, 576, 32),
+                                            (5, 48, 1536, 128), (5, 32, 256, 256)])
+def test_lowbit_linear_bf16_without_avx512_is_pytorchs_arithmetic(bits, n, k, group, portable):
+    """The INT4 / INT5 product on the AVX2 loops (a row at a time, and from 6 rows the dequantized weight on the
+    BLAS), held to the same checks as the AVX-512 path."""
+    _check_lowbit_bf16(bits, n, k, group)
+
+
+def _check_lowbit_bf16(bits, n, k, group):
     gen = torch.Generator().manual_seed(n + k)
     q, scale, _ = _weight(bits, n, k, group, False, gen)
     scale = scale.bfloat16().float()  # as llmq's artifacts store them
@@ -225,6 +248,17 @@ def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k, amx)
     where granted); the min term (x's group sums) is what makes the unsigned codes right, so a lost or misplaced one
     fails by orders of magnitude. One-hot rows pick out single weights, which must come back as llama.cpp's float32
     values exactly (AMX's three bfloat16 planes of each weight lose its last bits if one is dropped)."""
+    _check_q4k(n, k)
+
+
+@pytest.mark.parametrize("n,k", [(48, 512), (32, 256)])
+def test_q4k_linear_without_avx512_is_llama_cpps_product(n, k, portable):
+    """Q4_K on the AVX2 loops, held to the same checks as the AVX-512 path (the one-hot picks: on the BLAS path's
+    dequantized weight)."""
+    _check_q4k(n, k)
+
+
+def _check_q4k(n, k):
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(n + k)
     q = torch.randint(0, 16, (n, k), generator=gen)
@@ -627,13 +661,13 @@ def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("bits,int8_activations", [(4, False), (8, False), pytest.param(5, False, marks=needs_bf16),
+@pytest.mark.parametrize("bits,int8_activations", [(4, False), (8, False), pytest.param(5, False, marks=needs_avx2),
                                                    pytest.param(4, True, marks=needs_vnni),
                                                    pytest.param(8, True, marks=needs_vnni),
                                                    pytest.param(16, False, marks=needs_avx512),
                                                    pytest.param("nvfp4", False, marks=needs_avx512),
                                                    pytest.param("mxfp4", False, marks=needs_avx512),
-                                                   pytest.param("q4_k", False, marks=needs_bf16),
+                                                   pytest.param("q4_k", False, marks=needs_avx2),
                                                    pytest.param("fp8_block", False, marks=needs_fp8)])
 @pytest.mark.parametrize("fused_layers", ["all", "odd"])
 def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_activations, fused_layers):
@@ -706,7 +740,7 @@ def test_nope_layers_decode_in_a_stack_of_their_own(tmp_path, make_tiny_model):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
 
 
-@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_bf16), pytest.param(5, marks=needs_bf16),
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=needs_avx2), pytest.param(5, marks=needs_avx2),
                                   pytest.param(8, marks=needs_avx512)])
 def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny_model, bits):
     """A bfloat16 model's INT4 / INT5 / INT8 artifact (bfloat16 scales, as the default model's): prefill and decode
@@ -734,7 +768,8 @@ def test_model_on_lowbit_linear_bf16_equals_pytorchs_kernels(tmp_path, make_tiny
     assert kinds
     assert all(k and k[0] == bits and not k[2] for k in kinds)  # every layer on llmq's kernel
     fits = cpu_kernels.lowbit_fits
-    rounded = SimpleNamespace(linear=lambda x, w: F.linear(x.bfloat16().float(), w).bfloat16().float())
+    rounded = SimpleNamespace(linear=lambda x, w, *bias: F.linear(x, w, *bias) if bias else  # a DenseLinear's: as is
+                              F.linear(x.bfloat16().float(), w).bfloat16().float())
     with mock.patch.object(cpu_kernels, "lowbit_fits", lambda n, k, g, bits, a8: a8 and fits(n, k, g, bits, a8)), \
             mock.patch.object(linear, "F", rounded if bits == 5 else F):
         theirs_tokens, theirs = _step_logits(art.path, prompts)

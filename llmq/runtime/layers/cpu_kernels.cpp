@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -927,13 +928,180 @@ LLMQ_AVX512 void round_groups(const float* x, int64_t count, int64_t group, floa
   }
 }
 
-// x [M, K] (any float dtype) times a packed symmetric INT4 / INT8 weight with bfloat16 scales (as PyTorch's kernels
-// hold them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the way).
+// The INT4-tile products on CPUs with AVX2 + FMA but not AVX512-BF16 (lowbit_linear_bf16's INT4 / INT5, q4k_linear's
+// Q4_K): a tile's 16 rows as two halves of 8 lanes; per 8 inputs, each input's codes u (shifted out of the rows'
+// 32-bit words; INT5's fifth bit from its word of the 32 inputs, int5_pairs' layout) converted to float32 and
+// multiplied by bfloat16(x) (exact: 5 x 8 significant bits); per group the float32 sum less the codes' offset times
+// the group's sum of x (the INT8 kernel's way: no subtraction a weight, sums up to twice as large), times the group's
+// scale (bfloat16 or float32); Mins (Q4_K: unsigned codes) less the min times the group's sum of x; rounded to
+// bfloat16 unless Mins. tile_rows_bf16's numbers up to float32 rounding.
+#define LLMQ_AVX2 __attribute__((target("avx2,fma")))
+
+LLMQ_AVX2 inline __m256 avx2_scales(const uint16_t* p) {  // 8 bfloat16 widened exactly
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+LLMQ_AVX2 inline __m256 avx2_scales(const float* p) { return _mm256_loadu_ps(p); }
+
+LLMQ_AVX2 inline __m256 avx2_bf16_rounded(__m256 v) {  // c10's rounding to bfloat16 (ties to even; NaN stays NaN)
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                                     _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// The 8 inputs at i of a tile's half (its rows 8 half to 8 half + 7: w at the chunk, h the INT5 fifth bits of the 32
+// inputs i belongs to) as two words of whole codes a row: byte j of lo is input j's code, of hi input 4 + j's.
+template <int Bits>
+LLMQ_AVX2 inline void avx2_code_words(const uint8_t* w, __m256i h, int64_t i, int half, __m256i& lo, __m256i& hi) {
+  const __m256i nibbles = _mm256_set1_epi32(0x0F0F0F0F), fifth = _mm256_set1_epi32(0x10101010);
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+  lo = _mm256_and_si256(words, nibbles);   // byte j: input j's low nibble, input 4 + j's high one
+  hi = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
+  if constexpr (Bits == 5) {
+    const __m256i hc = _mm256_srl_epi32(h, _mm_cvtsi32_si128(static_cast<int>(i / 8 % 4)));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(hc, fifth));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(hc, 4), fifth));
+  }
+}
+
+// Input j's codes (of avx2_code_words' 8) as float32.
+LLMQ_AVX2 inline __m256 avx2_code(__m256i lo, __m256i hi, int j) {
+  const __m256i v = j < 4 ? lo : hi;
+  const int shift = 8 * (j % 4);
+  const __m256i u = shift ? _mm256_srli_epi32(v, shift) : v;
+  return _mm256_cvtepi32_ps(shift == 24 ? u : _mm256_and_si256(u, _mm256_set1_epi32(0xFF)));
+}
+
+// One row of x against one tile.
+template <int Bits, typename S, bool Mins>
+LLMQ_AVX2 void avx2_row(const uint8_t* w, const S* s, const float* mins, const float* x, const float* xsum, int64_t k,
+                        int64_t group, float* y) {
+  constexpr int A = 2;
+  const __m256 offset = _mm256_set1_ps(Mins ? 0.f : static_cast<float>(1 << (Bits - 1)));
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m256 gacc[2][A] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
+      if (Bits == 5 && i % 32 == 0) {
+        h[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        h[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+        w += 64;
+      }
+      for (int half = 0; half < 2; ++half) {
+        __m256i lo, hi;
+        avx2_code_words<Bits>(w, h[half], i, half, lo, hi);
+        for (int j = 0; j < 8; ++j) {
+          gacc[half][j % A] = _mm256_fmadd_ps(avx2_code(lo, hi, j), _mm256_broadcast_ss(x + i + j), gacc[half][j % A]);
+        }
+      }
+    }
+    const __m256 xs = _mm256_set1_ps(xsum[g]);
+    for (int half = 0; half < 2; ++half) {
+      __m256 t = _mm256_add_ps(gacc[half][0], gacc[half][1]);
+      t = _mm256_fnmadd_ps(offset, xs, t);  // sum x (u - offset): the offset once a group
+      acc[half] = _mm256_fmadd_ps(t, avx2_scales(s + g * kTile + 8 * half), acc[half]);
+      if constexpr (Mins) acc[half] = _mm256_fnmadd_ps(xs, avx2_scales(mins + g * kTile + 8 * half), acc[half]);
+    }
+  }
+  for (int half = 0; half < 2; ++half) _mm256_storeu_ps(y + 8 * half, Mins ? acc[half] : avx2_bf16_rounded(acc[half]));
+}
+
+// A tile's weight as float32 columns of W^T (wt [K, ld], its 16 columns): (u - offset) s, exact; Q4_K's s u - m in
+// two float32 roundings, as llama.cpp's dequantize_row_q4_K computes it.
+template <int Bits, typename S, bool Mins>
+LLMQ_AVX2 void avx2_dequantize(const uint8_t* w, const S* s, const float* mins, int64_t k, int64_t group, float* wt,
+                               int64_t ld) {
+  const __m256 offset = _mm256_set1_ps(Mins ? 0.f : static_cast<float>(1 << (Bits - 1)));
+  __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int64_t i = 0; i < k; i += 8, w += 64) {
+    if (Bits == 5 && i % 32 == 0) {
+      h[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      h[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+      w += 64;
+    }
+    const int64_t g = i / group;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sg = avx2_scales(s + g * kTile + 8 * half);
+      __m256i lo, hi;
+      avx2_code_words<Bits>(w, h[half], i, half, lo, hi);
+      for (int j = 0; j < 8; ++j) {
+        const __m256 u = avx2_code(lo, hi, j);
+        const __m256 v = Mins ? _mm256_sub_ps(_mm256_mul_ps(u, sg), avx2_scales(mins + g * kTile + 8 * half))
+                              : _mm256_mul_ps(_mm256_sub_ps(u, offset), sg);
+        _mm256_storeu_ps(wt + (i + j) * ld + 8 * half, v);
+      }
+    }
+  }
+}
+
+constexpr int64_t kPortableBlasFrom = 6;  // rows from which the dequantized weight on the BLAS is faster (Zen 2: even
+                                          // at 4, 1.3x at 8, 2x at 16)
+constexpr int64_t kPortableChunk = 16;    // tiles dequantized for one BLAS call: 256 output rows
+
+// The product on the AVX2 loops: a row at a time (avx2_row) for decode; from kPortableBlasFrom rows, bfloat16(x)
+// times the dequantized weight on the BLAS, kPortableChunk tiles at a time (the same exact products, summed in
+// another order), into a buffer a thread keeps (a fresh one faulted its pages in on every call: ~2x the time).
+template <int Bits, typename S, bool Mins>
+void portable_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const S* s, const float* mins,
+                      int64_t tiles, int64_t groups, int64_t group, float* y) {
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "llmq's INT4-tile kernels need a CPU with AVX2 and FMA at least");
+  std::vector<float> xb(m * k), xsum(m * groups);  // x rounded to bfloat16 as c10 rounds (float32), its group sums
+  for (int64_t i = 0; i < m * k; ++i) xb[i] = static_cast<float>(c10::BFloat16(x[i]));
+  for (int64_t i = 0; i < m * groups; ++i) {
+    xsum[i] = std::accumulate(xb.begin() + i * group, xb.begin() + (i + 1) * group, 0.f);
+  }
+  const int64_t tile_bytes = kTile * k * Bits / 8, n = tiles * kTile;
+  if (m >= kPortableBlasFrom) {
+    const at::Tensor xt = at::from_blob(xb.data(), {m, k}, at::kFloat), yt = at::from_blob(y, {m, n}, at::kFloat);
+    thread_local std::vector<float> buffer;
+    buffer.resize(std::max<size_t>(buffer.size(), k * kPortableChunk * kTile));
+    float* wp = buffer.data();
+    for (int64_t t0 = 0; t0 < tiles; t0 += kPortableChunk) {
+      const int64_t t1 = std::min(tiles, t0 + kPortableChunk), cols = (t1 - t0) * kTile;
+      const at::Tensor wt = at::from_blob(wp, {k, cols}, at::kFloat);
+      at::parallel_for(t0, t1, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; ++t) {
+          avx2_dequantize<Bits, S, Mins>(w + t * tile_bytes, s + t * groups * kTile,
+                                         Mins ? mins + t * groups * kTile : nullptr, k, group,
+                                         wp + (t - t0) * kTile, cols);
+        }
+      });
+      const at::Tensor yc = at::mm(xt, wt);
+      yt.narrow(1, t0 * kTile, cols).copy_(Mins ? yc : yc.to(at::kBFloat16));
+    }
+    return;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t r = 0; r < m; ++r) {
+        avx2_row<Bits, S, Mins>(w + t * tile_bytes, s + t * groups * kTile, Mins ? mins + t * groups * kTile : nullptr,
+                                xb.data() + r * k, xsum.data() + r * groups, k, group, y + r * n + t * kTile);
+      }
+    }
+  });
+}
+
+std::atomic<bool> portable_forced{false};
+
+// Whether lowbit_linear_bf16 (INT4 / INT5) and q4k_linear take their portable paths on a CPU with AVX512-BF16 too
+// (tests compare the two paths on one machine); returns the setting.
+bool portable(bool force) {
+  portable_forced = force;
+  return force;
+}
+
+// x [M, K] (any float dtype) times a packed symmetric INT4 / INT5 / INT8 weight with bfloat16 scales (as PyTorch's
+// kernels hold them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the
+// way). INT8 needs AVX-512; INT4 / INT5 run anywhere, on AVX512-BF16 below, elsewhere on the portable loops.
 at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t bits,
                               int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "lowbit_linear_bf16: bits must be 4, 5 or 8");
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw") && (bits == 8 || __builtin_cpu_supports("avx512bf16")),
-              "lowbit_linear_bf16 needs a CPU with AVX-512 (and AVX512-BF16 for INT4 / INT5)");
+  const bool avx512 = __builtin_cpu_supports("avx512bw") && (bits == 8 || __builtin_cpu_supports("avx512bf16"));
+  TORCH_CHECK(avx512 || bits != 8, "lowbit_linear_bf16 needs a CPU with AVX-512 for INT8");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "lowbit_linear_bf16: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kBFloat16 && s.dim() == 3 && s.size(2) == kTile &&
               w.is_contiguous() && s.is_contiguous(), "lowbit_linear_bf16: bad packed weight (bfloat16 scales)");
@@ -948,6 +1116,11 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
+  if (bits != 8 && (!avx512 || portable_forced)) {
+    if (bits == 5) portable_product<5, uint16_t, false>(src, m, k, wp, sp, nullptr, tiles, groups, group, yp);
+    else portable_product<4, uint16_t, false>(src, m, k, wp, sp, nullptr, tiles, groups, group, yp);
+    return y;
+  }
   if (use_amx(m, k, bits == 8 ? kAmxFromInt8 : kAmxFromInt4)) {
     if (bits == 4) amx_product<Codes::kInt4>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
     else if (bits == 5) amx_product<Codes::kInt5>(src, m, k, wp, sp, tiles, groups, group, 1.f, yp);
@@ -1071,8 +1244,6 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // each unpacked weight vector across 8 rows, or runs on AMX (q4k_weight_pairs: s u - m in three bfloat16 planes).
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mins,
                       int64_t group) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"),
-              "q4k_linear needs a CPU with AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "q4k_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && mins.dtype() == at::kFloat && s.dim() == 3 &&
               s.size(2) == kTile && mins.sizes() == s.sizes() && w.is_contiguous() && s.is_contiguous() &&
@@ -1086,6 +1257,10 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = w.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = mins.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (!(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16")) || portable_forced) {
+    portable_product<4, float, true>(src, m, k, wp, sp, mp, tiles, groups, group, yp);
+    return y;
+  }
   if (use_amx(m, k, kAmxFromQ4k)) {
     const std::vector<uint32_t> xa = amx_x(src, m, k, false);
     const auto fill = [&](int64_t t, uint32_t* b) {
@@ -2110,6 +2285,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
   m.def("amx(bool enable) -> bool", &amx);
+  m.def("portable(bool force) -> bool", &portable);
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
   m.def("q4k_linear(Tensor x, Tensor w, Tensor s, Tensor mins, int group) -> Tensor");

@@ -5,13 +5,16 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
   row's activations rounded to int8 per block of 32 inputs (quant.quantize_blocks), as llama.cpp's Q4_0 x Q8_0 are,
   summed on integers; the rounding is an approximation beyond the weights', hence opt-in. `reference` is its float64
   arithmetic.
-- `lowbit_linear_bf16` (default; INT4: AVX512-BF16, INT8: AVX-512): the same packed weights times bfloat16(x),
+- `lowbit_linear_bf16` (default; INT4 / INT5: AVX2, INT8: AVX-512): the same packed weights times bfloat16(x),
   float32 sums: PyTorch's INT4 / INT8 kernels' numbers up to summation order; on AMX where Linux grants the tile
-  state (arch_prctl, not cpuid: a VM may advertise AMX and fault), scaled weights split exactly into bfloat16 hi + lo.
-  Layers whose scales or zero points PyTorch's kernels would round keep those kernels. LLMQ_AMX=0 turns AMX off.
-- `q4k_linear` (AVX512-BF16): GGML's Q4_K (unsigned codes in the INT4 tiles, float32 scale and min per 32 inputs)
-  times bfloat16(x), float32 sums: the reference layer's product up to x's rounding; on AMX from 16 rows, each weight
-  s u - m (float32) split exactly into three bfloat16.
+  state (arch_prctl, not cpuid: a VM may advertise AMX and fault), scaled weights split exactly into bfloat16 hi +
+  lo. Without AVX512-BF16, INT4 / INT5 run on AVX2 + FMA loops over the same tiles (a row at a time; from 6 rows the
+  weight dequantized a chunk at a time on the BLAS): INT5 had no kernel there, and PyTorch's INT4 one is half their
+  speed at batch 1. Layers whose scales or zero points PyTorch's kernels would round keep those kernels. LLMQ_AMX=0
+  turns AMX off.
+- `q4k_linear` (AVX512-BF16, or lowbit_linear_bf16's AVX2 loops): GGML's Q4_K (unsigned codes in the INT4 tiles,
+  float32 scale and min per 32 inputs) times bfloat16(x), float32 sums: the reference layer's product up to x's
+  rounding; on AMX from 16 rows, each weight s u - m (float32) split exactly into three bfloat16.
 - `fp8_linear` (AVX512-VBMI, -BF16): block FP8 (W8A8) bytes in the INT8 tiles decoded exactly by table lookups,
   times the activations rounded to E4M3 per row and group in the kernel (`fp8_token_groups`:
   quant.quantize_token_groups' numbers), every product exact in bfloat16: the reference layer's product from the
@@ -56,6 +59,7 @@ BLOCK = 32  # inputs per activation scale
 TILE = 16  # output rows per packed tile
 _VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 FP8_FLAGS = frozenset({"avx512bw", "avx512vbmi", "avx512_bf16"})   # fp8_linear's
+AVX2 = frozenset({"avx2", "fma"})   # the INT4-tile products' loops without AVX512-BF16
 BUILD_WAIT = 600.0  # seconds to wait for another process's build (one takes ~15-25 s on 2 cores)
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,13 @@ def amx(enable: bool) -> bool:
     12 / 16 rows, where Linux grants the tile state); whether it is on now. LLMQ_AMX=0 starts a process with it off,
     for comparing the two paths."""
     return bool(torch.ops.llmq_cpu.amx(enable))
+
+
+def portable(force: bool) -> bool:
+    """Make lowbit_linear_bf16 (INT4 / INT5) and q4k_linear take their AVX2 + FMA loops (what CPUs without
+    AVX512-BF16 run) on a CPU that has AVX512-BF16 too, for comparing the two paths on one machine; returns the
+    setting."""
+    return bool(torch.ops.llmq_cpu.portable(force))
 
 
 def _build(wait: float = BUILD_WAIT) -> bool:
@@ -150,10 +161,11 @@ def usable(t: torch.Tensor) -> bool:
 
 def lowbit_fits(n: int, k: int, group: int, bits: int, int8_activations: bool) -> bool:
     """Whether a [n, k] weight in groups of `group` inputs (k: per channel) can take the low-bit kernels here:
-    lowbit_linear (INT4 / INT8, int8 activations, AVX512-VNNI) or lowbit_linear_bf16 (INT4 / INT5: AVX512-BF16,
-    INT8: AVX-512)."""
+    lowbit_linear (INT4 / INT8, int8 activations, AVX512-VNNI) or lowbit_linear_bf16 (INT4 / INT5: AVX512-BF16 or
+    the AVX2 + FMA loops, INT8: AVX-512)."""
     shape = n % TILE == 0 and k % BLOCK == 0 and group % BLOCK == 0 and k % group == 0
-    bf16 = {"avx512bw", "avx512_bf16"} <= cpu_flags() if bits in (4, 5) else "avx512bw" in cpu_flags()
+    flags = cpu_flags()
+    bf16 = {"avx512bw", "avx512_bf16"} <= flags or AVX2 <= flags if bits in (4, 5) else "avx512bw" in flags
     return shape and (bits != 5 and set(_VNNI) <= cpu_flags() if int8_activations else bf16)
 
 
@@ -234,8 +246,11 @@ def fp4_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, group: int
 
 
 def q4k_fits(n: int, k: int) -> bool:
-    """Whether a Q4_K weight [n, k] takes q4k_linear here (a CPU with AVX512-BF16, the kernels built)."""
-    return n % TILE == 0 and k % BLOCK == 0 and {"avx512bw", "avx512_bf16"} <= cpu_flags() and available()
+    """Whether a Q4_K weight [n, k] takes q4k_linear here (a CPU with AVX512-BF16 or AVX2 + FMA, the kernels
+    built)."""
+    flags = cpu_flags()
+    return n % TILE == 0 and k % BLOCK == 0 and ({"avx512bw", "avx512_bf16"} <= flags or AVX2 <= flags) and \
+        available()
 
 
 def pack_q4k(codes: torch.Tensor, s: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,

@@ -14,12 +14,12 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
   CPU it takes bfloat16 activations and scales and returns bfloat16, so steps compute with activations and outputs
   rounded to bfloat16 (2^-8 relative); larger batches compute those numbers with the BLAS matmul on the dequantized
   weight (grouped scales, which the kernel does not take: in the compute dtype).
-- INT4 / INT5 / INT8 weight-only, symmetric with bfloat16 scales, on x86 CPUs with AVX512-BF16 (INT8: AVX-512):
-  llmq's kernel (cpu_kernels.lowbit_linear_bf16) on packed tiles (INT5 in 5 bits a weight), computing what PyTorch's
-  kernels below compute (bfloat16 activations times the exact weights, float32 sums, bfloat16 out; only the
-  summation order differs), 2x+ faster at batch 1, and the same arithmetic at every batch size (PyTorch's INT8 one
-  takes 8 rows and one scale a channel). INT5 and INT8 in groups have no PyTorch kernel: elsewhere they take the
-  float path below.
+- INT4 / INT5 / INT8 weight-only, symmetric with bfloat16 scales, on x86 CPUs with AVX512-BF16, or AVX2 + FMA for
+  INT4 / INT5 (INT8: AVX-512): llmq's kernel (cpu_kernels.lowbit_linear_bf16) on packed tiles (INT5 in 5 bits a
+  weight), computing what PyTorch's kernels below compute (bfloat16 activations times the exact weights, float32
+  sums, bfloat16 out; only the summation order differs), 2x+ faster at batch 1 (AVX2: 1.9x), and the same arithmetic
+  at every batch size (PyTorch's INT8 one takes 8 rows and one scale a channel). INT8 in groups has no PyTorch
+  kernel: without AVX-512 it takes the float path below.
 - INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
   packing (unsigned nibbles, per-group scale and zero in bfloat16): the kernels take and return bfloat16, so
   activations are rounded to bfloat16. On CPU, batches of 128+ rows (prefill) compute those numbers with the BLAS
