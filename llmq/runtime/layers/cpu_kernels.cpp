@@ -1037,13 +1037,76 @@ LLMQ_AVX2 void avx2_dequantize(const uint8_t* w, const S* s, const float* mins, 
   }
 }
 
+// FP4 (fp4_linear) on the AVX2 loops: an E2M1 code's magnitude looked up by its low 3 bits (vpermps reads only those
+// bits of a lane), its sign bit moved to bit 31; float32 x, per group the sums times the block scale, divided by
+// `divisor`: tile_rows_fp4's numbers up to float32 rounding.
+LLMQ_AVX2 inline __m256 avx2_fp4(__m256i words, int j) {  // input j (of 8) of a tile half's rows, as float32
+  const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const int shift = j < 4 ? 8 * j : 8 * (j - 4) + 4;
+  const __m256i u = shift ? _mm256_srli_epi32(words, shift) : words;
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(u, 28), _mm256_set1_epi32(INT32_MIN));
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(table, u), _mm256_castsi256_ps(sign));
+}
+
+template <typename S>
+LLMQ_AVX2 void avx2_fp4_row(const uint8_t* w, const S* s, const float* x, int64_t k, int64_t group, float divisor,
+                            float* y) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m256 gacc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {
+      for (int half = 0; half < 2; ++half) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+        for (int j = 0; j < 8; ++j) {
+          gacc[half][j % 2] = _mm256_fmadd_ps(avx2_fp4(words, j), _mm256_broadcast_ss(x + i + j), gacc[half][j % 2]);
+        }
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      acc[half] = _mm256_fmadd_ps(_mm256_add_ps(gacc[half][0], gacc[half][1]), avx2_scales(s + g * kTile + 8 * half),
+                                  acc[half]);
+    }
+  }
+  for (int half = 0; half < 2; ++half) _mm256_storeu_ps(y + 8 * half, _mm256_div_ps(acc[half], _mm256_set1_ps(divisor)));
+}
+
+template <typename S>  // a tile's FP4 weight as float32 columns of W^T: code value times block scale
+LLMQ_AVX2 void avx2_fp4_dequantize(const uint8_t* w, const S* s, int64_t k, int64_t group, float* wt, int64_t ld) {
+  for (int64_t i = 0; i < k; i += 8, w += 64) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sg = avx2_scales(s + i / group * kTile + 8 * half);
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wt + (i + j) * ld + 8 * half, _mm256_mul_ps(avx2_fp4(words, j), sg));
+    }
+  }
+}
+
 constexpr int64_t kPortableBlasFrom = 6;  // rows from which the dequantized weight on the BLAS is faster (Zen 2: even
                                           // at 4, 1.3x at 8, 2x at 16)
 constexpr int64_t kPortableChunk = 16;    // tiles dequantized for one BLAS call: 256 output rows
 
+// y [m, n] = x [m, k] times the weight fill(tile, wt, ld) writes (a tile's 16 float32 columns of W^T) on the BLAS,
+// kPortableChunk tiles at a time, into a buffer the thread keeps (a fresh one faulted its pages in on every call: ~2x
+// the time); each chunk's product through finish before it is stored.
+template <typename Fill, typename Finish>
+void blas_chunks(const float* x, int64_t m, int64_t k, int64_t tiles, float* y, const Fill& fill, const Finish& finish) {
+  const int64_t n = tiles * kTile;
+  const at::Tensor xt = at::from_blob(const_cast<float*>(x), {m, k}, at::kFloat);
+  const at::Tensor yt = at::from_blob(y, {m, n}, at::kFloat);
+  thread_local std::vector<float> buffer;
+  buffer.resize(std::max<size_t>(buffer.size(), k * kPortableChunk * kTile));
+  float* wp = buffer.data();
+  for (int64_t t0 = 0; t0 < tiles; t0 += kPortableChunk) {
+    const int64_t t1 = std::min(tiles, t0 + kPortableChunk), cols = (t1 - t0) * kTile;
+    at::parallel_for(t0, t1, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) fill(t, wp + (t - t0) * kTile, cols);
+    });
+    yt.narrow(1, t0 * kTile, cols).copy_(finish(at::mm(xt, at::from_blob(wp, {k, cols}, at::kFloat))));
+  }
+}
+
 // The product on the AVX2 loops: a row at a time (avx2_row) for decode; from kPortableBlasFrom rows, bfloat16(x)
-// times the dequantized weight on the BLAS, kPortableChunk tiles at a time (the same exact products, summed in
-// another order), into a buffer a thread keeps (a fresh one faulted its pages in on every call: ~2x the time).
+// times the dequantized weight on the BLAS (the same exact products, summed in another order).
 template <int Bits, typename S, bool Mins>
 void portable_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const S* s, const float* mins,
                       int64_t tiles, int64_t groups, int64_t group, float* y) {
@@ -1056,23 +1119,11 @@ void portable_product(const float* x, int64_t m, int64_t k, const uint8_t* w, co
   }
   const int64_t tile_bytes = kTile * k * Bits / 8, n = tiles * kTile;
   if (m >= kPortableBlasFrom) {
-    const at::Tensor xt = at::from_blob(xb.data(), {m, k}, at::kFloat), yt = at::from_blob(y, {m, n}, at::kFloat);
-    thread_local std::vector<float> buffer;
-    buffer.resize(std::max<size_t>(buffer.size(), k * kPortableChunk * kTile));
-    float* wp = buffer.data();
-    for (int64_t t0 = 0; t0 < tiles; t0 += kPortableChunk) {
-      const int64_t t1 = std::min(tiles, t0 + kPortableChunk), cols = (t1 - t0) * kTile;
-      const at::Tensor wt = at::from_blob(wp, {k, cols}, at::kFloat);
-      at::parallel_for(t0, t1, 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t t = lo; t < hi; ++t) {
-          avx2_dequantize<Bits, S, Mins>(w + t * tile_bytes, s + t * groups * kTile,
-                                         Mins ? mins + t * groups * kTile : nullptr, k, group,
-                                         wp + (t - t0) * kTile, cols);
-        }
-      });
-      const at::Tensor yc = at::mm(xt, wt);
-      yt.narrow(1, t0 * kTile, cols).copy_(Mins ? yc : yc.to(at::kBFloat16));
-    }
+    const auto fill = [&](int64_t t, float* wt, int64_t ld) {
+      avx2_dequantize<Bits, S, Mins>(w + t * tile_bytes, s + t * groups * kTile,
+                                     Mins ? mins + t * groups * kTile : nullptr, k, group, wt, ld);
+    };
+    blas_chunks(xb.data(), m, k, tiles, y, fill, [](const at::Tensor& c) { return Mins ? c : c.to(at::kBFloat16); });
     return;
   }
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
@@ -1087,8 +1138,8 @@ void portable_product(const float* x, int64_t m, int64_t k, const uint8_t* w, co
 
 std::atomic<bool> portable_forced{false};
 
-// Whether lowbit_linear_bf16 (INT4 / INT5) and q4k_linear take their portable paths on a CPU with AVX512-BF16 too
-// (tests compare the two paths on one machine); returns the setting.
+// Whether lowbit_linear_bf16 (INT4 / INT5), q4k_linear and fp4_linear take their AVX2 loops on a CPU with AVX-512
+// too (tests compare the two paths on one machine); returns the setting.
 bool portable(bool force) {
   portable_forced = force;
   return force;
@@ -1428,7 +1479,9 @@ at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // x [M, K] (any float dtype) times a packed FP4 weight (codes in the INT4 layout, block scales per (tile, group, row)
 // in bfloat16 or float32) -> [M, N] float32, divided by `divisor`.
 at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, double divisor) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "fp4_linear needs a CPU with AVX-512");
+  const bool avx512 = __builtin_cpu_supports("avx512bw") && !portable_forced;
+  TORCH_CHECK(avx512 || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")),
+              "fp4_linear needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "fp4_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && (s.dtype() == at::kBFloat16 || s.dtype() == at::kFloat) && s.dim() == 3 &&
               s.size(2) == kTile && w.is_contiguous() && s.is_contiguous(), "fp4_linear: bad packed weight");
@@ -1441,6 +1494,29 @@ at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const float dv = static_cast<float>(divisor);
+  if (!avx512) {  // the AVX2 loops: a row at a time, from kPortableBlasFrom rows the dequantized weight on the BLAS
+    const auto run = [&](auto* sp) {
+      using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
+      if (m >= kPortableBlasFrom) {
+        const auto fill = [&](int64_t t, float* wt, int64_t ld) {
+          avx2_fp4_dequantize<S>(wp + t * kTile * k / 2, sp + t * groups * kTile, k, group, wt, ld);
+        };
+        blas_chunks(xp, m, k, tiles, yp, fill, [&](const at::Tensor& c) { return c / static_cast<double>(dv); });
+        return;
+      }
+      at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; ++t) {
+          for (int64_t r = 0; r < m; ++r) {
+            avx2_fp4_row<S>(wp + t * kTile * k / 2, sp + t * groups * kTile, xp + r * k, k, group, dv,
+                            yp + r * n + t * kTile);
+          }
+        }
+      });
+    };
+    if (s.dtype() == at::kFloat) run(s.data_ptr<float>());
+    else run(reinterpret_cast<const uint16_t*>(s.data_ptr()));
+    return y;
+  }
   if (s.dtype() == at::kBFloat16 && use_amx(m, k, kAmxFromFp4)) {
     amx_product<Codes::kFp4>(xp, m, k, wp, reinterpret_cast<const uint16_t*>(s.data_ptr()), tiles, groups, group, dv,
                              yp);

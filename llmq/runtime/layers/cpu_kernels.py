@@ -22,8 +22,8 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
 - `table_linear` (AVX-512): bitsandbytes' NF4 / FP4 codes in the INT4 tiles looked up in their 16-value table, times
   the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums; on
   AMX where the weights and x split exactly into at most three bfloat16 products a step (bfloat16 weights or x).
-- `fp4_linear` (AVX-512): NVFP4 / MXFP4 codes in the INT4 tiles decoded exactly by a 16-entry table, float32 sums:
-  the dense FP4 path's numbers from the packed bytes.
+- `fp4_linear` (AVX-512, or AVX2 loops like lowbit_linear_bf16's): NVFP4 / MXFP4 codes in the INT4 tiles decoded
+  exactly by a 16-entry table, float32 sums: the dense FP4 path's numbers from the packed bytes.
 - `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
   dispatches several operations; the same arithmetic as norm.py / rotary.py / attention.py.
 - `dense16_linear` (AVX-512): a 16-bit weight as stored times float32 activations, F.linear's numbers on the float32
@@ -98,8 +98,8 @@ def amx(enable: bool) -> bool:
 
 
 def portable(force: bool) -> bool:
-    """Make lowbit_linear_bf16 (INT4 / INT5) and q4k_linear take their AVX2 + FMA loops (what CPUs without
-    AVX512-BF16 run) on a CPU that has AVX512-BF16 too, for comparing the two paths on one machine; returns the
+    """Make lowbit_linear_bf16 (INT4 / INT5), q4k_linear and fp4_linear take their AVX2 + FMA loops (what CPUs
+    without AVX-512 run) on a CPU that has it too, for comparing the two paths on one machine; returns the
     setting."""
     return bool(torch.ops.llmq_cpu.portable(force))
 
@@ -170,9 +170,11 @@ def lowbit_fits(n: int, k: int, group: int, bits: int, int8_activations: bool) -
 
 
 def fp4_fits(n: int, k: int, group: int) -> bool:
-    """Whether an FP4 weight [n, k] in blocks of `group` takes fp4_linear here (a CPU with AVX-512, the kernels
-    built)."""
-    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and "avx512bw" in cpu_flags() and available()
+    """Whether an FP4 weight [n, k] in blocks of `group` takes fp4_linear here (a CPU with AVX-512 or AVX2 + FMA, the
+    kernels built)."""
+    flags = cpu_flags()
+    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and ("avx512bw" in flags or AVX2 <= flags) and \
+        available()
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
