@@ -1038,14 +1038,16 @@ LLMQ_AVX2 void avx2_dequantize(const uint8_t* w, const S* s, const float* mins, 
 }
 
 // FP4 (fp4_linear) on the AVX2 loops: an E2M1 code's magnitude looked up by its low 3 bits (vpermps reads only those
-// bits of a lane), its sign bit moved to bit 31; float32 x, per group the sums times the block scale, divided by
-// `divisor`: tile_rows_fp4's numbers up to float32 rounding.
+// bits of a lane) and its sign bit xored into bit 31 by the code shifted up 28 (its low bits land on 28-30 too, which
+// the table holds xored in already, so the xor takes them out again); float32 x, per group the sums times the block
+// scale, divided by `divisor`: tile_rows_fp4's numbers up to float32 rounding.
 LLMQ_AVX2 inline __m256 avx2_fp4(__m256i words, int j) {  // input j (of 8) of a tile half's rows, as float32
-  const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256 table = _mm256_xor_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                                           28)));
   const int shift = j < 4 ? 8 * j : 8 * (j - 4) + 4;
   const __m256i u = shift ? _mm256_srli_epi32(words, shift) : words;
-  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(u, 28), _mm256_set1_epi32(INT32_MIN));
-  return _mm256_xor_ps(_mm256_permutevar8x32_ps(table, u), _mm256_castsi256_ps(sign));
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(table, u), _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));
 }
 
 template <typename S>
