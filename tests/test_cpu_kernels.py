@@ -39,12 +39,12 @@ def amx(request):
 
 
 @pytest.fixture
-def portable():
+def avx2_only():
     """The INT4-tile products' AVX2 + FMA loops forced, as a CPU without AVX512-BF16 runs them (this one may have it);
     off again afterwards."""
     assert cpu_kernels.available()
-    yield cpu_kernels.portable(True)
-    cpu_kernels.portable(False)
+    yield cpu_kernels.avx2_only(True)
+    cpu_kernels.avx2_only(False)
 
 
 def test_kernels_build_here():
@@ -205,7 +205,7 @@ def test_lowbit_linear_bf16_is_pytorchs_arithmetic(bits, n, k, group, amx):
 
 @pytest.mark.parametrize("bits,n,k,group", [(4, 96, 576, 64), (4, 48, 1536, 128), (4, 80, 256, 256), (5, 96, 576, 32),
                                             (5, 48, 1536, 128), (5, 32, 256, 256)])
-def test_lowbit_linear_bf16_without_avx512_is_pytorchs_arithmetic(bits, n, k, group, portable):
+def test_lowbit_linear_bf16_without_avx512_is_pytorchs_arithmetic(bits, n, k, group, avx2_only):
     """The INT4 / INT5 product on the AVX2 loops (a row at a time, and from 6 rows the dequantized weight on the
     BLAS), held to the same checks as the AVX-512 path."""
     _check_lowbit_bf16(bits, n, k, group)
@@ -252,7 +252,7 @@ def test_q4k_linear_is_bfloat16_x_times_llama_cpps_dequantized_weight(n, k, amx)
 
 
 @pytest.mark.parametrize("n,k", [(48, 512), (32, 256)])
-def test_q4k_linear_without_avx512_is_llama_cpps_product(n, k, portable):
+def test_q4k_linear_without_avx512_is_llama_cpps_product(n, k, avx2_only):
     """Q4_K on the AVX2 loops, held to the same checks as the AVX-512 path (the one-hot picks: on the BLAS path's
     dequantized weight)."""
     _check_q4k(n, k)
@@ -374,7 +374,7 @@ def test_fp4_linear_decodes_every_code_and_scale_as_the_float64_reference(fmt, a
 
 @needs_avx2
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_linear_without_avx512_decodes_as_the_float64_reference(fmt, portable):
+def test_fp4_linear_without_avx512_decodes_as_the_float64_reference(fmt, avx2_only):
     """fp4_linear on the AVX2 loops (a row at a time; from 6 rows the dequantized weight on the BLAS), held to the
     same checks as the AVX-512 path."""
     _check_fp4(fmt)

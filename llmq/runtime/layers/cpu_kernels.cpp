@@ -974,6 +974,13 @@ LLMQ_AVX2 inline __m256 avx2_code(__m256i lo, __m256i hi, int j) {
   return _mm256_cvtepi32_ps(shift == 24 ? u : _mm256_and_si256(u, _mm256_set1_epi32(0xFF)));
 }
 
+// INT5: the fifth bits of the next 32 inputs (64 bytes: a word a row), both halves; w advances past them.
+LLMQ_AVX2 inline void avx2_fifth_bits(const uint8_t*& w, __m256i (&h)[2]) {
+  h[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  h[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+  w += 64;
+}
+
 // One row of x against one tile.
 template <int Bits, typename S, bool Mins>
 LLMQ_AVX2 void avx2_row(const uint8_t* w, const S* s, const float* mins, const float* x, const float* xsum, int64_t k,
@@ -985,11 +992,7 @@ LLMQ_AVX2 void avx2_row(const uint8_t* w, const S* s, const float* mins, const f
   for (int64_t g = 0; g < k / group; ++g) {
     __m256 gacc[2][A] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {  // 64 bytes = 16 rows x 8 inputs
-      if (Bits == 5 && i % 32 == 0) {
-        h[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-        h[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
-        w += 64;
-      }
+      if (Bits == 5 && i % 32 == 0) avx2_fifth_bits(w, h);
       for (int half = 0; half < 2; ++half) {
         __m256i lo, hi;
         avx2_code_words<Bits>(w, h[half], i, half, lo, hi);
@@ -1017,11 +1020,7 @@ LLMQ_AVX2 void avx2_dequantize(const uint8_t* w, const S* s, const float* mins, 
   const __m256 offset = _mm256_set1_ps(Mins ? 0.f : static_cast<float>(1 << (Bits - 1)));
   __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int64_t i = 0; i < k; i += 8, w += 64) {
-    if (Bits == 5 && i % 32 == 0) {
-      h[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-      h[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
-      w += 64;
-    }
+    if (Bits == 5 && i % 32 == 0) avx2_fifth_bits(w, h);
     const int64_t g = i / group;
     for (int half = 0; half < 2; ++half) {
       const __m256 sg = avx2_scales(s + g * kTile + 8 * half);
@@ -1083,23 +1082,36 @@ LLMQ_AVX2 void avx2_fp4_dequantize(const uint8_t* w, const S* s, int64_t k, int6
   }
 }
 
-constexpr int64_t kPortableBlasFrom = 6;  // rows from which the dequantized weight on the BLAS is faster (Zen 2: even
-                                          // at 4, 1.3x at 8, 2x at 16)
-constexpr int64_t kPortableChunk = 16;    // tiles dequantized for one BLAS call: 256 output rows
+std::atomic<bool> avx2_forced{false};  // avx2_only: the AVX2 loops on a CPU with AVX-512 too
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// Over every tile (threads split the tiles) and every row of x: row(tile, row), for the AVX2 loops' one-row kernels.
+template <typename Row>
+void for_tile_rows(int64_t tiles, int64_t m, const Row& row) {
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t r = 0; r < m; ++r) row(t, r);
+    }
+  });
+}
+
+constexpr int64_t kAvx2BlasFrom = 6;  // rows from which the dequantized weight on the BLAS is faster (a Zen 2)
+constexpr int64_t kAvx2Chunk = 16;    // tiles dequantized for one BLAS call: 256 output rows
 
 // y [m, n] = x [m, k] times the weight fill(tile, wt, ld) writes (a tile's 16 float32 columns of W^T) on the BLAS,
-// kPortableChunk tiles at a time, into a buffer the thread keeps (a fresh one faulted its pages in on every call: ~2x
-// the time); each chunk's product through finish before it is stored.
+// kAvx2Chunk tiles at a time, into a buffer the thread keeps (a fresh one faulted its pages in on every call);
+// each chunk's product through finish before it is stored.
 template <typename Fill, typename Finish>
 void blas_chunks(const float* x, int64_t m, int64_t k, int64_t tiles, float* y, const Fill& fill, const Finish& finish) {
   const int64_t n = tiles * kTile;
   const at::Tensor xt = at::from_blob(const_cast<float*>(x), {m, k}, at::kFloat);
   const at::Tensor yt = at::from_blob(y, {m, n}, at::kFloat);
   thread_local std::vector<float> buffer;
-  buffer.resize(std::max<size_t>(buffer.size(), k * kPortableChunk * kTile));
+  buffer.resize(std::max<size_t>(buffer.size(), k * kAvx2Chunk * kTile));
   float* wp = buffer.data();
-  for (int64_t t0 = 0; t0 < tiles; t0 += kPortableChunk) {
-    const int64_t t1 = std::min(tiles, t0 + kPortableChunk), cols = (t1 - t0) * kTile;
+  for (int64_t t0 = 0; t0 < tiles; t0 += kAvx2Chunk) {
+    const int64_t t1 = std::min(tiles, t0 + kAvx2Chunk), cols = (t1 - t0) * kTile;
     at::parallel_for(t0, t1, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) fill(t, wp + (t - t0) * kTile, cols);
     });
@@ -1107,20 +1119,19 @@ void blas_chunks(const float* x, int64_t m, int64_t k, int64_t tiles, float* y, 
   }
 }
 
-// The product on the AVX2 loops: a row at a time (avx2_row) for decode; from kPortableBlasFrom rows, bfloat16(x)
+// The product on the AVX2 loops: a row at a time (avx2_row) for decode; from kAvx2BlasFrom rows, bfloat16(x)
 // times the dequantized weight on the BLAS (the same exact products, summed in another order).
 template <int Bits, typename S, bool Mins>
-void portable_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const S* s, const float* mins,
+void avx2_product(const float* x, int64_t m, int64_t k, const uint8_t* w, const S* s, const float* mins,
                       int64_t tiles, int64_t groups, int64_t group, float* y) {
-  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-              "llmq's INT4-tile kernels need a CPU with AVX2 and FMA at least");
+  TORCH_CHECK(has_avx2(), "llmq's INT4-tile kernels need a CPU with AVX2 and FMA at least");
   std::vector<float> xb(m * k), xsum(m * groups);  // x rounded to bfloat16 as c10 rounds (float32), its group sums
   for (int64_t i = 0; i < m * k; ++i) xb[i] = static_cast<float>(c10::BFloat16(x[i]));
   for (int64_t i = 0; i < m * groups; ++i) {
     xsum[i] = std::accumulate(xb.begin() + i * group, xb.begin() + (i + 1) * group, 0.f);
   }
   const int64_t tile_bytes = kTile * k * Bits / 8, n = tiles * kTile;
-  if (m >= kPortableBlasFrom) {
+  if (m >= kAvx2BlasFrom) {
     const auto fill = [&](int64_t t, float* wt, int64_t ld) {
       avx2_dequantize<Bits, S, Mins>(w + t * tile_bytes, s + t * groups * kTile,
                                      Mins ? mins + t * groups * kTile : nullptr, k, group, wt, ld);
@@ -1128,28 +1139,23 @@ void portable_product(const float* x, int64_t m, int64_t k, const uint8_t* w, co
     blas_chunks(xb.data(), m, k, tiles, y, fill, [](const at::Tensor& c) { return Mins ? c : c.to(at::kBFloat16); });
     return;
   }
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      for (int64_t r = 0; r < m; ++r) {
-        avx2_row<Bits, S, Mins>(w + t * tile_bytes, s + t * groups * kTile, Mins ? mins + t * groups * kTile : nullptr,
-                                xb.data() + r * k, xsum.data() + r * groups, k, group, y + r * n + t * kTile);
-      }
-    }
+  for_tile_rows(tiles, m, [&](int64_t t, int64_t r) {
+    avx2_row<Bits, S, Mins>(w + t * tile_bytes, s + t * groups * kTile, Mins ? mins + t * groups * kTile : nullptr,
+                            xb.data() + r * k, xsum.data() + r * groups, k, group, y + r * n + t * kTile);
   });
 }
 
-std::atomic<bool> portable_forced{false};
 
 // Whether lowbit_linear_bf16 (INT4 / INT5), q4k_linear and fp4_linear take their AVX2 loops on a CPU with AVX-512
 // too (tests compare the two paths on one machine); returns the setting.
-bool portable(bool force) {
-  portable_forced = force;
+bool avx2_only(bool force) {
+  avx2_forced = force;
   return force;
 }
 
 // x [M, K] (any float dtype) times a packed symmetric INT4 / INT5 / INT8 weight with bfloat16 scales (as PyTorch's
 // kernels hold them) -> [M, N] float32 holding bfloat16 values (the callers compute in float32: no conversion on the
-// way). INT8 needs AVX-512; INT4 / INT5 run anywhere, on AVX512-BF16 below, elsewhere on the portable loops.
+// way). INT8 needs AVX-512; INT4 / INT5 run on AVX512-BF16 below, elsewhere on the AVX2 loops (avx2_product).
 at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t bits,
                               int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "lowbit_linear_bf16: bits must be 4, 5 or 8");
@@ -1169,9 +1175,9 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = kTile * k * bits / 8;
-  if (bits != 8 && (!avx512 || portable_forced)) {
-    if (bits == 5) portable_product<5, uint16_t, false>(src, m, k, wp, sp, nullptr, tiles, groups, group, yp);
-    else portable_product<4, uint16_t, false>(src, m, k, wp, sp, nullptr, tiles, groups, group, yp);
+  if (bits != 8 && (!avx512 || avx2_forced)) {
+    if (bits == 5) avx2_product<5, uint16_t, false>(src, m, k, wp, sp, nullptr, tiles, groups, group, yp);
+    else avx2_product<4, uint16_t, false>(src, m, k, wp, sp, nullptr, tiles, groups, group, yp);
     return y;
   }
   if (use_amx(m, k, bits == 8 ? kAmxFromInt8 : kAmxFromInt4)) {
@@ -1310,8 +1316,8 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = w.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = mins.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (!(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16")) || portable_forced) {
-    portable_product<4, float, true>(src, m, k, wp, sp, mp, tiles, groups, group, yp);
+  if (!(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16")) || avx2_forced) {
+    avx2_product<4, float, true>(src, m, k, wp, sp, mp, tiles, groups, group, yp);
     return y;
   }
   if (use_amx(m, k, kAmxFromQ4k)) {
@@ -1481,9 +1487,8 @@ at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // x [M, K] (any float dtype) times a packed FP4 weight (codes in the INT4 layout, block scales per (tile, group, row)
 // in bfloat16 or float32) -> [M, N] float32, divided by `divisor`.
 at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, double divisor) {
-  const bool avx512 = __builtin_cpu_supports("avx512bw") && !portable_forced;
-  TORCH_CHECK(avx512 || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")),
-              "fp4_linear needs a CPU with AVX-512, or AVX2 and FMA");
+  const bool avx512 = __builtin_cpu_supports("avx512bw") && !avx2_forced;
+  TORCH_CHECK(avx512 || has_avx2(), "fp4_linear needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "fp4_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && (s.dtype() == at::kBFloat16 || s.dtype() == at::kFloat) && s.dim() == 3 &&
               s.size(2) == kTile && w.is_contiguous() && s.is_contiguous(), "fp4_linear: bad packed weight");
@@ -1496,23 +1501,19 @@ at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const float dv = static_cast<float>(divisor);
-  if (!avx512) {  // the AVX2 loops: a row at a time, from kPortableBlasFrom rows the dequantized weight on the BLAS
+  if (!avx512) {  // the AVX2 loops: a row at a time, from kAvx2BlasFrom rows the dequantized weight on the BLAS
     const auto run = [&](auto* sp) {
       using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
-      if (m >= kPortableBlasFrom) {
+      if (m >= kAvx2BlasFrom) {
         const auto fill = [&](int64_t t, float* wt, int64_t ld) {
           avx2_fp4_dequantize<S>(wp + t * kTile * k / 2, sp + t * groups * kTile, k, group, wt, ld);
         };
         blas_chunks(xp, m, k, tiles, yp, fill, [&](const at::Tensor& c) { return c / static_cast<double>(dv); });
         return;
       }
-      at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t t = lo; t < hi; ++t) {
-          for (int64_t r = 0; r < m; ++r) {
-            avx2_fp4_row<S>(wp + t * kTile * k / 2, sp + t * groups * kTile, xp + r * k, k, group, dv,
-                            yp + r * n + t * kTile);
-          }
-        }
+      for_tile_rows(tiles, m, [&](int64_t t, int64_t r) {
+        avx2_fp4_row<S>(wp + t * kTile * k / 2, sp + t * groups * kTile, xp + r * k, k, group, dv,
+                        yp + r * n + t * kTile);
       });
     };
     if (s.dtype() == at::kFloat) run(s.data_ptr<float>());
@@ -2363,7 +2364,7 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, Tensor sz, int bits, int group, float eps) -> Tensor");
   m.def("lowbit_linear_bf16(Tensor x, Tensor w, Tensor s, int bits, int group) -> Tensor");
   m.def("amx(bool enable) -> bool", &amx);
-  m.def("portable(bool force) -> bool", &portable);
+  m.def("avx2_only(bool force) -> bool", &avx2_only);
   m.def("dense16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, int group, float divisor) -> Tensor");
   m.def("q4k_linear(Tensor x, Tensor w, Tensor s, Tensor mins, int group) -> Tensor");

@@ -9,9 +9,9 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
   float32 sums: PyTorch's INT4 / INT8 kernels' numbers up to summation order; on AMX where Linux grants the tile
   state (arch_prctl, not cpuid: a VM may advertise AMX and fault), scaled weights split exactly into bfloat16 hi +
   lo. Without AVX512-BF16, INT4 / INT5 run on AVX2 + FMA loops over the same tiles (a row at a time; from 6 rows the
-  weight dequantized a chunk at a time on the BLAS): INT5 had no kernel there, and PyTorch's INT4 one is half their
-  speed at batch 1. Layers whose scales or zero points PyTorch's kernels would round keep those kernels. LLMQ_AMX=0
-  turns AMX off.
+  weight dequantized a chunk at a time on the BLAS): INT5 had no kernel there, and PyTorch's INT4 one is slower at
+  batch 1 (docs/performance.md). Layers whose scales or zero points PyTorch's kernels would round keep those kernels.
+  LLMQ_AMX=0 turns AMX off.
 - `q4k_linear` (AVX512-BF16, or lowbit_linear_bf16's AVX2 loops): GGML's Q4_K (unsigned codes in the INT4 tiles,
   float32 scale and min per 32 inputs) times bfloat16(x), float32 sums: the reference layer's product up to x's
   rounding; on AMX from 16 rows, each weight s u - m (float32) split exactly into three bfloat16.
@@ -97,11 +97,11 @@ def amx(enable: bool) -> bool:
     return bool(torch.ops.llmq_cpu.amx(enable))
 
 
-def portable(force: bool) -> bool:
+def avx2_only(force: bool) -> bool:
     """Make lowbit_linear_bf16 (INT4 / INT5), q4k_linear and fp4_linear take their AVX2 + FMA loops (what CPUs
     without AVX-512 run) on a CPU that has it too, for comparing the two paths on one machine; returns the
     setting."""
-    return bool(torch.ops.llmq_cpu.portable(force))
+    return bool(torch.ops.llmq_cpu.avx2_only(force))
 
 
 def _build(wait: float = BUILD_WAIT) -> bool:

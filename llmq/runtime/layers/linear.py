@@ -17,13 +17,13 @@ grid and cast is `llmq.quant`'s, the same arithmetic `llmq quantize` computes it
 - INT4 / INT5 / INT8 weight-only, symmetric with bfloat16 scales, on x86 CPUs with AVX512-BF16, or AVX2 + FMA for
   INT4 / INT5 (INT8: AVX-512): llmq's kernel (cpu_kernels.lowbit_linear_bf16) on packed tiles (INT5 in 5 bits a
   weight), computing what PyTorch's kernels below compute (bfloat16 activations times the exact weights, float32
-  sums, bfloat16 out; only the summation order differs), 2x+ faster at batch 1 (AVX2: 1.9x), and the same arithmetic
-  at every batch size (PyTorch's INT8 one takes 8 rows and one scale a channel). INT8 in groups has no PyTorch
-  kernel: without AVX-512 it takes the float path below.
+  sums, bfloat16 out; only the summation order differs), faster at batch 1 (docs/performance.md), and the same
+  arithmetic at every batch size (PyTorch's INT8 one takes 8 rows and one scale a channel). INT8 in groups has no
+  PyTorch kernel: without AVX-512 it takes the float path below.
 - INT4 weight-only otherwise: aten._weight_int4pack_mm_for_cpu / aten._weight_int4pack_mm (CUDA) on the tinygemm
   packing (unsigned nibbles, per-group scale and zero in bfloat16): the kernels take and return bfloat16, so
   activations are rounded to bfloat16. On CPU, batches of 128+ rows (prefill) compute those numbers with the BLAS
-  matmul on the weight dequantized from the packing (the kernel, a GEMV a row, is 1.3-1.7x slower there on AVX2).
+  matmul on the weight dequantized from the packing (the kernel, a GEMV a row, is slower there on AVX2).
   The layer's kernel is what serve computes and so what the quantize probe measures (the probe runs these layers);
   shapes no kernel takes fall back to dequantize-on-the-fly, exactly.
 - W8A8 and FP8 (activations quantized too): act_quant.py; FP4, block FP8, Q4_K and bitsandbytes: their own modules.
@@ -268,10 +268,9 @@ class Int4WeightOnlyLinear(LinearBase):
         if self.packed is not None:
             set_buffer(self, "w_packed", self.packed[0])
             set_buffer(self, "scales_zeros", self.packed[1])
-            self.unpacks = self.packed[2]
-            self._kdtype = self.packed[1].dtype
+            unpacks, self._kdtype = self.packed[2], self.packed[1].dtype
             self.packed = kernel_runs(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
-            self.unpacks = self.unpacks and self.packed
+            self.unpacks = unpacks and self.packed
         if not self.packed and not self.lowbit:
             set_buffer(self, "q", q.to(torch.int8))
             set_buffer(self, "scale", scale)
