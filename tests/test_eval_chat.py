@@ -177,7 +177,8 @@ def test_harmony_answers_are_read_with_their_markers(tmp_path, monkeypatch):
     no leak where another role's turn is."""
     from test_server_tools import HARMONY_CHAT
 
-    from llmq.models.tool_calls import HARMONY, OutputFormat
+    from llmq.models.tool_calls import OutputFormat
+    from llmq.models.tool_formats import HARMONY
 
     monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
     tok = byte_tokenizer()

@@ -15,7 +15,8 @@ import pytest
 from helpers import byte_tokenizer, live_server, make_tiny_model
 
 from llmq.models import load_tokenizer
-from llmq.models.tool_calls import HARMONY, OutputFormat
+from llmq.models.tool_calls import OutputFormat
+from llmq.models.tool_formats import HARMONY
 from llmq.runtime import EngineConfig
 
 # a ChatML template that renders tools and earlier calls the Hermes way (<tool_call> JSON </tool_call>)

@@ -9,17 +9,8 @@ import random
 import pytest
 import torch
 
-from llmq.models.tool_calls import (
-    HARMONY,
-    HARMONY_REASONING,
-    HERMES,
-    LLAMA3_JSON,
-    MISTRAL,
-    MISTRAL_ARGS,
-    REASONINGS,
-    OutputFormat,
-    output_format_for,
-)
+from llmq.models.tool_calls import OutputFormat, output_format_for
+from llmq.models.tool_formats import HARMONY, HARMONY_REASONING, HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, REASONINGS
 
 TEXTS = {
     OutputFormat(HERMES, REASONINGS[0]): (

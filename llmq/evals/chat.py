@@ -21,7 +21,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import LlmqError
-from ..models.tool_calls import HERMES, OutputFormat, output_format
+from ..models.tool_calls import OutputFormat, output_format
+from ..models.tool_formats import HERMES
 from .compare import mean_stderr, ratio_stderr
 from .tasks import json_task
 from .tasks.ast_match import ast_match
