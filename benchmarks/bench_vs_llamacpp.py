@@ -66,7 +66,9 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
             "int4-rtn-g64-emb8", "int4-gptq-g64-act", "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5",
             "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75", "int4-rtn-g32-emb8",
             "int8-rtn-g32-emb8g32", "fp8", "fp8-g128", "nvfp4", "mxfp4", "nvfp4-gptq-act-search",
-            "mxfp4-gptq-act-search", "int5-rtn-g32-emb8", "int5-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-gguf-q4km")
+            "mxfp4-gptq-act-search", "int5-rtn-g32-emb8", "int5-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-gguf-q4km",
+            "int4-gptq-g32-act-emb8-head8-rot", "int5-gptq-g32-act-emb8-head8-rot",
+            "int4-gptq-g32-act-emb8-head8-gguf-q4km-rot")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
 # g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
@@ -75,7 +77,8 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
 # scales and a global scale / 32 with E8M0 exponents); -gptq-act-search: rounded by GPTQ (act-order) onto the FP4 grid
 # with searched block scales (--gptq --act-order --scales search); the float formats keep the embedding table 16-bit;
 # int5: 5-bit integers in groups of 32 (--bits 5), GGUF's Q5_0; gguf-q4km: mixed precision across what GGUF holds (--for
-# gguf: INT4 / INT5 / INT8 / NVFP4 / MXFP4 / 16-bit per unit) filling Q4_K_M's file bytes (--max-size --size-in gguf)
+# gguf: INT4 / INT5 / INT8 / NVFP4 / MXFP4 / 16-bit per unit) filling Q4_K_M's file bytes (--max-size --size-in gguf);
+# rot: the residual stream rotated first (--rotate hadamard), which unties the head: INT8 too (head8), as the table
 Q4_K_M_BYTES = 105_453_952   # SmolLM2-135M-Instruct's Q4_K_M from llama-cpp-python 0.3.36's llama-quantize
 UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibration data (before the speed runs)
 LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
@@ -116,7 +119,12 @@ def variant_options() -> dict:
                                                embedding="int8"),
                                QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
                                                embedding="int8", max_size=str(Q4_K_M_BYTES), size_in="gguf",
-                                               for_engine="gguf"))))
+                                               for_engine="gguf"),
+                               *(QuantizeOptions(bits=b, method="gptq", group_size=32, act_order=True,
+                                                 embedding="int8", lm_head="int8", rotate="hadamard") for b in (4, 5)),
+                               QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
+                                               embedding="int8", lm_head="int8", rotate="hadamard",
+                                               max_size=str(Q4_K_M_BYTES), size_in="gguf", for_engine="gguf"))))
 
 
 def quantized(source, opts, store):

@@ -11,7 +11,7 @@ What is checked (the whole module takes a few seconds; no test here loads the de
   These are option-parsing checks only: running the stages takes minutes on the default model, and some commands
   need a network (hub ids), a GPU, tensorrt_llm or a running server. The main job itself, `llmq run
   recipes/quickstart.yaml`, runs end to end in tests/test_recipe.py (marked integration; with 8 calibration windows
-  and 20 items a task, its other settings the shipped ones).
+  of 128 tokens and 10 items a task, its other settings the shipped ones).
 - The store commands (`llmq ls`, `inspect`, `lineage`, `verify`) are run for real, against a store that holds a tiny
   random model and its INT4 artifact, their artifact references replaced by that artifact's name.
 - Every `python benchmarks/X.py ...` command is parsed by that script's own argparse parser (the script runs up to

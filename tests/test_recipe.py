@@ -175,12 +175,12 @@ def test_whole_pipeline_reruns_exactly_what_changed_and_stops_at_a_failing_gate(
 @pytest.mark.integration
 def test_quickstart_runs_end_to_end_on_the_default_model(default_store, tmp_path):
     """The README's main job, every stage on the default model with its gates, then a second run reusing all. Only
-    the sizes shrink (8 calibration windows a quantize stage, 512 probe tokens, 10 items a task);
+    the sizes shrink (8 calibration windows of 128 tokens a quantize stage, 512 probe tokens, 10 items a task);
     every other setting is the shipped recipe's, and its full-size figures are benchmarks/quickstart_results.py's
     (docs/results.json)."""
     data = yaml.safe_load((RECIPES / "quickstart.yaml").read_text())
     for stage in ("quantize", "quantize-kv"):
-        data["stages"][stage].update(num_samples=8, probe_tokens=512)
+        data["stages"][stage].update(num_samples=8, seq_len=128, probe_tokens=512)
     data["stages"]["eval"]["limit"] = 10
     recipe, store = _write(tmp_path, data, "quickstart.yaml"), ["--store", str(default_store.root)]
     first = CliRunner().invoke(cli, [*store, "run", str(recipe), "--json"])

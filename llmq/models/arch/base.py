@@ -136,6 +136,7 @@ class LinearAttention:
     # value heads
     channel_tensors: tuple[str, ...] = ("conv1d.weight",)
     head_tensors: tuple[str, ...] = ("A_log", "dt_bias")
+    writers: tuple[str, ...] = ("out_proj",)   # Arch.writers' sense: the linears whose output joins the residual stream
     # linears kept 16-bit too: b and a, one row per value head, set beta (a sigmoid) and the decay (an exponential)
     # that every later token's state compounds, for a few hundredths of the layer's bytes
     kept_16bit: tuple[str, ...] = ("in_proj_b", "in_proj_a")
@@ -209,6 +210,10 @@ class Arch:
     feeds: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("attn_norm", ("q_proj", "k_proj", "v_proj")), ("v_proj", ("o_proj",)),
         ("mlp_norm", ("gate_proj", "up_proj")), ("up_proj", ("down_proj",)))
+    # the linears whose output is added to the residual stream (a rotation of the stream turns their rows: --rotate)
+    writers: tuple[str, ...] = ("o_proj", "down_proj")
+    # why no rotation of the residual stream can be folded into this family's weights (None: --rotate folds one)
+    rotation_refused: str | None = None
     # linears one input feeds and engines fuse into one matmul: one quantization width each (mixed precision)
     units: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
                                           ("down_proj",))
@@ -324,6 +329,13 @@ class Arch:
             else:
                 out.append((p, cons))
         return out
+
+    def writer_paths(self, experts: int = 0, linear: bool = False) -> list[str]:
+        """`writers` as module paths inside a layer (`linear`: a Gated DeltaNet layer's, whose mixer has its own): a
+        MoE layer's every expert's and the shared expert's."""
+        roles = tuple(r for r in self.writers if not (linear and r in ATTN))
+        roles += self.linear_attention.writers if linear else ()
+        return [self.path(r) for role in roles for g in self._expand((role,), experts) for r in g]
 
     def feed_paths(self, experts: int = 0, linear: bool = False) -> list[tuple[str, bool, tuple[str, ...]]]:
         """`feeds` as module paths inside a layer: (producer, whether it is a norm, consumers)."""

@@ -12,4 +12,7 @@ GEMMA3 = Arch("gemma3_text", "Gemma3ForCausalLM", gguf_arch="gemma3", gguf_ffn_s
               rotary="transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding",
               norms={"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
                      "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm",
-                     "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"})
+                     "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+              rotation_refused="its norms after attention and after the MLP scale each branch's output channel by "
+                               "channel before it joins the residual stream, and no rotation of the stream passes "
+                               "them")

@@ -173,6 +173,7 @@ class LayerwiseResult:
     device: str
     routed: list[list[int]] | None = None  # MoE, calibrated: per layer, the calibration tokens routed to each expert
     importance: dict[str, torch.Tensor] | None = None  # weight-only, calibrated: each linear's mean squared input
+    rotation: dict | None = None   # --rotate: what rotation.RotatedTensors folded in
 
 
 
@@ -217,7 +218,7 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     device = torch.device(pick_device(opts.device))
     hf_logging.disable_progress_bar()
     arch = spec.arch
-    source = source_tensors(model_dir, spec)
+    source = source_tensors(model_dir, spec, opts.rotate, opts.seed)
     model_dtype = stored_dtype(model_dir)
     model = skeleton(model_dir, arch, model_dtype, device)
     embed = load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
@@ -305,4 +306,5 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
         norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
         result_probe = _kl_chunks(probe_src, probe_q, norm, table, quant_head or (lambda h: logits(h, table)))
         result_probe["source"] = probe.source
-    return LayerwiseResult(result_probe, times, str(device), routed or None, importance or None)
+    return LayerwiseResult(result_probe, times, str(device), routed or None, importance or None,
+                           source.manifest() if opts.rotate != "none" else None)

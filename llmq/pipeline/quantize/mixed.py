@@ -159,7 +159,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     refused_units). layers: only these layers' units (all by default; the later layers run all the same)."""
 
     arch, units = spec.arch, spec.arch.unit_paths(spec.num_experts)
-    source = source_tensors(model_dir, spec)
+    source = source_tensors(model_dir, spec, opts.rotate, opts.seed)
     dtype = stored_dtype(model_dir)
     model = skeleton(model_dir, arch, dtype, device)
     load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
@@ -276,7 +276,7 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     if opts.size_in == "gguf":
         from ..targets.gguf_size import fixed_bytes
 
-        fixed = fixed_bytes(model_dir, opts.embedding == "int8", opts.lm_head == "int8")
+        fixed = fixed_bytes(model_dir, opts.embedding == "int8", opts.lm_head == "int8", opts.rotate != "none")
         return (parse_size(opts.max_size) - fixed) * 8 / decoder_params(spec)
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors
@@ -305,8 +305,11 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
             continue
         fixed += int8_rows(name) if int8.get(name) else math.prod(shape) * dtype.itemsize
         entries += 3 if int8.get(name) else parts.get(name, 1)
-    if opts.lm_head == "int8" and head not in tensors and opts.embedding != "int8":  # untied for it
-        fixed, entries = fixed + int8_rows(table), entries + 3
+    # untied: for an INT8 head beside a 16-bit table, or by --rotate (the head is no longer the table)
+    if head not in tensors and (opts.rotate != "none" or (opts.lm_head == "int8" and opts.embedding != "int8")):
+        dtype, shape = tensors.info(table)
+        fixed += int8_rows(table) if opts.lm_head == "int8" else math.prod(shape) * dtype.itemsize
+        entries += 3 if opts.lm_head == "int8" else 1
     shapes = sum(parts.get(n, 1) for n in linears)   # a weight_shape each
     left = parse_size(opts.max_size) - fixed - 16 * shapes - HEADER_BYTES_PER_ENTRY * entries
     return left * 8 / decoder_params(spec)

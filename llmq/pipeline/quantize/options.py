@@ -27,6 +27,7 @@ DEFAULT_GROUPS = (128, 64, 32)
 LM_HEAD_CHOICES = ("keep", "int8")
 EMBEDDING_CHOICES = ("keep", "int8")
 THINKING = ("auto", "on", "off")
+ROTATIONS = ("none", "hadamard")   # --rotate (rotation.py folds them); here, not there, so `--help` imports no torch
 SCALE_RULES = ("search", "amax")
 FP4_SEARCHED = ("nvfp4", "mxfp4")  # FP4 methods whose --scales search is opt-in (default: amax, compressed-tensors')
 GRIDS = ("int", "q4_k")
@@ -74,8 +75,13 @@ class QuantizeOptions(Options, _MethodFields):
                            choices=THINKING)
     num_samples: int = option(32, "Calibration windows.", ge=1, aliases=("calib_samples",))
     seq_len: int = option(256, "Tokens per calibration window.", ge=2)
-    seed: int = option(0, "Seed for choosing calibration windows.")
+    seed: int = option(0, "Seed for choosing calibration windows (and --rotate's random signs).")
     probe_tokens: int = option(2048, "Held-out tokens for the KLD / top-1 quality probe (0: skip it).", ge=0)
+    rotate: str = option("none", "Rotate the residual stream before quantizing: hadamard = a random Hadamard matrix "
+                         "(QuaRot / SpinQuant's R1) folded into the embedding, the norms' gains, every linear reading "
+                         "or writing the stream and the head, so the 16-bit model computes the same function while "
+                         "outlier channels spread over all; engines run it unchanged (a tied head is stored apart).",
+                         choices=ROTATIONS)
     lm_head: str = option("keep", "Output projection: keep it as stored (16-bit), or int8 per output channel (RTN, "
                           "probed with the rest; weight-only methods). It is the widest matrix a decode step reads; "
                           "a tied model gets its own lm_head, the embedding table stays 16-bit.",

@@ -56,6 +56,10 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
     if spec.linear_layers and o.mixed:
         raise LlmqError(f"{spec.architecture}: mixed precision (--target-bpw / --max-size) does not yet price a "
                         "Gated DeltaNet layer's units; quantize every linear to one width")
+    if o.rotate != "none":
+        from .rotation import check_rotatable
+
+        check_rotatable(spec)
     if spec.vision is not None:
         from ...models import vision
 
@@ -135,7 +139,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     name = opts.name or f"{source.name}-{opts.method}-" + (f"w{opts.bits}" + (
         f"g{opts.group_size}" if opts.group_size else "") + ("" if opts.symmetric else "-asym") if opts.grid == "int"
         else opts.grid) + opts.tags + (
-        "-head8" if opts.lm_head == "int8" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
+        "-head8" if opts.lm_head == "int8" else "") + (
+        "-rot" if opts.rotate != "none" else "") + ("-emb8" if opts.embedding == "int8" else "") + (
         f"-max{opts.max_size.replace(' ', '')}" if opts.max_size else f"-bpw{opts.target_bpw:g}" if opts.target_bpw
         else "") + (f"-for{opts.for_engine}" if opts.for_engine else "")
     from ...models.checkpoint import ShardedWriter, copy_tokenizer
@@ -163,8 +168,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         config["quantization_config"], fmt = sink.quantization_config()
         if spec.vision is not None:
             config["quantization_config"] = vision.quantization_config(config["quantization_config"])
-        if qformat.LM_HEAD in sink.outside:
-            config["tie_word_embeddings"] = False   # the embedding table stays 16-bit for the lookup
+        if qformat.LM_HEAD in sink.outside or opts.rotate != "none":
+            config["tie_word_embeddings"] = False   # the table stays 16-bit for the lookup / is rotated, not folded
         per_module = sink.scheme_per_module()
         if qformat.EMBEDDING in sink.outside and config.get("tie_word_embeddings"):
             per_module[qformat.LM_HEAD] = per_module[qformat.EMBEDDING]   # the head is the tied INT8 table
@@ -181,6 +186,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             "calibration": calib.manifest() if calib is not None else None,
             **({"expert_coverage": expert_coverage(result.routed, calib)} if spec.num_experts else {}),
             "probe": probe.manifest() if probe is not None else None,
+            **({"rotation": result.rotation} if result.rotation else {}),
             **({"vision": vision.manifest(tensors.vision_info())} if spec.vision is not None else {}),
             "source": {"id": source.id, "ref": source.ref},
         })

@@ -87,14 +87,23 @@ def progress_bar(enabled: bool):
                     transient=False)
 
 
-def source_tensors(path: Path, spec=None):
+def source_tensors(path: Path, spec=None, rotate: str = "none", seed: int = 0):
     """A checkpoint's tensors, read as asked for; with its ModelSpec, a stacked MoE's experts (Experts.stacked) as
-    each expert's linears (reader.UnstackedTensors: what install's blocks hold)."""
+    each expert's linears (reader.UnstackedTensors: what install's blocks hold), and with `rotate` (--rotate) too as
+    the rotated model's (rotation.RotatedTensors, seeded by `seed`)."""
     from ...models.checkpoint import safetensors_files
     from ...models.reader import LazyTensors, UnstackedTensors
 
     tensors = LazyTensors(safetensors_files(path))
-    return UnstackedTensors(tensors, spec) if spec is not None and spec.stacked_experts() else tensors
+    if spec is None:
+        return tensors
+    if spec.stacked_experts():
+        tensors = UnstackedTensors(tensors, spec)
+    if rotate != "none":
+        from .rotation import RotatedTensors
+
+        tensors = RotatedTensors(tensors, spec, seed)
+    return tensors
 
 
 def stored_dtype(model_dir: Path) -> torch.dtype:

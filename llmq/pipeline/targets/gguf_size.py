@@ -46,9 +46,10 @@ class _Recorder:
         self.tensors.append((name, arr.shape, arr.dtype, arr.nbytes, raw_dtype))
 
 
-def fixed_bytes(model_dir: Path | str, embedding_int8: bool, lm_head_int8: bool) -> int:
+def fixed_bytes(model_dir: Path | str, embedding_int8: bool, lm_head_int8: bool, untied: bool = False) -> int:
     """Bytes of the GGUF of the (16-bit) model at `model_dir` outside its decoder linears' data: metadata, tensor
-    table, every other tensor as the writer stores it, and all padding (the linears' at its most)."""
+    table, every other tensor as the writer stores it, and all padding (the linears' at its most). `untied`: a tied
+    head will be a tensor of its own (--rotate), as --lm-head int8 makes it."""
     src = CheckpointReader(model_dir)
     rec = _Recorder()
     add_weights(Tensors(rec, src.arch), src)
@@ -74,7 +75,8 @@ def fixed_bytes(model_dir: Path | str, embedding_int8: bool, lm_head_int8: bool)
         int8 = (name == TABLES[0] and embedding_int8) or (name == TABLES[1] and lm_head_int8)
         size += gguf.GGUFWriter.ggml_pad(shape[0] * (shape[1] // BLOCK) * BLOCK_BYTES["Q8_0"] if int8 else nbytes,
                                          align)
-    if lm_head_int8 and not any(t[0] == TABLES[1] for t in rec.tensors):   # tied: --lm-head int8 unties it
-        size += gguf.GGUFWriter.ggml_pad(rec.tensors[0][1][0] * (rec.tensors[0][1][1] // BLOCK) * BLOCK_BYTES["Q8_0"],
+    if (lm_head_int8 or untied) and not any(t[0] == TABLES[1] for t in rec.tensors):   # tied, then untied
+        (rows, cols), table = rec.tensors[0][1], rec.tensors[0][3]
+        size += gguf.GGUFWriter.ggml_pad(rows * (cols // BLOCK) * BLOCK_BYTES["Q8_0"] if lm_head_int8 else table,
                                          align) + 256   # and a tensor-table entry
     return size
