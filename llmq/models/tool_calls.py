@@ -84,7 +84,8 @@ class OutputFormat:
     def stream(self, in_reasoning: bool = False, tools: bool = True) -> OutputStream:
         """A parser fed the answer a piece at a time. in_reasoning: the prompt left a thinking block open
         (opens_reasoning); tools: read tool calls (False: a call's text stays content)."""
-        return (HarmonyStream if self.tools is HARMONY else OutputStream)(self, in_reasoning, tools)
+        stream = HarmonyStream if self.tools is HARMONY else OutputStream
+        return stream(self.tools, self.reasoning, in_reasoning, tools)
 
     def parse(self, text: str, in_reasoning: bool = False, tools: bool = True) -> Parsed:
         """A whole answer split into content, tool calls and reasoning (see stream for the arguments)."""

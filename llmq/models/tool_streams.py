@@ -6,12 +6,20 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .tool_formats import H_CALL, H_CHANNEL, H_END, H_MESSAGE, H_RETURN, H_START, HARMONY, Delta, ToolCall, ToolFormat
-
-if TYPE_CHECKING:
-    from .tool_calls import OutputFormat
+from .tool_formats import (
+    H_CALL,
+    H_CHANNEL,
+    H_END,
+    H_MESSAGE,
+    H_RETURN,
+    H_START,
+    HARMONY,
+    Delta,
+    Reasoning,
+    ToolCall,
+    ToolFormat,
+)
 
 
 def _partial(text: str, marker: str) -> int:
@@ -28,7 +36,8 @@ class OutputStream:
     into a marker is held back; a call is answered once it is whole (its end marker, the next call or the end);
     content and reasoning come without their leading and trailing whitespace."""
 
-    fmt: OutputFormat
+    calls: ToolFormat | None  # the format's tool calls and thinking block (OutputFormat's)
+    thinking: Reasoning | None
     in_reasoning: bool = False
     tools: bool = True
     buf: str = ""
@@ -39,9 +48,9 @@ class OutputStream:
     _started: dict = field(default_factory=lambda: {"content": False, "reasoning": False})
 
     def __post_init__(self):
-        if self.in_reasoning and self.fmt.reasoning is not None:
+        if self.in_reasoning and self.thinking is not None:
             self.state, self.reasoning_opened = "reasoning", True
-        if not self.tools or self.fmt.tools is None:
+        if not self.tools or self.calls is None:
             self.tools = False
 
     def feed(self, piece: str, final: bool = False) -> list[Delta]:
@@ -77,7 +86,7 @@ class OutputStream:
 
     def _step(self, final: bool, out: list[Delta]) -> bool:
         """Advance by one transition; False once the buffer can go no further until more text comes."""
-        r, f = self.fmt.reasoning, self.fmt.tools
+        r, f = self.thinking, self.calls
         if self.state == "start":
             s = self.buf.lstrip()
             if r is not None and s.startswith(r.start):
@@ -149,7 +158,7 @@ class HarmonyStream(OutputStream):
     name: str = ""  # the function a call message is addressed to
 
     def __post_init__(self):  # harmony's messages say what they are: nothing is open before the first
-        if self.fmt.tools is not HARMONY:
+        if self.calls is not HARMONY:
             raise ValueError("HarmonyStream reads the harmony format only")
         self.state = "header"
 
