@@ -86,9 +86,6 @@ class Rotation:
             h *= 2
         return y.reshape(x.shape) / self.n ** 0.5
 
-    def matrix(self) -> torch.Tensor:
-        return self.right(torch.eye(self.n, dtype=torch.float64))
-
 
 def check_rotatable(spec: ModelSpec) -> None:
     """One line where a rotation of the residual stream cannot be folded into this family (Arch.rotation_refused)."""
@@ -118,9 +115,12 @@ class RotatedTensors(Mapping):
             for path in arch.writer_paths(spec.num_experts, linear):
                 self.writers |= {f"{prefix}.{path}.weight", f"{prefix}.{path}.bias"}
         self.norms = set(self.gain_of.values()) | {self.final_norm}
+        self._gains: dict[str, torch.Tensor] = {}   # read once: a MoE layer's norm feeds every expert
 
     def _gain(self, norm: str) -> torch.Tensor:
-        return self.tensors[norm].double() + self.spec.arch.norm_offset
+        if norm not in self._gains:
+            self._gains[norm] = self.tensors[norm].double() + self.spec.arch.norm_offset
+        return self._gains[norm]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name == self.head and self.head not in self.tensors:
