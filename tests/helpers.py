@@ -357,3 +357,33 @@ def wait_for(cond, timeout=20.0):
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+class Oracle:
+    """A speculative proposer (runtime.speculative.Proposer's interface) of a sequence's true greedy continuation
+    (`truth`: prompt -> plain greedy output), one token of it changed in a share `wrong` of the drafts (by default
+    half): long accepted runs that cross block boundaries, and rejections anywhere in a draft."""
+
+    name = "oracle"
+
+    def __init__(self, truth: dict[tuple, list[int]], seed=0, wrong: float = 0.5):
+        import random
+
+        self.truth, self.rng, self.wrong = truth, random.Random(seed), wrong
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            full = self.truth[tuple(s.token_ids[:s.num_prompt_tokens])]
+            draft = full[s.num_output_tokens:s.num_output_tokens + k]
+            if draft and self.rng.random() < self.wrong:
+                i = self.rng.randrange(len(draft))
+                draft[i] ^= 1   # another token: greedy verification rejects it
+            out.append(draft)
+        return out, None
+
+    def collect(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

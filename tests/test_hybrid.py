@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from helpers import (
+    Oracle,
     bf16_kernels_off,
     decompressed_dense,
     hf_model,
@@ -22,6 +23,8 @@ from helpers import (
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
+from llmq.runtime.speculative import DraftModelProposer
+from llmq.runtime.worker import Worker
 
 # 4 layers, three of them Gated DeltaNet (Qwen3.5's pattern); 2 key heads of 16 serving 4 value heads of 12
 QWEN35 = dict(model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=96, num_attention_heads=4,
@@ -133,11 +136,85 @@ def test_preempted_sequences_recompute_their_state(model):
     assert out == _greedy(model, prompts)
 
 
+def test_speculation_rolls_recurrent_states_back_past_rejected_drafts(model, monkeypatch):
+    """Drafts of the true greedy continuation, one token wrong half of the time (rejections at every position), in
+    4-token blocks with a KV budget that preempts: the states go back to the accepted tokens (replayed from each
+    slot's journal), and the output is plain greedy decoding's; states left past the rejected drafts change it."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 19, 11, 26, 8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = dict(max_model_len=64, block_size=4, max_num_batched_tokens=32)
+    per_block = 4 * 2 * 1 * 2 * 24 * 4   # block size x K/V x attention layers x KV heads x head_dim x float32
+    ref = _run(LLMEngine(model, EngineConfig(**plain, kv_cache_memory=8 << 20)), prompts, params)
+
+    def speculating() -> LLMEngine:
+        eng = LLMEngine(model, EngineConfig(**plain, kv_cache_memory=30 * per_block, speculative="ngram",
+                                            speculative_max_batch=None, num_speculative_tokens=5))
+        eng.speculator.proposer = Oracle({tuple(p): r for p, r in zip(prompts, ref)}, seed=1)
+        return eng
+
+    eng = speculating()
+    assert _run(eng, prompts, params) == ref
+    st = eng.speculator.stats
+    assert eng.scheduler.num_preemptions > 0
+    assert 0.3 * st.num_draft_tokens < st.num_accepted_tokens < st.num_draft_tokens
+    assert st.accepted_per_pos[4] > 0   # whole drafts held too
+    monkeypatch.setattr(Worker, "settle", lambda self, slot, kept: None)
+    assert _run(speculating(), prompts, params) != ref
+
+
+@pytest.mark.parametrize("model", [QWEN35], indirect=True, ids=["qwen3_5"])   # the same journals in every family
+def test_a_hybrid_draft_model_rolls_its_own_states_back(model, tmp_path, monkeypatch):
+    """A hybrid draft model: the target itself (every draft accepted), and the target with noise in its weights
+    (rejections at every position, so the draft's states go back past its own drafts): the output is plain
+    greedy's, and every draft is the draft model's own greedy continuation (transformers') of its sequence."""
+    from safetensors.torch import load_file, save_file
+
+    prompts = [list(range(40, 60)) * 2, [3, 9, 27, 81, 243], list(range(7, 30))]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = dict(max_model_len=96, block_size=4, max_num_batched_tokens=32, kv_cache_memory=8 << 20)
+    ref = _run(LLMEngine(model, EngineConfig(**plain)), prompts, params)
+    noisy = shutil.copytree(model, tmp_path / "noisy")
+    f = next(noisy.glob("*.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    save_file({k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+               for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    proposals = []
+    propose = DraftModelProposer.propose
+
+    def recorded(self, seqs, ks):
+        drafts, q = propose(self, seqs, ks)
+        proposals.extend((list(s.token_ids), d) for s, d in zip(seqs, drafts))
+        return drafts, q
+
+    monkeypatch.setattr(DraftModelProposer, "propose", recorded)
+    for draft, all_accepted in ((model, True), (noisy, False)):
+        proposals.clear()
+        eng = LLMEngine(model, EngineConfig(**plain, speculative=str(draft), speculative_max_batch=None,
+                                            num_speculative_tokens=3))
+        st = eng.speculator.stats
+        assert _run(eng, prompts, params) == ref
+        assert st.num_draft_tokens > 20
+        assert st.num_accepted_tokens > 0
+        assert (st.num_accepted_tokens == st.num_draft_tokens) == all_accepted
+    hf = hf_model(noisy)
+    with torch.no_grad():
+        for ids, d in proposals:
+            assert hf.generate(torch.tensor([ids]), max_new_tokens=len(d), do_sample=False,
+                               pad_token_id=0)[0, len(ids):].tolist() == d
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    try:
+        return [o.output_token_ids for o in eng.generate(prompts, params)]
+    finally:
+        eng.shutdown()
+
+
 def test_what_the_runtime_does_not_run_with_gated_deltanet_layers_is_refused(model):
-    for config, words in ((dict(compile=True), "--compile"), (dict(speculative="ngram"), "speculative")):
-        with pytest.raises(LlmqError, match=f"^Qwen3(_5|_5Moe|Next)ForCausalLM: .*{words}") as e:
-            LLMEngine(model, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20, **config))
-        assert "\n" not in str(e.value)
+    with pytest.raises(LlmqError, match="^Qwen3(_5|_5Moe|Next)ForCausalLM: .*--compile") as e:
+        LLMEngine(model, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20, compile=True))
+    assert "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +289,38 @@ def test_smoothquant_hybrid_runs_as_its_probe_measured(model, artifacts):
                    store, progress=False)
     recorded = art.metrics["probe"]["kld_mean"]
     assert recorded > 1e-5   # the quantization is visible
+    assert abs(runtime_probe_kld(src.path, art.path, 128) / recorded - 1) < 1e-2
+
+
+def test_mixed_precision_prices_each_layer_by_its_kind(model, artifacts):
+    """--target-bpw over a hybrid: a Gated DeltaNet layer's units (q / k / v with the gate z, out_proj) and an
+    attention layer's are measured and priced each in its own layer, the rate projections (and a MoE's router and
+    gates) stay 16-bit outside the budget, the choice fits it, and llmq's runtime computes what the probe measured."""
+    from helpers import runtime_probe_kld
+
+    from llmq.models.spec import ModelSpec
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.quantize.mixed import decoder_params
+
+    store, src = artifacts
+    spec = ModelSpec.from_config(src.path)
+    art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=6.0, num_samples=2,
+                                        seq_len=64, probe_tokens=128), store, progress=False)
+    mp = art.config["mixed_precision"]
+    units = {(u["layer"], tuple(u["modules"])) for u in mp["units"]}
+    mixer = {i: {m for (j, mods) in units if j == i for m in mods if "attn" in m} for i in range(spec.num_layers)}
+    fused = "in_proj_qkvz" if spec.model_type == "qwen3_next" else "in_proj_qkv"
+    for i in range(spec.num_layers):
+        if i in spec.linear_layers:
+            assert {f"linear_attn.{fused}", "linear_attn.out_proj"} <= mixer[i]
+            assert not any("in_proj_b" in m or "in_proj_a" in m or "self_attn" in m for m in mixer[i])
+        else:
+            assert mixer[i] == {f"self_attn.{r}" for r in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert mp["params"] == decoder_params(spec)
+    assert mp["bpw"] <= 6.0
+    assert len({u["bits"] for u in mp["units"]}) > 1   # the budget bought some units more than 4 bits
+    recorded = art.metrics["probe"]["kld_mean"]
+    assert recorded > 1e-6
     assert abs(runtime_probe_kld(src.path, art.path, 128) / recorded - 1) < 1e-2
 
 
@@ -312,13 +421,10 @@ def test_llmq_engine_ranks_compute_what_the_artifact_does(model, artifacts):
 
 def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts):
     from llmq.models.spec import ModelSpec
-    from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
 
     store, src = artifacts
-    calls = [(lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, target_bpw=5.0), store,
-                               progress=False), "mixed precision"),
-             (lambda: build_engine(src, store, BuildOptions(target="gguf")),
+    calls = [(lambda: build_engine(src, store, BuildOptions(target="gguf")),
               "qwen3next layout" if ModelSpec.from_config(src.path).model_type == "qwen3_next" else
               "one head width for keys and values"),
              (lambda: build_engine(src, store, BuildOptions(target="trtllm", tp=2)), "Gated DeltaNet layers")]

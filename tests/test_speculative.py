@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import Oracle
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams, speculative
@@ -28,26 +29,6 @@ def prompts(n, seed=0):
 
 def run(eng, ps, params):
     return [o.output_token_ids for o in eng.generate(ps, params)]
-
-
-class Oracle(Proposer):
-    """Proposes a sequence's true greedy continuation (from a run without speculation), corrupted at a random
-    position half of the time: long accepted runs that cross block boundaries, and rejections anywhere in a draft."""
-
-    name = "oracle"
-
-    def __init__(self, truth: dict[tuple, list[int]], seed=0):
-        self.truth, self.rng = truth, random.Random(seed)
-
-    def propose(self, seqs, ks):
-        out = []
-        for s, k in zip(seqs, ks):
-            full = self.truth[tuple(s.token_ids[:s.num_prompt_tokens])]
-            draft = full[s.num_output_tokens:s.num_output_tokens + k]
-            if draft and self.rng.random() < 0.5:
-                draft[self.rng.randrange(len(draft))] = 257  # a byte token greedy decoding never picks here
-            out.append(draft)
-        return out, None
 
 
 def test_ngram_lookup_copies_after_the_latest_longest_match():

@@ -167,6 +167,12 @@ class ModelSpec:
         layer's."""
         return self.arch.roles(self.num_experts, i in self.linear_layers)
 
+    def units(self, i: int) -> list[int]:
+        """Layer i's units, as indices into Arch.unit_roles(num_experts): a hybrid model's layers have their kind's
+        (attention or Gated DeltaNet) beside the MLP's."""
+        have = set(self.roles(i)) | set(self.arch.groups(i in self.linear_layers))
+        return [u for u, unit in enumerate(self.arch.unit_roles(self.num_experts)) if set(unit) <= have]
+
     def stored_linears(self, i: int) -> dict[str, str]:
         """Layer i's linears as stored (Arch.stored_linears): name -> path in the layer."""
         return self.arch.stored_linears(self.num_experts, i in self.linear_layers)

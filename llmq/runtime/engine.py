@@ -180,7 +180,8 @@ class LLMEngine:
         samplers = need.samplers
         chosen = bool(out.drafts or need.prompt_rows)  # else the runner's default rows: the samplers' last positions
         try:
-            logits = self.worker.run(out.seqs, out.num_new_tokens, rows=need.wanted if chosen else None)
+            logits = self.worker.run(out.seqs, out.num_new_tokens, rows=need.wanted if chosen else None,
+                                     speculating=list(out.drafts))
         except Exception as e:
             self.scheduler.take_back_drafts(out)
             raise StepFailed([], {seq.request_id: self._fail(seq, e) for seq in out.seqs}, True) from e
@@ -235,6 +236,7 @@ class LLMEngine:
             return
         for seq, v in zip(seqs, results):
             self.speculator.stats.record(len(out.drafts[seq][0]), v.accepted)
+            self.worker.settle(seq.state_slot, v.accepted + 1)   # the step's last real token and the accepted drafts
             try:
                 self.scheduler.update(seq, v.tokens, v.logprobs, now, verified=True)
                 outputs.append(self._output(seq))

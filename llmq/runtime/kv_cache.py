@@ -9,6 +9,7 @@ kept as raw bytes because CPU indexing kernels do not handle float8 tensors.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,16 +62,33 @@ class LayerKV:
         return self._decode(k, self.k_scale), self._decode(v, self.v_scale)
 
 
+@dataclass
+class Journal:
+    """A slot's recurrent state when speculation began (AttentionMetadata.journal) and the inputs of every token the
+    slot took since: what rolling the state back to any of those tokens needs (GatedDeltaNet replays the kept ones)."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+    qkv: list[torch.Tensor] = field(default_factory=list)   # each step's rows [n, channels], before the convolution
+    g: list[torch.Tensor] = field(default_factory=list)     # their decays and rates [n, value heads]
+    beta: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.qkv)
+
+
 class LayerRecurrent:
     """One Gated DeltaNet layer's state of every sequence slot (BlockManager.state_slot): the convolution's last
     kernel - 1 inputs [slots, channels, kernel - 1] in the compute dtype and the delta rule's state [slots, value
     heads, key dim, value dim] in float32. Fixed per sequence; a slot is overwritten, not reset, when a new sequence
-    takes it: a prefill from position 0 starts from zeros."""
+    takes it: a prefill from position 0 starts from zeros. `journals`: the slots that speculate (Journal), whose
+    states may have to go back past rejected tokens."""
 
     def __init__(self, slots: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
                  compute_dtype: torch.dtype, device):
         self.conv = torch.zeros(slots, channels, kernel - 1, dtype=compute_dtype, device=device)
         self.state = torch.zeros(slots, heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        self.journals: dict[int, Journal] = {}
 
 
 def allocate_layer_caches(spec, num_blocks: int, block_size: int, num_kv_heads: int, kv_dtype: str,

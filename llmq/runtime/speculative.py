@@ -105,7 +105,9 @@ class DraftModelProposer(Proposer):
 
     It keeps a mirror sequence per request with a paged KV cache of its own (no prefix caching: rolled-back slots
     are rewritten in place). Each round it rolls the mirror back to the longest prefix the target kept, computes the
-    tokens it has not seen (the verified tokens, or a whole prompt in budget-sized chunks), then drafts.
+    tokens it has not seen (the verified tokens, or a whole prompt in budget-sized chunks), then drafts. A hybrid
+    draft model's recurrent states keep a journal from its first fed draft token on (Worker.run's speculating), and
+    go back to the kept prefix by it (Worker.settle).
     """
 
     name = "draft"
@@ -126,11 +128,14 @@ class DraftModelProposer(Proposer):
         self.budget = c.max_num_batched_tokens
         self.vocab_size = target.spec.vocab_size
         self.mirrors: dict[Sequence, Sequence] = {}  # target sequence -> the draft model's copy
+        self.journals: dict[Sequence, int] = {}  # a hybrid draft's mirror -> its position where its journal began
 
     def collect(self) -> None:
         """Free the mirrors of finished requests."""
         for seq in [s for s in self.mirrors if s.is_finished]:
-            self.worker.block_manager.release(self.mirrors.pop(seq))
+            m = self.mirrors.pop(seq)
+            self.journals.pop(m, None)   # the slot's next sequence starts from position 0, which drops its journal
+            self.worker.block_manager.release(m)
 
     def _sync(self, seq: Sequence, k: int) -> Sequence | None:
         """The mirror of `seq`, rolled back to what both agree on, with blocks for k drafts (None: no blocks)."""
@@ -143,14 +148,24 @@ class DraftModelProposer(Proposer):
                 break
             same += 1
         m.token_ids = list(seq.token_ids)
-        m.num_computed_tokens = min(same, seq.num_tokens - 1)
+        kept = min(same, seq.num_tokens - 1)
+        begun = self.journals.pop(m, None)
+        if begun is not None:   # a hybrid draft: its states go back to `kept` by the journal (all of it if it holds)
+            if kept >= begun:
+                self.worker.settle(m.state_slot, kept - begun)
+            else:   # nothing to go back by (not reached from a journal round): the prompt again, from position 0
+                kept = 0
+        m.num_computed_tokens = kept
         return m if self.worker.block_manager.allocate(m, seq.num_tokens + k) else None
 
-    def _run(self, mirrors: list[Sequence], sizes: list[int]) -> dict[Sequence, int]:
+    def _run(self, mirrors: list[Sequence], sizes: list[int], speculating: bool = False) -> dict[Sequence, int]:
         """One forward of the draft model over `sizes` tokens of each mirror; the greedy next token of those that
-        reach their end."""
+        reach their end. `speculating`: the mirrors' tokens from here on are drafts (a hybrid draft's journals
+        begin)."""
         seqs, ns = decodes_first(mirrors, sizes)
-        logits = self.worker.run(seqs, ns)
+        if speculating and self.worker.spec.linear_layers:
+            self.journals.update((m, m.num_computed_tokens) for m in seqs)
+        logits = self.worker.run(seqs, ns, speculating=seqs if speculating else [])
         for m, n in zip(seqs, ns):
             m.num_computed_tokens += n
         done = [m for m, n in zip(seqs, ns) if m.num_computed_tokens == m.num_tokens]
@@ -180,7 +195,7 @@ class DraftModelProposer(Proposer):
                 break
             for m in batch:
                 m.token_ids.append(drafts[m][-1])
-            for m, t in self._run(batch, [1] * len(batch)).items():
+            for m, t in self._run(batch, [1] * len(batch), speculating=r == 1).items():
                 drafts[m].append(t)
         out = []
         for m in mirrors:

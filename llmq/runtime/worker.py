@@ -8,7 +8,7 @@ worker sequences in the order the runner requires (single-token entries first: s
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,14 +74,10 @@ def kv_cache_dtype_for(requested: str, ckpt: CheckpointReader, engine: EngineSpe
     return requested
 
 
-def refuse_for_hybrid(spec: ModelSpec, compile: bool, speculative: str | None) -> None:
+def refuse_for_hybrid(spec: ModelSpec, compile: bool) -> None:
     """One line for what the runtime does not yet run with a hybrid model's Gated DeltaNet layers."""
-    what = spec.architecture
     if compile:
-        raise LlmqError(f"{what}: --compile does not trace Gated DeltaNet layers yet; drop --compile")
-    if speculative:
-        raise LlmqError(f"{what}: speculative decoding would have to roll Gated DeltaNet states back past rejected "
-                        "drafts, which the runtime does not do yet; drop --speculative")
+        raise LlmqError(f"{spec.architecture}: --compile does not trace Gated DeltaNet layers yet; drop --compile")
 
 
 class Worker:
@@ -115,7 +111,7 @@ class Worker:
             raise LlmqError(f"max_model_len {self.max_model_len} exceeds the model's "
                             f"{self.spec.max_position_embeddings} positions")
         if self.spec.linear_layers:
-            refuse_for_hybrid(self.spec, compile=cfg.compile, speculative=cfg.speculative)
+            refuse_for_hybrid(self.spec, compile=cfg.compile)
         if cfg.compile and self.tp > 1:
             raise LlmqError("--compile compiles the decode step of one rank; use it with tp 1 (tensor-parallel "
                             "ranks run eagerly)")
@@ -161,6 +157,7 @@ class Worker:
         # compute every prompt whole
         self.block_manager = BlockManager(self.num_blocks, block_size,
                                           cfg.enable_prefix_caching and not self.spec.linear_layers, self.state_slots)
+        self._settle: dict[int, int] = {}   # recurrent-state rollbacks the next step applies first (settle())
 
     def _num_blocks(self, ckpt: CheckpointReader, dtype: torch.dtype, sliced: bool) -> int:
         """KV-cache blocks per rank; `sliced`: ckpt is already one rank's share (an engine's rank0)."""
@@ -185,15 +182,25 @@ class Worker:
         return int(num_blocks)
 
     def run(self, seqs: list[Sequence], num_new: list[int], all_logits: bool = False,
-            rows: list[int] | None = None) -> torch.Tensor:
+            rows: list[int] | None = None, speculating: Collection[Sequence] = ()) -> torch.Tensor:
         """Logits of one forward over num_new[i] new tokens of each seqs[i] (single-token entries first): at the
         last token of each sequence it completes, at every token (all_logits), or at the flat token positions
-        `rows` of the step."""
+        `rows` of the step. `speculating`: sequences whose tokens from this step on may be rejected (a hybrid
+        model's recurrent layers keep a journal of their states, until settle())."""
         step = prepare_step(seqs, num_new, self.block_size, fresh_prefill_direct=self.kv_cache_dtype == "auto",
                             all_logits=all_logits, window=self.spec.sliding_window)
         if rows is not None:
             step.logits_indices = torch.tensor(rows, dtype=torch.long)
+        if self.spec.linear_layers:
+            step.meta.settle, self._settle = self._settle, {}
+            step.meta.journal = tuple(s.state_slot for s in speculating)
         return self.forward(step)
+
+    def settle(self, slot: int, kept: int) -> None:
+        """Keep the first `kept` tokens a speculating sequence's state slot took since run(speculating=...): a hybrid
+        model's recurrent states go back to after them before the next step (nothing for other models)."""
+        if self.spec.linear_layers:
+            self._settle[slot] = kept
 
     def forward(self, step) -> torch.Tensor:
         """One prepared step on every rank; rank 0's logits."""

@@ -62,6 +62,11 @@ def unit_shapes(spec: ModelSpec) -> list[list[tuple[int, int]]]:
     return [[spec.linear_shape(r) for r in unit] for unit in spec.arch.unit_roles(spec.num_experts)]
 
 
+def unit_keys(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(layer, unit) of every unit the model has (ModelSpec.units): the rows of the choice's arrays."""
+    return [(i, u) for i in range(spec.num_layers) for u in spec.units(i)]
+
+
 def candidates(spec: ModelSpec, opts) -> list[Scheme]:
     """The schemes this run chooses among (schemes.candidates for the model's decoder linears), cheapest first."""
     return schemes.candidates(opts.for_engine, [s for unit in unit_shapes(spec) for s in unit], opts)
@@ -154,7 +159,8 @@ class _Scorer:
 def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, progress: bool = True,
             cands: Sequence[Scheme] = (SCHEMES[MEASURED],), direct: tuple[str, ...] = (MEASURED,),
             layers: tuple[int, ...] | None = None) -> dict:
-    """Per unit (layer, index into Arch.units): "mse", each candidate's summed squared weight error, and "kld", the
+    """Per unit (layer, index into Arch.unit_roles: ModelSpec.units): "mse", each candidate's summed squared weight
+    error, and "kld", the
     KLD of each scheme in `direct` with that unit alone rounded to it (but in no unit the engine refuses it in:
     refused_units). layers: only these layers' units (all by default; the later layers run all the same)."""
 
@@ -193,8 +199,8 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
             lay = layer(i)
             h_in = entering[i].to(device)
             streams = []
-            for u, names in enumerate(units):
-                lins = [lay.get_submodule(nm) for nm in names]
+            for u in spec.units(i):
+                lins = [lay.get_submodule(nm) for nm in units[u]]
                 kept = [lin.weight.data for lin in lins]
                 mse = {}
                 for scheme in cands:
@@ -218,7 +224,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
                 stack[j].to("meta")
                 bar.advance(task)
             per_unit = iter(s.chunk(len(streams)))
-            for u in range(len(units)):
+            for u in spec.units(i):
                 out[(i, u)]["kld"] = {sc.name: scorer.kld(next(per_unit)) for sc in measured[u]}
     return out
 
@@ -244,12 +250,12 @@ def refused_units(spec: ModelSpec, opts, cands) -> np.ndarray:
 
 
 def refused(spec: ModelSpec, opts, cands: list[Scheme]) -> np.ndarray:
-    """refused_units for every layer: [layers * units, candidates]."""
-    return np.tile(refused_units(spec, opts, cands), (spec.num_layers, 1))
+    """refused_units of every unit: [unit_keys, candidates]."""
+    return refused_units(spec, opts, cands)[[u for _, u in unit_keys(spec)]]
 
 
 def unit_costs(spec: ModelSpec, opts, cands: list[Scheme], dtype_bytes: int) -> tuple[np.ndarray, int]:
-    """([layers * units, candidates] bytes of each unit in each scheme, parameters of all decoder linears); in the
+    """([unit_keys, candidates] bytes of each unit in each scheme, parameters of all decoder linears); in the
     GGUF file's blocks with --size-in gguf. dtype_bytes: the checkpoint's stored dtype's (scales and dense linears
     keep it: a float32 checkpoint's dense units take twice a bf16 one's)."""
     shapes = unit_shapes(spec)
@@ -258,14 +264,15 @@ def unit_costs(spec: ModelSpec, opts, cands: list[Scheme], dtype_bytes: int) -> 
         return scheme.gguf_bytes(n, k, opts) if opts.size_in == "gguf" else \
             scheme.checkpoint_bytes(n, k, opts, dtype_bytes)
 
-    costs = np.array([[sum(cost(n, k, c) for n, k in shapes[u]) for c in cands]
-                      for _ in range(spec.num_layers) for u in range(len(shapes))], dtype=np.float64)
+    costs = np.array([[sum(cost(n, k, c) for n, k in shapes[u]) for c in cands] for _, u in unit_keys(spec)],
+                     dtype=np.float64)
     return costs, decoder_params(spec)
 
 
 def decoder_params(spec: ModelSpec) -> int:
-    """Parameters of all decoder linears (what --target-bpw is per)."""
-    return sum(n * k for unit in unit_shapes(spec) for n, k in unit) * spec.num_layers
+    """Parameters of all decoder linears the choice prices (what --target-bpw is per)."""
+    shapes = unit_shapes(spec)
+    return sum(n * k for _, u in unit_keys(spec) for n, k in shapes[u])
 
 
 def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
@@ -282,8 +289,8 @@ def bpw_for_size(model_dir, spec: ModelSpec, opts) -> float:
     from ...models.reader import LazyTensors
 
     tensors = LazyTensors(safetensors_files(model_dir))
-    linears = {f"{n}.weight" for i in range(spec.num_layers) for n in spec.arch.linear_names(i, spec.num_experts)} \
-        - {f"{r}.weight" for r in spec.kept_16bit()}
+    linears = {f"{spec.arch.prefix(i)}.{p}.weight" for i in range(spec.num_layers)
+               for p in spec.stored_linears(i).values()} - {f"{r}.weight" for r in spec.kept_16bit()}
     # a stacked MoE's tensors (Experts.stacked) -> how many per-expert tensors each is stored as (its weights are
     # decoder linears, its biases stay 16-bit)
     stacked = spec.arch.moe.stacked_paths() if spec.stacked_experts() else {}
@@ -341,7 +348,7 @@ def plan(model_dir, spec: ModelSpec, opts, calib: TokenWindows, device, progress
     direct = tuple(c.name for c in cands if c.bits in (4, 5))   # measured, not estimated (module doc)
     sens = measure(model_dir, spec, opts, windows, device, progress, cands, direct)
     units = spec.arch.unit_paths(spec.num_experts)
-    keys = [(i, u) for i in range(spec.num_layers) for u in range(len(units))]
+    keys = unit_keys(spec)
     loss = np.where(refused(spec, opts, cands), np.inf, losses(sens, keys, cands))   # never chosen
     picks = choose(loss, costs, int(budget))
     chosen_schemes, chosen_units = {}, []

@@ -53,9 +53,6 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
     o = opts.resolved(tuple(_in_features(spec).values()))
-    if spec.linear_layers and o.mixed:
-        raise LlmqError(f"{spec.architecture}: mixed precision (--target-bpw / --max-size) does not yet price a "
-                        "Gated DeltaNet layer's units; quantize every linear to one width")
     if o.rotate != "none":
         from .rotation import check_rotatable
 

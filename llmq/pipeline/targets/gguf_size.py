@@ -24,7 +24,9 @@ BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}   # GGML's 32-weight blocks: fp16 d (m)
 NAME_BYTES = 255   # general.name holds the quantized artifact's name, not known yet: priced at its longest
 TABLES = tuple(f"{gguf.TENSOR_NAMES[t]}.weight" for t in (MT.TOKEN_EMBD, MT.OUTPUT))   # llama.cpp's own names
-ROUTER = gguf.TENSOR_NAMES[MT.FFN_GATE_INP].split(".")[-1]   # "ffn_gate_inp", in blk.{bid}.ffn_gate_inp
+# matrices in a layer that the choice does not price (kept as stored): the routers ("ffn_gate_inp", also in the
+# shared expert's gate's name), a Gated DeltaNet's rate projections and convolution
+KEPT = tuple(gguf.TENSOR_NAMES[t].split(".")[-1] for t in (MT.FFN_GATE_INP, MT.SSM_BETA, MT.SSM_ALPHA, MT.SSM_CONV1D))
 
 
 def linear_bytes(n: int, k: int, bits: int, symmetric: bool) -> int:
@@ -69,7 +71,7 @@ def fixed_bytes(model_dir: Path | str, embedding_int8: bool, lm_head_int8: bool,
         size = gguf.GGUFWriter.ggml_pad(path.stat().st_size, w.data_alignment)
     align = w.data_alignment
     for name, shape, _, nbytes, _ in rec.tensors:
-        if len(shape) >= 2 and name not in TABLES and ROUTER not in name:   # a decoder linear: priced by the choice
+        if len(shape) >= 2 and name not in TABLES and not any(k in name for k in KEPT):   # priced by the choice
             size += align - 1
             continue
         int8 = (name == TABLES[0] and embedding_int8) or (name == TABLES[1] and lm_head_int8)

@@ -40,6 +40,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_slots: torch.Tensor | None = None  # [Bd] the decodes' recurrent-state slots (hybrid models)
+    # speculation on a hybrid model's recurrent states: before this step, each slot in `settle` goes back to the state
+    # after the first `kept` tokens of its journal (kv_cache.Journal), then each slot in `journal` begins one
+    settle: dict[int, int] = field(default_factory=dict)
+    journal: tuple[int, ...] = ()
 
 
 def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:

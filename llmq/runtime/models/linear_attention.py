@@ -1,6 +1,10 @@
 """A Gated DeltaNet layer's token mixer (models.arch.base.LinearAttention) over a flat step of many sequences, each
 reading and writing its state slot (kv_cache.LayerRecurrent): decodes together, one recurrence step each; prefill
-chunks one by one, by the chunked delta rule, from zeros at position 0 or from the slot's state after a chunk."""
+chunks one by one, by the chunked delta rule, from zeros at position 0 or from the slot's state after a chunk.
+
+Speculative decoding moves a state past tokens that may be rejected (a verified draft, a draft model's own drafts):
+such a slot keeps a journal (kv_cache.Journal) of its state before them and of their inputs, and rolling back restores
+that state and replays the kept tokens' recurrence only (no projection is recomputed)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kv_cache import LayerRecurrent
+from ..kv_cache import Journal, LayerRecurrent
 from ..layers import cpu_kernels, delta_rule
 from ..layers.attention import AttentionMetadata
 from ..layers.linear import LinearBase
@@ -43,37 +47,72 @@ class GatedDeltaNet(nn.Module):
 
         return unit(q) * self.key_dim ** -0.5, unit(k), v.view(t, self.value_heads, self.value_dim)
 
+    def _chunk(self, cache: LayerRecurrent, slot: int, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               fresh: bool) -> torch.Tensor:
+        """n tokens of one sequence (its rows before the convolution, decays, rates) from the slot's state, or from
+        zeros where `fresh`, by the chunked rule: the slot's new state, and the outputs [n, value heads, value dim]."""
+        history = torch.zeros_like(cache.conv[slot]) if fresh else cache.conv[slot]
+        inputs = torch.cat([history, qkv.t()], dim=-1)                               # [channels, kernel - 1 + n]
+        cache.conv[slot] = inputs[:, -(self.conv.shape[1] - 1):]
+        mixed = F.silu(F.conv1d(inputs[None], self.conv[:, None], groups=inputs.shape[0])[0].t())
+        state = torch.zeros_like(cache.state[slot]) if fresh else cache.state[slot].clone()
+        o = delta_rule.chunked(state, *self._heads(mixed), g, beta)
+        cache.state[slot] = state
+        return o
+
+    def _journals(self, cache: LayerRecurrent, meta: AttentionMetadata) -> None:
+        """Before the step: roll the settled slots back to their kept tokens, forget the journals of slots a new
+        sequence takes (a prefill from position 0), begin the step's journals."""
+        for slot, kept in meta.settle.items():
+            j = cache.journals.pop(slot, None)
+            if j is None or kept == len(j):
+                continue
+            cache.conv[slot], cache.state[slot] = j.conv, j.state
+            if kept:
+                self._chunk(cache, slot, *(torch.cat(t)[:kept] for t in (j.qkv, j.g, j.beta)), fresh=False)
+        for p in meta.prefills:
+            if p.start == 0:
+                cache.journals.pop(p.slot, None)
+        for slot in meta.journal:
+            cache.journals[slot] = Journal(cache.conv[slot].clone(), cache.state[slot].clone())
+
+    def _record(self, cache: LayerRecurrent, slot: int, rows: slice, qkv: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> None:
+        """Add the step's rows of a journaled slot to its journal."""
+        j = cache.journals.get(slot)
+        if j is not None:
+            j.qkv.append(qkv[rows].clone())
+            j.g.append(g[rows])
+            j.beta.append(beta[rows])
+
     def forward(self, x: torch.Tensor, cache: LayerRecurrent, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = self.mix(x).split([self.conv.shape[0], self.value_size, self.value_heads, self.value_heads],
                                          dim=-1)
         beta = b.float().sigmoid()
         g = self.neg_rate * F.softplus(a.float() + self.dt_bias)
-        width = self.conv.shape[1]
-        mixed = torch.empty_like(qkv)
+        if meta.settle or meta.journal or cache.journals:
+            self._journals(cache, meta)
         o = torch.empty(t, self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
         bd = meta.num_decode
         if bd:
             slots = meta.decode_slots
             window = torch.cat([cache.conv[slots], qkv[:bd, :, None]], dim=-1)     # [Bd, channels, kernel]
             cache.conv[slots] = window[..., 1:]
-            mixed[:bd] = F.silu((window * self.conv).sum(-1))
+            mixed = F.silu((window * self.conv).sum(-1))
             if cpu_kernels.usable(cache.state) and cache.state.is_contiguous():   # on the slots' states in place
-                o[:bd] = cpu_kernels.delta_rule_step(cache.state, slots, *self._heads(mixed[:bd]), g[:bd], beta[:bd])
+                o[:bd] = cpu_kernels.delta_rule_step(cache.state, slots, *self._heads(mixed), g[:bd], beta[:bd])
             else:
                 state = cache.state[slots]
-                o[:bd] = delta_rule.step(state, *self._heads(mixed[:bd]), g[:bd], beta[:bd])
+                o[:bd] = delta_rule.step(state, *self._heads(mixed), g[:bd], beta[:bd])
                 cache.state[slots] = state
+            if cache.journals:
+                for i, slot in enumerate(slots.tolist()):
+                    self._record(cache, slot, slice(i, i + 1), qkv, g, beta)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            fresh = p.start == 0
-            history = torch.zeros_like(cache.conv[p.slot]) if fresh else cache.conv[p.slot]
-            inputs = torch.cat([history, qkv[rows].t()], dim=-1)                    # [channels, kernel - 1 + n]
-            cache.conv[p.slot] = inputs[:, -(width - 1):]
-            mixed[rows] = F.silu(F.conv1d(inputs[None], self.conv[:, None], groups=inputs.shape[0])[0].t())
-            state = torch.zeros_like(cache.state[p.slot]) if fresh else cache.state[p.slot].clone()
-            o[rows] = delta_rule.chunked(state, *self._heads(mixed[rows]), g[rows], beta[rows])
-            cache.state[p.slot] = state
+            self._record(cache, p.slot, rows, qkv, g, beta)
+            o[rows] = self._chunk(cache, p.slot, qkv[rows], g[rows], beta[rows], fresh=p.start == 0)
         # the gated RMSNorm over each value head, in transformers' order of roundings
         o = o.to(x.dtype).float()
         o = self.norm * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
