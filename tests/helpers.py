@@ -51,7 +51,14 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"tie_wor
             # biases to zero and the sinks small, so they are drawn at random (random_biases)
             "gpt_oss": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
-                        "swiglu_limit": 1.5, "random_biases": True}}
+                        "swiglu_limit": 1.5, "random_biases": True},
+            # sliding (8 of the 40 scored tokens, heads of 16) and global layers (heads of 32, a proportional rotary
+            # table), the last two reading the first two's KV caches with MLPs twice as wide, per-layer inputs of 8
+            # (tests/test_gemma4.py: its global layers' values as their keys, its norms and scalars drawn at random)
+            "gemma4_text": {"num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32, "sliding_window": 8,
+                            "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+                            "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+                            "vocab_size_per_layer_input": 320, "final_logit_softcapping": 5.0}}
 
 
 def byte_tokenizer():

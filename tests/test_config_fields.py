@@ -15,7 +15,8 @@ CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralCon
            "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "smollm3": transformers.SmolLM3Config,
            "qwen3_5_text": transformers.Qwen3_5TextConfig, "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
-           "qwen3_next": transformers.Qwen3NextConfig, "gpt_oss": transformers.GptOssConfig}
+           "qwen3_next": transformers.Qwen3NextConfig, "gpt_oss": transformers.GptOssConfig,
+           "gemma4_text": transformers.Gemma4TextConfig}
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 

@@ -25,6 +25,10 @@ IMPLEMENTED = frozenset({
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim",
     "swiglu_alpha", "swiglu_limit",  # GPT-OSS's clamped SwiGLU (Arch.activation "clamped_swiglu")
+    # Gemma 4: the global layers' head width / KV heads, values that are the keys, KV caches shared by the last layers
+    # and their wider MLP, the per-layer inputs' width and table
+    "per_layer_config", "attention_k_eq_v", "num_kv_shared_layers", "use_double_wide_mlp",
+    "hidden_size_per_layer_input", "vocab_size_per_layer_input",
 })
 
 # Fields that do not change the logits of an inference forward, with the reason.
@@ -41,9 +45,12 @@ INERT = {
     "resid_pdrop": "training", "embd_pdrop": "training",  # Phi-3's dropouts
     # Phi-3: the pretraining length, which transformers reads only for LongRoPE (refused under rope_parameters)
     "original_max_position_embeddings": "rope",
+    "top_k_experts": "unused",  # Gemma 4's MoE block's, which enable_moe_block (refused) turns on
 }
 
-ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # fixed frequencies, which the runtime tabulates once
+# fixed frequencies, which the runtime tabulates once ("proportional": Gemma 4's, over the whole head, the
+# frequencies past partial_rotary_factor zero)
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 
 
 def window(hf_config) -> int | None:
@@ -82,11 +89,13 @@ def _rope_unsupported(c) -> bool:
     """Refuses rotary types the runtime does not tabulate, and a partial rotary embedding where the family has none
     (Arch.partial_rotary) or it turns no whole number of pairs."""
     def partial_unsupported(factor) -> bool:
+        if factor == 1.0:
+            return False
         dim = (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) * factor
         return factor != 1.0 and (not ARCHS[c.model_type].partial_rotary or dim != int(dim) or int(dim) % 2 or
                                   not 0 < factor < 1)
-    return any(r.get("rope_type", "default") not in ROPE_TYPES or partial_unsupported(r.get("partial_rotary_factor",
-                                                                                               1.0))
+    return any(r.get("rope_type", "default") not in ROPE_TYPES or
+               (r.get("rope_type") != "proportional" and partial_unsupported(r.get("partial_rotary_factor", 1.0)))
                for r in _rope_tables(c.rope_parameters))
 
 
@@ -139,6 +148,8 @@ REFUSED = {
     "mlp_only_layers": (_dense_layers("mlp_only_layers"), "llmq runs MoE models whose every layer is sparse"),
     "decoder_sparse_step": (_dense_layers("decoder_sparse_step"), "llmq runs MoE models whose every layer is sparse"),
     "no_rope_layers": (_rope_layers_unsupported, "it must hold one 0 (no rotary embedding) or 1 per layer"),
+    "enable_moe_block": (lambda c: bool(getattr(c, "enable_moe_block", False)),
+                         "llmq does not run Gemma 4's mixture-of-experts block beside the MLP yet"),
 }
 
 

@@ -424,3 +424,6 @@ class RankWeights:
     kv_scales: list = field(default_factory=list)   # per layer: (k_scale, v_scale) as stored, or None
     # per layer: its other parameters by path (CheckpointReader.layer_tensors: a Gated DeltaNet's, sink logits)
     tensors: list = field(default_factory=list)
+    # the model's other parameters beside the embedding, by name (CheckpointReader.model_tensors: Gemma 4's per-layer
+    # inputs' table, projection and norm)
+    model_tensors: dict = field(default_factory=dict)

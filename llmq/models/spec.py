@@ -36,6 +36,28 @@ def _linear_attention(arch: Arch, hf) -> dict:
                 linear_kernel=int(getattr(hf, la.kernel)))
 
 
+def _per_layer_heads(arch: Arch, hf, local: tuple[int, ...]) -> dict:
+    """ModelSpec's Gemma 4 fields (none for other families): the global layers' geometry from per_layer_config, the
+    layer each shared layer reads its KV cache from (transformers' kv_sharing_modes: the last earlier layer of its
+    kind), the double-wide MLPs and the per-layer inputs."""
+    out: dict = {}
+    n = hf.num_hidden_layers
+    glob = [i for i in range(n) if i not in local]
+    if arch.per_layer_heads and glob:
+        layer = hf.per_layer_config[glob[0]]
+        out |= dict(global_head_dim=int(layer.head_dim), global_kv_heads=int(layer.num_key_value_heads),
+                    k_eq_v=bool(hf.attention_k_eq_v))
+    if arch.kv_sharing and hf.num_kv_shared_layers:
+        first = n - hf.num_kv_shared_layers
+        types = hf.layer_types
+        source = [i if i < first else max(j for j in range(first) if types[j] == types[i]) for i in range(n)]
+        out |= dict(kv_source=tuple(source), wide_mlp_layers=tuple(range(first, n)) if hf.use_double_wide_mlp else ())
+    ple = arch.per_layer_inputs
+    if ple is not None and getattr(hf, ple.size_field):
+        out |= dict(ple_dim=int(getattr(hf, ple.size_field)), ple_vocab=int(getattr(hf, ple.vocab_field)))
+    return out
+
+
 def attends(q_pos, kv_pos, window: int | None):
     """Whether a query at q_pos sees the key at kv_pos (broadcasting tensors): causal and, with a window, only the
     last `window` positions including its own, as transformers' masking_utils.sliding_window_overlay draws it."""
@@ -86,6 +108,17 @@ class ModelSpec:
     # a vision-language checkpoint's model_type (models.vision): its tower and projector sit beside this language
     # model, which is what the fields above describe
     vision: str | None = None
+    # Gemma 4 (Arch.per_layer_heads, kv_sharing, per_layer_inputs): the global layers' head width and KV heads (None:
+    # the others'), whether their values are their keys (no v_proj), the layer whose KV cache each layer reads (its
+    # own, or an earlier one's: () when every layer has its own), the layers whose MLP is twice intermediate_size,
+    # the per-layer inputs' width and table rows (0: none)
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    kv_source: tuple[int, ...] = ()
+    wide_mlp_layers: tuple[int, ...] = ()
+    ple_dim: int = 0
+    ple_vocab: int = 0
 
     @classmethod
     def from_config(cls, config: dict | str | Path) -> "ModelSpec":
@@ -142,17 +175,20 @@ class ModelSpec:
                 local_layers=local,
                 local_rope_theta=float(hf.rope_parameters["sliding_attention"]["rope_theta"])
                 if local and arch.local_rotary else None,
-                attn_scale=float(qpas) ** -0.5 if qpas else None,
+                attn_scale=arch.attention_scale if arch.attention_scale is not None else
+                float(qpas) ** -0.5 if qpas else None,
                 final_softcap=config.get("final_logit_softcapping"),
                 nope_layers=tuple(i for i, f in enumerate(getattr(hf, arch.rope_layers)) if not f)
                 if arch.rope_layers else (),
                 rotary_dim=int(int(config.get("head_dim") or hidden // heads) * rope["partial_rotary_factor"])
-                if rope.get("partial_rotary_factor", 1.0) != 1.0 else None,
+                if rope.get("partial_rotary_factor", 1.0) != 1.0 and rope.get("rope_type") != "proportional"
+                else None,   # a proportional table covers the whole head (zero frequencies past the factor)
                 **_linear_attention(arch, hf),
                 **moe,
                 swiglu=(float(hf.swiglu_alpha), float(hf.swiglu_limit)) if arch.activation == "clamped_swiglu"
                 else None,
                 vision=vision,
+                **_per_layer_heads(arch, hf, local),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LlmqError(f"config.json of this {model_type} model is missing or has a bad field: {e}") from None
@@ -164,8 +200,26 @@ class ModelSpec:
 
     def roles(self, i: int | None = None) -> tuple[str, ...]:
         """A decoder layer's linear roles (Arch.roles with this model's experts): layer i's, or an attention
-        layer's."""
-        return self.arch.roles(self.num_experts, i in self.linear_layers)
+        layer's. A layer reading another's KV cache has no k / v projections, a global layer whose values are its keys
+        no v_proj (Gemma 4)."""
+        roles = self.arch.roles(self.num_experts, i in self.linear_layers)
+        if i is not None and self.shares_kv(i):
+            return tuple(r for r in roles if r not in ("k_proj", "v_proj"))
+        if i is not None and self.k_eq_v and i not in self.local_layers:
+            return tuple(r for r in roles if r != "v_proj")
+        return roles
+
+    def shares_kv(self, i: int) -> bool:
+        """Whether layer i reads an earlier layer's KV cache (kv_source) instead of keeping its own."""
+        return bool(self.kv_source) and self.kv_source[i] != i
+
+    def head_dim_of(self, i: int) -> int:
+        """Layer i's head width: a global layer's own where the family has one (global_head_dim)."""
+        return self.global_head_dim if self.global_head_dim and i not in self.local_layers else self.head_dim
+
+    def kv_heads_of(self, i: int) -> int:
+        """Layer i's KV heads: a global layer's own where the family has them (global_kv_heads)."""
+        return self.global_kv_heads if self.global_kv_heads and i not in self.local_layers else self.num_kv_heads
 
     def units(self, i: int) -> list[int]:
         """Layer i's units, as indices into Arch.unit_roles(num_experts): a hybrid model's layers have their kind's
@@ -174,21 +228,29 @@ class ModelSpec:
         return [u for u, unit in enumerate(self.arch.unit_roles(self.num_experts)) if set(unit) <= have]
 
     def stored_linears(self, i: int) -> dict[str, str]:
-        """Layer i's linears as stored (Arch.stored_linears): name -> path in the layer."""
-        return self.arch.stored_linears(self.num_experts, i in self.linear_layers)
+        """Layer i's linears as stored (Arch.stored_linears, less the roles the layer lacks: roles): name -> path in
+        the layer."""
+        linear = i in self.linear_layers
+        absent = set(self.arch.roles(self.num_experts, linear)) - set(self.roles(i))
+        return {n: p for n, p in self.arch.stored_linears(self.num_experts, linear).items() if n not in absent}
 
     def norm_roles(self, i: int) -> tuple[str, ...]:
         """Layer i's norms: a Gated DeltaNet layer has none of its family's attention module's (q_norm, k_norm)."""
         inside = f"{self.arch.attention}."
         return tuple(r for r, path in self.arch.norms.items()
-                     if i not in self.linear_layers or not path.startswith(inside))
+                     if (i not in self.linear_layers or not path.startswith(inside)) and
+                     not (r == "k_norm" and self.shares_kv(i)) and not (r == "ple_norm" and not self.ple_dim))
 
     def linear_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         """Layer i's parameters besides linears and norms (a Gated DeltaNet layer's, Arch.linear_attention; an
         attention layer's sink logits, Arch.sinks): path in the layer -> shape."""
-        la = self.arch.linear_attention
+        la, arch = self.arch.linear_attention, self.arch
         if la is None or i not in self.linear_layers:
-            return {self.arch.sinks: (self.num_heads,)} if self.arch.sinks else {}
+            ple, h = arch.per_layer_inputs, self.hidden_size
+            return ({arch.sinks: (self.num_heads,)} if arch.sinks else {}) | \
+                ({arch.layer_scalar: (1,)} if arch.layer_scalar else {}) | \
+                ({f"{ple.gate}.weight": (self.ple_dim, h), f"{ple.proj}.weight": (h, self.ple_dim)}
+                 if self.ple_dim and ple is not None else {})
         hv = self.linear_value_heads
         shapes = ((self.linear_conv_dim, 1, self.linear_kernel), (hv,), (hv,), (self.linear_value_dim,))
         return {f"{la.module}.{t}": shape for t, shape in zip(la.tensors, shapes)}
@@ -237,14 +299,18 @@ class ModelSpec:
         state = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4
         return len(self.linear_layers) * (conv + state) / tp
 
-    def linear_shape(self, role: str) -> tuple[int, int]:
+    def linear_shape(self, role: str, i: int | None = None) -> tuple[int, int]:
         """[out, in] of a decoder layer's linear `role` (q_proj ... down_proj, router, experts.<e>.<role>,
-        shared_expert.<role>, shared_expert_gate), or of a stored fused group (Arch.fused: its roles' rows stacked)."""
+        shared_expert.<role>, shared_expert_gate), or of a stored fused group (Arch.fused: its roles' rows stacked);
+        of layer i's where layers differ (Gemma 4's global heads and double-wide MLPs)."""
         if role in self.arch.groups(self.arch.linear_attention is not None):
-            shapes = [self.linear_shape(r) for r in self.arch.group_roles(role)]
+            shapes = [self.linear_shape(r, i) for r in self.arch.group_roles(role)]
             return sum(n for n, _ in shapes), shapes[0][1]
-        h, q, kv, ff = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.intermediate_size
+        d = self.head_dim if i is None else self.head_dim_of(i)
+        h, q, kv, ff = self.hidden_size, self.num_heads * d, (self.num_kv_heads if i is None else
+                                                              self.kv_heads_of(i)) * d, self.intermediate_size
+        if i is not None and i in self.wide_mlp_layers:
+            ff *= 2
         if role == ROUTER:
             return self.num_experts, h
         if role == SHARED_GATE:
@@ -282,15 +348,23 @@ class ModelSpec:
             start += width[p]
         return {role: torch.cat(r) for role, r in rows.items()}
 
-    def norm_shape(self, role: str) -> tuple[int]:
-        """The weight shape of a decoder layer's norm `role`: per head for q / k norms, else the residual width."""
-        return (self.head_dim if role in ("q_norm", "k_norm") else self.hidden_size,)
+    def norm_shape(self, role: str, i: int | None = None) -> tuple[int]:
+        """The weight shape of a decoder layer's norm `role` (layer i's where head widths differ): per head for q / k
+        norms, else the residual width."""
+        d = self.head_dim if i is None else self.head_dim_of(i)
+        return (d if role in ("q_norm", "k_norm") else self.hidden_size,)
+
+    def kv_layers(self) -> list[int]:
+        """The layers that keep a KV cache: attention layers (not a hybrid's Gated DeltaNet ones) that read no other
+        layer's (kv_source)."""
+        return [i for i in range(self.num_layers) if i not in self.linear_layers and not self.shares_kv(i)]
 
     def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
-        """KV-cache size of one token on one of `tp` ranks: 2 x layers x KV heads x head_dim x bytes per element (a
-        rank holds its share of the KV heads, at least one). The one place this is computed: the worker sizes its
-        cache with it, serve and the benchmarks report with it."""
-        return 2 * self.attention_layers * max(self.num_kv_heads // tp, 1) * self.head_dim * bytes_per_element
+        """KV-cache size of one token on one of `tp` ranks: K and V of every layer keeping a cache, KV heads x
+        head_dim x bytes per element each (a rank holds its share of the KV heads, at least one). The one place this
+        is computed: the worker sizes its cache with it, serve and the benchmarks report with it."""
+        return sum(2 * max(self.kv_heads_of(i) // tp, 1) * self.head_dim_of(i) for i in self.kv_layers()) * \
+            bytes_per_element
 
     def num_parameters(self, active: bool = False) -> int:
         """All parameters, or (`active`) those one token computes with: its experts only in a MoE model."""
@@ -324,13 +398,17 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
     want: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
     optional: dict[str, tuple[int, ...]] = {}
     (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
+    ple, width = arch.per_layer_inputs, spec.num_layers * spec.ple_dim
+    if ple is not None and spec.ple_dim:
+        want |= {f"{ple.table}.weight": (spec.ple_vocab, width), f"{ple.projection}.weight": (width, h),
+                 f"{ple.projection_norm}.weight": (spec.ple_dim,)}
     for i in range(spec.num_layers):
         for name, path in spec.stored_linears(i).items():
-            shape = spec.linear_shape(name)
+            shape = spec.linear_shape(name, i)
             want[f"{arch.prefix(i)}.{path}.weight"] = shape
             optional[f"{arch.prefix(i)}.{path}.bias"] = shape[:1]
         for role in spec.norm_roles(i):
-            want[arch.norm(i, role)] = spec.norm_shape(role)
+            want[arch.norm(i, role)] = spec.norm_shape(role, i)
         want |= {f"{arch.prefix(i)}.{path}": shape for path, shape in spec.linear_tensors(i).items()}
         want |= {f"{arch.prefix(i)}.{path}": shape for path, shape in spec.stacked_experts().items()}
     for name in want.keys() - tensors.keys():

@@ -91,6 +91,9 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if ckpt.bnb is not None:
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint, whose format has no KV-cache scales; run "
                         "quantize-kv on a compressed-tensors artifact (rtn, gptq, awq, smoothquant, fp8) or a model")
+    if ckpt.arch.stages_refused:
+        raise LlmqError(f"{source.ref} ({ckpt.spec.architecture}): {ckpt.arch.stages_refused}; serve it with "
+                        "--kv-cache-dtype auto")
     if ckpt.spec.vision is not None:
         raise LlmqError(f"{source.ref}: KV-cache scales of a vision-language model are not calibrated yet (its "
                         "calibration would need image tokens); serve it with --kv-cache-dtype auto")

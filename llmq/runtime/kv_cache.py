@@ -52,6 +52,13 @@ class LayerKV:
         self.k.view(nb * bs, h, d).index_copy_(0, slots, self._encode(k, self.k_scale))
         self.v.view(nb * bs, h, d).index_copy_(0, slots, self._encode(v, self.v_scale))
 
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V stored at flat slot indices, [T, Hkv, D] in compute dtype (what a layer sharing this cache reads of
+        the step's own tokens: ModelSpec.kv_source)."""
+        nb, bs, h, d = self.k.shape
+        return (self._decode(self.k.view(nb * bs, h, d).index_select(0, slots), self.k_scale),
+                self._decode(self.v.view(nb * bs, h, d).index_select(0, slots), self.v_scale))
+
     def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given block tables [B, nblocks] as [B, nblocks * block_size, Hkv, D] in compute dtype."""
         b, n = blocks.shape
@@ -95,13 +102,21 @@ def allocate_layer_caches(spec, num_blocks: int, block_size: int, num_kv_heads: 
                           compute_dtype: torch.dtype, device, scales: list | None, state_slots: int, tp: int = 1
                           ) -> list[LayerKV | LayerRecurrent]:
     """One rank's cache of every layer, by what the layer keeps between steps: the paged KV cache of an attention
-    layer (scales: the attention layers' only, in order), the per-sequence state of a Gated DeltaNet layer
+    layer (scales: those of the layers keeping one, in order; num_kv_heads: the rank's, or layer by layer the
+    model's where its global layers have their own: ModelSpec.kv_heads_of), the same cache object for a layer reading
+    an earlier layer's (ModelSpec.kv_source), the per-sequence state of a Gated DeltaNet layer
     (ModelSpec.linear_layers; a rank holds its 1 / tp of the heads)."""
-    kv = iter(allocate_kv_cache(spec.attention_layers, num_blocks, block_size, num_kv_heads, spec.head_dim, kv_dtype,
-                                compute_dtype, device, scales))
+    kv_layers = spec.kv_layers()
+    if scales is not None and len(scales) != len(kv_layers):
+        raise LlmqError(f"a {kv_dtype} KV cache needs calibrated k_scale/v_scale for every layer; "
+                        "run `llmq quantize-kv` on this model first")
+    kv = {i: allocate_kv_cache(1, num_blocks, block_size, spec.kv_heads_of(i) if spec.global_kv_heads else
+                               num_kv_heads, spec.head_dim_of(i), kv_dtype, compute_dtype, device,
+                               None if scales is None else [scales[j]])[0] for j, i in enumerate(kv_layers)}
     return [LayerRecurrent(state_slots, spec.linear_conv_dim // tp, spec.linear_kernel, spec.linear_value_heads // tp,
                            spec.linear_key_dim, spec.linear_value_dim, compute_dtype, device)
-            if i in spec.linear_layers else next(kv) for i in range(spec.num_layers)]
+            if i in spec.linear_layers else kv[spec.kv_source[i] if spec.kv_source else i]
+            for i in range(spec.num_layers)]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

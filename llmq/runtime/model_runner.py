@@ -43,7 +43,7 @@ from .layers.linear import keeps_16bit
 from .layers.norm import RMSNorm
 from .layers.rotary import RopeTable, RopeTables, RotaryEmbedding, rope_tables
 from .loader import build_linear
-from .models.decoder import CausalLM, DecoderLayer, LayerWeights, SparseMoE
+from .models.decoder import CausalLM, DecoderLayer, LayerWeights, PerLayerInputs, SparseMoE
 from .models.linear_attention import GatedDeltaNet
 from .models.vision import load_vision
 
@@ -127,7 +127,7 @@ def rank_weights(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int, lazy
     if plan is not None:
         tensors = [split_linear_tensors(t, plan, rank, ckpt.arch) for t in tensors]
     return RankWeights(layers=layers, norms=norms, embed=embed, final_norm=ckpt.final_norm(), lm_head=head,
-                       tensors=tensors)
+                       tensors=tensors, model_tensors=ckpt.model_tensors())
 
 
 def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPContext, dtype: torch.dtype,
@@ -185,23 +185,42 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
         if i not in spec.linear_layers:
             o_bias, o = row_bias(lin["o_proj"])
             sinks = rw.tensors[i][arch.sinks].to(device=device, dtype=torch.float32) if arch.sinks else None
-            return dict(qkv=linear([lin["q_proj"], lin["k_proj"], lin["v_proj"]]), o=linear([o]), o_bias=o_bias,
-                        attn_gate=arch.attn_gate, sinks=sinks)
+            qkv = [lin[r] for r in ("q_proj", "k_proj", "v_proj") if r in lin]   # Gemma 4's: q (and k) alone too
+            return dict(qkv=linear(qkv), o=linear([o]), o_bias=o_bias, attn_gate=arch.attn_gate, sinks=sinks)
         conv, a_log, dt_bias, gated_norm = (rw.tensors[i][f"{la.module}.{n}"].to(device) for n in la.tensors)
         net = GatedDeltaNet(linear([lin[r] for r in LINEAR_ATTN[:4]]), linear([lin["out_proj"]]), conv.to(dtype),
                             a_log, dt_bias, gated_norm.to(dtype), spec.rms_norm_eps, spec.linear_key_heads // tpc.world,
                             spec.linear_value_heads // tpc.world, spec.linear_key_dim, spec.linear_value_dim)
         return dict(qkv=None, o=None, o_bias=None, mixer=net)
 
+    def gemma4(i: int, norms: dict[str, torch.Tensor]) -> dict:
+        """Layer i's per-layer input modules and output scalar (Arch.per_layer_inputs, layer_scalar)."""
+        t, ple = rw.tensors[i], arch.per_layer_inputs
+        out = dict(layer_scalar=t[arch.layer_scalar].to(device=device, dtype=dtype)) if arch.layer_scalar else {}
+        if spec.ple_dim:
+            out["ple"] = (t[f"{ple.gate}.weight"].to(device=device, dtype=dtype),
+                          t[f"{ple.proj}.weight"].to(device=device, dtype=dtype), norm(norms["ple_norm"]))
+        return out
+
     la = arch.linear_attention
     for i, (lin, norms) in enumerate(zip(rw.layers, rw.norms)):
         w = LayerWeights(
             input_norm=norm(norms["attn_norm"]), **mixer(i, lin), post_norm=norm(norms["mlp_norm"]), **mlp(lin),
             q_norm=norm(norms.get("q_norm")), k_norm=norm(norms.get("k_norm")),
-            attn_out_norm=norm(norms.get("attn_out_norm")), mlp_out_norm=norm(norms.get("mlp_out_norm")))
-        layers.append(DecoderLayer(w, heads, kv_heads, spec.head_dim, tpc, spec.attn_scale, arch.activation,
-                                   i in spec.local_layers, i not in spec.nope_layers, spec.swiglu))
+            attn_out_norm=norm(norms.get("attn_out_norm")), mlp_out_norm=norm(norms.get("mlp_out_norm")),
+            **gemma4(i, norms))
+        layer_kv = spec.kv_heads_of(i) if spec.global_kv_heads else kv_heads   # per layer at tp 1 only (worker)
+        layers.append(DecoderLayer(w, heads, layer_kv, spec.head_dim_of(i), tpc, spec.attn_scale, arch.activation,
+                                   i in spec.local_layers, i not in spec.nope_layers, spec.swiglu,
+                                   spec.rms_norm_eps if arch.v_norm else None,
+                                   spec.k_eq_v and i not in spec.local_layers, spec.shares_kv(i)))
         release_free_heap()
+    per_layer = None
+    if spec.ple_dim:
+        ple = arch.per_layer_inputs
+        t = rw.model_tensors
+        per_layer = PerLayerInputs(t[ple.table].to(device), t[ple.projection].to(device=device, dtype=dtype),
+                                   norm(t[ple.projection_norm]), spec.ple_dim)
     head, table, scale = rw.lm_head, rw.embed.weight, None
     if rw.embed.qw is not None:  # INT8 rows and their scales, looked up as stored (a tied head is built from them)
         qw = rw.embed.qw  # a scale per row, or per group of columns
@@ -213,7 +232,8 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
     else:  # looked up a few rows at a time: stays as stored (half the memory of a float32 copy at 16 bits)
         table = table.to(device=device)
     model = CausalLM(table, layers, norm(rw.final_norm), linear([head]), rotary, spec.vocab_size, tpc, embed_start,
-                     scale, local, spec.hidden_size ** 0.5 if arch.embed_scale else None, spec.final_softcap)
+                     scale, local, spec.hidden_size ** 0.5 if arch.embed_scale else None, spec.final_softcap,
+                     per_layer)
     release_free_heap()
     return model.eval()
 
@@ -320,7 +340,7 @@ class ModelRunner:
     def observe_kv(self, fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> None:
         """Have every layer's KV cache call fn(layer, k, v) with the K/V it is given to store (None: stop)."""
         for i, cache in enumerate(self.caches):
-            if isinstance(cache, LayerKV):
+            if isinstance(cache, LayerKV) and not self.spec.shares_kv(i):   # a shared cache: its own layer's
                 cache.observer = None if fn is None else functools.partial(fn, i)
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,9 @@ class Worker:
                             f"{self.spec.max_position_embeddings} positions")
         if self.spec.linear_layers:
             refuse_for_hybrid(self.spec, compile=cfg.compile)
+        if self.spec.arch.per_layer_heads and (self.tp > 1 or cfg.compile):
+            raise LlmqError(f"{self.spec.architecture}: {'--tp' if self.tp > 1 else '--compile'} does not take its "
+                            "per-layer head widths and shared KV caches yet; serve it at tp 1, eagerly")
         if cfg.compile and self.tp > 1:
             raise LlmqError("--compile compiles the decode step of one rank; use it with tp 1 (tensor-parallel "
                             "ranks run eagerly)")

@@ -162,6 +162,23 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class PerLayerInputs:
+    """Gemma 4's per-layer inputs: a second embedding table holds, for every token, a small vector for each layer
+    (`size` wide, all layers' side by side), added to a projection of the token's embedding (scaled by hidden^-1/2,
+    RMS-normalized per layer) and scaled by 2^-1/2. After its MLP each layer mixes its vector in: the residual stream
+    through `gate` (an activation, times the vector), `proj` back to the hidden width, `norm`, added to the stream."""
+
+    table: str = "model.embed_tokens_per_layer"        # [vocab_field, layers x size], scaled by size^1/2
+    projection: str = "model.per_layer_model_projection"   # [layers x size, hidden]
+    projection_norm: str = "model.per_layer_projection_norm"   # [size]
+    gate: str = "per_layer_input_gate"                 # in a layer: [size, hidden]
+    proj: str = "per_layer_projection"                 # [hidden, size]
+    norm: str = "post_per_layer_input_norm"            # [hidden]
+    size_field: str = "hidden_size_per_layer_input"    # config fields: the vector's width (0: none), the table's rows
+    vocab_field: str = "vocab_size_per_layer_input"
+
+
+@dataclass(frozen=True)
 class Arch:
     model_type: str               # config.json's model_type
     architecture: str             # the Hugging Face class
@@ -229,6 +246,17 @@ class Arch:
     # multiplied by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next)
     attn_gate: bool = False
     partial_rotary: bool = False  # the rotary embedding may turn only the first partial_rotary_factor of a head
+    # Gemma 4: the global (full-attention) layers' own head width and KV heads (the config's per_layer_config), the
+    # last layers reading an earlier layer's KV cache (num_kv_shared_layers), values RMS-normalized without a weight,
+    # a fixed softmax scale (1: the q / k norms stand in for it), a learned scalar on each layer's output (its path),
+    # the per-layer inputs; why the stages other than the runtime do not take the family yet (None: they do)
+    per_layer_heads: bool = False
+    kv_sharing: bool = False
+    v_norm: bool = False
+    attention_scale: float | None = None
+    layer_scalar: str | None = None
+    per_layer_inputs: PerLayerInputs | None = None
+    stages_refused: str | None = None
 
     def prefix(self, i: int) -> str:
         return f"{self.layers}.{i}"

@@ -52,6 +52,8 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
     if source.kind != "model":
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
+    if spec.arch.stages_refused:
+        raise LlmqError(f"{source.ref} ({spec.architecture}): {spec.arch.stages_refused}; serve it as it is")
     o = opts.resolved(tuple(_in_features(spec).values()))
     if o.rotate != "none":
         from .rotation import check_rotatable

@@ -92,6 +92,9 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     from ...models.sharding import HeadSplitError, make_plan
 
     src = CheckpointReader(source.path)
+    if src.arch.stages_refused:
+        raise LlmqError(f"--target {opts.target}: {source.ref} ({src.spec.architecture}): {src.arch.stages_refused}; "
+                        f"serve {source.ref} itself (llmq serve)")
     _check(opts, src)
     if src.bnb is not None:
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint: serve and eval it as it is (llmq, transformers, "

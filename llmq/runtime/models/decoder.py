@@ -23,7 +23,7 @@ from ..layers import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store, windowed
 from ..layers.linear import LinearBase
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding
+from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .linear_attention import GatedDeltaNet
 
 
@@ -132,16 +132,26 @@ class LayerWeights:
     mixer: GatedDeltaNet | None = None    # a hybrid model's linear-attention layer, in place of attention
     attn_gate: bool = False  # q_proj's rows hold each head's query then its output gate (Arch.attn_gate)
     sinks: torch.Tensor | None = None  # this rank's heads' sink logits (Arch.sinks), float32
+    # Gemma 4: the per-layer input's gate [size, hidden] and projection [hidden, size] weights with the norm after
+    # them (Arch.per_layer_inputs), and the scalar on the layer's output (Arch.layer_scalar)
+    ple: tuple[torch.Tensor, torch.Tensor, RMSNorm] | None = None
+    layer_scalar: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, w: LayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, tp: TPContext,
                  scale: float | None = None, activation: str = "silu", local: bool = False, rotates: bool = True,
-                 swiglu: tuple[float, float] | None = None):
+                 swiglu: tuple[float, float] | None = None, v_norm: float | None = None, k_eq_v: bool = False,
+                 shares_kv: bool = False):
         """scale: the attention's softmax scale (None: head_dim ** -0.5); activation, swiglu: Arch.activation and
         ModelSpec.swiglu; local: the layer attends over ModelSpec.local_window with the local rotary table; rotates:
-        False for a layer that attends without the rotary embedding (ModelSpec.nope_layers)."""
+        False for a layer that attends without the rotary embedding (ModelSpec.nope_layers). Gemma 4: v_norm, the
+        epsilon of the values' RMS normalization (Arch.v_norm); k_eq_v: qkv holds q and k only and the values are the
+        keys (ModelSpec.k_eq_v); shares_kv: qkv holds q only and the layer reads the KV its cache already holds, an
+        earlier layer's (ModelSpec.kv_source)."""
         super().__init__()
+        self.v_norm, self.k_eq_v, self.shares_kv = v_norm, k_eq_v, shares_kv
+        self.ple, self.layer_scalar = w.ple, w.layer_scalar
         self.input_norm, self.post_norm = w.input_norm, w.post_norm
         self.qkv, self.o, self.gate_up, self.down = w.qkv, w.o, w.gate_up, w.down
         self.o_bias, self.down_bias = w.o_bias, w.down_bias
@@ -166,23 +176,48 @@ class DecoderLayer(nn.Module):
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         return torch.cat([q, k, v], dim=-1)
 
+    def _gemma4_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's q / k / v rows normalized as its attention does: q and k by their norms, v by its RMS alone, v
+        being k before its norm where the layer has no v_proj (k_eq_v)."""
+        t = qkv.shape[0]
+        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+        v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size:]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).float()
+        v = (v * torch.pow(v.pow(2).mean(-1, keepdim=True) + self.v_norm, -0.5)).to(qkv.dtype).reshape(t, -1)
+        return self._qk_normed(torch.cat([q, k, v], dim=-1))
+
+    def _shared_attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of a layer whose K / V an earlier layer stored in this cache (this step's too): its queries
+        over them."""
+        t = x.shape[0]
+        q = self.q_norm(self.qkv(x).view(t, self.num_heads, self.head_dim))
+        k, v = cache.read(meta.slot_mapping)
+        a = paged_attention(apply_rotary(q, *rope), k, v, cache, meta, self.scale, self.sinks)
+        return self.o(a.reshape(t, self.q_size))
+
     def _attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV,
                    meta: AttentionMetadata) -> torch.Tensor:
+        if self.shares_kv:
+            return self._shared_attention(x, rope, cache, meta)
         t = x.shape[0]
         qkv = self.qkv(x)
+        if self.v_norm is not None:
+            qkv = self._gemma4_qkv(qkv)
         gate = None
         if self.attn_gate:  # [query, gate] per head, then k and v
             qg = qkv[:, :2 * self.q_size].view(t, self.num_heads, 2 * self.head_dim)
             gate = qg[..., self.head_dim:].reshape(t, self.q_size)
             qkv = torch.cat([qg[..., :self.head_dim].reshape(t, self.q_size), qkv[:, 2 * self.q_size:]], dim=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.v_norm is None:
             qkv = self._qk_normed(qkv)
         q, k, v = rotate_and_store(qkv, rope, cache, meta, self.num_heads, self.num_kv_heads)
         a = paged_attention(q, k, v, cache, meta, self.scale, self.sinks).reshape(t, self.q_size)
         return self.o(a if gate is None else a * torch.sigmoid(gate))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV | LayerRecurrent,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, ple: torch.Tensor | None = None) -> torch.Tensor:
+        """ple: the layer's per-layer inputs [T, size] (Gemma 4: CausalLM.per_layer_inputs)."""
         y = self.input_norm(x)
         h = self.mixer(y, cache, meta) if self.mixer is not None else self._attention(y, rope, cache, meta)
         h = self._reduce(h, self.o_bias)
@@ -190,17 +225,44 @@ class DecoderLayer(nn.Module):
         y = self.post_norm(x)
         h = self.moe(y) if self.moe is not None else self.down(glu(self.gate_up(y), self.activation, self.swiglu))
         h = self._reduce(h, self.down_bias)
-        return x.add_(self.mlp_out_norm(h) if self.mlp_out_norm is not None else h)
+        x = x.add_(self.mlp_out_norm(h) if self.mlp_out_norm is not None else h)
+        if self.ple is not None:
+            gate, proj, norm = self.ple
+            x = x + norm(F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * ple, proj))
+        return x if self.layer_scalar is None else x * self.layer_scalar
+
+
+@dataclass
+class PerLayerInputs:
+    """Gemma 4's per-layer inputs (models.arch.base.PerLayerInputs): the table as stored [vocab, layers x size], the
+    projection of the embeddings [layers x size, hidden] and the norm over each layer's part."""
+
+    table: torch.Tensor
+    projection: torch.Tensor
+    norm: RMSNorm
+    size: int
+
+    def __call__(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every layer's inputs [T, layers, size] of the tokens `ids` and their (scaled) embeddings x, in x's
+        dtype: the table's rows times size^1/2 in its dtype (as transformers scales them), plus the normalized
+        projection of x times hidden^-1/2, times 2^-1/2."""
+        rows = F.embedding(ids, self.table) * torch.tensor(self.size ** 0.5, dtype=self.table.dtype)
+        proj = F.linear(x, self.projection) * x.shape[-1] ** -0.5
+        proj = self.norm(proj.view(x.shape[0], -1, self.size))
+        return (proj + rows.to(x.dtype).view_as(proj)) * 2 ** -0.5
 
 
 class CausalLM(nn.Module):
     def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: LinearBase,
                  rotary: RotaryEmbedding, vocab_size: int, tp: TPContext, embed_vocab_start: int | None,
                  embed_scale: torch.Tensor | None = None, local: tuple[RotaryEmbedding, int] | None = None,
-                 embed_mult: float | None = None, final_softcap: float | None = None):
+                 embed_mult: float | None = None, final_softcap: float | None = None,
+                 per_layer: PerLayerInputs | None = None):
         """local: the rotary table and window of the layers marked local (ModelSpec.local_layers); embed_mult: the
-        factor on every embedding row (Arch.embed_scale); final_softcap: ModelSpec.final_softcap."""
+        factor on every embedding row (Arch.embed_scale); final_softcap: ModelSpec.final_softcap; per_layer:
+        Gemma 4's per-layer inputs."""
         super().__init__()
+        self.per_layer = per_layer
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("embed_scale", embed_scale, persistent=False)  # [vocab, 1] for an INT8 table
         self.layers = nn.ModuleList(layers)
@@ -233,7 +295,7 @@ class CausalLM(nn.Module):
         return kv[0].kv_dtype == "auto" and cpu_kernels.usable(kv[0].k) and all(c.observer is None for c in kv)
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[LayerKV],
-                meta: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, positions: torch.Tensor, ple: torch.Tensor | None = None) -> torch.Tensor:
         steps = {}  # (local, rotates) -> the rotary table and metadata of such layers, made on first use
 
         def step(layer: DecoderLayer) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
@@ -252,9 +314,9 @@ class CausalLM(nn.Module):
                 x = cpu_kernels.run_stack(stack, x, step(self.layers[lo])[0], caches[lo:hi], meta, first.num_heads,
                                           first.num_kv_heads, first.scale)
             else:
-                for layer, cache in zip(self.layers[lo:hi], caches[lo:hi]):
-                    layer_rope, layer_meta = step(layer)
-                    x = layer(x, layer_rope, cache, layer_meta)
+                for i in range(lo, hi):
+                    layer_rope, layer_meta = step(self.layers[i])
+                    x = self.layers[i](x, layer_rope, caches[i], layer_meta, None if ple is None else ple[:, i])
         return x
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -286,8 +348,9 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.embed_mult, dtype=x.dtype)
         if images is not None:
             x[images[0]] = images[1].to(x.dtype)
+        ple = self.per_layer(input_ids, x) if self.per_layer is not None else None
         rope = self.rotary.table(positions)
-        x = self._layers(x, rope, caches, meta, positions)
+        x = self._layers(x, rope, caches, meta, positions, ple)
         h = self.norm(x.index_select(0, logits_indices))
         logits = self.tp.gather_vocab(self.lm_head(h).float())
         if logits is None:
@@ -310,7 +373,9 @@ class CausalLM(nn.Module):
                     yield from linears(child)
 
         norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
-        return sum(m.nbytes for m in linears(self)) + norms
+        per_layer = [t for layer in self.layers if layer.ple is not None for t in layer.ple[:2]] + \
+            ([self.per_layer.projection] if self.per_layer is not None else [])
+        return sum(m.nbytes for m in linears(self)) + norms + sum(t.numel() * t.element_size() for t in per_layer)
 
     def expert_bytes_read(self) -> int:
         """Expert weight bytes the steps so far have read on this rank (SparseMoE.bytes_read; 0 without experts)."""

@@ -1,0 +1,159 @@
+"""Gemma 4 text models (`Gemma4ForCausalLM`) in llmq's runtime against transformers 5.23 in float32: global layers of
+their own head width (and KV heads, their values being their keys), a proportional rotary table, the last layers
+reading earlier layers' KV caches with double-wide MLPs, per-layer inputs, norms that multiply by w, values
+normalized without a weight and a scalar on each layer's output; through chunked prefill past the window, batched
+decodes, prefix-cache hits and speculative rollback. The stages that do not take it yet refuse it in one line.
+(tests/test_families.py runs the registry's tiny Gemma 4 too.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import Oracle, family_config, hf_model, make_tiny_model
+
+from llmq.errors import LlmqError
+from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+# the registry's (shared KV caches, double-wide MLPs, per-layer inputs), and one whose global layers have 1 KV head
+# whose values are its keys (no v_proj), without sharing or per-layer inputs
+SHARED = family_config("gemma4_text") | dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 2 +
+                                             ["full_attention", "sliding_attention", "sliding_attention",
+                                              "full_attention"])
+K_EQ_V = family_config("gemma4_text") | dict(attention_k_eq_v=True, num_global_key_value_heads=1,
+                                             num_kv_shared_layers=0, use_double_wide_mlp=False,
+                                             hidden_size_per_layer_input=0)
+
+
+@pytest.fixture(scope="module", params=[SHARED, K_EQ_V], ids=["shared-kv-ple", "k-eq-v"])
+def model(tmp_path_factory, request):
+    """The tiny Gemma 4 with its norm weights and layer scalars drawn at random (transformers initialises them to
+    one), so that each must be computed."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(tmp_path_factory.mktemp("gemma4") / "g", seed=4, **request.param)
+    f = next(path.glob("*.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    save_file({k: 1 + 0.5 * torch.randn(v.shape, generator=g) if k.endswith(("norm.weight", "layer_scalar")) else v
+               for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    return path
+
+
+def _kld(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float((ref.exp() * (ref - got)).sum(-1).max())
+
+
+def test_runtime_equals_transformers_past_the_window_with_shared_caches(model):
+    """16-token chunks over 40 tokens (the window is 8): later chunks read producers' caches through block tables;
+    three prompts decode together; a repeated prompt hits the prefix cache."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (40,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 23, 17)]
+    hf = hf_model(model)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    eng = LLMEngine(model, EngineConfig(max_model_len=128, block_size=4, kv_cache_memory=32 << 20,
+                                        max_num_batched_tokens=16))
+    try:
+        got = eng.prompt_logprobs(ids).double()
+        out = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        again = [o.output_token_ids for o in eng.generate(prompts[1:], GREEDY)]
+        assert eng.stats().prefix_cache_hits > 0
+    finally:
+        eng.shutdown()
+    assert _kld(ref, got) <= 1e-6
+    assert out == want
+    assert again == want[1:]
+
+
+def test_the_model_specific_parts_are_computed_not_ignored(model, tmp_path):
+    """Each Gemma 4 part changed in the checkpoint changes transformers' logits, and llmq's equally: the layer
+    scalars, the values' normalization source (the global layers' keys, or v_proj), the per-layer inputs' table."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((model / "config.json").read_text())
+    ids = list(range(40, 80))
+    changed = shutil.copytree(model, tmp_path / "changed")
+    f = next(changed.glob("*.safetensors"))
+    st = load_file(f)
+    st["model.layers.1.layer_scalar"] = st["model.layers.1.layer_scalar"] * 3
+    key = "model.embed_tokens_per_layer.weight" if cfg["hidden_size_per_layer_input"] else \
+        "model.layers.1.self_attn.k_proj.weight"   # k_eq_v: the global layer's values are these keys
+    st[key] = st[key].flip(0)
+    save_file(st, f, metadata={"format": "pt"})
+    with torch.no_grad():
+        before = hf_model(model)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        ref = hf_model(changed)(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    eng = LLMEngine(changed, EngineConfig(max_model_len=128, kv_cache_memory=32 << 20))
+    try:
+        got = eng.prompt_logprobs(ids).double()
+    finally:
+        eng.shutdown()
+    assert _kld(ref, before) > 1e-3
+    assert _kld(ref, got) <= 1e-6
+
+
+def test_speculation_rolls_back_the_shared_caches(model):
+    """Drafts wrong at every position: the layers reading an earlier layer's cache read only kept tokens."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 19, 11)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = dict(max_model_len=64, block_size=4, max_num_batched_tokens=32, kv_cache_memory=8 << 20)
+    eng = LLMEngine(model, EngineConfig(**plain))
+    ref = [o.output_token_ids for o in eng.generate(prompts, params)]
+    eng.shutdown()
+    eng = LLMEngine(model, EngineConfig(**plain, speculative="ngram", speculative_max_batch=None,
+                                        num_speculative_tokens=4))
+    eng.speculator.proposer = Oracle({tuple(p): r for p, r in zip(prompts, ref)})
+    try:
+        assert [o.output_token_ids for o in eng.generate(prompts, params)] == ref
+        st = eng.speculator.stats
+        assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    finally:
+        eng.shutdown()
+
+
+def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(model, tmp_path):
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.targets import BuildOptions, build_engine
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(model), store)
+    calls = [(lambda: quantize(src, QuantizeOptions(method="rtn", bits=4), store, progress=False), "quantize"),
+             (lambda: quantize_kv(src, store, KVOptions(kv="fp8"), show_progress=False), "quantize-kv"),
+             (lambda: build_engine(src, store, BuildOptions(target="gguf")), "build"),
+             (lambda: LLMEngine(model, EngineConfig(compile=True, kv_cache_memory=8 << 20)), "--compile")]
+    before = sorted(p.name for p in store.root.iterdir())
+    for call, words in calls:
+        with pytest.raises(LlmqError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert sorted(p.name for p in store.root.iterdir()) == before
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda cfg, st: st.pop("model.layers.1.self_attn.q_norm.weight"), "model.layers.1.self_attn.q_norm.weight"),
+    (lambda cfg, st: st.pop("model.per_layer_model_projection.weight"), "model.per_layer_model_projection.weight"),
+    (lambda cfg, st: cfg.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+     "enable_moe_block"),
+], ids=["missing-q-norm", "missing-per-layer-projection", "moe-block"])
+def test_a_bad_gemma4_checkpoint_is_refused_naming_the_field_or_tensor(tmp_path, change, words):
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(tmp_path / "g", seed=4, **family_config("gemma4_text"))
+    f = next(path.glob("*.safetensors"))
+    cfg, st = json.loads((path / "config.json").read_text()), load_file(f)
+    change(cfg, st)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(st, f, metadata={"format": "pt"})
+    with pytest.raises(LlmqError, match=words) as e:
+        LLMEngine(path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
+    assert "\n" not in str(e.value)
