@@ -118,19 +118,68 @@ def test_speculation_rolls_back_the_shared_caches(model):
         eng.shutdown()
 
 
-def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(model, tmp_path):
+@pytest.fixture(scope="module")
+def bf16(model, tmp_path_factory):
+    """The model in bfloat16 (how checkpoints ship) in a store of its own."""
+    from transformers import AutoModelForCausalLM
+
     from llmq.artifacts import Store
     from llmq.models import resolve_model
+
+    d = tmp_path_factory.mktemp("gemma4-store")
+    path = shutil.copytree(model, d / "bf16")
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    store = Store(d / "store")
+    return store, resolve_model(str(path), store)
+
+
+@pytest.mark.parametrize("method", [dict(method="rtn", bits=4, group_size=16), dict(method="gptq", bits=4,
+                                                                                     group_size=16)],
+                         ids=["rtn-w4g16", "gptq-w4g16"])
+def test_quantized_gemma4_runs_as_its_probe_measured_and_as_transformers_loads_it(bf16, method, monkeypatch,
+                                                                                    tmp_path):
+    """The layer-by-layer pass carries each layer's per-layer input and the shared keys and values in its streams
+    (layer_inputs): what llmq's runtime computes from the artifact is what the quantize probe measured (capped
+    logits, as the model caps them), and transformers loading the artifact (decompressed) computes it too; the
+    per-layer input linears stay 16-bit."""
+    from helpers import bf16_kernels_off, decompressed_dense, runtime_probe_kld
+
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = bf16
+    art = quantize(src, QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=128, **method), store, progress=False)
+    ignore = json.loads((art.path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.0.per_layer_input_gate" in ignore or not json.loads(
+        (src.path / "config.json").read_text())["hidden_size_per_layer_input"]
+    recorded = art.metrics["probe"]["kld_mean"]
+    assert recorded > 1e-4
+    assert abs(runtime_probe_kld(src.path, art.path, 128) / recorded - 1) < 2e-2
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf_model(decompressed_dense(art, tmp_path / "dense"))(torch.tensor([ids])).logits[0].double()
+    bf16_kernels_off(monkeypatch)
+    eng = LLMEngine(art.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
+    try:
+        got = eng.prompt_logprobs(ids).double()
+    finally:
+        eng.shutdown()
+    assert _kld(ref.log_softmax(-1), got) <= 1e-5
+
+
+def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(bf16):
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
 
-    store = Store(tmp_path / "store")
-    src = resolve_model(str(model), store)
-    calls = [(lambda: quantize(src, QuantizeOptions(method="rtn", bits=4), store, progress=False), "quantize"),
+    store, src = bf16
+    calls = [(lambda: quantize(src, QuantizeOptions(method="awq", bits=4), store, progress=False), "awq"),
+             (lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, target_bpw=5.0), store, progress=False),
+              "mixed precision"),
+             (lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, rotate="hadamard"), store,
+                               progress=False), "--rotate"),
              (lambda: quantize_kv(src, store, KVOptions(kv="fp8"), show_progress=False), "quantize-kv"),
              (lambda: build_engine(src, store, BuildOptions(target="gguf")), "build"),
-             (lambda: LLMEngine(model, EngineConfig(compile=True, kv_cache_memory=8 << 20)), "--compile")]
+             (lambda: LLMEngine(src.path, EngineConfig(compile=True, kv_cache_memory=8 << 20)), "--compile")]
     before = sorted(p.name for p in store.root.iterdir())
     for call, words in calls:
         with pytest.raises(LlmqError, match=words) as e:

@@ -248,12 +248,8 @@ class CheckpointReader:
         return {p: self.tensor(f"{self.arch.prefix(i)}.{p}") for p in self.spec.linear_tensors(i)}
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
-        """The model's parameters outside its layers beside the embedding, head and final norm, by name: Gemma 4's
-        per-layer inputs' table, projection and norm (Arch.per_layer_inputs; none for other families)."""
-        ple = self.arch.per_layer_inputs
-        if ple is None or not self.spec.ple_dim:
-            return {}
-        return {n: self.tensor(f"{n}.weight") for n in (ple.table, ple.projection, ple.projection_norm)}
+        """The weights of ModelSpec.model_modules, by module name."""
+        return {n: self.tensor(f"{n}.weight") for n in self.spec.model_modules()}
 
     def final_norm(self) -> torch.Tensor:
         return self.tensor(f"{self.arch.final_norm}.weight")

@@ -280,7 +280,14 @@ class ModelSpec:
         roles = ((ROUTER, SHARED_GATE) if self.shared_expert_size else (ROUTER,)) if self.num_experts else ()
         if i in self.linear_layers:
             roles += self.arch.linear_attention.kept_16bit
-        return [self.arch.path(r) for r in roles]
+        ple = self.arch.per_layer_inputs   # Gemma 4's per-layer input gate and projection: a few thousandths of a layer
+        return [self.arch.path(r) for r in roles] + ([ple.gate, ple.proj] if ple is not None and self.ple_dim else [])
+
+    def model_modules(self) -> list[str]:
+        """The model's modules outside its layers beside the embedding, head and final norm: Gemma 4's per-layer
+        inputs' table, projection and norm (Arch.per_layer_inputs; none for other families)."""
+        ple = self.arch.per_layer_inputs
+        return [ple.table, ple.projection, ple.projection_norm] if ple is not None and self.ple_dim else []
 
     @property
     def linear_conv_dim(self) -> int:

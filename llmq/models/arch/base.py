@@ -249,13 +249,16 @@ class Arch:
     # Gemma 4: the global (full-attention) layers' own head width and KV heads (the config's per_layer_config), the
     # last layers reading an earlier layer's KV cache (num_kv_shared_layers), values RMS-normalized without a weight,
     # a fixed softmax scale (1: the q / k norms stand in for it), a learned scalar on each layer's output (its path),
-    # the per-layer inputs; why the stages other than the runtime do not take the family yet (None: they do)
+    # the per-layer inputs
     per_layer_heads: bool = False
     kv_sharing: bool = False
     v_norm: bool = False
     attention_scale: float | None = None
     layer_scalar: str | None = None
     per_layer_inputs: PerLayerInputs | None = None
+    # the quantize methods the family takes where not all (mixed precision refused with them), and why the other
+    # stages (quantize-kv, build) do not take it yet (None: they do)
+    quantize_methods: tuple[str, ...] | None = None
     stages_refused: str | None = None
 
     def prefix(self, i: int) -> str:

@@ -6,7 +6,9 @@ GeGLU, sliding layers beside global ones, embeddings scaled by sqrt(hidden), cap
 - KV sharing: the last num_kv_shared_layers layers have no k / v projections and read the KV cache of the last
   earlier layer of their kind (with use_double_wide_mlp their MLP is twice as wide);
 - per-layer inputs (base.PerLayerInputs) and a learned scalar on each layer's output.
-llama.cpp calls it `gemma4`. llmq's runtime serves it; the other stages refuse it in one line (stages_refused)."""
+llama.cpp calls it `gemma4`. Quantize takes it by the methods that move no factor through its norms
+(quantize_methods: not AWQ / SmoothQuant, whose v_proj -> o_proj fold the values' norm breaks), one scheme for every
+linear; quantize-kv and build refuse it in one line (stages_refused)."""
 
 from .base import Arch, PerLayerInputs
 
@@ -19,5 +21,9 @@ GEMMA4 = Arch("gemma4_text", "Gemma4ForCausalLM", gguf_arch="gemma4", window="pe
                      "ple_norm": "post_per_layer_input_norm"},
               per_layer_heads=True, kv_sharing=True, v_norm=True, attention_scale=1.0, layer_scalar="layer_scalar",
               per_layer_inputs=PerLayerInputs(),
-              stages_refused="llmq's runtime serves Gemma 4 at 16 bits; quantize, quantize-kv and build do not take "
-                             "its per-layer head widths, shared KV caches and per-layer inputs yet")
+              quantize_methods=("rtn", "gptq", "fp8", "nvfp4", "mxfp4"),
+              stages_refused="quantize-kv and build do not take its per-layer head widths, shared KV caches and "
+                             "per-layer inputs yet",
+              rotation_refused="its norms after attention and after the MLP scale each branch's output channel by "
+                               "channel before it joins the residual stream, and no rotation of the stream passes "
+                               "them")

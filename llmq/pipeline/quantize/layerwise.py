@@ -30,11 +30,13 @@ from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
 from . import experts
 from .calib import TokenWindows
+from .layer_inputs import StreamLayout
 from .methods import WEIGHT_ONLY, Method
 from .options import QuantizeOptions
 from .rtn import quantize_weight
 from .schemes import SCHEMES, width_grid
 from .streamed import (
+    capped,
     capture_layer0,
     drop,
     head_name,
@@ -178,8 +180,9 @@ class LayerwiseResult:
 
 
 def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Module, head: torch.Tensor,
-               quant_head: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    """KLD / top-1 over the probe's positions, a chunk of logits at a time (probe.positions_per_chunk)."""
+               quant_head: Callable[[torch.Tensor], torch.Tensor], softcap: float | None = None) -> dict:
+    """KLD / top-1 over the probe's positions, a chunk of logits at a time (probe.positions_per_chunk), of the
+    logits capped as the model caps them."""
     from .probe import ProbeAccumulator, positions_per_chunk
 
     chunk = positions_per_chunk(head.shape[0])
@@ -187,7 +190,8 @@ def _kl_chunks(src: list[torch.Tensor], quant: list[torch.Tensor], norm: nn.Modu
     for a, b in zip(src, quant):
         a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         for i in range(0, a.shape[0], chunk):
-            acc.add(logits(norm(a[i:i + chunk]), head), quant_head(norm(b[i:i + chunk])))
+            acc.add(capped(logits(norm(a[i:i + chunk]), head), softcap),
+                    capped(quant_head(norm(b[i:i + chunk])), softcap))
     return acc.result()
 
 
@@ -228,17 +232,21 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
                              ignore=(*opts.ignore, *spec.kept_16bit(), *(n for n, b in widths.items() if b == 16)))
 
     emitted: set[str] = set()
-    probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device) if probe is not None else ([], [])
+    for name in spec.model_modules():   # Gemma 4's per-layer inputs, computed by the model before its layers
+        load(model.get_submodule(name), name, source, device)
+    layout = StreamLayout.of(spec)
+    probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device, layout) if probe is not None else ([], [])
     quant_embed = None
     if opts.embedding == "int8":  # from here on the model looks tokens up in the INT8 table, as serve will
         quant_embed = quantize_weight(embed.weight, 8, opts.int8_group_size, True, model_dtype, search=opts.search)
         sink.linear(qformat.EMBEDDING, quant_embed)
         emitted.add(qformat.EMBEDDING + ".weight")
         embed.weight.data = quant_embed.dequantize(torch.float32).to(device)
-    calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device) if calib is not None else ([], [])
-    probe_q = (capture_layer0(model, arch, probe.samples, device)[0] if quant_embed is not None and probe is not None
-               else [x.clone() for x in probe_src])
-    drop(model, qformat.EMBEDDING)  # read again from the checkpoint when it is written
+    calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device, layout) if calib is not None else ([], [])
+    probe_q = (capture_layer0(model, arch, probe.samples, device, layout)[0]
+               if quant_embed is not None and probe is not None else [x.clone() for x in probe_src])
+    for name in (qformat.EMBEDDING, *spec.model_modules()):
+        drop(model, name)  # read again from the checkpoint when it is written
 
     times: list[float] = []
     routed: list[list[int]] = []
@@ -250,6 +258,8 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
             prefix = arch.prefix(i)
             bar.update(task, description=f"{opts.method} w{opts.bits} layer {i + 1}/{len(layers)}")
             layer = load(layers[i], prefix, source, device).to(dtype=torch.float32)
+            if layout is not None:
+                layout.adapt(layer, i)
             probe_src = [layer(x, **probe_kw[i]) for x in probe_src]
             linears = {n: m for n, m in layer.named_modules()
                        if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
@@ -304,7 +314,10 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     if probe is not None:
         table = source[head].to(device)  # as stored: float32 a slice at a time (streamed.logits)
         norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
-        result_probe = _kl_chunks(probe_src, probe_q, norm, table, quant_head or (lambda h: logits(h, table)))
+        if layout is not None:
+            probe_src, probe_q = [layout.narrow(x) for x in probe_src], [layout.narrow(x) for x in probe_q]
+        result_probe = _kl_chunks(probe_src, probe_q, norm, table, quant_head or (lambda h: logits(h, table)),
+                                  spec.final_softcap)
         result_probe["source"] = probe.source
     return LayerwiseResult(result_probe, times, str(device), routed or None, importance or None,
                            source.manifest() if opts.rotate != "none" else None)

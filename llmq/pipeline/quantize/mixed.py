@@ -40,6 +40,7 @@ from . import schemes
 from .calib import TokenWindows
 from .schemes import SCHEMES, Scheme, linear_bytes
 from .streamed import (
+    capped,
     capture_layer0,
     drop,
     head_name,
@@ -134,17 +135,17 @@ class _Scorer:
     with at least half a window of context, as llama-perplexity scores), against reference log-probabilities
     computed once."""
 
-    def __init__(self, final: torch.Tensor, norm, head: torch.Tensor):
+    def __init__(self, final: torch.Tensor, norm, head: torch.Tensor, softcap: float | None = None):
         from .probe import positions_per_chunk
 
-        self.norm, self.head = norm, head
+        self.norm, self.head, self.softcap = norm, head, softcap
         self.chunk = positions_per_chunk(head.shape[0])
         self.ref = [lp.cpu() for lp in self._logprobs(final)]
 
     def _logprobs(self, h: torch.Tensor):
         h = h[:, h.shape[1] // 2:].reshape(-1, h.shape[-1])
         for i in range(0, h.shape[0], self.chunk):
-            yield logits(self.norm(h[i:i + self.chunk]), self.head).log_softmax(-1)
+            yield capped(logits(self.norm(h[i:i + self.chunk]), self.head), self.softcap).log_softmax(-1)
 
     def kld(self, h: torch.Tensor) -> float:
         total, n = 0.0, 0
@@ -191,7 +192,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
             stack[j].to("meta")
             bar.advance(task)
         norm = load(model.get_submodule(arch.final_norm), arch.final_norm, source, device).to(dtype=torch.float32)
-        scorer = _Scorer(x, norm, source[head_name(source)].to(device))
+        scorer = _Scorer(x, norm, source[head_name(source)].to(device), spec.final_softcap)
         out: dict = {}
         task = bar.add_task("sensitivity: units", total=sum(n - i for i in chosen))
         for i in chosen:

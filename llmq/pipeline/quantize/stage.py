@@ -27,10 +27,10 @@ from .options import QuantizeOptions
 def _in_features(spec: ModelSpec) -> dict[str, int]:
     """The decoder linears' input widths, each with the roles that have it ("q_proj/k_proj/...")."""
     by_width: dict[int, list[str]] = {}
-    for role in dict.fromkeys(r for i in range(spec.num_layers) for r in spec.roles(i)):
-        name = role.rpartition(".")[2]
-        if role != "router" and name not in by_width.setdefault(spec.linear_shape(role)[1], []):
-            by_width[spec.linear_shape(role)[1]].append(name)
+    for i, role in dict.fromkeys((i, r) for i in range(spec.num_layers) for r in spec.roles(i)):
+        name, k = role.rpartition(".")[2], spec.linear_shape(role, i)[1]   # layer i's (Gemma 4's differ)
+        if role != "router" and name not in by_width.setdefault(k, []):
+            by_width[k].append(name)
     return {"/".join(names): k for k, names in by_width.items()}
 
 
@@ -52,9 +52,11 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
     if source.kind != "model":
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
-    if spec.arch.stages_refused:
-        raise LlmqError(f"{source.ref} ({spec.architecture}): {spec.arch.stages_refused}; serve it as it is")
     o = opts.resolved(tuple(_in_features(spec).values()))
+    takes = spec.arch.quantize_methods
+    if takes is not None and (o.method not in takes or o.mixed):
+        raise LlmqError(f"{spec.architecture}: quantize takes --method {', '.join(takes)} with one scheme for every "
+                        f"linear; {'mixed precision' if o.mixed else o.method} is not done for it yet")
     if o.rotate != "none":
         from .rotation import check_rotatable
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from ...models import qformat
 from ...models.arch import Arch
+from .layer_inputs import StreamLayout
 
 
 class _Captured(Exception):
@@ -26,17 +27,19 @@ class _Recorder(nn.Module):
         self.seen, self.last = seen, last
 
     def forward(self, hidden_states, *args, **kwargs):
-        self.seen.append((hidden_states, kwargs))
+        self.seen.append((hidden_states, kwargs, args))
         if self.last:
             raise _Captured
         return hidden_states
 
 
 @torch.no_grad()
-def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device) -> tuple[list[torch.Tensor], list[dict]]:
-    """The float32 hidden states entering decoder layer 0 for each window (all the same length), and the keyword
-    arguments the model passes each layer (its mask and position embeddings: a family may give layer types their
-    own; position embeddings recomputed in float32)."""
+def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device, layout: StreamLayout | None = None
+                   ) -> tuple[list[torch.Tensor], list[dict]]:
+    """The float32 hidden states entering decoder layer 0 for each window (all the same length; widened by
+    `layout` with what Gemma 4's layers read besides them: layer_inputs), and the keyword arguments the model passes
+    each layer (its mask and position embeddings: a family may give layer types their own; position embeddings
+    recomputed in float32)."""
     body = model.get_submodule(arch.layers.rpartition(".")[0])
     layers = model.get_submodule(arch.layers)
     real, seen = list(layers), []
@@ -50,14 +53,16 @@ def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device) -> tu
                 body(input_ids=w[None].to(device), use_cache=False)
             except _Captured:
                 pass
-            hidden.append(seen[0][0].float())
+            h = seen[0][0].float()
+            hidden.append(layout.widen(h, [a[0] for _, _, a in seen]) if layout is not None else h)
     finally:
         for i, layer in enumerate(real):
             layers[i] = layer
     types = getattr(model.config, "layer_types", None)
     per_layer = []
-    for i, (_, kw) in enumerate(seen):
-        kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "use_cache")}
+    for i, (_, kw, _) in enumerate(seen):
+        kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "use_cache",
+                                                        "shared_kv_states")}
         if "position_embeddings" in kw:
             extra = {"layer_type": types[i]} if arch.window == "per_layer" and arch.local_rotary else {}
             kw["position_embeddings"] = tuple(t.float() for t in body.rotary_emb(hidden[0], kw["position_ids"],
@@ -69,6 +74,11 @@ def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device) -> tu
 def logits(h: torch.Tensor, head: torch.Tensor, rows: int = 16384) -> torch.Tensor:
     """h @ head.T in float32 with the (16-bit) head turned into float32 a slice of rows at a time."""
     return torch.cat([h @ head[i:i + rows].float().T for i in range(0, head.shape[0], rows)], dim=-1)
+
+
+def capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logits as the model gives them: c tanh(z / c) where it caps them (ModelSpec.final_softcap: Gemma)."""
+    return z if softcap is None else torch.tanh(z / softcap) * softcap
 
 
 def progress_bar(enabled: bool):
@@ -135,6 +145,10 @@ def skeleton(model_dir: Path, arch: Arch, dtype: torch.dtype, device):
     model.model.rotary_emb = type(rotary)(config=model.config).to(device)
     if arch.embed_scale:  # transformers' scaled embedding keeps sqrt(hidden) in a buffer no checkpoint holds
         model.get_submodule(qformat.EMBEDDING).embed_scale = torch.tensor(config.hidden_size ** 0.5, device=device)
+    ple = arch.per_layer_inputs
+    if ple is not None and getattr(config, ple.size_field):   # Gemma 4's per-layer table likewise, by sqrt(size)
+        model.get_submodule(ple.table).embed_scale = torch.tensor(getattr(config, ple.size_field) ** 0.5,
+                                                                   device=device)
     return model
 
 
