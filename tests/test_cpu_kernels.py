@@ -289,6 +289,18 @@ def test_table_linear_is_float32_x_times_the_weight_rounded_as_bitsandbytes_roun
     x). One-hot rows must give back each weight exactly, and one-hot rows of any float32 value the product within
     2^-21 (AMX's sums of the parts round twice): AMX splits x into three bfloat16 (one if it is bfloat16) and the
     weights into one to three, and a dropped part (2^-16 and more) fails these."""
+    _check_table_linear(dtype)
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_table_linear_without_avx512_is_the_same_arithmetic(dtype, avx2_only):
+    """table_linear on the AVX2 loops (a row at a time; from 6 rows the rounded weight on the BLAS), held to the same
+    checks."""
+    _check_table_linear(dtype)
+
+
+def _check_table_linear(dtype):
     gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
     n, k, group = 48, 256, 64
     table = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
@@ -318,6 +330,16 @@ def test_fp8_activation_rounding_is_quantize_token_groups_bit_for_bit():
     """fp8_linear's in-kernel rounding of activations to E4M3 per row and group against quant.quantize_token_groups:
     the same scales and values, bit for bit, on random rows of every magnitude, short last groups, zero rows, and rows
     made of exact ties (a group scaled by 1 whose values lie halfway between E4M3 neighbours, subnormal ones too)."""
+    _check_fp8_rounding()
+
+
+@needs_avx2
+def test_fp8_activation_rounding_without_avx512_is_quantize_token_groups_bit_for_bit(avx2_only):
+    """The AVX2 loops' rounding, held to the same checks."""
+    _check_fp8_rounding()
+
+
+def _check_fp8_rounding():
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(37, 200, generator=gen) * torch.exp2(torch.randint(-30, 30, (37, 1), generator=gen).float())
@@ -336,13 +358,28 @@ def test_fp8_activation_rounding_is_quantize_token_groups_bit_for_bit():
     assert bool((cpu_kernels.fp8_token_groups(ties, 120)[0] != ties)[:, 1:].all())  # every tie moved to a neighbour
 
 
+FP8_SHAPES = [(48, 512, (128, 128)), (32, 256, (16, 64)), (48, 576, (128, 128))]
+
+
 @needs_fp8
-@pytest.mark.parametrize("n,k,block", [(48, 512, (128, 128)), (32, 256, (16, 64)), (48, 576, (128, 128))])
+@pytest.mark.parametrize("n,k,block", FP8_SHAPES)
 def test_fp8_linear_decodes_every_e4m3_code_as_the_float64_reference(n, k, block, amx):
     """Every E4M3 weight code but NaN (subnormals, both zeros, 448), with float32 block scales and activations rounded
     to E4M3 per group as the layer rounds them: every product exact, so the kernel is the float64 product up to
     float32 summation, for one row, several and more than a block of 8 (on AMX from 8 rows, where granted); 576 inputs
     (SmolLM2's width) end in a half block."""
+    _check_fp8_linear(n, k, block)
+
+
+@needs_avx2
+@pytest.mark.parametrize("n,k,block", FP8_SHAPES)
+def test_fp8_linear_without_avx512_decodes_every_e4m3_code_as_the_float64_reference(n, k, block, avx2_only):
+    """fp8_linear on the AVX2 loops (a row at a time; from 6 rows x's values times their scales against the
+    dequantized weight on the BLAS: one float32 rounding more a term), held to the same bound."""
+    _check_fp8_linear(n, k, block)
+
+
+def _check_fp8_linear(n, k, block):
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(k)
     codes = torch.arange(256, dtype=torch.uint8).repeat(n * k // 256)[torch.randperm(n * k, generator=gen)].view(n, k)

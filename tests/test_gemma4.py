@@ -133,15 +133,21 @@ def bf16(model, tmp_path_factory):
     return store, resolve_model(str(path), store)
 
 
-@pytest.mark.parametrize("method", [dict(method="rtn", bits=4, group_size=16), dict(method="gptq", bits=4,
-                                                                                     group_size=16)],
-                         ids=["rtn-w4g16", "gptq-w4g16"])
-def test_quantized_gemma4_runs_as_its_probe_measured_and_as_transformers_loads_it(bf16, method, monkeypatch,
-                                                                                    tmp_path):
+def test_rtn_gemma4_runs_as_its_probe_measured_and_as_transformers_loads_it(bf16, monkeypatch, tmp_path):
     """The layer-by-layer pass carries each layer's per-layer input and the shared keys and values in its streams
     (layer_inputs): what llmq's runtime computes from the artifact is what the quantize probe measured (capped
     logits, as the model caps them), and transformers loading the artifact (decompressed) computes it too; the
     per-layer input linears stay 16-bit."""
+    _check_quantized(bf16, dict(method="rtn", bits=4, group_size=16), monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("model", [SHARED], indirect=True, ids=["shared-kv-ple"])
+def test_gptq_gemma4_calibrates_through_the_shared_caches(bf16, monkeypatch, tmp_path):
+    """GPTQ's calibration streams carry the per-layer inputs and shared keys and values too: the same checks."""
+    _check_quantized(bf16, dict(method="gptq", bits=4, group_size=16), monkeypatch, tmp_path)
+
+
+def _check_quantized(bf16, method: dict, monkeypatch, tmp_path) -> None:
     from helpers import bf16_kernels_off, decompressed_dense, runtime_probe_kld
 
     from llmq.pipeline.quantize import QuantizeOptions, quantize

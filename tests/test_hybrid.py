@@ -292,6 +292,7 @@ def test_smoothquant_hybrid_runs_as_its_probe_measured(model, artifacts):
     assert abs(runtime_probe_kld(src.path, art.path, 128) / recorded - 1) < 1e-2
 
 
+@pytest.mark.parametrize("model", [QWEN35, QWEN3_NEXT], indirect=True, ids=["qwen3_5", "qwen3_next"])  # its groups
 def test_mixed_precision_prices_each_layer_by_its_kind(model, artifacts):
     """--target-bpw over a hybrid: a Gated DeltaNet layer's units (q / k / v with the gate z, out_proj) and an
     attention layer's are measured and priced each in its own layer, the rate projections (and a MoE's router and

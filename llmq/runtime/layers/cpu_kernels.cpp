@@ -936,6 +936,7 @@ LLMQ_AVX512 void round_groups(const float* x, int64_t count, int64_t group, floa
 // scale (bfloat16 or float32); Mins (Q4_K: unsigned codes) less the min times the group's sum of x; rounded to
 // bfloat16 unless Mins. tile_rows_bf16's numbers up to float32 rounding.
 #define LLMQ_AVX2 __attribute__((target("avx2,fma")))
+#define LLMQ_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 
 LLMQ_AVX2 inline __m256 avx2_scales(const uint16_t* p) {  // 8 bfloat16 widened exactly
   return _mm256_castsi256_ps(
@@ -1078,6 +1079,156 @@ LLMQ_AVX2 void avx2_fp4_dequantize(const uint8_t* w, const S* s, int64_t k, int6
       const __m256 sg = avx2_scales(s + i / group * kTile + 8 * half);
       const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
       for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wt + (i + j) * ld + 8 * half, _mm256_mul_ps(avx2_fp4(words, j), sg));
+    }
+  }
+}
+
+// Block FP8 (fp8_linear) on the AVX2 loops. Input j's E4M3 codes (byte j of each lane: a row's four inputs) as
+// float32 in four instructions: the byte shifted to the top of the lane and arithmetically back by 4 puts its sign at
+// bit 31, its 4 exponent bits at float32's lowest exponent bits and its 3 mantissa bits at the top of float32's
+// mantissa; masked, that is the float 2^(e - 127) (1 + m / 8) (a float32 subnormal m 2^-129 for e = 0), and times
+// 2^120 the E4M3 value, exactly, subnormal codes included (their multiply needs denormal inputs honoured: the loops
+// clear MXCSR's DAZ bit while they run, FlushDenormals). Code 0x7F (NaN, which no quantizer writes) reads as 480.
+LLMQ_AVX2 inline __m256 avx2_e4m3(__m256i words, int j) {
+  const __m256i top = j == 3 ? words : _mm256_slli_epi32(words, 24 - 8 * j);
+  const __m256i bits = _mm256_and_si256(_mm256_srai_epi32(top, 4), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+}
+
+// MXCSR with DAZ (denormals read as zero) cleared for a scope on this thread, as it was before afterwards.
+struct HonourDenormals {
+  const unsigned csr = _mm_getcsr();
+  HonourDenormals() { _mm_setcsr(csr & ~0x40u); }
+  ~HonourDenormals() { _mm_setcsr(csr); }
+};
+
+// fp8_row on AVX2: the same E4M3 rounding (the exponent from the float's bits, at least -6; the value scaled by
+// 2^(3 - e), rounded to nearest even, scaled back), bfloat16 bits out. k and group multiples of 8.
+LLMQ_AVX2 void avx2_fp8_round(const float* x, int64_t k, int64_t group, float eps, uint16_t* q, float* xs) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t g = 0, i0 = 0; i0 < k; ++g, i0 += group) {
+    const int64_t end = std::min(i0 + group, k);
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t i = i0; i < end; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    const float s = std::max(*std::max_element(lanes, lanes + 8), eps) / 448.f;
+    xs[g] = s;
+    const __m256 sv = _mm256_set1_ps(s), top = _mm256_set1_ps(448.f), bottom = _mm256_set1_ps(-448.f);
+    for (int64_t i = i0; i < end; i += 8) {
+      const __m256 v = _mm256_max_ps(_mm256_min_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), top), bottom);
+      const __m256i e = _mm256_max_epi32(
+          _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(_mm256_and_ps(v, abs_mask)), 23),
+                           _mm256_set1_epi32(127)), _mm256_set1_epi32(-6));
+      const __m256 up = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(130), e), 23));
+      const __m256 down = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(124)), 23));
+      const __m256 r = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(v, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                     down);
+      const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(r), 16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                       _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+  }
+}
+
+// One row of x (its E4M3 values as float32, xs its group scales) against one tile of E4M3 codes in the INT8 tiles
+// (64 bytes: 16 rows x 4 inputs, a 32-bit word a row): each product exact, float32 sums, per group times the row's
+// weight scale and the group's activation scale; float32 out. tile_rows_fp8's numbers up to float32 summation order.
+LLMQ_AVX2 void avx2_fp8_row(const uint8_t* w, const float* s, const float* x, const float* xs, int64_t k,
+                            int64_t group, float* y) {
+  const HonourDenormals denormals;
+  const int64_t groups = (k + group - 1) / group;
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 gacc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    const int64_t end = std::min((g + 1) * group, k);
+    for (int64_t i = g * group; i < end; i += 4, w += 64) {
+      for (int half = 0; half < 2; ++half) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+        for (int j = 0; j < 4; ++j) {
+          gacc[half][j % 2] = _mm256_fmadd_ps(avx2_e4m3(words, j), _mm256_broadcast_ss(x + i + j), gacc[half][j % 2]);
+        }
+      }
+    }
+    const __m256 xg = _mm256_set1_ps(xs[g]);
+    for (int half = 0; half < 2; ++half) {
+      acc[half] = _mm256_fmadd_ps(_mm256_add_ps(gacc[half][0], gacc[half][1]),
+                                  _mm256_mul_ps(_mm256_loadu_ps(s + g * kTile + 8 * half), xg), acc[half]);
+    }
+  }
+  for (int half = 0; half < 2; ++half) _mm256_storeu_ps(y + 8 * half, acc[half]);
+}
+
+// A tile's block-FP8 weight as float32 columns of W^T: the E4M3 value times its row's group scale.
+LLMQ_AVX2 void avx2_fp8_dequantize(const uint8_t* w, const float* s, int64_t k, int64_t group, float* wt, int64_t ld) {
+  const HonourDenormals denormals;
+  for (int64_t i = 0; i < k; i += 4, w += 64) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sg = _mm256_loadu_ps(s + i / group * kTile + 8 * half);
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(wt + (i + j) * ld + 8 * half, _mm256_mul_ps(avx2_e4m3(words, j), sg));
+    }
+  }
+}
+
+// bitsandbytes NF4 / FP4 (table_linear) on the AVX2 loops: input j (of 8) of a tile half's rows (INT4 layout) looked
+// up in the 16-value table (two vpermps on the code's low 3 bits, blended by its fourth, moved to the sign bit), times
+// the block's absmax, rounded to the checkpoint's dtype as tile_rows_table rounds it (Round: 0 float32, 1 bfloat16,
+// 2 float16).
+LLMQ_AVX2 inline __m256 avx2_table_value(__m256i words, int j, __m256 lo, __m256 hi) {   // table[u] alone
+  const int shift = j < 4 ? 8 * j : 8 * (j - 4) + 4;
+  const __m256i u = shift ? _mm256_srli_epi32(words, shift) : words;
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, u), _mm256_permutevar8x32_ps(hi, u),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));
+}
+
+template <int Round>
+LLMQ_AVX2_F16C inline __m256 avx2_table(__m256i words, int j, __m256 lo, __m256 hi, __m256 sg) {
+  const __m256 v = _mm256_mul_ps(avx2_table_value(words, j, lo, hi), sg);
+  if constexpr (Round == 1) return avx2_bf16_rounded(v);
+  if constexpr (Round == 2) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  return v;
+}
+
+// One row of float32 x against one tile: float32 sums, float32 out. Float32 weights (Round 0) take the absmax once a
+// block, on the block's sum of x times the table values (the same terms, rounded once a block instead of a weight).
+template <int Round>
+LLMQ_AVX2_F16C void avx2_table_row(const uint8_t* w, const float* s, const float* table16, const float* x, int64_t k,
+                                   int64_t group, float* y) {
+  const __m256 lo = _mm256_loadu_ps(table16), hi = _mm256_loadu_ps(table16 + 8), one = _mm256_set1_ps(1.f);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m256 gacc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8, w += 64) {
+      for (int half = 0; half < 2; ++half) {
+        const __m256 sg = Round == 0 ? one : _mm256_loadu_ps(s + g * kTile + 8 * half);
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+        for (int j = 0; j < 8; ++j) {
+          const __m256 v = Round == 0 ? avx2_table_value(words, j, lo, hi) : avx2_table<Round>(words, j, lo, hi, sg);
+          gacc[half][j % 2] = _mm256_fmadd_ps(v, _mm256_broadcast_ss(x + i + j), gacc[half][j % 2]);
+        }
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m256 t = _mm256_add_ps(gacc[half][0], gacc[half][1]);
+      acc[half] = Round == 0 ? _mm256_fmadd_ps(t, _mm256_loadu_ps(s + g * kTile + 8 * half), acc[half])
+                             : _mm256_add_ps(t, acc[half]);
+    }
+  }
+  for (int half = 0; half < 2; ++half) _mm256_storeu_ps(y + 8 * half, acc[half]);
+}
+
+template <int Round>  // a tile's weights, rounded as avx2_table rounds them, as float32 columns of W^T
+LLMQ_AVX2_F16C void avx2_table_dequantize(const uint8_t* w, const float* s, const float* table16, int64_t k,
+                                          int64_t group, float* wt, int64_t ld) {
+  const __m256 lo = _mm256_loadu_ps(table16), hi = _mm256_loadu_ps(table16 + 8);
+  for (int64_t i = 0; i < k; i += 8, w += 64) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sg = _mm256_loadu_ps(s + i / group * kTile + 8 * half);
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+      for (int j = 0; j < 8; ++j) {
+        _mm256_storeu_ps(wt + (i + j) * ld + 8 * half, avx2_table<Round>(words, j, lo, hi, sg));
+      }
     }
   }
 }
@@ -1234,7 +1385,8 @@ at::Tensor lowbit_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at
 // Block FP8's activations x [M, K] rounded per row and group as the layer rounds them (fp8_row): their bfloat16 bits
 // (`rows` >= M rows, zeros past M) and scales [M, groups].
 std::pair<std::vector<uint16_t>, at::Tensor> fp8_rows(const at::Tensor& x, int64_t group, double eps, int64_t rows) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "fp8_token_groups needs a CPU with AVX-512");
+  const bool avx512 = __builtin_cpu_supports("avx512bw") && !avx2_forced;
+  TORCH_CHECK(avx512 || has_avx2(), "fp8_token_groups needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && group > 0, "fp8_token_groups: x must be a 2-D CPU tensor");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t m = xf.size(0), k = xf.size(1), groups = (k + group - 1) / group;
@@ -1243,8 +1395,13 @@ std::pair<std::vector<uint16_t>, at::Tensor> fp8_rows(const at::Tensor& x, int64
   const float* xp = xf.data_ptr<float>();
   float* sp = xs.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r)
-      fp8_row(xp + r * k, k, group, static_cast<float>(eps), q.data() + r * k, sp + r * groups);
+    for (int64_t r = lo; r < hi; ++r) {
+      if (avx512) {
+        fp8_row(xp + r * k, k, group, static_cast<float>(eps), q.data() + r * k, sp + r * groups);
+      } else {
+        avx2_fp8_round(xp + r * k, k, group, static_cast<float>(eps), q.data() + r * k, sp + r * groups);
+      }
+    }
   });
   return {std::move(q), xs};
 }
@@ -1265,15 +1422,16 @@ std::tuple<at::Tensor, at::Tensor> fp8_token_groups(const at::Tensor& x, int64_t
 // rounded to E4M3 per row and group (fp8_token_groups): every product exact, float32 sums, times both scales per
 // group; float32 out. From kAmxFromFp8 rows on AMX where Linux grants it (amx_fp8_tiles), else the vector kernel.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, double eps) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
-              __builtin_cpu_supports("avx512bf16"), "fp8_linear needs a CPU with AVX512-VBMI and AVX512-BF16");
+  const bool avx512 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+                      __builtin_cpu_supports("avx512bf16") && !avx2_forced;
+  TORCH_CHECK(avx512 || has_avx2(), "fp8_linear needs a CPU with AVX512-VBMI and AVX512-BF16, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "fp8_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && s.dim() == 3 && s.size(2) == kTile &&
               w.is_contiguous() && s.is_contiguous(), "fp8_linear: bad packed weight (float32 scales)");
   const int64_t m = x.size(0), k = x.size(1), tiles = s.size(0), groups = s.size(1), n = tiles * kTile;
   TORCH_CHECK(group % 8 == 0 && k % 8 == 0 && groups == (k + group - 1) / group && w.numel() == n * k,
               "fp8_linear: K=", k, " does not fit ", groups, " groups of ", group, " or a ", w.numel(), "-byte weight");
-  const bool tile_unit = use_amx(m, k, kAmxFromFp8) && group % 32 == 0;
+  const bool tile_unit = avx512 && use_amx(m, k, kAmxFromFp8) && group % 32 == 0;
   const auto rounded = fp8_rows(x, group, eps, tile_unit ? (m + 15) / 16 * 16 : m);  // AMX: whole 16-row tiles
   const std::vector<uint16_t>& xb = rounded.first;
   const at::Tensor& xs = rounded.second;
@@ -1284,6 +1442,28 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   if (tile_unit) {
     at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
       amx_fp8_tiles(lo, hi, xb.data(), xsp, m, k, tiles, groups, group, wp, sp, yp);
+    });
+    return y;
+  }
+  if (!avx512) {   // the AVX2 loops: a row at a time, or from kAvx2BlasFrom rows x (its values times their group
+    std::vector<float> xf(m * k);   // scales) times the dequantized weight on the BLAS
+    for (int64_t i = 0; i < m * k; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+      std::memcpy(&xf[i], &bits, sizeof bits);
+    }
+    if (m >= kAvx2BlasFrom) {
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t i = 0; i < k; ++i) xf[r * k + i] *= xsp[r * groups + i / group];
+      }
+      const auto fill = [&](int64_t t, float* wt, int64_t ld) {
+        avx2_fp8_dequantize(wp + t * kTile * k, sp + t * groups * kTile, k, group, wt, ld);
+      };
+      blas_chunks(xf.data(), m, k, tiles, yp, fill, [](const at::Tensor& c) { return c; });
+      return y;
+    }
+    for_tile_rows(tiles, m, [&](int64_t t, int64_t r) {
+      avx2_fp8_row(wp + t * kTile * k, sp + t * groups * kTile, xf.data() + r * k, xsp + r * groups, k, group,
+                   yp + r * n + t * kTile);
     });
     return y;
   }
@@ -1439,7 +1619,9 @@ LLMQ_AVX512 void table_weight_pairs(const uint8_t* w, const float* s, const floa
 
 at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& table,
                         int64_t group, int64_t round) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bw"), "table_linear needs a CPU with AVX-512");
+  const bool avx512 = __builtin_cpu_supports("avx512bw") && !avx2_forced;
+  TORCH_CHECK(avx512 || (has_avx2() && __builtin_cpu_supports("f16c")),
+              "table_linear needs a CPU with AVX-512, or AVX2, FMA and F16C");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "table_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(w.dtype() == at::kByte && s.dtype() == at::kFloat && s.dim() == 3 && s.size(2) == kTile &&
               w.is_contiguous() && s.is_contiguous() && table.dtype() == at::kFloat && table.numel() == 16 &&
@@ -1455,6 +1637,20 @@ at::Tensor table_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   float* yp = y.data_ptr<float>();
   const auto run = [&](auto round_const) {
     constexpr int round_v = decltype(round_const)::value, planes = round_v == 1 ? 1 : round_v == 2 ? 2 : 3;
+    if (!avx512) {   // the AVX2 loops: a row at a time, or from kAvx2BlasFrom rows the rounded weight on the BLAS
+      if (m >= kAvx2BlasFrom) {
+        const auto fill = [&](int64_t t, float* wt, int64_t ld) {
+          avx2_table_dequantize<round_v>(wp + t * kTile * k / 2, sp + t * groups * kTile, tp, k, group, wt, ld);
+        };
+        blas_chunks(xp, m, k, tiles, yp, fill, [](const at::Tensor& c) { return c; });
+        return;
+      }
+      for_tile_rows(tiles, m, [&](int64_t t, int64_t r) {
+        avx2_table_row<round_v>(wp + t * kTile * k / 2, sp + t * groups * kTile, tp, xp + r * k, k, group,
+                                yp + r * n + t * kTile);
+      });
+      return;
+    }
     // x in three exact parts (one where it is bfloat16) times the weights' planes, where that is at most three tile
     // products a step (more lose to the vector path: benchmarks/bench_lowbit_products.py)
     if ((x16 ? 1 : 3) * planes <= 3 && use_amx(m, k, kAmxFromTable)) {

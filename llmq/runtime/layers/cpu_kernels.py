@@ -98,8 +98,8 @@ def amx(enable: bool) -> bool:
 
 
 def avx2_only(force: bool) -> bool:
-    """Make lowbit_linear_bf16 (INT4 / INT5), q4k_linear and fp4_linear take their AVX2 + FMA loops (what CPUs
-    without AVX-512 run) on a CPU that has it too, for comparing the two paths on one machine; returns the
+    """Make lowbit_linear_bf16 (INT4 / INT5), q4k_linear, fp4_linear, fp8_linear and table_linear take their AVX2 loops
+    (what CPUs without AVX-512 run) on a CPU that has it too, for comparing the two paths on one machine; returns the
     setting."""
     return bool(torch.ops.llmq_cpu.avx2_only(force))
 
@@ -269,8 +269,9 @@ def q4k_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, mins: torc
 
 def fp8_fits(n: int, k: int, group: int) -> bool:
     """Whether a block-FP8 weight [n, k] with `group`-input blocks (the last one may be short) takes fp8_linear here
-    (a CPU with AVX512-VBMI and -BF16, the kernels built)."""
-    return n % TILE == 0 and group % 8 == 0 and k % 8 == 0 and FP8_FLAGS <= cpu_flags() and available()
+    (a CPU with AVX512-VBMI and -BF16, or the AVX2 + FMA loops; the kernels built)."""
+    flags = cpu_flags()
+    return n % TILE == 0 and group % 8 == 0 and k % 8 == 0 and (FP8_FLAGS <= flags or AVX2 <= flags) and available()
 
 
 def pack_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,8 +294,10 @@ def fp8_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 
 def table_fits(n: int, k: int, group: int) -> bool:
     """Whether a bitsandbytes 4-bit weight [n, k] in blocks of `group` takes table_linear here: whole blocks a row, a
-    CPU with AVX-512, the kernels built."""
-    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and "avx512bw" in cpu_flags() and available()
+    CPU with AVX-512 or AVX2 + FMA + F16C, the kernels built."""
+    flags = cpu_flags()
+    return n % TILE == 0 and group % 8 == 0 and k % group == 0 and \
+        ("avx512bw" in flags or AVX2 | {"f16c"} <= flags) and available()
 
 
 _ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # table_linear's `round`
