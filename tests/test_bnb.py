@@ -69,10 +69,12 @@ def test_nf4_dequantization_equals_bitsandbytes(shape, blocksize, double_quant, 
     assert torch.equal(layer.dequantized(), ref.float())               # llmq.quant's torch fallback
     rel = (ref.double() - w.double()).norm() / w.double().norm()
     assert 0.02 < rel < 0.15  # NF4's error on Gaussian weights: quantized, not a copy
-    # llmq's packed kernel (whole blocks a row, 16-row tiles, AVX-512): that dequantized weight (rounded to the
-    # checkpoint's dtype) times float32 x, up to float32 summation
+    # llmq's packed kernel (whole blocks a row, 16-row tiles, AVX-512 or AVX2 + F16C): that dequantized weight (rounded
+    # to the checkpoint's dtype) times float32 x, up to float32 summation
     packed = NF4Linear(nf4, None, torch.float32, "cpu")
-    assert packed.table == (whole_blocks and shape[0] % 16 == 0 and "avx512bw" in cpu_kernels.cpu_flags())
+    flags = cpu_kernels.cpu_flags()
+    assert packed.table == (whole_blocks and shape[0] % 16 == 0 and
+                            ("avx512bw" in flags or {"avx2", "fma", "f16c"} <= flags))
     if packed.table:
         x = torch.randn(5, shape[1]) * torch.rand(1, shape[1]) * 4
         want, size = x.double() @ ref.double().t(), x.double().abs() @ ref.double().abs().t()
