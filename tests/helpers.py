@@ -141,13 +141,20 @@ def family_model(path: Path, family: str, seed: int = 4) -> Path:
 
 def tiny_bf16_store(d: Path, seed: int, **overrides):
     """(store, model artifact) of a tiny random model saved in bf16, in a fresh store under d."""
+    return bf16_store(make_tiny_model(d / "tiny", seed=seed, **overrides), d)
+
+
+def bf16_store(model_dir: Path, d: Path):
+    """(store, model artifact) of a copy of model_dir saved in bf16 (how checkpoints ship), in a fresh store under d."""
+    import shutil
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
     from llmq.models import resolve_model
 
-    path = make_tiny_model(d / "tiny", seed=seed, **overrides)
+    path = shutil.copytree(model_dir, d / "bf16")
     AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
     store = Store(d / "store")
     return store, resolve_model(str(path), store)
@@ -394,3 +401,17 @@ class Oracle:
 
     def close(self) -> None:
         pass
+
+
+def assert_refused_in_one_line(store, calls) -> None:
+    """Each (call, words) raises an LlmqError of one line matching `words`, and the store holds what it held."""
+    import pytest
+
+    from llmq.errors import LlmqError
+
+    before = sorted(p.name for p in store.root.iterdir())
+    for call, words in calls:
+        with pytest.raises(LlmqError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert sorted(p.name for p in store.root.iterdir()) == before

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import Oracle, family_config, hf_model, make_tiny_model
+from helpers import Oracle, assert_refused_in_one_line, bf16_store, family_config, hf_model, make_tiny_model
 
 from llmq.errors import LlmqError
 from llmq.runtime import EngineConfig, LLMEngine, SamplingParams
@@ -121,16 +121,7 @@ def test_speculation_rolls_back_the_shared_caches(model):
 @pytest.fixture(scope="module")
 def bf16(model, tmp_path_factory):
     """The model in bfloat16 (how checkpoints ship) in a store of its own."""
-    from transformers import AutoModelForCausalLM
-
-    from llmq.artifacts import Store
-    from llmq.models import resolve_model
-
-    d = tmp_path_factory.mktemp("gemma4-store")
-    path = shutil.copytree(model, d / "bf16")
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
-    store = Store(d / "store")
-    return store, resolve_model(str(path), store)
+    return bf16_store(model, tmp_path_factory.mktemp("gemma4-store"))
 
 
 def test_rtn_gemma4_runs_as_its_probe_measured_and_as_transformers_loads_it(bf16, monkeypatch, tmp_path):
@@ -148,7 +139,7 @@ def test_gptq_gemma4_calibrates_through_the_shared_caches(bf16, monkeypatch, tmp
 
 
 def _check_quantized(bf16, method: dict, monkeypatch, tmp_path) -> None:
-    from helpers import bf16_kernels_off, decompressed_dense, runtime_probe_kld
+    from helpers import bf16_kernels_off, decompressed_dense, runtime_logprobs, runtime_probe_kld
 
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
@@ -164,12 +155,7 @@ def _check_quantized(bf16, method: dict, monkeypatch, tmp_path) -> None:
     with torch.no_grad():
         ref = hf_model(decompressed_dense(art, tmp_path / "dense"))(torch.tensor([ids])).logits[0].double()
     bf16_kernels_off(monkeypatch)
-    eng = LLMEngine(art.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
-    try:
-        got = eng.prompt_logprobs(ids).double()
-    finally:
-        eng.shutdown()
-    assert _kld(ref.log_softmax(-1), got) <= 1e-5
+    assert _kld(ref.log_softmax(-1), runtime_logprobs(art.path, ids, max_model_len=64).double()) <= 1e-5
 
 
 def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(bf16):
@@ -186,12 +172,7 @@ def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(bf16):
              (lambda: quantize_kv(src, store, KVOptions(kv="fp8"), show_progress=False), "quantize-kv"),
              (lambda: build_engine(src, store, BuildOptions(target="gguf")), "build"),
              (lambda: LLMEngine(src.path, EngineConfig(compile=True, kv_cache_memory=8 << 20)), "--compile")]
-    before = sorted(p.name for p in store.root.iterdir())
-    for call, words in calls:
-        with pytest.raises(LlmqError, match=words) as e:
-            call()
-        assert "\n" not in str(e.value)
-    assert sorted(p.name for p in store.root.iterdir()) == before
+    assert_refused_in_one_line(store, calls)
 
 
 @pytest.mark.parametrize("change,words", [

@@ -13,7 +13,9 @@ import pytest
 import torch
 from helpers import (
     Oracle,
+    assert_refused_in_one_line,
     bf16_kernels_off,
+    bf16_store,
     decompressed_dense,
     hf_model,
     kv_rounded_logits,
@@ -219,16 +221,7 @@ def test_what_the_runtime_does_not_run_with_gated_deltanet_layers_is_refused(mod
 
 @pytest.fixture(scope="module")
 def artifacts(model, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from llmq.artifacts import Store
-    from llmq.models import resolve_model
-
-    d = tmp_path_factory.mktemp("hybrid-store")
-    path = shutil.copytree(model, d / "bf16")
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
-    store = Store(d / "store")
-    return store, resolve_model(str(path), store)
+    return bf16_store(model, tmp_path_factory.mktemp("hybrid-store"))
 
 
 @pytest.mark.parametrize("method", [dict(method="rtn", bits=4, group_size=16), dict(method="gptq", bits=4,
@@ -429,12 +422,7 @@ def test_stages_that_do_not_take_hybrid_models_yet_refuse_in_one_line(artifacts)
               "qwen3next layout" if ModelSpec.from_config(src.path).model_type == "qwen3_next" else
               "one head width for keys and values"),
              (lambda: build_engine(src, store, BuildOptions(target="trtllm", tp=2)), "Gated DeltaNet layers")]
-    before = sorted(p.name for p in store.root.iterdir())
-    for call, words in calls:
-        with pytest.raises(LlmqError, match=words) as e:
-            call()
-        assert "\n" not in str(e.value)
-    assert sorted(p.name for p in store.root.iterdir()) == before
+    assert_refused_in_one_line(store, calls)
 
 
 @pytest.mark.parametrize("change,words", [
