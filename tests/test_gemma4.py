@@ -8,6 +8,7 @@ decodes, prefix-cache hits and speculative rollback. The stages that do not take
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -158,8 +159,35 @@ def _check_quantized(bf16, method: dict, monkeypatch, tmp_path) -> None:
     assert _kld(ref.log_softmax(-1), runtime_logprobs(art.path, ids, max_model_len=64).double()) <= 1e-5
 
 
-def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(bf16):
+def test_quantize_kv_calibrates_the_caches_kept_and_the_sharing_layers_read_them(bf16):
+    """INT8 per-head KV scales for the layers keeping a cache, each with its own KV heads (a global layer's may
+    differ), none for the layers reading an earlier one's; the artifact serves with them (its held-out KLD against
+    the 16-bit cache measured, small, not zero), and so do the sharing layers, through their producers' scales."""
+    from safetensors import safe_open
+
+    from llmq.models.spec import ModelSpec
     from llmq.pipeline.kvcache import KVOptions, quantize_kv
+
+    store, src = bf16
+    spec = ModelSpec.from_config(src.path)
+    art = quantize_kv(src, store, KVOptions(kv="int8", granularity="head", num_samples=4, seq_len=64,
+                                            probe_tokens=128), show_progress=False)
+    found = {}
+    for f in art.path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            found |= {k: math.prod(h.get_slice(k).get_shape()) for k in h.keys() if k.endswith(("k_scale", "v_scale"))}
+    assert found == {f"model.layers.{i}.self_attn.{t}_scale": spec.kv_heads_of(i)   # one per head
+                     for i in spec.kv_layers() for t in "kv"}
+    assert 0 < art.metrics["probe"]["kld_mean"] < 0.02
+    eng = LLMEngine(art.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
+    try:
+        assert eng.runner.caches[spec.num_layers - 1].kv_dtype == "int8"
+        assert [o.output_token_ids for o in eng.generate([[5, 6, 7]], GREEDY)][0]
+    finally:
+        eng.shutdown()
+
+
+def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(bf16):
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.targets import BuildOptions, build_engine
 
@@ -169,7 +197,6 @@ def test_what_does_not_take_gemma4_yet_is_refused_in_one_line(bf16):
               "mixed precision"),
              (lambda: quantize(src, QuantizeOptions(method="rtn", bits=4, rotate="hadamard"), store,
                                progress=False), "--rotate"),
-             (lambda: quantize_kv(src, store, KVOptions(kv="fp8"), show_progress=False), "quantize-kv"),
              (lambda: build_engine(src, store, BuildOptions(target="gguf")), "build"),
              (lambda: LLMEngine(src.path, EngineConfig(compile=True, kv_cache_memory=8 << 20)), "--compile")]
     assert_refused_in_one_line(store, calls)

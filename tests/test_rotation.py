@@ -55,7 +55,7 @@ def _logits(path, spec, tensors):
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if ARCHS[f].rotation_refused is None and
-                                    ARCHS[f].stages_refused is None])
+                                    ARCHS[f].build_refused is None])
 def test_the_rotated_checkpoint_computes_the_same_function(family, tmp_path):
     """Every family that allows it, rotated: transformers' model over the rotated tensors (a tied head untied) gives
     the original's distributions (KLD <= 1e-6 in float32), while every linear reading or writing the residual

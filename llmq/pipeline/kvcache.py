@@ -53,12 +53,14 @@ class KVRecorder:
     Records the per-head absmax (calibration) or, once `measure(candidates)` was called, the squared reconstruction
     error of each candidate set of scales (held-out measurement)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, kv: str):
+    def __init__(self, kv_heads: list[int], kv: str):
+        """kv_heads: each layer's KV heads (its cache's: ModelSpec.kv_heads_of; layers without a cache of their own
+        record nothing)."""
         self.kv = kv
-        self.amax = torch.zeros(num_layers, 2, num_kv_heads)
+        self.amax = [torch.zeros(2, h) for h in kv_heads]
         self.candidates: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.sq_err: dict[str, torch.Tensor] = {}
-        self.sq_sum = torch.zeros(num_layers, 2, dtype=torch.float64)
+        self.sq_sum = torch.zeros(len(kv_heads), 2, dtype=torch.float64)
 
     def measure(self, candidates: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         self.candidates = candidates
@@ -69,7 +71,7 @@ class KVRecorder:
         for j, x in enumerate((k, v)):
             xf = x.detach().float().cpu()
             if not self.candidates:
-                self.amax[layer, j] = torch.maximum(self.amax[layer, j], xf.abs().amax(dim=(0, 2)))
+                self.amax[layer][j] = torch.maximum(self.amax[layer][j], xf.abs().amax(dim=(0, 2)))
                 continue
             self.sq_sum[layer, j] += float(xf.double().square().sum())
             for g, scales in self.candidates.items():
@@ -91,9 +93,6 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if ckpt.bnb is not None:
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint, whose format has no KV-cache scales; run "
                         "quantize-kv on a compressed-tensors artifact (rtn, gptq, awq, smoothquant, fp8) or a model")
-    if ckpt.arch.stages_refused:
-        raise LlmqError(f"{source.ref} ({ckpt.spec.architecture}): {ckpt.arch.stages_refused}; serve it with "
-                        "--kv-cache-dtype auto")
     if ckpt.spec.vision is not None:
         raise LlmqError(f"{source.ref}: KV-cache scales of a vision-language model are not calibrated yet (its "
                         "calibration would need image tokens); serve it with --kv-cache-dtype auto")
@@ -223,7 +222,8 @@ def _windows(tw, max_len: int) -> list[list[int]]:
 def calibrate(engine, kv: str, samples: list[list[int]], heldout: list[list[int]], bar) -> tuple[dict, dict]:
     """Run the calibration samples, derive per-tensor and per-head scales, measure both on held-out windows.
     Returns ({"tensor"|"head": [(k_scale, v_scale)] per layer}, {"tensor"|"head": relative errors})."""
-    rec = KVRecorder(engine.spec.num_layers, engine.spec.num_kv_heads, kv)
+    spec = engine.spec
+    rec = KVRecorder([spec.kv_heads_of(i) for i in range(spec.num_layers)], kv)
     with engine.observe_kv(rec):
         task = bar.add_task("calibrating KV cache", total=len(samples))
         _run(engine, samples, lambda n: bar.advance(task, n))
@@ -269,8 +269,8 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
             chosen = _choose(opts, errors)
             qargs = kv_quant_args(opts.kv, chosen)
             scales = {}
-            for i, (k, v) in enumerate(candidates[chosen]):   # a hybrid's Gated DeltaNet layers have no KV cache
-                if i not in spec.linear_layers:
+            for i, (k, v) in enumerate(candidates[chosen]):   # the layers keeping a KV cache (not a hybrid's Gated
+                if i in spec.kv_layers():                      # DeltaNet layers, nor Gemma 4's sharing ones)
                     scales.update(qformat.write_kv_scales(spec.arch.attention_module(i), k, v))
             config = {"kv_cache_dtype": opts.kv, "granularity": chosen, "granularity_requested": opts.granularity,
                       "margin": opts.margin, "kv_cache_scheme": asdict(qargs),

@@ -294,12 +294,10 @@ def score_in_process(ranks: list[RankWeights], config: dict, heads: int, kv_head
 
 
 def load_kv_scales(ckpt: CheckpointReader, plan: ShardPlan | None, rank: int):
-    """Every attention layer's (k_scale, v_scale) for this rank (its KV heads' share of per-head scales), in order,
-    or None (a hybrid model's Gated DeltaNet layers have no KV cache and no scales)."""
+    """The (k_scale, v_scale) of every layer keeping a KV cache (ModelSpec.kv_layers: not a hybrid's Gated DeltaNet
+    layers, nor Gemma 4's sharing ones) for this rank (its KV heads' share of per-head scales), in order, or None."""
     scales = []
-    for i in range(ckpt.spec.num_layers):
-        if i in ckpt.spec.linear_layers:
-            continue
+    for i in ckpt.spec.kv_layers():
         s = ckpt.kv_scales(i)
         if s is None:
             return None

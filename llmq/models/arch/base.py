@@ -256,10 +256,10 @@ class Arch:
     attention_scale: float | None = None
     layer_scalar: str | None = None
     per_layer_inputs: PerLayerInputs | None = None
-    # the quantize methods the family takes where not all (mixed precision refused with them), and why the other
-    # stages (quantize-kv, build) do not take it yet (None: they do)
+    # the quantize methods the family takes where not all (mixed precision refused with them), and why build does
+    # not write it yet (None: it does)
     quantize_methods: tuple[str, ...] | None = None
-    stages_refused: str | None = None
+    build_refused: str | None = None
 
     def prefix(self, i: int) -> str:
         return f"{self.layers}.{i}"

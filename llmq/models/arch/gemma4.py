@@ -8,7 +8,8 @@ GeGLU, sliding layers beside global ones, embeddings scaled by sqrt(hidden), cap
 - per-layer inputs (base.PerLayerInputs) and a learned scalar on each layer's output.
 llama.cpp calls it `gemma4`. Quantize takes it by the methods that move no factor through its norms
 (quantize_methods: not AWQ / SmoothQuant, whose v_proj -> o_proj fold the values' norm breaks), one scheme for every
-linear; quantize-kv and build refuse it in one line (stages_refused)."""
+linear; quantize-kv calibrates the caches kept (not the sharing layers'); build refuses it in one line
+(build_refused)."""
 
 from .base import Arch, PerLayerInputs
 
@@ -22,8 +23,8 @@ GEMMA4 = Arch("gemma4_text", "Gemma4ForCausalLM", gguf_arch="gemma4", window="pe
               per_layer_heads=True, kv_sharing=True, v_norm=True, attention_scale=1.0, layer_scalar="layer_scalar",
               per_layer_inputs=PerLayerInputs(),
               quantize_methods=("rtn", "gptq", "fp8", "nvfp4", "mxfp4"),
-              stages_refused="quantize-kv and build do not take its per-layer head widths, shared KV caches and "
-                             "per-layer inputs yet",
+              build_refused="build does not write its per-layer head widths, shared KV caches and per-layer "
+                            "inputs yet",
               rotation_refused="its norms after attention and after the MLP scale each branch's output channel by "
                                "channel before it joins the residual stream, and no rotation of the stream passes "
                                "them")

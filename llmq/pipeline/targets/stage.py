@@ -92,8 +92,8 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
     from ...models.sharding import HeadSplitError, make_plan
 
     src = CheckpointReader(source.path)
-    if src.arch.stages_refused:
-        raise LlmqError(f"--target {opts.target}: {source.ref} ({src.spec.architecture}): {src.arch.stages_refused}; "
+    if src.arch.build_refused:
+        raise LlmqError(f"--target {opts.target}: {source.ref} ({src.spec.architecture}): {src.arch.build_refused}; "
                         f"serve {source.ref} itself (llmq serve)")
     _check(opts, src)
     if src.bnb is not None:
