@@ -220,3 +220,69 @@ def test_a_bad_gemma4_checkpoint_is_refused_naming_the_field_or_tensor(tmp_path,
     with pytest.raises(LlmqError, match=words) as e:
         LLMEngine(path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
     assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def conditional(tmp_path_factory):
+    """(store, artifact) of a tiny Gemma4ForConditionalGeneration in bfloat16: the registry's text model, a one-layer
+    vision tower beside it (no audio tower)."""
+    import transformers
+    from helpers import byte_tokenizer
+
+    tok = byte_tokenizer()
+    text = {k: v for k, v in family_config("gemma4_text").items() if k != "model_type"} | dict(
+        vocab_size=320, intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=True,
+        initializer_range=0.1)
+    config = transformers.Gemma4Config(
+        text_config=text, audio_config=None, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16))
+    torch.manual_seed(4)
+    d = tmp_path_factory.mktemp("gemma4-vl")
+    transformers.Gemma4ForConditionalGeneration(config).save_pretrained(d / "f32")
+    tok.save_pretrained(d / "f32")
+    return bf16_store(d / "f32", d)
+
+
+def test_a_conditional_checkpoint_serves_its_text_and_quantizes_its_language_model(conditional):
+    """Gemma 4 as its releases ship (Gemma4ForConditionalGeneration): llmq runs its language model (transformers'
+    conditional model's text logits), refuses an image in one line (the towers are carried, not run), and quantizes
+    the language model with the vision tower and its embedder as stored and in `ignore`; the artifact computes what
+    its probe measured."""
+    import transformers
+    from helpers import runtime_logprobs, runtime_probe_kld
+
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.kvcache import KVOptions, quantize_kv
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store, src = conditional
+    ids = list(range(40, 80))
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(src.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    assert _kld(ref, runtime_logprobs(src.path, ids, max_model_len=128).double()) <= 1e-6
+    eng = LLMEngine(src.path, EngineConfig(max_model_len=64, kv_cache_memory=8 << 20))
+    try:
+        with pytest.raises(LlmqError, match="takes no images: llmq carries Gemma 4's vision and audio towers"):
+            eng.add_request("r", [1, 2, 3], GREEDY, images=torch.zeros(1, 3, 8, 8))
+    finally:
+        eng.shutdown()
+    q = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=16, num_samples=2, seq_len=32,
+                                      probe_tokens=128), store, progress=False)
+    cfg = json.loads((q.path / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma4ForConditionalGeneration"]
+    assert {"re:.*vision_tower.*", "re:.*embed_vision.*"} <= set(cfg["quantization_config"]["ignore"])
+    r, s = CheckpointReader(q.path), CheckpointReader(src.path)
+    assert r.layer_linears(0)["q_proj"].qw is not None
+    assert any(n.startswith("model.embed_vision.") for n in s.tensors.vision)
+    assert sorted(r.tensors.vision) == sorted(s.tensors.vision)
+    assert all(torch.equal(r.tensors.vision_tensor(n), s.tensors.vision_tensor(n)) for n in s.tensors.vision)
+    recorded = q.metrics["probe"]["kld_mean"]
+    assert abs(runtime_probe_kld(src.path, q.path, 128) / recorded - 1) < 2e-2
+    kv = quantize_kv(q, store, KVOptions(kv="int8", num_samples=2, seq_len=32, probe_tokens=64), show_progress=False)
+    assert 0 < kv.metrics["probe"]["kld_mean"] < 0.02
+    kv_ckpt = CheckpointReader(kv.path)   # scales stored in the conditional layout, read through the text view
+    assert kv_ckpt.tensors.stored_name("model.layers.0.self_attn.k_scale") == \
+        "model.language_model.layers.0.self_attn.k_scale"
+    assert kv_ckpt.kv_scales(0) is not None

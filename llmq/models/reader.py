@@ -138,8 +138,9 @@ class LazyTensors(Mapping):
                     self._stored[name] = k
 
     def stored_name(self, name: str) -> str:
-        """The name a text-view tensor (or one to be written beside it) has in the checkpoint's own layout."""
-        if name in self._stored or not self._stored:
+        """The name a text-view tensor (or one to be written beside it) has in the checkpoint's own layout (a tower's
+        tensor: its stored name itself, which transformers 5's layout also starts with "model.")."""
+        if name in self._stored or not self._stored or name in self.vision:
             return self._stored.get(name, name)
         # a new tensor (a quantized linear's scales): under its module's stored prefix
         from .vision import LANGUAGE_PREFIXES

@@ -171,7 +171,8 @@ def import_hf_dir(d: Path, store: Store, name: str, source: dict, allow_pickle: 
             from . import vision
 
             vision.check_tensors(lazy.vision_info(), str(d))
-            vision.load_processor(d)
+            if vision.runs_images(spec.vision):   # a family whose towers are carried, not run, needs no processor
+                vision.load_processor(d)
     with store.create("model", name, config={"source": source, "architecture": spec.to_dict(), "dtype": dtype},
                       needs=sum(f.stat().st_size for f in st)) as w:
         if st:

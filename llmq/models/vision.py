@@ -14,7 +14,12 @@ from __future__ import annotations
 from ..errors import LlmqError
 
 # config.json's model_type of a supported vision-language family -> its language model's model_type
-FAMILIES = {"gemma3": "gemma3_text"}
+FAMILIES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+# the families whose towers every stage carries as stored but the runtime does not run yet: their text is served, an
+# image refused in one line (why)
+TEXT_ONLY = {"gemma4": "llmq carries Gemma 4's vision and audio towers into every artifact but does not run them yet"}
+# the families whose transformers class leaves the text model's final_logit_softcapping out (Gemma 3's)
+SOFTCAP_IGNORED = ("gemma3",)
 
 # vision-language families llmq recognizes but does not run yet, with why (each refused in one line)
 NOT_YET = {
@@ -27,7 +32,6 @@ NOT_YET = {
     "qwen2_vl": "Qwen2-VL's multimodal rotary positions (M-RoPE) are not implemented",
     "smolvlm": "SmolVLM's (Idefics3) image splitting and pixel-shuffle connector are not implemented",
     "idefics3": "Idefics3's image splitting and pixel-shuffle connector are not implemented",
-    "gemma4": "Gemma 4 is not implemented",
     "gemma3n": "Gemma 3n's audio / MobileNet towers and per-layer embeddings are not implemented",
 }
 
@@ -36,10 +40,12 @@ NOT_YET = {
 LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                      ("language_model.lm_head.", "lm_head."))
 # the tower's and the projector's tensors, as stored
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = tuple(p + t for p in ("", "model.") for t in ("vision_tower.", "multi_modal_projector.",
+                                                                  "embed_vision.", "audio_tower.", "embed_audio."))
 # the compressed-tensors `ignore` entries that keep them out of every quantization scheme (module paths as
 # transformers and vLLM name them, with or without the "model." of transformers 5)
-VISION_IGNORE = ("re:.*vision_tower.*", "re:.*multi_modal_projector.*")
+VISION_IGNORE = ("re:.*vision_tower.*", "re:.*multi_modal_projector.*", "re:.*embed_vision.*", "re:.*audio_tower.*",
+                 "re:.*embed_audio.*")
 # the processor's files: how an image becomes pixel values and how many tokens it takes in the prompt
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
@@ -81,7 +87,8 @@ def language_config(config: dict) -> dict:
     if not is_multimodal(config):
         return config
     text = hf_config(config).text_config.to_dict()
-    if text.get("final_logit_softcapping") is not None:   # Gemma 3's checkpoints leave it null
+    if text.get("final_logit_softcapping") is not None and config["model_type"] in SOFTCAP_IGNORED:   # Gemma 3's
+        # checkpoints leave it null
         raise LlmqError(f"{config['model_type']} text_config final_logit_softcapping="
                         f"{text['final_logit_softcapping']!r} is not supported: transformers' "
                         f"{config.get('architectures', ['?'])[0]} ignores it where its text model applies it")
@@ -91,6 +98,11 @@ def language_config(config: dict) -> dict:
         if k in config:
             text[k] = config[k]
     return text
+
+
+def runs_images(vision: str | None) -> bool:
+    """Whether llmq's runtime takes images for a checkpoint of this vision-language family (ModelSpec.vision)."""
+    return vision is not None and vision not in TEXT_ONLY
 
 
 def text_name(stored: str) -> str | None:

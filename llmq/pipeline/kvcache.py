@@ -29,6 +29,7 @@ from ..errors import LlmqError
 from ..models import qformat
 from ..models.checkpoint import INDEX_NAME, read_config, safetensors_files, write_json
 from ..models.reader import CheckpointReader
+from ..models.vision import runs_images
 from .kv_options import KVOptions
 
 SCALES_FILE = "kv-scales.safetensors"
@@ -93,7 +94,7 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if ckpt.bnb is not None:
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint, whose format has no KV-cache scales; run "
                         "quantize-kv on a compressed-tensors artifact (rtn, gptq, awq, smoothquant, fp8) or a model")
-    if ckpt.spec.vision is not None:
+    if runs_images(ckpt.spec.vision):   # (a family whose towers are carried, not run, takes text alone)
         raise LlmqError(f"{source.ref}: KV-cache scales of a vision-language model are not calibrated yet (its "
                         "calibration would need image tokens); serve it with --kv-cache-dtype auto")
     have = ckpt.kv_cache_dtype()
@@ -282,7 +283,9 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
                       "source": {"id": source.id, "ref": source.ref}}
             name = opts.name or f"{source.name}-kv{opts.kv}"
             with store.create("quantized", name, parents=[source.id], config=config, command=command) as w:
-                _write_checkpoint(source.path, w.dir, _with_kv_scheme(read_config(source.path), qargs), scales)
+                stored = ckpt.tensors.stored_name   # the checkpoint's own layout (a vision-language one's prefix)
+                _write_checkpoint(source.path, w.dir, _with_kv_scheme(read_config(source.path), qargs),
+                                  {stored(n): t for n, t in scales.items()})
                 quant = _engine(w.dir, max_len, opts)  # the artifact as written, read back by the runtime
                 try:
                     task = bar.add_task("KLD vs full-precision cache", total=len(heldout))

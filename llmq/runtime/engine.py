@@ -140,7 +140,10 @@ class LLMEngine:
         digest; one line when the model takes no images or the runs do not match the images."""
         vision = self.runner.vision
         if vision is None:
-            raise LlmqError(f"this model ({self.spec.architecture}) is text-only: it takes no images")
+            from ..models.vision import TEXT_ONLY
+
+            why = TEXT_ONLY.get(self.spec.vision or "", "it is text-only")
+            raise LlmqError(f"this model ({self.spec.architecture}) takes no images: {why}")
         if self.speculator is not None:
             raise LlmqError("speculative decoding does not take images yet (the draft model sees no image); serve "
                             "without --speculative")

@@ -34,6 +34,7 @@ from ..models.sharding import (
     split_rows,
 )
 from ..models.spec import attends
+from ..models.vision import runs_images
 from .compiled import compile_decode
 from .distributed import LocalGroup, LocalTPContext, TPContext, init_group, rank_device, threads_per_rank
 from .host_memory import release_free_heap
@@ -335,7 +336,7 @@ class ModelRunner:
         self.decode = compile_decode(self.model, self.device) if compile else None
         # a vision-language model's tower and projector, on rank 0 (whose image embeddings every rank's step gets)
         self.vision = load_vision(ckpt.tensors, ckpt.stored_config, self.dtype, self.device) \
-            if ckpt.spec.vision and rank == 0 else None
+            if runs_images(ckpt.spec.vision) and rank == 0 else None
 
     def observe_kv(self, fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> None:
         """Have every layer's KV cache call fn(layer, k, v) with the K/V it is given to store (None: stop)."""

@@ -244,12 +244,12 @@ class PerLayerInputs:
 
     def __call__(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Every layer's inputs [T, layers, size] of the tokens `ids` and their (scaled) embeddings x, in x's
-        dtype: the table's rows times size^1/2 in its dtype (as transformers scales them), plus the normalized
-        projection of x times hidden^-1/2, times 2^-1/2."""
-        rows = F.embedding(ids, self.table) * torch.tensor(self.size ** 0.5, dtype=self.table.dtype)
+        dtype (the compute dtype, as the token embeddings are scaled): the table's rows times size^1/2, plus the
+        normalized projection of x times hidden^-1/2, times 2^-1/2."""
+        rows = F.embedding(ids, self.table).to(x.dtype) * torch.tensor(self.size ** 0.5, dtype=x.dtype)
         proj = F.linear(x, self.projection) * x.shape[-1] ** -0.5
         proj = self.norm(proj.view(x.shape[0], -1, self.size))
-        return (proj + rows.to(x.dtype).view_as(proj)) * 2 ** -0.5
+        return (proj + rows.view_as(proj)) * 2 ** -0.5
 
 
 class CausalLM(nn.Module):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ...errors import LlmqError
 from ...models.chat import RenderWorker
+from ...models.vision import runs_images
 from ..config import Limits
 from ..engine import LLMEngine
 from ..images import ImageLimits, ImagePrompt, data_url_bytes, decode_image
@@ -61,7 +62,7 @@ class Frontend:
         self.owing: dict[str, int] = {}  # per request in flight, the log-probabilities its answer may hold
         self.owed_in_flight = 0
         # a vision-language model's processor (image_url parts), else None: images are refused
-        self.images = ImagePrompt(engine.path) if engine.spec.vision else None
+        self.images = ImagePrompt(engine.path) if runs_images(engine.spec.vision) else None
         self.image_limits = ImageLimits()
 
     def read_images(self, urls: list[str]) -> list:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ...artifacts import Artifact, ArtifactError, Store
 from ...artifacts.card import card
+from ...models.vision import runs_images
 from .frontend import Frontend, artifact_ref
 from .protocol import error_body
 
@@ -39,7 +40,7 @@ def model_card(fe: Frontend) -> dict:
         except ArtifactError:   # a damaged manifest or relative: the engine's own facts only
             pass
     return dict(out, served_name=fe.name, architecture=eng.spec.architecture, max_model_len=fe.max_model_len,
-                kv_cache_dtype=str(eng.kv_cache_dtype), vision=eng.spec.vision is not None)
+                kv_cache_dtype=str(eng.kv_cache_dtype), vision=runs_images(eng.spec.vision))
 
 
 def add_page(app: FastAPI, fe: Frontend, auth) -> None:
