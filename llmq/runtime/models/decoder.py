@@ -217,7 +217,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKV | LayerRecurrent,
                 meta: AttentionMetadata, ple: torch.Tensor | None = None) -> torch.Tensor:
-        """ple: the layer's per-layer inputs [T, size] (Gemma 4: CausalLM.per_layer_inputs)."""
+        """ple: the layer's per-layer inputs [T, size] (Gemma 4: CausalLM.per_layer)."""
         y = self.input_norm(x)
         h = self.mixer(y, cache, meta) if self.mixer is not None else self._attention(y, rope, cache, meta)
         h = self._reduce(h, self.o_bias)
