@@ -200,7 +200,7 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
             return {}
         t, ple = rw.tensors[i], arch.per_layer_inputs
         out = dict(layer_scalar=t[arch.layer_scalar].to(device=device, dtype=dtype))
-        if spec.ple_dim:
+        if ple is not None and spec.ple_dim:
             out["ple"] = (t[f"{ple.gate}.weight"].to(device=device, dtype=dtype),
                           t[f"{ple.proj}.weight"].to(device=device, dtype=dtype), norm(norms["ple_norm"]))
         return out
