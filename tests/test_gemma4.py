@@ -72,6 +72,17 @@ def test_runtime_equals_transformers_past_the_window_with_shared_caches(model):
     assert again == want[1:]
 
 
+def test_the_spec_counts_every_parameter_the_checkpoint_holds(model):
+    """ModelSpec.num_parameters (what deploy sizes with) per layer: global heads, missing k / v, double-wide MLPs,
+    per-layer inputs."""
+    from safetensors.torch import load_file
+
+    from llmq.models.spec import ModelSpec
+
+    stored = sum(t.numel() for f in model.glob("*.safetensors") for t in load_file(f).values())
+    assert ModelSpec.from_config(model).num_parameters() == stored
+
+
 def test_the_model_specific_parts_are_computed_not_ignored(model, tmp_path):
     """Each Gemma 4 part changed in the checkpoint changes transformers' logits, and llmq's equally: the layer
     scalars, the values' normalization source (the global layers' keys, or v_proj), the per-layer inputs' table."""

@@ -383,13 +383,15 @@ class ModelSpec:
 
         def mixer(i: int) -> int:  # attention, or a Gated DeltaNet with its other parameters, and the layer's norms
             roles = [r for r in self.roles(i) if r in ATTN or r in LINEAR_ATTN]
-            return sum(math.prod(self.linear_shape(r)) for r in roles) + \
+            return sum(math.prod(self.linear_shape(r, i)) for r in roles) + \
                 sum(math.prod(t) for t in self.linear_tensors(i).values()) + \
-                sum(self.norm_shape(r)[0] for r in self.norm_roles(i))
+                sum(self.norm_shape(r, i)[0] for r in self.norm_roles(i))
 
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        layers = sum(mixer(i) + mlp for i in range(self.num_layers))
-        return layers + emb + self.hidden_size
+        layers = sum(mixer(i) + mlp * (2 if i in self.wide_mlp_layers else 1) for i in range(self.num_layers))
+        # Gemma 4's per-layer inputs: the table, the projection of the embeddings and its norm (ModelSpec.ple_dim)
+        ple = self.num_layers * self.ple_dim * (self.ple_vocab + self.hidden_size) + self.ple_dim
+        return layers + emb + self.hidden_size + (ple if self.ple_dim else 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
