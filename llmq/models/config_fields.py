@@ -92,8 +92,7 @@ def _rope_unsupported(c) -> bool:
         if factor == 1.0:
             return False
         dim = (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) * factor
-        return factor != 1.0 and (not ARCHS[c.model_type].partial_rotary or dim != int(dim) or int(dim) % 2 or
-                                  not 0 < factor < 1)
+        return not ARCHS[c.model_type].partial_rotary or dim != int(dim) or int(dim) % 2 or not 0 < factor < 1
     return any(r.get("rope_type", "default") not in ROPE_TYPES or
                (r.get("rope_type") != "proportional" and partial_unsupported(r.get("partial_rotary_factor", 1.0)))
                for r in _rope_tables(c.rope_parameters))

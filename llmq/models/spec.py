@@ -294,11 +294,6 @@ class ModelSpec:
         """Channels of a Gated DeltaNet layer's convolution: its q, k and v."""
         return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
-    @property
-    def attention_layers(self) -> int:
-        """Layers with a KV cache (all but a hybrid model's Gated DeltaNet layers)."""
-        return self.num_layers - len(self.linear_layers)
-
     def recurrent_state_bytes(self, bytes_per_element: float, tp: int = 1) -> float:
         """One sequence's Gated DeltaNet states on one of `tp` ranks, every such layer: the convolution's last
         kernel - 1 inputs in the compute dtype and the float32 delta-rule state. Fixed per sequence, not per token."""

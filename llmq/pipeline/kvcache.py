@@ -270,9 +270,9 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
             chosen = _choose(opts, errors)
             qargs = kv_quant_args(opts.kv, chosen)
             scales = {}
-            for i, (k, v) in enumerate(candidates[chosen]):   # the layers keeping a KV cache (not a hybrid's Gated
-                if i in spec.kv_layers():                      # DeltaNet layers, nor Gemma 4's sharing ones)
-                    scales.update(qformat.write_kv_scales(spec.arch.attention_module(i), k, v))
+            for i in spec.kv_layers():   # the layers keeping a KV cache (not a hybrid's Gated DeltaNet layers, nor
+                # Gemma 4's sharing ones)
+                scales.update(qformat.write_kv_scales(spec.arch.attention_module(i), *candidates[chosen][i]))
             config = {"kv_cache_dtype": opts.kv, "granularity": chosen, "granularity_requested": opts.granularity,
                       "margin": opts.margin, "kv_cache_scheme": asdict(qargs),
                       "calibration": {**calib.manifest(), "heldout": probe.manifest()},

@@ -196,11 +196,11 @@ def assemble(rw: RankWeights, config: dict, heads: int, kv_heads: int, tpc: TPCo
 
     def gemma4(i: int, norms: dict[str, torch.Tensor]) -> dict:
         """Layer i's per-layer input modules and output scalar (Arch.per_layer_inputs, layer_scalar)."""
-        if not arch.layer_scalar:
-            return {}
-        t, ple = rw.tensors[i], arch.per_layer_inputs
-        out = dict(layer_scalar=t[arch.layer_scalar].to(device=device, dtype=dtype))
+        out, ple = {}, arch.per_layer_inputs
+        if arch.layer_scalar:
+            out["layer_scalar"] = rw.tensors[i][arch.layer_scalar].to(device=device, dtype=dtype)
         if ple is not None and spec.ple_dim:
+            t = rw.tensors[i]
             out["ple"] = (t[f"{ple.gate}.weight"].to(device=device, dtype=dtype),
                           t[f"{ple.proj}.weight"].to(device=device, dtype=dtype), norm(norms["ple_norm"]))
         return out
