@@ -283,11 +283,16 @@ class ModelSpec:
         ple = self.arch.per_layer_inputs   # Gemma 4's per-layer input gate and projection: a few thousandths of a layer
         return [self.arch.path(r) for r in roles] + ([ple.gate, ple.proj] if ple is not None and self.ple_dim else [])
 
-    def model_modules(self) -> list[str]:
-        """The model's modules outside its layers beside the embedding, head and final norm: Gemma 4's per-layer
-        inputs' table, projection and norm (Arch.per_layer_inputs; none for other families)."""
+    def model_modules(self) -> dict[str, tuple[int, ...]]:
+        """The model's modules outside its layers beside the embedding, head and final norm, with their weight's
+        shape: Gemma 4's per-layer inputs' table, projection and norm (Arch.per_layer_inputs; none for other
+        families)."""
         ple = self.arch.per_layer_inputs
-        return [ple.table, ple.projection, ple.projection_norm] if ple is not None and self.ple_dim else []
+        if ple is None or not self.ple_dim:
+            return {}
+        width = self.num_layers * self.ple_dim
+        return {ple.table: (self.ple_vocab, width), ple.projection: (width, self.hidden_size),
+                ple.projection_norm: (self.ple_dim,)}
 
     @property
     def linear_conv_dim(self) -> int:
@@ -384,9 +389,7 @@ class ModelSpec:
 
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         layers = sum(mixer(i) + mlp * (2 if i in self.wide_mlp_layers else 1) for i in range(self.num_layers))
-        # Gemma 4's per-layer inputs: the table, the projection of the embeddings and its norm (ModelSpec.ple_dim)
-        ple = self.num_layers * self.ple_dim * (self.ple_vocab + self.hidden_size) + self.ple_dim
-        return layers + emb + self.hidden_size + (ple if self.ple_dim else 0)
+        return layers + emb + self.hidden_size + sum(math.prod(s) for s in self.model_modules().values())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -402,10 +405,7 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, tuple], where: str) -> Non
     want: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (spec.vocab_size, h), f"{arch.final_norm}.weight": (h,)}
     optional: dict[str, tuple[int, ...]] = {}
     (optional if spec.tie_word_embeddings else want)[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
-    ple, width = arch.per_layer_inputs, spec.num_layers * spec.ple_dim
-    if ple is not None and spec.ple_dim:
-        want |= {f"{ple.table}.weight": (spec.ple_vocab, width), f"{ple.projection}.weight": (width, h),
-                 f"{ple.projection_norm}.weight": (spec.ple_dim,)}
+    want |= {f"{name}.weight": shape for name, shape in spec.model_modules().items()}
     for i in range(spec.num_layers):
         for name, path in spec.stored_linears(i).items():
             shape = spec.linear_shape(name, i)
