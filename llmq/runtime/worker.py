@@ -25,8 +25,9 @@ from .distributed import WorkerGroup, init_group, rank_device, threads_per_rank
 from .kv_cache import kv_element_bytes
 from .layers.linear import keeps_as_stored
 from .layers.rotary import rope_tables
-from .model_runner import ModelRunner, compute_dtype_for, prepare_step, worker_main
+from .model_runner import ModelRunner, compute_dtype_for, worker_main
 from .sequence import Sequence
+from .step import prepare_step
 
 
 def available_memory(device: torch.device) -> int:
