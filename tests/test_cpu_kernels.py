@@ -534,7 +534,7 @@ def test_silu_mul_equals_eager(dtype):
 
 
 def _cache(dtype, gen, layers=1, head_dim=64):
-    caches = allocate_kv_cache(layers, 24, 16, 3, head_dim, "auto", dtype, "cpu", None)
+    caches = allocate_kv_cache([(3, head_dim)] * layers, 24, 16, "auto", dtype, "cpu", None)
     for c in caches:
         c.k.copy_(torch.randn(c.k.shape, generator=gen).to(dtype))
         c.v.copy_(torch.randn(c.v.shape, generator=gen).to(dtype))

@@ -176,7 +176,7 @@ def test_quantized_kv_cache_round_trips_within_its_precision(kv_dtype, tol):
     k = torch.randn(10, 2, 8) * 3
     v = torch.randn(10, 2, 8) * torch.tensor([1.0, 20.0]).view(1, 2, 1)
     scales = [(k.abs().amax() / qmax, v.abs().amax(dim=(0, 2)) / qmax)]  # per-tensor K, per-head V
-    (layer,) = allocate_kv_cache(1, 4, 4, 2, 8, kv_dtype, torch.float32, "cpu", scales)
+    (layer,) = allocate_kv_cache([(2, 8)], 4, 4, kv_dtype, torch.float32, "cpu", scales)
     assert layer.k.dtype in (torch.int8, torch.uint8)
     assert layer.k.element_size() == 1
     slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12, 13])  # blocks 0, 1 and the start of block 3

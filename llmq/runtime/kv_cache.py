@@ -107,12 +107,9 @@ def allocate_layer_caches(spec, num_blocks: int, block_size: int, num_kv_heads: 
     an earlier layer's (ModelSpec.kv_source), the per-sequence state of a Gated DeltaNet layer
     (ModelSpec.linear_layers; a rank holds its 1 / tp of the heads)."""
     kv_layers = spec.kv_layers()
-    if scales is not None and len(scales) != len(kv_layers):
-        raise LlmqError(f"a {kv_dtype} KV cache needs calibrated k_scale/v_scale for every layer; "
-                        "run `llmq quantize-kv` on this model first")
-    kv = {i: allocate_kv_cache(1, num_blocks, block_size, spec.kv_heads_of(i) if spec.global_kv_heads else
-                               num_kv_heads, spec.head_dim_of(i), kv_dtype, compute_dtype, device,
-                               None if scales is None else [scales[j]])[0] for j, i in enumerate(kv_layers)}
+    shapes = [(spec.kv_heads_of(i) if spec.global_kv_heads else num_kv_heads, spec.head_dim_of(i)) for i in kv_layers]
+    kv = dict(zip(kv_layers, allocate_kv_cache(shapes, num_blocks, block_size, kv_dtype, compute_dtype, device,
+                                               scales)))
     return [LayerRecurrent(state_slots, spec.linear_conv_dim // tp, spec.linear_kernel, spec.linear_value_heads // tp,
                            spec.linear_key_dim, spec.linear_value_dim, compute_dtype, device)
             if i in spec.linear_layers else kv[spec.kv_source[i] if spec.kv_source else i]
@@ -146,19 +143,20 @@ def _scale_tensor(scale: torch.Tensor | float, num_kv_heads: int, head_dim: int,
                     f"channel ({num_kv_heads * head_dim})")
 
 
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      kv_dtype: str, compute_dtype: torch.dtype, device,
+def allocate_kv_cache(shapes: list[tuple[int, int]], num_blocks: int, block_size: int, kv_dtype: str,
+                      compute_dtype: torch.dtype, device,
                       scales: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[LayerKV]:
+    """One LayerKV a layer of `shapes` (its KV heads, head_dim), with its (k_scale, v_scale) where quantized."""
     if kv_dtype not in KV_DTYPES:
         raise LlmqError(f"kv cache dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
     if kv_dtype == "fp8" and scales is None:  # uncalibrated fp8: unit scales
-        scales = [(torch.ones(()), torch.ones(()))] * num_layers
-    if kv_dtype != "auto" and (scales is None or len(scales) != num_layers):
+        scales = [(torch.ones(()), torch.ones(()))] * len(shapes)
+    if kv_dtype != "auto" and (scales is None or len(scales) != len(shapes)):
         raise LlmqError(f"a {kv_dtype} KV cache needs calibrated k_scale/v_scale for every layer; "
                         "run `llmq quantize-kv` on this model first")
     storage = {"auto": compute_dtype, "int8": torch.int8, "fp8": torch.uint8}[kv_dtype]
     layers = []
-    for i in range(num_layers):
+    for i, (num_kv_heads, head_dim) in enumerate(shapes):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         k = _zeros(shape, storage, device)
         v = _zeros(shape, storage, device)
