@@ -280,7 +280,7 @@ class ModelSpec:
         roles = ((ROUTER, SHARED_GATE) if self.shared_expert_size else (ROUTER,)) if self.num_experts else ()
         if i in self.linear_layers:
             roles += self.arch.linear_attention.kept_16bit
-        ple = self.arch.per_layer_inputs   # Gemma 4's per-layer input gate and projection: a few thousandths of a layer
+        ple = self.arch.per_layer_inputs   # Gemma 4's per-layer input gate and projection
         return [self.arch.path(r) for r in roles] + ([ple.gate, ple.proj] if ple is not None and self.ple_dim else [])
 
     def model_modules(self) -> dict[str, tuple[int, ...]]:

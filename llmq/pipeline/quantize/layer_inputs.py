@@ -51,7 +51,7 @@ class StreamLayout:
         """Make transformers' layer i take and give widened streams (its own forward, on its own parts)."""
         from transformers.cache_utils import KVSharingDict
 
-        forward, kind = layer.forward, str(layer.get_submodule("self_attn").layer_type)
+        forward, kind = layer.forward, str(layer.get_submodule(self.spec.arch.attention).layer_type)
         reads = self.spec.kv_source[i] if self.spec.shares_kv(i) else None
         h, ple = self.hidden, self.ple
 
