@@ -15,7 +15,7 @@ import pytest
 from helpers import byte_tokenizer, live_server, make_tiny_model
 
 from llmq.models import load_tokenizer
-from llmq.models.tool_calls import OutputFormat
+from llmq.models.tool_calls import OutputFormat, output_format_for
 from llmq.models.tool_formats import HARMONY
 from llmq.runtime import EngineConfig
 
@@ -43,6 +43,31 @@ HARMONY_CHAT = (
     "to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>{%- elif m.role == 'assistant' %}"
     "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- else %}<|start|>{{ m.role }}<|message|>"
     "{{ m.content }}<|end|>{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+# Mistral's templates: tools and calls in [TOOL_CALLS] JSON (each call id 9 letters and digits, which the template
+# checks), or in the newer tokenizers' [TOOL_CALLS]name[ARGS]{...}; results in [TOOL_RESULTS]
+_MISTRAL_HEAD = ("{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                 "{%- for m in messages %}{%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+                 "{%- elif m.tool_calls %}{%- for tc in m.tool_calls %}{%- if tc.id | length != 9 %}"
+                 "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+                 "{%- endfor %}")
+_MISTRAL_TAIL = ("</s>{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ {'content': m.content, 'call_id': m.tool_call_id} "
+                 "| tojson }}[/TOOL_RESULTS]{%- else %}{{ m.content }}</s>{%- endif %}{%- endfor %}")
+MISTRAL_CHAT = (_MISTRAL_HEAD + "[TOOL_CALLS][{%- for tc in m.tool_calls %}{{ {'name': tc.function.name, 'arguments': "
+                "tc.function.arguments, 'id': tc.id} | tojson }}{{ ', ' if not loop.last }}{%- endfor %}]"
+                + _MISTRAL_TAIL)
+MISTRAL_ARGS_CHAT = (_MISTRAL_HEAD + "{%- for tc in m.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]"
+                     "{{ tc.function.arguments | tojson }}{%- endfor %}" + _MISTRAL_TAIL)
+# Llama 3.1's: the tools in the last user turn, a call as a bare {"name", "parameters"} object (<|python_tag|> for
+# its built-in tools), results from the ipython role
+LLAMA3_CHAT = (
+    "{%- for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+    "{%- if m.role == 'user' and loop.last and tools %}Respond with a JSON for a function call: {\"name\": function "
+    "name, \"parameters\": its arguments}.\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}{%- endif %}"
+    "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}{%- if tc.function.name == 'python' %}<|python_tag|>"
+    "{%- endif %}{{ {'name': tc.function.name, 'parameters': tc.function.arguments} | tojson }}{%- endfor %}"
+    "<|eom_id|>{%- else %}{{ m.content }}<|eot_id|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -229,18 +254,36 @@ def test_no_tool_support_and_reasoning(tmp_path):
         assert reasoning == plain.choices[0].text.strip()
 
 
-def test_harmony_calls(tmp_path):
-    """GPT-OSS's harmony format: its markers are special tokens, kept in the text to read the answer; a forced call
-    (the grammar writes the message to functions.NAME) comes back as tool_calls, streamed the same, and renders back
-    into the conversation."""
+# each family's template, its special tokens (the format's markers among them) and its end-of-turn tokens
+FAMILY_FORMATS = {
+    "harmony": (HARMONY_CHAT, OutputFormat(HARMONY, None).markers, ("<|return|>", "<|call|>")),
+    "mistral": (MISTRAL_CHAT, ("[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[INST]", "[/INST]", "[TOOL_CALLS]",
+                               "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "</s>"), ("</s>",)),
+    "mistral_args": (MISTRAL_ARGS_CHAT, ("[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[INST]", "[/INST]",
+                                         "[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "</s>"),
+                     ("</s>",)),
+    "llama3_json": (LLAMA3_CHAT, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                  "<|python_tag|>"), ("<|eot_id|>", "<|eom_id|>")),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_FORMATS)
+def test_family_tool_calls(tmp_path, family):
+    """Each family's call format, declared by its template (GPT-OSS's harmony, Mistral's [TOOL_CALLS] JSON and
+    [ARGS] forms, Llama 3.1's bare JSON), its markers special tokens as in the real tokenizers: a forced call (the
+    grammar writes the family's form) comes back as tool_calls, streamed the same, and renders back into the
+    conversation through the family's template (Mistral's checks the call id's form)."""
+    template, specials, ends = FAMILY_FORMATS[family]
     tok = byte_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": list(OutputFormat(HARMONY, None).markers)})
-    tok.chat_template = HARMONY_CHAT
-    ends = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
-    path = make_tiny_model(tmp_path / "h", seed=7, tokenizer=tok, max_position_embeddings=2048, eos_token_id=ends)
+    tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    tok.chat_template = template
+    assert output_format_for(template).tools.name == family   # declared by the template, read from it
+    path = make_tiny_model(tmp_path / "m", seed=7, tokenizer=tok, max_position_embeddings=2048,
+                           eos_token_id=tok.convert_tokens_to_ids(list(ends)))
     with live_server(path, EngineConfig(kv_cache_memory=2 << 20)) as live:
         c = live.client()
-        kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=0)
+        kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=120, temperature=0)   # one call: a random model may repeat calls past any budget
         whole = c.chat.completions.create(model="tiny", **kw).choices[0]
         content, calls, finish, _ = _streamed(c, **kw)
         assert whole.finish_reason == finish == "tool_calls"
