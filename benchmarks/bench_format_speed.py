@@ -42,6 +42,7 @@ VARIANTS = {
     "int8": QuantizeOptions(bits=8, group_size=0),
     "int8-g32": QuantizeOptions(bits=8, group_size=32),
     "q4_k": QuantizeOptions(bits=4, grid="q4_k"),
+    "iq4_xs": QuantizeOptions(bits=4, grid="iq4_xs"),
     "nvfp4": QuantizeOptions(method="nvfp4"),
     "mxfp4": QuantizeOptions(method="mxfp4"),
     "fp8-block": QuantizeOptions(method="fp8", group_size=128),

@@ -206,10 +206,10 @@ def test_q4_k_linears_read_back_from_gguf_bit_exact(built, model, method):
                 assert not isinstance(qw, Q4KWeight)
                 assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
     assert n_q4k == (2 if model == "mixed" else 6)
-    assert cfg["q4_k_linears"] == (2 if model == "mixed" else 14)
+    assert cfg["grid_linears"] == (2 if model == "mixed" else 14)
     assert cfg["grid"] == "q4_k"
-    assert cfg["q4_k_fallback"]["linears"] == (12 if model == "mixed" else 0)
-    assert rec["tensor_types"]["Q4_K"] == cfg["q4_k_linears"]
+    assert cfg["grid_fallback"]["linears"] == (12 if model == "mixed" else 0)
+    assert rec["tensor_types"]["Q4_K"] == cfg["grid_linears"]
     assert rec["file_type"] == "Q4_K_S"
 
 

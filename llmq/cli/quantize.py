@@ -28,8 +28,8 @@ def quantize(ctx, model, opts, as_json):
                f"({m['linear_ratio_vs_bf16']:.2f}x for the quantized linears); excluded: "
                f"{', '.join(c['excluded_modules']) or 'none'}")
     if c.get("grid", "int") != "int":
-        fb = c["q4_k_fallback"]
-        click.echo(f"  {c['q4_k_linears']} linears on the {c['grid'].upper()} grid; {fb['linears']} as {fb['scheme']}: "
+        fb = c["grid_fallback"]
+        click.echo(f"  {c['grid_linears']} linears on the {c['grid'].upper()} grid; {fb['linears']} as {fb['scheme']}: "
                    f"{fb['why']}")
     if c.get("calibration"):
         cal = c["calibration"]

@@ -19,6 +19,7 @@ import torch
 from .. import quant
 from ..errors import LlmqError
 from .arch.base import LM_HEAD
+from .qweight import GGML_WEIGHTS
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 FP4_FORMATS = {"nvfp4": (quant.NVFP4_BLOCK, "nvfp4-pack-quantized"),   # format: (block size, compressed-tensors name)
@@ -127,7 +128,7 @@ class QConfig:
     kv: QuantArgs | None
     modules: Mapping[str, QuantArgs] = field(default_factory=dict)
     scale_name: str = "weight_scale"  # the Hugging Face "fp8" checkpoints' weight_scale_inv
-    q4_k: frozenset[str] = frozenset()  # modules stored as GGML Q4_K blocks (Q4KWeight)
+    ggml: Mapping[str, str] = field(default_factory=dict)  # module -> its GGML grid (qweight.GGML_WEIGHTS' names)
     # readers of another layout's tensors (ModelOpt's: `modelopt`), in place of qformat's compressed-tensors ones
     read: Callable | None = None
     read_kv: Callable | None = None
@@ -166,7 +167,9 @@ def fp4_activations_args(fmt: str) -> QuantArgs:
                      group_size=block, dynamic="local" if fmt == "nvfp4" else True)
 
 
-Q4K_CONFIG_KEY = "llmq_q4_k"  # the quantization config's list of modules stored as Q4KWeight
+def ggml_config_key(grid: str) -> str:
+    """The quantization config's list of the modules stored on GGML grid `grid` (llmq_q4_k, llmq_iq4_xs)."""
+    return f"llmq_{grid}"
 
 
 def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
@@ -190,23 +193,26 @@ def format_for(weights: QuantArgs, input_activations: QuantArgs | None) -> str:
 
 def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs | None = None,
                         ignore: list[str] | tuple[str, ...] = (LM_HEAD,), kv: QuantArgs | None = None,
-                        modules: Mapping[str, QuantArgs] | None = None, q4_k: tuple[str, ...] = ()) -> dict:
+                        modules: Mapping[str, QuantArgs] | None = None, ggml: Mapping[str, str] | None = None
+                        ) -> dict:
     """The `quantization_config` dict for config.json, validated by compressed-tensors' own models.
     weights=None: dense weights with a calibrated KV cache only (format "dense", no config groups).
     modules: full module name -> its own weight-only scheme (an INT8 lm_head, mixed-precision layers): one more group
     per distinct scheme, targeting its modules by name. Where the groups' formats differ, each carries its own and
     the config's is "mixed-precision".
-    q4_k: modules stored as GGML Q4_K blocks (Q4KWeight): listed under `llmq_q4_k` and ignored by the
-    compressed-tensors groups (weights=None: every quantized linear is Q4_K)."""
+    ggml: module -> GGML grid of the modules stored as GGML's blocks (qweight.GGMLWeight): listed under
+    `llmq_<grid>` and ignored by the compressed-tensors groups (weights=None: every quantized linear is one)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     modules = dict(modules or {})
-    if q4_k:
-        ignore = list(dict.fromkeys([*ignore, *q4_k]))
+    if ggml:
+        ignore = list(dict.fromkeys([*ignore, *ggml]))
         cfg = quantization_config(weights, input_activations, ignore, kv, modules) if weights else \
             {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": ignore,
              "quantization_status": "compressed", "version": compressed_tensors_version()}
-        return {**cfg, Q4K_CONFIG_KEY: sorted(q4_k)}
+        for grid in sorted(set(ggml.values())):
+            cfg[ggml_config_key(grid)] = sorted(n for n, g in ggml.items() if g == grid)
+        return cfg
     if weights is None:
         if kv is None or input_activations is not None or modules:
             raise LlmqError("a quantization_config without a weights scheme carries a KV-cache scheme and nothing else")
@@ -253,10 +259,10 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
     fmt = qc.get("format")
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping) and g.get("weights")]
     kv = qc.get("kv_cache_scheme")
-    q4_k = frozenset(qc.get(Q4K_CONFIG_KEY) or ())
-    if fmt == "dense" and not groups and (kv or q4_k):  # KV-cache-only quantization, or every linear Q4_K
+    ggml = {name: grid for grid in GGML_WEIGHTS for name in qc.get(ggml_config_key(grid)) or ()}
+    if fmt == "dense" and not groups and (kv or ggml):  # KV-cache-only quantization, or every linear on a GGML grid
         return QConfig(format=fmt, weights=None, input_activations=None, ignore=tuple(qc.get("ignore") or ()),
-                       kv=QuantArgs.from_dict(kv) if kv else None, q4_k=q4_k)
+                       kv=QuantArgs.from_dict(kv) if kv else None, ggml=ggml)
     if fmt not in (*FORMATS, MIXED):
         raise LlmqError(f"compressed-tensors format {fmt!r} is not supported; llmq reads {', '.join(FORMATS)} and "
                         f"{MIXED} of them")
@@ -279,7 +285,7 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
                             f"{g.get('format', fmt)!r}, which llmq does not read for its scheme (it writes {want!r})")
     return QConfig(format=fmt, weights=weights, input_activations=acts,
                    ignore=tuple(qc.get("ignore") or ()), kv=QuantArgs.from_dict(kv) if kv else None,
-                   modules=modules, q4_k=q4_k)
+                   modules=modules, ggml=ggml)
 
 
 def _hf_fp8_config(qc: Mapping) -> QConfig:

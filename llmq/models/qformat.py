@@ -59,9 +59,11 @@ from .qconfig import FP4_NAMES, QuantArgs, fp4_activations_args
 from .qconfig import QConfig as QConfig
 from .qconfig import fp8_block_args as fp8_block_args
 from .qconfig import quantization_config as quantization_config
+from .qweight import GGML_WEIGHTS, check_scale, get_tensor
+from .qweight import GGMLWeight as GGMLWeight
+from .qweight import IQ4XSWeight as IQ4XSWeight
 from .qweight import Q4KWeight as Q4KWeight
 from .qweight import QuantizedWeight as QuantizedWeight
-from .qweight import check_scale, get_tensor
 
 
 def parse_quantization_config(config: Mapping) -> QConfig | None:
@@ -74,8 +76,8 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
 
 
 def read_linear(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
-                ) -> QuantizedWeight | Q4KWeight | None:
-    """The QuantizedWeight (or Q4KWeight) of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is
+                ) -> QuantizedWeight | GGMLWeight | None:
+    """The QuantizedWeight (or GGMLWeight) of linear `name` (e.g. model.layers.0.mlp.up_proj), or None where it is
     stored dense; a QuantizedWeight is checked (QuantizedWeight.check) whichever layout it was read from, so that
     import refuses what a stage would fail on later."""
     qw = (qconfig.read or _read_compressed_tensors)(tensors, name, qconfig)
@@ -97,9 +99,10 @@ def _weight_shape(name: str, t: torch.Tensor) -> torch.Size:
 
 
 def _read_compressed_tensors(tensors: Mapping[str, torch.Tensor], name: str, qconfig: QConfig
-                             ) -> QuantizedWeight | Q4KWeight | None:
-    if name in qconfig.q4_k:
-        return Q4KWeight.from_blocks(get_tensor(tensors, f"{name}.weight_q4_k"), name)
+                             ) -> QuantizedWeight | GGMLWeight | None:
+    if name in qconfig.ggml:
+        cls = GGML_WEIGHTS[qconfig.ggml[name]]
+        return cls.from_blocks(get_tensor(tensors, f"{name}.weight_{cls.grid}"), name)
     scheme = qconfig.scheme_of(name)
     scale_key = f"{name}.{qconfig.scale_name}"
     if scheme is None or (f"{name}.weight_packed" not in tensors and scale_key not in tensors):
@@ -182,8 +185,8 @@ def _read_fp4(tensors: Mapping[str, torch.Tensor], name: str, w: QuantArgs, scal
 
 def write_linear(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized linear, in the format its scheme implies."""
-    if isinstance(qw, Q4KWeight):
-        return {f"{name}.weight_q4_k": qw.blocks().contiguous()}
+    if isinstance(qw, GGMLWeight):
+        return {f"{name}.weight_{qw.grid}": qw.blocks().contiguous()}
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     out = {f"{name}.weight_scale": qw.scale.contiguous()}

@@ -1,11 +1,15 @@
 """A quantized linear in memory, whatever layout it was read from (qformat.py's compressed-tensors, modelopt.py's
-ModelOpt): `QuantizedWeight` (integers, FP8 or FP4 codes with their scales) and `Q4KWeight` (GGML Q4_K blocks); and
-`get_tensor` / `check_scale`, the one missing-tensor and bad-scale errors their readers give."""
+ModelOpt): `QuantizedWeight` (integers, FP8 or FP4 codes with their scales) and `GGMLWeight` (GGML's own blocks:
+`Q4KWeight`, `IQ4XSWeight`); and `get_tensor` / `check_scale`, the one missing-tensor and bad-scale errors their
+readers give."""
 
 from __future__ import annotations
 
+import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -134,24 +138,21 @@ class QuantizedWeight:
 
 
 @dataclass(frozen=True)
-class Q4KWeight:
-    """One linear's weight on GGML's Q4_K grid (`llmq quantize --grid q4_k`, `llmq.quant`'s Q4_K): codes q uint8
-    [out, in] in [0, 15], per 256-weight super-block d and dmin (float16 [out, in / 256]), per 32-weight sub-block the
-    6-bit sc and m (uint8 [out, in / 32]); real weight = d * sc * q - dmin * m (`llmq.quant.dequantize_q4_k`).
-    compressed-tensors' asymmetric INT4 (w = (q - z) * s, z an integer) cannot hold a Q4_K min, which is any multiple
-    of dmin, so the checkpoint carries these weights as GGML's own blocks: `<name>.weight_q4_k` uint8
-    [out, in / 256 * 144] (`llmq.quant.pack_q4_k`), the modules listed under `llmq_q4_k` in the quantization config
-    (and in `ignore`, so a compressed-tensors loader takes them for what they are not: quantized), read by llmq's
-    runtime and written to GGUF as Q4_K byte for byte."""
+class GGMLWeight(ABC):
+    """One linear's weight on one of GGML's super-block grids (`llmq quantize --grid q4_k / iq4_xs`), which
+    compressed-tensors cannot hold (a Q4_K min is any multiple of dmin, not an integer zero point; IQ4_XS's values are
+    a non-uniform table), so the checkpoint carries GGML's own blocks: `<name>.weight_<grid>` uint8 [out, in / 256 *
+    block bytes], the modules listed under `llmq_<grid>` in the quantization config (and in `ignore`, so that a
+    compressed-tensors loader skips them rather than misreads them), read by llmq's runtime and written to GGUF as
+    the same type byte for byte. A subclass is a frozen dataclass adding its scales' fields after the codes q, in
+    its unpacking's order: every field is a tensor, rows first."""
 
-    q: torch.Tensor
-    d: torch.Tensor
-    dmin: torch.Tensor
-    sc: torch.Tensor
-    m: torch.Tensor
+    grid: ClassVar[str]         # --grid's name for it, the checkpoint tensor's suffix and the config key's
+    scheme: ClassVar[str]       # GGML's type name
+    block_bytes: ClassVar[int]  # bytes per 256-weight super-block
+    q: torch.Tensor             # the codes, uint8 [out, in] in [0, 15]
 
     bits = 4
-    scheme = "Q4_K"
     fp4 = None
     block = None
     input_scale = None
@@ -164,26 +165,83 @@ class Q4KWeight:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    @abstractmethod
+    def blocks(self) -> torch.Tensor:
+        """GGML's block bytes, uint8 [out, in / 256 * block_bytes]."""
+
+    @staticmethod
+    @abstractmethod
+    def _unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """blocks()' inverse: the fields' tensors."""
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, name: str = "") -> GGMLWeight:
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % cls.block_bytes:
+            raise LlmqError(f"{name}: weight_{cls.grid} {blocks.dtype} {tuple(blocks.shape)} is not GGML {cls.scheme} "
+                            f"blocks (uint8 [out, in / 256 * {cls.block_bytes}])")
+        return cls(*cls._unpack(blocks))
+
+    def rows(self, rows: torch.Tensor, name: str = "") -> GGMLWeight:
+        """The output rows `rows` (a selection or permutation; padding rows have no GGML form)."""
+        if int(rows.min()) < 0 or int(rows.max()) >= self.q.shape[0]:
+            raise LlmqError(f"{name}: {self.scheme} weights are not padded for tensor parallelism; use --tp 1")
+        return type(self)(*(t.index_select(0, rows) for t in self._tensors()))
+
+    @classmethod
+    def cat(cls, parts: list[GGMLWeight]) -> GGMLWeight:
+        return cls(*(torch.cat(ts) for ts in zip(*(p._tensors() for p in parts))))
+
+
+@dataclass(frozen=True)
+class Q4KWeight(GGMLWeight):
+    """GGML's Q4_K (`llmq.quant`'s Q4_K): codes q uint8 [out, in] in [0, 15], per 256-weight super-block d and dmin
+    (float16 [out, in / 256]), per 32-weight sub-block the 6-bit sc and m (uint8 [out, in / 32]); real weight =
+    d * sc * q - dmin * m (`llmq.quant.dequantize_q4_k`); blocks `llmq.quant.pack_q4_k`'s."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    grid = "q4_k"
+    scheme = "Q4_K"
+    block_bytes = quant.Q4K_BYTES
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return quant.dequantize_q4_k(self.q, self.d, self.dmin, self.sc, self.m, dtype)
 
     def blocks(self) -> torch.Tensor:
-        """GGML block_q4_K bytes, uint8 [out, in / 256 * 144]."""
         return quant.pack_q4_k(self.q, self.d, self.dmin, self.sc, self.m).reshape(self.q.shape[0], -1)
 
-    @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, name: str = "") -> "Q4KWeight":
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % quant.Q4K_BYTES:
-            raise LlmqError(f"{name}: weight_q4_k {blocks.dtype} {tuple(blocks.shape)} is not GGML Q4_K blocks "
-                            f"(uint8 [out, in / 256 * {quant.Q4K_BYTES}])")
-        return cls(*quant.unpack_q4_k(blocks))
+    _unpack = staticmethod(quant.unpack_q4_k)
 
-    def rows(self, rows: torch.Tensor, name: str = "") -> "Q4KWeight":
-        """The output rows `rows` (a selection or permutation; padding rows have no Q4_K form)."""
-        if int(rows.min()) < 0 or int(rows.max()) >= self.q.shape[0]:
-            raise LlmqError(f"{name}: Q4_K weights are not padded for tensor parallelism; use --tp 1")
-        return Q4KWeight(*(t.index_select(0, rows) for t in (self.q, self.d, self.dmin, self.sc, self.m)))
 
-    @classmethod
-    def cat(cls, parts: list["Q4KWeight"]) -> "Q4KWeight":
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "dmin", "sc", "m")))
+@dataclass(frozen=True)
+class IQ4XSWeight(GGMLWeight):
+    """GGML's IQ4_XS (`llmq.quant`'s IQ4_XS): codes q uint8 [out, in] in [0, 15] indexing quant.IQ4_VALUES, per
+    256-weight super-block d (float16 [out, in / 256]), per 32-weight sub-block the 6-bit ls (uint8 [out, in / 32]);
+    real weight = d * (ls - 32) * IQ4_VALUES[q] (`llmq.quant.dequantize_iq4_xs`); blocks `llmq.quant.pack_iq4_xs`'s."""
+
+    d: torch.Tensor
+    ls: torch.Tensor
+
+    grid = "iq4_xs"
+    scheme = "IQ4_XS"
+    block_bytes = quant.IQ4XS_BYTES
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return quant.dequantize_iq4_xs(self.q, self.d, self.ls, dtype)
+
+    def blocks(self) -> torch.Tensor:
+        return quant.pack_iq4_xs(self.q, self.d, self.ls).reshape(self.q.shape[0], -1)
+
+    _unpack = staticmethod(quant.unpack_iq4_xs)
+
+
+GGML_WEIGHTS: dict[str, type[GGMLWeight]] = {c.grid: c for c in (Q4KWeight, IQ4XSWeight)}   # by --grid name

@@ -30,7 +30,7 @@ from ..errors import LlmqError
 from . import bnbformat
 from .arch import split_of
 from .linear_weights import LinearWeights
-from .qformat import Q4KWeight
+from .qformat import GGMLWeight
 from .spec import ModelSpec
 
 SUPPORTED_TP = (1, 2, 4, 8)
@@ -285,7 +285,7 @@ def split_rows(lw: LinearWeights, rows: torch.Tensor) -> LinearWeights:
     if lw.qw is None:
         return LinearWeights(lw.name, weight=take(lw.weight, rows, 0), bias=bias)
     _check_sliceable(lw)
-    if isinstance(lw.qw, Q4KWeight):
+    if isinstance(lw.qw, GGMLWeight):
         return LinearWeights(lw.name, qw=lw.qw.rows(rows, lw.name), bias=bias)
     qw = lw.qw  # padded rows: q 0, zero point 0, scale 1 -> they dequantize to exactly 0
     block = getattr(qw, "block", None)
@@ -307,11 +307,12 @@ def join_rows(parts: list[LinearWeights], name: str) -> LinearWeights:
     for p in parts:
         _check_sliceable(p)
     qws = [p.qw for p in parts]
-    if any(isinstance(q, Q4KWeight) for q in qws):
-        if not all(isinstance(q, Q4KWeight) for q in qws):
+    if any(isinstance(q, GGMLWeight) for q in qws):
+        a = qws[0]
+        if not isinstance(a, GGMLWeight) or any(type(q) is not type(a) for q in qws):
             raise LlmqError(f"{name}: its parts {', '.join(p.name for p in parts)} are quantized differently and "
                             "cannot be stored as one linear")
-        return LinearWeights(name, qw=Q4KWeight.cat(qws), bias=bias)
+        return LinearWeights(name, qw=type(a).cat(qws), bias=bias)
 
     def shared(t: torch.Tensor | None, other: torch.Tensor | None) -> bool:
         return (t is None) == (other is None) and (t is None or t.numel() > 1 or torch.equal(t, other))
@@ -341,10 +342,10 @@ def split_cols(lw: LinearWeights, cols: torch.Tensor) -> LinearWeights:
         return LinearWeights(lw.name, weight=take(lw.weight, cols, 1), bias=lw.bias)
     _check_sliceable(lw)
     qw = lw.qw
-    if isinstance(qw, Q4KWeight):
+    if isinstance(qw, GGMLWeight):
         if not torch.equal(cols.cpu(), torch.arange(qw.q.shape[1])):
-            raise LlmqError(f"{lw.name}: Q4_K weights are not split across input columns (tensor parallelism); "
-                            "use --tp 1")
+            raise LlmqError(f"{lw.name}: {qw.scheme} weights are not split across input columns (tensor "
+                            "parallelism); use --tp 1")
         return lw
     in_features, block = qw.q.shape[1], getattr(qw, "block", None)
     sliced = dataclasses.replace(

@@ -7,7 +7,7 @@ llama.cpp computes with activations rounded as follows (x86 with AVX2 or later, 
   only its asymmetric dot product reads): per 32 inputs, q = round-half-even(x * (127 / amax)) in float32 and the
   block scale d = amax / 127 rounded to fp16, so the product sees q * fp16(d). This is quant.quantize_blocks (the
   runtime's int8-activation kernels) but for the fp16 scale and the multiplication by a reciprocal;
-- Q8_K (for the k-quants Q2_K..Q6_K): per 256 inputs, with m the input of largest magnitude (sign kept), q =
+- Q8_K (for the k-quants Q2_K..Q6_K and IQ4_XS): per 256 inputs, with m the input of largest magnitude (sign kept), q =
   min(127, round-half-even(x * (-127 / m))) and a float32 scale 1 / (-127 / m);
 - F16 / BF16 (16-bit weights): the activations cast to that type (round to nearest even); F32: as they are.
 The integer sums of the block products are exact, so the result is these values times the dequantized weight, up to
@@ -25,7 +25,7 @@ QK_K = 256       # inputs per Q8_K activation block
 VEC_DOT_TYPE = {"F32": "F32", "F16": "F16", "BF16": "BF16",
                 "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q8_0",
                 "Q4_1": "Q8_1", "Q5_1": "Q8_1",
-                "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K"}
+                "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "IQ4_XS": "Q8_K"}
 
 
 def _div(a: float, t: torch.Tensor) -> torch.Tensor:

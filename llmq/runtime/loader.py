@@ -30,10 +30,10 @@ def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device, 
         from .layers.bnb import LLMInt8Linear, NF4Linear
 
         return (NF4Linear if isinstance(qw, bnbformat.NF4Weight) else LLMInt8Linear)(qw, bias, dtype, device)
-    if isinstance(qw, qformat.Q4KWeight):
-        from .layers.kquant import Q4KLinear
+    if isinstance(qw, qformat.GGMLWeight):
+        from .layers.kquant import IQ4XSLinear, Q4KLinear
 
-        return Q4KLinear(qw, bias, dtype, device)
+        return (Q4KLinear if isinstance(qw, qformat.Q4KWeight) else IQ4XSLinear)(qw, bias, dtype, device)
     if getattr(qw, "fp4", None):
         from .layers.fp4 import FP4Linear
 
@@ -68,7 +68,7 @@ def _fusable(parts: list[LinearWeights]) -> bool:
         return False
     if isinstance(a, bnbformat.NF4Weight):
         return bnbformat.NF4Weight.cat([p.qw for p in parts]) is not None
-    if isinstance(a, (bnbformat.Int8Weight, qformat.Q4KWeight)):
+    if isinstance(a, (bnbformat.Int8Weight, qformat.GGMLWeight)):
         return True
 
     def sig(qw):
@@ -126,7 +126,7 @@ def build_linear(parts: list[LinearWeights], dtype: torch.dtype, device, int8_ac
         w = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
         return DenseLinear(w.to(device), bias.to(device) if bias is not None else None, dtype)
     qws = [p.qw for p in parts]
-    if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight, qformat.Q4KWeight)):
+    if len(qws) > 1 and isinstance(qws[0], (bnbformat.NF4Weight, bnbformat.Int8Weight, qformat.GGMLWeight)):
         return quantized_linear(type(qws[0]).cat(qws), bias, dtype, device, int8_activations)
     fused = qws[0] if len(qws) == 1 else dataclasses.replace(
         qws[0], q=torch.cat([q.q for q in qws]),

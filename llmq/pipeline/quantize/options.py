@@ -30,8 +30,8 @@ THINKING = ("auto", "on", "off")
 ROTATIONS = ("none", "hadamard")   # --rotate (rotation.py folds them); here, not there, so `--help` imports no torch
 SCALE_RULES = ("search", "amax")
 FP4_SEARCHED = ("nvfp4", "mxfp4")  # FP4 methods whose --scales search is opt-in (default: amax, compressed-tensors')
-GRIDS = ("int", "q4_k")
-GRID_METHODS = ("rtn", "gptq")  # the methods that quantize onto GGML's Q4_K grid
+GRIDS = ("int", "q4_k", "iq4_xs")   # int, then qweight.GGML_WEIGHTS' names; here, so `--help` imports no torch
+GRID_METHODS = ("rtn", "gptq")  # the methods that quantize onto GGML's grids
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,11 @@ class QuantizeOptions(Options, _MethodFields):
                                 "amax's and its neighbours on the scale grid; default amax (compressed-tensors').",
                                 choices=SCALE_RULES)
     grid: str = option("int", "4-bit grid (rtn / gptq): int = compressed-tensors' integer groups; q4_k = GGML's Q4_K "
-                       "(256-weight super-blocks, 6-bit sub-block scales and mins), written to GGUF as Q4_K bit for "
-                       "bit. Linears whose input width is not a multiple of 256 (SmolLM2's 576) fall back to INT4 "
-                       "asymmetric groups of 32 (GGUF Q4_1); llama.cpp falls back to Q5_0 for them.", choices=GRIDS)
+                       "(256-weight super-blocks, 6-bit sub-block scales and mins); iq4_xs = GGML's IQ4_XS (4.25 "
+                       "bits: a 16-value non-uniform table, 6-bit signed sub-block scales); written to GGUF as that "
+                       "type bit for bit. Linears whose input width is not a multiple of 256 (SmolLM2's 576) fall "
+                       "back to INT4 asymmetric groups of 32 (GGUF Q4_1); llama.cpp falls back to Q5_0 / IQ4_NL for "
+                       "them.", choices=GRIDS)
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
     activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
                               "calibration.", choices=ACTIVATION_SCHEMES)
@@ -128,15 +130,15 @@ class QuantizeOptions(Options, _MethodFields):
             widths = " or ".join(map(str, method.bits))
             raise LlmqError(f"method {self.method} quantizes to {widths} bits, not {self.bits} (it supports {widths} "
                             "bits only)")
-        if self.grid == "q4_k":
+        if self.grid != "int":
             if self.method not in GRID_METHODS or self.bits not in (None, 4) or self.per_tensor or self.mixed \
                     or self.group_size not in (None, 32):
-                raise LlmqError("--grid q4_k is 4-bit rtn or gptq with its own 32-weight sub-blocks: drop --bits / "
-                                "--group-size / --per-tensor / --target-bpw / --max-size, and use --method rtn or "
-                                "gptq")
+                raise LlmqError(f"--grid {self.grid} is 4-bit rtn or gptq with its own 32-weight sub-blocks: drop "
+                                "--bits / --group-size / --per-tensor / --target-bpw / --max-size, and use --method "
+                                "rtn or gptq")
             if self.method == "gptq" and self.act_order:
-                raise LlmqError("--grid q4_k with GPTQ runs in column order (its grid is fixed first, as static "
-                                "groups); drop --act-order")
+                raise LlmqError(f"--grid {self.grid} with GPTQ runs in column order (its grid is fixed first, as "
+                                "static groups); drop --act-order")
         if self.scales is not None and self.method not in WEIGHT_ONLY + FP4_SEARCHED:
             raise LlmqError(f"--scales is the scale rule of {', '.join(WEIGHT_ONLY + FP4_SEARCHED)}; {self.method} "
                             "has its own")
@@ -195,7 +197,7 @@ class QuantizeOptions(Options, _MethodFields):
             g = fits[0] if bits in (4, 5) and self.method in WEIGHT_ONLY and fits and not self.per_tensor else 0
         unset = {k: v for k, v in METHODS[self.method].unset.items() if getattr(self, k) is None}
         scales = self.scales or ("search" if self.method in WEIGHT_ONLY else None)
-        if self.grid == "q4_k":  # the fallback linears: INT4 asymmetric groups of 32, GGUF's Q4_1
+        if self.grid != "int":  # the fallback linears: INT4 asymmetric groups of 32, GGUF's Q4_1
             return dataclasses.replace(self, bits=4, group_size=32, symmetric=False, scales=scales, **unset)
         return dataclasses.replace(self, bits=bits, group_size=0 if g in (0, -1) else int(g), scales=scales, **unset)
 

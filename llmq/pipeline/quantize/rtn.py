@@ -162,9 +162,18 @@ def quantize_q4_k(w: torch.Tensor, importance: torch.Tensor | None = None) -> qf
     return qformat.Q4KWeight(quant.q4_k_codes(w.float(), s, mn).cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
 
 
-def quantize_layer(ctx) -> dict[str, qformat.Q4KWeight | qformat.QuantizedWeight]:
+def quantize_iq4_xs(w: torch.Tensor) -> qformat.IQ4XSWeight:
+    """Round-to-nearest on GGML's IQ4_XS grid as quantize_iq4_xs puts a weight there (`llmq.quant.iq4_xs_grid`:
+    llama.cpp's signed sub-block scale search, 6-bit scales under an fp16 d, codes on the table)."""
+    return qformat.IQ4XSWeight(*(t.cpu() for t in quant.iq4_xs_grid(w.float())))
+
+
+GGML_RTN = {"q4_k": quantize_q4_k, "iq4_xs": quantize_iq4_xs}   # by --grid
+
+
+def quantize_layer(ctx) -> dict[str, qformat.GGMLWeight | qformat.QuantizedWeight]:
     o = ctx.opts
-    return {name: quantize_q4_k(lin.weight.data) if ctx.q4_k(name) else
+    return {name: GGML_RTN[o.grid](lin.weight.data) if ctx.on_ggml_grid(name) else
             quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype, o.per_tensor,
                             search=o.search)
             for name, lin in ctx.linears.items()}

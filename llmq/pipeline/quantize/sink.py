@@ -50,18 +50,18 @@ class CheckpointSink:
         self.linear_bytes = self.linear_params = self.dense_params = self.bias_params = 0
         self.dense_modules: set[str] = set()
         self._linears: set[str] = set()
-        self.q4_k: list[str] = []            # layer linears stored as GGML Q4_K blocks (qformat.Q4KWeight)
+        self.ggml: dict[str, str] = {}       # layer linears stored as GGML's blocks (qformat.GGMLWeight): their grid
 
     def linear(self, name: str, qw) -> None:
-        compressed = isinstance(qw, (qformat.QuantizedWeight, qformat.Q4KWeight))
+        compressed = isinstance(qw, (qformat.QuantizedWeight, qformat.GGMLWeight))
         tensors = (qformat.write_linear if compressed else bnbformat.write_linear)(name, qw)
         for k, t in tensors.items():
             self.writer.add(k, t)
         if name in (qformat.LM_HEAD, qformat.EMBEDDING):
             self.outside[name] = (_scheme_args(qw)[0], qw.scheme, math.prod(qw.shape))
             return
-        if isinstance(qw, qformat.Q4KWeight):
-            self.q4_k.append(name)
+        if isinstance(qw, qformat.GGMLWeight):
+            self.ggml[name] = qw.grid
         else:
             if self.example is None:
                 self.example = qw
@@ -89,12 +89,12 @@ class CheckpointSink:
     def scheme_per_module(self) -> dict[str, str]:
         """{"Linear": the base scheme's name, module: its own scheme name for every other one}."""
         base = self.base
-        if base is None:   # every quantized layer linear is Q4_K
-            out = {"Linear": "Q4_K"}
+        if base is None:   # every quantized layer linear is on a GGML grid
+            out = {"Linear": next((self.names[n] for n in self.ggml), "dense")}
         else:
             out = {"Linear": next(self.names[n] for n, a in self.args.items() if a == base)}
             out.update({n: self.names[n] for n, a in self.args.items() if a != base})
-            out.update({n: "Q4_K" for n in self.q4_k})
+            out.update({n: self.names[n] for n in self.ggml})
         out.update({n: "dense" for n in self.dense_linears})
         return out | {n: o[1] for n, o in self.outside.items()}
 
@@ -103,12 +103,12 @@ class CheckpointSink:
         modules for the others (an INT8 lm_head or embedding, mixed precision); bitsandbytes checkpoints hold one
         scheme."""
         opts, base = self.opts, self.base
-        if self.q4_k and base is None:   # every quantized layer linear is Q4_K
+        if self.ggml and base is None:   # every quantized layer linear is on a GGML grid
             if self.outside:
-                raise LlmqError("an INT8 embedding / lm_head beside Q4_K layers is not written yet; drop --embedding "
-                                "/ --lm-head")
+                raise LlmqError(f"an INT8 embedding / lm_head beside {opts.grid.upper()} layers is not written yet; "
+                                "drop --embedding / --lm-head")
             return qformat.quantization_config(None, ignore=[*opts.ignored, *self.dense_linears],
-                                               q4_k=tuple(self.q4_k)), "compressed-tensors"
+                                               ggml=self.ggml), "compressed-tensors"
         if isinstance(self.example, qformat.QuantizedWeight):
             modules = {n: a[0] for n, a in self.args.items() if a != base}
             if any(a[1] is not None for a in self.args.values() if a != base):
@@ -116,7 +116,7 @@ class CheckpointSink:
                                 "checkpoint holds one for activation-quantized layers")
             modules.update({n: o[0] for n, o in self.outside.items()})
             return qformat.quantization_config(base[0], base[1], ignore=[*opts.ignored, *self.dense_linears],
-                                               modules=modules, q4_k=tuple(self.q4_k)), "compressed-tensors"
+                                               modules=modules, ggml=self.ggml), "compressed-tensors"
         if len(set(self.args.values())) != 1:
             raise LlmqError(f"method {opts.method} produced {len(set(self.args.values()))} different schemes; a "
                             "bitsandbytes checkpoint holds one")

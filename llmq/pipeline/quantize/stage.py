@@ -178,9 +178,10 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
             "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": per_module["Linear"],
             "scheme_per_module": per_module, **({"mixed_precision": plan.manifest} if plan else {}),
-            **({"grid": opts.grid, "q4_k_linears": len(sink.q4_k), "q4_k_fallback": {
+            **({"grid": opts.grid, "grid_linears": len(sink.ggml), "grid_fallback": {
                 "linears": len(sink.args), "scheme": "INT4 asymmetric groups of 32 (GGUF Q4_1)",
-                "why": "input width not a multiple of Q4_K's 256-weight super-block"}} if opts.grid != "int" else {}),
+                "why": f"input width not a multiple of {opts.grid.upper()}'s 256-weight super-block"}}
+               if opts.grid != "int" else {}),
             "excluded_modules": [m for m in opts.ignored if m not in per_module],
             "dense_modules": sorted(sink.dense_modules),
             "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},

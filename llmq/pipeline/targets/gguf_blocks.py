@@ -15,8 +15,9 @@ scale, and the mapping is
 - INT5 symmetric / asymmetric -> Q5_0 / Q5_1: n = q + 16, d = s (m = -(16 + z) * s);
 - MXFP4 -> MXFP4: the E8M0 exponent byte and the E2M1 codes (GGUF's kvalues are the same codes, doubled, with the
   exponent halved), weight j in the low nibble of byte j and j + 16 in the high one; every bit carried over;
-- Q4_K (`llmq quantize --grid q4_k`, llmq.models.qformat.Q4KWeight) -> Q4_K: llmq's codes, fp16 d / dmin and 6-bit
-  sc / m are GGML's, packed by `llmq.quant.pack_q4_k` (the same bytes the checkpoint holds); nothing is re-rounded;
+- Q4_K / IQ4_XS (`llmq quantize --grid q4_k / iq4_xs`, llmq.models.qformat.GGMLWeight) -> the same type: llmq's
+  codes and super-block / sub-block scales are GGML's, packed by `llmq.quant.pack_q4_k` / `pack_iq4_xs` (the same
+  bytes the checkpoint holds); nothing is re-rounded;
 - NVFP4 -> NVFP4 (64 weights: four E4M3 scale bytes, then 8 bytes per 16 weights, weight j in the low nibble and
   j + 8 in the high one), codes and block scales carried over; the per-tensor global scale, which GGUF's block has no
   room for, goes into the `<tensor>.scale` F32 [1] ([experts] for merged experts) that llama.cpp multiplies the
@@ -42,8 +43,8 @@ NVFP4_SUPER = 64                              # weights per GGUF NVFP4 block (fo
 
 def block_type(qw, name: str):
     """The GGML block format that holds this quantized weight exactly, or an LlmqError with the way out."""
-    if getattr(qw, "scheme", None) == "Q4_K":
-        return GT.Q4_K
+    if getattr(qw, "grid", None):   # GGML's own blocks (GGMLWeight): its scheme is the GGML type's name
+        return GT[qw.scheme]
     if qw.fp4 == "mxfp4":
         return GT.MXFP4
     if qw.fp4:
@@ -137,7 +138,7 @@ def _nibbles(n: torch.Tensor) -> torch.Tensor:
 def pack_blocks(qw, qtype, rounding: Rounding) -> np.ndarray:
     """The GGUF bytes [out, in/32 * block bytes] of one quantized weight, its integers carried over unchanged."""
     n, k = qw.q.shape
-    if qtype == GT.Q4_K:
+    if getattr(qw, "grid", None):
         return qw.blocks().numpy()
     if qtype == GT.MXFP4:   # llmq's E8M0 exponent and E2M1 codes are GGUF's, byte for byte
         e = qw.scale.reshape(n, k // BLOCK, 1)

@@ -53,7 +53,7 @@ def rank_config(src: CheckpointReader, plan: ShardPlan) -> dict:
         ignore = [m for m in ignore if m != qformat.LM_HEAD]
     if modules != dict(qc.modules) or ignore != list(qc.ignore) or qc.read is not None:   # read: ModelOpt's layout
         cfg["quantization_config"] = qformat.quantization_config(qc.weights, qc.input_activations, ignore=ignore,
-                                                                 kv=qc.kv, modules=modules, q4_k=tuple(qc.q4_k))
+                                                                 kv=qc.kv, modules=modules, ggml=qc.ggml)
     return cfg
 
 

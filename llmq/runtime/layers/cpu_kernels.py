@@ -22,6 +22,7 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
 - `table_linear` (AVX-512): bitsandbytes' NF4 / FP4 codes in the INT4 tiles looked up in their 16-value table, times
   the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums; on
   AMX where the weights and x split exactly into at most three bfloat16 products a step (bfloat16 weights or x).
+  GGML's IQ4_XS runs on it too: its table, its float32 sub-block steps, no rounding (every product exact).
 - `fp4_linear` (AVX-512, or AVX2 loops like lowbit_linear_bf16's): NVFP4 / MXFP4 codes in the INT4 tiles decoded
   exactly by a 16-entry table, float32 sums: the dense FP4 path's numbers from the packed bytes.
 - `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
@@ -293,8 +294,8 @@ def fp8_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 
 
 def table_fits(n: int, k: int, group: int) -> bool:
-    """Whether a bitsandbytes 4-bit weight [n, k] in blocks of `group` takes table_linear here: whole blocks a row, a
-    CPU with AVX-512 or AVX2 + FMA + F16C, the kernels built."""
+    """Whether a 4-bit table weight [n, k] (bitsandbytes' NF4 / FP4, GGML's IQ4_XS) in blocks of `group` takes
+    table_linear here: whole blocks a row, a CPU with AVX-512 or AVX2 + FMA + F16C, the kernels built."""
     flags = cpu_flags()
     return n % TILE == 0 and group % 8 == 0 and k % group == 0 and \
         ("avx512bw" in flags or AVX2 | {"f16c"} <= flags) and available()
