@@ -95,12 +95,13 @@ def test_int4_weight_only_matches_dequantized(n, group, asym, rows):
 def test_int4_prefill_on_the_blas_computes_the_kernels_numbers(n, group, asym, monkeypatch):
     """From 128 rows the CPU int4 layer multiplies the weight it dequantizes from PyTorch's packing on the BLAS: the
     dequantized weight is bit for bit what the kernel multiplies by (the kernel on the identity returns it rounded to
-    bfloat16), and a prefill gives the chunked kernel's outputs up to summation order. A packing it cannot read
-    (N % 32 != 0) keeps the kernel."""
+    bfloat16), and a prefill gives the chunked kernel's outputs up to summation order. PyTorch packs blocks of 64
+    channels where its CPU build runs AVX-512, else 32; a packing it cannot read (N not a multiple) keeps the kernel."""
     q, scale, zero, ref_w = int_weights(n, 128, 4, group, asym, seed=n)
     layer = Int4WeightOnlyLinear(q, scale, zero, None, torch.float32)
     assert layer.packed
-    assert layer.unpacks == (n % 32 == 0)
+    block = 64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32
+    assert layer.unpacks == (block if n % block == 0 else 0)
     x = torch.randn(layer.blas_rows + 72, 128)
     chunked = torch.cat([layer._kernel(c) for c in x.split(layer.max_kernel_rows)]).float()
     calls, kernel = [], layer._kernel

@@ -264,13 +264,13 @@ class Int4WeightOnlyLinear(LinearBase):
         set_buffer(self, "bias", bias.to(compute_dtype) if bias is not None else None)
         self.lowbit = _lowbit(self, q, scale, zero, 4, int8_activations)
         self.packed = None if self.lowbit else _pack_int4(q, scale, zero, self.group_size)
-        self.unpacks = False  # whether _dequantized_t reads this packing (CPU, N % 32 == 0: checked when packed)
+        self.unpacks = 0  # the packing's channel block where _dequantized_t reads it (CPU; checked when packed), or 0
         if self.packed is not None:
             set_buffer(self, "w_packed", self.packed[0])
             set_buffer(self, "scales_zeros", self.packed[1])
             unpacks, self._kdtype = self.packed[2], self.packed[1].dtype
             self.packed = kernel_runs(lambda: self._kernel(torch.zeros(1, k, device=q.device, dtype=compute_dtype)))
-            self.unpacks = unpacks and self.packed
+            self.unpacks = unpacks if self.packed else 0
         if not self.packed and not self.lowbit:
             set_buffer(self, "q", q.to(torch.int8))
             set_buffer(self, "scale", scale)
@@ -295,9 +295,9 @@ class Int4WeightOnlyLinear(LinearBase):
 
     def _dequantized_t(self) -> torch.Tensor:
         """The weight transposed, [K, N] in float32, as the CPU kernel computes it ((u - 8) * s + z, exact) from its
-        packing: blocks of 32 output channels, each K rows of 16 bytes (channel j's nibble low, j + 16's high)."""
+        packing (_unpacked_cpu_int4)."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        w = _unpacked_cpu_int4(self.w_packed, n, k).transpose(0, 1).reshape(k // g, g, n).float()
+        w = _unpacked_cpu_int4(self.w_packed, n, k, self.unpacks).transpose(0, 1).reshape(k // g, g, n).float()
         sz = self.scales_zeros.float()
         return w.sub_(8).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1]).view(k, n)
 
@@ -351,15 +351,17 @@ def _lowbit_mm(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.lowbit_linear(x, layer.lb_codes, layer.lb_s, layer.lb_sz, bits, group)
 
 
-def _unpacked_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The CPU int4 kernel's packing ([N, K/2] bytes) read back as [N/32, K, 32] nibbles (N % 32 == 0)."""
-    b = packed.view(n // 32, k, 16)
+def _unpacked_cpu_int4(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """The CPU int4 kernel's packing ([N, K/2] bytes) read back as [N / block, K, block] nibbles: blocks of `block`
+    output channels (PyTorch's CPU build packs 64 where it runs AVX-512, 32 on AVX2), each K rows of block / 2
+    bytes, channel j's nibble low and j + block / 2's high."""
+    b = packed.view(n // block, k, block // 2)
     return torch.cat([b & 15, b >> 4], dim=2)
 
 
 def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int):
-    """(packed weight, scales_and_zeros [K/g, N, 2], whether _unpacked_cpu_int4 reads it back) for the tinygemm
-    kernels, or None when they cannot take it.
+    """(packed weight, scales_and_zeros [K/g, N, 2], the channel block with which _unpacked_cpu_int4 reads it back
+    or 0) for the tinygemm kernels, or None when they cannot take it.
 
     tinygemm computes (u - 8) * s + z from unsigned nibbles u; with u = q + offset that equals (q - zero) * s when
     z = (8 - offset - zero) * s.
@@ -388,9 +390,9 @@ def _pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     except RuntimeError:
         return None
     # PyTorch documents no layout for its CPU packing: the unpacking is used only where it reads back u exactly
-    unpacks = cpu and n % 32 == 0 and torch.equal(
-        _unpacked_cpu_int4(packed, n, k).permute(0, 2, 1).reshape(n, k), u.to(torch.uint8))
-    return packed, sz, unpacks
+    block = next((b for b in (64, 32) if cpu and n % b == 0 and torch.equal(
+        _unpacked_cpu_int4(packed, n, k, b).permute(0, 2, 1).reshape(n, k), u.to(torch.uint8))), 0)
+    return packed, sz, block
 
 
 def cuda_inner_k_tiles(k: int) -> int | None:
