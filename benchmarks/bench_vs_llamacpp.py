@@ -2,9 +2,9 @@
 
 Needs a llama.cpp build (--llama-cpp DIR or $LLAMA_CPP_DIR: its source tree or build/bin; without one this prints how
 to build it and exits 2). llmq's bf16 model artifact is converted to GGUF F16 by llama.cpp's own converter
-(convert_hf_to_gguf.py) and quantized by llama-quantize to Q8_0 / Q4_0 / Q4_K_M (and FP4, below); the GGUFs are
-cached in <work dir>/<bf16 artifact id>. llmq's variants are made by the quantize stage (reused from the store on later
-runs) or passed with --llmq LABEL=REF.
+(convert_hf_to_gguf.py) and quantized by llama-quantize to Q8_0 / Q5_0 / Q4_0 / Q4_K_M / IQ4_XS (and FP4, below); the
+GGUFs are cached in <work dir>/<bf16 artifact id>. llmq's variants are made by the quantize stage (reused from the
+store on later runs) or passed with --llmq LABEL=REF.
 
 Speed, for every thread count and round, interleaved pair by pair (llama.cpp, then llmq):
   llama.cpp: `llama-bench -p 128 -n 128 -r 1 -t T`: pp128 = one 128-token prompt, tg128 = 128 one-token decode steps
@@ -30,8 +30,9 @@ llama-perplexity does (-c 512: chunks of 512 tokens, the second half of each sco
   llama-perplexity --kl-divergence like llama.cpp's own quantizations: the quality a llama.cpp user of the export
   gets, beside what llmq's runtime computes from the artifact and what the build records as llama.cpp's CPU
   arithmetic (modelled: gguf_modelled_vs_llamacpp.llmq_side, same tokens, same base file); a calibrated variant's
-  importance matrix (written beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M of F16, scored
-  the same way. A variant GGUF cannot hold (FP8: no GGML block format) is named with the build target's reason.
+  importance matrix (written beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M and an IQ4_XS
+  of F16, scored the same way. A variant GGUF cannot hold (FP8: no GGML block format) is named with the build
+  target's reason.
 FP4 in llama.cpp (with the quality runs): llama-quantize's file types hold FP4 only for MoE experts (MXFP4_MOE: dense
 tensors Q8_0; no NVFP4 file type in llama-cpp-python 0.3.36's llama.cpp), so llama.cpp's own MXFP4 / NVFP4 of this
 dense model is ggml's block quantizer reached with `--tensor-type` on every decoder linear (the embedding table left
@@ -61,14 +62,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmq.bench.llamacpp import LlamaCpp, LlamaCppNotFound, locate, run, scored  # noqa: E402
 from llmq.errors import LlmqError  # noqa: E402
 
-GGUF_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_K_M")
+GGUF_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_K_M", "IQ4_XS")
+IMATRIX_TYPES = ("Q4_K_M", "IQ4_XS")  # llama.cpp's recipes made again with each llmq importance matrix
 VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", "int8-rtn-emb8",
             "int4-rtn-g64-emb8", "int4-gptq-g64-act", "int4-awq-g64", "int4-gptq-g32-act", "int4-rtn-g32-bpw5",
             "int4-gptq-g32-act-bpw5", "int4-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-bpw5.75", "int4-rtn-g32-emb8",
             "int8-rtn-g32-emb8g32", "fp8", "fp8-g128", "nvfp4", "mxfp4", "nvfp4-gptq-act-search",
             "mxfp4-gptq-act-search", "int5-rtn-g32-emb8", "int5-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-gguf-q4km",
             "int4-gptq-g32-act-emb8-head8-rot", "int5-gptq-g32-act-emb8-head8-rot",
-            "int4-gptq-g32-act-emb8-head8-gguf-q4km-rot")
+            "int4-gptq-g32-act-emb8-head8-gguf-q4km-rot", "iq4xs-gptq", "iq4xs-gptq-emb8")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
 # g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
@@ -78,7 +80,8 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
 # with searched block scales (--gptq --act-order --scales search); the float formats keep the embedding table 16-bit;
 # int5: 5-bit integers in groups of 32 (--bits 5), GGUF's Q5_0; gguf-q4km: mixed precision across what GGUF holds (--for
 # gguf: INT4 / INT5 / INT8 / NVFP4 / MXFP4 / 16-bit per unit) filling Q4_K_M's file bytes (--max-size --size-in gguf);
-# rot: the residual stream rotated first (--rotate hadamard), which unties the head: INT8 too (head8), as the table
+# rot: the residual stream rotated first (--rotate hadamard), which unties the head: INT8 too (head8), as the table;
+# iq4xs: GPTQ (column order: the grid is fixed first) onto llama-quantize IQ4_XS's own format (--grid iq4_xs)
 Q4_K_M_BYTES = 105_453_952   # SmolLM2-135M-Instruct's Q4_K_M from llama-cpp-python 0.3.36's llama-quantize
 UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibration data (before the speed runs)
 LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
@@ -124,7 +127,9 @@ def variant_options() -> dict:
                                                  embedding="int8", lm_head="int8", rotate="hadamard") for b in (4, 5)),
                                QuantizeOptions(bits=4, method="gptq", group_size=32, act_order=True,
                                                embedding="int8", lm_head="int8", rotate="hadamard",
-                                               max_size=str(Q4_K_M_BYTES), size_in="gguf", for_engine="gguf"))))
+                                               max_size=str(Q4_K_M_BYTES), size_in="gguf", for_engine="gguf"),
+                               QuantizeOptions(bits=4, method="gptq", grid="iq4_xs"),
+                               QuantizeOptions(bits=4, method="gptq", grid="iq4_xs", embedding="int8"))))
 
 
 def quantized(source, opts, store):
@@ -347,19 +352,20 @@ def gguf_exports(arts: dict, store) -> tuple[dict[str, Path], dict[str, Path], d
 
 
 def imatrix_quants(lc: LlamaCpp, f16: Path, imatrices: dict[str, Path], work: Path, threads: int) -> dict[str, Path]:
-    """llama-quantize's Q4_K_M of F16 with each llmq importance matrix (`--imatrix`): llama.cpp's own recipe, guided
-    by llmq's calibration; cached in `work` by the matrix file's content."""
+    """llama-quantize's IMATRIX_TYPES of F16 with each llmq importance matrix (`--imatrix`): llama.cpp's own
+    recipes, guided by llmq's calibration; cached in `work` by the matrix file's content."""
     out = {}
     for label, imx in imatrices.items():
         digest = hashlib.sha256(imx.read_bytes()).hexdigest()[:16]
-        path = work / f"model-Q4_K_M-imatrix-{digest}.gguf"
-        if not path.is_file():
-            tmp = path.with_suffix(".tmp")
-            print(f"llama-quantize --imatrix ({label}) Q4_K_M ...", flush=True)
-            run([lc.tool("llama-quantize"), "--imatrix", str(imx), str(f16), str(tmp), "Q4_K_M", str(threads)],
-                "llama-quantize --imatrix")
-            tmp.replace(path)
-        out[f"Q4_K_M + llmq {label} imatrix"] = path
+        for ftype in IMATRIX_TYPES:
+            path = work / f"model-{ftype}-imatrix-{digest}.gguf"
+            if not path.is_file():
+                tmp = path.with_suffix(".tmp")
+                print(f"llama-quantize --imatrix ({label}) {ftype} ...", flush=True)
+                run([lc.tool("llama-quantize"), "--imatrix", str(imx), str(f16), str(tmp), ftype, str(threads)],
+                    "llama-quantize --imatrix")
+                tmp.replace(path)
+            out[f"{ftype} + llmq {label} imatrix"] = path
     return out
 
 

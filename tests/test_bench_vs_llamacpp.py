@@ -50,7 +50,8 @@ def test_without_llama_cpp_it_says_how_to_build_it_and_exits_2(tmp_path):
 def test_every_variant_label_says_what_its_options_ask_for():
     """The labels are the rows of the published tables: each names its bits, method, group, act-order, INT8 head /
     table and budget, and its options pass the stage's own check. The float formats are named by their method (FP8's
-    8 bits, FP4's 4 bits and block are the format's); a group in the label is a group asked for."""
+    8 bits, FP4's 4 bits and block are the format's), GGML grids by the grid; a group in the label is a group asked
+    for."""
     mod = _script()
     assert set(mod.variant_options()) == set(mod.VARIANTS)
     for label, opts in mod.variant_options().items():
@@ -62,8 +63,12 @@ def test_every_variant_label_says_what_its_options_ask_for():
             assert opts.method in mod.UNCALIBRATED, label
             assert opts.embedding == "keep", label
             continue
-        assert label.startswith(f"int{opts.bits}-{opts.method}"), label
-        assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
+        if opts.grid == "int":
+            assert label.startswith(f"int{opts.bits}-{opts.method}"), label
+            assert (f"-g{opts.group_size}" in label) == bool(opts.group_size), label
+        else:   # a GGML grid: its blocks are its groups
+            assert label.startswith(f"{opts.grid.replace('_', '')}-{opts.method}"), label
+            assert re.search(r"-g\d", label) is None, label
         assert ("-act" in label) == opts.act_order, label
         assert ("-head8" in label) == (opts.lm_head == "int8"), label
         assert ("-emb8" in label) == (opts.embedding == "int8"), label

@@ -478,7 +478,7 @@ def test_int4_rtn_loses_against_bf16(default_model, default_store, default_int4,
     assert "code" in d
     assert d["code"]["stderr"] > 0
     assert r4["gates"][0]["passed"] is False
-    r8 = run_eval(store, int8, model, EvalSettings(tasks=["kld"], limit=16, seed=1234), []).report
+    r8 = run_eval(store, int8, model, EvalSettings(tasks=["kld"], limit=4, seed=1234), []).report  # 100x apart
     assert r4["kld"]["mean"] > r8["kld"]["mean"] > 0
     assert r4["kld"]["top1"] < r8["kld"]["top1"]
 
