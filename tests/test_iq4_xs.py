@@ -1,10 +1,11 @@
-"""GGML's IQ4_XS grid (`llmq.quant`), `llmq quantize --grid iq4_xs` (RTN and GPTQ onto it), its runtime layer and its
-GGUF export.
+"""GGML's IQ4_XS grid and its fallback IQ4_NL (`llmq.quant`), `llmq quantize --grid iq4_xs` (RTN and GPTQ onto
+them), their runtime layer and their GGUF export.
 
-The block layout and the dequantization are checked against gguf-py's IQ4_XS (a NumPy port of llama.cpp's
-dequantize_row_iq4_xs) bit for bit, and against a float64 reference written here from ggml-common.h's block_iq4_xs;
-planted layout errors must fail those checks. gguf-py has no IQ4_XS quantizer, so the grid search is held to the
-bytes of llama.cpp's own quantize_iq4_xs on a fixed input (GOLDEN) and to its rounding rules.
+The block layouts and the dequantization are checked against gguf-py's IQ4_XS / IQ4_NL (NumPy ports of llama.cpp's
+dequantize_row_iq4_xs / _nl) bit for bit, and IQ4_XS's against a float64 reference written here from ggml-common.h's
+block_iq4_xs; planted layout errors must fail those checks. gguf-py has no IQ4 quantizer, so the grid searches are
+held to the bytes of llama.cpp's own quantize_iq4_xs / quantize_iq4_nl on a fixed input (GOLDEN, GOLDEN_NL) and to
+their rounding rules.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from llmq.errors import LlmqError
 from llmq.models import resolve_model
 from llmq.models.linear_weights import LinearWeights
 from llmq.models.qconfig import parse_quantization_config, quantization_config
-from llmq.models.qformat import IQ4XSWeight, Q4KWeight
+from llmq.models.qformat import IQ4NLWeight, IQ4XSWeight, Q4KWeight
 from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import join_rows, split_cols, split_rows
 from llmq.pipeline.quantize import QuantizeOptions, quantize
-from llmq.pipeline.quantize.gptq import gptq_iq4_xs
+from llmq.pipeline.quantize.gptq import gptq_iq4
 from llmq.pipeline.quantize.probe import kld_top1
-from llmq.pipeline.quantize.rtn import quantize_iq4_xs
+from llmq.pipeline.quantize.rtn import quantize_iq4
 from llmq.pipeline.targets import BuildOptions, build_engine
 
-IQ4_XS = gguf.GGMLQuantizationType.IQ4_XS
+IQ4_XS, IQ4_NL = gguf.GGMLQuantizationType.IQ4_XS, gguf.GGMLQuantizationType.IQ4_NL
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # ggml-common.h kvalues_iq4nl
 
 
@@ -49,8 +50,8 @@ def weights(rows: int = 6, cols: int = 512, seed: int = 0) -> torch.Tensor:
     return w
 
 
-def gguf_py(blocks: torch.Tensor) -> np.ndarray:
-    return gguf.quants.dequantize(blocks.reshape(blocks.shape[0], -1).numpy(), IQ4_XS)
+def gguf_py(blocks: torch.Tensor, qtype=IQ4_XS) -> np.ndarray:
+    return gguf.quants.dequantize(blocks.reshape(blocks.shape[0], -1).numpy(), qtype)
 
 
 def reference_f64(blocks: np.ndarray) -> np.ndarray:
@@ -74,7 +75,7 @@ def reference_f64(blocks: np.ndarray) -> np.ndarray:
 
 def test_iq4_xs_blocks_dequantize_as_gguf_py_and_the_float64_reference_bit_for_bit():
     w = weights()
-    qw = quantize_iq4_xs(w)
+    qw = quantize_iq4(w, "iq4_xs")
     blocks = qw.blocks()
     assert blocks.shape == (6, 2 * 136)
     assert blocks.dtype == torch.uint8
@@ -93,7 +94,7 @@ def test_iq4_xs_blocks_dequantize_as_gguf_py_and_the_float64_reference_bit_for_b
 @pytest.mark.parametrize("planted", ["nibble_order", "scales_h_bytes", "scales_l_nibbles", "q4_k_pairing"])
 def test_a_planted_layout_error_fails_the_bit_exact_check(planted):
     w = weights()
-    qw = quantize_iq4_xs(w)
+    qw = quantize_iq4(w, "iq4_xs")
     b = qw.blocks().reshape(6, 2, 136).clone()
     if planted == "nibble_order":        # weight j + 16 in the low nibble, j in the high one
         qs = b[..., 8:]
@@ -109,6 +110,34 @@ def test_a_planted_layout_error_fails_the_bit_exact_check(planted):
     ours = qw.dequantize().numpy()
     assert not np.array_equal(gguf_py(b), ours)
     assert not np.array_equal(reference_f64(b.reshape(6, -1).numpy()).astype(np.float32), ours)
+
+
+def test_iq4_nl_blocks_dequantize_as_gguf_py_bit_for_bit():
+    qw = quantize_iq4(weights(cols=352), "iq4_nl")   # 11 blocks a row: no super-block
+    blocks = qw.blocks()
+    assert blocks.shape == (6, 11 * 18)
+    ours = qw.dequantize().numpy()
+    np.testing.assert_array_equal(gguf_py(blocks, IQ4_NL).view(np.int32), ours.view(np.int32))
+    back = IQ4NLWeight.from_blocks(blocks)
+    assert torch.equal(back.q, qw.q)
+    assert torch.equal(back.d, qw.d)
+    with pytest.raises(LlmqError, match="not GGML IQ4_NL blocks"):
+        IQ4NLWeight.from_blocks(blocks[:, :-1], "x")
+
+
+@pytest.mark.parametrize("planted", ["nibble_order", "d_big_endian", "adjacent_pairs"])
+def test_a_planted_iq4_nl_layout_error_fails_the_bit_exact_check(planted):
+    qw = quantize_iq4(weights(cols=352), "iq4_nl")
+    b = qw.blocks().reshape(6, 11, 18).clone()
+    if planted == "nibble_order":     # weight j + 16 in the low nibble, j in the high one
+        b[..., 2:] = (b[..., 2:] >> 4) | (b[..., 2:] << 4)
+    elif planted == "d_big_endian":
+        b[..., :2] = b[..., :2].flip(-1)
+    else:                             # weights 2j and 2j + 1 share a byte
+        c = qw.q.reshape(6, 11, 16, 2)
+        b[..., 2:] = c[..., 0] | (c[..., 1] << 4)
+    with np.errstate(invalid="ignore"):   # a misread d can be NaN
+        assert not np.array_equal(gguf_py(b, IQ4_NL), qw.dequantize().numpy())
 
 
 def best_index_int8(x: float) -> int:
@@ -136,12 +165,12 @@ def test_nearest_code_is_best_index_int8_ties_included():
     assert quant.iq4_nearest(torch.tensor(mids)).tolist() == list(range(1, 16))   # a tie goes up
 
 
-def golden_weights() -> torch.Tensor:
-    """A fixed input from integer arithmetic (no random generator), with constant sub-blocks (their candidate scales
-    fit alike: the C code's summation order picks one, and they set their super-block's d), a zero sub-block,
-    multiples of 1/64 and an all-zero super-block."""
+def golden_weights(stride: int = 7919) -> torch.Tensor:
+    """A fixed input from integer arithmetic (no random generator; `stride` a prime), with constant sub-blocks (their
+    candidate scales fit alike: the C code's summation order picks one, and they set their super-block's d), a zero
+    sub-block, multiples of 1/64 and an all-zero super-block."""
     i = torch.arange(4 * 512, dtype=torch.float64)
-    t = ((i * 7919) % 2003 - 1001) / 1001
+    t = ((i * stride) % 2003 - 1001) / 1001
     w = (t * t * t * 0.1).float().reshape(4, 512)
     w[0, :32] = 0.3
     w[1, 32:64] = -0.2
@@ -151,9 +180,12 @@ def golden_weights() -> torch.Tensor:
     return w
 
 
-# sha256 of quantize_iq4_xs(golden_weights()) by llama.cpp's ggml-quants.c (the llama.cpp vendored in
-# llama-cpp-python 0.3.36, built without floating-point contraction: its float32 sums and products as written)
+# sha256 of quantize_iq4_xs(golden_weights()) and quantize_iq4_nl(golden_weights(NL_STRIDE)) by llama.cpp's
+# ggml-quants.c (the llama.cpp vendored in llama-cpp-python 0.3.36, built without floating-point contraction: its
+# float32 sums and products as written)
 GOLDEN = "298c9c102c1438cc715c50d35da56f3854fa0c37833a45a1f3b3d952a08a502e"
+GOLDEN_NL = "eb2bdca76f1bac6be6f64e4b77750167be3165e211f5e6fd4777f40441ab4ca3"
+NL_STRIDE = 1299709   # an input where rounding the scale to fp16 would move a code: llama.cpp's is the unrounded one
 
 
 def test_iq4_xs_grid_is_llama_cpps():
@@ -164,9 +196,19 @@ def test_iq4_xs_grid_is_llama_cpps():
     assert blocks[3, :8].tolist() == [0, 0x80, 0xAA, 0xAA, 0, 0, 0, 0]   # d = -0, every ls 32
 
 
+def test_iq4_nl_grid_is_llama_cpps():
+    w = golden_weights(NL_STRIDE)
+    codes, d = quant.iq4_nl_grid(w)
+    blocks = quant.pack_iq4_nl(codes, d).reshape(4, -1)
+    assert hashlib.sha256(blocks.numpy().tobytes()).hexdigest() == GOLDEN_NL
+    assert blocks[3, :18].tolist() == [0, 0] + [0x88] * 16   # an all-zero block: d = 0, every code the value 1
+    # d is the scale rounded to fp16, the codes chosen on the scale as it was: one differs from d's nearest
+    assert (quant.iq4_codes(w, d.float()) != codes).nonzero().tolist() == [[1, 138]]
+
+
 def test_iq4_xs_grid_rounding_rules():
     w = weights(rows=8, cols=512, seed=3)
-    qw = quantize_iq4_xs(w)
+    qw = quantize_iq4(w, "iq4_xs")
     assert qw.q.max() <= 15
     assert qw.ls.max() <= 63
     assert qw.d.dtype == torch.float16
@@ -185,19 +227,20 @@ def test_iq4_xs_grid_rounding_rules():
     err = (values - w.unsqueeze(-1)).abs()
     got = err.gather(-1, qw.q.long().unsqueeze(-1))[..., 0]
     assert bool((got <= err.amin(-1) + step.abs() * 127 * 2.0 ** -10).all())
-    assert float((quant.iq4_xs_codes(w, quant.iq4_xs_steps(qw.d, qw.ls)) != qw.q).float().mean()) < 0.01
+    assert float((quant.iq4_codes(w, quant.iq4_xs_steps(qw.d, qw.ls)) != qw.q).float().mean()) < 0.01
 
 
-def test_gptq_on_the_iq4_xs_grid_lowers_the_output_error_of_rtn_on_it():
+@pytest.mark.parametrize("grid", ["iq4_xs", "iq4_nl"])
+def test_gptq_on_the_iq4_grids_lowers_the_output_error_of_rtn_on_them(grid):
     g = torch.Generator().manual_seed(1)
     k = 256
     mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
     x = torch.randn(2048, k, generator=g) @ mix          # correlated inputs: what GPTQ exploits
     w = torch.randn(32, k, generator=g) * 0.05
     h = x.T @ x / x.shape[0]
-    rtn, gptq = quantize_iq4_xs(w), gptq_iq4_xs(w, h)
+    rtn, gptq = quantize_iq4(w, grid), gptq_iq4(w, h, grid=grid)
+    assert type(gptq) is type(rtn)
     assert gptq.q.max() <= 15
-    assert gptq.ls.max() <= 63
     assert gptq.d.dtype == torch.float16
     err = lambda qw: (x @ (qw.dequantize() - w).T).pow(2).mean()  # noqa: E731
     assert err(gptq) < 0.8 * err(rtn)
@@ -209,14 +252,19 @@ def test_iq4_xs_options_config_and_sharding():
         with pytest.raises(LlmqError, match="iq4_xs"):
             QuantizeOptions(grid="iq4_xs", **kw).check()
     o = QuantizeOptions(grid="iq4_xs").resolved((576, 1536))
-    assert (o.bits, o.group_size, o.symmetric) == (4, 32, False)   # the fallback: INT4 asym g32 (Q4_1)
-    # one config lists both grids; llmq_q4_k is the key Q4_K artifacts were written with
-    cfg = {"quantization_config": quantization_config(None, ggml={"a.q_proj": "iq4_xs", "a.down_proj": "q4_k"})}
+    # IQ4_XS where 256 divides the input width, else IQ4_NL as in llama.cpp, else INT4 asym g32 (Q4_1)
+    assert [o.ggml_grid(k) for k in (1536, 576, 40)] == ["iq4_xs", "iq4_nl", None]
+    assert (o.bits, o.group_size, o.symmetric) == (4, 32, False)
+    assert QuantizeOptions(grid="q4_k").ggml_grid(576) is None
+    # one config lists every grid; llmq_q4_k is the key Q4_K artifacts were written with
+    grids = {"a.q_proj": "iq4_xs", "a.down_proj": "q4_k", "a.o_proj": "iq4_nl"}
+    cfg = {"quantization_config": quantization_config(None, ggml=grids)}
     assert cfg["quantization_config"]["llmq_q4_k"] == ["a.down_proj"]
     assert cfg["quantization_config"]["llmq_iq4_xs"] == ["a.q_proj"]
-    assert parse_quantization_config(cfg).ggml == {"a.q_proj": "iq4_xs", "a.down_proj": "q4_k"}
+    assert cfg["quantization_config"]["llmq_iq4_nl"] == ["a.o_proj"]
+    assert parse_quantization_config(cfg).ggml == grids
     # rows split and join back; input columns are refused
-    lw = LinearWeights("a.q_proj", qw=quantize_iq4_xs(weights(cols=256)[:4]))
+    lw = LinearWeights("a.q_proj", qw=quantize_iq4(weights(cols=256)[:4], "iq4_xs"))
     halves = [split_rows(lw, torch.arange(r, r + 2)) for r in (0, 2)]
     joined = join_rows(halves, "a.q_proj").qw
     assert isinstance(joined, IQ4XSWeight)
@@ -232,7 +280,7 @@ def test_iq4_xs_options_config_and_sharding():
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_model):
     """{method: (quantized artifact, gguf engine artifact)} of a tiny model with hidden 256 (q/k/v/o/gate/up on
-    IQ4_XS) and intermediate 320 (down_proj falls back to INT4 asym g32)."""
+    IQ4_XS) and intermediate 320 (down_proj falls back to IQ4_NL)."""
     from llmq.artifacts import Store
 
     store = Store(tmp_path_factory.mktemp("iq4xs") / "store")
@@ -257,17 +305,18 @@ def test_iq4_xs_linears_are_the_gguf_files_bytes(built, method):
                             ("self_attn.o_proj", "attn_output")):
             qw = src.linear(f"model.layers.{i}.{role}").qw
             t = tensors[f"blk.{i}.{fname}.weight"]
-            if role == "mlp.down_proj":   # 320 input columns: the fallback
-                assert not isinstance(qw, IQ4XSWeight)
-                assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
-            else:
-                assert isinstance(qw, IQ4XSWeight)
-                assert t.tensor_type == IQ4_XS
-                assert np.array_equal(np.asarray(t.data).reshape(-1), qw.blocks().numpy().reshape(-1))
+            # down_proj: 320 input columns, the fallback
+            assert type(qw) is (IQ4NLWeight if role == "mlp.down_proj" else IQ4XSWeight)
+            assert t.tensor_type == (IQ4_NL if role == "mlp.down_proj" else IQ4_XS)
+            assert np.array_equal(np.asarray(t.data).reshape(-1), qw.blocks().numpy().reshape(-1))
     assert cfg["grid"] == "iq4_xs"
     assert cfg["grid_linears"] == 12
-    assert cfg["grid_fallback"]["linears"] == 2
-    assert rec["tensor_types"]["IQ4_XS"] == 12
+    assert [(fb["scheme"], fb["linears"]) for fb in cfg["grid_fallback"]] == [
+        ("IQ4_NL", 2), ("INT4 asymmetric groups of 32 (GGUF Q4_1)", 0)]
+    assert cfg["scheme"] == "IQ4_XS"
+    assert cfg["scheme_per_module"]["model.layers.0.mlp.down_proj"] == "IQ4_NL"
+    assert (rec["tensor_types"]["IQ4_XS"], rec["tensor_types"]["IQ4_NL"]) == (12, 2)
+    assert "Q4_1" not in rec["tensor_types"]
     assert rec["file_type"] == "IQ4_XS"
 
 
@@ -281,18 +330,16 @@ def test_runtime_computes_what_the_gguf_file_holds(built, method, monkeypatch):
     rec = json.loads((engine.path / "engine.json").read_text())["outputs"]["gguf"]
     model, _ = read_gguf(engine.path / rec["file"])
     exact = reader_logprobs(exact_artifact_model(art.path), TOKENS)
-    # the artifact's weights dequantized by llmq give the file's logits, up to the fp16 rounding of the fallback's
-    # Q4_1 mins, which adds up over layers (IQ4_XS: the same bytes) ...
-    layers = CheckpointReader(art.path).spec.num_layers
-    assert kld_top1(exact, reader_logprobs(model, TOKENS))["kld_mean"] <= 1e-6 * layers
-    # ... and llmq's runtime on the artifact computes them, float32 summation order apart: on table_linear (the
-    # fallback's INT4 on its exact path) and with the table kernel off
+    # the artifact's weights dequantized by llmq give the file's logits (IQ4_XS and IQ4_NL: the same bytes) ...
+    assert kld_top1(exact, reader_logprobs(model, TOKENS))["kld_mean"] <= 1e-9
+    # ... and llmq's runtime on the artifact computes them, float32 summation order apart: on table_linear (IQ4_XS's
+    # 256 inputs, IQ4_NL's 320) and with the table kernel off
     bf16_kernels_off(monkeypatch)
     calls = []
     table_linear = cpu_kernels.table_linear
-    monkeypatch.setattr(cpu_kernels, "table_linear", lambda *a: calls.append(1) or table_linear(*a))
+    monkeypatch.setattr(cpu_kernels, "table_linear", lambda *a: calls.append(a[0].shape[-1]) or table_linear(*a))
     assert kld_top1(runtime_logprobs(art.path, TOKENS), exact)["kld_mean"] <= 1e-9
-    assert bool(calls) == cpu_kernels.table_fits(16, 256, 32)
+    assert set(calls) == ({256, 320} if cpu_kernels.table_fits(16, 256, 32) else set())
     monkeypatch.setattr(cpu_kernels, "table_fits", lambda n, k, group: False)
     calls.clear()
     assert kld_top1(runtime_logprobs(art.path, TOKENS), exact)["kld_mean"] <= 1e-9

@@ -28,9 +28,9 @@ def quantize(ctx, model, opts, as_json):
                f"({m['linear_ratio_vs_bf16']:.2f}x for the quantized linears); excluded: "
                f"{', '.join(c['excluded_modules']) or 'none'}")
     if c.get("grid", "int") != "int":
-        fb = c["grid_fallback"]
-        click.echo(f"  {c['grid_linears']} linears on the {c['grid'].upper()} grid; {fb['linears']} as {fb['scheme']}: "
-                   f"{fb['why']}")
+        fallbacks = "".join(f"; {fb['linears']} as {fb['scheme']}: {fb['why']}" for fb in c["grid_fallback"]
+                            if fb["linears"])
+        click.echo(f"  {c['grid_linears']} linears on the {c['grid'].upper()} grid{fallbacks}")
     if c.get("calibration"):
         cal = c["calibration"]
         click.echo(f"  calibration: {cal['samples']} x {cal['seq_len']} tokens from {cal['source'][:80]}")

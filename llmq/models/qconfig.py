@@ -168,7 +168,7 @@ def fp4_activations_args(fmt: str) -> QuantArgs:
 
 
 def ggml_config_key(grid: str) -> str:
-    """The quantization config's list of the modules stored on GGML grid `grid` (llmq_q4_k, llmq_iq4_xs)."""
+    """The quantization config's list of the modules stored on GGML grid `grid` (llmq_q4_k, llmq_iq4_xs, ...)."""
     return f"llmq_{grid}"
 
 

@@ -61,6 +61,8 @@ from .qconfig import fp8_block_args as fp8_block_args
 from .qconfig import quantization_config as quantization_config
 from .qweight import GGML_WEIGHTS, check_scale, get_tensor
 from .qweight import GGMLWeight as GGMLWeight
+from .qweight import IQ4NLWeight as IQ4NLWeight
+from .qweight import IQ4Weight as IQ4Weight
 from .qweight import IQ4XSWeight as IQ4XSWeight
 from .qweight import Q4KWeight as Q4KWeight
 from .qweight import QuantizedWeight as QuantizedWeight

@@ -1,7 +1,7 @@
 """A quantized linear in memory, whatever layout it was read from (qformat.py's compressed-tensors, modelopt.py's
 ModelOpt): `QuantizedWeight` (integers, FP8 or FP4 codes with their scales) and `GGMLWeight` (GGML's own blocks:
-`Q4KWeight`, `IQ4XSWeight`); and `get_tensor` / `check_scale`, the one missing-tensor and bad-scale errors their
-readers give."""
+`Q4KWeight`, `IQ4XSWeight`, `IQ4NLWeight`); and `get_tensor` / `check_scale`, the one missing-tensor and bad-scale
+errors their readers give."""
 
 from __future__ import annotations
 
@@ -139,18 +139,19 @@ class QuantizedWeight:
 
 @dataclass(frozen=True)
 class GGMLWeight(ABC):
-    """One linear's weight on one of GGML's super-block grids (`llmq quantize --grid q4_k / iq4_xs`), which
-    compressed-tensors cannot hold (a Q4_K min is any multiple of dmin, not an integer zero point; IQ4_XS's values are
-    a non-uniform table), so the checkpoint carries GGML's own blocks: `<name>.weight_<grid>` uint8 [out, in / 256 *
-    block bytes], the modules listed under `llmq_<grid>` in the quantization config (and in `ignore`, so that a
-    compressed-tensors loader skips them rather than misreads them), read by llmq's runtime and written to GGUF as
-    the same type byte for byte. A subclass is a frozen dataclass adding its scales' fields after the codes q, in
-    its unpacking's order: every field is a tensor, rows first."""
+    """One linear's weight on one of GGML's block grids (`llmq quantize --grid q4_k / iq4_xs`, and IQ4_NL where
+    --grid iq4_xs falls back), which compressed-tensors cannot hold (a Q4_K min is any multiple of dmin, not an
+    integer zero point; the IQ4 values are a non-uniform table), so the checkpoint carries GGML's own blocks:
+    `<name>.weight_<grid>` uint8 [out, in / block_weights * block_bytes], the modules listed under `llmq_<grid>` in
+    the quantization config (and in `ignore`, so that a compressed-tensors loader skips them rather than misreads
+    them), read by llmq's runtime and written to GGUF as the same type byte for byte. A subclass is a frozen dataclass
+    adding its scales' fields after the codes q, in its unpacking's order: every field is a tensor, rows first."""
 
-    grid: ClassVar[str]         # --grid's name for it, the checkpoint tensor's suffix and the config key's
-    scheme: ClassVar[str]       # GGML's type name
-    block_bytes: ClassVar[int]  # bytes per 256-weight super-block
-    q: torch.Tensor             # the codes, uint8 [out, in] in [0, 15]
+    grid: ClassVar[str]           # llmq's name for it (--grid's), the checkpoint tensor's suffix and the config key's
+    scheme: ClassVar[str]         # GGML's type name
+    block_weights: ClassVar[int]  # weights per GGML block (a super-block of sub-blocks, or one block)
+    block_bytes: ClassVar[int]    # bytes per GGML block
+    q: torch.Tensor               # the codes, uint8 [out, in] in [0, 15]
 
     bits = 4
     fp4 = None
@@ -173,7 +174,7 @@ class GGMLWeight(ABC):
 
     @abstractmethod
     def blocks(self) -> torch.Tensor:
-        """GGML's block bytes, uint8 [out, in / 256 * block_bytes]."""
+        """GGML's block bytes, uint8 [out, in / block_weights * block_bytes]."""
 
     @staticmethod
     @abstractmethod
@@ -184,7 +185,7 @@ class GGMLWeight(ABC):
     def from_blocks(cls, blocks: torch.Tensor, name: str = "") -> GGMLWeight:
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % cls.block_bytes:
             raise LlmqError(f"{name}: weight_{cls.grid} {blocks.dtype} {tuple(blocks.shape)} is not GGML {cls.scheme} "
-                            f"blocks (uint8 [out, in / 256 * {cls.block_bytes}])")
+                            f"blocks (uint8 [out, in / {cls.block_weights} * {cls.block_bytes}])")
         return cls(*cls._unpack(blocks))
 
     def rows(self, rows: torch.Tensor, name: str = "") -> GGMLWeight:
@@ -211,6 +212,7 @@ class Q4KWeight(GGMLWeight):
 
     grid = "q4_k"
     scheme = "Q4_K"
+    block_weights = quant.Q4K_SUPER
     block_bytes = quant.Q4K_BYTES
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -223,20 +225,34 @@ class Q4KWeight(GGMLWeight):
 
 
 @dataclass(frozen=True)
-class IQ4XSWeight(GGMLWeight):
-    """GGML's IQ4_XS (`llmq.quant`'s IQ4_XS): codes q uint8 [out, in] in [0, 15] indexing quant.IQ4_VALUES, per
-    256-weight super-block d (float16 [out, in / 256]), per 32-weight sub-block the 6-bit ls (uint8 [out, in / 32]);
-    real weight = d * (ls - 32) * IQ4_VALUES[q] (`llmq.quant.dequantize_iq4_xs`); blocks `llmq.quant.pack_iq4_xs`'s."""
+class IQ4Weight(GGMLWeight):
+    """GGML's 4-bit table grids: codes q uint8 [out, in] in [0, 15] indexing quant.IQ4_VALUES, times a step per 32
+    weights that a subclass stores its own way (`steps`); real weight = step * IQ4_VALUES[q]
+    (`llmq.quant.dequantize_iq4`). The runtime computes with the codes and the steps alone (kquant.IQ4XSLinear)."""
+
+    @abstractmethod
+    def steps(self) -> torch.Tensor:
+        """The float32 step of every 32 weights, [out, in / 32] (exact)."""
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return quant.dequantize_iq4(self.q, self.steps(), dtype)
+
+
+@dataclass(frozen=True)
+class IQ4XSWeight(IQ4Weight):
+    """GGML's IQ4_XS (`llmq.quant`'s IQ4_XS): per 256-weight super-block d (float16 [out, in / 256]), per 32-weight
+    sub-block the 6-bit ls (uint8 [out, in / 32]); step = d * (ls - 32); blocks `llmq.quant.pack_iq4_xs`'s."""
 
     d: torch.Tensor
     ls: torch.Tensor
 
     grid = "iq4_xs"
     scheme = "IQ4_XS"
+    block_weights = quant.IQ4XS_SUPER
     block_bytes = quant.IQ4XS_BYTES
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return quant.dequantize_iq4_xs(self.q, self.d, self.ls, dtype)
+    def steps(self) -> torch.Tensor:
+        return quant.iq4_xs_steps(self.d, self.ls)
 
     def blocks(self) -> torch.Tensor:
         return quant.pack_iq4_xs(self.q, self.d, self.ls).reshape(self.q.shape[0], -1)
@@ -244,4 +260,26 @@ class IQ4XSWeight(GGMLWeight):
     _unpack = staticmethod(quant.unpack_iq4_xs)
 
 
-GGML_WEIGHTS: dict[str, type[GGMLWeight]] = {c.grid: c for c in (Q4KWeight, IQ4XSWeight)}   # by --grid name
+@dataclass(frozen=True)
+class IQ4NLWeight(IQ4Weight):
+    """GGML's IQ4_NL (`llmq.quant`'s IQ4_NL), --grid iq4_xs's where 256 does not divide the input width, as in
+    llama.cpp: per 32-weight block the step d itself (float16 [out, in / 32]); blocks `llmq.quant.pack_iq4_nl`'s."""
+
+    d: torch.Tensor
+
+    grid = "iq4_nl"
+    scheme = "IQ4_NL"
+    block_weights = quant.IQ4_BLOCK
+    block_bytes = quant.IQ4NL_BYTES
+
+    def steps(self) -> torch.Tensor:
+        return self.d.float()
+
+    def blocks(self) -> torch.Tensor:
+        return quant.pack_iq4_nl(self.q, self.d).reshape(self.q.shape[0], -1)
+
+    _unpack = staticmethod(quant.unpack_iq4_nl)
+
+
+# by llmq's grid name: --grid's, and iq4_nl (--grid iq4_xs's fallback)
+GGML_WEIGHTS: dict[str, type[GGMLWeight]] = {c.grid: c for c in (Q4KWeight, IQ4XSWeight, IQ4NLWeight)}

@@ -1,9 +1,9 @@
 """Quantization arithmetic, once: the grids, casts, scale rules and packings that `llmq quantize`, `llmq quantize-kv`,
 the exports and the runtime all compute with, so a quality probe measures what serve computes. One module per family
 of formats (int_fp8: the integer grid, the FP8 cast, absmax scales; fp8_block; fp4: NVFP4 / MXFP4; kquant: GGML's Q4_K;
-iquant: GGML's IQ4_XS; ggml: llama.cpp's CPU activation rounding; bnb: bitsandbytes'), each stating its conventions;
-their public names are this package's, so callers write `quant.round_int`. A leaf: imports nothing of llmq, so models,
-pipeline and runtime can all use it.
+iquant: GGML's IQ4_XS / IQ4_NL; ggml: llama.cpp's CPU activation rounding; bnb: bitsandbytes'), each stating its
+conventions; their public names are this package's, so callers write `quant.round_int`. A leaf: imports nothing of
+llmq, so models, pipeline and runtime can all use it.
 """
 
 from __future__ import annotations
@@ -65,16 +65,20 @@ from .int_fp8 import (  # noqa: F401
     unpack_int4_rows,
 )
 from .iquant import (  # noqa: F401
+    IQ4_BLOCK,
     IQ4_VALUES,
+    IQ4NL_BYTES,
     IQ4XS_BYTES,
-    IQ4XS_SUB,
     IQ4XS_SUPER,
-    dequantize_iq4_xs,
+    dequantize_iq4,
+    iq4_codes,
     iq4_nearest,
-    iq4_xs_codes,
+    iq4_nl_grid,
     iq4_xs_grid,
     iq4_xs_steps,
+    pack_iq4_nl,
     pack_iq4_xs,
+    unpack_iq4_nl,
     unpack_iq4_xs,
 )
 from .kquant import (  # noqa: F401

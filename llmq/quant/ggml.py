@@ -3,10 +3,10 @@
 ggml-cpu never multiplies a quantized (or 16-bit) weight by float32 activations: it first converts each activation
 row to the weight type's `vec_dot_type` (type_traits_cpu in ggml-cpu.c) and its dot products read those values, so
 llama.cpp computes with activations rounded as follows (x86 with AVX2 or later, the builds these machines run):
-- Q8_0 (for Q8_0, Q4_0, Q5_0, MXFP4 and NVFP4 weights; Q8_1 for Q4_1 / Q5_1 is the same values, plus a block sum
-  only its asymmetric dot product reads): per 32 inputs, q = round-half-even(x * (127 / amax)) in float32 and the
-  block scale d = amax / 127 rounded to fp16, so the product sees q * fp16(d). This is quant.quantize_blocks (the
-  runtime's int8-activation kernels) but for the fp16 scale and the multiplication by a reciprocal;
+- Q8_0 (for Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4 and NVFP4 weights; Q8_1 for Q4_1 / Q5_1 is the same values, plus a
+  block sum only its asymmetric dot product reads): per 32 inputs, q = round-half-even(x * (127 / amax)) in float32
+  and the block scale d = amax / 127 rounded to fp16, so the product sees q * fp16(d). This is quant.quantize_blocks
+  (the runtime's int8-activation kernels) but for the fp16 scale and the multiplication by a reciprocal;
 - Q8_K (for the k-quants Q2_K..Q6_K and IQ4_XS): per 256 inputs, with m the input of largest magnitude (sign kept), q =
   min(127, round-half-even(x * (-127 / m))) and a float32 scale 1 / (-127 / m);
 - F16 / BF16 (16-bit weights): the activations cast to that type (round to nearest even); F32: as they are.
@@ -23,7 +23,7 @@ QK_K = 256       # inputs per Q8_K activation block
 
 # GGML weight type -> the type ggml-cpu converts activations to before the dot products (type_traits_cpu)
 VEC_DOT_TYPE = {"F32": "F32", "F16": "F16", "BF16": "BF16",
-                "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q8_0",
+                "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "IQ4_NL": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q8_0",
                 "Q4_1": "Q8_1", "Q5_1": "Q8_1",
                 "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "IQ4_XS": "Q8_K"}
 

@@ -13,10 +13,13 @@ Without act-order a group's scale is taken from the updated weights when its fir
 With `--scales search` each group's scale minimises its rounding error weighted by diag(H) (each column's mean
 squared input: the importance the output error gives it), rtn.grid_params' search.
 The same sweep (`prepare`, `sweep`) rounds onto the FP4 grids (`--method nvfp4 / mxfp4 --gptq`: fp4.gptq_fp4) and
-GGML's Q4_K and IQ4_XS grids (gptq_q4_k, gptq_iq4_xs), each with its grid fixed before the sweep.
+GGML's Q4_K, IQ4_XS and IQ4_NL grids (gptq_q4_k, gptq_iq4), each with its grid fixed before the sweep.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from functools import partial
 
 import torch
 
@@ -145,25 +148,26 @@ def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: boo
     return qformat.Q4KWeight(Q.to(torch.uint8).cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
 
 
-def gptq_iq4_xs(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False) -> qformat.IQ4XSWeight:
-    """GPTQ onto GGML's IQ4_XS grid: the grid (fp16 d, 6-bit ls per 32-weight sub-block) fixed first from the weight
-    as it is (`llmq.quant.iq4_xs_grid`, its search weighted by diag(H)), then the columns in order, each rounded to
-    the table value nearest it times its sub-block's stored step (`llmq.quant.iq4_xs_codes`) and its error spread
-    over the columns not yet quantized."""
+def gptq_iq4(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False, grid: str = "iq4_xs"
+             ) -> qformat.IQ4Weight:
+    """GPTQ onto GGML's IQ4_XS or IQ4_NL grid (`grid`): the steps (IQ4_XS's fp16 d and 6-bit ls per 32-weight
+    sub-block, IQ4_NL's fp16 d per 32-weight block) fixed first from the weight as it is (rtn.quantize_iq4, its
+    search weighted by diag(H)), then the columns in order, each rounded to the table value nearest it times its
+    stored step (`llmq.quant.iq4_codes`) and its error spread over the columns not yet quantized."""
     W, H, importance = prepare(w, h, consume)
-    _, d, ls = quant.iq4_xs_grid(W, importance)
-    step = quant.iq4_xs_steps(d, ls).repeat_interleave(quant.IQ4XS_SUB, dim=1)   # per column
+    fixed = rtn.quantize_iq4(W, grid, importance)
+    step = fixed.steps().to(W.device).repeat_interleave(quant.IQ4_BLOCK, dim=1)   # per column
     values = quant.IQ4_VALUES.to(W.device)
 
     def round_column(col, W1, j):
-        q = quant.iq4_xs_codes(W1[:, j], step[:, col])
+        q = quant.iq4_codes(W1[:, j], step[:, col])
         return q.float(), step[:, col] * values[q.long()]
 
     Q = sweep(W, H, damp, False, BLOCK, round_column)
-    return qformat.IQ4XSWeight(Q.to(torch.uint8).cpu(), d.cpu(), ls.cpu())
+    return dataclasses.replace(fixed, q=Q.to(torch.uint8).cpu())
 
 
-GGML_GPTQ = {"q4_k": gptq_q4_k, "iq4_xs": gptq_iq4_xs}   # by --grid
+GGML_GPTQ = {"q4_k": gptq_q4_k} | {g: partial(gptq_iq4, grid=g) for g in rtn.IQ4_GRIDS}   # by grid
 
 
 def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]:
@@ -179,7 +183,8 @@ def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]
     for name, lin in ctx.linears.items():
         h = hessians.pop(name)
         last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
-        out[name] = GGML_GPTQ[o.grid](lin.weight.data, h, o.damp, consume=last) if ctx.on_ggml_grid(name) else \
+        grid = ctx.ggml_grid(name)
+        out[name] = GGML_GPTQ[grid](lin.weight.data, h, o.damp, consume=last) if grid else \
             quantize_one(name, lin.weight.data, h, last)
         del h
         lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj

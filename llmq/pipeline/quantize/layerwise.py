@@ -86,10 +86,9 @@ class LayerContext:
         """(bits, group_size) of linear `name`: the options' grid, or 8 bits per channel where --target-bpw chose 8."""
         return width_grid(self.widths.get(name, self.opts.bits), self.opts)
 
-    def on_ggml_grid(self, name: str) -> bool:
-        """Whether linear `name` goes on the GGML grid --grid names (q4_k / iq4_xs: where 256, their super-block,
-        divides its input width; the others take the options' fallback grid, INT4 asymmetric groups of 32)."""
-        return self.opts.grid != "int" and self.linears[name].in_features % 256 == 0
+    def ggml_grid(self, name: str) -> str | None:
+        """The GGML grid linear `name` goes on (QuantizeOptions.ggml_grid), or None: the options' grid."""
+        return self.opts.ggml_grid(self.linears[name].in_features)
 
     def apart(self, name: str) -> bool:
         """Whether --target-bpw took linear `name` from the method: kept at 16 bits, or put in a floating-point format

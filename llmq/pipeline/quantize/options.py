@@ -30,7 +30,10 @@ THINKING = ("auto", "on", "off")
 ROTATIONS = ("none", "hadamard")   # --rotate (rotation.py folds them); here, not there, so `--help` imports no torch
 SCALE_RULES = ("search", "amax")
 FP4_SEARCHED = ("nvfp4", "mxfp4")  # FP4 methods whose --scales search is opt-in (default: amax, compressed-tensors')
-GRIDS = ("int", "q4_k", "iq4_xs")   # int, then qweight.GGML_WEIGHTS' names; here, so `--help` imports no torch
+GRIDS = ("int", "q4_k", "iq4_xs")   # int, then GGML's (qweight.GGML_WEIGHTS); here, so `--help` imports no torch
+# a --grid -> the GGML grid of 32-weight blocks that llama.cpp writes for it where 256 does not divide a row
+# (llama-quant.cpp's tensor_type_fallback); Q4_K's there, Q5_0, is not llmq's: INT4 asymmetric groups of 32 instead
+GRID_FALLBACK = {"iq4_xs": "iq4_nl"}
 GRID_METHODS = ("rtn", "gptq")  # the methods that quantize onto GGML's grids
 
 
@@ -62,8 +65,9 @@ class QuantizeOptions(Options, _MethodFields):
                        "(256-weight super-blocks, 6-bit sub-block scales and mins); iq4_xs = GGML's IQ4_XS (4.25 "
                        "bits: a 16-value non-uniform table, 6-bit signed sub-block scales); written to GGUF as that "
                        "type bit for bit. Linears whose input width is not a multiple of 256 (SmolLM2's 576) fall "
-                       "back to INT4 asymmetric groups of 32 (GGUF Q4_1); llama.cpp falls back to Q5_0 / IQ4_NL for "
-                       "them.", choices=GRIDS)
+                       "back: iq4_xs's to GGML's IQ4_NL (its table, an fp16 step per 32 weights; llama.cpp's "
+                       "fallback), q4_k's to INT4 asymmetric groups of 32 (GGUF Q4_1; llama.cpp's is Q5_0), as do "
+                       "iq4_xs's where 32 does not divide the width either.", choices=GRIDS)
     per_tensor: bool = option(False, "One scale per weight tensor (rtn, smoothquant, fp8; gptq and awq refuse it).")
     activations: str = option("dynamic", "W8A8 / FP8: per-token activation scales at run time, or static ones from "
                               "calibration.", choices=ACTIVATION_SCHEMES)
@@ -185,6 +189,16 @@ class QuantizeOptions(Options, _MethodFields):
     def mixed(self) -> bool:
         """Whether a budget (--target-bpw or --max-size) asks for mixed precision."""
         return self.target_bpw is not None or self.max_size is not None
+
+    def ggml_grid(self, in_features: int) -> str | None:
+        """The GGML grid (qweight.GGML_WEIGHTS' name) of a linear with `in_features` inputs under --grid: --grid's
+        where 256, its super-block, divides them, else its GRID_FALLBACK where 32 does; None: the INT4 fallback of
+        resolved()."""
+        if self.grid == "int":
+            return None
+        if in_features % 256 == 0:
+            return self.grid
+        return GRID_FALLBACK.get(self.grid) if in_features % 32 == 0 else None
 
     def resolved(self, in_features: tuple[int, ...] = ()) -> "QuantizeOptions":
         method = load_method(self.method)

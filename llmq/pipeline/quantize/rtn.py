@@ -21,6 +21,8 @@ optimised. The rounding itself is `llmq.quant.round_int`, the grid the runtime d
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ... import quant
@@ -162,18 +164,24 @@ def quantize_q4_k(w: torch.Tensor, importance: torch.Tensor | None = None) -> qf
     return qformat.Q4KWeight(quant.q4_k_codes(w.float(), s, mn).cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
 
 
-def quantize_iq4_xs(w: torch.Tensor) -> qformat.IQ4XSWeight:
-    """Round-to-nearest on GGML's IQ4_XS grid as quantize_iq4_xs puts a weight there (`llmq.quant.iq4_xs_grid`:
-    llama.cpp's signed sub-block scale search, 6-bit scales under an fp16 d, codes on the table)."""
-    return qformat.IQ4XSWeight(*(t.cpu() for t in quant.iq4_xs_grid(w.float())))
+# GGML's table grids by name: llmq.quant's search onto it, the weight it makes
+IQ4_GRIDS = {"iq4_xs": (quant.iq4_xs_grid, qformat.IQ4XSWeight), "iq4_nl": (quant.iq4_nl_grid, qformat.IQ4NLWeight)}
 
 
-GGML_RTN = {"q4_k": quantize_q4_k, "iq4_xs": quantize_iq4_xs}   # by --grid
+def quantize_iq4(w: torch.Tensor, grid: str, importance: torch.Tensor | None = None) -> qformat.IQ4Weight:
+    """Round-to-nearest on GGML's IQ4_XS or IQ4_NL grid (`grid`) as llama.cpp's quantize_iq4_xs / quantize_iq4_nl put
+    a weight there (`llmq.quant.iq4_xs_grid` / `iq4_nl_grid`: the signed scale search per 32 weights, IQ4_XS's 6-bit
+    scales under an fp16 d, codes on the table)."""
+    search, cls = IQ4_GRIDS[grid]
+    return cls(*(t.cpu() for t in search(w.float(), importance)))
+
+
+GGML_RTN = {"q4_k": quantize_q4_k} | {g: partial(quantize_iq4, grid=g) for g in IQ4_GRIDS}   # by grid
 
 
 def quantize_layer(ctx) -> dict[str, qformat.GGMLWeight | qformat.QuantizedWeight]:
     o = ctx.opts
-    return {name: GGML_RTN[o.grid](lin.weight.data) if ctx.on_ggml_grid(name) else
+    return {name: GGML_RTN[grid](lin.weight.data) if (grid := ctx.ggml_grid(name)) else
             quantize_weight(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype, o.per_tensor,
                             search=o.search)
             for name, lin in ctx.linears.items()}

@@ -89,12 +89,12 @@ class CheckpointSink:
     def scheme_per_module(self) -> dict[str, str]:
         """{"Linear": the base scheme's name, module: its own scheme name for every other one}."""
         base = self.base
-        if base is None:   # every quantized layer linear is on a GGML grid
-            out = {"Linear": next((self.names[n] for n in self.ggml), "dense")}
+        if base is None:   # every quantized layer linear is on a GGML grid: --grid's names them
+            out = {"Linear": qformat.GGML_WEIGHTS[self.opts.grid].scheme if self.ggml else "dense"}
         else:
             out = {"Linear": next(self.names[n] for n, a in self.args.items() if a == base)}
             out.update({n: self.names[n] for n, a in self.args.items() if a != base})
-            out.update({n: self.names[n] for n in self.ggml})
+        out.update({n: self.names[n] for n in self.ggml if self.names[n] != out["Linear"]})
         out.update({n: "dense" for n in self.dense_linears})
         return out | {n: o[1] for n, o in self.outside.items()}
 

@@ -14,6 +14,7 @@ import resource
 import shutil
 import sys
 import time
+from collections import Counter
 from typing import NamedTuple
 
 from ...artifacts import Artifact, Store
@@ -21,7 +22,7 @@ from ...errors import LlmqError
 from ...models import ModelSpec, importance
 from ...models.checkpoint import read_config, write_json
 from .methods import Method, load_method
-from .options import QuantizeOptions
+from .options import GRID_FALLBACK, QuantizeOptions
 
 
 def _in_features(spec: ModelSpec) -> dict[str, int]:
@@ -32,6 +33,19 @@ def _in_features(spec: ModelSpec) -> dict[str, int]:
         if role != "router" and name not in by_width.setdefault(k, []):
             by_width[k].append(name)
     return {"/".join(names): k for k, names in by_width.items()}
+
+
+def grid_manifest(opts: QuantizeOptions, ggml: dict[str, str], rest: int) -> dict:
+    """--grid's account in the manifest: the layer linears on its grid, then on each fallback in turn (`ggml`: module
+    -> its GGML grid; `rest`: the linears on the INT4 one), each with the width that sent them there."""
+    counts = Counter(ggml.values())
+    why = f"input width not a multiple of {opts.grid.upper()}'s 256-weight super-block"
+    fallbacks = []
+    if (grid := GRID_FALLBACK.get(opts.grid)) is not None:
+        fallbacks.append({"linears": counts[grid], "scheme": grid.upper(), "why": f"{why} (llama.cpp's fallback)"})
+        why = f"input width not a multiple of {grid.upper()}'s 32-weight block either"
+    fallbacks.append({"linears": rest, "scheme": "INT4 asymmetric groups of 32 (GGUF Q4_1)", "why": why})
+    return {"grid": opts.grid, "grid_linears": counts[opts.grid], "grid_fallback": fallbacks}
 
 
 class Validated(NamedTuple):
@@ -178,10 +192,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             "format": fmt, "method": opts.method, "bits": opts.bits, "group_size": opts.group_size or None,
             "symmetric": opts.symmetric, "strategy": opts.strategy, "scheme": per_module["Linear"],
             "scheme_per_module": per_module, **({"mixed_precision": plan.manifest} if plan else {}),
-            **({"grid": opts.grid, "grid_linears": len(sink.ggml), "grid_fallback": {
-                "linears": len(sink.args), "scheme": "INT4 asymmetric groups of 32 (GGUF Q4_1)",
-                "why": f"input width not a multiple of {opts.grid.upper()}'s 256-weight super-block"}}
-               if opts.grid != "int" else {}),
+            **(grid_manifest(opts, sink.ggml, len(sink.args)) if opts.grid != "int" else {}),
             "excluded_modules": [m for m in opts.ignored if m not in per_module],
             "dense_modules": sorted(sink.dense_modules),
             "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("name", "device", "calib")},

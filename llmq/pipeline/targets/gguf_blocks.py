@@ -15,9 +15,9 @@ scale, and the mapping is
 - INT5 symmetric / asymmetric -> Q5_0 / Q5_1: n = q + 16, d = s (m = -(16 + z) * s);
 - MXFP4 -> MXFP4: the E8M0 exponent byte and the E2M1 codes (GGUF's kvalues are the same codes, doubled, with the
   exponent halved), weight j in the low nibble of byte j and j + 16 in the high one; every bit carried over;
-- Q4_K / IQ4_XS (`llmq quantize --grid q4_k / iq4_xs`, llmq.models.qformat.GGMLWeight) -> the same type: llmq's
-  codes and super-block / sub-block scales are GGML's, packed by `llmq.quant.pack_q4_k` / `pack_iq4_xs` (the same
-  bytes the checkpoint holds); nothing is re-rounded;
+- Q4_K / IQ4_XS / IQ4_NL (`llmq quantize --grid q4_k / iq4_xs`, llmq.models.qformat.GGMLWeight) -> the same type:
+  llmq's codes and block scales are GGML's, packed by `llmq.quant.pack_q4_k` / `pack_iq4_xs` / `pack_iq4_nl` (the
+  same bytes the checkpoint holds); nothing is re-rounded;
 - NVFP4 -> NVFP4 (64 weights: four E4M3 scale bytes, then 8 bytes per 16 weights, weight j in the low nibble and
   j + 8 in the high one), codes and block scales carried over; the per-tensor global scale, which GGUF's block has no
   room for, goes into the `<tensor>.scale` F32 [1] ([experts] for merged experts) that llama.cpp multiplies the

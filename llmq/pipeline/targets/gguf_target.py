@@ -86,7 +86,7 @@ def _file_type(types: Counter, dense_dtype: str) -> tuple[str, int]:
     F = gguf.LlamaFileType
     if types.get("Q4_K"):    # llama.cpp's name for a file of mostly Q4_K with other types where rows do not fit
         return "Q4_K_S", int(F.MOSTLY_Q4_K_S)
-    if types.get("IQ4_XS"):
+    if types.get("IQ4_XS") or types.get("IQ4_NL"):   # IQ4_NL: --grid iq4_xs's fallback, as in llama.cpp's IQ4_XS
         return "IQ4_XS", int(F.MOSTLY_IQ4_XS)
     for t in ("Q4_1", "Q4_0", "Q5_1", "Q5_0", "Q8_0"):
         if types.get(t):

@@ -1,15 +1,16 @@
-"""GGML super-block weights (`llmq quantize --grid q4_k / iq4_xs`), computed from llama.cpp's dequantized values.
+"""GGML block weights (`llmq quantize --grid q4_k / iq4_xs`), computed from llama.cpp's dequantized values.
 
 Q4KLinear: on CPUs with AVX512-BF16 the layer holds the codes packed in 4 bits with each group's float32 step and min
 (cpu_kernels.q4k_linear: bfloat16(x) times the exact s * n - mn, float32 sums). Elsewhere it keeps the codes (a
 byte each) with their fp16 super-block d / dmin and 6-bit sub-block sc / m, and each forward dequantizes the weight
 (`llmq.quant.dequantize_q4_k`: bit for bit llama.cpp's dequantize_row_q4_K in float32) for the BLAS matmul.
 
-IQ4XSLinear: IQ4_XS is a 16-value table times a step per 32 inputs, which is what cpu_kernels.table_linear computes
-for bitsandbytes' NF4; with the table IQ4_VALUES, the float32 steps d * (ls - 32) and no rounding of the weight
-(every product is exact), it is F.linear in float32 on llama.cpp's dequantized weight, up to summation order.
-Where the kernel does not fit, each forward dequantizes (`llmq.quant.dequantize_iq4_xs`) for the BLAS matmul. A
-DecoderStack has no table kernel, so its decode steps run layer by layer (no fused_spec).
+IQ4XSLinear (GGML's IQ4_XS, and IQ4_NL, its fallback): a 16-value table times a step per 32 inputs, which is what
+cpu_kernels.table_linear computes for bitsandbytes' NF4; with the table IQ4_VALUES, the weight's float32 steps
+(IQ4Weight.steps: IQ4_XS's d * (ls - 32), IQ4_NL's d) and no rounding of the weight (every product is exact), it is
+F.linear in float32 on llama.cpp's dequantized weight, up to summation order. Where the kernel does not fit, each
+forward dequantizes (`llmq.quant.dequantize_iq4`) for the BLAS matmul. A DecoderStack has no table kernel, so its
+decode steps run layer by layer (no fused_spec).
 """
 
 from __future__ import annotations
@@ -56,20 +57,20 @@ class IQ4XSLinear(LinearBase):
         super().__init__()
         self.out_features, self.in_features = n, k = qw.q.shape
         set_buffer(self, "bias", bias.to(device=device, dtype=dtype) if bias is not None else None)
-        self.kernel = torch.device(device).type == "cpu" and cpu_kernels.table_fits(n, k, quant.IQ4XS_SUB)
+        self.kernel = torch.device(device).type == "cpu" and cpu_kernels.table_fits(n, k, quant.IQ4_BLOCK)
         if self.kernel:
             set_buffer(self, "lb_codes", cpu_kernels.pack_codes(qw.q, 4))
-            set_buffer(self, "lb_s", cpu_kernels.pack_scales(quant.iq4_xs_steps(qw.d, qw.ls)).float())
+            set_buffer(self, "lb_s", cpu_kernels.pack_scales(qw.steps()).float())
             set_buffer(self, "values", quant.IQ4_VALUES.clone())
         else:
-            for name in ("q", "d", "ls"):
-                set_buffer(self, name, getattr(qw, name).to(device))
+            set_buffer(self, "q", qw.q.to(device))
+            set_buffer(self, "steps", qw.steps().to(device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.kernel:
-            y = cpu_kernels.table_linear(x2, self.lb_codes, self.lb_s, self.values, quant.IQ4XS_SUB, torch.float32)
+            y = cpu_kernels.table_linear(x2, self.lb_codes, self.lb_s, self.values, quant.IQ4_BLOCK, torch.float32)
         else:
-            y = F.linear(x2, quant.dequantize_iq4_xs(self.q, self.d, self.ls, x.dtype))
+            y = F.linear(x2, quant.dequantize_iq4(self.q, self.steps, x.dtype))
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
