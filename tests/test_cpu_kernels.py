@@ -717,13 +717,15 @@ def test_a_tied_16bit_table_is_one_tensor(tmp_path, make_tiny_model):
                                                    pytest.param("nvfp4", False, marks=needs_avx2),
                                                    pytest.param("mxfp4", False, marks=needs_avx2),
                                                    pytest.param("q4_k", False, marks=needs_avx2),
-                                                   pytest.param("fp8_block", False, marks=needs_fp8)])
+                                                   pytest.param("fp8_block", False, marks=needs_fp8),
+                                                   pytest.param("iq4_xs", False, marks=needs_avx2),
+                                                   pytest.param("bnb-nf4", False, marks=needs_avx2)])
 @pytest.mark.parametrize("fused_layers", ["all", "odd"])
 def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_activations, fused_layers):
-    """An INT4 / INT5 / INT8 / bfloat16 / FP4 / Q4_K / block-FP8 model's decode steps through cpu_kernels'
-    DecoderStacks (every layer in one stack, or runs of one fused layer between layers run op by op) against the same
-    layers all run op by op (the same kernels, so equal up to float32 rounding). Block FP8's q / k / v end inside a
-    128-row block, so the stack takes them joined (BlockFP8Linear.joined)."""
+    """An INT4 / INT5 / INT8 / bfloat16 / FP4 / Q4_K / block-FP8 / IQ4_XS / NF4 model's decode steps through
+    cpu_kernels' DecoderStacks (every layer in one stack, or runs of one fused layer between layers run op by op)
+    against the same layers all run op by op (the same kernels, so equal up to float32 rounding). Block FP8's q / k / v
+    end inside a 128-row block, so the stack takes them joined (BlockFP8Linear.joined)."""
     from transformers import AutoModelForCausalLM
 
     from llmq.artifacts import Store
@@ -731,13 +733,14 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
     store = Store(tmp_path / "store")
-    wide = dict(hidden_size=256, intermediate_size=256)   # Q4_K: 256 inputs; block FP8: k / v 64 rows, q 256
-    d = make_tiny_model(tmp_path / "m", seed=9, **(wide if bits == "q4_k" else dict(wide, num_key_value_heads=1)
+    wide = dict(hidden_size=256, intermediate_size=256)   # GGML grids: 256 inputs; block FP8: k / v 64 rows, q 256
+    grid = bits in ("q4_k", "iq4_xs")
+    d = make_tiny_model(tmp_path / "m", seed=9, **(wide if grid else dict(wide, num_key_value_heads=1)
                                                     if bits == "fp8_block" else {}))
     if bits in (5, 16):   # INT5's kernel takes the bfloat16 scales of a bfloat16 model
         AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)
     src = resolve_model(str(d), store)
-    options = dict(method="rtn", bits=4, grid="q4_k") if bits == "q4_k" else \
+    options = dict(method="rtn", bits=4, grid=bits) if grid else \
         dict(method="fp8", group_size=quant.FP8_BLOCK) if bits == "fp8_block" else dict(method=bits) \
         if isinstance(bits, str) else dict(method="rtn", bits=bits, group_size=0 if bits == 8 else 32)
     art = src if bits == 16 else quantize(src, QuantizeOptions(**options, num_samples=2, seq_len=32, probe_tokens=64),

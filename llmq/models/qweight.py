@@ -228,7 +228,7 @@ class Q4KWeight(GGMLWeight):
 class IQ4Weight(GGMLWeight):
     """GGML's 4-bit table grids: codes q uint8 [out, in] in [0, 15] indexing quant.IQ4_VALUES, times a step per 32
     weights that a subclass stores its own way (`steps`); real weight = step * IQ4_VALUES[q]
-    (`llmq.quant.dequantize_iq4`). The runtime computes with the codes and the steps alone (kquant.IQ4XSLinear)."""
+    (`llmq.quant.dequantize_iq4`). The runtime computes with the codes and the steps alone (kquant.IQ4Linear)."""
 
     @abstractmethod
     def steps(self) -> torch.Tensor:

@@ -31,9 +31,9 @@ def quantized_linear(qw, bias: torch.Tensor | None, dtype: torch.dtype, device, 
 
         return (NF4Linear if isinstance(qw, bnbformat.NF4Weight) else LLMInt8Linear)(qw, bias, dtype, device)
     if isinstance(qw, qformat.GGMLWeight):
-        from .layers.kquant import IQ4XSLinear, Q4KLinear
+        from .layers.kquant import IQ4Linear, Q4KLinear
 
-        return (Q4KLinear if isinstance(qw, qformat.Q4KWeight) else IQ4XSLinear)(qw, bias, dtype, device)
+        return (Q4KLinear if isinstance(qw, qformat.Q4KWeight) else IQ4Linear)(qw, bias, dtype, device)
     if getattr(qw, "fp4", None):
         from .layers.fp4 import FP4Linear
 

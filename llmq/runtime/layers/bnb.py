@@ -65,6 +65,11 @@ class NF4Linear(LinearBase):
         return quant.dequantize_4bit(self.packed, self.absmax, self.code, self.blocksize,
                                      (self.out_features, self.in_features), self.weight_dtype)
 
+    def fused_spec(self) -> cpu_kernels.FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
+        return cpu_kernels.table_spec(self.lb_codes, self.lb_s, self.code, self.blocksize, self.weight_dtype) \
+            if self.table else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         if not self.table:

@@ -2489,7 +2489,8 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
 // 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5 / 8:
 // lowbit_linear_bf16 INT4 / INT8 / INT5 [codes, s, -]; 2-5 and 8 take and give bfloat16 (the layers' default
 // arithmetic); 6: dense16_linear [w, -, -]; 7: fp4_linear [codes, s, divisor (a one-element float32 tensor)];
-// 9: q4k_linear [codes, s, mins]; 10: fp8_linear [codes, s, -] (activations rounded to E4M3 in the kernel).
+// 9: q4k_linear [codes, s, mins]; 10: fp8_linear [codes, s, -] (activations rounded to E4M3 in the kernel);
+// 11 / 12 / 13: table_linear [codes, s, table], each weight rounded to float32 / bfloat16 / float16.
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
@@ -2504,6 +2505,9 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64
     y = q4k_linear(x, a, b, c, group);
   } else if (kind == 10) {
     y = fp8_linear(x, a, b, group, eps);
+  } else if (kind >= 11) {
+    TORCH_CHECK(kind <= 13, "DecoderStack: unknown linear kind ", kind);
+    y = table_linear(x, a, b, c, group, kind - 11);
   } else if (kind >= 4) {
     TORCH_CHECK(kind <= 5 || kind == 8, "DecoderStack: unknown linear kind ", kind);
     y = lowbit_linear_bf16(x, a, b, kind == 4 ? 4 : kind == 5 ? 8 : 5, group);

@@ -22,7 +22,8 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
 - `table_linear` (AVX-512): bitsandbytes' NF4 / FP4 codes in the INT4 tiles looked up in their 16-value table, times
   the block absmax, rounded to the checkpoint's dtype per weight: bitsandbytes' dequantized weight, float32 sums; on
   AMX where the weights and x split exactly into at most three bfloat16 products a step (bfloat16 weights or x).
-  GGML's IQ4_XS runs on it too: its table, its float32 sub-block steps, no rounding (every product exact).
+  GGML's IQ4_XS / IQ4_NL run on it too: their table, their float32 steps per 32 inputs, no rounding (every product
+  exact).
 - `fp4_linear` (AVX-512, or AVX2 loops like lowbit_linear_bf16's): NVFP4 / MXFP4 codes in the INT4 tiles decoded
   exactly by a 16-entry table, float32 sums: the dense FP4 path's numbers from the packed bytes.
 - `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
@@ -312,6 +313,12 @@ def table_linear(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, table: t
     return torch.ops.llmq_cpu.table_linear(x, codes, s, table, group, _ROUNDING[weight_dtype])
 
 
+def table_spec(codes: torch.Tensor, s: torch.Tensor, table: torch.Tensor, group: int, weight_dtype: torch.dtype
+               ) -> "FusedLinear":
+    """A table_linear layer's decode-batch kernel for a DecoderStack (its `fused_spec`)."""
+    return FusedLinear(Kind(Kind.TABLE_F32 + _ROUNDING[weight_dtype]), (codes, s, table), group)
+
+
 def dense16_fits(dtype: torch.dtype, shape: tuple[int, ...], device) -> bool:
     """Whether dense16_linear takes a weight of this dtype and shape on this device: bfloat16 / float16 [N, K] with
     K % 16 == 0, on a CPU with AVX-512 (F and BW: the kernel's compile target) where the kernels are built."""
@@ -379,6 +386,9 @@ class Kind(enum.IntEnum):
     LOWBIT5_BF16 = 8   # lowbit_linear_bf16 INT5 [codes, s]
     Q4K = 9            # q4k_linear [codes, s, mins]
     FP8 = 10           # fp8_linear [codes, s]
+    TABLE_F32 = 11     # table_linear [codes, s, table], each weight rounded to float32
+    TABLE_BF16 = 12    # ... to bfloat16
+    TABLE_F16 = 13     # ... to float16
 
 
 @dataclass(frozen=True)

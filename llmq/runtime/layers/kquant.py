@@ -5,12 +5,11 @@ Q4KLinear: on CPUs with AVX512-BF16 the layer holds the codes packed in 4 bits w
 byte each) with their fp16 super-block d / dmin and 6-bit sub-block sc / m, and each forward dequantizes the weight
 (`llmq.quant.dequantize_q4_k`: bit for bit llama.cpp's dequantize_row_q4_K in float32) for the BLAS matmul.
 
-IQ4XSLinear (GGML's IQ4_XS, and IQ4_NL, its fallback): a 16-value table times a step per 32 inputs, which is what
+IQ4Linear (GGML's IQ4_XS, and IQ4_NL, its fallback): a 16-value table times a step per 32 inputs, which is what
 cpu_kernels.table_linear computes for bitsandbytes' NF4; with the table IQ4_VALUES, the weight's float32 steps
 (IQ4Weight.steps: IQ4_XS's d * (ls - 32), IQ4_NL's d) and no rounding of the weight (every product is exact), it is
 F.linear in float32 on llama.cpp's dequantized weight, up to summation order. Where the kernel does not fit, each
-forward dequantizes (`llmq.quant.dequantize_iq4`) for the BLAS matmul. A DecoderStack has no table kernel, so its
-decode steps run layer by layer (no fused_spec).
+forward dequantizes (`llmq.quant.dequantize_iq4`) for the BLAS matmul.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ class Q4KLinear(LinearBase):
         return self._finish(y, x.dtype).view(*shape[:-1], self.out_features)
 
 
-class IQ4XSLinear(LinearBase):
+class IQ4Linear(LinearBase):
     def __init__(self, qw, bias: torch.Tensor | None, dtype: torch.dtype, device):
         super().__init__()
         self.out_features, self.in_features = n, k = qw.q.shape
@@ -65,6 +64,11 @@ class IQ4XSLinear(LinearBase):
         else:
             set_buffer(self, "q", qw.q.to(device))
             set_buffer(self, "steps", qw.steps().to(device))
+
+    def fused_spec(self) -> FusedLinear | None:
+        """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
+        return cpu_kernels.table_spec(self.lb_codes, self.lb_s, self.values, quant.IQ4_BLOCK, torch.float32) \
+            if self.kernel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
