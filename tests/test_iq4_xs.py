@@ -344,3 +344,17 @@ def test_runtime_computes_what_the_gguf_file_holds(built, method, monkeypatch):
     calls.clear()
     assert kld_top1(runtime_logprobs(art.path, TOKENS), exact)["kld_mean"] <= 1e-9
     assert not calls
+
+
+def test_an_int8_table_beside_grid_linears_is_refused_before_any_weight_is_read(tiny_model, tmp_path, monkeypatch):
+    """Where every linear lands on a GGML grid the checkpoint cannot yet hold an INT8 embedding / lm_head beside them:
+    quantize says so in one line before it reads a weight (it said so at the end, after the whole run)."""
+    from llmq.artifacts import Store
+    from llmq.pipeline.quantize import layerwise
+
+    store = Store(tmp_path / "store")
+    src = resolve_model(str(tiny_model(seed=30, name="iq4xs", hidden_size=256, intermediate_size=320)), store)
+    monkeypatch.setattr(layerwise, "run_layerwise", lambda *a, **k: pytest.fail("quantized before refusing"))
+    for flag in ("embedding", "lm_head"):
+        with pytest.raises(LlmqError, match=f"drop --{flag.replace('_', '-')}$"):
+            quantize(src, QuantizeOptions(method="rtn", grid="iq4_xs", **{flag: "int8"}), store, progress=False)
