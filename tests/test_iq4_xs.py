@@ -5,13 +5,14 @@ The block layouts and the dequantization are checked against gguf-py's IQ4_XS / 
 dequantize_row_iq4_xs / _nl) bit for bit, and IQ4_XS's against a float64 reference written here from ggml-common.h's
 block_iq4_xs; planted layout errors must fail those checks. gguf-py has no IQ4 quantizer, so the grid searches are
 held to the bytes of llama.cpp's own quantize_iq4_xs / quantize_iq4_nl on a fixed input (GOLDEN, GOLDEN_NL) and to
-their rounding rules.
+their rounding rules. GPTQ against RTN is held here for every GGML grid, Q4_K's too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from functools import partial
 
 import gguf
 import numpy as np
@@ -28,9 +29,9 @@ from llmq.models.qformat import IQ4NLWeight, IQ4XSWeight, Q4KWeight
 from llmq.models.reader import CheckpointReader
 from llmq.models.sharding import join_rows, split_cols, split_rows
 from llmq.pipeline.quantize import QuantizeOptions, quantize
-from llmq.pipeline.quantize.gptq import gptq_iq4
+from llmq.pipeline.quantize.gptq import gptq_iq4, gptq_q4_k
 from llmq.pipeline.quantize.probe import kld_top1
-from llmq.pipeline.quantize.rtn import quantize_iq4
+from llmq.pipeline.quantize.rtn import quantize_iq4, quantize_q4_k
 from llmq.pipeline.targets import BuildOptions, build_engine
 
 IQ4_XS, IQ4_NL = gguf.GGMLQuantizationType.IQ4_XS, gguf.GGMLQuantizationType.IQ4_NL
@@ -230,18 +231,26 @@ def test_iq4_xs_grid_rounding_rules():
     assert float((quant.iq4_codes(w, quant.iq4_xs_steps(qw.d, qw.ls)) != qw.q).float().mean()) < 0.01
 
 
-@pytest.mark.parametrize("grid", ["iq4_xs", "iq4_nl"])
-def test_gptq_on_the_iq4_grids_lowers_the_output_error_of_rtn_on_them(grid):
+# each GGML grid's RTN and GPTQ (its grid fixed first, then column by column)
+GRID_METHODS = {"q4_k": (quantize_q4_k, gptq_q4_k),
+                **{g: (partial(quantize_iq4, grid=g), partial(gptq_iq4, grid=g)) for g in ("iq4_xs", "iq4_nl")}}
+
+
+@pytest.mark.parametrize("grid", GRID_METHODS)
+def test_gptq_on_each_ggml_grid_lowers_the_output_error_of_rtn_on_it(grid):
     g = torch.Generator().manual_seed(1)
     k = 256
     mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
     x = torch.randn(2048, k, generator=g) @ mix          # correlated inputs: what GPTQ exploits
     w = torch.randn(32, k, generator=g) * 0.05
     h = x.T @ x / x.shape[0]
-    rtn, gptq = quantize_iq4(w, grid), gptq_iq4(w, h, grid=grid)
-    assert type(gptq) is type(rtn)
+    rtn_of, gptq_of = GRID_METHODS[grid]
+    rtn, gptq = rtn_of(w), gptq_of(w, h)
+    assert type(gptq) is type(rtn)                       # the same fixed-grid kind: fp16 d, codes on it
     assert gptq.q.max() <= 15
     assert gptq.d.dtype == torch.float16
+    if grid == "q4_k":
+        assert gptq.sc.max() <= 63
     err = lambda qw: (x @ (qw.dequantize() - w).T).pow(2).mean()  # noqa: E731
     assert err(gptq) < 0.8 * err(rtn)
 

@@ -22,7 +22,6 @@ from llmq.models import resolve_model
 from llmq.models.qformat import Q4KWeight
 from llmq.models.reader import CheckpointReader
 from llmq.pipeline.quantize import QuantizeOptions, quantize
-from llmq.pipeline.quantize.gptq import gptq_q4_k
 from llmq.pipeline.quantize.probe import kld_top1
 from llmq.pipeline.quantize.rtn import quantize_q4_k
 from llmq.pipeline.targets import BuildOptions, build_engine
@@ -129,22 +128,6 @@ def test_a_planted_layout_error_fails_the_bit_exact_check(planted):
     ours = qw.dequantize().numpy()
     assert not np.array_equal(gguf_py(b), ours)
     assert not np.array_equal(reference_f64(b.reshape(6, -1).numpy()).astype(np.float32), ours)
-
-
-def test_gptq_on_the_q4_k_grid_lowers_the_output_error_of_rtn_on_it():
-    g = torch.Generator().manual_seed(1)
-    k = 256
-    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
-    x = torch.randn(2048, k, generator=g) @ mix          # correlated inputs: what GPTQ exploits
-    w = torch.randn(32, k, generator=g) * 0.05
-    h = x.T @ x / x.shape[0]
-    rtn, gptq = quantize_q4_k(w), gptq_q4_k(w, h)
-    # the same fixed-grid kind: fp16 d / dmin, 6-bit sc / m, codes on it
-    assert gptq.q.max() <= 15
-    assert gptq.sc.max() <= 63
-    assert gptq.d.dtype == torch.float16
-    err = lambda qw: (x @ (qw.dequantize() - w).T).pow(2).mean()  # noqa: E731
-    assert err(gptq) < 0.8 * err(rtn)
 
 
 def test_q4_k_options_are_refused_in_one_line_where_the_grid_does_not_apply():
