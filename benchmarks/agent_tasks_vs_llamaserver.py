@@ -48,7 +48,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096, help="llama-server's context (the longest prompt and answer)")
     ap.add_argument("--port", type=int, default=8091)
-    ap.add_argument("--timeout", type=float, default=7200.0, help="seconds each eval may take")
+    ap.add_argument("--timeout", type=float, default=7200.0,
+                    help="seconds the eval, and each answer, may take (eval's requests queue at llama-server's one "
+                         "slot)")
     ap.add_argument("--work-dir", default="/tmp/agent-tasks-vs-llamaserver", help="the server's log")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args()
@@ -67,7 +69,7 @@ def main() -> None:
            "-c", str(a.ctx), "--host", "127.0.0.1", "--port", str(a.port), "--no-webui"]
     with server(cmd, url, work / "llama-server.log"):
         rep = report([*LLMQ, *store, "eval", "--endpoint", url, "--baseline", a.llmq, "--tasks", a.tasks,
-                      "--limit", str(a.limit), "--timeout", "600"], a.timeout)
+                      "--limit", str(a.limit), "--timeout", str(a.timeout)], a.timeout)
     theirs = {**rep["scores"]["groups"], **rep["scores"]["tasks"]}
     ours = {**rep["baseline_scores"]["groups"], **rep["baseline_scores"]["tasks"]}
     print("\n| score | llmq | llama-server | llama-server - llmq (95% CI) |\n|---|---|---|---|")
