@@ -131,8 +131,7 @@ def test_a_planted_layout_error_fails_the_bit_exact_check(planted):
 
 
 def test_q4_k_options_are_refused_in_one_line_where_the_grid_does_not_apply():
-    for kw in (dict(method="awq"), dict(bits=8), dict(group_size=64), dict(per_tensor=True),
-               dict(method="gptq", act_order=True)):
+    for kw in (dict(method="awq"), dict(bits=8), dict(group_size=64), dict(per_tensor=True)):
         with pytest.raises(LlmqError, match="q4_k"):
             QuantizeOptions(grid="q4_k", **kw).check()
     o = QuantizeOptions(grid="q4_k").resolved((576, 1536))

@@ -131,11 +131,12 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
     return rtn.pack(Q, scale, zero, bits, group_size if group_size > 0 else None, scale_dtype)
 
 
-def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False) -> qformat.Q4KWeight:
+def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False, act_order: bool = False
+              ) -> qformat.Q4KWeight:
     """GPTQ onto GGML's Q4_K grid: the grid (fp16 d / dmin, 6-bit sc / m per 32-weight sub-block) fixed first from the
     weight as it is (`llmq.quant.q4_k_grid`, its search weighted by diag(H): GPTQ's static groups), then the columns
-    in order, each rounded to its sub-block's grid (`llmq.quant.q4_k_codes`) and its error spread over the columns
-    not yet quantized, which the fixed grid then rounds."""
+    in order (`act_order`: by decreasing diag(H)), each rounded to its sub-block's grid (`llmq.quant.q4_k_codes`) and
+    its error spread over the columns not yet quantized, which the fixed grid then rounds."""
     W, H, importance = prepare(w, h, consume)
     d, dmin, sc, m = quant.q4_k_grid(W, importance.clamp_min(torch.finfo(torch.float32).tiny))
     s, mn = (t.repeat_interleave(quant.Q4K_SUB, dim=1) for t in quant.q4_k_scale_min(d, dmin, sc, m))  # per column
@@ -144,16 +145,17 @@ def gptq_q4_k(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: boo
         q = quant.q4_k_codes(W1[:, j], s[:, col], mn[:, col])
         return q.float(), s[:, col] * q.float() - mn[:, col]
 
-    Q = sweep(W, H, damp, False, BLOCK, round_column)
+    Q = sweep(W, H, damp, act_order, BLOCK, round_column)
     return qformat.Q4KWeight(Q.to(torch.uint8).cpu(), d.cpu(), dmin.cpu(), sc.cpu(), m.cpu())
 
 
-def gptq_iq4(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False, grid: str = "iq4_xs"
-             ) -> qformat.IQ4Weight:
+def gptq_iq4(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool = False, act_order: bool = False,
+             grid: str = "iq4_xs") -> qformat.IQ4Weight:
     """GPTQ onto GGML's IQ4_XS or IQ4_NL grid (`grid`): the steps (IQ4_XS's fp16 d and 6-bit ls per 32-weight
     sub-block, IQ4_NL's fp16 d per 32-weight block) fixed first from the weight as it is (rtn.quantize_iq4, its
-    search weighted by diag(H)), then the columns in order, each rounded to the table value nearest it times its
-    stored step (`llmq.quant.iq4_codes`) and its error spread over the columns not yet quantized."""
+    search weighted by diag(H)), then the columns in order (`act_order`: by decreasing diag(H)), each rounded to the
+    table value nearest it times its stored step (`llmq.quant.iq4_codes`) and its error spread over the columns not
+    yet quantized."""
     W, H, importance = prepare(w, h, consume)
     fixed = rtn.quantize_iq4(W, grid, importance)
     step = fixed.steps().to(W.device).repeat_interleave(quant.IQ4_BLOCK, dim=1)   # per column
@@ -163,7 +165,7 @@ def gptq_iq4(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, consume: bool
         q = quant.iq4_codes(W1[:, j], step[:, col])
         return q.float(), step[:, col] * values[q.long()]
 
-    Q = sweep(W, H, damp, False, BLOCK, round_column)
+    Q = sweep(W, H, damp, act_order, BLOCK, round_column)
     return dataclasses.replace(fixed, q=Q.to(torch.uint8).cpu())
 
 
@@ -184,7 +186,7 @@ def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]
         h = hessians.pop(name)
         last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
         grid = ctx.ggml_grid(name)
-        out[name] = GGML_GPTQ[grid](lin.weight.data, h, o.damp, consume=last) if grid else \
+        out[name] = GGML_GPTQ[grid](lin.weight.data, h, o.damp, consume=last, act_order=o.act_order) if grid else \
             quantize_one(name, lin.weight.data, h, last)
         del h
         lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj

@@ -140,9 +140,6 @@ class QuantizeOptions(Options, _MethodFields):
                 raise LlmqError(f"--grid {self.grid} is 4-bit rtn or gptq with its own 32-weight sub-blocks: drop "
                                 "--bits / --group-size / --per-tensor / --target-bpw / --max-size, and use --method "
                                 "rtn or gptq")
-            if self.method == "gptq" and self.act_order:
-                raise LlmqError(f"--grid {self.grid} with GPTQ runs in column order (its grid is fixed first, as "
-                                "static groups); drop --act-order")
         if self.scales is not None and self.method not in WEIGHT_ONLY + FP4_SEARCHED:
             raise LlmqError(f"--scales is the scale rule of {', '.join(WEIGHT_ONLY + FP4_SEARCHED)}; {self.method} "
                             "has its own")
