@@ -66,13 +66,14 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
     if source.kind != "model":
         raise LlmqError(f"{source.ref} is a {source.kind} artifact; quantize takes a model")
     spec = ModelSpec.from_config(read_config(source.path))
-    o = opts.resolved(tuple(_in_features(spec).values()))
+    in_features = _in_features(spec)
+    o = opts.resolved(tuple(in_features.values()))
     takes = spec.arch.quantize_methods
     if takes is not None and (o.method not in takes or o.mixed):
         raise LlmqError(f"{spec.architecture}: quantize takes --method {', '.join(takes)} with one scheme for every "
                         f"linear; {'mixed precision' if o.mixed else o.method} is not done for it yet")
     outside = [flag for flag, v in (("--embedding", o.embedding), ("--lm-head", o.lm_head)) if v == "int8"]
-    if outside and o.grid != "int" and all(o.ggml_grid(k) for k in _in_features(spec).values()):
+    if outside and o.grid != "int" and all(o.ggml_grid(k) for k in in_features.values()):
         raise LlmqError(f"an INT8 embedding / lm_head beside linears all on GGML grids (--grid {o.grid}) is not "
                         f"written yet; drop {' / '.join(outside)}")
     if o.rotate != "none":
@@ -91,12 +92,12 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
     if o.group_size:
         if o.per_tensor:
             raise LlmqError("--per-tensor and --group-size N exclude each other")
-        bad = {k: v for k, v in _in_features(spec).items() if v % o.group_size}
+        bad = {k: v for k, v in in_features.items() if v % o.group_size}
         if bad and not method.partial_groups:
             raise LlmqError(f"--group-size {o.group_size} does not divide the input features of "
                             + ", ".join(f"{k} ({v})" for k, v in bad.items()))
     if o.int8_group_size:
-        widths = {**(_in_features(spec) if o.mixed else {}), **({"embedding": spec.hidden_size}
+        widths = {**(in_features if o.mixed else {}), **({"embedding": spec.hidden_size}
                                                                  if o.embedding == "int8" else {}),
                   **({"lm_head": spec.hidden_size} if o.lm_head == "int8" else {})}
         bad = {k: v for k, v in widths.items() if v % o.int8_group_size}

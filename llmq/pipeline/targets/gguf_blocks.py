@@ -36,6 +36,7 @@ import torch
 from gguf import GGMLQuantizationType as GT
 
 from ...errors import LlmqError
+from ...models.qweight import GGMLWeight
 
 BLOCK = 32                                    # weights per Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 block
 NVFP4_SUPER = 64                              # weights per GGUF NVFP4 block (four 16-weight scale blocks)
@@ -43,7 +44,7 @@ NVFP4_SUPER = 64                              # weights per GGUF NVFP4 block (fo
 
 def block_type(qw, name: str):
     """The GGML block format that holds this quantized weight exactly, or an LlmqError with the way out."""
-    if getattr(qw, "grid", None):   # GGML's own blocks (GGMLWeight): its scheme is the GGML type's name
+    if isinstance(qw, GGMLWeight):   # GGML's own blocks: its scheme is the GGML type's name
         return GT[qw.scheme]
     if qw.fp4 == "mxfp4":
         return GT.MXFP4
@@ -138,7 +139,7 @@ def _nibbles(n: torch.Tensor) -> torch.Tensor:
 def pack_blocks(qw, qtype, rounding: Rounding) -> np.ndarray:
     """The GGUF bytes [out, in/32 * block bytes] of one quantized weight, its integers carried over unchanged."""
     n, k = qw.q.shape
-    if getattr(qw, "grid", None):
+    if isinstance(qw, GGMLWeight):
         return qw.blocks().numpy()
     if qtype == GT.MXFP4:   # llmq's E8M0 exponent and E2M1 codes are GGUF's, byte for byte
         e = qw.scale.reshape(n, k // BLOCK, 1)
