@@ -13,6 +13,7 @@ from llmq import quant
 from llmq.models.spec import attends
 from llmq.runtime.kv_cache import allocate_kv_cache
 from llmq.runtime.layers import cpu_kernels
+from llmq.runtime.layers import stack as layer_stack
 from llmq.runtime.layers.attention import AttentionMetadata, _decode, _decode_sdpa, rotate_and_store
 from llmq.runtime.layers.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from llmq.runtime.layers.norm import RMSNorm
@@ -657,8 +658,8 @@ def test_model_steps_with_kernels_equal_eager(tmp_path, make_tiny_model, dtype):
     d = make_tiny_model(tmp_path / "m", seed=5)
     AutoModelForCausalLM.from_pretrained(d, dtype=dtype).save_pretrained(d)
     prompts = [[(7 * i + 3) % 256 for i in range(n)] for n in (9, 30, 2)]
-    real, stacked = cpu_kernels.run_stack, []
-    with mock.patch.object(cpu_kernels, "run_stack", lambda *a: stacked.append(1) or real(*a)):
+    real, stacked = layer_stack.run_stack, []
+    with mock.patch.object(layer_stack, "run_stack", lambda *a: stacked.append(1) or real(*a)):
         tokens, got = _step_logits(d, prompts)
     assert bool(stacked) == (dtype == torch.bfloat16)
     with mock.patch.object(cpu_kernels, "usable", lambda t: False):
@@ -746,22 +747,22 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
     art = src if bits == 16 else quantize(src, QuantizeOptions(**options, num_samples=2, seq_len=32, probe_tokens=64),
                                           store, progress=False)
     prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
-    layer_args, built, stacked = cpu_kernels.fused_layer_args, [], []
+    layer_args, built, stacked = layer_stack.fused_layer_args, [], []
 
     def some_layers(layer):  # "odd": layers 1, 3, ... fused, so the runs alternate
         built.append(layer)
         return layer_args(layer) if fused_layers == "all" or len(built) % 2 == 0 else None
 
-    real = cpu_kernels.run_stack
-    with mock.patch.object(cpu_kernels, "fused_layer_args", some_layers), \
-            mock.patch.object(cpu_kernels, "run_stack", lambda stack, x, rope, caches, *a:
+    real = layer_stack.run_stack
+    with mock.patch.object(layer_stack, "fused_layer_args", some_layers), \
+            mock.patch.object(layer_stack, "run_stack", lambda stack, x, rope, caches, *a:
                               stacked.append(len(caches)) or real(stack, x, rope, caches, *a)):
         tokens, fused = _step_logits(art.path, prompts, int8_activations=int8_activations)
     n = len(built)
     assert n >= 2
     assert stacked
     assert set(stacked) == ({n} if fused_layers == "all" else {1})
-    with mock.patch.object(cpu_kernels, "fused_layer_args", lambda layer: None):
+    with mock.patch.object(layer_stack, "fused_layer_args", lambda layer: None):
         op_tokens, op_by_op = _step_logits(art.path, prompts, int8_activations=int8_activations)
     assert tokens == op_tokens
     for g, w in zip(fused, op_by_op):
@@ -780,12 +781,12 @@ def test_nope_layers_decode_in_a_stack_of_their_own(tmp_path, make_tiny_model):
     art = quantize(src, QuantizeOptions(method="rtn", bits=4, group_size=32, num_samples=2, seq_len=32,
                                         probe_tokens=0), store, progress=False)
     prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
-    real, stacked = cpu_kernels.run_stack, []
-    with mock.patch.object(cpu_kernels, "run_stack", lambda stack, x, rope, caches, *a:
+    real, stacked = layer_stack.run_stack, []
+    with mock.patch.object(layer_stack, "run_stack", lambda stack, x, rope, caches, *a:
                            stacked.append((len(caches), bool(rope[1].any()))) or real(stack, x, rope, caches, *a)):
         tokens, fused = _step_logits(art.path, prompts)
     assert set(stacked) == {(3, True), (1, False)}   # the NoPE layer's stack gets sin = 0
-    with mock.patch.object(cpu_kernels, "fused_layer_args", lambda layer: None):
+    with mock.patch.object(layer_stack, "fused_layer_args", lambda layer: None):
         op_tokens, op_by_op = _step_logits(art.path, prompts)
     assert tokens == op_tokens
     for g, w in zip(fused, op_by_op):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ... import quant
 from ...models import bnbformat
-from . import cpu_kernels
+from . import cpu_kernels, stack
 from .act_quant import W8A8Linear
 from .linear import LinearBase, set_buffer
 
@@ -65,9 +65,9 @@ class NF4Linear(LinearBase):
         return quant.dequantize_4bit(self.packed, self.absmax, self.code, self.blocksize,
                                      (self.out_features, self.in_features), self.weight_dtype)
 
-    def fused_spec(self) -> cpu_kernels.FusedLinear | None:
+    def fused_spec(self) -> stack.FusedLinear | None:
         """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
-        return cpu_kernels.table_spec(self.lb_codes, self.lb_s, self.code, self.blocksize, self.weight_dtype) \
+        return stack.table_spec(self.lb_codes, self.lb_s, self.code, self.blocksize, self.weight_dtype) \
             if self.table else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

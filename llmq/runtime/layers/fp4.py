@@ -23,8 +23,8 @@ import torch
 
 from ... import quant
 from . import cpu_kernels
-from .cpu_kernels import FusedLinear, Kind
 from .linear import DenseLinear, LinearBase, one_line, set_buffer
+from .stack import FusedLinear, Kind
 
 
 class FP4Linear(LinearBase):

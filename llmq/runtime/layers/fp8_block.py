@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from ... import quant
 from . import cpu_kernels
-from .cpu_kernels import FusedLinear, Kind
 from .linear import LinearBase, one_line, set_buffer
+from .stack import FusedLinear, Kind
 
 
 class BlockFP8Linear(LinearBase):

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from ... import quant
 from . import cpu_kernels
-from .cpu_kernels import FusedLinear, Kind
 from .linear import LinearBase, set_buffer
+from .stack import FusedLinear, Kind, table_spec
 
 
 class Q4KLinear(LinearBase):
@@ -67,7 +67,7 @@ class IQ4Linear(LinearBase):
 
     def fused_spec(self) -> FusedLinear | None:
         """What forward runs on a decode batch, for a cpu_kernels DecoderStack (None: no kernel it has)."""
-        return cpu_kernels.table_spec(self.lb_codes, self.lb_s, self.values, quant.IQ4_BLOCK, torch.float32) \
+        return table_spec(self.lb_codes, self.lb_s, self.values, quant.IQ4_BLOCK, torch.float32) \
             if self.kernel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

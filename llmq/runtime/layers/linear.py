@@ -41,7 +41,7 @@ from torch import nn
 
 from ... import quant
 from . import cpu_kernels
-from .cpu_kernels import FusedLinear, Kind
+from .stack import FusedLinear, Kind
 
 
 class LinearBase(nn.Module):

@@ -20,6 +20,7 @@ from ..distributed import TPContext
 from ..host_memory import gather_weights
 from ..kv_cache import LayerKV, LayerRecurrent
 from ..layers import cpu_kernels
+from ..layers import stack as layer_stack
 from ..layers.attention import AttentionMetadata, paged_attention, rotate_and_store, windowed
 from ..layers.linear import LinearBase
 from ..layers.norm import RMSNorm
@@ -274,15 +275,15 @@ class CausalLM(nn.Module):
         self.embed_vocab_start = embed_vocab_start  # None: whole embedding table on every rank
         if embed.device.type == "cpu":
             gather_weights(self)  # before the stacks below capture the weights
-        # runs of consecutive layers as (first, end, their cpu_kernels.DecoderStack or None, the most decodes it takes)
-        fused = [cpu_kernels.fused_layer_args(layer) for layer in layers]  # a StackLayer, or None
+        # runs of consecutive layers as (first, end, their DecoderStack or None, the most decodes it takes)
+        fused = [layer_stack.fused_layer_args(layer) for layer in layers]  # a StackLayer, or None
         # (a run's layers share one rotary table: NoPE layers run apart)
         self.runs = []
         for (stacked, _), group in itertools.groupby(range(len(layers)),
                                                      key=lambda i: (fused[i] is not None, layers[i].rotates)):
             idx = list(group)
             run = [f for f in (fused[i] for i in idx) if f is not None] if stacked else []
-            self.runs.append((idx[0], idx[-1] + 1, cpu_kernels.decoder_stack(run) if run else None,
+            self.runs.append((idx[0], idx[-1] + 1, layer_stack.decoder_stack(run) if run else None,
                               min(f.max_rows for f in run) if run else 0))
         self.has_stacks = any(stack is not None for _, _, stack, _ in self.runs)
 
@@ -311,7 +312,7 @@ class CausalLM(nn.Module):
         first = self.layers[0]
         for lo, hi, stack, rows in self.runs:
             if stacks and stack is not None and meta.num_decode <= rows:
-                x = cpu_kernels.run_stack(stack, x, step(self.layers[lo])[0], caches[lo:hi], meta, first.num_heads,
+                x = layer_stack.run_stack(stack, x, step(self.layers[lo])[0], caches[lo:hi], meta, first.num_heads,
                                           first.num_kv_heads, first.scale)
             else:
                 for i in range(lo, hi):
