@@ -1,11 +1,11 @@
-"""The Gated DeltaNet decode recurrence on CPU: llmq's delta_rule_step kernel (the states updated in their pool
-slots, two passes over each head's state) against the eager path it replaced (gather the slots, delta_rule.step's
-five tensor operations, scatter back), in one run, interleaved call by call.
+"""A Gated DeltaNet layer's decode rows on CPU, between its two projections: llmq's gated_delta_decode kernel (the
+convolution tails and states updated in their pool slots, one call) against the layer's PyTorch operations (gather
+the slots, the convolution, the key / query normalization, delta_rule.step, the gated norm, scatter back), in one
+run, interleaved call by call.
 
-Shapes: Qwen3.5's (16 value heads, keys and values of 128: a 1 MiB float32 state per sequence and layer), a pool of
-64 slots, B decodes on scattered slots; the median of --reps calls of each, microseconds per layer step, and the
-state bytes a step touches per microsecond (read and written once: what the kernel's two passes over a cached head
-cost from memory).
+Shapes: Qwen3.5's (16 key and 16 value heads, keys and values of 128: a 1 MiB float32 state per sequence and layer;
+convolution kernel 4), float32 compute, a pool of 64 slots, B decodes on scattered slots; the median of --reps calls
+of each, microseconds per layer step, and the state bytes a step touches per microsecond (read and written once).
 
     python benchmarks/bench_delta_rule.py [--batch 1 8 32] [--threads 1 2] [--reps 50]
 """
@@ -17,22 +17,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmq.bench.hw import machine_key  # noqa: E402
-from llmq.runtime.layers import cpu_kernels, delta_rule  # noqa: E402
+from llmq.runtime.kv_cache import LayerRecurrent  # noqa: E402
+from llmq.runtime.layers import cpu_kernels  # noqa: E402
+from llmq.runtime.models.linear_attention import GatedDeltaNet  # noqa: E402
 
-HEADS, DK, DV, SLOTS = 16, 128, 128, 64
-
-
-def eager(pool, slots, q, k, v, g, beta):
-    state = pool[slots]
-    o = delta_rule.step(state, q, k, v, g, beta)
-    pool[slots] = state
-    return o
+KEY_HEADS, HEADS, DK, DV, KERNEL, SLOTS = 16, 16, 128, 128, 4, 64
 
 
 def main() -> int:
@@ -44,22 +40,36 @@ def main() -> int:
     if not cpu_kernels.available():
         print("llmq's CPU kernels are not built here", file=sys.stderr)
         return 2
-    print(f"CPU: {machine_key('cpu')}; {HEADS} heads of {DK} x {DV}, pool of {SLOTS}; median of {a.reps}")
+    print(f"CPU: {machine_key('cpu')}; {KEY_HEADS} key / {HEADS} value heads of {DK} x {DV}, pool of {SLOTS}; "
+          f"median of {a.reps}")
     print(f"{'threads':>7} {'batch':>5} {'eager us':>9} {'kernel us':>9} {'speedup':>7} {'kernel GB/s':>11}")
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randn(SLOTS, HEADS, DK, DV, generator=gen) * 0.1
+    channels = 2 * KEY_HEADS * DK + HEADS * DV
+    layer = GatedDeltaNet(None, None, torch.randn(channels, 1, KERNEL, generator=gen) * 0.5,
+                          torch.rand(HEADS, generator=gen), torch.randn(HEADS, generator=gen),
+                          torch.rand(DV, generator=gen) + 0.5, 1e-6, KEY_HEADS, HEADS, DK, DV)
+    cache = LayerRecurrent(SLOTS, channels, KERNEL, HEADS, DK, DV, torch.float32, "cpu")
+    cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.1)
+
+    def eager(mixed, slots, g, beta):
+        with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+            return layer._decodes(mixed, cache, slots, g, beta)
+
+    def kernel(mixed, slots, g, beta):
+        return layer._decodes(mixed, cache, slots, g, beta)
+
     for t in a.threads:
         torch.set_num_threads(t)
         for b in a.batch:
             slots = torch.randperm(SLOTS, generator=gen)[:b]
-            q, k = (torch.nn.functional.normalize(torch.randn(b, HEADS, DK, generator=gen), dim=-1) for _ in "qk")
-            v = torch.randn(b, HEADS, DV, generator=gen)
-            g, beta = -torch.rand(b, HEADS, generator=gen), torch.rand(b, HEADS, generator=gen)
+            mixed = torch.randn(b, channels + HEADS * DV + 2 * HEADS, generator=gen)
+            beta = mixed[:, -2 * HEADS:-HEADS].sigmoid()
+            g = layer.neg_rate * torch.nn.functional.softplus(mixed[:, -HEADS:] + layer.dt_bias)
             times = {"eager": [], "kernel": []}
             for _ in range(a.reps):
-                for name, fn in (("eager", eager), ("kernel", cpu_kernels.delta_rule_step)):
+                for name, fn in (("eager", eager), ("kernel", kernel)):
                     t0 = time.perf_counter()
-                    fn(pool, slots, q, k, v, g, beta)
+                    fn(mixed, slots, g, beta)
                     times[name].append(time.perf_counter() - t0)
             e, kk = (statistics.median(times[n]) * 1e6 for n in ("eager", "kernel"))
             touched = 2 * b * HEADS * DK * DV * 4   # each state read and written once

@@ -584,36 +584,80 @@ def test_decode_attention_with_sinks_is_the_softmax_over_scores_and_sinks(decode
             assert float((got[b, h].double() - want).abs().max()) <= 2e-6 * float(want.abs().max()), (b, h)
 
 
-def test_delta_rule_step_updates_the_slots_states_as_the_recurrence_does_in_float64():
-    """Three decode steps of three sequences on scattered slots of a state pool: each output and each slot's state
-    against the gated delta rule in float64 (S <- e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q); the slots no
-    sequence holds are untouched. Value width 24 (not a multiple of 16) and key width 32."""
-    assert cpu_kernels.available()
-    gen = torch.Generator().manual_seed(21)
-    pool = torch.randn(6, 4, 32, 24, generator=gen) * 0.3
-    ref = pool.double()
-    slots = torch.tensor([4, 1, 3])
-    for _ in range(3):
-        q, k = (F.normalize(torch.randn(3, 4, 32, generator=gen), dim=-1) for _ in range(2))
-        v = torch.randn(3, 4, 24, generator=gen)
-        g, beta = -torch.rand(3, 4, generator=gen) * 2, torch.rand(3, 4, generator=gen)
-        got = cpu_kernels.delta_rule_step(pool, slots, q * 32 ** -0.5, k, v, g, beta)
-        s = ref[slots] * g.double().exp()[..., None, None]
-        u = (v.double() - torch.einsum("bhkv,bhk->bhv", s, k.double())) * beta.double()[..., None]
-        s = s + k.double()[..., :, None] * u[..., None, :]
-        ref[slots] = s
-        want = torch.einsum("bhkv,bhk->bhv", s, (q * 32 ** -0.5).double())
-        assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
-    assert float((pool.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
-    assert torch.equal(pool[[0, 2, 5]].double(), ref[[0, 2, 5]])
+def _gated_delta_reference(mixed, tail, state, conv, neg_rate, dt_bias, norm, eps, key_heads, key_dim):
+    """One decode token of each row through a Gated DeltaNet layer between its projections, in float64: mixed [B, C +
+    Hv Dv + 2 Hv], tail [B, C, K - 1], state [B, Hv, Dk, Dv], conv [C, K] -> (o [B, Hv Dv], new tail, new state)."""
+    b, c, hv, dv = mixed.shape[0], tail.shape[1], state.shape[1], state.shape[3]
+    qkv, z, beta, a = mixed.double().split([c, hv * dv, hv, hv], -1)
+    window = torch.cat([tail.double(), qkv[..., None]], -1)
+    q, k, v = F.silu((window * conv.double()).sum(-1)).split([key_heads * key_dim, key_heads * key_dim, hv * dv], -1)
+
+    def unit(x):
+        x = x.view(b, key_heads, key_dim)
+        return (x / (x.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()).repeat_interleave(hv // key_heads, 1)
+
+    q, k, v = unit(q) * key_dim ** -0.5, unit(k), v.view(b, hv, dv)
+    g = neg_rate.double() * F.softplus(a + dt_bias.double())
+    s = state.double() * g.exp()[..., None, None]
+    u = (v - torch.einsum("bhkv,bhk->bhv", s, k)) * beta.sigmoid()[..., None]
+    s = s + k[..., :, None] * u[..., None, :]
+    o = torch.einsum("bhkv,bhk->bhv", s, q)
+    o = o / (o.pow(2).mean(-1, keepdim=True) + eps).sqrt() * norm.double() * F.silu(z.view(b, hv, dv))
+    return o.reshape(b, -1), window[..., 1:], s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_kv_write_equals_eager(dtype):
+def test_gated_delta_decode_equals_the_layer_in_float64_and_its_eager_roundings(dtype):
+    """Three decode steps of three sequences on scattered state slots through gated_delta_decode (GatedDeltaNet's
+    decodes): outputs, convolution tails and states against the layer's arithmetic in float64 (float32), or against
+    its PyTorch operations, whose roundings the kernel mirrors (bfloat16); slots no sequence holds stay as they were.
+    2 key heads of 32 serve 4 value heads of 24 (each value head must read its own key head), kernel 4."""
+    from llmq.runtime.kv_cache import LayerRecurrent
+    from llmq.runtime.models.linear_attention import GatedDeltaNet
+
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(21)
+    kh, hv, dk, dv, kernel, eps = 2, 4, 32, 24, 4, 1e-6
+    channels = 2 * kh * dk + hv * dv
+    conv = torch.randn(channels, 1, kernel, generator=gen) * 0.5
+    a_log, dt_bias, norm = torch.rand(hv, generator=gen), torch.randn(hv, generator=gen), torch.rand(dv, generator=gen)
+    layer = GatedDeltaNet(None, None, conv.to(dtype), a_log, dt_bias, (norm + 0.5).to(dtype), eps, kh, hv, dk, dv)
+    cache, eager = (LayerRecurrent(6, channels, kernel, hv, dk, dv, dtype, "cpu") for _ in range(2))
+    cache.conv.copy_(torch.randn(cache.conv.shape, generator=gen))
+    cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
+    eager.conv.copy_(cache.conv), eager.state.copy_(cache.state)
+    tail, state = cache.conv.double(), cache.state.double()
+    slots = torch.tensor([4, 1, 3])
+    for _ in range(3):
+        mixed = torch.randn(3, channels + hv * dv + 2 * hv, generator=gen).to(dtype)
+        got = layer._decodes(mixed, cache, slots, None, None)
+        if dtype == torch.float32:
+            want, tail[slots], state[slots] = _gated_delta_reference(mixed, tail[slots], state[slots], layer.conv,
+                                                                     layer.neg_rate, layer.dt_bias, layer.norm, eps,
+                                                                     kh, dk)
+            tol = 1e-5
+        else:
+            b, a = mixed[:, -2 * hv:-hv].float(), mixed[:, -hv:].float()
+            with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+                want = layer._decodes(mixed, eager, slots, layer.neg_rate * F.softplus(a + layer.dt_bias),
+                                      b.sigmoid())
+            tail, state, tol = eager.conv.double(), eager.state.double(), 2e-2
+        assert got.dtype == dtype
+        assert got.shape == (3, hv * dv)
+        assert float((got.double() - want.double()).abs().max()) <= tol * float(want.abs().max())
+    assert float((cache.state.double() - state).abs().max()) <= 1e-5 * float(state.abs().max())
+    assert torch.equal(cache.conv.double(), tail)   # the tails are moved, not computed
+    assert torch.equal(cache.state[[0, 2, 5]].double(), state[[0, 2, 5]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotated", [64, 16])
+def test_rope_kv_write_equals_eager(dtype, rotated):
+    """Heads of 64 turned whole, or their first 16 only (a partial rotary embedding: Qwen3.5's quarter)."""
     gen = torch.Generator().manual_seed(13)
     fused, eager = _cache(dtype, gen, layers=2)
     eager.k.copy_(fused.k), eager.v.copy_(fused.v)
-    rot = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64), 128, dtype=dtype)
+    rot = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, rotated, 2).float() / rotated), 128, dtype=dtype)
     positions = torch.tensor([3, 9, 17, 40, 41])
     qkv = torch.randn(5, 15 * 64, generator=gen).to(dtype)
     meta = AttentionMetadata(slot_mapping=torch.tensor([5, 77, 100, 3, 250]))
@@ -764,6 +808,39 @@ def test_decoder_stacks_equal_op_by_op(tmp_path, make_tiny_model, bits, int8_act
     assert set(stacked) == ({n} if fused_layers == "all" else {1})
     with mock.patch.object(layer_stack, "fused_layer_args", lambda layer: None):
         op_tokens, op_by_op = _step_logits(art.path, prompts, int8_activations=int8_activations)
+    assert tokens == op_tokens
+    for g, w in zip(fused, op_by_op):
+        assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_qk_norm_and_gated_deltanet_layers_decode_in_one_stack(tmp_path, make_tiny_model, family):
+    """A Qwen3 (q / k norms) and a Qwen3.5 hybrid (three Gated DeltaNet layers, then attention with q / k norms, an
+    output gate and a rotary embedding over a quarter of each head), bfloat16 weights in INT4: every decode step runs
+    the four layers in one DecoderStack, equal to the layers op by op (the same kernels: a wrong slot, norm or gate
+    would be far off)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.artifacts import Store
+    from llmq.models import resolve_model
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    store = Store(tmp_path / "store")
+    cfg = dict(model_type=family, num_hidden_layers=4, hidden_size=128, intermediate_size=256, head_dim=32)
+    if family == "qwen3_5_text":
+        cfg |= dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+    d = make_tiny_model(tmp_path / "m", seed=9, **cfg)
+    AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(d)   # 16-bit kept tensors
+    art = quantize(resolve_model(str(d), store), QuantizeOptions(method="rtn", bits=4, group_size=32, num_samples=2,
+                                                                   seq_len=32, probe_tokens=0), store, progress=False)
+    prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (12, 3)]
+    real, stacked = layer_stack.run_stack, []
+    with mock.patch.object(layer_stack, "run_stack", lambda stack, x, rope, caches, *a:
+                           stacked.append(len(caches)) or real(stack, x, rope, caches, *a)):
+        tokens, fused = _step_logits(art.path, prompts)
+    assert set(stacked) == {4}
+    with mock.patch.object(layer_stack, "fused_layer_args", lambda layer: None):
+        op_tokens, op_by_op = _step_logits(art.path, prompts)
     assert tokens == op_tokens
     for g, w in zip(fused, op_by_op):
         assert float((g - w).abs().max()) < 1e-4 * float(w.abs().max())

@@ -75,7 +75,7 @@ def rotate_and_store(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     t, d = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
     rot = rope[0].shape[-1]  # less than d: a partial rotary embedding turns the first `rot` of each head
-    if rot == d and cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(qkv):
+    if cache.kv_dtype == "auto" and cache.observer is None and cpu_kernels.usable(qkv):
         q, k = cpu_kernels.rope_kv_write(qkv, *rope, cache.k, cache.v, meta.slot_mapping, num_heads, num_kv_heads)
         return q, k, v
     qk = qkv[:, :(num_heads + num_kv_heads) * d].view(t, -1, d)

@@ -2363,10 +2363,9 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
-// delta_rule_step: one decode token of each of B sequences through a Gated DeltaNet layer's recurrence, on the states
-// in their pool slots (runtime.layers.delta_rule.step's arithmetic, float32): per value head, S <- e^g S;
-// u = beta (v - S^T k); S <- S + k u^T; o = S^T q. Two passes over a head's state (the second from cache: 64 KiB at
-// 128 x 128), where the eager path gathers the slots, decays, multiplies twice, adds and scatters back (nine).
+// delta_head: one decode token through a value head's gated delta rule (runtime.layers.delta_rule.step's arithmetic,
+// float32) on its state s [Dk, Dv] in place: S <- e^g S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q. Two passes
+// over the state (the second from cache: 64 KiB at 128 x 128).
 LLMQ_CLONES void delta_head(float* s, const float* q, const float* k, const float* v, float eg, float beta,
                             int64_t dk, int64_t dv, float* u, float* o) {
   for (int64_t j = 0; j < dv; ++j) u[j] = 0.f;
@@ -2390,42 +2389,126 @@ LLMQ_CLONES void delta_head(float* s, const float* q, const float* k, const floa
   }
 }
 
-at::Tensor delta_rule_step(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& q, const at::Tensor& k,
-                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta) {
-  TORCH_CHECK(pool.dim() == 4 && pool.dtype() == at::kFloat && pool.is_contiguous() && slots.dtype() == at::kLong,
-              "delta_rule_step: state pool [slots, H, Dk, Dv] float32 (contiguous), slots int64");
-  const int64_t b = slots.size(0), h = pool.size(1), dk = pool.size(2), dv = pool.size(3);
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous(),
-                   bc = beta.contiguous(), sl = slots.contiguous();
-  TORCH_CHECK(qc.dtype() == at::kFloat && kc.dtype() == at::kFloat && vc.dtype() == at::kFloat &&
-              gc.dtype() == at::kFloat && bc.dtype() == at::kFloat && qc.numel() == b * h * dk &&
-              kc.numel() == b * h * dk && vc.numel() == b * h * dv && gc.numel() == b * h && bc.numel() == b * h,
-              "delta_rule_step: q / k [B, H, Dk], v [B, H, Dv], g / beta [B, H], float32");
-  at::Tensor out = at::empty({b, h, dv}, qc.options());
-  float* sp = pool.data_ptr<float>();
-  const int64_t* slot = sl.data_ptr<int64_t>();
-  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(),
-              *gp = gc.data_ptr<float>(), *bp = bc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < pool.size(0), "delta_rule_step: slot");
-  at::parallel_for(0, b * h, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> u(dv);
-    for (int64_t x = lo; x < hi; ++x) {
-      const int64_t i = x / h, head = x % h;
-      delta_head(sp + (slot[i] * h + head) * dk * dv, qp + x * dk, kp + x * dk, vp + x * dv, std::exp(gp[x]), bp[x],
-                 dk, dv, u.data(), op + x * dv);
+// gated_delta_decode: the decode rows of a Gated DeltaNet layer between its two projections, in one call where the
+// eager path (models/linear_attention.py) dispatches ~30 operations a layer: the short causal convolution over each
+// slot's last kernel - 1 inputs and the new one (the tail in the pool moved on in place), SiLU; q and k normalized
+// per key head (x / sqrt(|x|^2 + 1e-6), q also times key_dim^-1/2), each value head reading its key head (no
+// repeated copy); beta = sigmoid(b), g = -e^A_log softplus(a + dt_bias); delta_head on the slot's state; the gated
+// RMSNorm over each value head times SiLU(z). Rounded where the eager path rounds to the compute dtype T.
+template <typename T>
+LLMQ_CLONES void conv_rows(const T* mixed, int64_t width, T* tails, const int64_t* slot, const T* conv,
+                           int64_t channels, int64_t kernel, int64_t row, float* y) {
+  const T* x = mixed + row * width;
+  T* tail = tails + slot[row] * channels * (kernel - 1);
+  for (int64_t c = 0; c < channels; ++c) {
+    T* tc = tail + c * (kernel - 1);
+    const T* wc = conv + c * kernel;
+    float acc = 0.f;
+    for (int64_t j = 0; j < kernel - 1; ++j)
+      acc += static_cast<float>(static_cast<T>(static_cast<float>(tc[j]) * static_cast<float>(wc[j])));
+    acc += static_cast<float>(static_cast<T>(static_cast<float>(x[c]) * static_cast<float>(wc[kernel - 1])));
+    const float s = static_cast<float>(static_cast<T>(acc));
+    y[c] = static_cast<float>(static_cast<T>(s / (1.f + std::exp(-s))));
+    for (int64_t j = 0; j + 1 < kernel - 1; ++j) tc[j] = tc[j + 1];
+    if (kernel > 1) tc[kernel - 2] = x[c];
+  }
+}
+
+LLMQ_CLONES void unit_heads(float* x, int64_t heads, int64_t dim, float scale) {
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    float* v = x + hd * dim;
+    float ss = 0.f;
+    for (int64_t e = 0; e < dim; ++e) ss += v[e] * v[e];
+    const float r = 1.f / std::sqrt(ss + 1e-6f);
+    for (int64_t e = 0; e < dim; ++e) v[e] = v[e] * r * scale;
+  }
+}
+
+template <typename T>
+void gated_delta_impl(const at::Tensor& mixed, at::Tensor& tails, at::Tensor& states, const int64_t* slot,
+                      const at::Tensor& conv, const float* neg_rate, const float* dt_bias, const T* norm, float eps,
+                      int64_t kh, int64_t dk, at::Tensor& out) {
+  const int64_t b = mixed.size(0), width = mixed.size(1), hv = states.size(1), dv = states.size(3);
+  const int64_t channels = tails.size(1), kernel = tails.size(2) + 1, vs = hv * dv, group = hv / kh;
+  const T* mp = mixed.data_ptr<T>();
+  T* tp = tails.data_ptr<T>();
+  float* sp = states.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  std::vector<float> y(b * channels);
+  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      float* yi = y.data() + i * channels;
+      conv_rows<T>(mp, width, tp, slot, conv.data_ptr<T>(), channels, kernel, i, yi);
+      unit_heads(yi, kh, dk, 1.f / std::sqrt(static_cast<float>(dk)));
+      unit_heads(yi + kh * dk, kh, dk, 1.f);
     }
+  });
+  at::parallel_for(0, b * hv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> u(dv), o(dv);
+    for (int64_t x = lo; x < hi; ++x) {
+      const int64_t i = x / hv, head = x % hv, key = head / group;
+      const T* row = mp + i * width;
+      const float* yi = y.data() + i * channels;
+      const float bb = static_cast<float>(row[channels + vs + head]);
+      const float aa = static_cast<float>(row[channels + vs + hv + head]) + dt_bias[head];
+      const float beta = 1.f / (1.f + std::exp(-bb));
+      const float g = neg_rate[head] * (aa > 20.f ? aa : std::log1p(std::exp(aa)));
+      delta_head(sp + (slot[i] * hv + head) * dk * dv, yi + key * dk, yi + (kh + key) * dk, yi + 2 * kh * dk + head * dv,
+                 std::exp(g), beta, dk, dv, u.data(), o.data());
+      float ss = 0.f;
+      for (int64_t e = 0; e < dv; ++e) {
+        o[e] = static_cast<float>(static_cast<T>(o[e]));
+        ss += o[e] * o[e];
+      }
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(dv) + eps);
+      const T* z = row + channels + head * dv;
+      T* dst = op + i * vs + head * dv;
+      for (int64_t e = 0; e < dv; ++e) {
+        const float n = static_cast<float>(static_cast<T>(static_cast<float>(norm[e]) *
+                                                          static_cast<float>(static_cast<T>(o[e] * r))));
+        const float zf = static_cast<float>(z[e]);
+        dst[e] = static_cast<T>(n * (zf / (1.f + std::exp(-zf))));
+      }
+    }
+  });
+}
+
+at::Tensor gated_delta_decode(const at::Tensor& mixed, at::Tensor tails, at::Tensor states, const at::Tensor& slots,
+                              const at::Tensor& conv, const at::Tensor& neg_rate, const at::Tensor& dt_bias,
+                              const at::Tensor& norm, double eps, int64_t key_heads, int64_t key_dim) {
+  TORCH_CHECK(states.dim() == 4 && states.dtype() == at::kFloat && states.is_contiguous() && tails.dim() == 3 &&
+              tails.is_contiguous() && tails.dtype() == mixed.dtype() && slots.dtype() == at::kLong &&
+              states.size(0) == tails.size(0) && states.size(2) == key_dim && key_heads > 0 &&
+              states.size(1) % key_heads == 0,
+              "gated_delta_decode: state pool [slots, Hv, Dk, Dv] float32, tails [slots, C, K - 1] of mixed's dtype");
+  const int64_t b = mixed.size(0), hv = states.size(1), dv = states.size(3), channels = tails.size(1);
+  TORCH_CHECK(mixed.dim() == 2 && mixed.size(1) == channels + hv * dv + 2 * hv &&
+              channels == 2 * key_heads * key_dim + hv * dv && slots.numel() == b,
+              "gated_delta_decode: mixed [B, C + Hv Dv + 2 Hv] (qkv, z, b, a), C = 2 Hk Dk + Hv Dv, slots [B]");
+  TORCH_CHECK(conv.dtype() == mixed.dtype() && conv.dim() == 2 && conv.size(0) == channels &&
+              conv.size(1) == tails.size(2) + 1 && neg_rate.dtype() == at::kFloat && dt_bias.dtype() == at::kFloat &&
+              neg_rate.numel() == hv && dt_bias.numel() == hv && norm.dtype() == mixed.dtype() && norm.numel() == dv,
+              "gated_delta_decode: conv [C, K] and norm [Dv] of mixed's dtype, neg_rate / dt_bias [Hv] float32");
+  const at::Tensor mc = mixed.contiguous(), sl = slots.contiguous(), cc = conv.contiguous(),
+                   nr = neg_rate.contiguous(), db = dt_bias.contiguous(), nc = norm.contiguous();
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < states.size(0), "gated_delta_decode: slot");
+  at::Tensor out = at::empty({b, hv * dv}, mixed.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mixed.scalar_type(), "gated_delta_decode", [&] {
+    gated_delta_impl<scalar_t>(mc, tails, states, slot, cc, nr.data_ptr<float>(), db.data_ptr<float>(),
+                               nc.data_ptr<scalar_t>(), static_cast<float>(eps), key_heads, key_dim, out);
   });
   return out;
 }
 
-// rope_kv_write: the rotary embedding of q and k (rotary.py's arithmetic: x * cos + roll(x, D/2) * sin, the sign
-// folded into sin) and the store of k and v at their cache slots, in one pass over the fused qkv rows. Returns the
-// rotated q [T, H, D] and k [T, Hkv, D]; eagerly these are ~10 dispatched operations a layer.
+// rope_kv_write: the rotary embedding of q and k (rotary.py's arithmetic: x * cos + roll(x, R/2) * sin over the first
+// R = cos.size(-1) of each head's D, the sign folded into sin; the rest as it is where R < D: a partial rotary
+// embedding) and the store of k and v at their cache slots, in one pass over the fused qkv rows. Returns the rotated
+// q [T, H, D] and k [T, Hkv, D]; eagerly these are ~10 dispatched operations a layer.
 template <typename T>
 void rope_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
                   const at::Tensor& slots, int64_t h, int64_t hkv, at::Tensor& q, at::Tensor& k) {
-  const int64_t t = qkv.size(0), d = cos.size(-1), half = d / 2, width = qkv.size(1);
+  const int64_t t = qkv.size(0), width = qkv.size(1), d = width / (h + 2 * hkv), rot = cos.size(-1), half = rot / 2;
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
@@ -2437,16 +2520,17 @@ void rope_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const T* row = src + r * width;
-      const T* c = cp + r * d;
-      const T* sn = sp + r * d;
+      const T* c = cp + r * rot;
+      const T* sn = sp + r * rot;
       for (int64_t head = 0; head < h + hkv; ++head) {
         const T* x = row + head * d;
         T* out = head < h ? qp + (r * h + head) * d : kp + (r * hkv + head - h) * d;
-        for (int64_t e = 0; e < d; ++e) {
+        for (int64_t e = 0; e < rot; ++e) {
           const T rolled = x[e < half ? e + half : e - half];
           const float xc = static_cast<float>(static_cast<T>(static_cast<float>(x[e]) * static_cast<float>(c[e])));
           out[e] = static_cast<T>(xc + static_cast<float>(rolled) * static_cast<float>(sn[e]));
         }
+        std::memcpy(out + rot, x + rot, (d - rot) * sizeof(T));
       }
       T* kdst = kcp + slot[r] * hkv * d;
       T* vdst = vcp + slot[r] * hkv * d;
@@ -2459,9 +2543,10 @@ void rope_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                       at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t h,
                                       int64_t hkv) {
-  const int64_t t = qkv.size(0), d = cos.size(-1);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * hkv) * d && qkv.stride(1) == 1 && cos.numel() == t * d &&
-              sin.numel() == t * d && d % 2 == 0, "rope_kv_write: qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D]");
+  const int64_t t = qkv.size(0), d = qkv.size(1) / (h + 2 * hkv), rot = cos.size(-1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * hkv) * d && qkv.stride(1) == 1 && cos.numel() == t * rot &&
+              sin.numel() == t * rot && rot % 2 == 0 && rot <= d,
+              "rope_kv_write: qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, R], R even, R <= D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dtype() == qkv.dtype() &&
               v_cache.dtype() == qkv.dtype() && cos.dtype() == qkv.dtype() && sin.dtype() == qkv.dtype() &&
               k_cache.size(2) == hkv && k_cache.size(3) == d && slots.dtype() == at::kLong && slots.numel() == t,
@@ -2480,17 +2565,20 @@ std::vector<at::Tensor> rope_kv_write(const at::Tensor& qkv, const at::Tensor& c
   return {q, k};
 }
 
-// DecoderStack: consecutive Llama decoder layers of a decode-only step whose four projections are INT4 / INT8 or
-// 16-bit weights on dense16_linear (the common CPU cases), in one call a step: the same kernels and ATen operations
-// in the order models/llama.py's DecoderLayer and linear.py's layers run them, without a trip through Python between
-// them (eagerly ~25 dispatched calls a layer; one call a layer still cost ~15 us of Python and dispatch). It holds the
-// layers' constant arguments, so a step passes only what changes. linears: four tensors per projection, the last its
-// bias (empty when none); kinds (cpu_kernels.py's Kind): 0 / 1: lowbit_linear INT4 / INT8 [codes, s, sz];
-// 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -]; 4 / 5 / 8:
-// lowbit_linear_bf16 INT4 / INT8 / INT5 [codes, s, -]; 2-5 and 8 take and give bfloat16 (the layers' default
-// arithmetic); 6: dense16_linear [w, -, -]; 7: fp4_linear [codes, s, divisor (a one-element float32 tensor)];
-// 9: q4k_linear [codes, s, mins]; 10: fp8_linear [codes, s, -] (activations rounded to E4M3 in the kernel);
-// 11 / 12 / 13: table_linear [codes, s, table], each weight rounded to float32 / bfloat16 / float16.
+// DecoderStack: consecutive decoder layers of a decode-only step whose projections all have a kernel for decode
+// batches, in one call a step: the same kernels and ATen operations in the order models/decoder.py's DecoderLayer,
+// linear.py's layers and linear_attention.py's GatedDeltaNet run them, without a trip through Python between them
+// (eagerly ~25 dispatched calls an attention layer, ~40 a Gated DeltaNet one; one call a layer still cost ~15 us of
+// Python and dispatch). It holds the layers' constant arguments, so a step passes only what changes. A layer's token
+// mixer is attention over its paged KV cache (optionally q / k norms per head, Qwen3's and Qwen3.5's, and Qwen3.5's
+// output gate) or a Gated DeltaNet (gated_delta_decode on its states). Its four projections (mixer in, mixer out,
+// gate_up, down) are each one or more parts whose outputs are concatenated (loader.py's ConcatLinear), each part four
+// tensors, the last its bias (empty when none), with a kind (stack.py's Kind) and a group: 0 / 1: lowbit_linear INT4
+// / INT8 [codes, s, sz]; 2: PyTorch's INT4 kernel [packed, scales_zeros, -]; 3: PyTorch's INT8 kernel [q, scales, -];
+// 4 / 5 / 8: lowbit_linear_bf16 INT4 / INT8 / INT5 [codes, s, -]; 2-5 and 8 take and give bfloat16 (the layers'
+// default arithmetic); 6: dense16_linear [w, -, -]; 7: fp4_linear [codes, s, divisor (a one-element float32
+// tensor)]; 9: q4k_linear [codes, s, mins]; 10: fp8_linear [codes, s, -] (activations rounded to E4M3 in the
+// kernel); 11 / 12 / 13: table_linear [codes, s, table], each weight rounded to float32 / bfloat16 / float16.
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t group, double eps,
                    at::ScalarType dtype) {
   const at::Tensor &a = w[0], &b = w[1], &c = w[2], &bias = w[3];
@@ -2521,40 +2609,118 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64
   return bias.numel() ? y + bias : y;
 }
 
+// A projection of parts: each part's output, concatenated (ConcatLinear's forward).
+at::Tensor project_parts(const at::Tensor& x, const at::Tensor* w, const int64_t* kinds, const int64_t* groups,
+                         int64_t parts, double eps, at::ScalarType dtype) {
+  if (parts == 1) return project(x, w, kinds[0], groups[0], eps, dtype);
+  std::vector<at::Tensor> ys;
+  for (int64_t p = 0; p < parts; ++p) ys.push_back(project(x, w + 4 * p, kinds[p], groups[p], eps, dtype));
+  return at::cat(ys, -1);
+}
+
+enum Mixer : int64_t { kAttention = 0, kGatedDelta = 1 };
+
 struct DecoderStack : torch::CustomClassHolder {
-  std::vector<at::Tensor> in_norms, post_norms, linears;
-  std::vector<int64_t> kinds, groups;
+  // per layer: in_norms, post_norms, mixers (Mixer), parts (4: of each projection), extras (4 tensors: attention's q
+  // and k norms, or empty; a Gated DeltaNet's conv [C, K], neg_rate, dt_bias, norm), ints (2: attention's output gate
+  // 0 / 1; a Gated DeltaNet's key heads and key dim), floats (1: the q / k norms' or the gated norm's epsilon); per
+  // part: four tensors in linears, a kind, a group
+  std::vector<at::Tensor> in_norms, post_norms, linears, extras;
+  std::vector<int64_t> kinds, groups, parts, mixers, ints, first_part;
+  std::vector<double> floats;
   double norm_eps;
 
   DecoderStack(std::vector<at::Tensor> in_norms, std::vector<at::Tensor> post_norms, double norm_eps,
-               std::vector<at::Tensor> linears, std::vector<int64_t> kinds, std::vector<int64_t> groups)
+               std::vector<at::Tensor> linears, std::vector<int64_t> kinds, std::vector<int64_t> groups,
+               std::vector<int64_t> parts, std::vector<int64_t> mixers, std::vector<at::Tensor> extras,
+               std::vector<int64_t> ints, std::vector<double> floats)
       : in_norms(std::move(in_norms)), post_norms(std::move(post_norms)), linears(std::move(linears)),
-        kinds(std::move(kinds)), groups(std::move(groups)), norm_eps(norm_eps) {
+        extras(std::move(extras)), kinds(std::move(kinds)), groups(std::move(groups)), parts(std::move(parts)),
+        mixers(std::move(mixers)), ints(std::move(ints)), floats(std::move(floats)), norm_eps(norm_eps) {
     const size_t n = this->in_norms.size();
-    TORCH_CHECK(this->post_norms.size() == n && this->linears.size() == 16 * n && this->kinds.size() == 4 * n &&
-                    this->groups.size() == 4 * n,
-                "DecoderStack: two norms and four linears (4 tensors, a kind and a group each) a layer");
+    TORCH_CHECK(this->post_norms.size() == n && this->parts.size() == 4 * n && this->mixers.size() == n &&
+                    this->extras.size() == 4 * n && this->ints.size() == 2 * n && this->floats.size() == n,
+                "DecoderStack: per layer two norms, a mixer, four projections' part counts, four extra tensors, two "
+                "integers and a float");
+    int64_t total = 0;
+    for (size_t i = 0; i < 4 * n; ++i) {
+      TORCH_CHECK(this->parts[i] >= 1, "DecoderStack: a projection has at least one part");
+      if (i % 4 == 0) first_part.push_back(total);
+      total += this->parts[i];
+    }
+    TORCH_CHECK(this->linears.size() == 4 * static_cast<size_t>(total) && this->kinds.size() == static_cast<size_t>(total) &&
+                    this->groups.size() == static_cast<size_t>(total),
+                "DecoderStack: four tensors, a kind and a group a part");
+    for (size_t i = 0; i < n; ++i)
+      TORCH_CHECK(this->mixers[i] == kAttention || this->mixers[i] == kGatedDelta, "DecoderStack: unknown mixer");
   }
 
-  // x [T, hidden] after the stack; k_caches / v_caches: each layer's cache, written at slots.
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                     const at::Tensor& slots, const at::Tensor& blocks, const at::Tensor& mask, int64_t h,
-                     int64_t hkv, double scale, double eps) {
-    TORCH_CHECK(k_caches.size() == in_norms.size() && v_caches.size() == in_norms.size(),
-                "DecoderStack: one K and one V cache a layer");
+  // One attention layer's mixer on the normalized rows y: its queries (gated, q / k-normed where it has them) over
+  // the cache it writes at slots.
+  at::Tensor attention(size_t i, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
+                       at::Tensor vc, const at::Tensor& slots, const at::Tensor& blocks, const at::Tensor& mask,
+                       int64_t h, int64_t hkv, double scale, double eps) {
+    const auto dtype = y.scalar_type();
+    const int64_t t = y.size(0), d = kc.size(3), qs = h * d, p = first_part[i];
+    const int64_t* np = parts.data() + 4 * i;
+    at::Tensor qkv = project_parts(y, linears.data() + 4 * p, kinds.data() + p, groups.data() + p, np[0], eps, dtype);
+    at::Tensor gate;
+    if (ints[2 * i]) {  // [query, gate] per head, then k and v
+      const at::Tensor qg = qkv.narrow(1, 0, 2 * qs).view({t, h, 2 * d});
+      gate = qg.narrow(2, d, d).reshape({t, qs});
+      qkv = at::cat({qg.narrow(2, 0, d).reshape({t, qs}), qkv.narrow(1, 2 * qs, qkv.size(1) - 2 * qs)}, -1);
+    }
+    const at::Tensor& qn = extras[4 * i];
+    if (qn.numel()) {
+      const at::Tensor q = rms_norm(qkv.narrow(1, 0, qs).reshape({t, h, d}), qn, floats[i]).reshape({t, qs});
+      const at::Tensor k = rms_norm(qkv.narrow(1, qs, hkv * d).reshape({t, hkv, d}), extras[4 * i + 1], floats[i]);
+      qkv = at::cat({q, k.reshape({t, hkv * d}), qkv.narrow(1, qs + hkv * d, hkv * d)}, -1);
+    }
+    const auto qk = rope_kv_write(qkv, cos, sin, kc, vc, slots, h, hkv);
+    at::Tensor a = decode_attention(qk[0], kc, vc, blocks, mask, scale, std::nullopt).view({t, qs});
+    if (gate.defined()) a = a * at::sigmoid(gate);
+    return project_parts(a, linears.data() + 4 * (p + np[0]), kinds.data() + p + np[0], groups.data() + p + np[0],
+                         np[1], eps, dtype);
+  }
+
+  // One Gated DeltaNet layer's mixer on the normalized rows y, on its convolution tails and states at state_slots.
+  at::Tensor gated_delta(size_t i, const at::Tensor& y, at::Tensor tails, at::Tensor states,
+                         const at::Tensor& state_slots, double eps) {
+    const auto dtype = y.scalar_type();
+    const int64_t p = first_part[i];
+    const int64_t* np = parts.data() + 4 * i;
+    const at::Tensor mixed = project_parts(y, linears.data() + 4 * p, kinds.data() + p, groups.data() + p, np[0],
+                                           eps, dtype);
+    const at::Tensor* e = extras.data() + 4 * i;
+    const at::Tensor o = gated_delta_decode(mixed, tails, states, state_slots, e[0], e[1], e[2], e[3], floats[i],
+                                            ints[2 * i], ints[2 * i + 1]);
+    return project_parts(o, linears.data() + 4 * (p + np[0]), kinds.data() + p + np[0], groups.data() + p + np[0],
+                         np[1], eps, dtype);
+  }
+
+  // x [T, hidden] after the stack. firsts / seconds: each layer's K and V caches (written at slots), or a Gated
+  // DeltaNet layer's convolution tails and recurrent states (read and written at state_slots: the decodes'
+  // BlockManager state slots, empty in a stack without such layers).
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& firsts,
+                     const std::vector<at::Tensor>& seconds, const at::Tensor& slots, const at::Tensor& blocks,
+                     const at::Tensor& mask, int64_t h, int64_t hkv, double scale, double eps,
+                     const at::Tensor& state_slots) {
+    TORCH_CHECK(firsts.size() == in_norms.size() && seconds.size() == in_norms.size(),
+                "DecoderStack: two state tensors a layer");
     const auto dtype = x.scalar_type();
-    const int64_t t = x.size(0), d = cos.size(-1);
     for (size_t i = 0; i < in_norms.size(); ++i) {
-      const at::Tensor* w = linears.data() + 16 * i;
-      const int64_t* kd = kinds.data() + 4 * i;
-      const int64_t* gr = groups.data() + 4 * i;
-      const at::Tensor qkv = project(rms_norm(x, in_norms[i], norm_eps), w, kd[0], gr[0], eps, dtype);
-      const auto qk = rope_kv_write(qkv, cos, sin, k_caches[i], v_caches[i], slots, h, hkv);
-      const at::Tensor a = decode_attention(qk[0], k_caches[i], v_caches[i], blocks, mask, scale, std::nullopt);
-      const at::Tensor x1 = x + project(a.view({t, h * d}), w + 4, kd[1], gr[1], eps, dtype);
-      const at::Tensor gu = project(rms_norm(x1, post_norms[i], norm_eps), w + 8, kd[2], gr[2], eps, dtype);
-      x = x1.add_(project(silu_mul(gu), w + 12, kd[3], gr[3], eps, dtype));
+      const at::Tensor y = rms_norm(x, in_norms[i], norm_eps);
+      const at::Tensor m = mixers[i] == kGatedDelta
+                               ? gated_delta(i, y, firsts[i], seconds[i], state_slots, eps)
+                               : attention(i, y, cos, sin, firsts[i], seconds[i], slots, blocks, mask, h, hkv, scale,
+                                           eps);
+      const at::Tensor x1 = x + m;
+      const int64_t p = first_part[i] + parts[4 * i] + parts[4 * i + 1];
+      const int64_t* np = parts.data() + 4 * i;
+      const at::Tensor gu = project_parts(rms_norm(x1, post_norms[i], norm_eps), linears.data() + 4 * p,
+                                          kinds.data() + p, groups.data() + p, np[2], eps, dtype);
+      x = x1.add_(project_parts(silu_mul(gu), linears.data() + 4 * (p + np[2]), kinds.data() + p + np[2],
+                                groups.data() + p + np[2], np[3], eps, dtype));
     }
     return x;
   }
@@ -2573,15 +2739,16 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("table_linear(Tensor x, Tensor w, Tensor s, Tensor table, int group, int round) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("delta_rule_step(Tensor(a!) pool, Tensor slots, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) "
-        "-> Tensor");
+  m.def("gated_delta_decode(Tensor mixed, Tensor(a!) tails, Tensor(b!) states, Tensor slots, Tensor conv, "
+        "Tensor neg_rate, Tensor dt_bias, Tensor norm, float eps, int key_heads, int key_dim) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale, "
         "Tensor? sinks=None) -> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int h, int hkv) -> Tensor[]");
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double, std::vector<at::Tensor>,
-                       std::vector<int64_t>, std::vector<int64_t>>())
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("forward", &DecoderStack::forward);
 }
 
@@ -2596,7 +2763,7 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("table_linear", &table_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
-  m.impl("delta_rule_step", &delta_rule_step);
+  m.impl("gated_delta_decode", &gated_delta_decode);
   m.impl("decode_attention", &decode_attention);
   m.impl("rope_kv_write", &rope_kv_write);
 }

@@ -26,8 +26,9 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
   exact).
 - `fp4_linear` (AVX-512, or AVX2 loops like lowbit_linear_bf16's): NVFP4 / MXFP4 codes in the INT4 tiles decoded
   exactly by a 16-entry table, float32 sums: the dense FP4 path's numbers from the packed bytes.
-- `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`: one pass each where PyTorch
-  dispatches several operations; the same arithmetic as norm.py / rotary.py / attention.py.
+- `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`, `gated_delta_decode` (a
+  Gated DeltaNet layer's decodes between its projections): one pass each where PyTorch dispatches several
+  operations; the same arithmetic as norm.py / rotary.py / attention.py / models/linear_attention.py.
 - `dense16_linear` (AVX-512): a 16-bit weight as stored times float32 activations, F.linear's numbers on the float32
   cast without a float32 copy.
 - `DecoderStack`: consecutive decode-only layers in one call, the same kernels in DecoderLayer's order (its
@@ -149,7 +150,7 @@ def _fake_half(gu):
 
 
 def _fake_rope(qkv, cos, sin, k_cache, v_cache, slots, h, hkv):
-    d = cos.shape[-1]
+    d = qkv.shape[1] // (h + 2 * hkv)
     return [qkv.new_empty(qkv.shape[0], h, d), qkv.new_empty(qkv.shape[0], hkv, d)]
 
 
@@ -342,11 +343,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.llmq_cpu.silu_mul(gate_up)
 
 
-def delta_rule_step(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """One decode token of each sequence through the gated delta rule (delta_rule.step) on its state in the pool
-    [slots, H, Dk, Dv] (updated in place): q / k [B, H, Dk], v [B, H, Dv], g / beta [B, H], float32 -> o [B, H, Dv]."""
-    return torch.ops.llmq_cpu.delta_rule_step(pool, slots, q, k, v, g, beta)
+def gated_delta_decode(mixed: torch.Tensor, tails: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                       conv: torch.Tensor, neg_rate: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor,
+                       eps: float, key_heads: int, key_dim: int) -> torch.Tensor:
+    """A Gated DeltaNet layer's decode rows from its mix projection [B, C + V + 2 Hv] (qkv, z, b, a) to its out
+    projection's input [B, V] (GatedDeltaNet.forward's arithmetic), on the slots' convolution tails [slots, C, K - 1]
+    and states [slots, Hv, Dk, Dv] (both updated in place)."""
+    return torch.ops.llmq_cpu.gated_delta_decode(mixed, tails, states, slots, conv, neg_rate, dt_bias, norm, eps,
+                                                 key_heads, key_dim)
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -290,10 +290,13 @@ class CausalLM(nn.Module):
     def _stacks_serve(self, caches: list[LayerKV], meta: AttentionMetadata) -> bool:
         """Whether this step runs the DecoderStacks: decodes only, 16/32-bit caches nobody observes, eagerly (a compiled
         step traces the layers' operations)."""
-        if not self.has_stacks or meta.prefills:
+        if not self.has_stacks or meta.prefills or meta.settle or meta.journal:
             return False
         kv = [c for c in caches if isinstance(c, LayerKV)]  # a hybrid model's recurrent layers keep no KV
-        return kv[0].kv_dtype == "auto" and cpu_kernels.usable(kv[0].k) and all(c.observer is None for c in kv)
+        # a speculating slot's journal records its inputs (GatedDeltaNet._record): such steps run op by op
+        if any(c.journals for c in caches if isinstance(c, LayerRecurrent)):
+            return False
+        return cpu_kernels.usable(meta.slot_mapping) and all(c.kv_dtype == "auto" and c.observer is None for c in kv)
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[LayerKV],
                 meta: AttentionMetadata, positions: torch.Tensor, ple: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,7 +312,7 @@ class CausalLM(nn.Module):
             return steps[key]
 
         stacks = self._stacks_serve(caches, meta)
-        first = self.layers[0]
+        first = next((layer for layer in self.layers if layer.mixer is None), self.layers[0])   # attention's heads
         for lo, hi, stack, rows in self.runs:
             if stacks and stack is not None and meta.num_decode <= rows:
                 x = layer_stack.run_stack(stack, x, step(self.layers[lo])[0], caches[lo:hi], meta, first.num_heads,

@@ -19,6 +19,11 @@ from ..layers.linear import LinearBase
 
 
 class GatedDeltaNet(nn.Module):
+    conv: torch.Tensor        # [channels, kernel]
+    neg_rate: torch.Tensor    # -e^A_log [value heads], float32
+    dt_bias: torch.Tensor     # [value heads], float32
+    norm: torch.Tensor        # [value dim]
+
     def __init__(self, mix: LinearBase, out: LinearBase, conv: torch.Tensor, A_log: torch.Tensor,
                  dt_bias: torch.Tensor, norm: torch.Tensor, eps: float, key_heads: int, value_heads: int,
                  key_dim: int, value_dim: int):
@@ -85,36 +90,52 @@ class GatedDeltaNet(nn.Module):
             j.g.append(g[rows])
             j.beta.append(beta[rows])
 
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm over each value head of o [T, value heads, value dim] (float32), times SiLU(z), in
+        transformers' order of roundings -> [T, value size] in z's dtype."""
+        t, dtype = o.shape[0], z.dtype
+        o = o.to(dtype).float()
+        o = self.norm * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (o * F.silu(z.float().view(t, self.value_heads, self.value_dim))).to(dtype).reshape(t, -1)
+
+    def _decodes(self, mixed: torch.Tensor, cache: LayerRecurrent, slots: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor) -> torch.Tensor:
+        """The decode rows' outputs [Bd, value size] from their mix rows: one recurrence step each on the slots'
+        states (in place), by cpu_kernels.gated_delta_decode where it serves (from the mix rows alone), else PyTorch's
+        operations (with the rows' decays g and rates beta)."""
+        if cpu_kernels.usable(cache.state) and cache.state.is_contiguous() and cache.conv.is_contiguous():
+            return cpu_kernels.gated_delta_decode(mixed, cache.conv, cache.state, slots, self.conv, self.neg_rate,
+                                                  self.dt_bias, self.norm, self.eps, self.key_heads, self.key_dim)
+        qkv, z = mixed[:, :self.conv.shape[0]], mixed[:, self.conv.shape[0]:self.conv.shape[0] + self.value_size]
+        window = torch.cat([cache.conv[slots], qkv[:, :, None]], dim=-1)     # [Bd, channels, kernel]
+        cache.conv[slots] = window[..., 1:]
+        state = cache.state[slots]
+        o = delta_rule.step(state, *self._heads(F.silu((window * self.conv).sum(-1))), g, beta)
+        cache.state[slots] = state
+        return self._gated_norm(o, z)
+
     def forward(self, x: torch.Tensor, cache: LayerRecurrent, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv, z, b, a = self.mix(x).split([self.conv.shape[0], self.value_size, self.value_heads, self.value_heads],
-                                         dim=-1)
+        mixed = self.mix(x)
+        qkv, z, b, a = mixed.split([self.conv.shape[0], self.value_size, self.value_heads, self.value_heads], dim=-1)
         beta = b.float().sigmoid()
         g = self.neg_rate * F.softplus(a.float() + self.dt_bias)
         if meta.settle or meta.journal or cache.journals:
             self._journals(cache, meta)
-        o = torch.empty(t, self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
+        out = torch.empty(t, self.value_size, dtype=x.dtype, device=x.device)
         bd = meta.num_decode
         if bd:
             slots = meta.decode_slots
-            window = torch.cat([cache.conv[slots], qkv[:bd, :, None]], dim=-1)     # [Bd, channels, kernel]
-            cache.conv[slots] = window[..., 1:]
-            mixed = F.silu((window * self.conv).sum(-1))
-            if cpu_kernels.usable(cache.state) and cache.state.is_contiguous():   # on the slots' states in place
-                o[:bd] = cpu_kernels.delta_rule_step(cache.state, slots, *self._heads(mixed), g[:bd], beta[:bd])
-            else:
-                state = cache.state[slots]
-                o[:bd] = delta_rule.step(state, *self._heads(mixed), g[:bd], beta[:bd])
-                cache.state[slots] = state
+            out[:bd] = self._decodes(mixed[:bd], cache, slots, g[:bd], beta[:bd])
             if cache.journals:
                 for i, slot in enumerate(slots.tolist()):
                     self._record(cache, slot, slice(i, i + 1), qkv, g, beta)
-        for p in meta.prefills:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            self._record(cache, p.slot, rows, qkv, g, beta)
-            o[rows] = self._chunk(cache, p.slot, qkv[rows], g[rows], beta[rows], fresh=p.start == 0)
-        # the gated RMSNorm over each value head, in transformers' order of roundings
-        o = o.to(x.dtype).float()
-        o = self.norm * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        o = (o * F.silu(z.float().view(t, self.value_heads, self.value_dim))).to(x.dtype)
-        return self.out(o.reshape(t, self.value_size))
+        if meta.prefills:
+            o = torch.empty(t - bd, self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
+            for p in meta.prefills:
+                rows = slice(p.q_start, p.q_start + p.q_len)
+                self._record(cache, p.slot, rows, qkv, g, beta)
+                o[p.q_start - bd:p.q_start - bd + p.q_len] = self._chunk(cache, p.slot, qkv[rows], g[rows], beta[rows],
+                                                                         fresh=p.start == 0)
+            out[bd:] = self._gated_norm(o, z[bd:])
+        return self.out(out)
