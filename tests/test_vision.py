@@ -333,7 +333,8 @@ def test_quantized_language_model_keeps_the_tower_and_runs_in_transformers_and_l
     assert kld(ref[:-1], lp).max() <= 1e-5
 
 
-def test_build_and_quantize_kv_refuse_vision_language_models_in_one_line(vlm):
+def test_build_refuses_vision_language_models_and_image_calibration_text_models_in_one_line(vlm, tmp_path):
+    from llmq.models import resolve_model
     from llmq.pipeline.kv_options import KVOptions
     from llmq.pipeline.kvcache import _check
     from llmq.pipeline.targets.stage import BuildOptions, build_engine
@@ -343,5 +344,126 @@ def test_build_and_quantize_kv_refuse_vision_language_models_in_one_line(vlm):
     for target in ("llmq", "gguf", "trtllm"):
         with pytest.raises(LlmqError, match="does not write vision-language models yet"):
             build_engine(art, store, BuildOptions(target=target))
-    with pytest.raises(LlmqError, match="vision-language model are not calibrated yet"):
-        _check(art, KVOptions(kv="int8"))
+    text_model = resolve_model(str(make_tiny_model(tmp_path / "text", seed=1)), store)
+    with pytest.raises(LlmqError, match="--image-share: .* takes no images"):
+        _check(text_model, KVOptions(kv="int8", image_share=0.5))
+
+
+def test_image_questions_are_drawn_from_their_seed_with_checkable_answers():
+    from llmq import image_questions as iq
+
+    qs = iq.image_questions(10, seed=3)
+    assert [q.kind for q in qs] == list(iq.KINDS) * 2
+    again = iq.image_questions(10, seed=3)
+    assert all(a.image.tobytes() == b.image.tobytes() and a.answer == b.answer for a, b in zip(qs, again))
+    assert any(a.image.tobytes() != b.image.tobytes() for a, b in zip(qs, iq.image_questions(10, seed=4)))
+    for q in qs:
+        assert q.image.size == (iq.SIZE, iq.SIZE)
+        assert len(set(q.image.getdata())) > 1   # something drawn, not a blank
+    colour = next(q for q in qs if q.kind == "colour")   # the fill is the named colour
+    assert max(colour.image.getcolors(), key=lambda c: c[0])[1] == iq.COLOURS[colour.answer]
+    chart = next(q for q in qs if q.kind == "chart")
+    assert chart.answer in "ABCDE"
+
+
+def test_kv_calibration_of_a_vision_language_model_sees_its_image_tokens(vlm, tmp_path):
+    """quantize-kv on the tiny Gemma 3 VLM with --image-share 0.75: six of the eight calibration samples are generated
+    image + question conversations, prefilled with their pixels; the per-head scales are the absolute maxima of the K
+    / V that transformers computes on the same samples (images included: with blank pixels they differ), and the
+    manifest records the image share."""
+    from transformers import DynamicCache, Gemma3ForConditionalGeneration
+
+    from llmq.models.load import load_tokenizer
+    from llmq.pipeline.kv_options import KVOptions
+    from llmq.pipeline.kvcache import quantize_kv
+    from llmq.pipeline.quantize.calib import load_calibration
+
+    art = vlm[1]
+    store = Store(art.path.parent.parent)
+    q = quantize_kv(art, store, KVOptions(kv="int8", granularity="head", num_samples=8, seq_len=8, probe_tokens=64,
+                                          image_share=0.75, name="vlm-kv"), show_progress=False)
+    record = q.config["calibration"]["image_conversations"]
+    assert record["images"] == 6
+    assert record["share"] == 0.75
+    tok = load_tokenizer(art.path)
+    calib = load_calibration(None, tok, 8, 8, seed=0).with_images(art.path, tok, 6)
+    texts, images = [w.tolist() for w in calib.samples], list(calib.images)
+    image_token = tok.convert_tokens_to_ids("<image_soft_token>")
+    assert all(ids.count(image_token) == 4 for ids, _ in images)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(vlm[0], dtype=torch.float32).eval()
+
+    def amax(samples):
+        top = None
+        with torch.no_grad():
+            for ids, pixels in samples:
+                ids_t = torch.tensor([ids])
+                extra = {} if pixels is None else {"pixel_values": pixels,
+                                                   "token_type_ids": (ids_t == image_token).long()}
+                cache = hf(input_ids=ids_t, past_key_values=DynamicCache(), **extra).past_key_values   # (whole:
+                # no sliding-window layer that keeps only the last tokens)
+                m = torch.stack([torch.stack([layer.keys[0].abs().amax((1, 2)), layer.values[0].abs().amax((1, 2))])
+                                 for layer in cache.layers])   # [layers, K / V, heads]
+                top = m if top is None else torch.maximum(top, m)
+        return top
+
+    want = amax([(t, None) for t in texts] + images)
+    from safetensors import safe_open
+
+    got = torch.zeros_like(want)
+    for f in q.path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                if k.endswith(("k_scale", "v_scale")):
+                    layer = int(k.split("layers.")[1].split(".")[0])
+                    got[layer, int(k.endswith("v_scale"))] = h.get_tensor(k).float().flatten() * 127
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    # the images moved the scales: without their pixels (blank ones) the maxima differ
+    blank = amax([(t, None) for t in texts] + [(ids, torch.zeros_like(p)) for ids, p in images])
+    assert float((blank - want).abs().max()) > 1e-3 * float(want.abs().max())
+
+
+def test_weight_calibration_streams_image_conversations_as_the_model_computes_them(vlm):
+    """The layer-by-layer pass's image windows: each generated conversation's layer inputs (the projected image
+    features in place of its image tokens, an image's tokens attending to each other both ways) run through the
+    streamed float layers equal transformers' hidden states layer by layer; and GPTQ calibrated on them records the
+    image share."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from llmq.models import ModelSpec
+    from llmq.models.load import load_tokenizer
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+    from llmq.pipeline.quantize.calib import load_calibration
+    from llmq.pipeline.quantize.calib_images import image_windows
+    from llmq.pipeline.quantize.streamed import capture_layer0, load, skeleton, source_tensors
+
+    src, art = vlm
+    tok = load_tokenizer(art.path)
+    calib = load_calibration(None, tok, 4, 24, seed=0).with_images(art.path, tok, 2)
+    assert len(calib.samples) == 2
+    assert len(calib.images) == 2
+    spec = ModelSpec.from_config(art.path)
+    arch, device = spec.arch, torch.device("cpu")
+    source = source_tensors(art.path, spec)
+    model = skeleton(art.path, arch, torch.float32, device)
+    load(model.get_submodule("model.embed_tokens"), "model.embed_tokens", source, device)
+    hidden, kws = capture_layer0(model, arch, calib.samples, device, None,
+                                 image_windows(art.path, model, list(calib.images), device))
+    hf = Gemma3ForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
+    image_token = tok.convert_tokens_to_ids("<image_soft_token>")
+    layers = model.get_submodule(arch.layers)
+    with torch.no_grad():
+        for w, (ids, pixels) in enumerate(calib.images):
+            ids_t = torch.tensor([ids])
+            want = hf(input_ids=ids_t, pixel_values=pixels, token_type_ids=(ids_t == image_token).long(),
+                      output_hidden_states=True).hidden_states
+            x = hidden[len(calib.samples) + w]
+            for i in range(len(layers)):
+                assert float((x - want[i]).abs().max()) <= 1e-4 * float(want[i].abs().max()), (w, i)
+                x = load(layers[i], arch.prefix(i), source, device)(x, **kws[i][len(calib.samples) + w])
+    q = quantize(art, QuantizeOptions(method="gptq", bits=4, group_size=16, num_samples=4, seq_len=24,
+                                      image_share=0.5, probe_tokens=0, name="vlm-gptq-images"),
+                 Store(art.path.parent.parent), progress=False)
+    record = q.config["calibration"]["image_conversations"]
+    assert record["images"] == 2
+    assert record["share"] == 0.5
+    assert q.config["vision"]["calibration"].startswith("2 image conversations")

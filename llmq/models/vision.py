@@ -174,10 +174,13 @@ def quantization_config(qc: dict) -> dict:
     return qc | {"ignore": ignore + [p for p in VISION_IGNORE if p not in ignore]}
 
 
-def manifest(vision: dict) -> dict:
-    """The quantized artifact's record of the tower and projector: kept as stored, their dtype and size."""
+def manifest(vision: dict, images: int) -> dict:
+    """The quantized artifact's record of the tower and projector: kept as stored, their dtype and size, and how many
+    calibration samples were image conversations (the calibration record says which)."""
     import math
 
     dtypes = sorted({str(d).removeprefix("torch.") for d, _ in vision.values()})
     return {"format": f"{'/'.join(dtypes)} as stored (not quantized)", "tensors": len(vision),
-            "parameters": sum(math.prod(s) for _, s in vision.values()), "calibration": "text only (no image)"}
+            "parameters": sum(math.prod(s) for _, s in vision.values()),
+            "calibration": f"{images} image conversations (calibration.image_conversations)" if images
+            else "text only (no image)"}

@@ -22,6 +22,9 @@ class KVOptions(Options):
                                "(default: the bundled offline text).", metavar="DATA")
     num_samples: int = option(16, "Calibration sequences.", ge=1, aliases=("calib_samples",))
     seq_len: int = option(512, "Tokens per calibration sequence.", ge=2)
+    image_share: float | None = option(None, "Share of the calibration samples that are generated image + question "
+                                       "conversations (vision-language models; default 0.25 there; 0: text only).",
+                                       ge=0, lt=1)
     probe_tokens: int = option(2048, "Held-out tokens for the error and KLD measurement.", ge=2,
                                aliases=("heldout_tokens",))
     margin: float = option(0.1, internal=True, ge=0, lt=1)  # auto: per head must cut the held-out error this much

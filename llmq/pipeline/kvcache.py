@@ -29,7 +29,6 @@ from ..errors import LlmqError
 from ..models import qformat
 from ..models.checkpoint import INDEX_NAME, read_config, safetensors_files, write_json
 from ..models.reader import CheckpointReader
-from ..models.vision import runs_images
 from .kv_options import KVOptions
 
 SCALES_FILE = "kv-scales.safetensors"
@@ -94,9 +93,9 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if ckpt.bnb is not None:
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint, whose format has no KV-cache scales; run "
                         "quantize-kv on a compressed-tensors artifact (rtn, gptq, awq, smoothquant, fp8) or a model")
-    if runs_images(ckpt.spec.vision):   # (a family whose towers are carried, not run, takes text alone)
-        raise LlmqError(f"{source.ref}: KV-cache scales of a vision-language model are not calibrated yet (its "
-                        "calibration would need image tokens); serve it with --kv-cache-dtype auto")
+    from .quantize.calib import image_count
+
+    image_count(ckpt.spec, opts.image_share, opts.num_samples)   # one line for images a model does not take
     have = ckpt.kv_cache_dtype()
     if have is not None:
         raise LlmqError(f"{source.ref} already carries calibrated {have} KV-cache scales; "
@@ -112,13 +111,18 @@ def _engine(path: Path, max_len: int, opts: KVOptions):
     return LLMEngine(path, cfg)
 
 
-def _run(engine, samples: list[list[int]], progress: Callable[[int], None]) -> None:
-    """Prefill every sample (one token generated, never cached): the cache sees all of their K/V."""
+Sample = tuple[list[int], "torch.Tensor | None"]   # token ids, and a vision-language prompt's pixel values
+
+
+def _run(engine, samples: list[Sample], progress: Callable[[int], None]) -> None:
+    """Prefill every sample (one token generated, never cached): the cache sees all of their K/V, image tokens
+    included."""
     from ..runtime import SamplingParams
 
     for i in range(0, len(samples), 8):
         batch = samples[i:i + 8]
-        engine.generate(batch, SamplingParams(max_tokens=1, temperature=0))
+        engine.generate([ids for ids, _ in batch], SamplingParams(max_tokens=1, temperature=0),
+                        images=[pixels for _, pixels in batch])
         progress(len(batch))
 
 
@@ -220,7 +224,7 @@ def _windows(tw, max_len: int) -> list[list[int]]:
     return [s[:max_len - 1].tolist() for s in tw.samples]
 
 
-def calibrate(engine, kv: str, samples: list[list[int]], heldout: list[list[int]], bar) -> tuple[dict, dict]:
+def calibrate(engine, kv: str, samples: list[Sample], heldout: list[list[int]], bar) -> tuple[dict, dict]:
     """Run the calibration samples, derive per-tensor and per-head scales, measure both on held-out windows.
     Returns ({"tensor"|"head": [(k_scale, v_scale)] per layer}, {"tensor"|"head": relative errors})."""
     spec = engine.spec
@@ -232,7 +236,7 @@ def calibrate(engine, kv: str, samples: list[list[int]], heldout: list[list[int]
                           for a in rec.amax] for g in ("tensor", "head")}
         rec.measure(candidates)
         task = bar.add_task("held-out K/V error", total=len(heldout))
-        _run(engine, heldout, lambda n: bar.advance(task, n))
+        _run(engine, [(w, None) for w in heldout], lambda n: bar.advance(task, n))
     return candidates, rec.relative_errors()
 
 
@@ -243,17 +247,22 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
     from rich.progress import Progress
 
     from ..models.load import load_tokenizer
-    from .quantize.calib import load_calibration, load_probe_text
+    from .quantize.calib import image_count, load_calibration, load_probe_text
     from .quantize.stage import peak_memory
 
     ckpt = _check(source, opts)
     t0 = time.perf_counter()
     spec = ckpt.spec
     tokenizer = load_tokenizer(source.path)
-    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, seed=0)
+    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, seed=0).with_images(
+        source.path, tokenizer, image_count(spec, opts.image_share, opts.num_samples))
     probe = load_probe_text(tokenizer, opts.probe_tokens)
-    max_len = min(spec.max_position_embeddings, max(len(s) for s in calib.samples + probe.samples) + 1)
-    samples, heldout = _windows(calib, max_len), _windows(probe, max_len)
+    max_len = min(spec.max_position_embeddings,
+                  max(len(s) for s in [*calib.samples, *probe.samples, *(ids for ids, _ in calib.images)]) + 1)
+    if any(len(ids) >= max_len for ids, _ in calib.images):
+        raise LlmqError(f"an image calibration conversation is longer than this model's context ({max_len - 1} "
+                        "tokens); pass --image-share 0")
+    samples, heldout = [(w, None) for w in _windows(calib, max_len)] + list(calib.images), _windows(probe, max_len)
     reference = SpilledLogprobs()
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as bar:
         try:

@@ -77,7 +77,7 @@ class LayerContext:
     scale_dtype: torch.dtype
     device: torch.device
     calib_inputs: list[torch.Tensor] = field(default_factory=list)
-    layer_kwargs: dict = field(default_factory=dict)
+    sample_kwargs: list[dict] = field(default_factory=list)   # the layer's keyword arguments for each sample
     widths: dict[str, int] = field(default_factory=dict)  # --target-bpw: each linear's bits (16: kept dense)
     formats: frozenset[str] = frozenset()  # --target-bpw --for: the linears in FP8 / NVFP4 / MXFP4
     _squares: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
@@ -108,8 +108,8 @@ class LayerContext:
             lambda m, args, n=n: fn(n, args[0].reshape(-1, args[0].shape[-1]).float())) for n in names]
         try:
             with experts.every_expert(self.layer):  # a MoE layer's experts each see every token (experts.py)
-                for x in self.calib_inputs:
-                    self.layer(x, **self.layer_kwargs)
+                for x, kw in zip(self.calib_inputs, self.sample_kwargs, strict=True):
+                    self.layer(x, **kw)
         finally:
             for h in hooks:
                 h.remove()
@@ -234,14 +234,22 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     for name in spec.model_modules():   # Gemma 4's per-layer inputs, computed by the model before its layers
         load(model.get_submodule(name), name, source, device)
     layout = StreamLayout.of(spec)
-    probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device, layout) if probe is not None else ([], [])
+    probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device, layout) if probe is not None \
+        else ([], [[]] * len(model.get_submodule(arch.layers)))
     quant_embed = None
     if opts.embedding == "int8":  # from here on the model looks tokens up in the INT8 table, as serve will
         quant_embed = quantize_weight(embed.weight, 8, opts.int8_group_size, True, model_dtype, search=opts.search)
         sink.linear(qformat.EMBEDDING, quant_embed)
         emitted.add(qformat.EMBEDDING + ".weight")
         embed.weight.data = quant_embed.dequantize(torch.float32).to(device)
-    calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device, layout) if calib is not None else ([], [])
+    if calib is not None and calib.images:
+        from .calib_images import image_windows
+
+        images = image_windows(model_dir, model, list(calib.images), device)
+    else:
+        images = []
+    calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device, layout, images) if calib is not None \
+        else ([], [])
     probe_q = (capture_layer0(model, arch, probe.samples, device, layout)[0]
                if quant_embed is not None and probe is not None else [x.clone() for x in probe_src])
     for name in (qformat.EMBEDDING, *spec.model_modules()):
@@ -259,14 +267,14 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
             layer = load(layers[i], prefix, source, device).to(dtype=torch.float32)
             if layout is not None:
                 layout.adapt(layer, i)
-            probe_src = [layer(x, **probe_kw[i]) for x in probe_src]
+            probe_src = [layer(x, **kw) for x, kw in zip(probe_src, probe_kw[i])]
             linears = {n: m for n, m in layer.named_modules()
                        if isinstance(m, nn.Linear) and not ignore.ignores(f"{prefix}.{n}")}
             own_formats = {n: formats[f"{prefix}.{n}"] for n in linears if f"{prefix}.{n}" in formats}
             in_format = {n: linears.pop(n) for n in own_formats}
             own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
-                               calib_kw[i] if calib_kw else {}, own, frozenset(own_formats))
+                               calib_kw[i] if calib_kw else [], own, frozenset(own_formats))
             if calib_x and opts.method in WEIGHT_ONLY:
                 importance.update({f"{prefix}.{n}": s.cpu() for n, s in ctx.mean_squares().items()})
             qws = method.quantize_layer(ctx)
@@ -290,9 +298,9 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
                 p.data = stored_p.float()
                 sink.dense(f"{prefix}.{name}", stored_p.cpu())
                 emitted.add(f"{prefix}.{name}")
-            probe_q = [layer(x, **probe_kw[i]) for x in probe_q]
+            probe_q = [layer(x, **kw) for x, kw in zip(probe_q, probe_kw[i])]
             if calib_x and i + 1 < len(layers):
-                calib_x = [layer(x, **calib_kw[i]) for x in calib_x]
+                calib_x = [layer(x, **kw) for x, kw in zip(calib_x, calib_kw[i])]
             layers[i] = nn.Module()  # drop the finished layer
             times.append(round(time.perf_counter() - t0, 3))
             bar.advance(task)

@@ -171,6 +171,7 @@ def measure(model_dir, spec: ModelSpec, opts, windows: TokenWindows, device, pro
     model = skeleton(model_dir, arch, dtype, device)
     load(model.get_submodule(qformat.EMBEDDING), qformat.EMBEDDING, source, device)
     hidden, kws = capture_layer0(model, arch, windows.samples, device)
+    kws = [k[0] for k in kws]   # the text windows' one set of layer arguments
     x = torch.cat(hidden)  # the windows as one batch: [windows, tokens, hidden]
     drop(model, qformat.EMBEDDING)
     stack = model.get_submodule(arch.layers)

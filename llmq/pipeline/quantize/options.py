@@ -81,6 +81,9 @@ class QuantizeOptions(Options, _MethodFields):
                            choices=THINKING)
     num_samples: int = option(32, "Calibration windows.", ge=1, aliases=("calib_samples",))
     seq_len: int = option(256, "Tokens per calibration window.", ge=2)
+    image_share: float | None = option(None, "Share of the calibration samples that are generated image + question "
+                                       "conversations (vision-language models; default 0.25 there; 0: text only).",
+                                       ge=0, lt=1)
     seed: int = option(0, "Seed for choosing calibration windows (and --rotate's random signs).")
     probe_tokens: int = option(2048, "Held-out tokens for the KLD / top-1 quality probe (0: skip it).", ge=0)
     rotate: str = option("none", "Rotate the residual stream before quantizing: hadamard = a random Hadamard matrix "

@@ -135,7 +135,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
              command: str | None = None) -> Artifact:
     """Quantize `source` (a model artifact) and commit the quantized artifact."""
     from ...models import qformat, vision
-    from .calib import load_calibration, load_probe_text
+    from .calib import image_count, load_calibration, load_probe_text
     from .experts import expert_coverage
     from .layerwise import run_layerwise
     from .sink import CheckpointSink
@@ -152,8 +152,12 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
         raise LlmqError(f"{' / '.join(given)}: method {opts.method} with these options uses no calibration data; "
                         f"drop {' and '.join(given)}")
     tokenizer = load_tokenizer(source.path)
+    images = image_count(spec, opts.image_share, opts.num_samples)
+    if opts.image_share and not calibrated:
+        raise LlmqError(f"--image-share: method {opts.method} with these options uses no calibration data; drop it")
     calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed, opts.chat_template,
-                             opts.thinking) if calibrated else None
+                             opts.thinking).with_images(source.path, tokenizer, images, opts.chat_template) \
+        if calibrated else None
     probe = load_probe_text(tokenizer, opts.probe_tokens, opts.chat_template) if opts.probe_tokens else None
 
     name = opts.name or f"{source.name}-{opts.method}-" + (f"w{opts.bits}" + (
@@ -205,7 +209,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             **({"expert_coverage": expert_coverage(result.routed, calib)} if spec.num_experts else {}),
             "probe": probe.manifest() if probe is not None else None,
             **({"rotation": result.rotation} if result.rotation else {}),
-            **({"vision": vision.manifest(tensors.vision_info())} if spec.vision is not None else {}),
+            **({"vision": vision.manifest(tensors.vision_info(), len(calib.images) if calib is not None else 0)}
+               if spec.vision is not None else {}),
             "source": {"id": source.id, "ref": source.ref},
         })
         write_json(w.dir / "config.json", config)

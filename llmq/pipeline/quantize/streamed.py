@@ -34,41 +34,54 @@ class _Recorder(nn.Module):
 
 
 @torch.no_grad()
-def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device, layout: StreamLayout | None = None
-                   ) -> tuple[list[torch.Tensor], list[dict]]:
-    """The float32 hidden states entering decoder layer 0 for each window (all the same length; widened by
-    `layout` with what Gemma 4's layers read besides them: layer_inputs), and the keyword arguments the model passes
-    each layer (its mask and position embeddings: a family may give layer types their own; position embeddings
-    recomputed in float32)."""
+def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device, layout: StreamLayout | None = None,
+                   images: list[tuple[torch.Tensor, dict]] = ()) -> tuple[list[torch.Tensor], list[list[dict]]]:
+    """The float32 hidden states entering decoder layer 0 for each window (the text windows all the same length;
+    widened by `layout` with what Gemma 4's layers read besides them: layer_inputs), then for each image window
+    (its inputs_embeds [1, T, hidden], the image features already in place, and its attention-mask mapping: the
+    images' tokens see each other both ways; calib_images.image_windows), and per layer each window's keyword
+    arguments the model passes the layer (its mask and position embeddings: a family may give layer types their
+    own; position embeddings recomputed in float32). The text windows share one set."""
     body = model.get_submodule(arch.layers.rpartition(".")[0])
     layers = model.get_submodule(arch.layers)
     real, seen = list(layers), []
     for i in range(len(real)):
         layers[i] = _Recorder(seen, last=i == len(real) - 1)
-    hidden = []
+    types = getattr(model.config, "layer_types", None)
+
+    def run(**inputs) -> torch.Tensor:
+        seen.clear()
+        try:
+            body(**inputs, use_cache=False)
+        except _Captured:
+            pass
+        h = seen[0][0].float()
+        return layout.widen(h, [a[0] for _, _, a in seen]) if layout is not None else h
+
+    def kwargs(h: torch.Tensor) -> list[dict]:
+        per_layer = []
+        for i, (_, kw, _) in enumerate(seen):
+            kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "use_cache",
+                                                            "shared_kv_states")}
+            if "position_embeddings" in kw:
+                extra = {"layer_type": types[i]} if arch.window == "per_layer" and arch.local_rotary else {}
+                kw["position_embeddings"] = tuple(t.float() for t in body.rotary_emb(h, kw["position_ids"], **extra))
+            per_layer.append(kw)
+        return per_layer
+
+    hidden, per_window = [], []
     try:
         for w in windows:
-            seen.clear()
-            try:
-                body(input_ids=w[None].to(device), use_cache=False)
-            except _Captured:
-                pass
-            h = seen[0][0].float()
-            hidden.append(layout.widen(h, [a[0] for _, _, a in seen]) if layout is not None else h)
+            hidden.append(run(input_ids=w[None].to(device)))
+        shared = kwargs(hidden[0]) if windows else []
+        per_window = [shared] * len(windows)
+        for embeds, masks in images:
+            hidden.append(run(inputs_embeds=embeds.to(device), attention_mask=masks))
+            per_window.append(kwargs(hidden[-1]))
     finally:
         for i, layer in enumerate(real):
             layers[i] = layer
-    types = getattr(model.config, "layer_types", None)
-    per_layer = []
-    for i, (_, kw, _) in enumerate(seen):
-        kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "past_key_values", "use_cache",
-                                                        "shared_kv_states")}
-        if "position_embeddings" in kw:
-            extra = {"layer_type": types[i]} if arch.window == "per_layer" and arch.local_rotary else {}
-            kw["position_embeddings"] = tuple(t.float() for t in body.rotary_emb(hidden[0], kw["position_ids"],
-                                                                                  **extra))
-        per_layer.append(kw)
-    return hidden, per_layer
+    return hidden, [[w[i] for w in per_window] for i in range(len(real))]
 
 
 def logits(h: torch.Tensor, head: torch.Tensor, rows: int = 16384) -> torch.Tensor:
