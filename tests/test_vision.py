@@ -341,8 +341,8 @@ def test_build_refuses_vision_language_models_and_image_calibration_text_models_
 
     art = vlm[1]
     store = Store(art.path.parent.parent)
-    for target in ("llmq", "gguf", "trtllm"):
-        with pytest.raises(LlmqError, match="does not write vision-language models yet"):
+    for target in ("llmq", "trtllm"):
+        with pytest.raises(LlmqError, match="does not write this vision-language model yet"):
             build_engine(art, store, BuildOptions(target=target))
     text_model = resolve_model(str(make_tiny_model(tmp_path / "text", seed=1)), store)
     with pytest.raises(LlmqError, match="--image-share: .* takes no images"):
@@ -467,3 +467,48 @@ def test_weight_calibration_streams_image_conversations_as_the_model_computes_th
     assert record["images"] == 2
     assert record["share"] == 0.5
     assert q.config["vision"]["calibration"].startswith("2 image conversations")
+
+
+def test_gguf_build_writes_the_tower_as_llamacpp_mmproj(vlm):
+    """build --target gguf on the tiny Gemma 3 VLM: the language model's GGUF and an mmproj GGUF of the tower (clip,
+    projector gemma3) with llama.cpp's converter's keys, names and types (checked tensor for tensor against
+    `convert_hf_to_gguf.py --mmproj` of the same model, and run by llama-server beside the language model's file:
+    benchmarks/vlm_gguf_in_llamacpp.py), its values the checkpoint's: matrices in float16, the projector's norm as
+    1 + w."""
+    import gguf
+    import numpy as np
+
+    from llmq.models.reader import CheckpointReader
+    from llmq.pipeline.targets.stage import BuildOptions, build_engine
+
+    src, art = vlm
+    e = build_engine(art, Store(art.path.parent.parent), BuildOptions(target="gguf", probe_tokens=0, name="vlm-gguf"))
+    record = json.loads((e.path / "engine.json").read_text())["outputs"]["gguf"]
+    assert (e.path / record["file"]).is_file()
+    r = gguf.GGUFReader(e.path / record["mmproj"]["file"])
+    fields = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("GGUF.")}
+    cfg = json.loads((src / "config.json").read_text())
+    vc = cfg["vision_config"]
+    assert (fields["general.architecture"], fields["general.type"], fields["clip.projector_type"]) == (
+        "clip", "mmproj", "gemma3")
+    assert fields["clip.has_vision_encoder"] is True
+    assert (fields["clip.vision.image_size"], fields["clip.vision.patch_size"], fields["clip.vision.block_count"],
+            fields["clip.vision.embedding_length"], fields["clip.vision.projection_dim"]) == (
+        vc["image_size"], vc["patch_size"], vc["num_hidden_layers"], vc["hidden_size"],
+        cfg["text_config"]["hidden_size"])
+    assert fields["clip.vision.image_mean"] == [0.5, 0.5, 0.5]
+    tower = CheckpointReader(art.path).tensors
+    tensors = {t.name: t for t in r.tensors}
+    assert len(tensors) == len(tower.vision)
+    want = {"v.blk.1.attn_q.weight": ("vision_tower.encoder.layers.1.self_attn.q_proj.weight", "F16"),
+            "v.blk.0.ffn_down.bias": ("vision_tower.encoder.layers.0.mlp.fc2.bias", "F32"),
+            "v.patch_embd.weight": ("vision_tower.embeddings.patch_embedding.weight", "F32"),
+            "v.position_embd.weight": ("vision_tower.embeddings.position_embedding.weight", "F32"),
+            "mm.input_projection.weight": ("multi_modal_projector.mm_input_projection_weight", "F16"),
+            "mm.soft_emb_norm.weight": ("multi_modal_projector.mm_soft_emb_norm.weight", "F32")}
+    for name, (stored, kind) in want.items():
+        t = tensors[name]
+        assert t.tensor_type.name == kind
+        value = tower.vision_tensor(stored).float().numpy() + (1 if "soft_emb_norm" in name else 0)
+        assert np.array_equal(np.asarray(t.data).reshape(value.shape),
+                              value.astype(np.float16 if kind == "F16" else np.float32)), name

@@ -5,9 +5,9 @@ KV-cache scales, one sliding window on every layer (Mistral, Qwen), RoPE scaling
 other than llama.cpp's, tensor parallelism), and the writer that puts the parts together and records them. The
 parts: the block encoders (gguf_blocks.py: INT8 -> Q8_0, INT4 -> Q4_0 / Q4_1, INT5 -> Q5_0 / Q5_1, MXFP4 and NVFP4
 carried over, every re-rounding counted), the tensors under llama.cpp's names and layout (gguf_tensors.py), the
-hyperparameters and the tokenizer (gguf_meta.py), and llama.cpp's importance matrix beside the file
-(gguf_imatrix.py). The build records the file's quality as llama.cpp's CPU arithmetic gives it, modelled
-(gguf_compute.py).
+hyperparameters and the tokenizer (gguf_meta.py), llama.cpp's importance matrix beside the file
+(gguf_imatrix.py) and, for a vision-language model, its tower as an mmproj GGUF (gguf_mmproj.py). The build records
+the file's quality as llama.cpp's CPU arithmetic gives it, modelled (gguf_compute.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ...models.sharding import ShardPlan
 from .gguf_compute import modelled_quality
 from .gguf_imatrix import write_imatrix
 from .gguf_meta import add_hparams, add_tokenizer
+from .gguf_mmproj import write_mmproj
 from .gguf_tensors import Tensors, add_weights
 from .registry import ExportTarget, TargetResult
 
@@ -126,6 +127,7 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
     w.write_tensors_to_file()
     w.close()
     imatrix = write_imatrix(src, out / f"{source_name}.imatrix.gguf")
+    mmproj = write_mmproj(src, out, source_name) if src.spec.vision is not None else None
     w4a4 = src.qconfig is not None and src.qconfig.weights is not None and src.qconfig.weights.fp4 is not None \
         and src.qconfig.input_activations is not None
     if w4a4:
@@ -138,7 +140,7 @@ def write_gguf(src: CheckpointReader, plan: ShardPlan, out: Path, engine) -> Tar
                                   **({"rope": YARN_NOTE} if yarn_untruncated else {}),
                                   "tensor_types": dict(sorted(tensors.types.items())),
                                   "rounding": tensors.rounding.record(), "tokenizer": tokenizer,
-                                  "imatrix": imatrix}})
+                                  "imatrix": imatrix, **({"mmproj": mmproj} if mmproj else {})}})
 
 
 TARGET = ExportTarget("gguf", write=write_gguf, read_back=None, refuse=refuse, quality=modelled_quality, no_verify=(

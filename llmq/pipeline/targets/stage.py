@@ -11,6 +11,7 @@ from ...artifacts import Artifact, Store
 from ...errors import GateFailed, LlmqError
 from ...models.checkpoint import copy_tokenizer
 from ...models.engine_spec import NATIVE
+from ...models.vision import runs_images
 from ...options import Options, option
 from ...runtime.config import KV_DTYPES
 from .registry import TARGETS, target
@@ -100,10 +101,12 @@ def build_engine(source: Artifact, store: Store, opts: BuildOptions, command: st
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint: serve and eval it as it is (llmq, transformers, "
                         "vLLM's bitsandbytes loader and TGI load it directly); build targets take compressed-tensors "
                         "artifacts (rtn, gptq, awq, smoothquant, fp8)")
-    if src.spec.vision is not None:
-        raise LlmqError(f"--target {opts.target}: build does not write vision-language models yet (the tower's mmproj "
-                        f"GGUF, its rank shards and TensorRT-LLM's checkpoint are not done); serve {source.ref} itself "
-                        "(llmq serve), or load it in vLLM / SGLang / transformers (compressed-tensors)")
+    if src.spec.vision is not None and (opts.target != "gguf" or not runs_images(src.spec.vision)):
+        why = "its towers are not run by llmq yet" if opts.target == "gguf" else \
+            "its rank shards and TensorRT-LLM's checkpoint are not done; --target gguf writes it with an mmproj"
+        raise LlmqError(f"--target {opts.target}: build does not write this vision-language model yet ({why}); "
+                        f"serve {source.ref} itself (llmq serve), or load it in vLLM / SGLang / transformers "
+                        "(compressed-tensors)")
     if src.spec.linear_layers and opts.target == "trtllm":
         raise LlmqError(f"--target trtllm: build does not write {src.spec.architecture}'s Gated DeltaNet layers yet; "
                         f"build --target llmq or gguf, serve {source.ref} itself (llmq serve), or load it in vLLM "
