@@ -512,3 +512,54 @@ def test_gguf_build_writes_the_tower_as_llamacpp_mmproj(vlm):
         value = tower.vision_tensor(stored).float().numpy() + (1 if "soft_emb_norm" in name else 0)
         assert np.array_equal(np.asarray(t.data).reshape(value.shape),
                               value.astype(np.float16 if kind == "F16" else np.float32)), name
+
+
+def test_images_task_scores_answers_in_process_and_through_an_endpoint_alike(vlm, tmp_path):
+    """`--tasks images` on the tiny Gemma 3 VLM: questions about generated images, greedy answers scored by their
+    first word or number; llmq's runtime and the same model behind `llmq serve` (chat completions with `data:` PNG
+    URLs) answer every item alike. Right answers score 100, wrong ones 0; a text-only model and the transformers
+    backend are refused in one line."""
+    from helpers import live_server
+
+    from llmq import image_questions
+    from llmq.evals.chat import image_answer, run_chat_tasks
+    from llmq.evals.evaluate import Served, _endpoint_lm
+    from llmq.evals.lm import HFLM, Generation, LlmqLM
+    from llmq.evals.runner import EvalSettings
+    from llmq.evals.tasks import materialize
+    from llmq.models import resolve_model
+    from llmq.runtime import EngineConfig
+
+    assert (image_answer(" 7.\n"), image_answer("Red, I think"), image_answer("...")) == ("7", "red", "")
+    src, art = vlm
+    store = Store(art.path.parent.parent)
+    ts = materialize(tmp_path / "tasks", seed=0)
+    cfg = EngineConfig(max_num_seqs=8, kv_cache_memory=8 << 20, max_model_len=160)
+    ours = LlmqLM(art.path, engine_config=cfg)
+    try:
+        mine = []
+        score = run_chat_tasks(ours, ts, ["llmq_images"], 10, mine)["llmq_images"]
+        assert score["n"] == 10
+        assert {r["row"]["kind"] for r in mine} == set(image_questions.KINDS)
+        questions = image_questions.image_questions(10, 0)
+        for answers, want in (([f" {q.answer}." for q in questions], 100.0), (["?"] * 10, 0.0)):
+            ours.generate_images = lambda items, n, a=answers: [Generation(t, True) for t in a]
+            assert run_chat_tasks(ours, ts, ["llmq_images"], 10)["llmq_images"]["value"] == want
+    finally:
+        ours.close()
+    with live_server(art.path, cfg, name="vlm") as live:
+        served = Served.connect(live.url, None, None, 30.0, store)
+        theirs = []
+        lm = _endpoint_lm(store, EvalSettings(tasks=["images"]), served, lambda todo, done: None, None)
+        assert run_chat_tasks(lm, ts, ["llmq_images"], 10, theirs)["llmq_images"]["value"] == score["value"]
+    assert [r["text"] for r in theirs] == [r["text"] for r in mine]
+    assert len({r["text"] for r in mine}) > 1   # answers that depend on the image
+    with pytest.raises(LlmqError, match="not the HFLM backend"):
+        HFLM.generate_images(object.__new__(HFLM), [], 8)
+    text_model = resolve_model(str(make_tiny_model(tmp_path / "text", seed=1)), store)
+    plain = LlmqLM(text_model.path, engine_config=cfg)
+    try:
+        with pytest.raises(LlmqError, match="takes none"):
+            plain.generate_images([([], "", None)], 8)
+    finally:
+        plain.close()

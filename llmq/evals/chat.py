@@ -1,6 +1,8 @@
 """Tasks asked through the model's chat template: `tools` (BFCL v4), `json` (schema-following extraction), `chat`
 (template behaviour). What quantization breaks in an agent shows here before it shows in perplexity: calls that stop
-parsing, JSON that leaves its schema, a turn or a thinking block that never ends.
+parsing, JSON that leaves its schema, a turn or a thinking block that never ends. And for a vision-language model,
+`images`: questions about generated images (llmq.image_questions: which digit, how many shapes, what colour, which
+word, which bar), each answer's first word or number against the drawn one.
 
 Each item is a conversation (with tools for `tools`) rendered by the evaluated model's own chat template, in one
 bounded render (models.chat.render_chats), generated greedily through the same LM as every other task (in-process, or
@@ -40,15 +42,26 @@ TOOLS_PROMPT = ("You can call functions to answer. Each one is described by a JS
 _PROBE = ("\x01U\x01", "\x01A\x01", "\x01V\x01")  # contents no template changes, to find its role headers
 
 
+IMAGES_N = 100        # the images task's items without --limit
+IMAGES_MAX_TOKENS = 8  # an answer is a digit, a number, a word or a letter
+
+
 @dataclass
 class Item:
-    source: str  # "json", "chat" or "tools:<category>"
+    source: str  # "json", "chat", "tools:<category>" or "images"
     row: dict
     messages: list[dict]
     tools: list[dict] | None = None  # OpenAI tools for the template's `tools`
     max_tokens: int = CHAT_MAX_TOKENS
     prompt: str = ""
     ids: list[int] = field(default_factory=list)
+    image: object = None  # the images task's PIL image (its messages hold {"type": "image"} where it goes)
+
+
+def image_answer(text: str) -> str:
+    """An answer to an images item as it is scored: its first run of letters or digits, lower case."""
+    m = re.search(r"[A-Za-z0-9]+", text)
+    return m.group(0).lower() if m else ""
 
 
 def sources(names: list[str]) -> list[str]:
@@ -90,7 +103,13 @@ def _items(ts, srcs: list[str], limit: int | None, native_tools: bool, thinking:
 
     items = []
     for src in srcs:
-        if src == "json":
+        if src == "images":
+            from .. import image_questions
+
+            for q in image_questions.image_questions(limit or IMAGES_N, ts.info["seed"]):
+                items.append(Item(src, {"kind": q.kind, "question": q.question, "answer": q.answer},
+                                  image_questions.conversation(q)[:1], max_tokens=IMAGES_MAX_TOKENS, image=q.image))
+        elif src == "json":
             items += [Item(src, r, json_task.messages(r), max_tokens=json_task.MAX_TOKENS * (4 if thinking else 1))
                       for r in rows("json_tasks")]
         elif src == "chat":
@@ -190,17 +209,23 @@ def run_chat_tasks(lm, ts, names: list[str], limit: int | None, samples: list | 
     items = _items(ts, srcs, limit, native, fmt.reasoning is not None)
     _render(tok, items)
     fits, left_out = [], {}
+    with_images = [it for it in items if it.image is not None]
     for it in items:
+        if it.image is not None:
+            continue
         it.ids = lm.encode(it.prompt)
         if len(it.ids) + it.max_tokens <= lm.max_length:
             fits.append(it)
         else:
             left_out[it.source] = left_out.get(it.source, 0) + 1
-    lm.progress(len(fits), 0)
+    lm.progress(len(fits) + len(with_images), 0)
     t = time.monotonic()
     keep = bool(fmt.special_markers(tok) or read_tools.special_markers(tok))  # markers to read, kept in the text
     gens = lm.generate_ids([it.ids for it in fits], [it.max_tokens for it in fits], [[] for _ in fits],
                            [0.0 for _ in fits], skip_special=not keep) if fits else []
+    if with_images:   # the LM places the images (its processor, or the endpoint's chat API)
+        gens += lm.generate_images([(it.messages, it.prompt, it.image) for it in with_images], IMAGES_MAX_TOKENS)
+        fits += with_images
     lm.seconds["generate_until"] += time.monotonic() - t
     headers = role_headers(tok) if "chat" in srcs else []
     per: dict[str, list[float]] = {}
@@ -208,7 +233,12 @@ def run_chat_tasks(lm, ts, names: list[str], limit: int | None, samples: list | 
     for it, g in zip(fits, gens):
         opens = fmt.opens_reasoning(it.prompt)
         record = {"source": it.source, "row": it.row, "prompt": it.prompt, "text": g.text, "ended": g.ended}
-        if it.source == "chat":
+        if it.source == "images":
+            parsed = fmt.parse(g.text, in_reasoning=opens, tools=False)
+            got = image_answer(parsed.content or "")
+            per.setdefault("llmq_images", []).append(float(got == it.row["answer"].lower()))
+            record["answer"] = got
+        elif it.source == "chat":
             parsed = fmt.parse(g.text, in_reasoning=opens, tools=False)
             per.setdefault("llmq_chat_end", []).append(float(g.ended))
             # where markers are kept (special tokens read by the format), the answer's own are not leaks: its content

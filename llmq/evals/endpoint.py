@@ -75,10 +75,10 @@ class EndpointLM(EvalLM):
 
     def _limit(self, body: dict) -> int:
         """The size bound of an answer to `body`: a logprob entry for each of its top k (or, k = -1, the vocabulary)
-        at each prompt and generated token."""
+        at each prompt and generated token (a chat request's answer holds only the generated ones)."""
         ks = [body.get(key) for key in ("prompt_logprobs", "logprobs", "n_probs")]
         per = len(self.tokenizer) if -1 in ks else max(k or 0 for k in ks) + 1
-        return answer_limit((len(body["prompt"]) + body.get("max_tokens", body.get("n_predict", 0))) * per)
+        return answer_limit((len(body.get("prompt", ())) + body.get("max_tokens", body.get("n_predict", 0))) * per)
 
     def _post_all(self, path: str, bodies: list[dict], progress: bool = True, strict: bool = True
                   ) -> list[dict | None]:
@@ -260,6 +260,34 @@ class EndpointLM(EvalLM):
                 raise LlmqError(f"{self.ep.base}/v1/completions answered without choices[0].text; is this an "
                                 "OpenAI-compatible endpoint?") from None
         return texts
+
+    def generate_images(self, items: list[tuple[list[dict], str, object]], max_tokens: int) -> list[Generation]:
+        """Through /v1/chat/completions: each item's messages with its image as a `data:` PNG URL (the server's
+        template and processor place it), greedy, seeded as generate_ids's."""
+        import base64
+        import io
+
+        def url(image) -> str:
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+        def parts(messages: list[dict], image) -> list[dict]:
+            return [{**m, "content": [{"type": "image_url", "image_url": {"url": url(image)}} if p["type"] == "image"
+                                      else p for p in m["content"]]} if isinstance(m["content"], list) else m
+                    for m in messages]
+
+        bodies = [{"model": self.ep.model, "messages": parts(messages, image), "max_tokens": max_tokens,
+                   "temperature": 0.0, "seed": self.seed + i} for i, (messages, _, image) in enumerate(items)]
+        out = []
+        for data in self._post_all("/v1/chat/completions", bodies):
+            try:
+                choice = data["choices"][0]
+                out.append(Generation(str(choice["message"]["content"] or ""), choice.get("finish_reason") == "stop"))
+            except (KeyError, IndexError, TypeError, AttributeError):
+                raise LlmqError(f"{self.ep.base}/v1/chat/completions answered without choices[0].message.content; "
+                                "does it take image_url parts?") from None
+        return out
 
     def logprobs_before(self, tokens: list[int]) -> torch.Tensor:
         """[T-1, vocab]: the whole distributions the server gives (top_k None) before each of tokens[1:]."""

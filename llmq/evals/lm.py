@@ -78,6 +78,11 @@ class EvalLM(LM):
         """([T-1, k] log-probabilities, descending, [T-1, k] token ids): the top k before each of tokens[1:]."""
         return self.logprobs_before(tokens).double().topk(self.top_k, dim=-1)
 
+    def generate_images(self, items: list[tuple[list[dict], str, object]], max_tokens: int) -> list[Generation]:
+        """Greedy answers to (messages, their rendered prompt, the image) items: the images task's."""
+        raise LlmqError(f"the images task is asked through llmq's runtime or an endpoint, not the "
+                        f"{type(self).__name__} backend")
+
     # -- tokenization --------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -186,6 +191,22 @@ class LlmqLM(EvalLM):
 
     def full_logprobs(self, tokens: list[int]) -> torch.Tensor:
         return self.engine.prompt_logprobs(tokens)
+
+    def generate_images(self, items: list[tuple[list[dict], str, object]], max_tokens: int) -> list[Generation]:
+        from ..models.vision import runs_images
+        from ..runtime.images import ImagePrompt
+        from ..runtime.sampling import SamplingParams
+
+        if not runs_images(self.engine.spec.vision):
+            raise LlmqError(f"the images task asks a vision-language model about images; this model "
+                            f"({self.engine.spec.architecture}) takes none")
+        prompt = ImagePrompt(self.engine.path)
+        placed = [prompt(text, [image]) for _, text, image in items]
+        outs = self.engine.generate([ids for ids, _ in placed],
+                                    [SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=self.seed + i)
+                                     for i in range(len(placed))], images=[pixels for _, pixels in placed])
+        self.progress(0, len(outs))
+        return [Generation(o.text, o.finish_reason == "stop") for o in outs]
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -69,8 +69,9 @@ def checked_gates(gate: str | None, tasks: list[str]) -> list:
 class EvalOptions(SpeculativeOptions):
     """What `llmq eval` (or a recipe's eval stage) asks for; `settings()` is the part the task runner reads."""
 
-    tasks: list[str] = option(["code", "math"], "Comma-separated: math, code, ppl, tools, json, chat, kld and/or "
-                              "lm-eval task names (those need their data).", min_items=1)
+    tasks: list[str] = option(["code", "math"], "Comma-separated: math, code, ppl, tools, json, chat, images (a "
+                              "vision-language model's), kld and/or lm-eval task names (those need their data).",
+                              min_items=1)
     baseline: str | None = option(None, "Artifact to compare with (default for a quantized/engine artifact: its root "
                                   "model; 'none' to skip).")
     limit: int | None = option(None, f"Items per task (default {DEFAULT_LIMIT}; 0 = all).", ge=0)
@@ -162,8 +163,8 @@ def plan(settings: EvalSettings) -> TaskSet:
             names.append(t)
     settings.lm_tasks = list(dict.fromkeys(names))
     if not settings.lm_tasks and not settings.kld:
-        raise LlmqError("no tasks to run; --tasks takes code, math, ppl, tools, json, chat, kld and lm-eval task "
-                        "names")
+        raise LlmqError("no tasks to run; --tasks takes code, math, ppl, tools, json, chat, images, kld and lm-eval "
+                        "task names")
     return ts
 
 
@@ -237,8 +238,8 @@ def _task_manager(ts: TaskSet, names: list[str]):
     tm = TaskManager(include_path=str(ts.include_path), include_defaults=external)
     unknown = [t for t in names if t not in tm.all_tasks]
     if unknown:
-        raise LlmqError(f"unknown task(s): {', '.join(unknown)} (bundled: math, code, ppl, tools, json, chat, kld; "
-                        "or an lm-eval task)")
+        raise LlmqError(f"unknown task(s): {', '.join(unknown)} (bundled: math, code, ppl, tools, json, chat, "
+                        "images, kld; or an lm-eval task)")
     return tm
 
 

@@ -6,7 +6,8 @@ standard library (a fixed list of long-stable modules, recorded with their hashe
 
 Groups (what `math` and `code` mean as one number) are defined in GROUPS: the unweighted mean, in points, of the
 primary accuracy-type metric of the member tasks that ran. The `tools`, `json` and `chat` tasks are asked through the
-model's chat template rather than lm-eval (evals/chat.py); their items are written here too (CHAT_TASKS).
+model's chat template rather than lm-eval (evals/chat.py); their items are written here too (CHAT_TASKS), but for
+`images` (a vision-language model's questions about generated images, llmq.image_questions, drawn from the seed).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ TOOL_CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrel
                    "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance")
 CHAT_TASKS = {"llmq_json_valid": "json", "llmq_json_fields": "json", "llmq_chat_end": "chat",
               "llmq_chat_leak": "chat", "llmq_chat_think": "chat", "llmq_tools_unparsed": None,
+              "llmq_images": "images",
               **{f"llmq_tools_{c}": f"tools:{c}" for c in TOOL_CATEGORIES}}
 TASKS.update({"llmq_json_valid": "valid", "llmq_json_fields": "fields", "llmq_chat_end": "ended",
+              "llmq_images": "exact_match",
               "llmq_chat_leak": "no_leak", "llmq_chat_think": "closed", "llmq_tools_unparsed": "unparsed",
               **{f"llmq_tools_{c}": "ast_match" if c not in ("irrelevance", "live_irrelevance", "live_relevance")
                  else "relevance" for c in TOOL_CATEGORIES}})
@@ -56,7 +59,8 @@ GROUPS = {"math": ("llmq_arith_mc", "llmq_arith_gen", "llmq_gsm8k"),
           "ppl": ("llmq_ppl",),
           "tools": (*(f"llmq_tools_{c}" for c in TOOL_CATEGORIES), "llmq_tools_unparsed"),
           "json": ("llmq_json_valid", "llmq_json_fields"),
-          "chat": ("llmq_chat_end", "llmq_chat_leak", "llmq_chat_think")}
+          "chat": ("llmq_chat_end", "llmq_chat_leak", "llmq_chat_think"),
+          "images": ("llmq_images",)}
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -285,7 +289,8 @@ def _chat_task_data(d: Path, seed: int, tools: bool) -> list[str]:
             encoding="utf-8").splitlines() if x.strip()]
         random.Random(f"{name}-{seed}").shuffle(rows)
         _write_jsonl(d / f"{name}.jsonl", rows)
-    names += [n for n, src in CHAT_TASKS.items() if src in ("json", "chat")]
+    names += [n for n, src in CHAT_TASKS.items() if src in ("json", "chat", "images")]   # (images: drawn from the
+    # seed when asked, llmq.image_questions)
     if tools:
         from .bfcl import category_rows
 
