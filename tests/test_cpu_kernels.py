@@ -651,6 +651,38 @@ def test_gated_delta_decode_equals_the_layer_in_float64_and_its_eager_roundings(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_delta_prefill_equals_the_chunked_rule(dtype, fresh):
+    """A 150-token prefill chunk of one sequence through delta_prefill (token by token, on the slot in place) against
+    GatedDeltaNet's chunked rule in PyTorch (delta_rule.chunked, itself held to a float64 recurrence in
+    tests/test_hybrid.py), from the slot's state or from zeros: outputs, the slot's tail and state; the other slots
+    untouched. 2 key heads of 32 serve 4 value heads of 24; rows with the mix projection's stride."""
+    from llmq.runtime.kv_cache import LayerRecurrent
+    from llmq.runtime.models.linear_attention import GatedDeltaNet
+
+    gen = torch.Generator().manual_seed(23)
+    kh, hv, dk, dv, kernel, n = 2, 4, 32, 24, 4, 150
+    channels = 2 * kh * dk + hv * dv
+    layer = GatedDeltaNet(None, None, (torch.randn(channels, 1, kernel, generator=gen) * 0.5).to(dtype),
+                          torch.rand(hv, generator=gen), torch.randn(hv, generator=gen),
+                          torch.rand(dv, generator=gen).to(dtype), 1e-6, kh, hv, dk, dv)
+    cache, eager = (LayerRecurrent(4, channels, kernel, hv, dk, dv, dtype, "cpu") for _ in range(2))
+    cache.conv.copy_(torch.randn(cache.conv.shape, generator=gen))
+    cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
+    eager.conv.copy_(cache.conv), eager.state.copy_(cache.state)
+    rows = torch.randn(n, channels + 7, generator=gen).to(dtype)[:, :channels]   # a strided view, as the mix's
+    g, beta = -torch.rand(n, hv, generator=gen) * 2, torch.rand(n, hv, generator=gen)
+    got = layer._chunk(cache, 2, rows, g, beta, fresh)
+    with mock.patch.object(cpu_kernels, "usable", lambda t: False):
+        want = layer._chunk(eager, 2, rows, g, beta, fresh)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+    assert float((cache.state - eager.state).abs().max()) <= tol * float(eager.state.abs().max())
+    assert torch.equal(cache.conv, eager.conv)
+    assert torch.equal(cache.state[[0, 1, 3]], eager.state[[0, 1, 3]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotated", [64, 16])
 def test_rope_kv_write_equals_eager(dtype, rotated):
     """Heads of 64 turned whole, or their first 16 only (a partial rotary embedding: Qwen3.5's quarter)."""

@@ -315,7 +315,11 @@ def test_mixed_precision_prices_each_layer_by_its_kind(model, artifacts):
     assert len({u["bits"] for u in mp["units"]}) > 1   # the budget bought some units more than 4 bits
     recorded = art.metrics["probe"]["kld_mean"]
     assert recorded > 1e-6
-    assert abs(runtime_probe_kld(src.path, art.path, 128) / recorded - 1) < 1e-2
+    # the runtime's delta rule runs token by token, the probe's (transformers') in chunks: equal up to float32 order,
+    # which in a mixture of experts can flip a near-tied expert choice at a token; a unit in the wrong format would
+    # move the KLD by about its own kld_alone, far more
+    tol = 3e-2 if spec.num_experts else 1e-2
+    assert abs(runtime_probe_kld(src.path, art.path, 128) / recorded - 1) < tol
 
 
 def test_awq_folds_its_scales_into_every_consumer_of_a_norm_exactly(artifacts, monkeypatch):

@@ -2395,23 +2395,26 @@ LLMQ_CLONES void delta_head(float* s, const float* q, const float* k, const floa
 // per key head (x / sqrt(|x|^2 + 1e-6), q also times key_dim^-1/2), each value head reading its key head (no
 // repeated copy); beta = sigmoid(b), g = -e^A_log softplus(a + dt_bias); delta_head on the slot's state; the gated
 // RMSNorm over each value head times SiLU(z). Rounded where the eager path rounds to the compute dtype T.
+// One channel's causal convolution at its next input x: the kernel over its tail [K - 1] and x, SiLU; the tail
+// moves on by x. Each product rounded to T, the sum and the SiLU too (the eager decode's roundings).
 template <typename T>
-LLMQ_CLONES void conv_rows(const T* mixed, int64_t width, T* tails, const int64_t* slot, const T* conv,
-                           int64_t channels, int64_t kernel, int64_t row, float* y) {
+LLMQ_CLONES float conv_channel(T* tail, const T* w, int64_t kernel, T x) {
+  float acc = 0.f;
+  for (int64_t j = 0; j < kernel - 1; ++j)
+    acc += static_cast<float>(static_cast<T>(static_cast<float>(tail[j]) * static_cast<float>(w[j])));
+  acc += static_cast<float>(static_cast<T>(static_cast<float>(x) * static_cast<float>(w[kernel - 1])));
+  const float s = static_cast<float>(static_cast<T>(acc));
+  for (int64_t j = 0; j + 1 < kernel - 1; ++j) tail[j] = tail[j + 1];
+  if (kernel > 1) tail[kernel - 2] = x;
+  return static_cast<float>(static_cast<T>(s / (1.f + std::exp(-s))));
+}
+
+template <typename T>
+void conv_rows(const T* mixed, int64_t width, T* tails, const int64_t* slot, const T* conv, int64_t channels,
+               int64_t kernel, int64_t row, float* y) {
   const T* x = mixed + row * width;
   T* tail = tails + slot[row] * channels * (kernel - 1);
-  for (int64_t c = 0; c < channels; ++c) {
-    T* tc = tail + c * (kernel - 1);
-    const T* wc = conv + c * kernel;
-    float acc = 0.f;
-    for (int64_t j = 0; j < kernel - 1; ++j)
-      acc += static_cast<float>(static_cast<T>(static_cast<float>(tc[j]) * static_cast<float>(wc[j])));
-    acc += static_cast<float>(static_cast<T>(static_cast<float>(x[c]) * static_cast<float>(wc[kernel - 1])));
-    const float s = static_cast<float>(static_cast<T>(acc));
-    y[c] = static_cast<float>(static_cast<T>(s / (1.f + std::exp(-s))));
-    for (int64_t j = 0; j + 1 < kernel - 1; ++j) tc[j] = tc[j + 1];
-    if (kernel > 1) tc[kernel - 2] = x[c];
-  }
+  for (int64_t c = 0; c < channels; ++c) y[c] = conv_channel<T>(tail + c * (kernel - 1), conv + c * kernel, kernel, x[c]);
 }
 
 LLMQ_CLONES void unit_heads(float* x, int64_t heads, int64_t dim, float scale) {
@@ -2497,6 +2500,67 @@ at::Tensor gated_delta_decode(const at::Tensor& mixed, at::Tensor tails, at::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mixed.scalar_type(), "gated_delta_decode", [&] {
     gated_delta_impl<scalar_t>(mc, tails, states, slot, cc, nr.data_ptr<float>(), db.data_ptr<float>(),
                                nc.data_ptr<scalar_t>(), static_cast<float>(eps), key_heads, key_dim, out);
+  });
+  return out;
+}
+
+// delta_prefill: n tokens of one sequence through a Gated DeltaNet layer's convolution and delta rule, one token
+// after the other, on its slot's tail and state (both moved on in place): what a prefill chunk (or the replay of
+// kept tokens after a rejected draft) computes, where the eager path runs the chunked rule's ~40 operations a block
+// of 64 (models/linear_attention.py's _chunk, delta_rule.chunked). The recurrence is the rule's definition, so the
+// two agree up to float32 summation order. qkv [n, C] (a row stride of its own: the mix projection's rows), g / beta
+// [n, Hv] float32 -> o [n, Hv, Dv] float32 (the gated norm follows in Python for every prefill row at once).
+template <typename T>
+void delta_prefill_impl(const at::Tensor& qkv, const float* g, const float* beta, T* tail, float* state,
+                        const T* conv, int64_t kernel, int64_t hv, int64_t kh, int64_t dk, int64_t dv, float* out) {
+  const int64_t n = qkv.size(0), channels = qkv.size(1), stride = qkv.stride(0), group = hv / kh;
+  const T* xp = qkv.data_ptr<T>();
+  std::vector<float> y(n * channels);
+  at::parallel_for(0, channels, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c)
+      for (int64_t t = 0; t < n; ++t)
+        y[t * channels + c] = conv_channel<T>(tail + c * (kernel - 1), conv + c * kernel, kernel, xp[t * stride + c]);
+  });
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      unit_heads(y.data() + t * channels, kh, dk, 1.f / std::sqrt(static_cast<float>(dk)));
+      unit_heads(y.data() + t * channels + kh * dk, kh, dk, 1.f);
+    }
+  });
+  at::parallel_for(0, hv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> u(dv);
+    for (int64_t head = lo; head < hi; ++head) {
+      const int64_t key = head / group;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* yt = y.data() + t * channels;
+        delta_head(state + head * dk * dv, yt + key * dk, yt + (kh + key) * dk, yt + 2 * kh * dk + head * dv,
+                   std::exp(g[t * hv + head]), beta[t * hv + head], dk, dv, u.data(), out + (t * hv + head) * dv);
+      }
+    }
+  });
+}
+
+at::Tensor delta_prefill(const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta, at::Tensor tails,
+                         at::Tensor states, int64_t slot, const at::Tensor& conv, int64_t key_heads, int64_t key_dim) {
+  TORCH_CHECK(states.dim() == 4 && states.dtype() == at::kFloat && states.is_contiguous() && tails.dim() == 3 &&
+              tails.is_contiguous() && tails.dtype() == qkv.dtype() && states.size(0) == tails.size(0) &&
+              slot >= 0 && slot < states.size(0) && states.size(2) == key_dim && key_heads > 0 &&
+              states.size(1) % key_heads == 0,
+              "delta_prefill: state pool [slots, Hv, Dk, Dv] float32, tails [slots, C, K - 1] of qkv's dtype, a slot");
+  const int64_t n = qkv.size(0), hv = states.size(1), dv = states.size(3), channels = tails.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == channels && qkv.stride(1) == 1 &&
+              channels == 2 * key_heads * key_dim + hv * dv,
+              "delta_prefill: qkv [n, C] (rows of unit stride), C = 2 Hk Dk + Hv Dv");
+  TORCH_CHECK(g.dtype() == at::kFloat && beta.dtype() == at::kFloat && g.numel() == n * hv && beta.numel() == n * hv &&
+              conv.dtype() == qkv.dtype() && conv.dim() == 2 && conv.size(0) == channels &&
+              conv.size(1) == tails.size(2) + 1, "delta_prefill: g / beta [n, Hv] float32, conv [C, K] of qkv's dtype");
+  const at::Tensor gc = g.contiguous(), bc = beta.contiguous(), cc = conv.contiguous();
+  at::Tensor out = at::empty({n, hv, dv}, qkv.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "delta_prefill", [&] {
+    delta_prefill_impl<scalar_t>(qkv, gc.data_ptr<float>(), bc.data_ptr<float>(),
+                                 tails.data_ptr<scalar_t>() + slot * channels * tails.size(2),
+                                 states.data_ptr<float>() + slot * hv * key_dim * dv, cc.data_ptr<scalar_t>(),
+                                 tails.size(2) + 1, hv, key_heads, key_dim, dv, out.data_ptr<float>());
   });
   return out;
 }
@@ -2741,6 +2805,8 @@ TORCH_LIBRARY(llmq_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gated_delta_decode(Tensor mixed, Tensor(a!) tails, Tensor(b!) states, Tensor slots, Tensor conv, "
         "Tensor neg_rate, Tensor dt_bias, Tensor norm, float eps, int key_heads, int key_dim) -> Tensor");
+  m.def("delta_prefill(Tensor qkv, Tensor g, Tensor beta, Tensor(a!) tails, Tensor(b!) states, int slot, "
+        "Tensor conv, int key_heads, int key_dim) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor mask, float scale, "
         "Tensor? sinks=None) -> Tensor");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
@@ -2764,6 +2830,7 @@ TORCH_LIBRARY_IMPL(llmq_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("gated_delta_decode", &gated_delta_decode);
+  m.impl("delta_prefill", &delta_prefill);
   m.impl("decode_attention", &decode_attention);
   m.impl("rope_kv_write", &rope_kv_write);
 }

@@ -27,8 +27,9 @@ decode step (docs/serve.md#cpu-kernels says what each computes; docs/performance
 - `fp4_linear` (AVX-512, or AVX2 loops like lowbit_linear_bf16's): NVFP4 / MXFP4 codes in the INT4 tiles decoded
   exactly by a 16-entry table, float32 sums: the dense FP4 path's numbers from the packed bytes.
 - `rms_norm`, `rope_kv_write`, `decode_attention` (paged K/V read in place), `silu_mul`, `gated_delta_decode` (a
-  Gated DeltaNet layer's decodes between its projections): one pass each where PyTorch dispatches several
-  operations; the same arithmetic as norm.py / rotary.py / attention.py / models/linear_attention.py.
+  Gated DeltaNet layer's decodes between its projections), `delta_prefill` (its prefill chunks, token by token): one
+  pass each where PyTorch dispatches several operations; the same arithmetic as norm.py / rotary.py / attention.py /
+  models/linear_attention.py.
 - `dense16_linear` (AVX-512): a 16-bit weight as stored times float32 activations, F.linear's numbers on the float32
   cast without a float32 copy.
 - `DecoderStack`: consecutive decode-only layers in one call, the same kernels in DecoderLayer's order (its
@@ -351,6 +352,13 @@ def gated_delta_decode(mixed: torch.Tensor, tails: torch.Tensor, states: torch.T
     and states [slots, Hv, Dk, Dv] (both updated in place)."""
     return torch.ops.llmq_cpu.gated_delta_decode(mixed, tails, states, slots, conv, neg_rate, dt_bias, norm, eps,
                                                  key_heads, key_dim)
+
+
+def delta_prefill(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, tails: torch.Tensor,
+                  states: torch.Tensor, slot: int, conv: torch.Tensor, key_heads: int, key_dim: int) -> torch.Tensor:
+    """n tokens of one sequence through a Gated DeltaNet layer's convolution and delta rule, token after token, on
+    its slot's tail and state (moved on in place): qkv [n, C], g / beta [n, Hv] float32 -> o [n, Hv, Dv] float32."""
+    return torch.ops.llmq_cpu.delta_prefill(qkv, g, beta, tails, states, slot, conv, key_heads, key_dim)
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -55,7 +55,14 @@ class GatedDeltaNet(nn.Module):
     def _chunk(self, cache: LayerRecurrent, slot: int, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                fresh: bool) -> torch.Tensor:
         """n tokens of one sequence (its rows before the convolution, decays, rates) from the slot's state, or from
-        zeros where `fresh`, by the chunked rule: the slot's new state, and the outputs [n, value heads, value dim]."""
+        zeros where `fresh`: the slot's new state, and the outputs [n, value heads, value dim]. On CPU by
+        cpu_kernels.delta_prefill (token by token, in place), else by the chunked rule."""
+        if cpu_kernels.usable(cache.state) and cache.state.is_contiguous() and cache.conv.is_contiguous():
+            if fresh:
+                cache.conv[slot].zero_()
+                cache.state[slot].zero_()
+            return cpu_kernels.delta_prefill(qkv, g, beta, cache.conv, cache.state, slot, self.conv, self.key_heads,
+                                             self.key_dim)
         history = torch.zeros_like(cache.conv[slot]) if fresh else cache.conv[slot]
         inputs = torch.cat([history, qkv.t()], dim=-1)                               # [channels, kernel - 1 + n]
         cache.conv[slot] = inputs[:, -(self.conv.shape[1] - 1):]
