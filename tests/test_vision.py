@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from llmq.artifacts import Store
 from llmq.errors import LlmqError
 
 VOCAB = 320
+ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION = [{"role": "user", "content": [{"type": "text", "text": "the abc"}, {"type": "image"},
                                              {"type": "text", "text": "abc the"}, {"type": "image"}]},
                 {"role": "assistant", "content": "the bc abc the cab"}]
@@ -563,3 +565,30 @@ def test_images_task_scores_answers_in_process_and_through_an_endpoint_alike(vlm
             plain.generate_images([([], "", None)], 8)
     finally:
         plain.close()
+
+
+def test_vision_recipe_runs_end_to_end_on_a_tiny_model(vlm, tmp_path, monkeypatch):
+    """recipes/gemma3-vision.yaml with its model swapped for the tiny Gemma 3 VLM (and small sample counts): GPTQ
+    calibrated on image conversations, an INT8 KV cache whose scales saw image tokens, eval of images and KLD with
+    gates against the 16-bit model."""
+    import yaml
+
+    from llmq.pipeline.recipe import load_recipe
+    from llmq.pipeline.runner import run_recipe
+
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    src, _ = vlm
+    recipe = yaml.safe_load((ROOT / "recipes" / "gemma3-vision.yaml").read_text())
+    recipe["model"] = str(src)
+    recipe["stages"]["quantize"] |= {"group_size": 16, "num_samples": 4, "seq_len": 24, "probe_tokens": 64}
+    recipe["stages"]["quantize-kv"] |= {"num_samples": 4, "seq_len": 24, "probe_tokens": 64}
+    recipe["stages"]["eval"] |= {"limit": 5, "gate": "images>=-100,kld<=10"}
+    path = tmp_path / "vision.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = run_recipe(load_recipe(path), Store(tmp_path / "store"))
+    assert [r.status for r in result.stages] == ["ran"] * 3
+    assert not result.failed_gates
+    q, kv, report = (r.artifact for r in result.stages)
+    assert q.config["calibration"]["image_conversations"]["images"] == 1
+    assert kv.config["calibration"]["image_conversations"]["images"] == 1
+    assert "llmq_images" in json.dumps(report.manifest)
