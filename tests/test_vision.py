@@ -592,3 +592,32 @@ def test_vision_recipe_runs_end_to_end_on_a_tiny_model(vlm, tmp_path, monkeypatc
     assert q.config["calibration"]["image_conversations"]["images"] == 1
     assert kv.config["calibration"]["image_conversations"]["images"] == 1
     assert "llmq_images" in json.dumps(report.manifest)
+
+
+def test_prompt_logprobs_take_images_and_kld_reads_image_conditioned_text(vlm, prompt, reference, tmp_path,
+                                                                          monkeypatch):
+    """The runtime's prompt log-probabilities with the images in place, in chunks that never end inside an image,
+    equal transformers'; eval's kld adds the KL on the text after generated images (kld.images): zero against
+    itself, above zero for an INT4 artifact against its model."""
+    from llmq.evals.evaluate import run_eval
+    from llmq.evals.runner import EvalSettings
+    from llmq.pipeline.quantize import QuantizeOptions, quantize
+
+    _, art = vlm
+    _, _, ids, pixels = prompt
+    ref, _ = reference
+    eng = engine(art.path, max_num_batched_tokens=8)
+    try:
+        lp = eng.prompt_logprobs(ids, pixels).double()
+    finally:
+        eng.shutdown()
+    assert kld(ref, lp).max() <= 1e-5
+    monkeypatch.setenv("LLMQ_CACHE", str(tmp_path / "cache"))
+    store = Store(art.path.parent.parent)
+    same = run_eval(store, art, art, EvalSettings(tasks=["kld"], limit=3), []).report["kld"]["images"]
+    assert same["conversations"] == 3
+    assert same["tokens"] > 0
+    assert same["mean"] == 0.0
+    q = quantize(art, QuantizeOptions(method="rtn", bits=4, group_size=16, probe_tokens=0, name="vlm-rtn-kld"), store,
+                 progress=False)
+    assert run_eval(store, q, art, EvalSettings(tasks=["kld"], limit=3), []).report["kld"]["images"]["mean"] > 1e-4

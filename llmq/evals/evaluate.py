@@ -28,6 +28,8 @@ from .report import find_cached_scores, write_report
 from .runner import EvalSettings, plan, run_lm_tasks, scoring_tasks, settings_dict
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]  # phase description -> (todo, done) callback
+IMAGE_KLD_N = 25   # image conversations the KLD on image-conditioned text reads at most
+IMAGE_KLD_SEED = 1   # their seed's offset from the evaluation's (with both defaults: images calibration never drew)
 
 
 @dataclass
@@ -196,6 +198,9 @@ def run_eval(store: Store, evaluated: Artifact | Served, baseline: Artifact | No
                     from .runner import kld_texts
 
                     kld = kl_divergence(lm, base_lm, kld_texts(ts, settings.limit), progress("kl divergence"))
+                    images = None if served else _image_kld(lm, base_lm, evaluated, settings)
+                    if images is not None:
+                        kld["images"] = images
         finally:
             if base_lm is not None:
                 base_lm.close()
@@ -214,6 +219,22 @@ def run_eval(store: Store, evaluated: Artifact | Served, baseline: Artifact | No
     default_name = f"{evaluated.name}-endpoint-eval" if served else f"{evaluated.name}-eval"
     out = write_report(store, report, parents, name or default_name, command, run_metrics)
     return EvalOutcome(report, out, results, hit[0] if hit is not None else None, run_metrics["wall_s"])
+
+
+def _image_kld(lm, base_lm, evaluated: Artifact, settings: EvalSettings) -> dict | None:
+    """The KLD on image-conditioned text of a vision-language model the runtime runs with images (None for any
+    other): generated image + question conversations with their answers, as quantize's image calibration renders
+    them, drawn from the evaluation's seed + IMAGE_KLD_SEED."""
+    from ..models.vision import runs_images
+    from ..pipeline.quantize.calib import image_samples
+    from .kld import image_kl
+
+    engine = getattr(lm, "engine", None)
+    if engine is None or not runs_images(engine.spec.vision):
+        return None
+    samples, _ = image_samples(evaluated.path, lm.tokenizer, min(settings.limit or IMAGE_KLD_N, IMAGE_KLD_N),
+                               settings.seed + IMAGE_KLD_SEED)
+    return image_kl(lm, base_lm, samples, engine.runner.vision.image_token)
 
 
 def _refuse(lm, ts, settings: EvalSettings) -> list[str]:

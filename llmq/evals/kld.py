@@ -72,6 +72,27 @@ def topk_token_kl(top_eval: torch.Tensor, ids_eval: torch.Tensor, lp_base: torch
     return kl, ids_eval[:, 0] == lp_base.argmax(-1), rest_e
 
 
+def image_kl(lm, base, samples: list[tuple[list[int], torch.Tensor]], image_token: int) -> dict | None:
+    """KL(P_base || P_eval) over the text that follows the images of vision-language prompts (token ids, pixel
+    values: both models see the images): what the image conditions, scored as kl_divergence scores text. None where
+    either backend cannot place images (an endpoint's completions cannot carry one)."""
+    kls, agree = [], []
+    for ids, pixels in samples:
+        lp_e, lp_b = lm.image_logprobs(ids, pixels), base.image_logprobs(ids, pixels)
+        if lp_e is None or lp_b is None:
+            return None
+        after = max(i for i, t in enumerate(ids) if t == image_token) + 1   # the distributions after the images
+        kl, same = token_kl(lp_e[after:-1], lp_b[after:-1])
+        kls += kl.tolist()
+        agree += same.float().tolist()
+    if not kls:
+        return None
+    mean, se = mean_stderr(kls)
+    top1, top1_se = mean_stderr(agree)
+    return {"mean": mean, "stderr": se, "p99": float(torch.tensor(kls).quantile(0.99)), "top1": 100 * top1,
+            "top1_stderr": 100 * top1_se, "tokens": len(kls), "conversations": len(samples)}
+
+
 def kl_divergence(lm, base, texts: list[str], progress: Callable[[int, int], None] | None = None) -> dict:
     progress = progress or (lambda todo, done: None)
     windows = []

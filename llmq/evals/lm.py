@@ -83,6 +83,11 @@ class EvalLM(LM):
         raise LlmqError(f"the images task is asked through llmq's runtime or an endpoint, not the "
                         f"{type(self).__name__} backend")
 
+    def image_logprobs(self, tokens: list[int], pixels: torch.Tensor) -> torch.Tensor | None:
+        """[T, vocab] log-softmax after each of a vision-language prompt's tokens, its images' pixels in place;
+        None where this backend cannot (the KLD on image-conditioned text is then not measured)."""
+        return None
+
     # -- tokenization --------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -191,6 +196,11 @@ class LlmqLM(EvalLM):
 
     def full_logprobs(self, tokens: list[int]) -> torch.Tensor:
         return self.engine.prompt_logprobs(tokens)
+
+    def image_logprobs(self, tokens: list[int], pixels: torch.Tensor) -> torch.Tensor | None:
+        from ..models.vision import runs_images
+
+        return self.engine.prompt_logprobs(tokens, pixels) if runs_images(self.engine.spec.vision) else None
 
     def generate_images(self, items: list[tuple[list[dict], str, object]], max_tokens: int) -> list[Generation]:
         from ..models.vision import runs_images

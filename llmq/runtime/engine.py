@@ -312,9 +312,11 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[r] for r in ids]
 
-    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        """[T, vocab] log-softmax of the next-token distribution after each position (Scorer.prompt_logprobs)."""
-        return self.scorer.prompt_logprobs(token_ids)
+    def prompt_logprobs(self, token_ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, vocab] log-softmax of the next-token distribution after each position (Scorer.prompt_logprobs);
+        images: a vision-language prompt's pixel values, as add_request takes them."""
+        spans = self._image_spans(list(token_ids), images) if images is not None else ()
+        return self.scorer.prompt_logprobs(token_ids, spans)
 
     def score(self, requests: list[ScoreRequest], progress: Callable[[int], None] | None = None
               ) -> list[ScoreOutput]:

@@ -49,23 +49,25 @@ class Scorer:
         self.scheduler = scheduler
         self.bm = scheduler.bm
 
-    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        """[T, vocab] log-softmax of the next-token distribution after each position, through the paged path.
+    def prompt_logprobs(self, token_ids: list[int], images: tuple = ()) -> torch.Tensor:
+        """[T, vocab] log-softmax of the next-token distribution after each position, through the paged path;
+        images: a vision-language prompt's ImageSpans (LLMEngine.prompt_logprobs places them).
 
-        Runs in chunks of the step budget on blocks of its own, which are released afterwards and never cached.
+        Runs in chunks of the step budget (never ending inside an image) on blocks of its own, which are released
+        afterwards and never cached.
         """
         ids = list(token_ids)
         limit = self.worker.max_model_len
         if not ids or len(ids) > limit:
             raise LlmqError(f"prompt_logprobs needs 1..{limit} tokens, got {len(ids)}")
-        seq = Sequence("prompt-logprobs", ids, SamplingParams(max_tokens=1, temperature=0))
+        seq = Sequence("prompt-logprobs", ids, SamplingParams(max_tokens=1, temperature=0), None, images)
         if not self.bm.allocate(seq, len(ids)):
             raise LlmqError(f"not enough free KV blocks for a {len(ids)}-token sequence right now")
         out = []
         try:
             budget = self.scheduler.max_num_batched_tokens
             while seq.num_computed_tokens < len(ids):
-                n = min(budget, len(ids) - seq.num_computed_tokens)
+                n = seq.chunk(budget)
                 out.append(self.worker.run([seq], [n], all_logits=True).log_softmax(-1))
                 seq.num_computed_tokens += n
         finally:
