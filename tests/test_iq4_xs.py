@@ -358,15 +358,33 @@ def test_runtime_computes_what_the_gguf_file_holds(built, method, monkeypatch):
     assert not calls
 
 
-def test_an_int8_table_beside_grid_linears_is_refused_before_any_weight_is_read(tiny_model, tmp_path, monkeypatch):
-    """Where every linear lands on a GGML grid the checkpoint cannot yet hold an INT8 embedding / lm_head beside them:
-    quantize says so in one line before it reads a weight (it said so at the end, after the whole run)."""
+@pytest.mark.parametrize("grid,flag", [("q4_k", "embedding"), ("iq4_xs", "lm_head")])
+def test_an_int8_table_beside_grid_linears_is_written_run_and_exported(tiny_model, tmp_path, grid, flag):
+    """Every layer linear on a GGML grid and an INT8 embedding / lm_head beside them: the checkpoint names the table in
+    a compressed-tensors group of its own (no Linear group), the runtime computes what the probe measured, and the
+    GGUF export writes it as Q8_0 beside the grid's blocks."""
+    from helpers import runtime_probe_kld
+
     from llmq.artifacts import Store
-    from llmq.pipeline.quantize import layerwise
+    from llmq.pipeline.targets.stage import BuildOptions, build_engine
 
     store = Store(tmp_path / "store")
-    src = resolve_model(str(tiny_model(seed=30, name="iq4xs", hidden_size=256, intermediate_size=320)), store)
-    monkeypatch.setattr(layerwise, "run_layerwise", lambda *a, **k: pytest.fail("quantized before refusing"))
-    for flag in ("embedding", "lm_head"):
-        with pytest.raises(LlmqError, match=f"drop --{flag.replace('_', '-')}$"):
-            quantize(src, QuantizeOptions(method="rtn", grid="iq4_xs", **{flag: "int8"}), store, progress=False)
+    src = resolve_model(str(tiny_model(seed=30, name="grid8", hidden_size=256, intermediate_size=512)), store)
+    q = quantize(src, QuantizeOptions(method="rtn", grid=grid, **{flag: "int8"}, probe_tokens=128), store,
+                 progress=False)
+    qc = json.loads((q.path / "config.json").read_text())["quantization_config"]
+    table = "model.embed_tokens" if flag == "embedding" else "lm_head"
+    assert [g["targets"] for g in qc["config_groups"].values()] == [[table]]
+    assert qc["config_groups"]["group_0"]["weights"]["num_bits"] == 8
+    assert len(qc[f"llmq_{grid}"]) == 14   # every layer linear of the two layers
+    qconf = parse_quantization_config({"quantization_config": qc})
+    assert qconf.weights is None
+    assert qconf.scheme_of(table)[0].num_bits == 8
+    recorded = q.metrics["probe"]["kld_mean"]
+    assert recorded > 1e-3
+    assert abs(runtime_probe_kld(src.path, q.path, 128) / recorded - 1) < 1e-3
+    e = build_engine(q, store, BuildOptions(target="gguf", probe_tokens=0))
+    rec = json.loads((e.path / "engine.json").read_text())["outputs"]["gguf"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(e.path / rec["file"]).tensors}
+    assert types["token_embd.weight" if flag == "embedding" else "output.weight"] == "Q8_0"
+    assert types["blk.0.ffn_down.weight"] == grid.upper()

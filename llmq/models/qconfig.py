@@ -201,15 +201,30 @@ def quantization_config(weights: QuantArgs | None, input_activations: QuantArgs 
     per distinct scheme, targeting its modules by name. Where the groups' formats differ, each carries its own and
     the config's is "mixed-precision".
     ggml: module -> GGML grid of the modules stored as GGML's blocks (qweight.GGMLWeight): listed under
-    `llmq_<grid>` and ignored by the compressed-tensors groups (weights=None: every quantized linear is one)."""
+    `llmq_<grid>` and ignored by the compressed-tensors groups (weights=None: every quantized linear is one; then
+    `modules`, an INT8 embedding / lm_head, are the only groups, by name)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     modules = dict(modules or {})
     if ggml:
         ignore = list(dict.fromkeys([*ignore, *ggml]))
-        cfg = quantization_config(weights, input_activations, ignore, kv, modules) if weights else \
-            {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": ignore,
-             "quantization_status": "compressed", "version": compressed_tensors_version()}
+        if weights:
+            cfg = quantization_config(weights, input_activations, ignore, kv, modules)
+        elif modules:
+            by_scheme: dict[QuantArgs, list[str]] = {}
+            for name, args in modules.items():
+                by_scheme.setdefault(args, []).append(name)
+            fmts = {format_for(args, None) for args in by_scheme}
+            groups = {f"group_{i}": QuantizationScheme(targets=sorted(names), weights=args.to_ct(),
+                                                        format=format_for(args, None) if len(fmts) > 1 else None)
+                      for i, (args, names) in enumerate(sorted(by_scheme.items(), key=lambda kv: sorted(kv[1])))}
+            cfg = {**QuantizationConfig(config_groups=groups, format=MIXED if len(fmts) > 1 else fmts.pop(),
+                                        ignore=ignore, kv_cache_scheme=kv.to_ct() if kv else None,
+                                        quantization_status="compressed").model_dump(mode="json", exclude_none=True),
+                   "version": compressed_tensors_version()}
+        else:
+            cfg = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": ignore,
+                   "quantization_status": "compressed", "version": compressed_tensors_version()}
         for grid in sorted(set(ggml.values())):
             cfg[ggml_config_key(grid)] = sorted(n for n, g in ggml.items() if g == grid)
         return cfg
@@ -268,6 +283,11 @@ def parse_quantization_config(config: Mapping) -> QConfig | None:
                         f"{MIXED} of them")
     linear = [g for g in groups if list(g.get("targets") or ()) == ["Linear"]]
     named = [g for g in groups if g not in linear]
+    if ggml and not linear and named and all(not g.get("input_activations") for g in named):
+        # every layer linear on a GGML grid, an INT8 embedding / lm_head named beside them
+        return QConfig(format="dense", weights=None, input_activations=None, ignore=tuple(qc.get("ignore") or ()),
+                       kv=QuantArgs.from_dict(kv) if kv else None,
+                       modules={t: QuantArgs.from_dict(g["weights"]) for g in named for t in g["targets"]}, ggml=ggml)
     if len(linear) != 1 or any(g.get("input_activations") or any(
             not isinstance(t, str) or t.startswith("re:") or t == "Linear" for t in g.get("targets") or ())
             for g in named):

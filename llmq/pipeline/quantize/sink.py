@@ -104,11 +104,9 @@ class CheckpointSink:
         scheme."""
         opts, base = self.opts, self.base
         if self.ggml and base is None:   # every quantized layer linear is on a GGML grid
-            if self.outside:
-                raise LlmqError(f"an INT8 embedding / lm_head beside {opts.grid.upper()} layers is not written yet; "
-                                "drop --embedding / --lm-head")
-            return qformat.quantization_config(None, ignore=[*opts.ignored, *self.dense_linears],
-                                               ggml=self.ggml), "compressed-tensors"
+            return qformat.quantization_config(None, ignore=[*opts.ignored, *self.dense_linears], ggml=self.ggml,
+                                               modules={n: o[0] for n, o in self.outside.items()}), \
+                "compressed-tensors"
         if isinstance(self.example, qformat.QuantizedWeight):
             modules = {n: a[0] for n, a in self.args.items() if a != base}
             if any(a[1] is not None for a in self.args.values() if a != base):

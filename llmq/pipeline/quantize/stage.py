@@ -72,10 +72,6 @@ def validate(source: Artifact, opts: QuantizeOptions) -> Validated:
     if takes is not None and (o.method not in takes or o.mixed):
         raise LlmqError(f"{spec.architecture}: quantize takes --method {', '.join(takes)} with one scheme for every "
                         f"linear; {'mixed precision' if o.mixed else o.method} is not done for it yet")
-    outside = [flag for flag, v in (("--embedding", o.embedding), ("--lm-head", o.lm_head)) if v == "int8"]
-    if outside and o.grid != "int" and all(o.ggml_grid(k) for k in in_features.values()):
-        raise LlmqError(f"an INT8 embedding / lm_head beside linears all on GGML grids (--grid {o.grid}) is not "
-                        f"written yet; drop {' / '.join(outside)}")
     if o.rotate != "none":
         from .rotation import check_rotatable
 
