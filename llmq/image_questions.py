@@ -8,6 +8,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 KINDS = ("digit", "count", "colour", "word", "chart")
 SIZE = 224   # pixels a side: the processor resizes to its own
@@ -24,7 +28,7 @@ QUESTIONS = {"digit": "Which digit is shown in the image? Answer with the digit.
 @dataclass(frozen=True)
 class ImageQuestion:
     kind: str
-    image: object   # an RGB PIL image of SIZE x SIZE
+    image: Image   # RGB, SIZE x SIZE
     question: str
     answer: str
 

@@ -4,6 +4,7 @@ quantizer (layerwise.py) and the mixed-precision sensitivity pass (mixed.py); na
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ class _Recorder(nn.Module):
 
 @torch.no_grad()
 def capture_layer0(model, arch: Arch, windows: list[torch.Tensor], device, layout: StreamLayout | None = None,
-                   images: list[tuple[torch.Tensor, dict]] = ()) -> tuple[list[torch.Tensor], list[list[dict]]]:
+                   images: Sequence[tuple[torch.Tensor, dict]] = ()) -> tuple[list[torch.Tensor], list[list[dict]]]:
     """The float32 hidden states entering decoder layer 0 for each window (the text windows all the same length;
     widened by `layout` with what Gemma 4's layers read besides them: layer_inputs), then for each image window
     (its inputs_embeds [1, T, hidden], the image features already in place, and its attention-mask mapping: the
