@@ -226,7 +226,7 @@ def _image_kld(lm, base_lm, evaluated: Artifact, settings: EvalSettings) -> dict
     other): generated image + question conversations with their answers, as quantize's image calibration renders
     them, drawn from the evaluation's seed + IMAGE_KLD_SEED."""
     from ..models.vision import runs_images
-    from ..pipeline.quantize.calib import image_samples
+    from ..pipeline.quantize.calib_images import image_samples
     from .kld import image_kl
 
     engine = getattr(lm, "engine", None)

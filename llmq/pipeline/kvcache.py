@@ -93,7 +93,7 @@ def _check(source: Artifact, opts: KVOptions) -> CheckpointReader:
     if ckpt.bnb is not None:
         raise LlmqError(f"{source.ref} is a bitsandbytes checkpoint, whose format has no KV-cache scales; run "
                         "quantize-kv on a compressed-tensors artifact (rtn, gptq, awq, smoothquant, fp8) or a model")
-    from .quantize.calib import image_count
+    from .quantize.calib_images import image_count
 
     image_count(ckpt.spec, opts.image_share, opts.num_samples)   # one line for images a model does not take
     have = ckpt.kv_cache_dtype()
@@ -247,7 +247,8 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
     from rich.progress import Progress
 
     from ..models.load import load_tokenizer
-    from .quantize.calib import image_count, load_calibration, load_probe_text
+    from .quantize.calib import load_calibration, load_probe_text
+    from .quantize.calib_images import image_count
     from .quantize.stage import peak_memory
 
     ckpt = _check(source, opts)

@@ -103,6 +103,8 @@ class TokenWindows:
         seed): the share a vision-language model's calibration gives images."""
         if not n:
             return self
+        from .calib_images import image_samples
+
         samples, record = image_samples(path, tokenizer, n, self.seed or 0, chat_template)
         kept = max(1, len(self.samples) - n)
         return dataclasses.replace(self, samples=self.samples[:kept], domains=self.domains[:kept],
@@ -368,7 +370,7 @@ def _interleave(pools: dict[str, list], shares: dict[str, float], n: int) -> lis
     return out
 
 
-def _digest(texts: list[str]) -> str:
+def texts_digest(texts: list[str]) -> str:
     h = hashlib.sha256()
     for t in texts:
         h.update(hashlib.sha256(t.encode()).digest())
@@ -405,49 +407,8 @@ def load_calibration(calib: str | None, tokenizer, num_samples: int, seq_len: in
     else:
         picked = [("+".join(streams), [t for ids, _ in streams.values() for t in ids][:seq_len])]
     return TokenWindows([torch.tensor(w, dtype=torch.long) for _, w in picked], source,
-                        _digest([t for ts in texts.values() for t in ts]), seed, tuple(d for d, _ in picked),
+                        texts_digest([t for ts in texts.values() for t in ts]), seed, tuple(d for d, _ in picked),
                         fmt.manifest(thinks) if thinks else None)
-
-
-IMAGE_SHARE = 0.25   # of a vision-language model's calibration samples, by default: generated image conversations
-
-
-def image_count(spec, share: float | None, samples: int) -> int:
-    """How many of `samples` calibration samples are image conversations: --image-share of them (default
-    IMAGE_SHARE) for a model whose images the runtime takes, none otherwise (an --image-share there is refused)."""
-    from ...models.vision import TEXT_ONLY, runs_images
-
-    if not runs_images(spec.vision):
-        if share:
-            raise LlmqError("--image-share: this model takes no images"
-                            + (f" ({TEXT_ONLY[spec.vision]})" if spec.vision in TEXT_ONLY else ""))
-        return 0
-    return round(samples * (IMAGE_SHARE if share is None else share))
-
-
-def image_samples(path, tokenizer, n: int, seed: int, chat_template: bool = True
-                  ) -> tuple[list[tuple[list[int], torch.Tensor]], dict]:
-    """n generated image + question conversations (llmq.image_questions) as the vision-language model in `path` sees
-    them when served: rendered by its chat template (without one: the processor's image marker, the question and the
-    answer on lines of their own), each image placed and preprocessed by the checkpoint's own processor
-    (runtime.images.ImagePrompt). Returns [(token ids, pixel values [1, 3, H, W])] and what the manifest records."""
-    from ... import image_questions
-    from ...runtime.images import ImagePrompt
-
-    questions = image_questions.image_questions(n, seed)
-    prompt = ImagePrompt(path)
-    fmt = ChatFormat.of(tokenizer, chat_template)
-    if fmt.template is None:
-        texts = [f"{prompt.marker}\n{q.question}\n{q.answer}" for q in questions]
-    else:
-        texts = [t for t, _ in fmt.render_all(tokenizer, [image_questions.conversation(q) for q in questions])]
-    samples = []
-    for text, q in zip(texts, questions):
-        ids, pixels = prompt(text, [q.image])
-        samples.append((ids, pixels))
-    return samples, {**image_questions.summary(questions), "seed": seed,
-                     "tokens": sum(len(ids) for ids, _ in samples),
-                     "sha256": _digest(texts + [hashlib.sha256(q.image.tobytes()).hexdigest() for q in questions])}
 
 
 def load_probe_text(tokenizer, tokens: int, chat_template: bool = True) -> TokenWindows:
@@ -463,4 +424,4 @@ def load_probe_text(tokenizer, tokens: int, chat_template: bool = True) -> Token
     window = min(PROBE_WINDOW, tokens, len(ids))
     n = max(1, min(tokens, len(ids)) // window)
     samples = [torch.tensor(ids[i * window:(i + 1) * window], dtype=torch.long) for i in range(n)]
-    return TokenWindows(samples, "+".join(name for name, _ in docs), _digest([t for _, t in docs]), None)
+    return TokenWindows(samples, "+".join(name for name, _ in docs), texts_digest([t for _, t in docs]), None)

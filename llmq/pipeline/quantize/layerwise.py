@@ -30,6 +30,7 @@ from ...models.load import pick_device
 from ...runtime.loader import quantized_linear
 from . import experts
 from .calib import TokenWindows
+from .calib_images import image_windows
 from .layer_inputs import StreamLayout
 from .methods import WEIGHT_ONLY, Method
 from .options import QuantizeOptions
@@ -242,12 +243,7 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
         sink.linear(qformat.EMBEDDING, quant_embed)
         emitted.add(qformat.EMBEDDING + ".weight")
         embed.weight.data = quant_embed.dequantize(torch.float32).to(device)
-    if calib is not None and calib.images:
-        from .calib_images import image_windows
-
-        images = image_windows(model_dir, model, list(calib.images), device)
-    else:
-        images = []
+    images = image_windows(model_dir, model, list(calib.images), device) if calib is not None else []
     calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device, layout, images) if calib is not None \
         else ([], [])
     probe_q = (capture_layer0(model, arch, probe.samples, device, layout)[0]

@@ -131,7 +131,8 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
              command: str | None = None) -> Artifact:
     """Quantize `source` (a model artifact) and commit the quantized artifact."""
     from ...models import qformat, vision
-    from .calib import image_count, load_calibration, load_probe_text
+    from .calib import load_calibration, load_probe_text
+    from .calib_images import image_count
     from .experts import expert_coverage
     from .layerwise import run_layerwise
     from .sink import CheckpointSink

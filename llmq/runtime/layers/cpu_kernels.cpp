@@ -2427,6 +2427,12 @@ LLMQ_CLONES void unit_heads(float* x, int64_t heads, int64_t dim, float scale) {
   }
 }
 
+// A convolved row's q and k [Hk Dk each, first in the row] normalized per key head, q also times Dk^-1/2.
+void unit_qk(float* y, int64_t kh, int64_t dk) {
+  unit_heads(y, kh, dk, 1.f / std::sqrt(static_cast<float>(dk)));
+  unit_heads(y + kh * dk, kh, dk, 1.f);
+}
+
 template <typename T>
 void gated_delta_impl(const at::Tensor& mixed, at::Tensor& tails, at::Tensor& states, const int64_t* slot,
                       const at::Tensor& conv, const float* neg_rate, const float* dt_bias, const T* norm, float eps,
@@ -2442,8 +2448,7 @@ void gated_delta_impl(const at::Tensor& mixed, at::Tensor& tails, at::Tensor& st
     for (int64_t i = lo; i < hi; ++i) {
       float* yi = y.data() + i * channels;
       conv_rows<T>(mp, width, tp, slot, conv.data_ptr<T>(), channels, kernel, i, yi);
-      unit_heads(yi, kh, dk, 1.f / std::sqrt(static_cast<float>(dk)));
-      unit_heads(yi + kh * dk, kh, dk, 1.f);
+      unit_qk(yi, kh, dk);
     }
   });
   at::parallel_for(0, b * hv, 1, [&](int64_t lo, int64_t hi) {
@@ -2522,10 +2527,7 @@ void delta_prefill_impl(const at::Tensor& qkv, const float* g, const float* beta
         y[t * channels + c] = conv_channel<T>(tail + c * (kernel - 1), conv + c * kernel, kernel, xp[t * stride + c]);
   });
   at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      unit_heads(y.data() + t * channels, kh, dk, 1.f / std::sqrt(static_cast<float>(dk)));
-      unit_heads(y.data() + t * channels + kh * dk, kh, dk, 1.f);
-    }
+    for (int64_t t = lo; t < hi; ++t) unit_qk(y.data() + t * channels, kh, dk);
   });
   at::parallel_for(0, hv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> u(dv);
@@ -2688,7 +2690,7 @@ struct DecoderStack : torch::CustomClassHolder {
   // per layer: in_norms, post_norms, mixers (Mixer), parts (4: of each projection), extras (4 tensors: attention's q
   // and k norms, or empty; a Gated DeltaNet's conv [C, K], neg_rate, dt_bias, norm), ints (2: attention's output gate
   // 0 / 1; a Gated DeltaNet's key heads and key dim), floats (1: the q / k norms' or the gated norm's epsilon); per
-  // part: four tensors in linears, a kind, a group
+  // part: four tensors in linears, a kind, a group; first_part: each projection's first part
   std::vector<at::Tensor> in_norms, post_norms, linears, extras;
   std::vector<int64_t> kinds, groups, parts, mixers, ints, first_part;
   std::vector<double> floats;
@@ -2709,7 +2711,7 @@ struct DecoderStack : torch::CustomClassHolder {
     int64_t total = 0;
     for (size_t i = 0; i < 4 * n; ++i) {
       TORCH_CHECK(this->parts[i] >= 1, "DecoderStack: a projection has at least one part");
-      if (i % 4 == 0) first_part.push_back(total);
+      first_part.push_back(total);
       total += this->parts[i];
     }
     TORCH_CHECK(this->linears.size() == 4 * static_cast<size_t>(total) && this->kinds.size() == static_cast<size_t>(total) &&
@@ -2719,15 +2721,21 @@ struct DecoderStack : torch::CustomClassHolder {
       TORCH_CHECK(this->mixers[i] == kAttention || this->mixers[i] == kGatedDelta, "DecoderStack: unknown mixer");
   }
 
+  // Projection `which` (0 mixer in, 1 mixer out, 2 gate_up, 3 down) of layer i on x, its output in dtype.
+  at::Tensor projection(size_t i, int which, const at::Tensor& x, double eps, at::ScalarType dtype) const {
+    const int64_t p = first_part[4 * i + which];
+    return project_parts(x, linears.data() + 4 * p, kinds.data() + p, groups.data() + p, parts[4 * i + which], eps,
+                         dtype);
+  }
+
   // One attention layer's mixer on the normalized rows y: its queries (gated, q / k-normed where it has them) over
   // the cache it writes at slots.
   at::Tensor attention(size_t i, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
                        at::Tensor vc, const at::Tensor& slots, const at::Tensor& blocks, const at::Tensor& mask,
                        int64_t h, int64_t hkv, double scale, double eps) {
     const auto dtype = y.scalar_type();
-    const int64_t t = y.size(0), d = kc.size(3), qs = h * d, p = first_part[i];
-    const int64_t* np = parts.data() + 4 * i;
-    at::Tensor qkv = project_parts(y, linears.data() + 4 * p, kinds.data() + p, groups.data() + p, np[0], eps, dtype);
+    const int64_t t = y.size(0), d = kc.size(3), qs = h * d;
+    at::Tensor qkv = projection(i, 0, y, eps, dtype);
     at::Tensor gate;
     if (ints[2 * i]) {  // [query, gate] per head, then k and v
       const at::Tensor qg = qkv.narrow(1, 0, 2 * qs).view({t, h, 2 * d});
@@ -2743,23 +2751,17 @@ struct DecoderStack : torch::CustomClassHolder {
     const auto qk = rope_kv_write(qkv, cos, sin, kc, vc, slots, h, hkv);
     at::Tensor a = decode_attention(qk[0], kc, vc, blocks, mask, scale, std::nullopt).view({t, qs});
     if (gate.defined()) a = a * at::sigmoid(gate);
-    return project_parts(a, linears.data() + 4 * (p + np[0]), kinds.data() + p + np[0], groups.data() + p + np[0],
-                         np[1], eps, dtype);
+    return projection(i, 1, a, eps, dtype);
   }
 
   // One Gated DeltaNet layer's mixer on the normalized rows y, on its convolution tails and states at state_slots.
   at::Tensor gated_delta(size_t i, const at::Tensor& y, at::Tensor tails, at::Tensor states,
                          const at::Tensor& state_slots, double eps) {
     const auto dtype = y.scalar_type();
-    const int64_t p = first_part[i];
-    const int64_t* np = parts.data() + 4 * i;
-    const at::Tensor mixed = project_parts(y, linears.data() + 4 * p, kinds.data() + p, groups.data() + p, np[0],
-                                           eps, dtype);
     const at::Tensor* e = extras.data() + 4 * i;
-    const at::Tensor o = gated_delta_decode(mixed, tails, states, state_slots, e[0], e[1], e[2], e[3], floats[i],
-                                            ints[2 * i], ints[2 * i + 1]);
-    return project_parts(o, linears.data() + 4 * (p + np[0]), kinds.data() + p + np[0], groups.data() + p + np[0],
-                         np[1], eps, dtype);
+    const at::Tensor o = gated_delta_decode(projection(i, 0, y, eps, dtype), tails, states, state_slots, e[0], e[1],
+                                            e[2], e[3], floats[i], ints[2 * i], ints[2 * i + 1]);
+    return projection(i, 1, o, eps, dtype);
   }
 
   // x [T, hidden] after the stack. firsts / seconds: each layer's K and V caches (written at slots), or a Gated
@@ -2779,12 +2781,8 @@ struct DecoderStack : torch::CustomClassHolder {
                                : attention(i, y, cos, sin, firsts[i], seconds[i], slots, blocks, mask, h, hkv, scale,
                                            eps);
       const at::Tensor x1 = x + m;
-      const int64_t p = first_part[i] + parts[4 * i] + parts[4 * i + 1];
-      const int64_t* np = parts.data() + 4 * i;
-      const at::Tensor gu = project_parts(rms_norm(x1, post_norms[i], norm_eps), linears.data() + 4 * p,
-                                          kinds.data() + p, groups.data() + p, np[2], eps, dtype);
-      x = x1.add_(project_parts(silu_mul(gu), linears.data() + 4 * (p + np[2]), kinds.data() + p + np[2],
-                                groups.data() + p + np[2], np[3], eps, dtype));
+      const at::Tensor gu = projection(i, 2, rms_norm(x1, post_norms[i], norm_eps), eps, dtype);
+      x = x1.add_(projection(i, 3, silu_mul(gu), eps, dtype));
     }
     return x;
   }
