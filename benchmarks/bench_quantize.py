@@ -35,6 +35,8 @@ CONFIGS = {
     "gptq-w4": ["--method", "gptq", "--bits", "4"],
     "gptq-w4-act": ["--method", "gptq", "--bits", "4", "--act-order"],
     "awq-w4": ["--method", "awq", "--bits", "4"],
+    "autoround-w4-light": ["--method", "autoround", "--bits", "4", "--iters", "50"],
+    "autoround-w4": ["--method", "autoround", "--bits", "4"],
     "smoothquant-w8a8": ["--method", "smoothquant", "--bits", "8"],
     "fp8": ["--method", "fp8", "--bits", "8"],
     "bnb-nf4": ["--method", "bnb-nf4"],

@@ -70,7 +70,8 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
             "int8-rtn-g32-emb8g32", "fp8", "fp8-g128", "nvfp4", "mxfp4", "nvfp4-gptq-act-search",
             "mxfp4-gptq-act-search", "int5-rtn-g32-emb8", "int5-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-gguf-q4km",
             "int4-gptq-g32-act-emb8-head8-rot", "int5-gptq-g32-act-emb8-head8-rot",
-            "int4-gptq-g32-act-emb8-head8-gguf-q4km-rot", "iq4xs-gptq", "iq4xs-gptq-act", "iq4xs-gptq-act-emb8")
+            "int4-gptq-g32-act-emb8-head8-gguf-q4km-rot", "iq4xs-gptq", "iq4xs-gptq-act", "iq4xs-gptq-act-emb8",
+            "int4-autoround-g32-emb8", "int5-autoround-g32-emb8")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
 # g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
@@ -81,7 +82,8 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
 # int5: 5-bit integers in groups of 32 (--bits 5), GGUF's Q5_0; gguf-q4km: mixed precision across what GGUF holds (--for
 # gguf: INT4 / INT5 / INT8 / NVFP4 / MXFP4 / 16-bit per unit) filling Q4_K_M's file bytes (--max-size --size-in gguf);
 # rot: the residual stream rotated first (--rotate hadamard), which unties the head: INT8 too (head8), as the table;
-# iq4xs: GPTQ (the grid fixed first) onto llama-quantize IQ4_XS's own format (--grid iq4_xs)
+# iq4xs: GPTQ (the grid fixed first) onto llama-quantize IQ4_XS's own format (--grid iq4_xs); autoround: the layer's
+# rounding tuned by signed gradient descent (--method autoround, its default 200 steps)
 Q4_K_M_BYTES = 105_453_952   # SmolLM2-135M-Instruct's Q4_K_M from llama-cpp-python 0.3.36's llama-quantize
 UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibration data (before the speed runs)
 LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
@@ -131,7 +133,9 @@ def variant_options() -> dict:
                                QuantizeOptions(bits=4, method="gptq", grid="iq4_xs"),
                                QuantizeOptions(bits=4, method="gptq", grid="iq4_xs", act_order=True),
                                QuantizeOptions(bits=4, method="gptq", grid="iq4_xs", act_order=True,
-                                               embedding="int8"))))
+                                               embedding="int8"),
+                               *(QuantizeOptions(bits=b, method="autoround", group_size=32, embedding="int8")
+                                 for b in (4, 5)))))
 
 
 def quantized(source, opts, store):

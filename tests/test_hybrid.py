@@ -226,8 +226,9 @@ def artifacts(model, tmp_path_factory):
 
 @pytest.mark.parametrize("method", [dict(method="rtn", bits=4, group_size=16), dict(method="gptq", bits=4,
                                                                                     group_size=16),
-                                    dict(method="awq", bits=4, group_size=16)],
-                         ids=["rtn-w4g16", "gptq-w4g16", "awq-w4g16"])
+                                    dict(method="awq", bits=4, group_size=16),
+                                    dict(method="autoround", bits=4, group_size=16, iters=5)],
+                         ids=["rtn-w4g16", "gptq-w4g16", "awq-w4g16", "autoround-w4g16"])
 def test_quantized_hybrid_computes_what_transformers_loads(artifacts, method, monkeypatch, tmp_path):
     """Every linear but the DeltaNet's rate projections (and a MoE's router and shared expert gate) in INT4
     (compressed-tensors, as vLLM loads it): llmq's runtime on its exact dequantize path gives transformers'

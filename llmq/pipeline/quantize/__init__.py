@@ -14,7 +14,9 @@ A method module defines:
 
 and optionally `def validate(opts: QuantizeOptions, spec: ModelSpec) -> None` (raise LlmqError for options the method
 cannot honour; called with the resolved options before anything is loaded) and `GROUP_SIZE` (its default, or only,
-block of input columns when --group-size is not given).
+block of input columns when --group-size is not given), and `FLOAT_TARGETS = True` for a method that aims each layer
+at the float model's own output of it (`ctx.float_targets`: the float model's calibration states carried beside the
+quantized ones, one more forward pass a layer).
 
 `quantize_layer` is called once per decoder layer with a `layerwise.LayerContext`: `ctx.layer` (the float32 decoder
 layer on the work device; the method may rewrite its parameters in place, e.g. fold scales into an RMSNorm, and the

@@ -81,6 +81,7 @@ class LayerContext:
     sample_kwargs: list[dict] = field(default_factory=list)   # the layer's keyword arguments for each sample
     widths: dict[str, int] = field(default_factory=dict)  # --target-bpw: each linear's bits (16: kept dense)
     formats: frozenset[str] = frozenset()  # --target-bpw --for: the linears in FP8 / NVFP4 / MXFP4
+    float_targets: list[torch.Tensor] = field(default_factory=list)  # Method.float_targets: the float model's outputs
     _squares: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def grid(self, name: str) -> tuple[int, int]:
@@ -237,6 +238,10 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     layout = StreamLayout.of(spec)
     probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device, layout) if probe is not None \
         else ([], [[]] * len(model.get_submodule(arch.layers)))
+    calib_f = None   # the float model's own calibration states, for a method that aims at them (Method.float_targets)
+    if calib is not None and method.float_targets and opts.embedding == "int8":   # from the 16-bit table
+        calib_f = capture_layer0(model, arch, calib.samples, device, layout,
+                                 image_windows(model_dir, model, list(calib.images), device))[0]
     quant_embed = None
     if opts.embedding == "int8":  # from here on the model looks tokens up in the INT8 table, as serve will
         quant_embed = quantize_weight(embed.weight, 8, opts.int8_group_size, True, model_dtype, search=opts.search)
@@ -246,6 +251,8 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     images = image_windows(model_dir, model, list(calib.images), device) if calib is not None else []
     calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device, layout, images) if calib is not None \
         else ([], [])
+    if calib_f is None and method.float_targets:
+        calib_f = list(calib_x)   # the same states until the first quantized layer
     probe_q = (capture_layer0(model, arch, probe.samples, device, layout)[0]
                if quant_embed is not None and probe is not None else [x.clone() for x in probe_src])
     for name in (qformat.EMBEDDING, *spec.model_modules()):
@@ -269,8 +276,10 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
             own_formats = {n: formats[f"{prefix}.{n}"] for n in linears if f"{prefix}.{n}" in formats}
             in_format = {n: linears.pop(n) for n in own_formats}
             own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
+            if calib_f:   # before the method changes the layer: the float layer on the float model's states
+                calib_f = [layer(x, **kw) for x, kw in zip(calib_f, calib_kw[i])]
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
-                               calib_kw[i] if calib_kw else [], own, frozenset(own_formats))
+                               calib_kw[i] if calib_kw else [], own, frozenset(own_formats), calib_f or [])
             if calib_x and opts.method in WEIGHT_ONLY:
                 importance.update({f"{prefix}.{n}": s.cpu() for n, s in ctx.mean_squares().items()})
             qws = method.quantize_layer(ctx)

@@ -95,15 +95,25 @@ class LLMInt8Options(MethodOptions):
     unset = {"int8_threshold": 6.0}
 
 
+@dataclasses.dataclass(frozen=True)
+class AutoRoundOptions(MethodOptions):
+    iters: int = option(200, "autoround: signed-gradient steps per decoder layer, each over 8 calibration windows "
+                        "(AutoRound's default 200; 50 is its light mode).", ge=1)
+
+    only = (("iters",), "--iters is AutoRound's step count; use it with --method autoround")
+
+
 # --method name: the options only that method reads (MethodOptions: none of its own)
 METHODS: dict[str, type[MethodOptions]] = {
     "rtn": MethodOptions, "gptq": GPTQOptions, "awq": MethodOptions, "smoothquant": SmoothQuantOptions,
     "fp8": MethodOptions, "nvfp4": FP4Options, "mxfp4": FP4Options, "bnb-nf4": NF4Options,
-    "bnb-int8": LLMInt8Options}
-METHODS_HELP = ("rtn: round-to-nearest; gptq / awq: calibrated weight-only; smoothquant: W8A8; fp8: FP8 E4M3; "
+    "bnb-int8": LLMInt8Options, "autoround": AutoRoundOptions}
+METHODS_HELP = ("rtn: round-to-nearest; gptq / awq / autoround: calibrated weight-only (autoround: rounding tuned "
+                "by signed gradient descent on each layer's output); smoothquant: W8A8; fp8: FP8 E4M3; "
                 "nvfp4 / mxfp4: FP4, round-to-nearest or with --gptq GPTQ, weight-only or --w4a4; bnb-nf4 / bnb-int8: "
                 "bitsandbytes' NF4 / LLM.int8 (needs llmq[bnb]).")  # --method's help
-WEIGHT_ONLY = ("rtn", "gptq", "awq")  # the integer weight-only methods: --scales, --embedding / --lm-head int8, mixed
+# the integer weight-only methods: --scales, --embedding / --lm-head int8, mixed precision
+WEIGHT_ONLY = ("rtn", "gptq", "awq", "autoround")
 PACKAGE = __name__.rsplit(".", 1)[0]
 
 
@@ -123,6 +133,7 @@ class Method:
     validate: Callable[[QuantizeOptions, ModelSpec], None] | None = None
     group_size: int | None = None      # its default, or only, block of input columns
     partial_groups: bool = False       # a --group-size need not divide the input widths (block FP8)
+    float_targets: bool = False        # it aims each layer at the float model's output (LayerContext.float_targets)
 
     def needs_calibration(self, opts: QuantizeOptions) -> bool:
         """CALIBRATED: a bool, or a function of the options (e.g. FP8 only for static activation scales)."""
@@ -144,4 +155,5 @@ def load_method(name: str) -> Method:
     if missing:
         raise LlmqError(f"quantization method {name!r} does not implement {' / '.join(missing)}")
     return Method(name, mod.BITS, mod.CALIBRATED, mod.quantize_layer, vars(mod).get("validate"),
-                  vars(mod).get("GROUP_SIZE"), vars(mod).get("PARTIAL_GROUPS", False))
+                  vars(mod).get("GROUP_SIZE"), vars(mod).get("PARTIAL_GROUPS", False),
+                  vars(mod).get("FLOAT_TARGETS", False))

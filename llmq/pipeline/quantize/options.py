@@ -12,9 +12,9 @@ from ...options import Options, add_fields, default_of, option, parse_size
 from .methods import METHODS, METHODS_HELP, WEIGHT_ONLY, load_method, method_options
 
 if TYPE_CHECKING:   # what add_fields composes in at run time, as bases a type checker reads
-    from .methods import FP4Options, LLMInt8Options, NF4Options, SmoothQuantOptions
+    from .methods import AutoRoundOptions, FP4Options, LLMInt8Options, NF4Options, SmoothQuantOptions
 
-    class _MethodFields(FP4Options, SmoothQuantOptions, NF4Options, LLMInt8Options):
+    class _MethodFields(FP4Options, SmoothQuantOptions, NF4Options, LLMInt8Options, AutoRoundOptions):
         pass
 else:
     _MethodFields = object

@@ -68,7 +68,7 @@ RATIOS = tuple(i / 40 for i in range(-4, 13))    # symmetric: t = each end of th
 CLIPS = tuple(1 - i / 20 for i in range(7))      # asymmetric: each end of [min, max] shrunk by 1.0 .. 0.7
 
 
-def _stored(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def stored_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A signed scale as `dtype` holds it (nearest), back in float32, never zero (an all-zero group's integers are
     0 whatever the scale)."""
     s = scale.to(dtype).float()
@@ -93,7 +93,7 @@ def _searched_symmetric(w: torch.Tensor, imp: torch.Tensor, bits: int, scale_dty
         err = (imp * (w - fit * q).pow(2)).sum(-1, keepdim=True)
         better = err < best_err
         best_s, best_err = torch.where(better, fit, best_s), torch.where(better, err, best_err)
-    return _stored(best_s, scale_dtype), None
+    return stored_scale(best_s, scale_dtype), None
 
 
 def _searched_asymmetric(w: torch.Tensor, imp: torch.Tensor, bits: int, scale_dtype: torch.dtype
