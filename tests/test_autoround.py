@@ -59,8 +59,8 @@ def _error(layer, grids, xs, kws, refs, tuned):
 def test_tuning_cuts_the_layers_output_error_on_held_out_windows(bits, group, symmetric, seed):
     layer, xs, kws, refs = _layer_and_windows(seed, 24)
     grids = _grids(layer, bits, group, symmetric)
-    keep = autoround.tune(layer, grids, xs[:16], kws[:16], refs[:16], 40, torch.bfloat16)
-    assert all(keep.values())
+    nearest_loss, tuned_loss = autoround.tune(layer, grids, xs[:16], kws[:16], refs[:16], 40, torch.bfloat16)
+    assert tuned_loss < nearest_loss
     held = [xs[16:], kws[16:], refs[16:]]
     tuned, nearest = _error(layer, grids, *held, True), _error(layer, grids, *held, False)
     assert tuned < 0.8 * nearest, (tuned, nearest)
@@ -77,10 +77,12 @@ def test_tuning_cuts_the_layers_output_error_on_held_out_windows(bits, group, sy
 
 
 def test_a_layer_keeps_round_to_nearest_where_tuning_lost():
-    """One step at lr 1 pushes every offset to +-0.5: a worse layer, so round-to-nearest's grid is stored."""
+    """One step at lr 1 pushes every offset to +-0.5: a worse layer, so round-to-nearest's grid is stored (and the
+    manifest says so)."""
     layer, xs, kws, refs = _layer_and_windows(4, 8)
     grids = _grids(layer, 4, 32, True)
-    assert not any(autoround.tune(layer, grids, xs, kws, refs, 1, torch.bfloat16).values())
+    nearest_loss, tuned_loss = autoround.tune(layer, grids, xs, kws, refs, 1, torch.bfloat16)
+    assert tuned_loss > nearest_loss
     w = layer.mlp.down_proj.weight.data
     plain = rtn.quantize_weight(w, 4, 32, True, torch.bfloat16, search=True)
     stored = grids["mlp.down_proj"].packed(torch.bfloat16, False)
@@ -118,6 +120,7 @@ def test_autoround_checkpoint_runs_in_the_runtime_as_probed(store, tiny_source, 
     name = "model.layers.1.mlp.down_proj"
     qa, qb = qformat.read_linear(a, name, qc), qformat.read_linear(b, name, qc)
     assert not torch.equal(qa.q, qb.q)
+    assert all(r["tuned"] and r["loss_tuned"] < r["loss_nearest"] for r in art.config["method_layers"])
     recorded = art.metrics["probe"]["kld_mean"]
     assert abs(runtime_probe_kld(tiny_source.path, art.path, FAST["probe_tokens"]) / recorded - 1) < 1e-3
 
@@ -140,3 +143,19 @@ def test_each_layer_aims_at_the_float_models_own_states(store, tiny_source, monk
         for f, x, kw, target in zip(f0, x1, kw1, f1):
             assert torch.allclose(hf.model.layers[1](f, **kw), target, atol=1e-5)
             assert not torch.allclose(hf.model.layers[1](x, **kw), target, atol=1e-5)
+
+
+def test_the_stage_stores_round_to_nearest_where_tuning_lost_and_says_so(store, tiny_source, monkeypatch):
+    """--iters 1 (lr 1: every offset to +-0.5) loses in every layer: the checkpoint is the one whose tuning never
+    moved (round-to-nearest's grid), and the manifest records both losses of each layer."""
+    opts = dict(bits=4, method="autoround", iters=1, group_size=16, **FAST)
+    lost = quantize(tiny_source, QuantizeOptions(**opts), store, progress=False)
+    layers = lost.config["method_layers"]
+    assert len(layers) == 2
+    assert all(not r["tuned"] and r["loss_tuned"] > r["loss_nearest"] > 0 for r in layers)
+    monkeypatch.setattr(autoround.TunedGrid, "step", lambda self, lr: None)
+    still = quantize(tiny_source, QuantizeOptions(**opts, name="still"), store, progress=False)
+    qc = qformat.parse_quantization_config(read_config(lost.path))
+    a, b = load_state_dict(lost.path), load_state_dict(still.path)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        assert torch.equal(qformat.read_linear(a, name, qc).q, qformat.read_linear(b, name, qc).q)

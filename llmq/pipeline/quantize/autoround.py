@@ -110,10 +110,9 @@ def _loss(layer, weights: dict[str, torch.Tensor], x: torch.Tensor, kw: dict, re
 
 
 def tune(layer, grids: dict[str, TunedGrid], inputs: list[torch.Tensor], kwargs: list[dict],
-         refs: list[torch.Tensor], iters: int, scale_dtype: torch.dtype, seed: int = 0) -> dict[str, bool]:
-    """Tune `grids` (linear name -> TunedGrid) over `iters` signed-gradient steps of BATCH windows each; returns, per
-    linear, whether the tuned grid is kept (all of a layer's are, or none: the one with the smaller loss over every
-    window, round-to-nearest's or the tuned one's)."""
+         refs: list[torch.Tensor], iters: int, scale_dtype: torch.dtype, seed: int = 0) -> tuple[float, float]:
+    """Tune `grids` (linear name -> TunedGrid) over `iters` signed-gradient steps of BATCH windows each; returns the
+    loss summed over every window of round-to-nearest's grids and of the tuned ones, as stored."""
     params = [p for p in layer.parameters() if p.requires_grad]
     for p in params:
         p.requires_grad_(False)
@@ -140,8 +139,7 @@ def tune(layer, grids: dict[str, TunedGrid], inputs: list[torch.Tensor], kwargs:
         for tuned in (False, True):
             weights = {f"{n}.weight": g.real(scale_dtype, tuned) for n, g in grids.items()}
             losses[tuned] = sum(float(_loss(layer, weights, x, kw, r)) for x, kw, r in zip(inputs, kwargs, refs))
-    keep = losses[True] < losses[False]
-    return dict.fromkeys(grids, keep)
+    return losses[False], losses[True]
 
 
 def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
@@ -150,6 +148,7 @@ def quantize_layer(ctx) -> dict[str, qformat.QuantizedWeight]:
     grids = {name: TunedGrid.start(lin.weight.data, *ctx.grid(name), o.symmetric, ctx.scale_dtype, o.search,
                                    importance.get(name))
              for name, lin in ctx.linears.items()}
-    keep = tune(ctx.layer, grids, ctx.calib_inputs, ctx.sample_kwargs, ctx.float_targets, o.iters, ctx.scale_dtype,
-                o.seed)
-    return {name: g.packed(ctx.scale_dtype, keep[name]) for name, g in grids.items()}
+    nearest, tuned = tune(ctx.layer, grids, ctx.calib_inputs, ctx.sample_kwargs, ctx.float_targets, o.iters,
+                          ctx.scale_dtype, o.seed)
+    ctx.record.update(loss_nearest=float(f"{nearest:.4g}"), loss_tuned=float(f"{tuned:.4g}"), tuned=tuned < nearest)
+    return {name: g.packed(ctx.scale_dtype, tuned < nearest) for name, g in grids.items()}

@@ -82,6 +82,7 @@ class LayerContext:
     widths: dict[str, int] = field(default_factory=dict)  # --target-bpw: each linear's bits (16: kept dense)
     formats: frozenset[str] = frozenset()  # --target-bpw --for: the linears in FP8 / NVFP4 / MXFP4
     float_targets: list[torch.Tensor] = field(default_factory=list)  # Method.float_targets: the float model's outputs
+    record: dict = field(default_factory=dict)   # what the method reports of this layer, for the manifest
     _squares: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def grid(self, name: str) -> tuple[int, int]:
@@ -177,6 +178,7 @@ class LayerwiseResult:
     routed: list[list[int]] | None = None  # MoE, calibrated: per layer, the calibration tokens routed to each expert
     importance: dict[str, torch.Tensor] | None = None  # weight-only, calibrated: each linear's mean squared input
     rotation: dict | None = None   # --rotate: what rotation.RotatedTensors folded in
+    method_layers: list[dict] | None = None   # each layer's LayerContext.record, where the method reported any
 
 
 
@@ -261,6 +263,7 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     times: list[float] = []
     routed: list[list[int]] = []
     importance: dict[str, torch.Tensor] = {}
+    records: list[dict] = []
     with progress_bar(progress) as bar:
         task = bar.add_task(f"{opts.method} w{opts.bits}", total=len(layers))
         for i in range(len(layers)):
@@ -283,6 +286,7 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
             if calib_x and opts.method in WEIGHT_ONLY:
                 importance.update({f"{prefix}.{n}": s.cpu() for n, s in ctx.mean_squares().items()})
             qws = method.quantize_layer(ctx)
+            records.append(ctx.record)
             routed += [b.routed for b in experts.blocks(layer) if sum(b.routed)]
             if set(qws) != set(linears):
                 raise LlmqError(f"method {opts.method} returned weights for {sorted(qws)} in layer {i}, "
@@ -332,4 +336,5 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
                                   spec.final_softcap)
         result_probe["source"] = probe.source
     return LayerwiseResult(result_probe, times, str(device), routed or None, importance or None,
-                           source.manifest() if opts.rotate != "none" else None)
+                           source.manifest() if opts.rotate != "none" else None,
+                           records if any(records) else None)

@@ -206,6 +206,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
             **({"expert_coverage": expert_coverage(result.routed, calib)} if spec.num_experts else {}),
             "probe": probe.manifest() if probe is not None else None,
             **({"rotation": result.rotation} if result.rotation else {}),
+            **({"method_layers": result.method_layers} if result.method_layers else {}),
             **({"vision": vision.manifest(tensors.vision_info(), len(calib.images) if calib is not None else 0)}
                if spec.vision is not None else {}),
             "source": {"id": source.id, "ref": source.ref},
