@@ -71,7 +71,8 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
             "mxfp4-gptq-act-search", "int5-rtn-g32-emb8", "int5-gptq-g32-act-emb8", "int4-gptq-g32-act-emb8-gguf-q4km",
             "int4-gptq-g32-act-emb8-head8-rot", "int5-gptq-g32-act-emb8-head8-rot",
             "int4-gptq-g32-act-emb8-head8-gguf-q4km-rot", "iq4xs-gptq", "iq4xs-gptq-act", "iq4xs-gptq-act-emb8",
-            "int4-autoround-g32-emb8", "int5-autoround-g32-emb8")
+            "int4-autoround-g32-emb8", "int5-autoround-g32-emb8", "int4-autoround-g32-emb8-head8-rot",
+            "int5-autoround-g32-emb8-head8-rot")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
 # g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
@@ -135,7 +136,9 @@ def variant_options() -> dict:
                                QuantizeOptions(bits=4, method="gptq", grid="iq4_xs", act_order=True,
                                                embedding="int8"),
                                *(QuantizeOptions(bits=b, method="autoround", group_size=32, embedding="int8")
-                                 for b in (4, 5)))))
+                                 for b in (4, 5)),
+                               *(QuantizeOptions(bits=b, method="autoround", group_size=32, embedding="int8",
+                                                 lm_head="int8", rotate="hadamard") for b in (4, 5)))))
 
 
 def quantized(source, opts, store):
