@@ -379,6 +379,7 @@ def test_kv_calibration_of_a_vision_language_model_sees_its_image_tokens(vlm, tm
     from llmq.pipeline.kv_options import KVOptions
     from llmq.pipeline.kvcache import quantize_kv
     from llmq.pipeline.quantize.calib import load_calibration
+    from llmq.pipeline.quantize.calib_images import with_images
 
     art = vlm[1]
     store = Store(art.path.parent.parent)
@@ -388,7 +389,7 @@ def test_kv_calibration_of_a_vision_language_model_sees_its_image_tokens(vlm, tm
     assert record["images"] == 6
     assert record["share"] == 0.75
     tok = load_tokenizer(art.path)
-    calib = load_calibration(None, tok, 8, 8, seed=0).with_images(art.path, tok, 6)
+    calib = with_images(load_calibration(None, tok, 8, 8, seed=0), art.path, tok, 6)
     texts, images = [w.tolist() for w in calib.samples], list(calib.images)
     image_token = tok.convert_tokens_to_ids("<image_soft_token>")
     assert all(ids.count(image_token) == 4 for ids, _ in images)
@@ -435,12 +436,12 @@ def test_weight_calibration_streams_image_conversations_as_the_model_computes_th
     from llmq.models.load import load_tokenizer
     from llmq.pipeline.quantize import QuantizeOptions, quantize
     from llmq.pipeline.quantize.calib import load_calibration
-    from llmq.pipeline.quantize.calib_images import image_windows
+    from llmq.pipeline.quantize.calib_images import image_windows, with_images
     from llmq.pipeline.quantize.streamed import capture_layer0, load, skeleton, source_tensors
 
     src, art = vlm
     tok = load_tokenizer(art.path)
-    calib = load_calibration(None, tok, 4, 24, seed=0).with_images(art.path, tok, 2)
+    calib = with_images(load_calibration(None, tok, 4, 24, seed=0), art.path, tok, 2)
     assert len(calib.samples) == 2
     assert len(calib.images) == 2
     spec = ModelSpec.from_config(art.path)

@@ -248,15 +248,15 @@ def quantize_kv(source: Artifact, store: Store, opts: KVOptions, command: str | 
 
     from ..models.load import load_tokenizer
     from .quantize.calib import load_calibration, load_probe_text
-    from .quantize.calib_images import image_count
+    from .quantize.calib_images import image_count, with_images
     from .quantize.stage import peak_memory
 
     ckpt = _check(source, opts)
     t0 = time.perf_counter()
     spec = ckpt.spec
     tokenizer = load_tokenizer(source.path)
-    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, seed=0).with_images(
-        source.path, tokenizer, image_count(spec, opts.image_share, opts.num_samples))
+    calib = with_images(load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, seed=0),
+                        source.path, tokenizer, image_count(spec, opts.image_share, opts.num_samples))
     probe = load_probe_text(tokenizer, opts.probe_tokens)
     max_len = min(spec.max_position_embeddings,
                   max(len(s) for s in [*calib.samples, *probe.samples, *(ids for ids, _ in calib.images)]) + 1)

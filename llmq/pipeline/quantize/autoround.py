@@ -72,7 +72,10 @@ class TunedGrid:
         q = x + (x.round() - x).detach()
         if self.z is not None:
             q = q + self.z
-        q = q.clamp(qmin, qmax)
+        return self._real(q.clamp(qmin, qmax), s)
+
+    def _real(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Integers on scales s, in groups, as the real weight [out, in]."""
         return ((q - self.z if self.z is not None else q) * s).reshape(self.w.shape[0], -1)
 
     def step(self, lr: float) -> None:
@@ -94,8 +97,7 @@ class TunedGrid:
 
     def real(self, scale_dtype: torch.dtype, tuned: bool = True) -> torch.Tensor:
         """The stored grid's real weight [out, in]."""
-        q, s = self.stored(scale_dtype, tuned)
-        return ((q - self.z if self.z is not None else q) * s).reshape(self.w.shape[0], -1)
+        return self._real(*self.stored(scale_dtype, tuned))
 
     def packed(self, scale_dtype: torch.dtype, tuned: bool) -> qformat.QuantizedWeight:
         q, s = self.stored(scale_dtype, tuned)

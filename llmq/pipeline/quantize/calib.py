@@ -73,8 +73,8 @@ class TokenWindows:
     seed: int | None
     domains: tuple[str, ...] = ()
     chat: dict | None = None  # how the data's conversations were rendered; None: it has none
-    # a vision-language model's generated image conversations (image_samples: token ids, pixel values), after the
-    # windows, and what the manifest records of them
+    # a vision-language model's generated image conversations (calib_images.with_images: token ids, pixel values),
+    # after the windows, and what the manifest records of them
     images: tuple[tuple[list[int], torch.Tensor], ...] = ()
     image_record: dict | None = None
 
@@ -97,18 +97,6 @@ class TokenWindows:
             out["image_conversations"] = {**(self.image_record or {}), "share": round(
                 len(self.images) / (len(self.images) + len(self.samples)), 4)}
         return out
-
-    def with_images(self, path, tokenizer, n: int, chat_template: bool = True) -> TokenWindows:
-        """These windows, the last n of them replaced by n generated image conversations (image_samples, with this
-        seed): the share a vision-language model's calibration gives images."""
-        if not n:
-            return self
-        from .calib_images import image_samples
-
-        samples, record = image_samples(path, tokenizer, n, self.seed or 0, chat_template)
-        kept = max(1, len(self.samples) - n)
-        return dataclasses.replace(self, samples=self.samples[:kept], domains=self.domains[:kept],
-                                   images=tuple(samples), image_record=record)
 
 
 def _stdlib(names: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -1,5 +1,6 @@
 """A vision-language model's image calibration: how many samples are image conversations (`image_count`), the
-generated image + question conversations as the model sees them when served (`image_samples`), and for the
+generated image + question conversations as the model sees them when served (`image_samples`), calibration windows
+with their share of them (`with_images`), and for the
 layer-by-layer pass each one as its language model receives it (`image_windows`): the token embeddings with the
 images' features (llmq's runtime tower and projector: what serve computes) in place of the image tokens, and the
 attention masks in which an image's tokens see each other both ways (the family's own mask functions from
@@ -7,6 +8,7 @@ transformers: the masks its conditional-generation model hands its language mode
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 
 from ...errors import LlmqError
 from ...models import qformat
-from .calib import ChatFormat, texts_digest
+from .calib import ChatFormat, TokenWindows, texts_digest
 
 IMAGE_SHARE = 0.25   # of a vision-language model's calibration samples, by default: generated image conversations
 
@@ -55,6 +57,17 @@ def image_samples(path, tokenizer, n: int, seed: int, chat_template: bool = True
     return samples, {**image_questions.summary(questions), "seed": seed,
                      "tokens": sum(len(ids) for ids, _ in samples),
                      "sha256": texts_digest(texts + [hashlib.sha256(q.image.tobytes()).hexdigest() for q in questions])}
+
+
+def with_images(windows: TokenWindows, path, tokenizer, n: int, chat_template: bool = True) -> TokenWindows:
+    """`windows`, the last n of them replaced by n generated image conversations (image_samples, with the windows'
+    seed): the share a vision-language model's calibration gives images."""
+    if not n:
+        return windows
+    samples, record = image_samples(path, tokenizer, n, windows.seed or 0, chat_template)
+    kept = max(1, len(windows.samples) - n)
+    return dataclasses.replace(windows, samples=windows.samples[:kept], domains=windows.domains[:kept],
+                               images=tuple(samples), image_record=record)
 
 
 def _gemma3_masks(text_config, embeds: torch.Tensor, is_image: torch.Tensor) -> dict:

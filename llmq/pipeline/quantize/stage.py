@@ -132,7 +132,7 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     """Quantize `source` (a model artifact) and commit the quantized artifact."""
     from ...models import qformat, vision
     from .calib import load_calibration, load_probe_text
-    from .calib_images import image_count
+    from .calib_images import image_count, with_images
     from .experts import expert_coverage
     from .layerwise import run_layerwise
     from .sink import CheckpointSink
@@ -152,9 +152,9 @@ def quantize(source: Artifact, opts: QuantizeOptions, store: Store, progress: bo
     images = image_count(spec, opts.image_share, opts.num_samples)
     if opts.image_share and not calibrated:
         raise LlmqError(f"--image-share: method {opts.method} with these options uses no calibration data; drop it")
-    calib = load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed, opts.chat_template,
-                             opts.thinking).with_images(source.path, tokenizer, images, opts.chat_template) \
-        if calibrated else None
+    calib = with_images(load_calibration(opts.calib, tokenizer, opts.num_samples, opts.seq_len, opts.seed,
+                                         opts.chat_template, opts.thinking),
+                        source.path, tokenizer, images, opts.chat_template) if calibrated else None
     probe = load_probe_text(tokenizer, opts.probe_tokens, opts.chat_template) if opts.probe_tokens else None
 
     name = opts.name or f"{source.name}-{opts.method}-" + (f"w{opts.bits}" + (
