@@ -33,6 +33,7 @@ llama-perplexity does (-c 512: chunks of 512 tokens, the second half of each sco
   importance matrix (written beside its export) also guides `llama-quantize --imatrix` to a Q4_K_M and an IQ4_XS
   of F16, scored the same way. A variant GGUF cannot hold (FP8: no GGML block format) is named with the build
   target's reason.
+  --gguf LABEL=FILE: another tool's GGUF of the same model (AutoRound's: autoround_gguf.py) scored the same way.
 FP4 in llama.cpp (with the quality runs): llama-quantize's file types hold FP4 only for MoE experts (MXFP4_MOE: dense
 tensors Q8_0; no NVFP4 file type in llama-cpp-python 0.3.36's llama.cpp), so llama.cpp's own MXFP4 / NVFP4 of this
 dense model is ggml's block quantizer reached with `--tensor-type` on every decoder linear (the embedding table left
@@ -72,7 +73,7 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
             "int4-gptq-g32-act-emb8-head8-rot", "int5-gptq-g32-act-emb8-head8-rot",
             "int4-gptq-g32-act-emb8-head8-gguf-q4km-rot", "iq4xs-gptq", "iq4xs-gptq-act", "iq4xs-gptq-act-emb8",
             "int4-autoround-g32-emb8", "int5-autoround-g32-emb8", "int4-autoround-g32-emb8-head8-rot",
-            "int5-autoround-g32-emb8-head8-rot")
+            "int5-autoround-g32-emb8-head8-rot", "int4-gptq-g32-act-emb8-gptaq", "int5-gptq-g32-act-emb8-gptaq")
 # llmq's, besides bf16; head8: lm_head INT8 too (quantize --lm-head int8); bpw5: mixed 4/8/16 bits, --target-bpw 5;
 # emb8: the tied embedding / head table INT8 per row (--embedding int8); bpw5.75 then fills Q4_K_M's file size;
 # g32-emb8 / g32-emb8g32: the GGUF-shaped ones (Q4_0 / Q8_0 blocks exactly, the table in groups of 32 for the latter);
@@ -84,7 +85,8 @@ VARIANTS = ("int8-rtn", "int4-rtn-g64", "int8-rtn-head8", "int4-rtn-g64-head8", 
 # gguf: INT4 / INT5 / INT8 / NVFP4 / MXFP4 / 16-bit per unit) filling Q4_K_M's file bytes (--max-size --size-in gguf);
 # rot: the residual stream rotated first (--rotate hadamard), which unties the head: INT8 too (head8), as the table;
 # iq4xs: GPTQ (the grid fixed first) onto llama-quantize IQ4_XS's own format (--grid iq4_xs); autoround: the layer's
-# rounding tuned by signed gradient descent (--method autoround, its default 200 steps)
+# rounding tuned by signed gradient descent (--method autoround, its default 200 steps); gptaq: GPTQ aimed at the float
+# model's outputs (--gptaq)
 Q4_K_M_BYTES = 105_453_952   # SmolLM2-135M-Instruct's Q4_K_M from llama-cpp-python 0.3.36's llama-quantize
 UNCALIBRATED = ("rtn", "fp8", "nvfp4", "mxfp4")  # methods made without calibration data (before the speed runs)
 LLAMA_FP4 = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # llama.cpp's FP4 block types, made by llama-quantize --tensor-type
@@ -138,7 +140,9 @@ def variant_options() -> dict:
                                *(QuantizeOptions(bits=b, method="autoround", group_size=32, embedding="int8")
                                  for b in (4, 5)),
                                *(QuantizeOptions(bits=b, method="autoround", group_size=32, embedding="int8",
-                                                 lm_head="int8", rotate="hadamard") for b in (4, 5)))))
+                                                 lm_head="int8", rotate="hadamard") for b in (4, 5)),
+                               *(QuantizeOptions(bits=b, method="gptq", group_size=32, act_order=True,
+                                                 embedding="int8", gptaq=True) for b in (4, 5)))))
 
 
 def quantized(source, opts, store):
@@ -496,6 +500,9 @@ def main() -> int:
     ap.add_argument("--gguf-exports", action="store_true",
                     help="also export every llmq variant with `llmq build --target gguf` and score the file in "
                          "llama.cpp (llama-perplexity --kl-divergence), beside llmq's runtime on the artifact")
+    ap.add_argument("--gguf", action="append", default=[], metavar="LABEL=FILE",
+                    help="another tool's GGUF of the same model (e.g. autoround_gguf.py's) scored beside the rest; "
+                         "repeatable")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -532,6 +539,8 @@ def quality(lc: LlamaCpp, args, gg: dict, arts: dict, store, work: Path, name: s
     ppl = lambda models: llama_quality(lc, gg["F16"], models, text_file, base_file, args.ctx,  # noqa: E731
                                        max(args.threads), args.chunks)
     lq = ppl({t: p for t, p in gg.items() if t != "F16"})
+    others = dict(x.split("=", 1) for x in args.gguf)
+    lo = ppl({k: Path(p) for k, p in others.items()})
     base = KldBase(base_file)
     if base.n_chunk < args.chunks:
         raise LlmqError(f"text {name}: {base.n_chunk} chunks of {args.ctx} tokens, fewer than --chunks {args.chunks}")
@@ -542,6 +551,8 @@ def quality(lc: LlamaCpp, args, gg: dict, arts: dict, store, work: Path, name: s
     rows = [{"model": "llama.cpp F16", "bytes": gg["F16"].stat().st_size, "ppl": lq[GGUF_TYPES[0]]["ppl_base"]}]
     rows += [{"model": f"llama.cpp {t}", "bytes": gg[t].stat().st_size, "tensor_types": tensor_types(gg[t]),
               **lq[t]} for t in lq]
+    rows += [{"model": k, "bytes": Path(p).stat().st_size, "tensor_types": tensor_types(Path(p)), **lo[k]}
+             for k, p in others.items()]
     rows += [{"model": f"llmq {k}", "bytes": sum(p.stat().st_size for p in
                                                  paths[k.removesuffix(" +int8-act")].glob("*.safetensors")),
               **r} for k, r in mq.items()]
@@ -579,8 +590,11 @@ def bench(lc: LlamaCpp, args) -> int:
     fp4_pairs = [v for _, v in PAIRS if v in LLAMA_FP4.values() and (args.variants is None or v in args.variants)]
     gg, fp4_notes = ggufs(lc, model, work, max(args.threads), fp4=not args.skip_quality or bool(fp4_pairs))
     given = dict(x.split("=", 1) for x in args.llmq if "=" in x)
-    if len(given) != len(args.llmq):
-        raise LlmqError("--llmq takes LABEL=REF")
+    if len(given) != len(args.llmq) or any("=" not in x for x in args.gguf):
+        raise LlmqError("--llmq takes LABEL=REF, --gguf LABEL=FILE")
+    missing = [x for x in args.gguf if not Path(x.split("=", 1)[1]).is_file()]
+    if missing:
+        raise LlmqError(f"--gguf: no such file: {missing[0].split('=', 1)[1]}")
     arts = {"bf16": model, **{label: store.resolve(ref) for label, ref in given.items()}}
 
     def make(calibrated: bool) -> None:  # RTN / FP first (the speed pairs); GPTQ / AWQ / mixed only for quality

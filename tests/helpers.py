@@ -233,6 +233,27 @@ def kv_rounded_logits(path, ids, kv: str, scales):
     return plain, ref
 
 
+def llama_layer(seed: int, gen, tokens: int):
+    """A float32 Llama decoder layer (hidden 64, eager attention) whose linears are seeded N(0, 0.1) draws from
+    `gen`, and the keyword arguments it takes for a window of `tokens` positions."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                      num_hidden_layers=1)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    layer = LlamaDecoderLayer(cfg, 0).float()
+    for lin in layer.modules():
+        if isinstance(lin, torch.nn.Linear):
+            lin.weight.data = torch.randn(lin.weight.shape, generator=gen) * 0.1
+    pos = torch.arange(tokens)[None]
+    kw = dict(position_embeddings=LlamaRotaryEmbedding(cfg)(torch.zeros(1, tokens, 64), pos), attention_mask=None,
+              position_ids=pos)
+    return layer, kw
+
+
 def runtime_probe_kld(src_path, art_path, probe_tokens: int) -> float:
     """The quantize probe's measurement redone by llmq's runtime: mean KLD of the artifact against its source over
     the probe's held-out windows (small_engine each, one at a time)."""

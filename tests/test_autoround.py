@@ -5,9 +5,7 @@ and the runtime on tiny models."""
 
 import pytest
 import torch
-from helpers import runtime_probe_kld
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from helpers import llama_layer, runtime_probe_kld
 
 from llmq.errors import LlmqError
 from llmq.models import qformat, resolve_model
@@ -26,18 +24,9 @@ def _layer_and_windows(seed: int, n: int, tokens: int = 64):
     """A random Llama decoder layer (float32) and `n` windows of correlated inputs with a few loud channels, as an LLM's
     hidden states are (with white inputs round-to-nearest is already the least-error rounding of each linear)."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                      num_hidden_layers=1)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    layer = LlamaDecoderLayer(cfg, 0).float()
-    for lin in layer.modules():
-        if isinstance(lin, torch.nn.Linear):
-            lin.weight.data = torch.randn(lin.weight.shape, generator=gen) * 0.1
+    layer, kw = llama_layer(seed, gen, tokens)
     mix = torch.randn(16, 64, generator=gen) * (1 + 7 * (torch.arange(64) < 3))
     xs = [(torch.randn(1, tokens, 16, generator=gen) @ mix) for _ in range(n)]
-    pos = torch.arange(tokens)[None]
-    kw = dict(position_embeddings=LlamaRotaryEmbedding(cfg)(xs[0], pos), attention_mask=None, position_ids=pos)
     with torch.no_grad():
         refs = [layer(x, **kw) for x in xs]
     return layer, xs, [kw] * n, refs

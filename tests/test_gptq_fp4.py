@@ -219,7 +219,7 @@ def test_gguf_export_reads_back_bit_exact(tmp_path):
     (["--method", "rtn", "--gptq"], "--gptq / --w4a4 are the FP4 methods' options"),
     (["--method", "nvfp4", "--act-order"], "add --gptq"),
     (["--method", "mxfp4", "--damp", "0.1"], "add --gptq"),
-    (["--method", "awq", "--act-order"], "--act-order is a GPTQ option"),
+    (["--method", "awq", "--act-order"], "--act-order / --gptaq are GPTQ options"),
     (["--method", "nvfp4", "--gptq", "--bits", "8"], "quantizes to 4 bits, not 8"),
     (["--method", "nvfp4", "--gptq", "--group-size", "32"], "blocks of 16 input columns"),
     (["--method", "fp8", "--scales", "search"], "--scales is the scale rule"),

@@ -130,7 +130,8 @@ def test_the_probe_records_what_the_runtime_computes(source, quantized, name):
 @pytest.mark.parametrize("family", list(SHAPES))
 def test_calibration_reaches_experts_the_router_never_picks(tmp_path, family):
     """GPTQ's weights of an expert no calibration token is routed to come from a real Hessian (they differ from
-    round-to-nearest's, which a GPTQ without inputs would give), and the manifest names it as never routed."""
+    round-to-nearest's, which a GPTQ without inputs would give), and the manifest names it as never routed (with
+    --gptaq too, whose float-model passes are not counted)."""
     from llmq.pipeline.quantize import QuantizeOptions, quantize
 
     store, src = _source(tmp_path, family, rank1=True)
@@ -150,6 +151,10 @@ def test_calibration_reaches_experts_the_router_never_picks(tmp_path, family):
     for e in NEVER:
         role = f"experts.{e}.down_proj"
         assert not torch.equal(g[role].qw.q, r[role].qw.q)
+    # GPTQ --gptaq runs the float model's states through every expert too: the counts stay the quantized stream's
+    aimed = quantize(src, QuantizeOptions(num_samples=4, seq_len=64, probe_tokens=0, gptaq=True,
+                                          **QUANTIZE["gptq-w4g32"]), store, progress=False)
+    assert all(sum(row) == tokens * k for row in aimed.config["expert_coverage"]["routed_tokens"])
 
 
 def test_a_quantized_moe_splits_over_two_ranks_as_it_runs_on_one(source, quantized):

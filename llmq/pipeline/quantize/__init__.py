@@ -14,9 +14,10 @@ A method module defines:
 
 and optionally `def validate(opts: QuantizeOptions, spec: ModelSpec) -> None` (raise LlmqError for options the method
 cannot honour; called with the resolved options before anything is loaded) and `GROUP_SIZE` (its default, or only,
-block of input columns when --group-size is not given), and `FLOAT_TARGETS = True` for a method that aims each layer
-at the float model's own output of it (`ctx.float_targets`: the float model's calibration states carried beside the
-quantized ones, one more forward pass a layer).
+block of input columns when --group-size is not given), and `FLOAT_TARGETS = True` (or a function of the options)
+for a method that aims each layer at the float model's own output of it (`ctx.float_targets`, and the states entering
+the layer `ctx.float_inputs`: the float model's calibration states carried beside the quantized ones, one more forward
+pass a layer).
 
 `quantize_layer` is called once per decoder layer with a `layerwise.LayerContext`: `ctx.layer` (the float32 decoder
 layer on the work device; the method may rewrite its parameters in place, e.g. fold scales into an RMSNorm, and the
@@ -25,7 +26,8 @@ engine stores the rewritten norms / biases in the model dtype), `ctx.linears` ({
 8 bits per channel where `--target-bpw` chose 8; linears it keeps at 16 bits are not in `ctx.linears`), `ctx.spec`
 (ModelSpec), `ctx.scale_dtype` (store scales in it: `rtn.round_scale`), and
 calibration passes over the layer as it is at the time of the call: `ctx.collect(names, fn)` (fn(name, x) with x the
-[tokens, in_features] float32 input of each named linear, sample by sample), `ctx.hessians(names)`,
+[tokens, in_features] float32 input of each named linear, sample by sample), `ctx.hessians(names)` (with
+`float_inputs=True` also GPTAQ's cross term against the float model's inputs),
 `ctx.input_absmax(names)`.
 It returns a `qformat.QuantizedWeight` for every linear in `ctx.linears` (the bitsandbytes methods: a
 `bnbformat.NF4Weight` / `Int8Weight`, which the stage writes as a bitsandbytes checkpoint). Activation quantization

@@ -124,6 +124,19 @@ def every_expert(layer: nn.Module):
             b.every_expert = False
 
 
+@contextmanager
+def uncounted(layer: nn.Module):
+    """Within (inside every_expert): passes that leave the routed counts as they were (GPTAQ's float-model passes
+    route other states than the quantized model's)."""
+    found = blocks(layer)
+    saved = [list(b.routed) for b in found]
+    try:
+        yield
+    finally:
+        for b, counts in zip(found, saved):
+            b.routed = counts
+
+
 def expert_coverage(routed: list[list[int]] | None, calib) -> dict:
     """The manifest's record of how each expert was calibrated: the calibration tokens the router sent it, per
     layer, beside the tokens it saw (all of them), and the experts no token was routed to."""

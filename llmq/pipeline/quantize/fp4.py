@@ -32,6 +32,8 @@ def validate(opts, fmt: str) -> None:
                         f"{' under a calibrated global scale' if fmt == 'nvfp4' else ''}); drop --activations")
     if not opts.gptq and (opts.act_order or opts.damp != default_of(type(opts).__dataclass_fields__["damp"])):
         raise LlmqError(f"--act-order / --damp are GPTQ's; add --gptq to round {flag} with GPTQ")
+    if opts.gptaq:
+        raise LlmqError(f"--gptaq is integer GPTQ's (--method gptq); {flag} --gptq aims at each linear's own output")
 
 
 def calibrated(opts) -> bool:

@@ -14,6 +14,17 @@ With `--scales search` each group's scale minimises its rounding error weighted 
 squared input: the importance the output error gives it), rtn.grid_params' search.
 The same sweep (`prepare`, `sweep`) rounds onto the FP4 grids (`--method nvfp4 / mxfp4 --gptq`: fp4.gptq_fp4) and
 GGML's Q4_K, IQ4_XS and IQ4_NL grids (gptq_q4_k, gptq_iq4), each with its grid fixed before the sweep.
+
+`--gptaq` (GPTAQ, Li et al. 2025: asymmetric calibration) aims at the float model instead: a linear whose float
+model's inputs are X_f and whose quantized model's are X should give X Q^T = X_f W^T. Since
+||X_f W^T - X Q^T||^2 = ||X_f W^T - X W'^T||^2 + ||X (W' - Q)^T||^2 for W' = W X_f^T X (X^T X)^-1, the least-squares
+map from the quantized inputs to the float outputs, GPTQ's sweep on W' (same H) minimises it: W' = W + W C H^-1 with
+C = 2/n (X_f - X)^T X (`asymmetric_target`, H damped as the sweep's). Every grid's parameters then come from W'.
+A layer's linears then go in stages (q / k / v, o, gate / up, down; `_stages`), each measured with the stages
+before it already rounded on the quantized side and still float on the float side: a linear aimed at the float
+output makes up for what the linears before it in the layer lost, so measured against their float weights the next
+stage would make up for it a second time, and its float targets computed through rounded weights would carry their
+correction, meant for the quantized stream, into the float one.
 """
 
 from __future__ import annotations
@@ -30,6 +41,11 @@ from . import rtn
 
 BITS = (4, 5, 8)   # 5: integers in [-16, 15], for GGUF's Q5_0 / Q5_1 (llmq's runtime and llama.cpp; vLLM runs 4 / 8)
 CALIBRATED = True
+
+
+def FLOAT_TARGETS(opts) -> bool:  # noqa: N802  (the plug-in attribute, here a function of the options)
+    """--gptaq aims at the float model: the engine carries its calibration states."""
+    return opts.gptaq
 BLOCK = 128
 
 
@@ -38,10 +54,9 @@ def validate(opts, spec) -> None:
         raise LlmqError("GPTQ quantizes per channel or per group, not per tensor; drop --per-tensor")
 
 
-def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """chol(H^-1) (upper) of H + damp * mean(diag H) * I; the damping grows tenfold (three tries) if H is singular.
-    `h` is scratch: damped in place, then overwritten by the inverse, so at most two [in, in] matrices exist at once
-    (at 8B a down_proj Hessian is 0.8 GB, and this is the peak of GPTQ's memory)."""
+def _damped_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """chol(H + damp * mean(diag H) * I) (lower), h damped in place; the damping grows tenfold (three tries) if H is
+    singular."""
     diag = h.diagonal()
     undamped = diag.clone()
     mean_diag = float(undamped.mean())
@@ -49,10 +64,26 @@ def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
         torch.add(undamped, damp * 10 ** attempt * mean_diag, out=diag)
         lower, info = torch.linalg.cholesky_ex(h)
         if int(info) == 0:
-            torch.cholesky_inverse(lower, out=h)
-            del lower
-            return torch.linalg.cholesky(h, upper=True)
+            return lower
     raise LlmqError("GPTQ: the Hessian is not positive definite even with 1000x damping; calibrate on more data")
+
+
+def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """chol(H^-1) (upper) of the damped H. `h` is scratch: damped in place, then overwritten by the inverse, so at
+    most two [in, in] matrices exist at once (at 8B a down_proj Hessian is 0.8 GB, and this is the peak of GPTQ's
+    memory)."""
+    lower = _damped_cholesky(h, damp)
+    torch.cholesky_inverse(lower, out=h)
+    del lower
+    return torch.linalg.cholesky(h, upper=True)
+
+
+def asymmetric_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, damp: float) -> torch.Tensor:
+    """GPTAQ's W' = W + W C H^-1 (module docstring), float32 [out, in]; h and c are read only (the damped copy of
+    h is this function's)."""
+    W = w.detach().float()
+    lower = _damped_cholesky(h.detach().float().clone(), damp)
+    return W + torch.cholesky_solve(c.float().T @ W.T, lower).T
 
 
 def prepare(w: torch.Tensor, h: torch.Tensor, consume: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,14 +211,44 @@ def quantize_layer(ctx, quantize_one=None) -> dict[str, qformat.QuantizedWeight]
         def quantize_one(name, w, h, consume):
             return gptq_quantize(w, h, *ctx.grid(name), o.symmetric, ctx.scale_dtype, damp=o.damp,
                                  act_order=o.act_order, consume=consume, search=o.search)
-    hessians = ctx.hessians(list(ctx.linears))
+    if o.gptaq:
+        hessians, cross = ctx.hessians(list(ctx.linears), float_inputs=True)
+        stages = _stages(hessians)
+    else:
+        hessians, cross, stages = ctx.hessians(list(ctx.linears)), {}, [list(ctx.linears)]
     out = {}
-    for name, lin in ctx.linears.items():
-        h = hessians.pop(name)
-        last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
-        grid = ctx.ggml_grid(name)
-        out[name] = GGML_GPTQ[grid](lin.weight.data, h, o.damp, consume=last, act_order=o.act_order) if grid else \
-            quantize_one(name, lin.weight.data, h, last)
-        del h
-        lin.weight.data = lin.weight.data.new_empty(0)  # not needed once quantized: 0.6 GB at 8B before down_proj
+    for k, stage in enumerate(stages):
+        if k:   # measured again with the stages before it rounded
+            hessians, cross = ctx.hessians(stage, float_inputs=True)
+        for name in stage:
+            lin = ctx.linears[name]
+            h = hessians.pop(name)
+            last = all(other is not h for other in hessians.values())  # q/k/v and gate/up share one Hessian
+            w = asymmetric_target(lin.weight.data, h, cross.pop(name), o.damp) if o.gptaq else lin.weight.data
+            grid = ctx.ggml_grid(name)
+            out[name] = GGML_GPTQ[grid](w, h, o.damp, consume=last, act_order=o.act_order) if grid else \
+                quantize_one(name, w, h, last)
+            del h, w
+            if k + 1 < len(stages):   # later stages run the layer rounded so far (its float pass: as it was)
+                ctx.float_weights[name] = lin.weight.data
+                lin.weight.data = out[name].dequantize(torch.float32).to(lin.weight.device)
+            else:   # not needed once quantized: 0.6 GB at 8B before down_proj
+                lin.weight.data = lin.weight.data.new_empty(0)
+        hessians.clear()
+    ctx.float_weights.clear()
     return out
+
+
+def _stages(hessians: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The layer's linears in stages (hessians: keyed in the order the layer calls them): the first one called,
+    those fed its very input (shared Hessian: q / k / v) and every linear of the same roles (the last name part: every
+    expert's gate / up, then every expert's down_proj, each expert's input independent of the others'), then the
+    same over the rest."""
+    left, stages = dict(hessians), []
+    while left:
+        first = next(iter(left.values()))
+        roles = {n.rsplit(".", 1)[-1] for n, h in left.items() if h is first}
+        stages.append([n for n in left if n.rsplit(".", 1)[-1] in roles])
+        for n in stages[-1]:
+            del left[n]
+    return stages

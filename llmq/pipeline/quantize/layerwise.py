@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,8 @@ class LayerContext:
     widths: dict[str, int] = field(default_factory=dict)  # --target-bpw: each linear's bits (16: kept dense)
     formats: frozenset[str] = frozenset()  # --target-bpw --for: the linears in FP8 / NVFP4 / MXFP4
     float_targets: list[torch.Tensor] = field(default_factory=list)  # Method.float_targets: the float model's outputs
+    float_inputs: list[torch.Tensor] = field(default_factory=list)   # ... and its states entering this layer
+    float_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # of linears a method rounded in place
     record: dict = field(default_factory=dict)   # what the method reports of this layer, for the manifest
     _squares: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
@@ -103,44 +106,81 @@ class LayerContext:
         return sum(x.shape[0] * x.shape[1] for x in self.calib_inputs)
 
     @torch.no_grad()
-    def collect(self, names, fn: Callable[[str, torch.Tensor], None]) -> None:
-        """One pass of the layer (as it is now) over the calibration samples; fn(name, x [tokens, in]) per linear."""
+    def collect(self, names, fn: Callable[[str, torch.Tensor], None],
+                float_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """One pass of the layer (as it is now) over the calibration samples; fn(name, x [tokens, in]) per linear.
+        With `float_fn`, each sample first runs from the float model's state (`float_inputs`, the same positions)
+        through the float layer (`float_weights` put back), float_fn(name, x) per linear, then from the quantized
+        model's."""
         if not self.calib_inputs:
             raise LlmqError("this method needs calibration data but none was loaded")
+        if float_fn is not None and len(self.float_inputs) != len(self.calib_inputs):
+            raise LlmqError("this method needs the float model's calibration states, which the engine did not carry")
+        call = [fn]
         hooks = [self.linears[n].register_forward_pre_hook(
-            lambda m, args, n=n: fn(n, args[0].reshape(-1, args[0].shape[-1]).float())) for n in names]
+            lambda m, args, n=n: call[0](n, args[0].reshape(-1, args[0].shape[-1]).float())) for n in names]
         try:
             with experts.every_expert(self.layer):  # a MoE layer's experts each see every token (experts.py)
-                for x, kw in zip(self.calib_inputs, self.sample_kwargs, strict=True):
+                for j, (x, kw) in enumerate(zip(self.calib_inputs, self.sample_kwargs, strict=True)):
+                    if float_fn is not None:
+                        call[0] = float_fn
+                        with experts.uncounted(self.layer), self._float_weights():
+                            self.layer(self.float_inputs[j], **kw)
+                        call[0] = fn
                     self.layer(x, **kw)
         finally:
             for h in hooks:
                 h.remove()
 
-    def hessians(self, names) -> dict[str, torch.Tensor]:
+    @contextmanager
+    def _float_weights(self):
+        """Within: the linears a method already rounded in place (`float_weights`) compute with their float weights,
+        as the float model does."""
+        rounded = {n: self.linears[n].weight.data for n in self.float_weights}
+        for n, w in self.float_weights.items():
+            self.linears[n].weight.data = w
+        try:
+            yield
+        finally:
+            for n, w in rounded.items():
+                self.linears[n].weight.data = w
+
+    def hessians(self, names, float_inputs: bool = False):
         """H = 2/n X^T X of each linear's inputs (float32, [in, in]). Linears fed the same input (q/k/v, gate/up)
-        share the work and the very same tensor (at 8B one down_proj Hessian is 0.8 GB): treat them as read-only."""
+        share the work and the very same tensor (at 8B one down_proj Hessian is 0.8 GB): treat them as read-only.
+        With `float_inputs` also C = 2/n (X_f - X)^T X, X_f the inputs the float model gives the same linear at the
+        same positions (GPTAQ's asymmetric term; `float_inputs` must be carried): returns (H, C), shared alike.
+        Keyed in the order the layer calls the linears."""
         acc: dict[str, torch.Tensor] = {}
+        cross: dict[str, torch.Tensor] = {}
         shared: dict[str, str] = {}  # name -> the first name that saw the same input
         last: list = [None, None]  # (input, first name fed it): holding the input keeps its address from being reused
+        floats: dict[str, torch.Tensor] = {}   # this sample's float-model input of each linear
+        order: dict[str, None] = {}   # the names in the order the layer first calls them
+
+        def add(into: dict, name: str, t: torch.Tensor) -> None:
+            if name in into:
+                into[name] += t
+            else:
+                into[name] = t
 
         def fn(name: str, x: torch.Tensor) -> None:
+            order[name] = None
             same = last[0] is not None and last[0].data_ptr() == x.data_ptr() and last[0].shape == x.shape
             if same:
                 shared[name] = last[1]
                 return
             last[0], last[1] = x, name
-            xtx = x.T @ x
-            if name in acc:
-                acc[name] += xtx
-            else:
-                acc[name] = xtx
+            add(acc, name, x.T @ x)
+            if float_inputs:
+                add(cross, name, (floats.pop(name) - x).T @ x)
 
-        self.collect(names, fn)
+        self.collect(names, fn, floats.__setitem__ if float_inputs else None)
         n = max(self.num_tokens, 1)
-        for h in acc.values():
+        for h in (*acc.values(), *cross.values()):
             h *= 2.0 / n
-        return {name: acc[shared.get(name, name)] for name in names}
+        hs = {name: acc[shared.get(name, name)] for name in order}
+        return (hs, {name: cross[shared.get(name, name)] for name in order}) if float_inputs else hs
 
     def mean_squares(self) -> dict[str, torch.Tensor]:
         """{name: mean over the calibration tokens of each input column squared} of the layer's linears as they came,
@@ -240,8 +280,9 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     layout = StreamLayout.of(spec)
     probe_src, probe_kw = capture_layer0(model, arch, probe.samples, device, layout) if probe is not None \
         else ([], [[]] * len(model.get_submodule(arch.layers)))
+    floats = method.aims_at_float(opts)
     calib_f = None   # the float model's own calibration states, for a method that aims at them (Method.float_targets)
-    if calib is not None and method.float_targets and opts.embedding == "int8":   # from the 16-bit table
+    if calib is not None and floats and opts.embedding == "int8":   # from the 16-bit table
         calib_f = capture_layer0(model, arch, calib.samples, device, layout,
                                  image_windows(model_dir, model, list(calib.images), device))[0]
     quant_embed = None
@@ -253,7 +294,7 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
     images = image_windows(model_dir, model, list(calib.images), device) if calib is not None else []
     calib_x, calib_kw = capture_layer0(model, arch, calib.samples, device, layout, images) if calib is not None \
         else ([], [])
-    if calib_f is None and method.float_targets:
+    if calib_f is None and floats:
         calib_f = list(calib_x)   # the same states until the first quantized layer
     probe_q = (capture_layer0(model, arch, probe.samples, device, layout)[0]
                if quant_embed is not None and probe is not None else [x.clone() for x in probe_src])
@@ -279,10 +320,11 @@ def run_layerwise(model_dir: Path, method: Method, opts: QuantizeOptions, spec: 
             own_formats = {n: formats[f"{prefix}.{n}"] for n in linears if f"{prefix}.{n}" in formats}
             in_format = {n: linears.pop(n) for n in own_formats}
             own = {n[len(prefix) + 1:]: b for n, b in widths.items() if n.startswith(prefix + ".")}
+            float_in = calib_f or []
             if calib_f:   # before the method changes the layer: the float layer on the float model's states
                 calib_f = [layer(x, **kw) for x, kw in zip(calib_f, calib_kw[i])]
             ctx = LayerContext(i, prefix, layer, linears, opts, spec, model_dtype, device, calib_x,
-                               calib_kw[i] if calib_kw else [], own, frozenset(own_formats), calib_f or [])
+                               calib_kw[i] if calib_kw else [], own, frozenset(own_formats), calib_f or [], float_in)
             if calib_x and opts.method in WEIGHT_ONLY:
                 importance.update({f"{prefix}.{n}": s.cpu() for n, s in ctx.mean_squares().items()})
             qws = method.quantize_layer(ctx)

@@ -42,9 +42,14 @@ class MethodOptions:
 class GPTQOptions(MethodOptions):
     act_order: bool = option(False, "GPTQ: quantize columns by decreasing Hessian diagonal.")
     damp: float = option(0.01, "GPTQ: damping, fraction of mean diag(H).", gt=0, lt=1)
+    gptaq: bool = option(False, "GPTQ: aim each linear at the float model's output of it (GPTAQ's asymmetric "
+                         "calibration: the weight GPTQ rounds is first moved to the least-squares map from the "
+                         "quantized model's inputs to the float model's outputs), instead of at its own output on "
+                         "the quantized model's inputs. One more forward pass a layer.")
 
-    only = (("act_order",), "--act-order is a GPTQ option; use it with --method gptq (FP4: nvfp4 / mxfp4 --gptq)")
-    tags = {"act_order": "-act"}
+    only = (("act_order", "gptaq"), "--act-order / --gptaq are GPTQ options; use them with --method gptq (FP4: "
+            "nvfp4 / mxfp4 --gptq)")
+    tags = {"act_order": "-act", "gptaq": "-gptaq"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +138,16 @@ class Method:
     validate: Callable[[QuantizeOptions, ModelSpec], None] | None = None
     group_size: int | None = None      # its default, or only, block of input columns
     partial_groups: bool = False       # a --group-size need not divide the input widths (block FP8)
-    float_targets: bool = False        # it aims each layer at the float model's output (LayerContext.float_targets)
+    # it aims each layer at the float model's output of it (LayerContext.float_targets / float_inputs)
+    float_targets: bool | Callable[[QuantizeOptions], bool] = False
 
     def needs_calibration(self, opts: QuantizeOptions) -> bool:
         """CALIBRATED: a bool, or a function of the options (e.g. FP8 only for static activation scales)."""
         return bool(self.calibrated(opts) if callable(self.calibrated) else self.calibrated)
+
+    def aims_at_float(self, opts: QuantizeOptions) -> bool:
+        """FLOAT_TARGETS: a bool, or a function of the options (GPTQ's --gptaq)."""
+        return bool(self.float_targets(opts) if callable(self.float_targets) else self.float_targets)
 
 
 def load_method(name: str) -> Method:
