@@ -41,12 +41,12 @@ from . import rtn
 
 BITS = (4, 5, 8)   # 5: integers in [-16, 15], for GGUF's Q5_0 / Q5_1 (llmq's runtime and llama.cpp; vLLM runs 4 / 8)
 CALIBRATED = True
+BLOCK = 128
 
 
 def FLOAT_TARGETS(opts) -> bool:  # noqa: N802  (the plug-in attribute, here a function of the options)
     """--gptaq aims at the float model: the engine carries its calibration states."""
     return opts.gptaq
-BLOCK = 128
 
 
 def validate(opts, spec) -> None:

@@ -45,7 +45,8 @@ class GPTQOptions(MethodOptions):
     gptaq: bool = option(False, "GPTQ: aim each linear at the float model's output of it (GPTAQ's asymmetric "
                          "calibration: the weight GPTQ rounds is first moved to the least-squares map from the "
                          "quantized model's inputs to the float model's outputs), instead of at its own output on "
-                         "the quantized model's inputs. One more forward pass a layer.")
+                         "the quantized model's inputs. The float model runs beside, and each layer's linears "
+                         "are calibrated in stages (q/k/v, o, gate/up, down): more passes a layer.")
 
     only = (("act_order", "gptaq"), "--act-order / --gptaq are GPTQ options; use them with --method gptq (FP4: "
             "nvfp4 / mxfp4 --gptq)")
@@ -142,12 +143,17 @@ class Method:
     float_targets: bool | Callable[[QuantizeOptions], bool] = False
 
     def needs_calibration(self, opts: QuantizeOptions) -> bool:
-        """CALIBRATED: a bool, or a function of the options (e.g. FP8 only for static activation scales)."""
-        return bool(self.calibrated(opts) if callable(self.calibrated) else self.calibrated)
+        """CALIBRATED, for these options (e.g. FP8 only for static activation scales)."""
+        return _for_options(self.calibrated, opts)
 
     def aims_at_float(self, opts: QuantizeOptions) -> bool:
-        """FLOAT_TARGETS: a bool, or a function of the options (GPTQ's --gptaq)."""
-        return bool(self.float_targets(opts) if callable(self.float_targets) else self.float_targets)
+        """FLOAT_TARGETS, for these options (GPTQ's --gptaq)."""
+        return _for_options(self.float_targets, opts)
+
+
+def _for_options(flag: bool | Callable[[QuantizeOptions], bool], opts: QuantizeOptions) -> bool:
+    """A plug-in attribute that is a bool, or a function of the options."""
+    return bool(flag(opts) if callable(flag) else flag)
 
 
 def load_method(name: str) -> Method:
